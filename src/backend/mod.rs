@@ -1,0 +1,255 @@
+//! The [`Backend`] trait, the runtime choice of backend ([`Device`]) and detection.
+//!
+//! A backend owns a device (or the host), a stream of work on it, and the vendor libraries it
+//! drives. The trait is shaped by what the GPU backends need:
+//! - weights are *prepared* once per layer ([`Backend::prepare`]): fused into one projection
+//!   matrix, cast and transposed for that backend, uploaded;
+//! - *workspaces* hold every intermediate for one problem shape and are reused across calls, so a
+//!   forward allocates nothing;
+//! - [`Backend::forward`] enqueues work on backend buffers and may return before it finishes;
+//!   [`Backend::synchronize`] is the explicit sync point; [`Backend::forward_host`] is the
+//!   synchronous convenience on host slices.
+//!
+//! Runtime choice is an enum, not a trait object: [`Device`] forwards to the compiled-in backends.
+//! Detection order is HIP, then CUDA, then CPU; `TRIMUL_BACKEND=cpu|cuda|hip` overrides it.
+
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "rocm")]
+pub mod hip;
+
+use crate::error::{BackendKind, Error, Result};
+use crate::problem::Problem;
+use crate::weights::Weights;
+
+/// Environment variable that forces a backend (`cpu`, `cuda` or `hip`).
+pub const BACKEND_ENV: &str = "TRIMUL_BACKEND";
+
+/// What a backend found about its device and libraries (for `trimul info` and bench reports).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct DeviceInfo {
+    /// Vendor (`NVIDIA`, `AMD`, or the CPU vendor string).
+    pub vendor: String,
+    /// Marketing name of the device or CPU.
+    pub name: String,
+    /// Normalised architecture: `sm_90`, `gfx942`, `x86_64`.
+    pub arch: String,
+    /// SMs, CUs or CPU threads used.
+    pub compute_units: u32,
+    /// Device memory in bytes (host memory for the CPU backend).
+    pub memory_bytes: u64,
+    /// Versions of the driver/runtime and each library, as `(name, version)`.
+    pub versions: Vec<(String, String)>,
+}
+
+/// Device memory as reported by the driver.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryInfo {
+    pub free: u64,
+    pub total: u64,
+}
+
+/// One compute backend. See the module docs for the life cycle.
+pub trait Backend: Clone + Send + Sync {
+    /// Storage for `f32` tensors on this backend's device (host memory for the CPU).
+    type Buffer: Send;
+    /// Weights fused, cast and uploaded for this backend.
+    type Prepared: Send;
+    /// Every intermediate of one problem shape; reused across calls of that shape.
+    type Workspace: Send;
+
+    fn kind(&self) -> BackendKind;
+
+    /// Device, arch and library versions.
+    fn info(&self) -> DeviceInfo;
+
+    /// Fuse, cast, transpose and upload the weights of one layer. Done once per layer.
+    fn prepare(&self, weights: &Weights) -> Result<Self::Prepared>;
+
+    /// Allocate the intermediates for `problem`. Fails with [`Error::OutOfMemory`] before
+    /// allocating when they cannot fit.
+    fn workspace(&self, prepared: &Self::Prepared, problem: &Problem) -> Result<Self::Workspace>;
+
+    /// Whether `workspace` can serve `problem` without reallocation.
+    fn workspace_fits(&self, workspace: &Self::Workspace, problem: &Problem) -> bool;
+
+    /// Device bytes a workspace for `problem` takes (for planning and reports).
+    fn workspace_bytes(&self, prepared: &Self::Prepared, problem: &Problem) -> u64;
+
+    /// A buffer of `len` f32 values. Contents are unspecified.
+    fn alloc(&self, len: usize) -> Result<Self::Buffer>;
+
+    /// Number of f32 values a buffer holds.
+    fn buffer_len(buffer: &Self::Buffer) -> usize;
+
+    /// Copy host data into a buffer of the same length.
+    fn upload(&self, src: &[f32], dst: &mut Self::Buffer) -> Result<()>;
+
+    /// Copy a buffer into host memory of the same length; waits for pending work.
+    fn download(&self, src: &Self::Buffer, dst: &mut [f32]) -> Result<()>;
+
+    /// Enqueue one forward on backend buffers. May return before the work completes.
+    /// `x` and `mask` are read only; `y` must not alias them.
+    fn forward(
+        &self,
+        prepared: &Self::Prepared,
+        workspace: &mut Self::Workspace,
+        problem: &Problem,
+        x: &Self::Buffer,
+        mask: Option<&Self::Buffer>,
+        y: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// One forward on host slices; returns when `y` holds the result.
+    fn forward_host(
+        &self,
+        prepared: &Self::Prepared,
+        workspace: &mut Self::Workspace,
+        problem: &Problem,
+        x: &[f32],
+        mask: Option<&[f32]>,
+        y: &mut [f32],
+    ) -> Result<()>;
+
+    /// Block until all enqueued work has finished, surfacing any deferred device error.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Free and total device memory, where the backend can tell.
+    fn memory_info(&self) -> Result<Option<MemoryInfo>>;
+}
+
+/// A backend chosen at run time.
+#[derive(Clone)]
+pub enum Device {
+    Cpu(cpu::CpuBackend),
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::CudaBackend),
+    #[cfg(feature = "rocm")]
+    Hip(hip::HipBackend),
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Device({})", self.kind())
+    }
+}
+
+/// Forwards an expression to whichever backend a [`Device`] holds.
+macro_rules! with_backend {
+    ($dev:expr, $b:ident => $body:expr) => {
+        match $dev {
+            Device::Cpu($b) => $body,
+            #[cfg(feature = "cuda")]
+            Device::Cuda($b) => $body,
+            #[cfg(feature = "rocm")]
+            Device::Hip($b) => $body,
+        }
+    };
+}
+pub(crate) use with_backend;
+
+impl Device {
+    /// The CPU backend (always available).
+    pub fn cpu() -> Device {
+        Device::Cpu(cpu::CpuBackend::new())
+    }
+
+    /// CUDA device `ordinal`, or an error saying why not (not compiled in, library missing, no device).
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        #[cfg(feature = "cuda")]
+        {
+            cuda::CudaBackend::new(ordinal).map(Device::Cuda)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = ordinal;
+            Err(Error::NotCompiled { backend: BackendKind::Cuda, feature: "cuda" })
+        }
+    }
+
+    /// HIP device `ordinal`, or an error saying why not.
+    pub fn hip(ordinal: usize) -> Result<Device> {
+        #[cfg(feature = "rocm")]
+        {
+            hip::HipBackend::new(ordinal).map(Device::Hip)
+        }
+        #[cfg(not(feature = "rocm"))]
+        {
+            let _ = ordinal;
+            Err(Error::NotCompiled { backend: BackendKind::Hip, feature: "rocm" })
+        }
+    }
+
+    /// Device 0 of the given backend.
+    pub fn of_kind(kind: BackendKind) -> Result<Device> {
+        match kind {
+            BackendKind::Cpu => Ok(Device::cpu()),
+            BackendKind::Cuda => Device::cuda(0),
+            BackendKind::Hip => Device::hip(0),
+        }
+    }
+
+    /// The backend named by `TRIMUL_BACKEND` if set (an error if it is unusable), otherwise the
+    /// first usable of HIP, CUDA, CPU.
+    pub fn detect() -> Result<Device> {
+        match std::env::var(BACKEND_ENV) {
+            Ok(v) if !v.trim().is_empty() => {
+                let kind: BackendKind = v.parse().map_err(|e: Error| {
+                    Error::InvalidArgument(format!("{BACKEND_ENV}={v:?}: {e}"))
+                })?;
+                Device::of_kind(kind)
+            }
+            _ => Ok(Device::detect_auto()),
+        }
+    }
+
+    /// The best usable backend, ignoring the environment: HIP, then CUDA, then CPU.
+    pub fn detect_auto() -> Device {
+        Device::hip(0).or_else(|_| Device::cuda(0)).unwrap_or_else(|_| Device::cpu())
+    }
+
+    /// `Some(kind)` picks that backend (error if unusable); `None` means [`Device::detect`].
+    pub fn select(kind: Option<BackendKind>) -> Result<Device> {
+        match kind {
+            Some(k) => Device::of_kind(k),
+            None => Device::detect(),
+        }
+    }
+
+    /// Tries every backend and reports what it found or why it is unusable, in detection order.
+    pub fn probe_all() -> Vec<(BackendKind, Result<DeviceInfo>)> {
+        BackendKind::ALL
+            .iter()
+            .map(|&k| (k, Device::of_kind(k).map(|d| d.info())))
+            .collect()
+    }
+
+    /// Backends compiled into this build.
+    pub fn compiled() -> Vec<BackendKind> {
+        let mut v = vec![BackendKind::Cpu];
+        if cfg!(feature = "cuda") {
+            v.push(BackendKind::Cuda);
+        }
+        if cfg!(feature = "rocm") {
+            v.push(BackendKind::Hip);
+        }
+        v
+    }
+
+    pub fn kind(&self) -> BackendKind {
+        with_backend!(self, b => b.kind())
+    }
+
+    pub fn info(&self) -> DeviceInfo {
+        with_backend!(self, b => b.info())
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        with_backend!(self, b => b.synchronize())
+    }
+
+    pub fn memory_info(&self) -> Result<Option<MemoryInfo>> {
+        with_backend!(self, b => b.memory_info())
+    }
+}

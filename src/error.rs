@@ -1,0 +1,127 @@
+//! One error type for the whole crate.
+//!
+//! Every failure a caller can cause or meet (bad shapes, missing weights, a missing vendor
+//! library, a driver error, device memory exhausted) is a variant here with enough context to act
+//! on. Nothing in the library panics on bad input.
+
+use std::fmt;
+
+/// Result alias used across the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Which backend an error or a choice refers to.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+    Hip,
+}
+
+impl BackendKind {
+    pub const ALL: [BackendKind; 3] = [BackendKind::Hip, BackendKind::Cuda, BackendKind::Cpu];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+            BackendKind::Hip => "hip",
+        }
+    }
+
+    /// The cargo feature that compiles this backend in (CPU is always built).
+    pub fn feature(self) -> Option<&'static str> {
+        match self {
+            BackendKind::Cpu => None,
+            BackendKind::Cuda => Some("cuda"),
+            BackendKind::Hip => Some("rocm"),
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(BackendKind::Cpu),
+            "cuda" | "nvidia" => Ok(BackendKind::Cuda),
+            "hip" | "rocm" | "amd" => Ok(BackendKind::Hip),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown backend {other:?}: expected one of cpu, cuda, hip"
+            ))),
+        }
+    }
+}
+
+/// Everything that can go wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A shape, size or configuration value is wrong. The message names the tensor or field.
+    #[error("shape error: {0}")]
+    Shape(String),
+
+    /// A weight tensor is missing, misnamed, of the wrong shape or inconsistent with the others.
+    #[error("weights error: {0}")]
+    Weights(String),
+
+    /// A tensor has a dtype this operation does not accept.
+    #[error("unsupported dtype: {0}")]
+    Dtype(String),
+
+    /// A caller-supplied value is out of range or contradictory.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The backend was asked for but not compiled into this build.
+    #[error("backend `{backend}` is not compiled into this build: rebuild with `--features {feature}`")]
+    NotCompiled { backend: BackendKind, feature: &'static str },
+
+    /// A vendor library could not be loaded; `tried` lists the names given to the loader.
+    #[error("{library} could not be loaded (tried {tried}): {reason}")]
+    LibraryNotFound { library: String, tried: String, reason: String },
+
+    /// A library loaded but lacks a symbol we need (usually too old a version).
+    #[error("{library} has no symbol `{symbol}` (library too old?)")]
+    MissingSymbol { library: String, symbol: String },
+
+    /// The backend's libraries loaded but there is no usable device.
+    #[error("no {backend} device: {reason}")]
+    NoDevice { backend: BackendKind, reason: String },
+
+    /// A driver or runtime call failed; `call` names it, `code` is the vendor's error name.
+    #[error("{backend} call {call} failed: {code}")]
+    Driver { backend: BackendKind, call: String, code: String },
+
+    /// A BLAS library call returned a failure status.
+    #[error("{library} {call} failed with status {status}")]
+    Blas { library: &'static str, call: String, status: String },
+
+    /// No kernel for this device's architecture was built and runtime compilation failed or is
+    /// unavailable.
+    #[error("no kernels for {arch}: {reason}")]
+    NoKernels { arch: String, reason: String },
+
+    /// The work does not fit in device (or budgeted) memory. Raised before anything is allocated.
+    #[error("out of memory on {backend}: {what} needs {needed} bytes, {available} bytes available")]
+    OutOfMemory { backend: BackendKind, what: String, needed: u64, available: u64 },
+
+    /// File or tensor-container problems.
+    #[error("{path}: {reason}")]
+    File { path: String, reason: String },
+
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+impl Error {
+    /// Shorthand for a driver/runtime error.
+    pub fn driver(backend: BackendKind, call: impl Into<String>, code: impl fmt::Display) -> Self {
+        Error::Driver { backend, call: call.into(), code: code.to_string() }
+    }
+}

@@ -1,0 +1,38 @@
+//! # trimul
+//!
+//! The triangle multiplicative update of AlphaFold3-style protein models (the O(N³) block that
+//! updates the pair representation), on CPU, NVIDIA GPUs (`--features cuda`) and AMD GPUs
+//! (`--features rocm`).
+//!
+//! ```no_run
+//! use trimul::{Device, Options, Shape, TriMul, Weights};
+//! # fn main() -> trimul::Result<()> {
+//! let device = Device::detect()?; // HIP > CUDA > CPU, or TRIMUL_BACKEND=cpu|cuda|hip
+//! let weights = Weights::from_safetensors("layer.safetensors")?;
+//! let mut layer = TriMul::new(&device, &weights, Options::default())?;
+//! let (b, n, c) = (1, 64, weights.config().c);
+//! let x = vec![0.5f32; b * n * n * c];
+//! let y = layer.forward(&x, None, Shape::new(b, n))?;
+//! # Ok(()) }
+//! ```
+//!
+//! Layers: [`problem`] holds the rules, [`weights`] the canonical parameters, [`io`] the
+//! safetensors naming schemes, [`backend`] the trait and the three implementations,
+//! [`reference`] the f64 oracle used only by tests and `trimul check`, [`suite`] the GPU MODE
+//! cases. See `SPEC.md` (in the repository's shared docs) for the math.
+
+pub mod backend;
+pub mod error;
+pub mod io;
+pub mod layer;
+pub mod problem;
+pub mod rand;
+pub mod reference;
+pub mod suite;
+pub mod weights;
+
+pub use backend::{Backend, Device, DeviceInfo, MemoryInfo};
+pub use error::{BackendKind, Error, Result};
+pub use layer::{Layer, Options, Precision, TriMul};
+pub use problem::{Config, Direction, Formulation, Problem, Shape};
+pub use weights::{Linear, Norm, Weights};

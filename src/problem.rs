@@ -1,0 +1,283 @@
+//! Shapes, formulation and direction: the one place the rules of a TriMul call live.
+//!
+//! The pair representation `x` is `[B, N, N, C]`, channel-last, row-major; the optional mask is
+//! `[B, N, N]`; the output `y` has the shape of `x`. The hidden width is `H`.
+//!
+//! Two formulations (see `SPEC.md`):
+//! - [`Formulation::GpuMode`]: `left = (z·Wlpᵀ) ⊙ mask ⊙ σ(z·Wlgᵀ)`, the same for `right`,
+//!   `og = σ(z·Wogᵀ)` in the hidden width, `y = (LN_H(t) ⊙ og)·Woutᵀ`. No linear biases.
+//! - [`Formulation::Af3`]: `a = σ(z·Wagᵀ+bag) ⊙ (z·Wapᵀ+bap) ⊙ mask` (and `b`),
+//!   `y = σ(z·Wgᵀ+bg) ⊙ (LN_H(t)·Wzᵀ+bz)` with the gate in the output width `C`. Biases optional.
+//!
+//! Two directions for the contraction `t` (per batch `b` and hidden channel `h`):
+//! - outgoing: `t[b,i,j,h] = Σ_k left[b,i,k,h]·right[b,j,k,h]`   (L·Rᵀ)
+//! - incoming: `t[b,i,j,h] = Σ_k left[b,k,i,h]·right[b,k,j,h]`   (Lᵀ·R)
+
+use crate::error::{Error, Result};
+
+/// LayerNorm epsilon used by both LayerNorms in both formulations.
+pub const LN_EPS: f32 = 1e-5;
+
+/// Which of the two published formulations a layer computes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Formulation {
+    /// lucidrains / GPU MODE `trimul`: five `[H, C]` projections, hidden-width output gate.
+    GpuMode,
+    /// AlphaFold3 Algorithm 12/13 (OpenFold, Boltz, cuEquivariance): output-width gate, optional biases.
+    Af3,
+}
+
+impl Formulation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Formulation::GpuMode => "gpumode",
+            Formulation::Af3 => "af3",
+        }
+    }
+}
+
+impl std::fmt::Display for Formulation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Formulation {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "gpumode" | "gpu-mode" | "gpu_mode" => Ok(Formulation::GpuMode),
+            "af3" | "alphafold3" => Ok(Formulation::Af3),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown formulation {other:?}: expected gpumode or af3"
+            ))),
+        }
+    }
+}
+
+/// Which contraction: edges leaving `i` and `j` (outgoing) or arriving at them (incoming).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Direction {
+    #[default]
+    Outgoing,
+    Incoming,
+}
+
+impl Direction {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Outgoing => "outgoing",
+            Direction::Incoming => "incoming",
+        }
+    }
+}
+
+impl std::fmt::Display for Direction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Direction {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "outgoing" | "out" => Ok(Direction::Outgoing),
+            "incoming" | "in" => Ok(Direction::Incoming),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown direction {other:?}: expected outgoing or incoming"
+            ))),
+        }
+    }
+}
+
+/// Layer configuration: what the weights determine.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Config {
+    /// Pair channel width `C` (input and output).
+    pub c: usize,
+    /// Hidden width `H` of the projections and the contraction.
+    pub h: usize,
+    pub formulation: Formulation,
+}
+
+/// Largest channel width we accept; far above any published model, and small enough that
+/// per-row work on the GPU fits in one block.
+pub const MAX_CHANNELS: usize = 4096;
+
+impl Config {
+    pub fn new(formulation: Formulation, c: usize, h: usize) -> Result<Self> {
+        let cfg = Config { c, h, formulation };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        for (name, v) in [("C (pair channels)", self.c), ("H (hidden channels)", self.h)] {
+            if v == 0 || v > MAX_CHANNELS {
+                return Err(Error::Shape(format!("{name} = {v} is out of range 1..={MAX_CHANNELS}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Width of the output gate: `H` for gpumode (applied before the output projection), `C`
+    /// for af3 (applied after it).
+    pub fn gate_width(&self) -> usize {
+        match self.formulation {
+            Formulation::GpuMode => self.h,
+            Formulation::Af3 => self.c,
+        }
+    }
+
+    /// Number of outputs of the fused input projection: left/right projections and gates (4H)
+    /// plus the output gate.
+    pub fn fused_proj_width(&self) -> usize {
+        4 * self.h + self.gate_width()
+    }
+}
+
+/// The batch and sequence extent of one forward call.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Shape {
+    /// Batch size `B`.
+    pub batch: usize,
+    /// Sequence length `N` (the pair map is `N × N`).
+    pub n: usize,
+}
+
+impl Shape {
+    pub fn new(batch: usize, n: usize) -> Self {
+        Shape { batch, n }
+    }
+
+    /// Pair positions `M = B·N²`: the row count of every per-position matrix.
+    pub fn rows(&self) -> usize {
+        self.batch * self.n * self.n
+    }
+}
+
+/// A fully specified, validated call: configuration, shape, direction and whether a mask is given.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Problem {
+    pub config: Config,
+    pub shape: Shape,
+    pub direction: Direction,
+    pub masked: bool,
+}
+
+impl Problem {
+    pub fn new(config: Config, shape: Shape, direction: Direction, masked: bool) -> Result<Self> {
+        config.validate()?;
+        if shape.batch == 0 {
+            return Err(Error::Shape("batch size B must be at least 1".into()));
+        }
+        if shape.n == 0 {
+            return Err(Error::Shape("sequence length N must be at least 1".into()));
+        }
+        // Every element count must fit comfortably in i64 (GPU index math) and usize.
+        let elems = (shape.batch as u128) * (shape.n as u128) * (shape.n as u128) * (config.c.max(config.h) as u128);
+        if elems > (i64::MAX as u128) / 8 {
+            return Err(Error::Shape(format!(
+                "B={} N={} C={} H={} has {elems} elements per tensor: too large",
+                shape.batch, shape.n, config.c, config.h
+            )));
+        }
+        Ok(Problem { config, shape, direction, masked })
+    }
+
+    /// Elements of `x` and `y`: `B·N·N·C`.
+    pub fn x_len(&self) -> usize {
+        self.shape.rows() * self.config.c
+    }
+
+    /// Elements of the mask: `B·N·N`.
+    pub fn mask_len(&self) -> usize {
+        self.shape.rows()
+    }
+
+    /// Checks host or device slice lengths against the problem; the message names the tensor.
+    pub fn check_lengths(&self, x: usize, mask: Option<usize>, y: usize) -> Result<()> {
+        let Shape { batch: b, n } = self.shape;
+        let c = self.config.c;
+        if x != self.x_len() {
+            return Err(Error::Shape(format!(
+                "x has {x} elements, expected B·N·N·C = {b}·{n}·{n}·{c} = {}",
+                self.x_len()
+            )));
+        }
+        if let Some(m) = mask {
+            if m != self.mask_len() {
+                return Err(Error::Shape(format!(
+                    "mask has {m} elements, expected B·N·N = {b}·{n}·{n} = {}",
+                    self.mask_len()
+                )));
+            }
+        }
+        if y != self.x_len() {
+            return Err(Error::Shape(format!(
+                "y has {y} elements, expected B·N·N·C = {b}·{n}·{n}·{c} = {}",
+                self.x_len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Floating-point operations as counted by SPEC.md:
+    /// `2·M·C·(4H + gate) + 2·B·H·N³ + 2·M·H·C` (the gpumode count is `2·M·C·5H + …`).
+    pub fn flops(&self) -> f64 {
+        let m = self.shape.rows() as f64;
+        let (c, h) = (self.config.c as f64, self.config.h as f64);
+        let n = self.shape.n as f64;
+        let b = self.shape.batch as f64;
+        let gate = self.config.gate_width() as f64;
+        2.0 * m * c * (4.0 * h + gate) + 2.0 * b * h * n * n * n + 2.0 * m * h * c
+    }
+
+    /// Minimum bytes moved with f32 input and output: `x` read once, `y` written once (the
+    /// mask, one f32 per position, is included when present).
+    pub fn io_bytes(&self) -> f64 {
+        let xb = (self.x_len() * 4) as f64;
+        let mb = if self.masked { (self.mask_len() * 4) as f64 } else { 0.0 };
+        2.0 * xb + mb
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flops_match_spec_table() {
+        // SPEC.md: 256,2,128 -> 34.4 GFLOP; 1024,1,384 -> 893.4 GFLOP (gpumode).
+        let cfg = Config::new(Formulation::GpuMode, 128, 128).unwrap();
+        let p = Problem::new(cfg, Shape::new(2, 256), Direction::Outgoing, false).unwrap();
+        assert!((p.flops() / 1e9 - 34.4).abs() < 0.05, "{}", p.flops());
+        let cfg = Config::new(Formulation::GpuMode, 384, 128).unwrap();
+        let p = Problem::new(cfg, Shape::new(1, 1024), Direction::Outgoing, false).unwrap();
+        assert!((p.flops() / 1e9 - 893.4).abs() < 0.05, "{}", p.flops());
+    }
+
+    #[test]
+    fn rejects_empty_and_oversized() {
+        assert!(Config::new(Formulation::Af3, 0, 128).is_err());
+        assert!(Config::new(Formulation::Af3, 128, MAX_CHANNELS + 1).is_err());
+        let cfg = Config::new(Formulation::Af3, 128, 128).unwrap();
+        assert!(Problem::new(cfg, Shape::new(0, 4), Direction::Outgoing, false).is_err());
+        assert!(Problem::new(cfg, Shape::new(1, 0), Direction::Outgoing, false).is_err());
+    }
+
+    #[test]
+    fn length_errors_name_the_tensor() {
+        let cfg = Config::new(Formulation::GpuMode, 8, 4).unwrap();
+        let p = Problem::new(cfg, Shape::new(1, 3), Direction::Outgoing, true).unwrap();
+        let e = p.check_lengths(71, Some(9), 72).unwrap_err().to_string();
+        assert!(e.contains("x has 71"), "{e}");
+        let e = p.check_lengths(72, Some(8), 72).unwrap_err().to_string();
+        assert!(e.contains("mask has 8"), "{e}");
+        let e = p.check_lengths(72, None, 70).unwrap_err().to_string();
+        assert!(e.contains("y has 70"), "{e}");
+    }
+}

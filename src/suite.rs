@@ -1,0 +1,1 @@
+//! GPU MODE suite (being written)
