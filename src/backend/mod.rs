@@ -147,7 +147,6 @@ macro_rules! with_backend {
         }
     };
 }
-pub(crate) use with_backend;
 
 impl Device {
     /// The CPU backend (always available).
