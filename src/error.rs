@@ -52,9 +52,7 @@ impl std::str::FromStr for BackendKind {
             "cpu" => Ok(BackendKind::Cpu),
             "cuda" | "nvidia" => Ok(BackendKind::Cuda),
             "hip" | "rocm" | "amd" => Ok(BackendKind::Hip),
-            other => Err(Error::InvalidArgument(format!(
-                "unknown backend {other:?}: expected one of cpu, cuda, hip"
-            ))),
+            other => Err(Error::InvalidArgument(format!("unknown backend {other:?}: expected one of cpu, cuda, hip"))),
         }
     }
 }

@@ -191,4 +191,3 @@ impl std::fmt::Debug for TriMul {
         write!(f, "TriMul({}, {}, C={}, H={}, {})", self.kind(), c.formulation, c.c, c.h, self.options().direction)
     }
 }
-

@@ -49,9 +49,7 @@ impl std::str::FromStr for Formulation {
         match s.trim().to_ascii_lowercase().as_str() {
             "gpumode" | "gpu-mode" | "gpu_mode" => Ok(Formulation::GpuMode),
             "af3" | "alphafold3" => Ok(Formulation::Af3),
-            other => Err(Error::InvalidArgument(format!(
-                "unknown formulation {other:?}: expected gpumode or af3"
-            ))),
+            other => Err(Error::InvalidArgument(format!("unknown formulation {other:?}: expected gpumode or af3"))),
         }
     }
 }
@@ -86,9 +84,7 @@ impl std::str::FromStr for Direction {
         match s.trim().to_ascii_lowercase().as_str() {
             "outgoing" | "out" => Ok(Direction::Outgoing),
             "incoming" | "in" => Ok(Direction::Incoming),
-            other => Err(Error::InvalidArgument(format!(
-                "unknown direction {other:?}: expected outgoing or incoming"
-            ))),
+            other => Err(Error::InvalidArgument(format!("unknown direction {other:?}: expected outgoing or incoming"))),
         }
     }
 }

@@ -40,10 +40,7 @@ impl Linear {
         }
         if let Some(b) = &self.bias {
             if b.len() != out_features {
-                return Err(Error::Weights(format!(
-                    "{name}.bias has {} values, expected {out_features}",
-                    b.len()
-                )));
+                return Err(Error::Weights(format!("{name}.bias has {} values, expected {out_features}", b.len())));
             }
         }
         Ok(())
@@ -60,10 +57,7 @@ pub struct Norm {
 impl Norm {
     fn check(&self, name: &str, width: usize) -> Result<()> {
         if self.weight.len() != width {
-            return Err(Error::Weights(format!(
-                "{name}.weight has {} values, expected {width}",
-                self.weight.len()
-            )));
+            return Err(Error::Weights(format!("{name}.weight has {} values, expected {width}", self.weight.len())));
         }
         if self.bias.len() != width {
             return Err(Error::Weights(format!("{name}.bias has {} values, expected {width}", self.bias.len())));
@@ -188,11 +182,8 @@ impl Weights {
 
     /// Bytes of all parameters as f32.
     pub fn bytes(&self) -> usize {
-        let lin: usize = self
-            .linears()
-            .iter()
-            .map(|(_, l)| l.weight.len() + l.bias.as_ref().map_or(0, |b| b.len()))
-            .sum();
+        let lin: usize =
+            self.linears().iter().map(|(_, l)| l.weight.len() + l.bias.as_ref().map_or(0, |b| b.len())).sum();
         4 * (lin + 2 * self.norm_in.weight.len() + 2 * self.norm_out.weight.len())
     }
 }

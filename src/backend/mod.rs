@@ -194,9 +194,8 @@ impl Device {
     pub fn detect() -> Result<Device> {
         match std::env::var(BACKEND_ENV) {
             Ok(v) if !v.trim().is_empty() => {
-                let kind: BackendKind = v.parse().map_err(|e: Error| {
-                    Error::InvalidArgument(format!("{BACKEND_ENV}={v:?}: {e}"))
-                })?;
+                let kind: BackendKind =
+                    v.parse().map_err(|e: Error| Error::InvalidArgument(format!("{BACKEND_ENV}={v:?}: {e}")))?;
                 Device::of_kind(kind)
             }
             _ => Ok(Device::detect_auto()),
@@ -218,10 +217,7 @@ impl Device {
 
     /// Tries every backend and reports what it found or why it is unusable, in detection order.
     pub fn probe_all() -> Vec<(BackendKind, Result<DeviceInfo>)> {
-        BackendKind::ALL
-            .iter()
-            .map(|&k| (k, Device::of_kind(k).map(|d| d.info())))
-            .collect()
+        BackendKind::ALL.iter().map(|&k| (k, Device::of_kind(k).map(|d| d.info()))).collect()
     }
 
     /// Backends compiled into this build.

@@ -1,0 +1,1 @@
+//! HIP backend (in progress).
