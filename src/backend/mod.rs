@@ -16,8 +16,10 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod gemm;
 #[cfg(feature = "rocm")]
 pub mod hip;
+pub mod params;
 
 use crate::error::{BackendKind, Error, Result};
 use crate::problem::Problem;
