@@ -7,6 +7,15 @@
 //! without nvcc compiles them once per process with NVRTC for the device's arch.
 //! A kernel that fails to compile with a found nvcc fails the build (CI relies on that);
 //! `TRIMUL_NO_NVCC=1` skips nvcc deliberately.
+//!
+//! HIP (`--features rocm`): every `hip/*.hip` is compiled with a clang that has the AMDGPU target
+//! (`TRIMUL_HIP_CLANG`, then `$HIP_CLANG_PATH/clang++`, then `clang++-19`, `clang++` on `PATH`,
+//! then ROCm's `/opt/rocm/llvm/bin/clang++`; Debian's clang-19 with lld-19 works, no ROCm needed)
+//! into one linked code object (ELF `ET_DYN`, what `hipModuleLoadData` loads) per stage for each of
+//! gfx942 (MI300) and gfx90a (MI200). The include-expanded sources are always embedded too, for
+//! hipRTC on other archs or when no clang was found. A kernel that fails to compile with a usable
+//! clang fails the build; `TRIMUL_NO_HIP_CLANG=1` skips clang deliberately, and
+//! `TRIMUL_REQUIRE_HIP_CLANG=1` (CI) makes a missing or unusable clang an error instead of a warning.
 
 use std::env;
 use std::fmt::Write as _;
@@ -20,6 +29,9 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     if env::var_os("CARGO_FEATURE_CUDA").is_some() {
         cuda_kernels(&out);
+    }
+    if env::var_os("CARGO_FEATURE_ROCM").is_some() {
+        hip_kernels(&out);
     }
 }
 
@@ -141,4 +153,186 @@ fn cuda_kernels(out: &Path) {
         }
     );
     fs::write(out.join("cuda_kernels.rs"), table).expect("write cuda_kernels.rs");
+}
+
+/// Processors every HIP kernel is compiled for ahead of time: MI300 (CDNA3) and MI200 (CDNA2).
+const HIP_ARCHS: &[&str] = &["gfx942", "gfx90a"];
+
+/// Flags for one device-only, linked HIP compile without ROCm headers or device libraries. In
+/// non-RDC mode clang links the device code with lld even under `-c`, so the output is a loadable
+/// code object, not a relocatable one; `--no-gpu-bundle-output` keeps it a plain ELF.
+fn hip_clang_args(arch: &str) -> Vec<String> {
+    ["-x", "hip", "-nogpuinc", "-nogpulib", "-O3", "-std=c++17", "--cuda-device-only", "--no-gpu-bundle-output"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("--offload-arch={arch}")])
+        .collect()
+}
+
+fn clang_lists_amdgpu(clang: &Path) -> bool {
+    Command::new(clang)
+        .arg("--print-targets")
+        .output()
+        .map(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("amdgcn"))
+        .unwrap_or(false)
+}
+
+/// Fails the build when CI asked for kernels and cannot have them; otherwise warns.
+fn hip_clang_unusable(why: &str) {
+    if env::var_os("TRIMUL_REQUIRE_HIP_CLANG").is_some() {
+        panic!("TRIMUL_REQUIRE_HIP_CLANG is set, but {why}");
+    }
+    println!("cargo:warning=HIP kernels embedded as sources only (hipRTC at run time): {why}");
+}
+
+fn find_hip_clang() -> Option<PathBuf> {
+    for var in ["TRIMUL_HIP_CLANG", "HIP_CLANG_PATH", "TRIMUL_NO_HIP_CLANG", "TRIMUL_REQUIRE_HIP_CLANG"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    if env::var_os("TRIMUL_NO_HIP_CLANG").is_some() {
+        hip_clang_unusable("TRIMUL_NO_HIP_CLANG is set");
+        return None;
+    }
+    if let Some(p) = env::var_os("TRIMUL_HIP_CLANG") {
+        let p = PathBuf::from(p);
+        // An explicit choice that cannot work is an error, not a silent fallback.
+        assert!(clang_lists_amdgpu(&p), "TRIMUL_HIP_CLANG={} is not a clang with the AMDGPU target", p.display());
+        return Some(p);
+    }
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(dir) = env::var_os("HIP_CLANG_PATH") {
+        candidates.push(PathBuf::from(dir).join("clang++"));
+    }
+    if let Some(path) = env::var_os("PATH") {
+        for name in ["clang++-19", "clang++"] {
+            candidates.extend(env::split_paths(&path).map(|d| d.join(name)));
+        }
+    }
+    candidates.push(PathBuf::from("/opt/rocm/llvm/bin/clang++"));
+    let found = candidates.into_iter().find(|c| c.is_file() && clang_lists_amdgpu(c));
+    if found.is_none() {
+        hip_clang_unusable("no clang with the AMDGPU target found (install clang-19 and lld-19)");
+    }
+    found
+}
+
+/// Checks that `path` is a linked AMDGPU code object: 64-bit little-endian ELF, `e_type` ET_DYN
+/// (3), `e_machine` EM_AMDGPU (224). A relocatable object (ET_REL) would fail in hipModuleLoadData.
+fn check_code_object(path: &Path) -> Result<(), String> {
+    let b = fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    if b.len() < 20 || &b[..4] != b"\x7fELF" || b[4] != 2 || b[5] != 1 {
+        return Err(format!("{} is not a 64-bit little-endian ELF file", path.display()));
+    }
+    let e_type = u16::from_le_bytes([b[16], b[17]]);
+    let e_machine = u16::from_le_bytes([b[18], b[19]]);
+    if e_machine != 224 {
+        return Err(format!("{} is for machine {e_machine}, not AMDGPU (224)", path.display()));
+    }
+    if e_type != 3 {
+        return Err(format!("{} has ELF type {e_type}, not ET_DYN (3): it was not linked", path.display()));
+    }
+    Ok(())
+}
+
+/// Compiles a one-line kernel to see whether `clang` can also link (lld) before trusting it with
+/// the real kernels, whose failures then are real errors.
+fn hip_clang_works(clang: &Path, out: &Path) -> Result<(), String> {
+    let src = out.join("trimul_probe.hip");
+    let obj = out.join("trimul_probe.hsaco");
+    fs::write(&src, "extern \"C\" __attribute__((global)) void trimul_probe(int* p) { *p = 1; }\n")
+        .map_err(|e| e.to_string())?;
+    let o = Command::new(clang)
+        .args(hip_clang_args(HIP_ARCHS[0]))
+        .arg("-c")
+        .arg(&src)
+        .arg("-o")
+        .arg(&obj)
+        .output()
+        .map_err(|e| format!("running {}: {e}", clang.display()))?;
+    if !o.status.success() {
+        return Err(format!(
+            "{} cannot build a HIP code object: {}",
+            clang.display(),
+            String::from_utf8_lossy(&o.stderr)
+        ));
+    }
+    check_code_object(&obj)
+}
+
+fn hip_kernels(out: &Path) {
+    let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    println!("cargo:rerun-if-changed=hip");
+    let mut stages: Vec<PathBuf> = fs::read_dir(root.join("hip"))
+        .expect("hip/ exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "hip"))
+        .collect();
+    stages.sort();
+    let clang = find_hip_clang().and_then(|c| match hip_clang_works(&c, out) {
+        Ok(()) => Some(c),
+        Err(why) => {
+            hip_clang_unusable(&why);
+            None
+        }
+    });
+    let mut table = String::from(
+        "/// Embedded HIP stages (generated by build.rs).\npub const HIP_STAGES: &[EmbeddedHipStage] = &[\n",
+    );
+    for src in &stages {
+        let stem = src.file_stem().and_then(|s| s.to_str()).expect("utf-8 kernel file name").to_string();
+        let source = expand_includes(&root, src, &mut Vec::new());
+        let src_out = out.join(format!("{stem}.hip"));
+        fs::write(&src_out, &source).expect("write expanded source");
+        let mut objects = Vec::new();
+        if let Some(clang) = &clang {
+            for arch in HIP_ARCHS {
+                let obj = out.join(format!("{stem}.{arch}.hsaco"));
+                let o = Command::new(clang)
+                    .args(hip_clang_args(arch))
+                    .arg("-I")
+                    .arg(&root)
+                    .arg("-c")
+                    .arg(src)
+                    .arg("-o")
+                    .arg(&obj)
+                    .output()
+                    .unwrap_or_else(|e| panic!("running {}: {e}", clang.display()));
+                if !o.status.success() {
+                    panic!(
+                        "{} failed on {} for {arch}:\n{}\n(set TRIMUL_NO_HIP_CLANG=1 to embed sources for hipRTC instead)",
+                        clang.display(),
+                        src.display(),
+                        String::from_utf8_lossy(&o.stderr)
+                    );
+                }
+                if let Err(e) = check_code_object(&obj) {
+                    panic!("{e}");
+                }
+                objects.push(format!("({arch:?}, include_bytes!({:?}))", obj.display().to_string()));
+            }
+        }
+        let _ = writeln!(
+            table,
+            "    EmbeddedHipStage {{ name: {stem:?}, source: include_str!({:?}), code_objects: &[{}] }},",
+            src_out.display().to_string(),
+            objects.join(", ")
+        );
+    }
+    table.push_str("];\n");
+    let archs: Vec<String> =
+        if clang.is_some() { HIP_ARCHS.iter().map(|a| format!("{a:?}")).collect() } else { vec![] };
+    let _ = writeln!(
+        table,
+        "/// Processors with prebuilt code objects in this build.\npub const HIP_PREBUILT_ARCHS: &[&str] = &[{}];",
+        archs.join(", ")
+    );
+    let _ = writeln!(
+        table,
+        "/// How the HIP kernels were built.\npub const HIP_BUILD: &str = {:?};",
+        match &clang {
+            Some(c) => format!("clang ({}) for {}", c.display(), HIP_ARCHS.join(" ")),
+            None => "sources only (hipRTC at run time)".to_string(),
+        }
+    );
+    fs::write(out.join("hip_kernels.rs"), table).expect("write hip_kernels.rs");
 }

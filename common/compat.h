@@ -9,9 +9,16 @@
 #if defined(__HIP__)
 // ---------------------------------------------------------------- AMD (clang, no HIP headers)
 #define TRIMUL_HIP 1
+// hipRTC predefines these (identically); the guards keep the source valid under both.
+#ifndef __global__
 #define __global__ __attribute__((global))
+#endif
+#ifndef __device__
 #define __device__ __attribute__((device))
+#endif
+#ifndef __shared__
 #define __shared__ __attribute__((shared))
+#endif
 #define TM_INLINE __attribute__((device, always_inline)) inline
 #define TM_LAUNCH_BOUNDS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))
 #define TM_RESTRICT __restrict__

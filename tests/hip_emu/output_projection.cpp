@@ -1,0 +1,144 @@
+// Runs the real body of hip/output_projection.h on the CPU (tests/hip_emu/emu.h stands in for the
+// GPU) and checks every output element against an f64 evaluation of the stage's formula.
+//
+// usage: output_projection BATCH N H C AF3 BIAS ROW0 ROWS SMEM_BYTES SEED
+// SMEM_BYTES is what the Rust host code would pass as dynamic LDS; the run fails if the kernel
+// touches LDS beyond it. Exit status 0 when every check passes; the last line of stdout says why not.
+#include "tests/hip_emu/emu.h"
+#include "common/params.h"
+#include "hip/output_projection.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+
+static tm_half to_half(double v) { return tm_f2h((float)v); }
+
+int main(int argc, char** argv) {
+  if (argc != 11) {
+    std::printf("usage: %s BATCH N H C AF3 BIAS ROW0 ROWS SMEM_BYTES SEED\n", argv[0]);
+    return 2;
+  }
+  const int batch = std::atoi(argv[1]), n = std::atoi(argv[2]), H = std::atoi(argv[3]), C = std::atoi(argv[4]);
+  const int af3 = std::atoi(argv[5]), with_bias = std::atoi(argv[6]);
+  const long long row0 = std::atoll(argv[7]), rows = std::atoll(argv[8]);
+  const size_t smem = (size_t)std::atoll(argv[9]);
+  std::mt19937_64 rng((uint64_t)std::atoll(argv[10]));
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+
+  const long long nn = (long long)n * n, M = batch * nn;
+  const int G = af3 ? C : H;
+  if (row0 < 0 || rows < 1 || row0 + rows > M || smem > sizeof(tm_dyn_smem)) {
+    std::printf("bad arguments\n");
+    return 2;
+  }
+  std::vector<tm_half> t((size_t)(M * H)), gate((size_t)(M * G)), wout((size_t)C * H);
+  std::vector<float> w(H), b(H), bias(C);
+  for (auto& v : t) v = to_half(2.0 + 3.0 * normal(rng));  // an offset, so the mean matters
+  for (auto& v : gate) v = to_half(unit(rng));
+  for (auto& v : wout) v = to_half(normal(rng) / std::sqrt((double)H));
+  for (auto& v : w) v = (float)normal(rng);
+  for (auto& v : b) v = (float)normal(rng);
+  for (auto& v : bias) v = (float)normal(rng);
+  // A NaN with a payload: every element the kernel should not write must keep these bits.
+  const uint32_t sentinel_bits = 0x7fc0deadu;
+  float sentinel;
+  std::memcpy(&sentinel, &sentinel_bits, 4);
+  std::vector<float> y((size_t)(M * C), sentinel);
+
+  TrimulParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.norm_out_w = w.data();
+  p.norm_out_b = b.data();
+  p.gate = gate.data();
+  p.t = t.data();
+  p.y = y.data();
+  p.row0 = row0;
+  p.rows = rows;
+  p.batch = batch;
+  p.n = n;
+  p.c = C;
+  p.h = H;
+  p.g = G;
+  p.p = 4 * H + G;
+  p.af3 = af3;
+  p.eps = 1e-5f;
+  const float* bias_ptr = with_bias ? bias.data() : nullptr;
+
+  const unsigned grid = (unsigned)((rows + OP_BM - 1) / OP_BM);
+  bool lds_overrun = false;
+  for (unsigned blk = 0; blk < grid; ++blk) {
+    // One block per launch so the LDS beyond SMEM_BYTES can be checked after each.
+    TrimulParams pb = p;
+    pb.row0 = p.row0 + (long long)blk * OP_BM;
+    pb.rows = std::min<long long>(OP_BM, p.row0 + p.rows - pb.row0);
+    emu::launch(1, OUTPUT_PROJECTION_THREADS, [&] { output_projection(pb, wout.data(), bias_ptr); });
+    const unsigned char* lds = (const unsigned char*)tm_dyn_smem;
+    for (size_t i = smem; i < sizeof(tm_dyn_smem); ++i) lds_overrun |= lds[i] != 0xff;
+  }
+  if (lds_overrun) {
+    std::printf("FAIL: the kernel wrote LDS beyond the %zu bytes the host reserves\n", smem);
+    return 1;
+  }
+
+  long long bad = 0, checked = 0;
+  double worst = 0.0;
+  for (long long row = 0; row < M; ++row) {
+    const bool inside = row >= row0 && row < row0 + rows;
+    double a[4096];
+    if (inside) {
+      const long long bb = row / nn, rem = row - bb * nn;
+      double mean = 0.0, var = 0.0;
+      for (int h = 0; h < H; ++h) mean += tm_h2f(t[(size_t)((bb * H + h) * nn + rem)]);
+      mean /= H;
+      for (int h = 0; h < H; ++h) {
+        const double d = tm_h2f(t[(size_t)((bb * H + h) * nn + rem)]) - mean;
+        var += d * d;
+      }
+      var /= H;
+      for (int h = 0; h < H; ++h) {
+        const double tv = tm_h2f(t[(size_t)((bb * H + h) * nn + rem)]);
+        a[h] = (tv - mean) / std::sqrt(var + 1e-5) * w[h] + b[h];
+        if (!af3) a[h] *= tm_h2f(gate[(size_t)(row * G + h)]);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const float got = y[(size_t)(row * C + c)];
+      uint32_t bits;
+      std::memcpy(&bits, &got, 4);
+      if (!inside) {
+        if (bits != sentinel_bits) {
+          if (bad++ < 5) std::printf("row %lld c %d outside the chunk was written\n", row, c);
+        }
+        continue;
+      }
+      double acc = 0.0, mag = 0.0;
+      for (int h = 0; h < H; ++h) {
+        const double term = a[h] * tm_h2f(wout[(size_t)c * H + h]);
+        acc += term;
+        mag += std::fabs(term);
+      }
+      double g = 1.0;
+      if (with_bias) acc += bias[c];
+      if (af3) g = tm_h2f(gate[(size_t)(row * G + c)]);
+      const double want = g * acc;
+      // a is rounded to f16 (relative error <= 2^-11 per term) and summed in f32.
+      const double tol = 1e-3 * g * mag + 1e-5 * (std::fabs(want) + 1.0);
+      const double err = std::fabs((double)got - want);
+      ++checked;
+      if (!(err <= tol)) {  // also catches NaN
+        if (bad++ < 5) std::printf("row %lld c %d: got %.7g want %.7g (tol %.3g)\n", row, c, got, want, tol);
+      } else if (tol > 0) {
+        worst = std::max(worst, err / tol);
+      }
+    }
+  }
+  if (bad) {
+    std::printf("FAIL: %lld of %lld elements wrong\n", bad, checked + (M - rows) * C);
+    return 1;
+  }
+  std::printf("ok: %lld outputs checked, worst error %.3f of tolerance\n", checked, worst);
+  return 0;
+}
