@@ -24,6 +24,7 @@
 pub mod backend;
 pub mod error;
 pub mod io;
+pub mod kernels;
 pub mod layer;
 pub mod problem;
 pub mod rand;

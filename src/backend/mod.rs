@@ -119,6 +119,24 @@ pub trait Backend: Clone + Send + Sync {
 
     /// Free and total device memory, where the backend can tell.
     fn memory_info(&self) -> Result<Option<MemoryInfo>>;
+
+    /// Milliseconds the work enqueued by `work` takes on the device. GPU backends time with
+    /// device events around it; the default synchronises and uses the host clock.
+    fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        self.synchronize()?;
+        let start = std::time::Instant::now();
+        work()?;
+        self.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    }
+
+    /// Peak bytes this backend has had allocated on its device since the last
+    /// [`Backend::reset_peak_memory`] (weights, workspaces and buffers), where it tracks them.
+    fn peak_memory(&self) -> Option<u64> {
+        None
+    }
+
+    fn reset_peak_memory(&self) {}
 }
 
 /// A backend chosen at run time.
@@ -248,5 +266,18 @@ impl Device {
 
     pub fn memory_info(&self) -> Result<Option<MemoryInfo>> {
         with_backend!(self, b => b.memory_info())
+    }
+
+    /// See [`Backend::elapsed_ms`].
+    pub fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        with_backend!(self, b => b.elapsed_ms(work))
+    }
+
+    pub fn peak_memory(&self) -> Option<u64> {
+        with_backend!(self, b => b.peak_memory())
+    }
+
+    pub fn reset_peak_memory(&self) {
+        with_backend!(self, b => b.reset_peak_memory())
     }
 }
