@@ -291,7 +291,7 @@ fn layer_prefixes<'a>(names: &[&'a str]) -> Vec<&'a str> {
     set.into_iter().collect()
 }
 
-fn quoted_prefix(p: &str) -> String {
+fn prefix_label(p: &str) -> String {
     if p.is_empty() {
         "(no prefix)".to_string()
     } else {
@@ -316,7 +316,7 @@ fn find_layout(names: &[&str], prefix: Option<&str>) -> Result<Layout> {
                     None => unknown.push(name),
                 }
             }
-            let layers: Vec<String> = layer_prefixes(names).into_iter().map(quoted_prefix).collect();
+            let layers: Vec<String> = layer_prefixes(names).into_iter().map(prefix_label).collect();
             if entries.is_empty() && unknown.is_empty() {
                 return Err(Error::Weights(format!(
                     "no tensor name starts with the prefix `{p}`; TriMul layers in this file are at {}",
@@ -354,7 +354,7 @@ fn find_layout(names: &[&str], prefix: Option<&str>) -> Result<Layout> {
                 )));
             }
             if by_prefix.len() > 1 {
-                let prefixes: Vec<String> = by_prefix.keys().map(|p| quoted_prefix(p)).collect();
+                let prefixes: Vec<String> = by_prefix.keys().map(|p| prefix_label(p)).collect();
                 return Err(Error::Weights(format!(
                     "this file holds weights of {} layers, at the prefixes {}; extract one layer or pass its prefix \
                      (Weights::from_safetensors_with_prefix)",
