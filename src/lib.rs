@@ -34,6 +34,7 @@ pub mod weights;
 
 pub use backend::{Backend, Device, DeviceInfo, MemoryInfo};
 pub use error::{BackendKind, Error, Result};
+pub use io::{NamingScheme, PairInput};
 pub use layer::{Layer, Options, Precision, TriMul};
 pub use problem::{Config, Direction, Formulation, Problem, Shape};
 pub use weights::{Linear, Norm, Weights};
