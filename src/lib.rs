@@ -32,7 +32,7 @@ pub mod reference;
 pub mod suite;
 pub mod weights;
 
-pub use backend::{Backend, Device, DeviceInfo, MemoryInfo};
+pub use backend::{Backend, Ceilings, Device, DeviceInfo, MemoryInfo};
 pub use error::{BackendKind, Error, Result};
 pub use io::{NamingScheme, PairInput};
 pub use layer::{Layer, Options, Precision, TriMul};

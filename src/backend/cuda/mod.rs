@@ -34,7 +34,7 @@ use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair};
 use self::kernels::Kernels;
 use super::gemm::GemmSpec;
 use super::params::{self, KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
-use super::{Backend, DeviceInfo, MemoryInfo};
+use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
 use crate::problem::{Formulation, Problem, Shape, LN_EPS};
@@ -547,6 +547,47 @@ impl Backend for CudaBackend {
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         let (free, total) = cu::mem_get_info().ctx("cuMemGetInfo")?;
         Ok(Some(MemoryInfo { free: free as u64, total: total as u64 }))
+    }
+
+    fn measure_ceilings(&self) -> Result<Ceilings> {
+        let stream = self.stream();
+        // GEMM: f16 operands, f32 accumulation, 8192³, on non-zero data (zeros run faster).
+        let n = 8192;
+        let mut rng = crate::rand::Rng::new(0xCE11);
+        let host: Vec<u16> = (0..n * n).map(|_| half::f16::from_f32(rng.uniform() as f32 - 0.5).to_bits()).collect();
+        let mut a = self.alloc_buffer::<u16>(n * n)?;
+        let mut b = self.alloc_buffer::<u16>(n * n)?;
+        a.upload(&host, stream)?;
+        b.upload(&host, stream)?;
+        let d = self.alloc_buffer::<u16>(n * n)?;
+        let ws = self.alloc_buffer::<u8>(MAX_GEMM_WORKSPACE)?;
+        let spec = GemmSpec::projection(n, n, n);
+        let mut plan = MatmulPlan::new(&self.inner.blas, spec, Elem::F16, false, MAX_GEMM_WORKSPACE)?;
+        let mut gemm = || {
+            // SAFETY: a, b, d are n×n f16 allocations and ws holds MAX_GEMM_WORKSPACE bytes, all
+            // alive until the synchronising timer returns.
+            unsafe { plan.run(&self.inner.blas, a.ptr(), b.ptr(), d.ptr(), 0, ws.ptr(), MAX_GEMM_WORKSPACE, stream) }
+        };
+        let reps = 10;
+        gemm()?;
+        let gemm_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| gemm()))? / reps as f64;
+        drop((a, b, d, ws));
+        // Copy: 512 MiB device to device, bytes read + written.
+        let len = 512 << 20;
+        let mut src = self.alloc_buffer::<u8>(len)?;
+        src.memset_async(0x3C, stream)?;
+        let dst = self.alloc_buffer::<u8>(len)?;
+        let copy = || {
+            // SAFETY: both are `len`-byte allocations of this context, alive until timed work ends.
+            unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), len, stream) }.ctx("cuMemcpyDtoDAsync")
+        };
+        copy()?;
+        let copy_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| copy()))? / reps as f64;
+        Ok(Ceilings {
+            gemm_tflops: 2.0 * (n as f64).powi(3) / (gemm_ms * 1e-3) / 1e12,
+            gemm_desc: format!("cuBLASLt f16·f16 (f32 accumulate) {n}³"),
+            copy_gbs: 2.0 * len as f64 / (copy_ms * 1e-3) / 1e9,
+        })
     }
 
     fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
