@@ -74,6 +74,9 @@ impl Backend for CpuBackend {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+    fn measure_ceilings(&self) -> Result<super::Ceilings> {
+        unimplemented!()
+    }
     fn memory_info(&self) -> Result<Option<MemoryInfo>> {
         Ok(None)
     }
