@@ -22,6 +22,26 @@ mod cuda_table {
 #[cfg(feature = "cuda")]
 pub use cuda_table::{CUDA_BUILD, CUDA_STAGES};
 
+/// One HIP stage: `hip/<name>.hip`.
+#[derive(Copy, Clone, Debug)]
+pub struct EmbeddedHipStage {
+    /// File stem, which is also the kernel's `extern "C"` name.
+    pub name: &'static str,
+    /// Source with `#include "…"` lines expanded (compiles under hipRTC with no include path).
+    pub source: &'static str,
+    /// `(processor, linked code object)` for each arch clang built it for (gfx942, gfx90a), empty
+    /// when the build had no clang with the AMDGPU target.
+    pub code_objects: &'static [(&'static str, &'static [u8])],
+}
+
+#[cfg(feature = "rocm")]
+mod hip_table {
+    use super::EmbeddedHipStage;
+    include!(concat!(env!("OUT_DIR"), "/hip_kernels.rs"));
+}
+#[cfg(feature = "rocm")]
+pub use hip_table::{HIP_BUILD, HIP_PREBUILT_ARCHS, HIP_STAGES};
+
 /// The stage called `name` in `table`.
 pub fn find(table: &'static [EmbeddedStage], name: &str) -> Option<&'static EmbeddedStage> {
     table.iter().find(|s| s.name == name)

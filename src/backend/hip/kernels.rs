@@ -12,18 +12,7 @@
 use super::arch::{has_mfma, normalize_arch};
 use crate::error::{Error, Result};
 
-/// One embedded stage.
-#[derive(Debug)]
-pub struct EmbeddedHipStage {
-    /// Kernel file stem, which is also the kernel's `extern "C"` name.
-    pub name: &'static str,
-    /// The source with `#include "…"` lines expanded, for hipRTC.
-    pub source: &'static str,
-    /// `(processor, code object)` pairs.
-    pub code_objects: &'static [(&'static str, &'static [u8])],
-}
-
-include!(concat!(env!("OUT_DIR"), "/hip_kernels.rs"));
+pub use crate::kernels::{EmbeddedHipStage, HIP_BUILD, HIP_PREBUILT_ARCHS, HIP_STAGES};
 
 /// Stage names, as in `hip/`.
 pub const INPUT_NORM: &str = "input_norm";

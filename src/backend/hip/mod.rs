@@ -12,17 +12,19 @@
 //!    B = left): t `[B, H, N, N]` f16, f32 accumulation; both directions by transposes alone;
 //! 3. output, one of two paths ([`kernels::select_output`]):
 //!    rocBLAS (default): `output_norm` (a = LN_H(t) [⊙ gate], into the `left` buffer), output
-//!    GEMM ([`GemmSpec::output`], y = a·Woutᵀ in f32), af3: bias as a rank-1 GEMM update and
+//!    GEMM ([`GemmSpec::output`], y = a·Woutᵀ in f32), af3: the bias as a rank-1 GEMM update and
 //!    `output_gate` (y ⊙= σ(z·Wgᵀ + bg));
 //!    MFMA (opt-in, `TRIMUL_HIP_MFMA=1`, CDNA only): `output_projection` does all of step 3 in
-//!    one kernel with `v_mfma_f32_32x32x8f16`. It is not yet validated on hardware.
+//!    one kernel with `v_mfma_f32_32x32x8f16`. It has not run on hardware yet.
 //!
 //! The stage kernels (`hip/*.hip`) share their source with the CUDA backend (`common/`), the
 //! GEMMs share their layout math ([`GemmSpec`]); so both backends compute the same thing in the
-//! same order, and what the H100 tests prove about the shared parts holds here too.
+//! same order, and what the H100 tests prove about the shared parts holds here too. Nothing is
+//! allocated inside a forward and nothing waits on the host, except the copies of
+//! [`Backend::forward_host`].
 //!
-//! `unsafe` lives in [`sys`] (loading), [`result`] (calls) and the launch/GEMM helpers at the end
-//! of this file, each with its justification.
+//! `unsafe` lives in [`sys`] (loading), [`result`] (calls) and the enqueue/launch/GEMM helpers of
+//! this file, each with its justification.
 
 pub mod arch;
 pub mod blas;
@@ -32,18 +34,25 @@ pub mod result;
 pub mod sys;
 
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
 use self::kernels::{HipKernelOutput, KernelImage};
 use self::plan::{Plan, Staging};
-use self::result::{BlasHandle, DeviceMem, Kernel, Stream};
+use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::gemm::GemmSpec;
 use super::params::{self as launch_params, KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
-use super::{Backend, DeviceInfo, MemoryInfo};
+use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
-use crate::problem::{Config, Formulation, Problem, LN_EPS};
+use crate::layer::Layer;
+use crate::problem::{Config, Formulation, Problem, Shape, LN_EPS};
 use crate::weights::Weights;
+
+/// Byte that makes every f16 and f32 element a NaN: poisons buffers in checks.
+const POISON_BYTE: u8 = 0xFF;
+/// Grid-stride blocks of `output_gate` (enough to fill an MI300X's 304 CUs many times over).
+const OUTPUT_GATE_MAX_GRID: usize = 65_535;
 
 /// A HIP device with its stream, rocBLAS handle and loaded kernels. Cheap to clone (shared).
 #[derive(Clone)]
@@ -59,11 +68,15 @@ impl std::fmt::Debug for HipBackend {
 
 struct Context {
     // Drop order is field order: the rocBLAS handle and the modules go before the stream.
+    /// rocBLAS handles are not thread-safe; the lock is held for a whole forward.
     blas: Mutex<BlasHandle>,
-    kernels: Mutex<Option<Arc<Kernels>>>,
+    kernels: Kernels,
+    /// The MFMA output kernel, loaded when a layer first selects it.
     mfma: Mutex<Option<Arc<Kernel>>>,
     stream: Stream,
     api: &'static sys::HipApi,
+    tracker: Arc<AllocTracker>,
+    poison: AtomicBool,
     ordinal: i32,
     /// Raw target id, e.g. `gfx942:sramecc+:xnack-`.
     target_id: String,
@@ -74,7 +87,7 @@ struct Context {
 
 impl Drop for Context {
     fn drop(&mut self) {
-        // Work still queued may use buffers and modules freed right after; wait for it.
+        // Work still queued may use modules unloaded right after; wait for it.
         let _ = self.stream.synchronize();
     }
 }
@@ -85,30 +98,39 @@ struct Kernels {
     input_gating: Kernel,
     output_norm: Kernel,
     output_gate: Kernel,
+    /// Where each came from, for `trimul info`.
+    origin: String,
 }
 
 /// Weights fused, cast and uploaded for this device.
 pub struct HipPrepared {
     config: Config,
     /// f16 `[P, C]`: [left_proj; left_gate; right_proj; right_gate; out_gate].
-    wcat: DeviceMem,
+    w_in: DeviceMem,
+    /// f16 `[C, H]`.
+    w_out: DeviceMem,
     /// f32 `[P]`, when any input-side linear layer has a bias (af3 only).
     proj_bias: Option<DeviceMem>,
+    /// f32 `[C]` (af3 with biases).
+    out_bias: Option<DeviceMem>,
     norm_in_w: DeviceMem,
     norm_in_b: DeviceMem,
     norm_out_w: DeviceMem,
     norm_out_b: DeviceMem,
-    /// f16 `[C, H]`.
-    wout: DeviceMem,
-    /// f32 `[C]` (af3 with biases).
-    out_bias: Option<DeviceMem>,
     output: HipKernelOutput,
-    kernels: Arc<Kernels>,
     mfma: Option<Arc<Kernel>>,
+}
+
+impl HipPrepared {
+    /// How this layer's output stage runs on this device.
+    pub fn output_path(&self) -> HipKernelOutput {
+        self.output
+    }
 }
 
 /// Device buffers for one problem shape (see [`plan`]).
 pub struct HipWorkspace {
+    problem: Problem,
     plan: Plan,
     left: DeviceMem,
     right: DeviceMem,
@@ -133,9 +155,17 @@ pub struct HipBuffer {
 }
 
 impl HipBuffer {
-    /// The device address (for interop with other HIP code on the same device).
+    /// The device address, for [`Layer::forward_on_stream`] and interop with other HIP code.
     pub fn device_ptr(&self) -> u64 {
         self.mem.addr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -143,13 +173,14 @@ fn poisoned<T>(_: std::sync::PoisonError<T>) -> Error {
     Error::InvalidArgument("a previous HIP call panicked while holding the device lock".into())
 }
 
-fn f16_bits(v: &[f32]) -> Vec<u16> {
-    v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect()
+fn env_flag(name: &str) -> Option<String> {
+    std::env::var(name).ok()
 }
 
 impl HipBackend {
     /// Opens HIP device `ordinal`: loads the HIP runtime and rocBLAS, reads the device's arch,
-    /// checks that kernels exist or can be compiled for it, creates a stream and a rocBLAS handle.
+    /// loads (or compiles with hipRTC) the stage kernels, creates a stream and a rocBLAS handle.
+    /// Missing libraries, no device and no usable kernels are errors, never panics.
     pub fn new(ordinal: usize) -> Result<HipBackend> {
         let api = sys::hip()?;
         let no_device = |reason: String| Error::NoDevice { backend: BackendKind::Hip, reason };
@@ -168,8 +199,7 @@ impl HipBackend {
             arch: target_id.clone(),
             reason: "the runtime reported an arch name that is not a gfx target id".into(),
         })?;
-        // Fail here rather than at the first forward when no kernel can be had for this arch.
-        let kernel_origin = kernel_origin(&arch)?;
+        let kernels = load_kernels(api, &target_id)?;
         let blas_api = sys::rocblas()?;
         let stream = Stream::new(api)?;
         let blas = BlasHandle::new(blas_api, &stream)?;
@@ -178,7 +208,11 @@ impl HipBackend {
         let cus = result::device_attribute(api, sys::HIP_ATTR_MULTIPROCESSOR_COUNT, ord).unwrap_or(0);
         let memory = result::device_total_mem(api, ord).unwrap_or(0);
         let text = |r: Result<String>| r.unwrap_or_else(|e| format!("unknown ({e})"));
-        let (output, output_why) = kernels::select_output(&arch, 128, std::env::var(kernels::MFMA_ENV).ok().as_deref());
+        let (output, output_why) = kernels::select_output(&arch, 128, env_flag(kernels::MFMA_ENV).as_deref());
+        let output_text = match output {
+            HipKernelOutput::Blas => format!("output_norm + rocBLAS ({output_why})"),
+            HipKernelOutput::Mfma => format!("MFMA output_projection ({output_why})"),
+        };
         let versions = vec![
             ("HIP runtime".to_string(), text(result::runtime_version(api).map(arch::format_hip_version))),
             ("HIP driver".to_string(), text(result::driver_version(api).map(arch::format_hip_version))),
@@ -187,14 +221,8 @@ impl HipBackend {
             ("PCI bus".to_string(), text(result::pci_bus_id(api, ord))),
             ("libamdhip64".to_string(), api.path.clone()),
             ("librocblas".to_string(), blas_api.path.clone()),
-            ("kernels".to_string(), format!("{kernel_origin} (build: {})", kernels::HIP_BUILD)),
-            (
-                "output stage (H=128)".to_string(),
-                match output {
-                    HipKernelOutput::Blas => format!("rocBLAS: {output_why}"),
-                    HipKernelOutput::Mfma => format!("MFMA: {output_why}"),
-                },
-            ),
+            ("kernels".to_string(), format!("{} [{}]", kernels::HIP_BUILD, kernels.origin)),
+            ("output stage (H=128)".to_string(), output_text),
         ];
         let info = DeviceInfo {
             vendor: "AMD".to_string(),
@@ -207,10 +235,12 @@ impl HipBackend {
         Ok(HipBackend {
             ctx: Arc::new(Context {
                 blas: Mutex::new(blas),
-                kernels: Mutex::new(None),
+                kernels,
                 mfma: Mutex::new(None),
                 stream,
                 api,
+                tracker: Arc::new(AllocTracker::default()),
+                poison: AtomicBool::new(false),
                 ordinal: ord,
                 target_id,
                 arch,
@@ -224,14 +254,16 @@ impl HipBackend {
         &self.ctx.arch
     }
 
-    /// Milliseconds of device time the work enqueued by `f` takes (HIP events on our stream).
-    pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f32> {
-        self.bind()?;
-        let timer = result::Timer::new(self.ctx.api)?;
-        timer.start(&self.ctx.stream)?;
-        f()?;
-        timer.stop(&self.ctx.stream)?;
-        timer.elapsed_ms()
+    /// The backend's own stream (every forward of [`Backend::forward`] runs on it).
+    pub fn stream(&self) -> sys::hipStream_t {
+        self.ctx.stream.raw()
+    }
+
+    /// Before each forward, fill the output and every intermediate with NaN so that any element
+    /// a kernel fails to write shows up in a check. Off by default (it costs a pass over the
+    /// buffers); the GPU tests turn it on.
+    pub fn set_poison(&self, on: bool) {
+        self.ctx.poison.store(on, Ordering::Relaxed);
     }
 
     /// HIP's current device is per thread; every entry point makes ours current first.
@@ -239,49 +271,24 @@ impl HipBackend {
         result::set_device(self.ctx.api, self.ctx.ordinal)
     }
 
+    fn alloc_mem(&self, bytes: usize) -> Result<DeviceMem> {
+        DeviceMem::alloc(self.ctx.api, &self.ctx.tracker, bytes)
+    }
+
     fn upload_f32(&self, v: &[f32]) -> Result<DeviceMem> {
-        let mem = DeviceMem::alloc(self.ctx.api, std::mem::size_of_val(v))?;
+        let mem = self.alloc_mem(std::mem::size_of_val(v))?;
         mem.upload(&self.ctx.stream, 0, v)?;
         Ok(mem)
     }
 
-    fn upload_f16(&self, v: &[f32]) -> Result<DeviceMem> {
-        let bits = f16_bits(v);
-        let mem = DeviceMem::alloc(self.ctx.api, 2 * bits.len())?;
+    fn upload_f16(&self, what: &str, v: &[f32]) -> Result<DeviceMem> {
+        if let Some(bad) = v.iter().find(|w| !w.is_finite() || w.abs() > 65504.0) {
+            return Err(Error::Weights(format!("{what} holds {bad}, outside the f16 range the GPU path uses")));
+        }
+        let bits: Vec<u16> = v.iter().map(|&w| half::f16::from_f32(w).to_bits()).collect();
+        let mem = self.alloc_mem(2 * bits.len())?;
         mem.upload(&self.ctx.stream, 0, &bits)?;
         Ok(mem)
-    }
-
-    fn load_stage(&self, stage: &'static str) -> Result<Kernel> {
-        let force = std::env::var(kernels::FORCE_RTC_ENV).is_ok_and(|v| v.trim() == "1");
-        let prebuilt = kernels::HIP_PREBUILT_ARCHS.contains(&self.ctx.arch.as_str());
-        let rtc = if force || !prebuilt || kernels::needs_mfma(stage) {
-            sys::hiprtc().map(|_| ()).map_err(|e| e.to_string())
-        } else {
-            Err("not needed: prebuilt code objects".to_string())
-        };
-        match kernels::select(kernels::HIP_STAGES, stage, &self.ctx.target_id, rtc, force)? {
-            KernelImage::Prebuilt { code, .. } => Kernel::load(self.ctx.api, code.to_vec(), stage),
-            KernelImage::Compile { source, options, .. } => {
-                let code = result::rtc_compile(sys::hiprtc()?, source, stage, &options)?;
-                Kernel::load(self.ctx.api, code, stage)
-            }
-        }
-    }
-
-    fn kernels(&self) -> Result<Arc<Kernels>> {
-        let mut slot = self.ctx.kernels.lock().map_err(poisoned)?;
-        if let Some(k) = slot.as_ref() {
-            return Ok(k.clone());
-        }
-        let k = Arc::new(Kernels {
-            input_norm: self.load_stage(kernels::INPUT_NORM)?,
-            input_gating: self.load_stage(kernels::INPUT_GATING)?,
-            output_norm: self.load_stage(kernels::OUTPUT_NORM)?,
-            output_gate: self.load_stage(kernels::OUTPUT_GATE)?,
-        });
-        *slot = Some(k.clone());
-        Ok(k)
     }
 
     fn mfma_kernel(&self) -> Result<Arc<Kernel>> {
@@ -289,13 +296,10 @@ impl HipBackend {
         if let Some(k) = slot.as_ref() {
             return Ok(k.clone());
         }
-        let k = Arc::new(self.load_stage(kernels::OUTPUT_PROJECTION)?);
+        let (k, _) = load_stage(self.ctx.api, &self.ctx.target_id, kernels::OUTPUT_PROJECTION)?;
+        let k = Arc::new(k);
         *slot = Some(k.clone());
         Ok(k)
-    }
-
-    fn blas(&self) -> Result<MutexGuard<'_, BlasHandle>> {
-        self.ctx.blas.lock().map_err(poisoned)
     }
 
     fn check_fits(&self, what: &str, needed: u64) -> Result<()> {
@@ -311,30 +315,88 @@ impl HipBackend {
         Ok(())
     }
 
-    /// Enqueues the whole forward (module docs) on device addresses whose sizes the caller has
-    /// checked against `problem` and `ws.plan`.
-    fn enqueue(
+    /// Enqueues one forward (module docs) on `stream`.
+    ///
+    /// # Safety
+    /// `x` and `y` must be device allocations of this backend's device of `B·N·N·C` f32, `mask`
+    /// (unless 0) of `B·N·N` f32, not aliasing each other or the workspace, alive until `stream`
+    /// has run the work; `stream` must be a live stream of this device.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue(
         &self,
         prep: &HipPrepared,
         ws: &HipWorkspace,
         problem: &Problem,
         x: u64,
-        mask: Option<u64>,
+        mask: u64,
         y: u64,
+        stream: sys::hipStream_t,
+    ) -> Result<()> {
+        if prep.config != problem.config {
+            return Err(Error::InvalidArgument(format!(
+                "weights prepared for {:?} used with a problem of {:?}",
+                prep.config, problem.config
+            )));
+        }
+        if !self.workspace_fits(ws, problem) {
+            return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
+        }
+        if x == y {
+            return Err(Error::InvalidArgument("y must not alias x (in-place mode is not supported)".into()));
+        }
+        self.bind()?;
+        let blas = self.ctx.blas.lock().map_err(poisoned)?;
+        let own = self.ctx.stream.raw();
+        if stream != own {
+            // SAFETY: the caller's stream is live for the work (this function's contract), and
+            // the handle goes back to our own stream below before anyone else can use it.
+            unsafe { blas.set_stream(stream)? };
+        }
+        // SAFETY: forwarded from this function's contract.
+        let run = unsafe { self.enqueue_stages(&blas, prep, ws, problem, x, mask, y, stream) };
+        if stream != own {
+            // Back to our stream even when a stage failed, so later calls do not use the caller's.
+            // SAFETY: our own stream lives as long as the context that owns the handle.
+            unsafe { blas.set_stream(own)? };
+        }
+        run
+    }
+
+    /// # Safety
+    /// As for [`HipBackend::enqueue`], with `blas` bound to `stream`, `prep` and `ws` checked
+    /// against `problem`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_stages(
+        &self,
+        blas: &BlasHandle,
+        prep: &HipPrepared,
+        ws: &HipWorkspace,
+        problem: &Problem,
+        x: u64,
+        mask: u64,
+        y: u64,
+        stream: sys::hipStream_t,
     ) -> Result<()> {
         let plan = &ws.plan;
         let Config { c, h, formulation } = problem.config;
         let (b, n) = (problem.shape.batch, problem.shape.n);
         let m = plan.rows;
-        let k = &prep.kernels;
-        let stream = &self.ctx.stream;
+        let k = &self.ctx.kernels;
+        let api = self.ctx.api;
         let staging = ws.staging.as_ref().unwrap_or(&ws.t);
-        debug_assert!(plan.staging == Staging::Separate || ws.staging.is_none());
+        if self.ctx.poison.load(Ordering::Relaxed) {
+            for buf in [&ws.left, &ws.right, &ws.gate, &ws.t].into_iter().chain(ws.staging.as_ref()) {
+                // SAFETY: a workspace allocation of this device; `stream` per the contract.
+                unsafe { buf.memset(stream, POISON_BYTE)? };
+            }
+            // SAFETY: y holds M·C f32 per the contract.
+            unsafe { result::memset_async(api, y, POISON_BYTE, m * c * 4, stream)? };
+        }
         let int =
             |v: usize, what: &str| i32::try_from(v).map_err(|_| Error::Shape(format!("{what} = {v} exceeds i32")));
         let base = KernelParams {
             x,
-            mask: mask.unwrap_or(0),
+            mask,
             norm_in_w: prep.norm_in_w.addr(),
             norm_in_b: prep.norm_in_b.addr(),
             proj_bias: prep.proj_bias.as_ref().map_or(0, DeviceMem::addr),
@@ -361,22 +423,27 @@ impl HipBackend {
             eps: LN_EPS,
             reserved: 0,
         };
-        let blas = self.blas()?;
 
-        // 1. LN_C, projection, gating, chunk by chunk.
+        // SAFETY (all launches and GEMMs below): every address in `base` is a prepared-weight or
+        // workspace allocation sized by `ws.plan` for this problem, or x, mask and y from this
+        // function's contract; `stream` is live and `blas` is bound to it.
+
+        // 1. LN_C, projection, gating, chunk by chunk (z and proj in the staging area).
         let tr = launch_params::gating_tile_rows(h);
         for (row0, rows) in plan.chunks() {
             let p = KernelParams { row0: row0 as i64, rows: rows as i64, tile_rows: tr as i32, ..base };
-            launch(&k.input_norm, stream, rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize), 0, &p)?;
             let g = RocblasGemm::from_spec(&GemmSpec::projection(rows, c, plan.p), DataType::F16, DataType::F16)?;
-            gemm(&blas, &g, 1.0, prep.wcat.addr(), base.z, 0.0, base.proj)?;
-            launch(&k.input_gating, stream, rows.div_ceil(tr), launch_params::gating_smem_bytes(h, tr), &p)?;
+            unsafe {
+                launch(&k.input_norm, stream, rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize), 0, &p)?;
+                gemm(blas, &g, 1.0, prep.w_in.addr(), base.z, 0.0, base.proj)?;
+                launch(&k.input_gating, stream, rows.div_ceil(tr), launch_params::gating_smem_bytes(h, tr), &p)?;
+            }
         }
 
         // 2. Contraction: A = right, B = left, D = t, one N×N matrix per (b, h).
-        let g =
-            RocblasGemm::from_spec(&GemmSpec::contraction(problem.direction, b * h, n), DataType::F16, DataType::F16)?;
-        gemm(&blas, &g, 1.0, ws.right.addr(), ws.left.addr(), 0.0, ws.t.addr())?;
+        let spec = GemmSpec::contraction(problem.direction, b * h, n);
+        let g = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16)?;
+        unsafe { gemm(blas, &g, 1.0, ws.right.addr(), ws.left.addr(), 0.0, ws.t.addr())? };
 
         // 3. Output stage.
         match prep.output {
@@ -386,72 +453,87 @@ impl HipBackend {
                     reason: "MFMA output kernel selected but not loaded".into(),
                 })?;
                 let p = KernelParams { tile_rows: kernels::OUTPUT_PROJECTION_ROWS as i32, ..base };
-                let wout = prep.wout.addr();
                 let bias = prep.out_bias.as_ref().map_or(0, DeviceMem::addr);
-                launch_output_projection(kernel, stream, m, h, &p, wout, bias)?;
+                unsafe { launch_output_projection(kernel, stream, m, h, &p, prep.w_out.addr(), bias)? };
             }
             HipKernelOutput::Blas => {
                 let tp = launch_params::output_norm_tile_rows(h);
                 let p = KernelParams { tile_rows: tp as i32, ..base };
-                launch(&k.output_norm, stream, m.div_ceil(tp), launch_params::output_norm_smem_bytes(h, tp), &p)?;
                 let g = RocblasGemm::from_spec(&GemmSpec::output(m, c, h), DataType::F16, DataType::F32)?;
-                gemm(&blas, &g, 1.0, prep.wout.addr(), base.a, 0.0, y)?;
+                unsafe {
+                    launch(&k.output_norm, stream, m.div_ceil(tp), launch_params::output_norm_smem_bytes(h, tp), &p)?;
+                    gemm(blas, &g, 1.0, prep.w_out.addr(), base.a, 0.0, y)?;
+                }
                 if let Some(bias) = &prep.out_bias {
                     let ones = ws.ones.as_ref().ok_or_else(|| {
                         Error::InvalidArgument("workspace has no ones vector for the af3 bias".into())
                     })?;
                     let g = RocblasGemm::from_spec(&bias_update_spec(m, c), DataType::F32, DataType::F32)?;
-                    gemm(&blas, &g, 1.0, bias.addr(), ones.addr(), 1.0, y)?;
+                    unsafe { gemm(blas, &g, 1.0, bias.addr(), ones.addr(), 1.0, y)? };
                 }
                 if formulation == Formulation::Af3 {
-                    let grid = (m * c).div_ceil(STAGE_THREADS as usize).clamp(1, OUTPUT_GATE_MAX_GRID);
+                    let grid = (m * c).div_ceil(STAGE_THREADS as usize * 8).clamp(1, OUTPUT_GATE_MAX_GRID);
                     let p = KernelParams { tile_rows: grid as i32, ..base };
-                    launch(&k.output_gate, stream, grid, 0, &p)?;
+                    unsafe { launch(&k.output_gate, stream, grid, 0, &p)? };
                 }
             }
         }
         Ok(())
     }
+}
 
-    fn check_problem(&self, prep: &HipPrepared, ws: &HipWorkspace, problem: &Problem) -> Result<()> {
-        if prep.config != problem.config {
-            return Err(Error::InvalidArgument(format!(
-                "weights prepared for {:?} used with a problem of {:?}",
-                prep.config, problem.config
-            )));
-        }
-        if !ws.plan.fits(problem) {
-            return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
-        }
-        Ok(())
+/// Loads one stage for the device with target id `target_id`: its prebuilt code object when
+/// this build has one for the arch and it loads, otherwise the embedded source compiled with
+/// hipRTC. Returns the kernel and where it came from.
+fn load_stage(api: &'static sys::HipApi, target_id: &str, stage: &'static str) -> Result<(Kernel, String)> {
+    let force = env_flag(kernels::FORCE_RTC_ENV).is_some_and(|v| v.trim() == "1");
+    // hipRTC is loaded only when it may be needed (it is a large library).
+    let arch = arch::normalize_arch(target_id).unwrap_or_default();
+    let prebuilt = kernels::HIP_STAGES
+        .iter()
+        .find(|s| s.name == stage)
+        .is_some_and(|s| s.code_objects.iter().any(|(a, _)| *a == arch));
+    let rtc = || sys::hiprtc().map(|_| ()).map_err(|e| e.to_string());
+    let compile = |source: &str, options: &[String], arch: &str| -> Result<(Kernel, String)> {
+        let code = result::rtc_compile(sys::hiprtc()?, source, stage, options)?;
+        Ok((Kernel::load(api, code, stage)?, format!("{stage}: hipRTC {arch}")))
+    };
+    let avail = if force || !prebuilt { rtc() } else { Err("not needed".to_string()) };
+    match kernels::select(kernels::HIP_STAGES, stage, target_id, avail, force)? {
+        KernelImage::Prebuilt { code, arch, .. } => match Kernel::load(api, code.to_vec(), stage) {
+            Ok(k) => Ok((k, format!("{stage}: code object {arch}"))),
+            // A runtime that rejects the object (e.g. a code-object version it predates) may still
+            // compile the source; if it cannot, the load error is the one worth reporting.
+            Err(load_err) => match kernels::select(kernels::HIP_STAGES, stage, target_id, rtc(), true) {
+                Ok(KernelImage::Compile { source, options, arch, .. }) => compile(source, &options, &arch),
+                _ => Err(load_err),
+            },
+        },
+        KernelImage::Compile { source, options, arch, .. } => compile(source, &options, &arch),
     }
 }
 
-/// Grid-stride blocks of `output_gate` (enough to fill an MI300X several times over).
-const OUTPUT_GATE_MAX_GRID: usize = 1 << 16;
-
-/// Where kernels for `arch` will come from, or why none can.
-fn kernel_origin(arch: &str) -> Result<String> {
-    if kernels::HIP_PREBUILT_ARCHS.contains(&arch) {
-        return Ok(format!("prebuilt code objects for {arch}"));
-    }
-    match sys::hiprtc() {
-        Ok(rtc) => Ok(format!("hipRTC ({}) for {arch}", rtc.path)),
-        Err(e) => Err(Error::NoKernels {
-            arch: arch.to_string(),
-            reason: format!(
-                "this build has code objects for [{}] only, and hipRTC is unavailable: {e}",
-                kernels::HIP_PREBUILT_ARCHS.join(", ")
-            ),
-        }),
-    }
+fn load_kernels(api: &'static sys::HipApi, target_id: &str) -> Result<Kernels> {
+    let mut origin = Vec::new();
+    let mut get = |stage: &'static str| -> Result<Kernel> {
+        let (k, o) = load_stage(api, target_id, stage)?;
+        origin.push(o);
+        Ok(k)
+    };
+    let k = Kernels {
+        input_norm: get(kernels::INPUT_NORM)?,
+        input_gating: get(kernels::INPUT_GATING)?,
+        output_norm: get(kernels::OUTPUT_NORM)?,
+        output_gate: get(kernels::OUTPUT_GATE)?,
+        origin: String::new(),
+    };
+    Ok(Kernels { origin: origin.join(", "), ..k })
 }
 
 impl Backend for HipBackend {
     type Buffer = HipBuffer;
-    // Boxed: a layer stores both inline, and these hold a dozen device buffers each.
-    type Prepared = Box<HipPrepared>;
-    type Workspace = Box<HipWorkspace>;
+    type Prepared = HipPrepared;
+    type Workspace = HipWorkspace;
 
     fn kind(&self) -> BackendKind {
         BackendKind::Hip
@@ -461,92 +543,82 @@ impl Backend for HipBackend {
         self.ctx.info.clone()
     }
 
-    fn prepare(&self, weights: &Weights) -> Result<Box<HipPrepared>> {
-        weights.validate()?;
+    fn prepare(&self, w: &Weights) -> Result<HipPrepared> {
+        w.validate()?;
         self.bind()?;
-        let config = weights.config();
-        let (c, p) = (config.c, config.fused_proj_width());
-        let inputs =
-            [&weights.left_proj, &weights.left_gate, &weights.right_proj, &weights.right_gate, &weights.out_gate];
-        let mut wcat = Vec::with_capacity(p * c);
-        for l in inputs {
-            wcat.extend_from_slice(&l.weight);
-        }
+        let config = w.config();
+        let inputs = [&w.left_proj, &w.left_gate, &w.right_proj, &w.right_gate, &w.out_gate];
+        let fused: Vec<f32> = inputs.iter().flat_map(|l| l.weight.iter().copied()).collect();
+        debug_assert_eq!(fused.len(), config.fused_proj_width() * config.c);
         let proj_bias = if inputs.iter().any(|l| l.bias.is_some()) {
-            let mut bias = Vec::with_capacity(p);
-            for l in inputs {
-                match &l.bias {
-                    Some(b) => bias.extend_from_slice(b),
-                    None => bias.extend(std::iter::repeat_n(0.0f32, l.out_features)),
-                }
-            }
-            Some(self.upload_f32(&bias)?)
+            let b: Vec<f32> =
+                inputs.iter().flat_map(|l| l.bias.clone().unwrap_or_else(|| vec![0.0; l.out_features])).collect();
+            Some(self.upload_f32(&b)?)
         } else {
             None
         };
-        let (output, _) =
-            kernels::select_output(&self.ctx.arch, config.h, std::env::var(kernels::MFMA_ENV).ok().as_deref());
+        let (output, _) = kernels::select_output(&self.ctx.arch, config.h, env_flag(kernels::MFMA_ENV).as_deref());
         let mfma = match output {
             HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
             HipKernelOutput::Blas => None,
         };
-        Ok(Box::new(HipPrepared {
+        Ok(HipPrepared {
             config,
-            wcat: self.upload_f16(&wcat)?,
+            w_in: self.upload_f16("the input projections", &fused)?,
+            w_out: self.upload_f16("the output projection", &w.out_proj.weight)?,
             proj_bias,
-            norm_in_w: self.upload_f32(&weights.norm_in.weight)?,
-            norm_in_b: self.upload_f32(&weights.norm_in.bias)?,
-            norm_out_w: self.upload_f32(&weights.norm_out.weight)?,
-            norm_out_b: self.upload_f32(&weights.norm_out.bias)?,
-            wout: self.upload_f16(&weights.out_proj.weight)?,
-            out_bias: weights.out_proj.bias.as_ref().map(|b| self.upload_f32(b)).transpose()?,
+            out_bias: w.out_proj.bias.as_ref().map(|b| self.upload_f32(b)).transpose()?,
+            norm_in_w: self.upload_f32(&w.norm_in.weight)?,
+            norm_in_b: self.upload_f32(&w.norm_in.bias)?,
+            norm_out_w: self.upload_f32(&w.norm_out.weight)?,
+            norm_out_b: self.upload_f32(&w.norm_out.bias)?,
             output,
-            kernels: self.kernels()?,
             mfma,
-        }))
+        })
     }
 
-    fn workspace(&self, _prepared: &Box<HipPrepared>, problem: &Problem) -> Result<Box<HipWorkspace>> {
+    fn workspace(&self, _prepared: &HipPrepared, problem: &Problem) -> Result<HipWorkspace> {
         self.bind()?;
         let plan = Plan::new(problem)?;
         let (b, n) = (problem.shape.batch, problem.shape.n);
-        self.check_fits(&format!("HIP workspace for B={b} N={n}"), plan.total_bytes())?;
-        let api = self.ctx.api;
+        self.check_fits(&format!("the workspace for B={b} N={n}"), plan.total_bytes())?;
         let staging = match plan.staging {
-            Staging::Separate => Some(DeviceMem::alloc(api, plan.staging_bytes)?),
+            Staging::Separate => Some(self.alloc_mem(plan.staging_bytes)?),
             Staging::InT => None,
         };
         let ones = if plan.ones_bytes > 0 {
-            let mem = DeviceMem::alloc(api, plan.ones_bytes)?;
+            let mem = self.alloc_mem(plan.ones_bytes)?;
             mem.upload(&self.ctx.stream, 0, &vec![1.0f32; plan.rows])?;
             Some(mem)
         } else {
             None
         };
-        Ok(Box::new(HipWorkspace {
-            left: DeviceMem::alloc(api, plan.left_bytes)?,
-            right: DeviceMem::alloc(api, plan.left_bytes)?,
-            gate: DeviceMem::alloc(api, plan.gate_bytes)?,
-            t: DeviceMem::alloc(api, plan.t_bytes)?,
+        Ok(HipWorkspace {
+            problem: *problem,
+            left: self.alloc_mem(plan.left_bytes)?,
+            right: self.alloc_mem(plan.left_bytes)?,
+            gate: self.alloc_mem(plan.gate_bytes)?,
+            t: self.alloc_mem(plan.t_bytes)?,
             staging,
             ones,
             host_io: None,
             plan,
-        }))
+        })
     }
 
-    fn workspace_fits(&self, workspace: &Box<HipWorkspace>, problem: &Problem) -> bool {
-        workspace.plan.fits(problem)
+    fn workspace_fits(&self, ws: &HipWorkspace, problem: &Problem) -> bool {
+        // The mask and the direction change only kernel arguments and transposes, not buffers.
+        ws.problem.config == problem.config && ws.problem.shape == problem.shape && ws.plan.fits(problem)
     }
 
-    fn workspace_bytes(&self, _prepared: &Box<HipPrepared>, problem: &Problem) -> u64 {
+    fn workspace_bytes(&self, _prepared: &HipPrepared, problem: &Problem) -> u64 {
         Plan::new(problem).map_or(u64::MAX, |p| p.total_bytes())
     }
 
     fn alloc(&self, len: usize) -> Result<HipBuffer> {
         self.bind()?;
-        let bytes = len.checked_mul(4).ok_or_else(|| Error::Shape(format!("buffer of {len} f32 overflows")))?;
-        Ok(HipBuffer { mem: DeviceMem::alloc(self.ctx.api, bytes)?, len })
+        let bytes = len.checked_mul(4).ok_or_else(|| Error::Shape(format!("a buffer of {len} f32 overflows")))?;
+        Ok(HipBuffer { mem: self.alloc_mem(bytes)?, len })
     }
 
     fn buffer_len(buffer: &HipBuffer) -> usize {
@@ -571,53 +643,67 @@ impl Backend for HipBackend {
 
     fn forward(
         &self,
-        prepared: &Box<HipPrepared>,
-        workspace: &mut Box<HipWorkspace>,
+        prepared: &HipPrepared,
+        workspace: &mut HipWorkspace,
         problem: &Problem,
         x: &HipBuffer,
         mask: Option<&HipBuffer>,
         y: &mut HipBuffer,
     ) -> Result<()> {
         problem.check_lengths(x.len, mask.map(|m| m.len), y.len)?;
-        self.check_problem(prepared, workspace, problem)?;
-        self.bind()?;
-        self.enqueue(prepared, workspace, problem, x.mem.addr(), mask.map(|m| m.mem.addr()), y.mem.addr())
+        // SAFETY: the buffers are live allocations of this backend with lengths checked above;
+        // `y` is borrowed mutably so it aliases neither x nor mask; the workspace is borrowed for
+        // the call and its buffers outlive the stream work because dropping them frees through
+        // hipFree, which waits for pending work.
+        unsafe {
+            self.enqueue(
+                prepared,
+                workspace,
+                problem,
+                x.mem.addr(),
+                mask.map_or(0, |m| m.mem.addr()),
+                y.mem.addr(),
+                self.stream(),
+            )
+        }
     }
 
     fn forward_host(
         &self,
-        prepared: &Box<HipPrepared>,
-        workspace: &mut Box<HipWorkspace>,
+        prepared: &HipPrepared,
+        workspace: &mut HipWorkspace,
         problem: &Problem,
         x: &[f32],
         mask: Option<&[f32]>,
         y: &mut [f32],
     ) -> Result<()> {
         problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        self.check_problem(prepared, workspace, problem)?;
         self.bind()?;
-        let reuse = workspace
-            .host_io
-            .as_ref()
-            .is_some_and(|io| io.x.len == x.len() && io.mask.as_ref().map(|m| m.len) == mask.map(<[f32]>::len));
-        if !reuse {
-            workspace.host_io = None;
-            let bytes = 4 * (2 * x.len() + mask.map_or(0, <[f32]>::len)) as u64;
-            self.check_fits("device copies of x, mask and y", bytes)?;
-            workspace.host_io = Some(HostIo {
-                x: self.alloc(x.len())?,
-                mask: mask.map(|m| self.alloc(m.len())).transpose()?,
-                y: self.alloc(y.len())?,
-            });
+        let mut io = match workspace.host_io.take() {
+            Some(io) if io.x.len == x.len() => io,
+            _ => {
+                self.check_fits("device copies of x and y", 8 * x.len() as u64)?;
+                HostIo { x: self.alloc(x.len())?, mask: None, y: self.alloc(y.len())? }
+            }
+        };
+        if let Some(m) = mask {
+            if io.mask.as_ref().is_none_or(|d| d.len != m.len()) {
+                io.mask = Some(self.alloc(m.len())?);
+            }
         }
-        let io = workspace.host_io.take().ok_or_else(|| Error::InvalidArgument("host I/O buffers missing".into()))?;
         let run = (|| {
             io.x.mem.upload(&self.ctx.stream, 0, x)?;
-            if let (Some(dm), Some(hm)) = (&io.mask, mask) {
+            let mut mask_addr = 0;
+            if let (Some(hm), Some(dm)) = (mask, io.mask.as_ref()) {
                 dm.mem.upload(&self.ctx.stream, 0, hm)?;
+                mask_addr = dm.mem.addr();
             }
-            let mask_addr = io.mask.as_ref().map(|m| m.mem.addr());
-            self.enqueue(prepared, workspace, problem, io.x.mem.addr(), mask_addr, io.y.mem.addr())?;
+            // SAFETY: the staging buffers are live allocations of this backend sized for this
+            // problem, distinct from each other and from the workspace; the download below waits
+            // for the stream, so the host slices outlive every copy.
+            unsafe {
+                self.enqueue(prepared, workspace, problem, io.x.mem.addr(), mask_addr, io.y.mem.addr(), self.stream())?
+            };
             io.y.mem.download(&self.ctx.stream, 0, y)
         })();
         workspace.host_io = Some(io);
@@ -634,19 +720,109 @@ impl Backend for HipBackend {
         let (free, total) = result::mem_get_info(self.ctx.api)?;
         Ok(Some(MemoryInfo { free, total }))
     }
+
+    fn measure_ceilings(&self) -> Result<Ceilings> {
+        self.bind()?;
+        let stream = self.stream();
+        // GEMM: f16 operands, f32 accumulation, 8192³, on non-zero data (zeros run faster).
+        let n = 8192;
+        let mut rng = crate::rand::Rng::new(0xCE11);
+        let host: Vec<u16> = (0..n * n).map(|_| half::f16::from_f32(rng.uniform() as f32 - 0.5).to_bits()).collect();
+        let a = self.alloc_mem(2 * n * n)?;
+        a.upload(&self.ctx.stream, 0, &host)?;
+        let b = self.alloc_mem(2 * n * n)?;
+        b.upload(&self.ctx.stream, 0, &host)?;
+        let d = self.alloc_mem(2 * n * n)?;
+        let g = RocblasGemm::from_spec(&GemmSpec::projection(n, n, n), DataType::F16, DataType::F16)?;
+        let blas = self.ctx.blas.lock().map_err(poisoned)?;
+        // SAFETY: a, b, d are n×n f16 allocations alive until the synchronising timer returns;
+        // the handle is bound to our stream.
+        let run = || unsafe { gemm(&blas, &g, 1.0, a.addr(), b.addr(), 0.0, d.addr()) };
+        let reps = 10;
+        run()?;
+        let gemm_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| run()))? / reps as f64;
+        drop(blas);
+        drop((a, b, d));
+        // Copy: 512 MiB device to device, bytes read + written.
+        let len = 512 << 20;
+        let src = self.alloc_mem(len)?;
+        // SAFETY: our allocation, our stream.
+        unsafe { src.memset(stream, 0x3C)? };
+        let dst = self.alloc_mem(len)?;
+        // SAFETY: two distinct `len`-byte allocations of this device, alive until the timed work
+        // has finished (elapsed_ms waits for it).
+        let copy = || unsafe { result::copy_dtod_async(self.ctx.api, dst.addr(), src.addr(), len, stream) };
+        copy()?;
+        let copy_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| copy()))? / reps as f64;
+        Ok(Ceilings {
+            gemm_tflops: 2.0 * (n as f64).powi(3) / (gemm_ms * 1e-3) / 1e12,
+            gemm_desc: format!("rocBLAS gemm_ex f16·f16 (f32 accumulate) {n}³"),
+            copy_gbs: 2.0 * len as f64 / (copy_ms * 1e-3) / 1e9,
+        })
+    }
+
+    fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        self.bind()?;
+        let timer = Timer::new(self.ctx.api)?;
+        timer.start(&self.ctx.stream)?;
+        work()?;
+        timer.stop(&self.ctx.stream)?;
+        timer.elapsed_ms()
+    }
+
+    fn peak_memory(&self) -> Option<u64> {
+        Some(self.ctx.tracker.peak())
+    }
+
+    fn reset_peak_memory(&self) {
+        self.ctx.tracker.reset_peak();
+    }
+}
+
+impl Layer<HipBackend> {
+    /// One forward on caller-owned device memory and a caller-given HIP stream, for integration
+    /// into other GPU programs. Returns once the work is enqueued on `stream`.
+    ///
+    /// # Safety
+    /// `x` and `y` must be device allocations (on this layer's device) of `B·N·N·C` f32, `mask` of
+    /// `B·N·N` f32, not aliasing each other, alive until `stream` has run the work; `stream` must
+    /// be a live stream of the same device.
+    pub unsafe fn forward_on_stream(
+        &mut self,
+        x: u64,
+        mask: Option<u64>,
+        y: u64,
+        shape: Shape,
+        stream: sys::hipStream_t,
+    ) -> Result<()> {
+        let problem = self.problem(shape, mask.is_some())?;
+        let (backend, prepared, ws) = self.parts(&problem)?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { backend.enqueue(prepared, ws, &problem, x, mask.unwrap_or(0), y, stream) }
+    }
 }
 
 // ----------------------------------------------------------------------- launches and GEMMs
 //
-// The only unsafe code of this file. Every device address these helpers pass comes from a
-// `DeviceMem` of a prepared layer, a workspace whose `Plan` equals `Plan::new(problem)` (checked
-// by `check_problem`), or a caller buffer whose length `Problem::check_lengths` checked; the
-// kernels and GEMMs touch only the index ranges those sizes cover (layouts in common/params.h,
-// spans in `RocblasGemm`). The buffers outlive the work: forward callers hold them until they
-// synchronise, and dropping a `DeviceMem` frees it with hipFree, which waits for the device.
+// Every device address these helpers pass comes from a `DeviceMem` of a prepared layer, a
+// workspace that `workspace_fits` the problem (its `Plan` equals `Plan::new(problem)`), or a
+// caller buffer whose length `Problem::check_lengths` checked (or whose size the caller of
+// `forward_on_stream` guarantees); the kernels and GEMMs touch only the index ranges those sizes
+// cover (layouts in common/params.h, spans in `RocblasGemm`). The buffers outlive the work:
+// forward callers hold them until they synchronise, and dropping a `DeviceMem` frees it with
+// hipFree, which waits for the device.
 
 /// Launches a portable stage (`kernel(TrimulParams)`) with `STAGE_THREADS` threads per block.
-fn launch(kernel: &Kernel, stream: &Stream, grid: usize, smem: usize, params: &KernelParams) -> Result<()> {
+///
+/// # Safety
+/// The addresses in `params` satisfy the invariant above; `stream` is live.
+unsafe fn launch(
+    kernel: &Kernel,
+    stream: sys::hipStream_t,
+    grid: usize,
+    smem: usize,
+    params: &KernelParams,
+) -> Result<()> {
     let (grid, smem) = geometry(kernel, grid, smem)?;
     let mut p = *params;
     let mut args = [(&mut p as *mut KernelParams).cast::<c_void>()];
@@ -656,25 +832,28 @@ fn launch(kernel: &Kernel, stream: &Stream, grid: usize, smem: usize, params: &K
 }
 
 /// Launches `output_projection(TrimulParams, const half* wout, const float* out_bias)`.
-fn launch_output_projection(
+///
+/// # Safety
+/// As for [`launch`]; `w_out` is a `[C, H]` f16 allocation, `out_bias` a `[C]` f32 one or 0.
+unsafe fn launch_output_projection(
     kernel: &Kernel,
-    stream: &Stream,
+    stream: sys::hipStream_t,
     rows: usize,
     h: usize,
     params: &KernelParams,
-    wout: u64,
+    w_out: u64,
     out_bias: u64,
 ) -> Result<()> {
     let (grid, smem) =
         geometry(kernel, rows.div_ceil(kernels::OUTPUT_PROJECTION_ROWS), kernels::output_projection_smem_bytes(h))?;
-    let (mut p, mut w, mut bias) = (*params, wout, out_bias);
+    let (mut p, mut w, mut bias) = (*params, w_out, out_bias);
     let mut args = [
         (&mut p as *mut KernelParams).cast::<c_void>(),
         (&mut w as *mut u64).cast::<c_void>(),
         (&mut bias as *mut u64).cast::<c_void>(),
     ];
     // SAFETY: three arguments matching the kernel's declaration (a device pointer is 8 bytes);
-    // wout is the prepared [C, H] f16 matrix and out_bias a [C] f32 vector or null; the rest as
+    // w_out is the prepared [C, H] f16 matrix and out_bias a [C] f32 vector or null; the rest as
     // stated above this section.
     unsafe { kernel.launch(stream, grid, kernels::OUTPUT_PROJECTION_THREADS, smem, &mut args) }
 }
@@ -691,8 +870,11 @@ fn geometry(kernel: &Kernel, grid: usize, smem: usize) -> Result<(u32, u32)> {
     Ok((grid as u32, smem as u32))
 }
 
-/// One rocBLAS call; `c` aliases `d`.
-fn gemm(blas: &BlasHandle, g: &RocblasGemm, alpha: f32, a: u64, b: u64, beta: f32, d: u64) -> Result<()> {
+/// One rocBLAS call on the stream `blas` is bound to; `c` aliases `d`.
+///
+/// # Safety
+/// `a`, `b` and `d` span at least what `g` says (invariant above); `blas`'s stream is live.
+unsafe fn gemm(blas: &BlasHandle, g: &RocblasGemm, alpha: f32, a: u64, b: u64, beta: f32, d: u64) -> Result<()> {
     // SAFETY: `g` was built from the GemmSpec of this problem, whose spans fit the buffers behind
     // a, b and d (invariant above this section).
     unsafe { blas.gemm(g, alpha, a, b, beta, d) }

@@ -8,6 +8,8 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::blas::RocblasGemm;
 use super::sys::{self, HipApi, HiprtcApi, RocblasApi};
@@ -196,9 +198,36 @@ impl Plain for f32 {}
 impl Plain for u16 {}
 impl Plain for u8 {}
 
+/// Bytes allocated through one backend now and at the high-water mark.
+#[derive(Debug, Default)]
+pub struct AllocTracker {
+    current: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl AllocTracker {
+    fn add(&self, bytes: u64) {
+        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn sub(&self, bytes: u64) {
+        self.current.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    pub fn reset_peak(&self) {
+        self.peak.store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
 /// One device allocation, freed on drop.
 pub struct DeviceMem {
     api: &'static HipApi,
+    tracker: Arc<AllocTracker>,
     ptr: *mut c_void,
     bytes: usize,
 }
@@ -211,12 +240,22 @@ unsafe impl Sync for DeviceMem {}
 
 impl DeviceMem {
     /// `bytes` of device memory on the current device (at least 1 byte is requested, so the
-    /// address is never null).
-    pub fn alloc(api: &'static HipApi, bytes: usize) -> Result<DeviceMem> {
+    /// address is never null), counted in `tracker`.
+    pub fn alloc(api: &'static HipApi, tracker: &Arc<AllocTracker>, bytes: usize) -> Result<DeviceMem> {
         let mut ptr: *mut c_void = ptr::null_mut();
         // SAFETY: hipMalloc writes a device address into our local on success.
-        check(api, unsafe { (api.hipMalloc)(&mut ptr, bytes.max(1)) }, "hipMalloc")?;
-        Ok(DeviceMem { api, ptr, bytes })
+        let code = unsafe { (api.hipMalloc)(&mut ptr, bytes.max(1)) };
+        if code == sys::HIP_ERROR_OUT_OF_MEMORY {
+            return Err(Error::OutOfMemory {
+                backend: BackendKind::Hip,
+                what: "a device buffer".into(),
+                needed: bytes as u64,
+                available: mem_get_info(api).map_or(0, |(free, _)| free),
+            });
+        }
+        check(api, code, "hipMalloc")?;
+        tracker.add(bytes as u64);
+        Ok(DeviceMem { api, tracker: tracker.clone(), ptr, bytes })
     }
 
     /// The device address, for kernel parameters and BLAS calls.
@@ -285,11 +324,35 @@ impl DeviceMem {
     }
 
     /// Sets every byte to `value`, ordered on `stream`.
-    pub fn memset(&self, stream: &Stream, value: u8) -> Result<()> {
-        // SAFETY: the whole allocation, on our stream.
-        let code = unsafe { (self.api.hipMemsetAsync)(self.ptr, c_int::from(value), self.bytes, stream.raw) };
-        check(self.api, code, "hipMemsetAsync")
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this allocation's device.
+    pub unsafe fn memset(&self, stream: sys::hipStream_t, value: u8) -> Result<()> {
+        // SAFETY: exactly our allocation; the stream is the caller's promise.
+        unsafe { memset_async(self.api, self.addr(), value, self.bytes, stream) }
     }
+}
+
+/// Sets `bytes` bytes at device address `addr` to `value`, ordered on `stream`.
+///
+/// # Safety
+/// `addr .. addr + bytes` must be device memory of the current device that stays allocated until
+/// the work completes; `stream` must be a live stream of that device.
+pub unsafe fn memset_async(api: &HipApi, addr: u64, value: u8, bytes: usize, stream: sys::hipStream_t) -> Result<()> {
+    // SAFETY: guaranteed by the caller.
+    let code = unsafe { (api.hipMemsetAsync)(addr as *mut c_void, c_int::from(value), bytes, stream) };
+    check(api, code, "hipMemsetAsync")
+}
+
+/// Copies `bytes` bytes between device addresses, ordered on `stream`.
+///
+/// # Safety
+/// Both ranges must be device memory that stays allocated until the work completes, and must not
+/// overlap; `stream` as for [`memset_async`].
+pub unsafe fn copy_dtod_async(api: &HipApi, dst: u64, src: u64, bytes: usize, stream: sys::hipStream_t) -> Result<()> {
+    // SAFETY: guaranteed by the caller.
+    let code = unsafe { (api.hipMemcpyDtoDAsync)(dst as *mut c_void, src as *mut c_void, bytes, stream) };
+    check(api, code, "hipMemcpyDtoDAsync")
 }
 
 impl Drop for DeviceMem {
@@ -297,6 +360,7 @@ impl Drop for DeviceMem {
         // SAFETY: we own the allocation; hipFree waits for work that may still use it. An error
         // here cannot be reported from drop and leaks at worst.
         let _ = unsafe { (self.api.hipFree)(self.ptr) };
+        self.tracker.sub(self.bytes as u64);
     }
 }
 
@@ -318,6 +382,11 @@ impl Stream {
         // SAFETY: writes a stream handle into our local on success.
         check(api, unsafe { (api.hipStreamCreate)(&mut raw) }, "hipStreamCreate")?;
         Ok(Stream { api, raw })
+    }
+
+    /// The raw handle, for launches and for callers that interoperate with other HIP code.
+    pub fn raw(&self) -> sys::hipStream_t {
+        self.raw
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -369,14 +438,14 @@ impl Timer {
     }
 
     /// Milliseconds between the two records; waits for the second.
-    pub fn elapsed_ms(&self) -> Result<f32> {
+    pub fn elapsed_ms(&self) -> Result<f64> {
         let mut ms: f32 = 0.0;
         // SAFETY: live events; the result is written to a valid local.
         unsafe {
             check(self.api, (self.api.hipEventSynchronize)(self.stop), "hipEventSynchronize")?;
             check(self.api, (self.api.hipEventElapsedTime)(&mut ms, self.start, self.stop), "hipEventElapsedTime")?;
         }
-        Ok(ms)
+        Ok(f64::from(ms))
     }
 }
 
@@ -445,7 +514,7 @@ impl Kernel {
     /// the work completes on `stream`.
     pub unsafe fn launch(
         &self,
-        stream: &Stream,
+        stream: sys::hipStream_t,
         grid: u32,
         block: u32,
         smem: u32,
@@ -465,7 +534,7 @@ impl Kernel {
                 1,
                 1,
                 smem,
-                stream.raw,
+                stream,
                 args.as_mut_ptr(),
                 ptr::null_mut(),
             )
@@ -558,10 +627,19 @@ impl BlasHandle {
         // SAFETY: writes a handle to our local on success.
         check_blas(api, unsafe { (api.rocblas_create_handle)(&mut raw) }, "rocblas_create_handle")?;
         let handle = BlasHandle { api, raw };
-        // SAFETY: live handle and stream; the stream outlives the handle (the backend drops
-        // the handle first).
-        check_blas(api, unsafe { (api.rocblas_set_stream)(raw, stream.raw) }, "rocblas_set_stream")?;
+        // SAFETY: `stream` is live; the backend drops the handle before the stream.
+        unsafe { handle.set_stream(stream.raw)? };
         Ok(handle)
+    }
+
+    /// Sends subsequent calls to `stream`.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the handle's device for as long as GEMMs are enqueued
+    /// on it (rocBLAS only records it here).
+    pub unsafe fn set_stream(&self, stream: sys::hipStream_t) -> Result<()> {
+        // SAFETY: live handle; the stream's liveness is the caller's promise.
+        check_blas(self.api, unsafe { (self.api.rocblas_set_stream)(self.raw, stream) }, "rocblas_set_stream")
     }
 
     /// Enqueues `D = alpha·op(A)·op(B) + beta·C` with `C = D` (host-side f32 scalars, rocBLAS's
@@ -569,7 +647,8 @@ impl BlasHandle {
     ///
     /// # Safety
     /// `a`, `b` and `d` must be device addresses of at least `g.a_elems`, `g.b_elems` and
-    /// `g.d_elems` elements of the types in `g`, valid until the work completes.
+    /// `g.d_elems` elements of the types in `g`, valid until the work completes on the stream set
+    /// last with [`BlasHandle::set_stream`], which must be live.
     pub unsafe fn gemm(&self, g: &RocblasGemm, alpha: f32, a: u64, b: u64, beta: f32, d: u64) -> Result<()> {
         let (pa, pb) = (a as *const c_void, b as *const c_void);
         let pd = d as *mut c_void;

@@ -7,7 +7,7 @@
 //! missing symbol [`Error::MissingSymbol`]; neither panics. Only successful loads are cached, so a
 //! caller who fixes `TRIMUL_HIP_LIBRARY` (or installs ROCm) can try again in the same process.
 //!
-//! We write these tables by hand rather than using `cubecl-hip-sys`: we need 30 HIP symbols, 7
+//! We write these tables by hand rather than using `cubecl-hip-sys`: we need 31 HIP symbols, 7
 //! hipRTC symbols and 7 rocBLAS symbols (no crate offers rocBLAS without ROCm at build time), the
 //! table compiles in a fraction of the time of a generated binding, and its loader returns errors
 //! where we want them. Signatures and constants are those of ROCm 6.x/7.x `hip_runtime_api.h`,
@@ -33,6 +33,7 @@ pub type hipEvent_t = *mut c_void;
 pub type hipDeviceptr_t = *mut c_void;
 
 pub const HIP_SUCCESS: hipError_t = 0;
+pub const HIP_ERROR_OUT_OF_MEMORY: hipError_t = 2;
 pub const HIP_ERROR_NO_DEVICE: hipError_t = 100;
 
 /// `hipDeviceAttribute_t` values (the CUDA-compatible block, stable since ROCm 5.0).
@@ -200,6 +201,7 @@ pub struct HipApi {
     pub hipFree: unsafe extern "C" fn(*mut c_void) -> hipError_t,
     pub hipMemcpyHtoDAsync: unsafe extern "C" fn(hipDeviceptr_t, *const c_void, usize, hipStream_t) -> hipError_t,
     pub hipMemcpyDtoHAsync: unsafe extern "C" fn(*mut c_void, hipDeviceptr_t, usize, hipStream_t) -> hipError_t,
+    pub hipMemcpyDtoDAsync: unsafe extern "C" fn(hipDeviceptr_t, hipDeviceptr_t, usize, hipStream_t) -> hipError_t,
     pub hipMemsetAsync: unsafe extern "C" fn(*mut c_void, c_int, usize, hipStream_t) -> hipError_t,
     pub hipStreamCreate: unsafe extern "C" fn(*mut hipStream_t) -> hipError_t,
     pub hipStreamSynchronize: unsafe extern "C" fn(hipStream_t) -> hipError_t,
@@ -258,6 +260,7 @@ impl HipApi {
                 hipFree: symbol(&lib, LIB, "hipFree")?,
                 hipMemcpyHtoDAsync: symbol(&lib, LIB, "hipMemcpyHtoDAsync")?,
                 hipMemcpyDtoHAsync: symbol(&lib, LIB, "hipMemcpyDtoHAsync")?,
+                hipMemcpyDtoDAsync: symbol(&lib, LIB, "hipMemcpyDtoDAsync")?,
                 hipMemsetAsync: symbol(&lib, LIB, "hipMemsetAsync")?,
                 hipStreamCreate: symbol(&lib, LIB, "hipStreamCreate")?,
                 hipStreamSynchronize: symbol(&lib, LIB, "hipStreamSynchronize")?,
