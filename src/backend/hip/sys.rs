@@ -145,7 +145,12 @@ pub fn open_library(library: &str, candidates: &[String]) -> Result<(Library, St
         match unsafe { Library::new(c) } {
             Ok(lib) => return Ok((lib, c.clone())),
             Err(e) => {
-                first_reason.get_or_insert_with(|| e.to_string());
+                // libloading's Display says only "dlopen failed"; the loader's text is the source.
+                let text = match std::error::Error::source(&e) {
+                    Some(src) => format!("{e}: {src}"),
+                    None => e.to_string(),
+                };
+                first_reason.get_or_insert(text);
             }
         }
     }

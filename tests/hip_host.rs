@@ -1,0 +1,603 @@
+//! The HIP backend, tested on a machine with no AMD GPU and no ROCm: everything that can be proven
+//! without the hardware.
+//!
+//! - the embedded code objects (one linked ELF per stage for gfx942 and gfx90a), their metadata,
+//!   and `v_mfma` in the MFMA kernel's disassembly;
+//! - that the embedded sources (what hipRTC gets) are self-contained and compile for other archs;
+//! - that the device-side `TrimulParams` layout equals the Rust mirror, field by field;
+//! - the MFMA output kernel's real source, run on the CPU through tests/hip_emu, against f64;
+//! - rocBLAS argument construction: a host model of `rocblas_gemm_ex` semantics driven only by
+//!   the arguments we pass computes exactly the products of SPEC.md and of `GemmSpec::run_host`
+//!   (the layout the CUDA path executes), for all three GEMMs, both directions, and the bias;
+//! - arch normalisation and code-object selection against the real embedded table;
+//! - missing libraries and absent devices are errors naming what was tried, never panics.
+//!
+//! Tests that need clang-19 / llvm-objdump-19 / a host C++20 compiler print `SKIPPED: …` when
+//! the tool is missing; with `TRIMUL_REQUIRE_HIP_CLANG` set (CI) a missing tool fails instead.
+#![cfg(feature = "rocm")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use trimul::backend::gemm::GemmSpec;
+use trimul::backend::hip::blas::{bias_update_spec, DataType, RocblasGemm};
+use trimul::backend::hip::kernels::{self, KernelImage, HIP_BUILD, HIP_PREBUILT_ARCHS, HIP_STAGES};
+use trimul::backend::hip::sys::{self, ROCBLAS_OPERATION_NONE, ROCBLAS_OPERATION_TRANSPOSE};
+use trimul::backend::hip::{arch, HipBackend};
+use trimul::backend::params::KernelParams;
+use trimul::rand::Rng;
+use trimul::{suite, BackendKind, Device, Direction, Error, Formulation};
+
+const REQUIRE: &str = "TRIMUL_REQUIRE_HIP_CLANG";
+const ARCHS: [&str; 2] = ["gfx942", "gfx90a"];
+const STAGES: [&str; 5] = ["input_gating", "input_norm", "output_gate", "output_norm", "output_projection"];
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Says why a tool-dependent test did not run, or fails when CI demands the tools.
+fn skip(what: &str) {
+    if std::env::var_os(REQUIRE).is_some() {
+        panic!("{REQUIRE} is set but {what}");
+    }
+    eprintln!("SKIPPED: {what}");
+}
+
+/// `$env_var`, else the first of `names` on PATH that runs.
+fn tool(env_var: &str, names: &[&str]) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(env_var) {
+        return Some(PathBuf::from(p));
+    }
+    names.iter().map(PathBuf::from).find(|n| {
+        Command::new(n).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    })
+}
+
+fn clang() -> Option<PathBuf> {
+    tool("TRIMUL_HIP_CLANG", &["clang++-19", "clang++"])
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("trimul-hip-host-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn built_with_clang() -> bool {
+    if HIP_BUILD.starts_with("clang") {
+        return true;
+    }
+    skip(&format!("this build embedded no code objects ({HIP_BUILD}); install clang-19 and lld-19 and rebuild"));
+    false
+}
+
+fn stage(name: &str) -> &'static kernels::EmbeddedHipStage {
+    HIP_STAGES.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("stage {name} not embedded"))
+}
+
+// ------------------------------------------------------------------------------- code objects
+
+#[test]
+fn every_stage_is_embedded_with_a_self_contained_source() {
+    let names: Vec<&str> = HIP_STAGES.iter().map(|s| s.name).collect();
+    assert_eq!(names, STAGES, "hip/*.hip and the embedded table disagree");
+    for s in HIP_STAGES {
+        assert!(!s.source.contains("#include \""), "{}: unexpanded include left for hipRTC", s.name);
+        assert!(s.source.contains("__global__ void TM_LAUNCH_BOUNDS"), "{}", s.name);
+        assert!(s.source.contains(&format!("{}(const TrimulParams p", s.name)), "{}: kernel name", s.name);
+    }
+}
+
+#[test]
+fn every_stage_has_linked_code_objects_for_gfx942_and_gfx90a() {
+    if !built_with_clang() {
+        return;
+    }
+    assert_eq!(HIP_PREBUILT_ARCHS, ARCHS);
+    for s in HIP_STAGES {
+        let archs: Vec<&str> = s.code_objects.iter().map(|(a, _)| *a).collect();
+        assert_eq!(archs, ARCHS, "{}", s.name);
+        for (a, code) in s.code_objects {
+            // 64-bit little-endian ELF, ET_DYN (linked: what hipModuleLoadData wants), EM_AMDGPU.
+            assert_eq!(&code[..4], b"\x7fELF", "{} {a}", s.name);
+            assert_eq!((code[4], code[5]), (2, 1), "{} {a}: ELF64 LE", s.name);
+            assert_eq!(u16::from_le_bytes([code[16], code[17]]), 3, "{} {a}: ET_DYN", s.name);
+            assert_eq!(u16::from_le_bytes([code[18], code[19]]), 224, "{} {a}: EM_AMDGPU", s.name);
+            // e_flags: the processor in the low byte (EF_AMDGPU_MACH), 0x4c gfx942, 0x3f gfx90a.
+            let flags = u32::from_le_bytes([code[48], code[49], code[50], code[51]]);
+            let mach = match *a {
+                "gfx942" => 0x4c,
+                "gfx90a" => 0x3f,
+                other => panic!("unexpected arch {other}"),
+            };
+            assert_eq!(flags & 0xff, mach, "{} {a}: e_flags {flags:#x}", s.name);
+        }
+    }
+}
+
+/// Writes each code object of `stage` to a file and runs `tool args… file`.
+fn tool_output(tool: &Path, args: &[&str], stage: &str, arch: &str) -> String {
+    let (_, code) = crate::stage(stage).code_objects.iter().find(|(a, _)| *a == arch).unwrap();
+    let dir = tmpdir("objects");
+    let file = dir.join(format!("{stage}.{arch}.hsaco"));
+    std::fs::write(&file, code).unwrap();
+    let out = Command::new(tool).args(args).arg(&file).output().unwrap();
+    assert!(out.status.success(), "{} failed: {}", tool.display(), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn mfma_kernel_disassembly_contains_v_mfma() {
+    if !built_with_clang() {
+        return;
+    }
+    let Some(objdump) = tool("TRIMUL_LLVM_OBJDUMP", &["llvm-objdump-19", "llvm-objdump"]) else {
+        return skip("no llvm-objdump-19 (apt install llvm-19)");
+    };
+    for a in ARCHS {
+        let asm = tool_output(&objdump, &["-d"], "output_projection", a);
+        let mfma = asm.lines().filter(|l| l.trim_start().starts_with("v_mfma_f32_32x32x8")).count();
+        assert!(mfma >= 2, "{a}: expected v_mfma_f32_32x32x8*f16 in output_projection, found {mfma}:\n{asm}");
+        assert!(asm.contains("<output_projection>:"), "{a}: kernel symbol missing");
+        // The portable stages must not depend on matrix cores (they also run on RDNA via hipRTC).
+        let plain = tool_output(&objdump, &["-d"], "input_gating", a);
+        assert!(!plain.contains("v_mfma"), "{a}: input_gating uses MFMA");
+    }
+}
+
+#[test]
+fn code_object_metadata_matches_the_launches() {
+    if !built_with_clang() {
+        return;
+    }
+    let Some(readelf) = tool("TRIMUL_LLVM_READELF", &["llvm-readelf-19", "llvm-readelf"]) else {
+        return skip("no llvm-readelf-19 (apt install llvm-19)");
+    };
+    for s in STAGES {
+        for a in ARCHS {
+            let notes = tool_output(&readelf, &["--notes"], s, a);
+            let field = |key: &str| -> String {
+                notes
+                    .lines()
+                    .find_map(|l| l.trim().strip_prefix(&format!("{key}:")).map(|v| v.trim().to_string()))
+                    .unwrap_or_else(|| panic!("{s} {a}: no {key} in\n{notes}"))
+            };
+            assert_eq!(field(".name"), s, "{a}");
+            assert_eq!(field(".wavefront_size"), "64", "{s} {a}");
+            // All LDS is dynamic: the host passes its size, so no static LDS may add to it.
+            assert_eq!(field(".group_segment_fixed_size"), "0", "{s} {a}");
+            // No scratch: spills would be a silent slowdown, and a private segment a surprise.
+            assert_eq!(field(".private_segment_fixed_size"), "0", "{s} {a}");
+            assert_eq!(field(".vgpr_spill_count"), "0", "{s} {a}");
+            assert_eq!(field(".max_flat_workgroup_size"), "256", "{s} {a}: launches use 256 threads");
+            // The first kernel argument is the 176-byte TrimulParams by value.
+            let first_arg = notes.split(".args:").nth(1).unwrap_or_default();
+            assert!(first_arg.contains(".size:           176"), "{s} {a}: params size\n{first_arg}");
+        }
+    }
+}
+
+#[test]
+fn embedded_sources_compile_as_hiprtc_would_see_them() {
+    let Some(clang) = clang() else { return skip("no clang++-19 with the AMDGPU target") };
+    let dir = tmpdir("rtc");
+    // gfx1100 (RDNA3, wave32) has no prebuilt objects: the portable stages reach it only this
+    // way. The MFMA kernel must build for every CDNA arch it claims (gfx908 has no object here).
+    let mut jobs: Vec<(&str, &str)> =
+        STAGES.iter().filter(|s| **s != "output_projection").map(|s| (*s, "gfx1100")).collect();
+    jobs.extend([("output_projection", "gfx908"), ("output_projection", "gfx942")]);
+    for (name, a) in jobs {
+        let src = dir.join(format!("{name}.hip"));
+        std::fs::write(&src, stage(name).source).unwrap();
+        // No -I: the embedded source must stand alone, as it does under hipRTC.
+        let out = Command::new(&clang)
+            .args(["-x", "hip", "-nogpuinc", "-nogpulib", "-O3", "-std=c++17", "--cuda-device-only"])
+            .args(["--no-gpu-bundle-output", "-c", &format!("--offload-arch={a}")])
+            .arg(&src)
+            .arg("-o")
+            .arg(dir.join(format!("{name}.{a}.hsaco")))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{name} for {a}:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
+fn device_side_params_layout_equals_the_rust_mirror() {
+    let Some(clang) = clang() else { return skip("no clang++-19 with the AMDGPU target") };
+    use std::mem::offset_of;
+    let fields = [
+        ("x", offset_of!(KernelParams, x)),
+        ("mask", offset_of!(KernelParams, mask)),
+        ("norm_in_w", offset_of!(KernelParams, norm_in_w)),
+        ("norm_in_b", offset_of!(KernelParams, norm_in_b)),
+        ("proj_bias", offset_of!(KernelParams, proj_bias)),
+        ("norm_out_w", offset_of!(KernelParams, norm_out_w)),
+        ("norm_out_b", offset_of!(KernelParams, norm_out_b)),
+        ("z", offset_of!(KernelParams, z)),
+        ("proj", offset_of!(KernelParams, proj)),
+        ("left", offset_of!(KernelParams, left)),
+        ("right", offset_of!(KernelParams, right)),
+        ("gate", offset_of!(KernelParams, gate)),
+        ("t", offset_of!(KernelParams, t)),
+        ("a", offset_of!(KernelParams, a)),
+        ("y", offset_of!(KernelParams, y)),
+        ("row0", offset_of!(KernelParams, row0)),
+        ("rows", offset_of!(KernelParams, rows)),
+        ("batch", offset_of!(KernelParams, batch)),
+        ("n", offset_of!(KernelParams, n)),
+        ("c", offset_of!(KernelParams, c)),
+        ("h", offset_of!(KernelParams, h)),
+        ("g", offset_of!(KernelParams, g)),
+        ("p", offset_of!(KernelParams, p)),
+        ("af3", offset_of!(KernelParams, af3)),
+        ("tile_rows", offset_of!(KernelParams, tile_rows)),
+        ("eps", offset_of!(KernelParams, eps)),
+        ("reserved", offset_of!(KernelParams, reserved)),
+    ];
+    let mut src = String::from("#include \"common/compat.h\"\n#include \"common/params.h\"\n");
+    for (f, off) in fields {
+        src += &format!("static_assert(__builtin_offsetof(TrimulParams, {f}) == {off}, \"{f}\");\n");
+    }
+    src += &format!("static_assert(sizeof(TrimulParams) == {}, \"size\");\n", std::mem::size_of::<KernelParams>());
+    let file = tmpdir("params").join("params_layout.hip");
+    std::fs::write(&file, src).unwrap();
+    for a in ARCHS {
+        let out = Command::new(&clang)
+            .args(["-x", "hip", "-nogpuinc", "-nogpulib", "-std=c++17", "--cuda-device-only", "-fsyntax-only"])
+            .arg(format!("--offload-arch={a}"))
+            .arg("-I")
+            .arg(root())
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{a}: device layout differs:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+// ------------------------------------------------------------------ MFMA kernel, CPU emulation
+
+#[test]
+fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
+    let Some(cxx) = tool("TRIMUL_HOST_CXX", &["clang++-19", "clang++"]) else {
+        return skip("no host clang++ (C++20, _Float16) for the emulation");
+    };
+    let dir = tmpdir("emu");
+    let exe = dir.join("output_projection_emu");
+    let out = Command::new(&cxx)
+        .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wno-psabi"])
+        .arg("-I")
+        .arg(root())
+        .arg(root().join("tests/hip_emu/output_projection.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "building the emulation:\n{}", String::from_utf8_lossy(&out.stderr));
+    // (B, N, H, C, af3, bias, row0, rows): partial blocks, a batch boundary inside a block,
+    // column tails, more column tiles than waves, idle waves, a chunk not starting at 0, H at its
+    // LDS limit.
+    let m = |b: usize, n: usize| b * n * n;
+    let cases: [(usize, usize, usize, usize, u8, u8, usize, usize); 7] = [
+        (2, 9, 32, 80, 0, 0, 0, m(2, 9)),
+        (1, 8, 128, 128, 0, 0, 0, m(1, 8)),
+        (1, 12, 64, 40, 1, 1, 0, m(1, 12)),
+        (1, 16, 16, 130, 1, 0, 70, 100),
+        (3, 5, 8, 7, 0, 0, 0, m(3, 5)),
+        (1, 10, 248, 33, 1, 1, 0, m(1, 10)),
+        (2, 11, 24, 161, 0, 0, 50, 150),
+    ];
+    for (i, (b, n, h, c, af3, bias, row0, rows)) in cases.into_iter().enumerate() {
+        assert_eq!(kernels::select_output("gfx942", h, Some("1")).0, kernels::HipKernelOutput::Mfma, "H={h}");
+        let smem = kernels::output_projection_smem_bytes(h);
+        let args = [b, n, h, c, af3 as usize, bias as usize, row0, rows, smem, 1000 + i].map(|v| v.to_string());
+        let mut child = Command::new(&exe).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        // A kernel whose lanes diverge at a wave-wide operation deadlocks the emulation.
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if start.elapsed() > Duration::from_secs(120) {
+                let _ = child.kill();
+                panic!("emulation of case {args:?} hung: lanes diverged at a barrier or MFMA?");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let out = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(status.success(), "case {args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
+        eprintln!(
+            "output_projection B={b} N={n} H={h} C={c} af3={af3} bias={bias} rows {row0}+{rows}: {}",
+            text.trim()
+        );
+    }
+}
+
+// ------------------------------------------------------------------- rocBLAS argument checks
+
+/// `D = alpha·op(A)·op(B) + beta·D` exactly as rocBLAS documents `rocblas_gemm_ex` /
+/// `rocblas_gemm_strided_batched_ex` (column-major; `op` from `trans_a`/`trans_b`), driven only
+/// by the arguments of the call, in f64.
+fn rocblas_model(g: &RocblasGemm, alpha: f64, a: &[f64], b: &[f64], beta: f64, d: &mut [f64]) {
+    assert!(a.len() >= g.a_elems && b.len() >= g.b_elems && d.len() >= g.d_elems, "spans");
+    assert!(g.strided_batched || g.batch == 1);
+    let op = |t| match t {
+        ROCBLAS_OPERATION_NONE => false,
+        ROCBLAS_OPERATION_TRANSPOSE => true,
+        other => panic!("operation {other}"),
+    };
+    let (ta, tb) = (op(g.trans_a), op(g.trans_b));
+    let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
+    let (lda, ldb, ldd) = (g.lda as usize, g.ldb as usize, g.ldd as usize);
+    assert_eq!(g.ldc, g.ldd, "C aliases D");
+    for bt in 0..g.batch as usize {
+        let (sa, sb, sd) = (bt * g.stride_a as usize, bt * g.stride_b as usize, bt * g.stride_d as usize);
+        for j in 0..n {
+            for i in 0..m {
+                let mut acc = 0.0;
+                for p in 0..k {
+                    let av = if ta { a[sa + p + i * lda] } else { a[sa + i + p * lda] };
+                    let bv = if tb { b[sb + j + p * ldb] } else { b[sb + p + j * ldb] };
+                    acc += av * bv;
+                }
+                let dv = &mut d[sd + i + j * ldd];
+                *dv = if beta == 0.0 { alpha * acc } else { alpha * acc + beta * *dv };
+            }
+        }
+    }
+}
+
+fn rnd(len: usize, seed: u64) -> Vec<f64> {
+    let mut r = Rng::new(seed);
+    (0..len).map(|_| r.normal()).collect()
+}
+
+fn assert_close(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= 1e-9 * (1.0 + w.abs()), "{what}[{i}]: {g} vs {w}");
+    }
+}
+
+/// The same spec through `GemmSpec::run_host` (the layout the CUDA path hands cuBLASLt).
+fn cuda_layout(spec: &GemmSpec, a: &[f64], b: &[f64], d_len: usize) -> Vec<f64> {
+    let (a32, b32): (Vec<f32>, Vec<f32>) =
+        (a.iter().map(|&v| v as f32).collect(), b.iter().map(|&v| v as f32).collect());
+    let mut d = vec![0f32; d_len];
+    spec.run_host(&a32, &b32, &mut d);
+    d.into_iter().map(f64::from).collect()
+}
+
+#[test]
+fn rocblas_projection_and_output_calls_compute_the_spec_products() {
+    // proj[rows, P] = z[rows, C]·Wcat[P, C]ᵀ, all row-major.
+    let (rows, c, p) = (9, 7, 13);
+    let (z, w) = (rnd(rows * c, 1), rnd(p * c, 2));
+    let spec = GemmSpec::projection(rows, c, p);
+    let g = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16).unwrap();
+    let mut proj = vec![0.0; rows * p];
+    rocblas_model(&g, 1.0, &w, &z, 0.0, &mut proj);
+    let want: Vec<f64> = (0..rows)
+        .flat_map(|i| (0..p).map(move |o| (i, o)))
+        .map(|(i, o)| (0..c).map(|k| z[i * c + k] * w[o * c + k]).sum())
+        .collect();
+    assert_close(&proj, &want, "projection");
+    let cuda = cuda_layout(&spec, &w, &z, rows * p);
+    for (x, y) in proj.iter().zip(&cuda) {
+        assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "rocBLAS and CUDA layouts differ: {x} {y}");
+    }
+
+    // y[rows, C] = a[rows, H]·Wout[C, H]ᵀ, then the af3 bias: y += bout.
+    let (rows, c, h) = (11, 6, 8);
+    let (a, wout, bias) = (rnd(rows * h, 3), rnd(c * h, 4), rnd(c, 5));
+    let g = RocblasGemm::from_spec(&GemmSpec::output(rows, c, h), DataType::F16, DataType::F32).unwrap();
+    // beta = 0: D is not read (BLAS convention), so NaN left in y by the poisoning must vanish.
+    let mut y = vec![f64::NAN; rows * c];
+    rocblas_model(&g, 1.0, &wout, &a, 0.0, &mut y);
+    let want: Vec<f64> = (0..rows)
+        .flat_map(|i| (0..c).map(move |o| (i, o)))
+        .map(|(i, o)| (0..h).map(|k| a[i * h + k] * wout[o * h + k]).sum())
+        .collect();
+    assert_close(&y, &want, "output");
+    let gb = RocblasGemm::from_spec(&bias_update_spec(rows, c), DataType::F32, DataType::F32).unwrap();
+    rocblas_model(&gb, 1.0, &bias, &vec![1.0; rows], 1.0, &mut y);
+    let with_bias: Vec<f64> = want.iter().enumerate().map(|(idx, v)| v + bias[idx % c]).collect();
+    assert_close(&y, &with_bias, "output + bias");
+}
+
+#[test]
+fn rocblas_contraction_calls_compute_both_directions() {
+    let (b, h, n) = (2, 3, 5);
+    let bh = b * h;
+    // left/right in the contraction layout [B, H, N, N]: element (b, i, k, h) at ((b·H + h)·N + i)·N + k.
+    let (left, right) = (rnd(bh * n * n, 6), rnd(bh * n * n, 7));
+    let at = |v: &[f64], bb: usize, hh: usize, i: usize, k: usize| v[((bb * h + hh) * n + i) * n + k];
+    for dir in [Direction::Outgoing, Direction::Incoming] {
+        let spec = GemmSpec::contraction(dir, bh, n);
+        let g = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16).unwrap();
+        assert_eq!((g.batch as usize, g.stride_d as usize), (bh, n * n));
+        let mut t = vec![0.0; bh * n * n];
+        rocblas_model(&g, 1.0, &right, &left, 0.0, &mut t);
+        for bb in 0..b {
+            for hh in 0..h {
+                for i in 0..n {
+                    for j in 0..n {
+                        let want: f64 = (0..n)
+                            .map(|k| match dir {
+                                // t[b,i,j,h] = Σ_k left[b,i,k,h]·right[b,j,k,h]
+                                Direction::Outgoing => at(&left, bb, hh, i, k) * at(&right, bb, hh, j, k),
+                                // t[b,i,j,h] = Σ_k left[b,k,i,h]·right[b,k,j,h]
+                                Direction::Incoming => at(&left, bb, hh, k, i) * at(&right, bb, hh, k, j),
+                            })
+                            .sum();
+                        let got = at(&t, bb, hh, i, j);
+                        assert!((got - want).abs() <= 1e-9 * (1.0 + want.abs()), "{dir} b{bb} h{hh} ({i},{j})");
+                    }
+                }
+            }
+        }
+        let cuda = cuda_layout(&spec, &right, &left, bh * n * n);
+        for (x, y) in t.iter().zip(&cuda) {
+            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "{dir}: rocBLAS and CUDA layouts differ");
+        }
+    }
+}
+
+#[test]
+fn every_suite_and_bench_shape_has_valid_rocblas_calls_and_a_plan() {
+    use trimul::backend::hip::plan::Plan;
+    for case in suite::test_cases().into_iter().chain(suite::bench_cases()) {
+        for f in [Formulation::GpuMode, Formulation::Af3] {
+            for dir in [Direction::Outgoing, Direction::Incoming] {
+                let problem = case.problem(f, dir).unwrap();
+                let plan = Plan::new(&problem).unwrap();
+                let cfg = problem.config;
+                let m = problem.shape.rows();
+                let what = format!("{} {f} {dir}", case.name());
+                for (_, rows) in plan.chunks() {
+                    let g = RocblasGemm::from_spec(
+                        &GemmSpec::projection(rows, cfg.c, plan.p),
+                        DataType::F16,
+                        DataType::F16,
+                    )
+                    .unwrap();
+                    assert!(g.b_elems <= rows * cfg.c && g.d_elems <= rows * plan.p, "{what}");
+                }
+                let g = RocblasGemm::from_spec(
+                    &GemmSpec::contraction(dir, problem.shape.batch * cfg.h, problem.shape.n),
+                    DataType::F16,
+                    DataType::F16,
+                )
+                .unwrap();
+                // The contraction reads and writes exactly the [B, H, N, N] buffers.
+                assert_eq!((g.a_elems, g.b_elems, g.d_elems), (m * cfg.h, m * cfg.h, m * cfg.h), "{what}");
+                let g =
+                    RocblasGemm::from_spec(&GemmSpec::output(m, cfg.c, cfg.h), DataType::F16, DataType::F32).unwrap();
+                assert_eq!((g.b_elems, g.d_elems), (m * cfg.h, m * cfg.c), "{what}");
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ arch and kernel selection
+
+#[test]
+fn code_objects_are_selected_by_normalised_arch() {
+    let no_rtc = || Err("libhiprtc.so: cannot open shared object file".to_string());
+    for (id, want) in [
+        ("gfx942", "gfx942"),
+        ("gfx942:sramecc+:xnack-", "gfx942"),
+        ("gfx90a", "gfx90a"),
+        ("gfx90a:sramecc-:xnack+", "gfx90a"),
+    ] {
+        assert_eq!(arch::normalize_arch(id).as_deref(), Some(want));
+        for s in STAGES {
+            match kernels::select(HIP_STAGES, s, id, no_rtc(), false) {
+                Ok(KernelImage::Prebuilt { code, arch, .. }) => {
+                    assert_eq!(arch, want);
+                    let (_, expected) = stage(s).code_objects.iter().find(|(a, _)| *a == want).unwrap();
+                    assert!(std::ptr::eq(code, *expected), "{s} {id}: wrong object");
+                }
+                Ok(other) => panic!("{s} {id}: {other:?}"),
+                // Built without clang: no objects, and without hipRTC that is a clear error.
+                Err(e) => {
+                    assert!(HIP_PREBUILT_ARCHS.is_empty(), "{s} {id}: {e}");
+                    assert!(matches!(e, Error::NoKernels { .. }) && e.to_string().contains("hipRTC"), "{e}");
+                }
+            }
+        }
+    }
+    // RDNA3: hipRTC if present, otherwise an error naming the arch and what the build has.
+    match kernels::select(HIP_STAGES, "input_norm", "gfx1100", Ok(()), false).unwrap() {
+        KernelImage::Compile { arch, options, source, .. } => {
+            assert_eq!(arch, "gfx1100");
+            assert!(options.iter().any(|o| o == "--offload-arch=gfx1100"));
+            assert_eq!(source, stage("input_norm").source);
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = kernels::select(HIP_STAGES, "input_norm", "gfx1100", no_rtc(), false).unwrap_err().to_string();
+    assert!(e.contains("gfx1100") && e.contains("libhiprtc.so"), "{e}");
+    let e = kernels::select(HIP_STAGES, "output_projection", "gfx1100:xnack-", Ok(()), false).unwrap_err().to_string();
+    assert!(e.contains("MFMA"), "{e}");
+    // Forcing hipRTC recompiles even where an object exists (to test that path on an MI300).
+    assert!(matches!(
+        kernels::select(HIP_STAGES, "input_norm", "gfx942:sramecc+:xnack-", Ok(()), true).unwrap(),
+        KernelImage::Compile { .. }
+    ));
+}
+
+// ------------------------------------------------------------------- libraries and detection
+
+#[test]
+fn missing_libraries_are_errors_that_name_what_was_tried() {
+    let tried = vec!["libtrimul_no_such_library.so".to_string(), "/nonexistent/trimul/libamdhip64.so.6".to_string()];
+    let errors = [
+        sys::HipApi::load_from(&tried).map(|_| ()).unwrap_err(),
+        sys::HiprtcApi::load_from(&tried).map(|_| ()).unwrap_err(),
+        sys::RocblasApi::load_from(&tried).map(|_| ()).unwrap_err(),
+    ];
+    for (e, lib) in errors.iter().zip(["libamdhip64", "libhiprtc", "librocblas"]) {
+        match e {
+            Error::LibraryNotFound { library, tried: t, reason } => {
+                assert!(library.contains(lib), "{library}");
+                assert!(
+                    t.contains("libtrimul_no_such_library.so") && t.contains("/nonexistent/trimul/libamdhip64.so.6")
+                );
+                assert!(!reason.is_empty());
+            }
+            other => panic!("{lib}: expected LibraryNotFound, got {other:?}"),
+        }
+    }
+    // A library that loads but lacks our symbols (libc here) is MissingSymbol, not a crash.
+    let libc = vec!["libc.so.6".to_string()];
+    match sys::RocblasApi::load_from(&libc) {
+        Err(Error::MissingSymbol { symbol, .. }) => assert_eq!(symbol, "rocblas_create_handle"),
+        Err(other) => panic!("expected MissingSymbol, got {other:?}"),
+        Ok(_) => panic!("libc is not rocBLAS"),
+    }
+    // The default candidates cover the sonames of ROCm 5 to 7 and /opt/rocm.
+    let c = sys::candidates("TRIMUL_TEST_VARIABLE_NEVER_SET", sys::HIP_NAMES);
+    for want in ["libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.7", "/opt/rocm/lib/libamdhip64.so"] {
+        assert!(c.iter().any(|x| x == want), "{want} not in {c:?}");
+    }
+}
+
+#[test]
+fn hip_device_is_an_error_without_rocm_and_detection_falls_back() {
+    match HipBackend::new(0) {
+        // On an AMD machine this test still has something to check.
+        Ok(b) => {
+            let info = Device::Hip(b).info();
+            assert_eq!(info.vendor, "AMD");
+            assert!(arch::normalize_arch(&info.arch).as_deref() == Some(info.arch.as_str()), "{}", info.arch);
+        }
+        Err(e) => {
+            assert!(
+                matches!(e, Error::LibraryNotFound { .. } | Error::NoDevice { backend: BackendKind::Hip, .. }),
+                "unexpected error kind: {e:?}"
+            );
+            eprintln!("HIP unavailable here, as expected: {e}");
+            let d = Device::detect_auto();
+            assert_ne!(d.kind(), BackendKind::Hip);
+            let probe = Device::probe_all();
+            let hip = probe.iter().find(|(k, _)| *k == BackendKind::Hip).unwrap();
+            assert!(hip.1.is_err());
+        }
+    }
+}
+
+#[test]
+fn hip_versions_and_target_ids_read_from_property_images() {
+    // The layout offsets the backend relies on, for both hipDeviceProp_t generations.
+    for offset in [sys::PROP_R0600_GCN_ARCH_NAME, sys::PROP_R0000_GCN_ARCH_NAME] {
+        let mut img = vec![0u8; sys::PROP_BUFFER_BYTES];
+        img[..18].copy_from_slice(b"AMD Instinct MI250");
+        img[offset..offset + 22].copy_from_slice(b"gfx90a:sramecc+:xnack-");
+        assert_eq!(arch::arch_from_props(&img, offset).as_deref(), Some("gfx90a:sramecc+:xnack-"));
+    }
+    assert!(sys::PROP_R0600_GCN_ARCH_NAME + 256 <= 1472 && sys::PROP_BUFFER_BYTES >= 8 * 1472);
+}
