@@ -280,7 +280,8 @@ fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
     // column tails, more column tiles than waves, idle waves, a chunk not starting at 0, H at its
     // LDS limit.
     let m = |b: usize, n: usize| b * n * n;
-    let cases: [(usize, usize, usize, usize, u8, u8, usize, usize); 7] = [
+    type Case = (usize, usize, usize, usize, u8, u8, usize, usize);
+    let cases: [Case; 7] = [
         (2, 9, 32, 80, 0, 0, 0, m(2, 9)),
         (1, 8, 128, 128, 0, 0, 0, m(1, 8)),
         (1, 12, 64, 40, 1, 1, 0, m(1, 12)),
@@ -599,5 +600,5 @@ fn hip_versions_and_target_ids_read_from_property_images() {
         img[offset..offset + 22].copy_from_slice(b"gfx90a:sramecc+:xnack-");
         assert_eq!(arch::arch_from_props(&img, offset).as_deref(), Some("gfx90a:sramecc+:xnack-"));
     }
-    assert!(sys::PROP_R0600_GCN_ARCH_NAME + 256 <= 1472 && sys::PROP_BUFFER_BYTES >= 8 * 1472);
+    const { assert!(sys::PROP_R0600_GCN_ARCH_NAME + 256 <= 1472 && sys::PROP_BUFFER_BYTES >= 8 * 1472) };
 }
