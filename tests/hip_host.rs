@@ -16,6 +16,8 @@
 //! the tool is missing; with `TRIMUL_REQUIRE_HIP_CLANG` set (CI) a missing tool fails instead.
 #![cfg(feature = "rocm")]
 
+use std::io::Write;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -42,7 +44,8 @@ fn skip(what: &str) {
     if std::env::var_os(REQUIRE).is_some() {
         panic!("{REQUIRE} is set but {what}");
     }
-    eprintln!("SKIPPED: {what}");
+    // Straight to stderr, past the harness's capture, so the skip shows in a plain `cargo test`.
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {what}");
 }
 
 /// `$env_var`, else the first of `names` on PATH that runs.

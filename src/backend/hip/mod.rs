@@ -77,6 +77,10 @@ struct Context {
     api: &'static sys::HipApi,
     tracker: Arc<AllocTracker>,
     poison: AtomicBool,
+    /// `Some(on)` overrides `TRIMUL_HIP_MFMA` for layers prepared from now on.
+    mfma_output: Mutex<Option<bool>>,
+    /// Every stage compiled with hipRTC, prebuilt objects ignored.
+    force_rtc: bool,
     ordinal: i32,
     /// Raw target id, e.g. `gfx942:sramecc+:xnack-`.
     target_id: String,
@@ -182,6 +186,16 @@ impl HipBackend {
     /// loads (or compiles with hipRTC) the stage kernels, creates a stream and a rocBLAS handle.
     /// Missing libraries, no device and no usable kernels are errors, never panics.
     pub fn new(ordinal: usize) -> Result<HipBackend> {
+        Self::open(ordinal, env_flag(kernels::FORCE_RTC_ENV).is_some_and(|v| v.trim() == "1"))
+    }
+
+    /// Like [`HipBackend::new`], but every stage is compiled from its embedded source with hipRTC
+    /// even where a code object exists: the path other archs take, testable on an MI300.
+    pub fn with_runtime_compilation(ordinal: usize) -> Result<HipBackend> {
+        Self::open(ordinal, true)
+    }
+
+    fn open(ordinal: usize, force_rtc: bool) -> Result<HipBackend> {
         let api = sys::hip()?;
         let no_device = |reason: String| Error::NoDevice { backend: BackendKind::Hip, reason };
         result::init(api).map_err(|e| no_device(format!("the HIP runtime did not initialise: {e}")))?;
@@ -199,7 +213,7 @@ impl HipBackend {
             arch: target_id.clone(),
             reason: "the runtime reported an arch name that is not a gfx target id".into(),
         })?;
-        let kernels = load_kernels(api, &target_id)?;
+        let kernels = load_kernels(api, &target_id, force_rtc)?;
         let blas_api = sys::rocblas()?;
         let stream = Stream::new(api)?;
         let blas = BlasHandle::new(blas_api, &stream)?;
@@ -241,6 +255,8 @@ impl HipBackend {
                 api,
                 tracker: Arc::new(AllocTracker::default()),
                 poison: AtomicBool::new(false),
+                mfma_output: Mutex::new(None),
+                force_rtc,
                 ordinal: ord,
                 target_id,
                 arch,
@@ -264,6 +280,24 @@ impl HipBackend {
     /// buffers); the GPU tests turn it on.
     pub fn set_poison(&self, on: bool) {
         self.ctx.poison.store(on, Ordering::Relaxed);
+    }
+
+    /// Chooses the output stage of layers prepared from now on: `Some(true)` the MFMA kernel
+    /// (where the arch and H allow it), `Some(false)` rocBLAS, `None` the default
+    /// (`TRIMUL_HIP_MFMA`, else rocBLAS until the MFMA kernel is validated on hardware).
+    pub fn set_mfma_output(&self, choice: Option<bool>) {
+        if let Ok(mut slot) = self.ctx.mfma_output.lock() {
+            *slot = choice;
+        }
+    }
+
+    /// The `TRIMUL_HIP_MFMA`-style setting in force: the override, else the environment.
+    fn mfma_setting(&self) -> Option<String> {
+        match self.ctx.mfma_output.lock().ok().and_then(|s| *s) {
+            Some(true) => Some("1".into()),
+            Some(false) => Some("0".into()),
+            None => env_flag(kernels::MFMA_ENV),
+        }
     }
 
     /// HIP's current device is per thread; every entry point makes ours current first.
@@ -296,7 +330,7 @@ impl HipBackend {
         if let Some(k) = slot.as_ref() {
             return Ok(k.clone());
         }
-        let (k, _) = load_stage(self.ctx.api, &self.ctx.target_id, kernels::OUTPUT_PROJECTION)?;
+        let (k, _) = load_stage(self.ctx.api, &self.ctx.target_id, kernels::OUTPUT_PROJECTION, self.ctx.force_rtc)?;
         let k = Arc::new(k);
         *slot = Some(k.clone());
         Ok(k)
@@ -485,8 +519,12 @@ impl HipBackend {
 /// Loads one stage for the device with target id `target_id`: its prebuilt code object when
 /// this build has one for the arch and it loads, otherwise the embedded source compiled with
 /// hipRTC. Returns the kernel and where it came from.
-fn load_stage(api: &'static sys::HipApi, target_id: &str, stage: &'static str) -> Result<(Kernel, String)> {
-    let force = env_flag(kernels::FORCE_RTC_ENV).is_some_and(|v| v.trim() == "1");
+fn load_stage(
+    api: &'static sys::HipApi,
+    target_id: &str,
+    stage: &'static str,
+    force: bool,
+) -> Result<(Kernel, String)> {
     // hipRTC is loaded only when it may be needed (it is a large library).
     let arch = arch::normalize_arch(target_id).unwrap_or_default();
     let prebuilt = kernels::HIP_STAGES
@@ -513,10 +551,10 @@ fn load_stage(api: &'static sys::HipApi, target_id: &str, stage: &'static str) -
     }
 }
 
-fn load_kernels(api: &'static sys::HipApi, target_id: &str) -> Result<Kernels> {
+fn load_kernels(api: &'static sys::HipApi, target_id: &str, force_rtc: bool) -> Result<Kernels> {
     let mut origin = Vec::new();
     let mut get = |stage: &'static str| -> Result<Kernel> {
-        let (k, o) = load_stage(api, target_id, stage)?;
+        let (k, o) = load_stage(api, target_id, stage, force_rtc)?;
         origin.push(o);
         Ok(k)
     };
@@ -557,7 +595,7 @@ impl Backend for HipBackend {
         } else {
             None
         };
-        let (output, _) = kernels::select_output(&self.ctx.arch, config.h, env_flag(kernels::MFMA_ENV).as_deref());
+        let (output, _) = kernels::select_output(&self.ctx.arch, config.h, self.mfma_setting().as_deref());
         let mfma = match output {
             HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
             HipKernelOutput::Blas => None,
