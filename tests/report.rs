@@ -229,6 +229,26 @@ fn one_run_without_anchors_renders() {
 }
 
 #[test]
+fn runs_without_shapes_or_common_shapes_still_render() {
+    let mut empty = built_run();
+    empty.shapes.clear();
+    let r = report::render(&[empty.clone()], &[], None).unwrap();
+    assert!(r.markdown.contains("No shape is common to all runs"), "{}", r.markdown);
+    let mut other = built_run();
+    other.shapes.truncate(1);
+    let mut disjoint = built_run();
+    disjoint.shapes.drain(..1);
+    let r = report::render(&[other, disjoint, empty], &synthetic_anchors(), Some(2)).unwrap();
+    assert!(r.markdown.contains("**geomean** (0 shapes)"), "{}", r.markdown);
+    assert!(
+        r.markdown.contains("`n256_b2_c128` is missing from #2 cuda, #3 cuda (measured by #1 cuda)"),
+        "{}",
+        r.markdown
+    );
+    assert_eq!(r.svgs.len(), 2);
+}
+
+#[test]
 fn h100_anchors_match_spec() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/perf/anchors-h100.json");
     let anchors = Anchor::load(path).unwrap();

@@ -196,10 +196,10 @@ fn clip(s: &str, max_chars: usize) -> String {
 
 fn draw(fig: &Figure<'_>) -> Result<String> {
     let n = fig.keys.len().max(1);
-    let plot_w = (PER_SHAPE_W * n as u32 + 110).max(680);
+    let plot_w = PER_SHAPE_W.saturating_mul(u32::try_from(n).unwrap_or(u32::MAX)).saturating_add(110).max(680);
     let legend_rows: u32 = fig.series.iter().map(|s| if s.subtitle.is_some() { 42 } else { 26 }).sum();
-    let height = PLOT_H.max(legend_rows + 130);
-    let width = plot_w + LEGEND_W;
+    let height = PLOT_H.max(legend_rows.saturating_add(130));
+    let width = plot_w.saturating_add(LEGEND_W);
 
     let mut svg = String::new();
     {
