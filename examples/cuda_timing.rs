@@ -30,7 +30,13 @@ fn main() {
                 .collect();
             t.sort_by(f64::total_cmp);
             let med = t[7];
-            let line = format!("{f} {}: median {med:.3} ms  min {:.3}  {:.1} TFLOP/s  peak {:.1} MB", case.name(), t[0], p.flops() / med / 1e9, b.peak_memory().unwrap() as f64 / 1e6);
+            let line = format!(
+                "{f} {}: median {med:.3} ms  min {:.3}  {:.1} TFLOP/s  peak {:.1} MB",
+                case.name(),
+                t[0],
+                p.flops() / med / 1e9,
+                b.peak_memory().unwrap() as f64 / 1e6
+            );
             println!("{line}");
             logs.push((f, med));
         }

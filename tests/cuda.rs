@@ -26,7 +26,8 @@ fn cuda() -> Option<CudaBackend> {
 }
 
 fn seed() -> u64 {
-    let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
+    let s =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1);
     eprintln!("seed {s}");
     s
 }
