@@ -412,14 +412,13 @@ pub fn sample_positions(shape: Shape, seed: u64) -> Vec<Position> {
     if shape.rows() <= SAMPLE_POSITIONS {
         return (0..batch).flat_map(all).collect();
     }
-    let ceil_div = |a: usize, b: usize| a.div_ceil(b);
     let ceil_sqrt = |v: usize| (1..).find(|s: &usize| s * s >= v).unwrap_or(v);
 
     let mut batches = batch.min(SAMPLE_MAX_BATCHES);
-    let side = ceil_sqrt(ceil_div(SAMPLE_POSITIONS, batches)).max(SAMPLE_MIN_DISTINCT).min(n);
+    let side = ceil_sqrt(SAMPLE_POSITIONS.div_ceil(batches)).max(SAMPLE_MIN_DISTINCT).min(n);
     if batches * side * side < SAMPLE_POSITIONS {
         // side == n here; B·N² > 4096 guarantees enough batches exist.
-        batches = ceil_div(SAMPLE_POSITIONS, side * side).min(batch);
+        batches = SAMPLE_POSITIONS.div_ceil(side * side).min(batch);
     }
 
     let mut rng = Rng::new(seed);
