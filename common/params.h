@@ -33,8 +33,13 @@ typedef struct TrimulParams {
   int tile_rows;  // positions per block in input_gating
   float eps;
   int reserved;
+  // Fused input projection (cuda/input_projection.cu): weights reordered and zero-padded at
+  // prepare time, [4*h_pad + g_pad, k_pad] f16, and the bias in the same order (f32, or null).
+  const tm_half* w_in;
+  const float* w_in_bias;
+  int k_pad, h_pad, g_pad, reserved2;
 } TrimulParams;
 
 #if defined(__cplusplus) && __cplusplus >= 201103L
-static_assert(sizeof(TrimulParams) == 176, "TrimulParams layout must match src/backend/params.rs");
+static_assert(sizeof(TrimulParams) == 208, "TrimulParams layout must match src/backend/params.rs");
 #endif

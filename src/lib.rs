@@ -29,6 +29,7 @@ pub mod layer;
 pub mod problem;
 pub mod rand;
 pub mod reference;
+pub mod report;
 pub mod suite;
 pub mod weights;
 

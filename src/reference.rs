@@ -84,11 +84,17 @@ fn sigmoid(v: f64) -> f64 {
     1.0 / (1.0 + (-v).exp())
 }
 
+/// Rows per block in the row-wise stages. Each weight row is applied to a whole block before the
+/// next is fetched: the f64 weights (up to 5 MB for C = 768) do not fit in L2, and streaming them
+/// once per row made the reference memory-bound.
+const BLOCK: usize = 32;
+
 /// `y = v·Wᵀ + b` in f64, `W` row-major `[out, in]`.
 struct Lin {
     w: Vec<f64>,
     b: Option<Vec<f64>>,
     inp: usize,
+    out: usize,
 }
 
 impl Lin {
@@ -97,17 +103,25 @@ impl Lin {
             w: l.weight.iter().map(|&v| v as f64).collect(),
             b: l.bias.as_ref().map(|b| b.iter().map(|&v| v as f64).collect()),
             inp: l.in_features,
+            out: l.out_features,
         }
     }
 
+    /// `out[r,o] = Σ_c v[r,c]·W[o,c] + b[o]` for every row `r` of `v` (`[rows, in] → [rows, out]`).
     fn apply(&self, v: &[f64], out: &mut [f64]) {
-        for (o, (dst, row)) in out.iter_mut().zip(self.w.chunks_exact(self.inp)).enumerate() {
-            *dst = dot(row, v) + self.b.as_ref().map_or(0.0, |b| b[o]);
+        for (vb, ob) in v.chunks(BLOCK * self.inp).zip(out.chunks_mut(BLOCK * self.out)) {
+            for (o, w) in self.w.chunks_exact(self.inp).enumerate() {
+                let bias = self.b.as_ref().map_or(0.0, |b| b[o]);
+                for (vr, or) in vb.chunks_exact(self.inp).zip(ob.chunks_exact_mut(self.out)) {
+                    or[o] = dot(w, vr) + bias;
+                }
+            }
         }
     }
 }
 
-/// LayerNorm as PyTorch defines it: `(v − mean)/√(var + eps)·w + b` with the biased variance.
+/// LayerNorm as PyTorch defines it: `(v − mean)/√(var + eps)·w + b` with the biased variance,
+/// over each row of `v`.
 struct Ln {
     w: Vec<f64>,
     b: Vec<f64>,
@@ -119,12 +133,14 @@ impl Ln {
     }
 
     fn apply(&self, v: &[f64], out: &mut [f64]) {
-        let len = v.len() as f64;
-        let mean = v.iter().sum::<f64>() / len;
-        let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / len;
-        let inv = 1.0 / (var + LN_EPS as f64).sqrt();
-        for (k, dst) in out.iter_mut().enumerate() {
-            *dst = (v[k] - mean) * inv * self.w[k] + self.b[k];
+        let width = self.w.len();
+        for (vr, or) in v.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+            let mean = vr.iter().sum::<f64>() / width as f64;
+            let var = vr.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / width as f64;
+            let inv = 1.0 / (var + LN_EPS as f64).sqrt();
+            for k in 0..width {
+                or[k] = (vr[k] - mean) * inv * self.w[k] + self.b[k];
+            }
         }
     }
 }
@@ -197,51 +213,58 @@ impl<'a> Model<'a> {
         self.problem.config.h
     }
 
-    /// `z = LN_C(x[row])` for a row index of `[B, N, N]`.
-    fn z(&self, row: usize) -> Vec<f64> {
+    /// `z = LN_C(x[row])` for each row index of `[B, N, N]` in `rows`: `[rows.len(), C]`.
+    fn z(&self, rows: &[usize]) -> Vec<f64> {
         let c = self.c();
-        let xr: Vec<f64> = self.x[row * c..(row + 1) * c].iter().map(|&v| v as f64).collect();
-        let mut z = vec![0.0; c];
-        self.norm_in.apply(&xr, &mut z);
+        let x: Vec<f64> = rows.iter().flat_map(|&r| &self.x[r * c..(r + 1) * c]).map(|&v| v as f64).collect();
+        let mut z = vec![0.0; x.len()];
+        self.norm_in.apply(&x, &mut z);
         z
     }
 
-    /// `left` or `right` at one position: `proj(z) ⊙ mask ⊙ σ(gate(z))`. Both formulations form
-    /// the same product; they differ only in whether the linear layers carry biases.
-    fn gated(&self, side: Side, z: &[f64], row: usize, out: &mut [f64]) {
+    /// `left` or `right` at `rows` from their `z`: `proj(z) ⊙ mask ⊙ σ(gate(z))`, `[rows.len(), H]`.
+    /// Both formulations form the same product; they differ only in whether the linear layers
+    /// carry biases.
+    fn gated(&self, side: Side, z: &[f64], rows: &[usize]) -> Vec<f64> {
         let (proj, gate) = match side {
             Side::Left => (&self.left_proj, &self.left_gate),
             Side::Right => (&self.right_proj, &self.right_gate),
         };
-        let m = self.mask.map_or(1.0, |m| m[row] as f64);
-        let mut p = vec![0.0; self.h()];
-        let mut g = vec![0.0; self.h()];
+        let h = self.h();
+        let mut p = vec![0.0; rows.len() * h];
+        let mut g = vec![0.0; rows.len() * h];
         proj.apply(z, &mut p);
         gate.apply(z, &mut g);
-        for h in 0..self.h() {
-            out[h] = p[h] * m * sigmoid(g[h]);
+        for (r, &row) in rows.iter().enumerate() {
+            let m = self.mask.map_or(1.0, |m| m[row] as f64);
+            for k in r * h..(r + 1) * h {
+                p[k] = p[k] * m * sigmoid(g[k]);
+            }
         }
+        p
     }
 
-    /// `y` at one position from its contraction `t` (`[H]`) and its `z` (`[C]`).
+    /// `y` at a block of positions from their contractions `t` (`[r, H]`) and `z` (`[r, C]`).
     fn output(&self, t: &[f64], z: &[f64], y: &mut [f64]) {
-        let mut u = vec![0.0; self.h()];
+        let mut u = vec![0.0; t.len()];
         self.norm_out.apply(t, &mut u);
         match self.problem.config.formulation {
             Formulation::GpuMode => {
-                let mut og = vec![0.0; self.h()];
+                // Gate in the hidden width, before the output projection.
+                let mut og = vec![0.0; t.len()];
                 self.out_gate.apply(z, &mut og);
-                for h in 0..self.h() {
-                    u[h] *= sigmoid(og[h]);
+                for (uk, gk) in u.iter_mut().zip(&og) {
+                    *uk *= sigmoid(*gk);
                 }
                 self.out_proj.apply(&u, y);
             }
             Formulation::Af3 => {
-                let mut g = vec![0.0; self.c()];
+                // Gate in the output width, after the output projection (and its bias).
+                let mut g = vec![0.0; z.len()];
                 self.out_gate.apply(z, &mut g);
                 self.out_proj.apply(&u, y);
-                for c in 0..self.c() {
-                    y[c] *= sigmoid(g[c]);
+                for (yk, gk) in y.iter_mut().zip(&g) {
+                    *yk *= sigmoid(*gk);
                 }
             }
         }
@@ -260,13 +283,8 @@ impl<'a> Model<'a> {
     /// One line of `left` or `right`, `[N, H]`: element `k` is the projection at
     /// [`Model::line_row`]`(b, a, k)`.
     fn line(&self, side: Side, b: usize, a: usize) -> Vec<f64> {
-        let h = self.h();
-        let mut out = vec![0.0; self.n() * h];
-        for (k, dst) in out.chunks_exact_mut(h).enumerate() {
-            let row = self.line_row(b, a, k);
-            self.gated(side, &self.z(row), row, dst);
-        }
-        out
+        let rows: Vec<usize> = (0..self.n()).map(|k| self.line_row(b, a, k)).collect();
+        self.gated(side, &self.z(&rows), &rows)
     }
 }
 
@@ -297,18 +315,23 @@ pub fn forward(weights: &Weights, problem: &Problem, x: &[f32], mask: Option<&[f
     let m = Model::new(weights, problem, x, mask)?;
     let (c, h) = (m.c(), m.h());
     let rows = problem.shape.rows();
+    let block_rows = |blk: usize, len: usize| -> Vec<usize> { (blk * BLOCK..blk * BLOCK + len).collect() };
 
     let mut left = vec![0.0; rows * h];
     let mut right = vec![0.0; rows * h];
-    left.par_chunks_mut(h).zip(right.par_chunks_mut(h)).enumerate().for_each(|(row, (l, r))| {
-        let z = m.z(row);
-        m.gated(Side::Left, &z, row, l);
-        m.gated(Side::Right, &z, row, r);
+    left.par_chunks_mut(BLOCK * h).zip(right.par_chunks_mut(BLOCK * h)).enumerate().for_each(|(blk, (l, r))| {
+        let rows = block_rows(blk, l.len() / h);
+        let z = m.z(&rows);
+        l.copy_from_slice(&m.gated(Side::Left, &z, &rows));
+        r.copy_from_slice(&m.gated(Side::Right, &z, &rows));
     });
     let t = contract(&left, &right, problem.shape, h, problem.direction);
 
     let mut y = vec![0.0; rows * c];
-    y.par_chunks_mut(c).enumerate().for_each(|(row, yr)| m.output(&t[row * h..(row + 1) * h], &m.z(row), yr));
+    y.par_chunks_mut(BLOCK * c).enumerate().for_each(|(blk, yb)| {
+        let rows = block_rows(blk, yb.len() / c);
+        m.output(&t[rows[0] * h..(rows[0] + rows.len()) * h], &m.z(&rows), yb);
+    });
     Ok(y)
 }
 
@@ -337,17 +360,20 @@ pub fn forward_at(
         lines.into_par_iter().map(|(side, b, a)| ((side, b, a), m.line(side, b, a))).collect();
 
     let mut y = vec![0.0; positions.len() * c];
-    y.par_chunks_mut(c.max(1)).zip(positions.par_iter()).for_each(|(yr, p)| {
-        let l = &lines[&(Side::Left, p.b, p.i)];
-        let r = &lines[&(Side::Right, p.b, p.j)];
+    y.par_chunks_mut(BLOCK * c).zip(positions.par_chunks(BLOCK)).for_each(|(yb, pb)| {
         // t[h] = Σ_k line_i[k,h]·line_j[k,h]: both directions, since the lines already follow them.
-        let mut t = vec![0.0; h];
-        for (lk, rk) in l.chunks_exact(h).zip(r.chunks_exact(h)) {
-            for hh in 0..h {
-                t[hh] += lk[hh] * rk[hh];
+        let mut t = vec![0.0; pb.len() * h];
+        for (tr, p) in t.chunks_exact_mut(h).zip(pb) {
+            let l = &lines[&(Side::Left, p.b, p.i)];
+            let r = &lines[&(Side::Right, p.b, p.j)];
+            for (lk, rk) in l.chunks_exact(h).zip(r.chunks_exact(h)) {
+                for hh in 0..h {
+                    tr[hh] += lk[hh] * rk[hh];
+                }
             }
         }
-        m.output(&t, &m.z(p.row(n)), yr);
+        let rows: Vec<usize> = pb.iter().map(|p| p.row(n)).collect();
+        m.output(&t, &m.z(&rows), yb);
     });
     Ok(y)
 }
@@ -386,14 +412,13 @@ pub fn sample_positions(shape: Shape, seed: u64) -> Vec<Position> {
     if shape.rows() <= SAMPLE_POSITIONS {
         return (0..batch).flat_map(all).collect();
     }
-    let ceil_div = |a: usize, b: usize| a.div_ceil(b);
     let ceil_sqrt = |v: usize| (1..).find(|s: &usize| s * s >= v).unwrap_or(v);
 
     let mut batches = batch.min(SAMPLE_MAX_BATCHES);
-    let side = ceil_sqrt(ceil_div(SAMPLE_POSITIONS, batches)).max(SAMPLE_MIN_DISTINCT).min(n);
+    let side = ceil_sqrt(SAMPLE_POSITIONS.div_ceil(batches)).max(SAMPLE_MIN_DISTINCT).min(n);
     if batches * side * side < SAMPLE_POSITIONS {
         // side == n here; B·N² > 4096 guarantees enough batches exist.
-        batches = ceil_div(SAMPLE_POSITIONS, side * side).min(batch);
+        batches = SAMPLE_POSITIONS.div_ceil(side * side).min(batch);
     }
 
     let mut rng = Rng::new(seed);
@@ -539,9 +564,10 @@ fn sample_seed(problem: &Problem, x: &[f32]) -> u64 {
 /// reference would cost `O(B·N²·5HC + B·N³H)` f64 work and memory for `left`, `right` and `t`
 /// (minutes and gigabytes at N = 1024), so the comparison runs on [`sample_positions`] — at least
 /// 4096 positions, every channel of each, spread over ≥ 32 rows and ≥ 32 columns including the
-/// corners — with the sample seeded by the data ([`sample_seed`]). A layout or indexing bug hits
-/// whole rows, columns or channels and so cannot hide from such a sample; an error confined to a
-/// few isolated elements of a large output can.
+/// corners — with the sample seeded by the data (fresh inputs, fresh sample; same inputs, same
+/// sample). A layout or indexing bug hits whole rows, columns or channels and so cannot hide from
+/// such a sample; an error confined to a few isolated elements of a large output can. Either way
+/// [`Comparison::worst`] indexes `y`.
 pub fn check(
     weights: &Weights,
     problem: &Problem,
@@ -561,7 +587,12 @@ pub fn check(
     let c = problem.config.c;
     let n = problem.shape.n;
     let got: Vec<f32> = positions.iter().flat_map(|p| y[p.row(n) * c..(p.row(n) + 1) * c].iter().copied()).collect();
-    Ok(compare(&got, &want, rtol, atol))
+    let mut cmp = compare(&got, &want, rtol, atol);
+    // Report the worst entry by its index in y, not in the gathered sample.
+    if let Some((k, got, want)) = cmp.worst {
+        cmp.worst = Some((positions[k / c].row(n) * c + k % c, got, want));
+    }
+    Ok(cmp)
 }
 
 #[cfg(test)]
@@ -804,7 +835,7 @@ mod tests {
                 let (c, h) = (12, 6);
                 let beta: Vec<f64> = w.norm_out.bias.iter().map(|&v| v as f64).collect();
                 for row in 0..p.shape.rows() {
-                    let z = m.z(row);
+                    let z = m.z(&[row]);
                     let dotw = |l: &Linear, o: usize, v: &[f64]| -> f64 {
                         let b = l.bias.as_ref().map_or(0.0, |b| b[o] as f64);
                         (0..l.in_features).map(|k| l.weight[o * l.in_features + k] as f64 * v[k]).sum::<f64>() + b
@@ -919,7 +950,7 @@ mod tests {
             let mut bad = y.clone();
             bad[idx] += delta;
             let cmp = check(&w, &p, &x, Some(&m), &bad, 2e-2, 2e-2).unwrap();
-            assert!(!cmp.passed() && cmp.bad == 1, "{cmp}");
+            assert!(!cmp.passed() && cmp.bad == 1 && cmp.worst.unwrap().0 == idx, "{cmp}");
         }
         let mut nan = y.clone();
         nan[0] = f32::NAN;
@@ -943,5 +974,34 @@ mod tests {
         assert!(matches!(forward(&other, &p, &x, Some(&m)), Err(Error::Weights(_))));
         let af3 = Weights::random(Config::new(Formulation::Af3, 12, 6).unwrap(), false, 1).unwrap();
         assert!(matches!(forward(&af3, &p, &x, Some(&m)), Err(Error::Weights(_))));
+    }
+
+    /// The sampled check at the largest GPU MODE shape (N = 1024, C = 768), timed: `y` holds the
+    /// reference at the positions `check` will sample and NaN elsewhere, so it passes only if the
+    /// sample is the one promised and `forward_at` reproduces itself. Ignored by default (it runs
+    /// the reference twice, about 10 s on 2 cores); `cargo test --release -- --ignored`.
+    #[test]
+    #[ignore]
+    fn sampled_check_at_n1024_c768() {
+        for f in [Formulation::GpuMode, Formulation::Af3] {
+            let cfg = Config::new(f, 768, 128).unwrap();
+            let w = Weights::random(cfg, false, 1).unwrap();
+            let p = Problem::new(cfg, Shape::new(1, 1024), Direction::Outgoing, true).unwrap();
+            let mut rng = Rng::new(2);
+            let (x, m) = (rng.cauchy_vec(p.x_len(), 2.0), rng.mask_vec(p.mask_len()));
+            let positions = sample_positions(p.shape, sample_seed(&p, &x));
+            let start = std::time::Instant::now();
+            let want = forward_at(&w, &p, &x, Some(&m), &positions).unwrap();
+            let secs = start.elapsed().as_secs_f64();
+            let mut y = vec![f32::NAN; p.x_len()];
+            for (q, v) in positions.iter().zip(want.chunks_exact(768)) {
+                for (dst, &src) in y[q.row(1024) * 768..][..768].iter_mut().zip(v) {
+                    *dst = src as f32;
+                }
+            }
+            let cmp = check(&w, &p, &x, Some(&m), &y, 2e-2, 2e-2).unwrap();
+            eprintln!("{f}: forward_at on {} positions took {secs:.2} s; {cmp}", positions.len());
+            assert!(cmp.passed() && cmp.checked == positions.len() * 768, "{cmp}");
+        }
     }
 }

@@ -455,7 +455,8 @@ impl HipBackend {
             af3: i32::from(formulation == Formulation::Af3),
             tile_rows: 0,
             eps: LN_EPS,
-            reserved: 0,
+            // The fused-input fields belong to the CUDA input_projection kernel; unused here.
+            ..KernelParams::default()
         };
 
         // SAFETY (all launches and GEMMs below): every address in `base` is a prepared-weight or

@@ -1,0 +1,20 @@
+//! The conformance suite on the HIP backend with the fused MFMA output kernel, which is opt-in
+//! until this passes on hardware. Skips without an AMD GPU, or on one without MFMA instructions.
+#![cfg(feature = "rocm")]
+#[macro_use]
+#[allow(dead_code)] // the CPU profile constant is not used here
+mod conformance;
+
+fn hip_mfma() -> Option<trimul::Device> {
+    let backend = trimul::backend::hip::HipBackend::new(0).inspect(|b| b.set_mfma_output(Some(true)));
+    let device = conformance::device_or_skip("hip (MFMA output)", backend.map(trimul::Device::Hip))?;
+    let arch = device.info().arch;
+    if !trimul::backend::hip::arch::has_mfma(&arch) {
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "SKIPPED: hip (MFMA output): {arch} has no MFMA instructions");
+        return None;
+    }
+    Some(device)
+}
+
+conformance_suite!(hip_mfma(), conformance::Profile::gpu_mode(5e-3));
