@@ -535,11 +535,11 @@ fn load_stage(
     let rtc = || sys::hiprtc().map(|_| ()).map_err(|e| e.to_string());
     let compile = |source: &str, options: &[String], arch: &str| -> Result<(Kernel, String)> {
         let code = result::rtc_compile(sys::hiprtc()?, source, stage, options)?;
-        Ok((Kernel::load(api, code, stage)?, format!("{stage}: hipRTC {arch}")))
+        Ok((Kernel::load(api, &code, stage)?, format!("{stage}: hipRTC {arch}")))
     };
     let avail = if force || !prebuilt { rtc() } else { Err("not needed".to_string()) };
     match kernels::select(kernels::HIP_STAGES, stage, target_id, avail, force)? {
-        KernelImage::Prebuilt { code, arch, .. } => match Kernel::load(api, code.to_vec(), stage) {
+        KernelImage::Prebuilt { code, arch, .. } => match Kernel::load(api, code, stage) {
             Ok(k) => Ok((k, format!("{stage}: code object {arch}"))),
             // A runtime that rejects the object (e.g. a code-object version it predates) may still
             // compile the source; if it cannot, the load error is the one worth reporting.

@@ -469,7 +469,9 @@ pub struct Kernel {
     function: sys::hipFunction_t,
     name: String,
     // Kept alive for as long as the module: the runtime may reference the image after loading.
-    _image: Vec<u8>,
+    // u64 words: ELF readers cast the headers in place, so the image must be 8-byte aligned,
+    // which neither include_bytes! nor Vec<u8> promises.
+    _image: Vec<u64>,
 }
 
 // SAFETY: modules and functions are process-wide handles; launching from several threads is
@@ -479,9 +481,15 @@ unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
 impl Kernel {
-    /// Loads `image` (an ELF code object) on the current device and finds `name` in it.
-    pub fn load(api: &'static HipApi, image: Vec<u8>, name: &str) -> Result<Kernel> {
+    /// Loads `code` (an ELF code object) on the current device and finds `name` in it.
+    pub fn load(api: &'static HipApi, code: &[u8], name: &str) -> Result<Kernel> {
         let cname = CString::new(name).map_err(|_| Error::InvalidArgument(format!("kernel name {name:?}")))?;
+        let mut image = vec![0u64; code.len().div_ceil(8)];
+        for (word, chunk) in image.iter_mut().zip(code.chunks(8)) {
+            let mut bytes = [0u8; 8];
+            bytes[..chunk.len()].copy_from_slice(chunk);
+            *word = u64::from_ne_bytes(bytes);
+        }
         let mut module: sys::hipModule_t = ptr::null_mut();
         // SAFETY: `image` is a complete code object in host memory that lives as long as the
         // returned Kernel; the runtime validates it and reports a bad image as an error code.
