@@ -147,32 +147,51 @@ inline tm_float16 tm_mfma_32x32x8_f16(tm_half4 a, tm_half4 b, tm_float16 c) {
 }
 
 namespace emu {
-// Runs `kernel(args...)` over `grid` blocks of `threads` lanes, one block at a time.
-template <class F>
-void launch(unsigned grid, unsigned threads, F kernel) {
-  for (unsigned b = 0; b < grid; ++b) {
-    std::memset(tm_dyn_smem, 0xff, sizeof(tm_dyn_smem));  // NaN everywhere: unwritten LDS shows
-    Block blk;
-    blk.bar = std::make_unique<std::barrier<>>(threads);
-    blk.waves.resize((threads + 63) / 64);
-    for (unsigned w = 0; w < blk.waves.size(); ++w) {
-      const unsigned n = (w + 1) * 64 <= threads ? 64 : threads - w * 64;
-      blk.waves[w].bar = std::make_unique<std::barrier<>>(n);
-    }
-    block = &blk;
-    std::vector<std::thread> lanes;
-    lanes.reserve(threads);
-    for (unsigned t = 0; t < threads; ++t) {
-      lanes.emplace_back([=, &blk] {
+inline Block* make_block(unsigned threads) {
+  Block* blk = new Block;
+  blk->bar = std::make_unique<std::barrier<>>(threads);
+  blk->waves.resize((threads + 63) / 64);
+  for (unsigned w = 0; w < blk->waves.size(); ++w) {
+    const unsigned n = (w + 1) * 64 <= threads ? 64 : threads - w * 64;
+    blk->waves[w].bar = std::make_unique<std::barrier<>>(n);
+  }
+  return blk;
+}
+
+// Runs `kernel()` over `grid` blocks of `threads` lanes, one block at a time, on `threads` host
+// threads created once per launch. `after_block(b)` runs on one thread after block b, with every
+// lane finished (to inspect LDS, for instance).
+template <class F, class G>
+void launch(unsigned grid, unsigned threads, F kernel, G after_block) {
+  std::barrier<> grid_bar(threads);
+  std::unique_ptr<Block> current;
+  std::vector<std::thread> lanes;
+  lanes.reserve(threads);
+  for (unsigned t = 0; t < threads; ++t) {
+    lanes.emplace_back([&, t] {
+      for (unsigned b = 0; b < grid; ++b) {
+        if (t == 0) {
+          std::memset(tm_dyn_smem, 0xff, sizeof(tm_dyn_smem));  // NaN: unwritten LDS shows
+          current.reset(make_block(threads));
+          block = current.get();
+        }
+        grid_bar.arrive_and_wait();
         self = Lane{t, b, threads};
         kernel();
-        // A lane that leaves stops counting at the barriers, as a finished GPU lane does.
-        blk.waves[t / 64].bar->arrive_and_drop();
-        blk.bar->arrive_and_drop();
-      });
-    }
-    for (auto& l : lanes) l.join();
-    block = nullptr;
+        // A lane that leaves stops counting at the block's barriers, as a finished GPU lane does.
+        current->waves[t / 64].bar->arrive_and_drop();
+        current->bar->arrive_and_drop();
+        grid_bar.arrive_and_wait();
+        if (t == 0) after_block(b);
+      }
+    });
   }
+  for (auto& l : lanes) l.join();
+  block = nullptr;
+}
+
+template <class F>
+void launch(unsigned grid, unsigned threads, F kernel) {
+  launch(grid, threads, kernel, [](unsigned) {});
 }
 }  // namespace emu

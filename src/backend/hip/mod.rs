@@ -125,6 +125,24 @@ pub struct HipPrepared {
     mfma: Option<Arc<Kernel>>,
 }
 
+impl std::fmt::Debug for HipPrepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HipPrepared({:?}, output {:?})", self.config, self.output)
+    }
+}
+
+impl std::fmt::Debug for HipWorkspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HipWorkspace({:?}, {} bytes)", self.problem.shape, self.plan.total_bytes())
+    }
+}
+
+impl std::fmt::Debug for HipBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HipBuffer({} f32 at {:#x})", self.len, self.mem.addr())
+    }
+}
+
 impl HipPrepared {
     /// How this layer's output stage runs on this device.
     pub fn output_path(&self) -> HipKernelOutput {
@@ -213,8 +231,9 @@ impl HipBackend {
             arch: target_id.clone(),
             reason: "the runtime reported an arch name that is not a gfx target id".into(),
         })?;
-        let kernels = load_kernels(api, &target_id, force_rtc)?;
+        // rocBLAS first: a missing library is the cheaper failure, before any hipRTC compile.
         let blas_api = sys::rocblas()?;
+        let kernels = load_kernels(api, &target_id, force_rtc)?;
         let stream = Stream::new(api)?;
         let blas = BlasHandle::new(blas_api, &stream)?;
 

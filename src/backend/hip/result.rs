@@ -560,7 +560,8 @@ impl Drop for Kernel {
 
 /// Compiles `source` with hipRTC and returns the code object.
 pub fn rtc_compile(api: &HiprtcApi, source: &str, name: &str, options: &[String]) -> Result<Vec<u8>> {
-    let fail = |reason: String| Error::NoKernels { arch: options.join(" "), reason };
+    let arch = options.iter().find_map(|o| o.strip_prefix("--offload-arch=")).unwrap_or("unknown arch");
+    let fail = |reason: String| Error::NoKernels { arch: arch.to_string(), reason };
     let csrc = CString::new(source).map_err(|_| fail("kernel source contains a NUL byte".into()))?;
     let cname = CString::new(format!("{name}.hip")).map_err(|_| fail("bad kernel name".into()))?;
     let copts: Vec<CString> = options

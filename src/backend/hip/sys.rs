@@ -7,12 +7,14 @@
 //! missing symbol [`Error::MissingSymbol`]; neither panics. Only successful loads are cached, so a
 //! caller who fixes `TRIMUL_HIP_LIBRARY` (or installs ROCm) can try again in the same process.
 //!
-//! We write these tables by hand rather than using `cubecl-hip-sys`: we need 31 HIP symbols, 7
-//! hipRTC symbols and 7 rocBLAS symbols (no crate offers rocBLAS without ROCm at build time), the
-//! table compiles in a fraction of the time of a generated binding, and its loader returns errors
-//! where we want them. Signatures and constants are those of ROCm 6.x/7.x `hip_runtime_api.h`,
-//! `hiprtc.h` and `rocblas-types.h`/`rocblas-functions.h` (ROCm/HIP 6.3, ROCm/rocBLAS 4.3); the
-//! ones used here did not change between ROCm 5.0 and 7.x.
+//! We write these tables by hand rather than using `cubecl-hip-sys`: we need 29 HIP entry points
+//! (plus 3 optional ones), 8 from hipRTC and 7 from rocBLAS (no crate offers rocBLAS without ROCm
+//! at build time); the table compiles in a fraction of the time of a generated binding, does not
+//! depend on `hipconfig` at build time, and its loader returns errors where we want them.
+//! Signatures and constants were read from ROCm/HIP 6.3 `hip_runtime_api.h` and `hiprtc.h` and
+//! ROCm/rocBLAS 4.3 `rocblas-types.h`/`rocblas-functions.h`. The one ABI change we know of in
+//! this set, `hipDeviceProp_t` in ROCm 6.0, is handled in `result.rs::device_arch`; ROCm 7 keeps
+//! the 6.0 property layout. Nothing here has yet been called against a real ROCm install.
 
 #![allow(non_camel_case_types, non_snake_case)]
 

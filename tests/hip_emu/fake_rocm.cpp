@@ -1,0 +1,531 @@
+// A fake ROCm for testing the HIP backend on a machine with no AMD GPU: one shared library that
+// exports the HIP runtime and rocBLAS entry points the backend loads (src/backend/hip/sys.rs),
+// implemented on the host.
+//
+// - "Device memory" is host memory with guard zones; every copy, memset and GEMM operand range is
+//   checked against the allocation it falls in, and guards are checked after every launch.
+// - hipModuleLoadData accepts only linked AMDGPU code objects (ELF ET_DYN, EM_AMDGPU) for the
+//   fake device's processor, and hipModuleGetFunction only names found in the object.
+// - hipModuleLaunchKernel runs the *real kernel bodies* (common/*.h, hip/output_projection.h),
+//   compiled for the host against tests/hip_emu/emu.h, block by block, and checks that no block
+//   touches LDS beyond the dynamic size the launch passed.
+// - rocblas_gemm_ex / _strided_batched_ex implement rocBLAS's column-major semantics for f16/f32
+//   operands with f32 accumulation, after checking every operand span.
+// A violation makes the call that detects it fail with code 999, whose hipGetErrorName is the
+// violation's text, so the Rust side surfaces it as an ordinary error.
+//
+// - hipRTC compiles with a real clang (see hiprtcCompileProgram), so the run-time compilation
+//   path, options included, runs too.
+// The device's target id is $TRIMUL_FAKE_ROCM_ARCH (default gfx942:sramecc+:xnack-).
+#include "tests/hip_emu/emu.h"
+#include "common/params.h"
+#include "common/input_norm.h"
+#include "common/input_gating.h"
+#include "common/output_norm.h"
+#include "common/output_gate.h"
+#include "hip/output_projection.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unistd.h>
+
+namespace {
+constexpr int kFail = 999;
+constexpr size_t kGuard = 256;
+constexpr unsigned char kGuardByte = 0xA5;
+constexpr size_t kMemory = size_t(64) << 30;  // what the fake device reports
+
+std::recursive_mutex mu;
+std::string violation;       // first violation not yet reported
+std::string last_reported;   // what hipGetErrorName(999) says
+std::map<uintptr_t, size_t> allocs;  // user address -> bytes
+size_t allocated = 0;
+
+void fail(const std::string& what) {
+  if (violation.empty()) violation = what;
+  std::fprintf(stderr, "fake ROCm: %s\n", what.c_str());
+}
+// kFail once for each violation: the call that detects it reports it, later calls run normally
+// (one test's deliberate violation must not poison the others sharing the process).
+int status() {
+  if (violation.empty()) return 0;
+  last_reported = violation;
+  violation.clear();
+  return kFail;
+}
+
+std::string arch_id() {
+  const char* a = std::getenv("TRIMUL_FAKE_ROCM_ARCH");
+  return a && *a ? a : "gfx942:sramecc+:xnack-";
+}
+std::string processor() {
+  std::string id = arch_id();
+  return id.substr(0, id.find(':'));
+}
+
+// The allocation holding [p, p + len), or false.
+bool in_alloc(uintptr_t p, size_t len) {
+  auto it = allocs.upper_bound(p);
+  if (it == allocs.begin()) return false;
+  --it;
+  return p >= it->first && p + len <= it->first + it->second;
+}
+void need(const void* p, size_t len, const char* what) {
+  if (len && !in_alloc((uintptr_t)p, len)) fail(std::string(what) + ": range outside any device allocation");
+}
+void check_guards(const char* after) {
+  for (auto& [user, bytes] : allocs) {
+    const unsigned char* lo = (const unsigned char*)user - kGuard;
+    const unsigned char* hi = (const unsigned char*)user + bytes;
+    for (size_t i = 0; i < kGuard; ++i)
+      if (lo[i] != kGuardByte || hi[i] != kGuardByte) {
+        fail(std::string(after) + " wrote outside a device allocation");
+        return;
+      }
+  }
+}
+
+struct Module {
+  std::string names;  // the NUL-separated strings of the code object, for symbol look-ups
+};
+struct Function {
+  std::string name;
+};
+
+// e_flags machine byte of the processors the fake knows.
+int mach_of(const std::string& p) {
+  if (p == "gfx942") return 0x4c;
+  if (p == "gfx90a") return 0x3f;
+  if (p == "gfx908") return 0x30;
+  if (p == "gfx1100") return 0x41;
+  return -1;
+}
+}  // namespace
+
+extern "C" {
+// ------------------------------------------------------------------------------------ HIP
+int hipInit(unsigned) { return 0; }
+int hipGetDeviceCount(int* n) {
+  *n = 1;
+  return 0;
+}
+int hipSetDevice(int d) { return d == 0 ? 0 : 101; }
+int hipDeviceGetAttribute(int* v, int attr, int) {
+  switch (attr) {
+    case 63: *v = 304; return 0;           // multiprocessor count (MI300X)
+    case 74: *v = 65536; return 0;         // max shared memory per block
+    case 87: *v = 64; return 0;            // warp size
+    default: *v = 0; return 0;
+  }
+}
+int hipDeviceGetName(char* name, int len, int) {
+  std::snprintf(name, len, "Fake AMD Instinct (%s)", processor().c_str());
+  return 0;
+}
+int hipDeviceGetPCIBusId(char* s, int len, int) {
+  std::snprintf(s, len, "0000:fa:ce.0");
+  return 0;
+}
+int hipDeviceTotalMem(size_t* b, int) {
+  *b = kMemory;
+  return 0;
+}
+// Writes hipDeviceProp_tR0600 as ROCm 6 does: name at 0, gcnArchName at 1160, 1472 bytes.
+int hipGetDevicePropertiesR0600(void* prop, int) {
+  char* p = (char*)prop;
+  std::memset(p, 0, 1472);
+  std::snprintf(p, 256, "Fake AMD Instinct");
+  std::snprintf(p + 1160, 256, "%s", arch_id().c_str());
+  return 0;
+}
+int hipMalloc(void** out, size_t bytes) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  if (bytes == 0) return 1;
+  unsigned char* base = (unsigned char*)std::aligned_alloc(256, ((bytes + 2 * kGuard + 255) / 256) * 256);
+  if (!base) return 2;
+  std::memset(base, kGuardByte, kGuard);
+  std::memset(base + kGuard, 0x5A, bytes);  // garbage, like fresh device memory
+  std::memset(base + kGuard + bytes, kGuardByte, kGuard);
+  *out = base + kGuard;
+  allocs[(uintptr_t)*out] = bytes;
+  allocated += bytes;
+  return 0;
+}
+int hipFree(void* p) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  auto it = allocs.find((uintptr_t)p);
+  if (it == allocs.end()) {
+    fail("hipFree of an address hipMalloc did not return");
+    return status();
+  }
+  check_guards("a kernel or copy before hipFree");
+  allocated -= it->second;
+  allocs.erase(it);
+  std::free((unsigned char*)p - kGuard);
+  return status();
+}
+int hipMemGetInfo(size_t* free_b, size_t* total) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  *free_b = kMemory - allocated;
+  *total = kMemory;
+  return 0;
+}
+int hipMemcpyHtoDAsync(void* dst, const void* src, size_t n, void*) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  need(dst, n, "hipMemcpyHtoDAsync destination");
+  if (status()) return kFail;
+  std::memcpy(dst, src, n);
+  return 0;
+}
+int hipMemcpyDtoHAsync(void* dst, const void* src, size_t n, void*) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  need(src, n, "hipMemcpyDtoHAsync source");
+  if (status()) return kFail;
+  std::memcpy(dst, src, n);
+  return 0;
+}
+int hipMemcpyDtoDAsync(void* dst, const void* src, size_t n, void*) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  need(dst, n, "hipMemcpyDtoDAsync destination");
+  need(src, n, "hipMemcpyDtoDAsync source");
+  if (status()) return kFail;
+  std::memmove(dst, src, n);
+  return 0;
+}
+int hipMemsetAsync(void* dst, int v, size_t n, void*) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  need(dst, n, "hipMemsetAsync");
+  if (status()) return kFail;
+  std::memset(dst, v, n);
+  return 0;
+}
+int hipStreamCreate(void** s) {
+  *s = new int(1);
+  return 0;
+}
+int hipStreamSynchronize(void*) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  return status();
+}
+int hipStreamDestroy(void* s) {
+  delete (int*)s;
+  return 0;
+}
+int hipModuleLoadData(void** module, const void* image) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  const unsigned char* b = (const unsigned char*)image;
+  if (((uintptr_t)image) % 8) fail("hipModuleLoadData: image not 8-byte aligned");
+  if (std::memcmp(b, "\x7f" "ELF", 4) != 0 || b[4] != 2) return 200;  // hipErrorInvalidImage
+  uint16_t type, machine;
+  uint32_t flags;
+  uint64_t shoff;
+  uint16_t shentsize, shnum;
+  std::memcpy(&type, b + 16, 2);
+  std::memcpy(&machine, b + 18, 2);
+  std::memcpy(&shoff, b + 40, 8);
+  std::memcpy(&flags, b + 48, 4);
+  std::memcpy(&shentsize, b + 58, 2);
+  std::memcpy(&shnum, b + 60, 2);
+  if (machine != 224 || type != 3) return 200;
+  if ((int)(flags & 0xff) != mach_of(processor())) return 209;  // hipErrorNoBinaryForGpu
+  // The code object's size is where its section headers end.
+  size_t size = shoff + (size_t)shentsize * shnum;
+  Module* m = new Module;
+  m->names.assign((const char*)b, size);
+  *module = m;
+  return 0;
+}
+int hipModuleUnload(void* m) {
+  delete (Module*)m;
+  return 0;
+}
+int hipModuleGetFunction(void** f, void* module, const char* name) {
+  Module* m = (Module*)module;
+  // A kernel has a symbol `name` and its descriptor `name.kd` in the object's string table.
+  if (m->names.find(std::string(name) + ".kd") == std::string::npos) return 500;  // hipErrorNotFound
+  *f = new Function{name};
+  return 0;
+}
+
+int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                          unsigned smem, void*, void** args, void** extra) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  if (status()) return kFail;
+  const std::string& name = ((Function*)fn)->name;
+  if (gy != 1 || gz != 1 || by != 1 || bz != 1 || bx != 256 || gx == 0 || extra || !args) {
+    fail(name + ": unexpected launch geometry or argument form");
+    return kFail;
+  }
+  if (smem > 65536) {
+    fail(name + ": more than 64 KiB of LDS");
+    return kFail;
+  }
+  const TrimulParams p = *(const TrimulParams*)args[0];
+  // Every buffer the kernel will touch must lie in device memory *before* it runs: the emulated
+  // kernel writes host memory directly, so a bad pointer must be refused, not executed.
+  const size_t M = (size_t)p.batch * p.n * p.n, C = p.c, H = p.h, G = p.g, P = p.p;
+  const size_t rows = (size_t)p.rows, row0 = (size_t)p.row0;
+  if (p.row0 < 0 || p.rows < 0 || row0 + rows > M) fail(name + ": rows outside the problem");
+  if (name == "input_norm") {
+    need(p.x + row0 * C, rows * C * 4, "input_norm x");
+    need(p.z, rows * C * 2, "input_norm z");
+    need(p.norm_in_w, C * 4, "input_norm weight");
+    need(p.norm_in_b, C * 4, "input_norm bias");
+  } else if (name == "input_gating") {
+    need(p.proj, rows * P * 2, "input_gating proj");
+    if (p.mask) need(p.mask, M * 4, "input_gating mask");
+    if (p.proj_bias) need(p.proj_bias, P * 4, "input_gating bias");
+    need(p.left, M * H * 2, "input_gating left");
+    need(p.right, M * H * 2, "input_gating right");
+    need(p.gate, M * G * 2, "input_gating gate");
+  } else if (name == "output_norm" || name == "output_projection") {
+    need(p.t, M * H * 2, "t");
+    need(p.gate, M * G * 2, "gate");
+    need(p.norm_out_w, H * 4, "LN_H weight");
+    need(p.norm_out_b, H * 4, "LN_H bias");
+    if (name == "output_norm") need(p.a, M * H * 2, "output_norm a");
+    if (name == "output_projection") need(p.y, M * C * 4, "output_projection y");
+  } else if (name == "output_gate") {
+    need(p.y, M * C * 4, "output_gate y");
+    need(p.gate, M * C * 2, "output_gate gate");
+  }
+  if (!violation.empty()) return status();
+  bool lds_overrun = false;
+  auto after = [&](unsigned) {
+    const unsigned char* lds = (const unsigned char*)tm_dyn_smem;
+    for (size_t i = smem; i < sizeof(tm_dyn_smem); ++i) lds_overrun |= lds[i] != 0xff;
+  };
+  if (name == "input_norm") {
+    emu::launch(gx, bx, [&] { input_norm(p); }, after);
+  } else if (name == "input_gating") {
+    emu::launch(gx, bx, [&] { input_gating(p); }, after);
+  } else if (name == "output_norm") {
+    emu::launch(gx, bx, [&] { output_norm(p); }, after);
+  } else if (name == "output_gate") {
+    emu::launch(gx, bx, [&] { output_gate(p); }, after);
+  } else if (name == "output_projection") {
+    const tm_half* wout = *(const tm_half* const*)args[1];
+    const float* bias = *(const float* const*)args[2];
+    need(wout, (size_t)p.c * p.h * 2, "output_projection wout");
+    if (bias) need(bias, (size_t)p.c * 4, "output_projection bias");
+    emu::launch(gx, bx, [&] { output_projection(p, wout, bias); }, after);
+  } else {
+    fail("launch of unknown kernel " + name);
+    return kFail;
+  }
+  if (lds_overrun) fail(name + ": a block used LDS beyond the dynamic size passed at launch");
+  check_guards(name.c_str());
+  return status();
+}
+
+int hipEventCreate(void** e) {
+  *e = new std::chrono::steady_clock::time_point();
+  return 0;
+}
+int hipEventRecord(void* e, void*) {
+  *(std::chrono::steady_clock::time_point*)e = std::chrono::steady_clock::now();
+  return 0;
+}
+int hipEventSynchronize(void*) { return 0; }
+int hipEventElapsedTime(float* ms, void* a, void* b) {
+  auto d = *(std::chrono::steady_clock::time_point*)b - *(std::chrono::steady_clock::time_point*)a;
+  *ms = std::chrono::duration<float, std::milli>(d).count();
+  return 0;
+}
+int hipEventDestroy(void* e) {
+  delete (std::chrono::steady_clock::time_point*)e;
+  return 0;
+}
+int hipRuntimeGetVersion(int* v) {
+  *v = 60342134;
+  return 0;
+}
+int hipDriverGetVersion(int* v) {
+  *v = 60342134;
+  return 0;
+}
+const char* hipGetErrorName(int code) {
+  static thread_local std::string s;
+  std::lock_guard<std::recursive_mutex> g(mu);
+  s = code == kFail ? "fake ROCm violation: " + last_reported : "hipErrorFake" + std::to_string(code);
+  return s.c_str();
+}
+
+// -------------------------------------------------------------------------------- rocBLAS
+int rocblas_create_handle(void** h) {
+  *h = new int(2);
+  return 0;
+}
+int rocblas_destroy_handle(void* h) {
+  delete (int*)h;
+  return 0;
+}
+int rocblas_set_stream(void*, void*) { return 0; }
+int rocblas_get_version_string(char* buf, size_t len) {
+  std::snprintf(buf, len, "4.3.0-fake");
+  return 0;
+}
+const char* rocblas_status_to_string(int s) {
+  static thread_local std::string text;
+  std::lock_guard<std::recursive_mutex> g(mu);
+  text = s == 0 ? "rocblas_status_success" : "fake rocBLAS violation: " + last_reported;
+  return text.c_str();
+}
+
+static float load(const void* p, int type, size_t i) {
+  if (type == 150) return (float)((const _Float16*)p)[i];
+  return ((const float*)p)[i];
+}
+static void store(void* p, int type, size_t i, float v) {
+  if (type == 150)
+    ((_Float16*)p)[i] = (_Float16)v;
+  else
+    ((float*)p)[i] = v;
+}
+
+static int gemm(int ta, int tb, int m, int n, int k, const void* alpha, const void* a, int at, int lda, int64_t sa,
+                const void* b, int bt, int ldb, int64_t sb, const void* beta, const void* c, int ct, int ldc, int64_t sc,
+                void* d, int dt, int ldd, int64_t sd, int batch, int compute) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  if (status()) return 6;  // a pending violation from an earlier call
+  auto bad = [](const std::string& w) {
+    fail("rocBLAS: " + w);
+    return 4;  // rocblas_status_invalid_size
+  };
+  if ((ta != 111 && ta != 112) || (tb != 111 && tb != 112)) return bad("operation");
+  if (compute != 151) return bad("compute type is not f32");
+  for (int t : {at, bt, ct, dt})
+    if (t != 150 && t != 151) return bad("data type");
+  if (m < 0 || n < 0 || k < 0 || batch < 1) return bad("sizes");
+  const int a_rows = ta == 111 ? m : k, a_cols = ta == 111 ? k : m;
+  const int b_rows = tb == 111 ? k : n, b_cols = tb == 111 ? n : k;
+  if (lda < std::max(1, a_rows) || ldb < std::max(1, b_rows) || ldd < std::max(1, m) || ldc < std::max(1, m))
+    return bad("leading dimension below the rows stored");
+  auto span = [&](int rows, int cols, int ld, int64_t stride) {
+    return rows == 0 || cols == 0 ? 0 : (size_t)(batch - 1) * stride + (size_t)(cols - 1) * ld + rows;
+  };
+  const size_t ea = at == 150 ? 2 : 4, eb = bt == 150 ? 2 : 4, ec = ct == 150 ? 2 : 4, ed = dt == 150 ? 2 : 4;
+  need(a, span(a_rows, a_cols, lda, sa) * ea, "rocBLAS A");
+  need(b, span(b_rows, b_cols, ldb, sb) * eb, "rocBLAS B");
+  need(d, span(m, n, ldd, sd) * ed, "rocBLAS D");
+  const float al = *(const float*)alpha, be = *(const float*)beta;
+  if (be != 0.f) need(c, span(m, n, ldc, sc) * ec, "rocBLAS C");
+  if (status()) return 3;
+  for (int bt_i = 0; bt_i < batch; ++bt_i) {
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i < m; ++i) {
+        float acc = 0.f;
+        for (int p = 0; p < k; ++p) {
+          const size_t ia = bt_i * sa + (ta == 111 ? i + (size_t)p * lda : p + (size_t)i * lda);
+          const size_t ib = bt_i * sb + (tb == 111 ? p + (size_t)j * ldb : j + (size_t)p * ldb);
+          acc += load(a, at, ia) * load(b, bt, ib);
+        }
+        // beta = 0: C is not read (BLAS convention), so NaN there must not leak into D.
+        float v = al * acc;
+        if (be != 0.f) v += be * load(c, ct, bt_i * sc + i + (size_t)j * ldc);
+        store(d, dt, bt_i * sd + i + (size_t)j * ldd, v);
+      }
+  }
+  check_guards("a rocBLAS GEMM");
+  return status() ? 6 : 0;
+}
+
+int rocblas_gemm_ex(void*, int ta, int tb, int m, int n, int k, const void* alpha, const void* a, int at, int lda,
+                    const void* b, int bt, int ldb, const void* beta, const void* c, int ct, int ldc, void* d, int dt,
+                    int ldd, int compute, int algo, int32_t sol, uint32_t flags) {
+  if (algo != 0 || sol != 0 || flags != 0) return 11;
+  return gemm(ta, tb, m, n, k, alpha, a, at, lda, 0, b, bt, ldb, 0, beta, c, ct, ldc, 0, d, dt, ldd, 0, 1, compute);
+}
+
+int rocblas_gemm_strided_batched_ex(void*, int ta, int tb, int m, int n, int k, const void* alpha, const void* a, int at,
+                                    int lda, int64_t sa, const void* b, int bt, int ldb, int64_t sb, const void* beta,
+                                    const void* c, int ct, int ldc, int64_t sc, void* d, int dt, int ldd, int64_t sd,
+                                    int batch, int compute, int algo, int32_t sol, uint32_t flags) {
+  if (algo != 0 || sol != 0 || flags != 0) return 11;
+  return gemm(ta, tb, m, n, k, alpha, a, at, lda, sa, b, bt, ldb, sb, beta, c, ct, ldc, sc, d, dt, ldd, sd, batch,
+              compute);
+}
+// --------------------------------------------------------------------------------- hipRTC
+// Compiles with the clang named by $TRIMUL_FAKE_HIPRTC_CLANG, adding only what a real hipRTC
+// implies (HIP language, device only, one linked object) plus -nogpuinc/-nogpulib since there are
+// no ROCm headers or device libraries here. The caller's options are passed through unchanged and
+// must name the target (--offload-arch=...), as real hipRTC needs.
+struct Program {
+  std::string src, name, code, log;
+};
+int hiprtcCreateProgram(void** prog, const char* src, const char* name, int nh, const char**, const char**) {
+  if (!src || nh != 0) return 4;  // HIPRTC_ERROR_INVALID_INPUT
+  *prog = new Program{src, name ? name : "prog.hip", "", ""};
+  return 0;
+}
+int hiprtcCompileProgram(void* prog, int n, const char** opts) {
+  Program* p = (Program*)prog;
+  const char* clang = std::getenv("TRIMUL_FAKE_HIPRTC_CLANG");
+  if (!clang) return 7;  // HIPRTC_ERROR_INTERNAL_ERROR
+  static std::atomic<int> counter{0};
+  const std::string base = "/tmp/trimul-fake-hiprtc-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
+  const std::string src = base + ".hip", obj = base + ".hsaco", log = base + ".log";
+  FILE* f = std::fopen(src.c_str(), "w");
+  if (!f) return 7;
+  std::fwrite(p->src.data(), 1, p->src.size(), f);
+  std::fclose(f);
+  std::string cmd = std::string(clang) + " -x hip -nogpuinc -nogpulib --cuda-device-only --no-gpu-bundle-output -c";
+  bool has_arch = false;
+  for (int i = 0; i < n; ++i) {
+    const std::string o = opts[i];
+    if (o.rfind("--offload-arch=", 0) == 0) has_arch = true;
+    if (o.find_first_of("'\"$`;&|<>") != std::string::npos) return 4;
+    cmd += " '" + o + "'";
+  }
+  cmd += " " + src + " -o " + obj + " 2>" + log;
+  const int rc = has_arch ? std::system(cmd.c_str()) : -1;
+  auto slurp = [](const std::string& path) {
+    std::string out;
+    if (FILE* g = std::fopen(path.c_str(), "rb")) {
+      char buf[4096];
+      size_t k;
+      while ((k = std::fread(buf, 1, sizeof buf, g)) > 0) out.append(buf, k);
+      std::fclose(g);
+    }
+    return out;
+  };
+  p->log = has_arch ? slurp(log) : "no --offload-arch option";
+  if (rc == 0) p->code = slurp(obj);
+  std::remove(src.c_str());
+  std::remove(obj.c_str());
+  std::remove(log.c_str());
+  return rc == 0 && !p->code.empty() ? 0 : 6;  // HIPRTC_ERROR_COMPILATION
+}
+int hiprtcGetCodeSize(void* prog, size_t* n) {
+  *n = ((Program*)prog)->code.size();
+  return 0;
+}
+int hiprtcGetCode(void* prog, char* out) {
+  const std::string& c = ((Program*)prog)->code;
+  std::memcpy(out, c.data(), c.size());
+  return 0;
+}
+int hiprtcGetProgramLogSize(void* prog, size_t* n) {
+  *n = ((Program*)prog)->log.size() + 1;
+  return 0;
+}
+int hiprtcGetProgramLog(void* prog, char* out) {
+  const std::string& l = ((Program*)prog)->log;
+  std::memcpy(out, l.c_str(), l.size() + 1);
+  return 0;
+}
+int hiprtcDestroyProgram(void** prog) {
+  delete (Program*)*prog;
+  *prog = nullptr;
+  return 0;
+}
+const char* hiprtcGetErrorString(int r) { return r == 0 ? "HIPRTC_SUCCESS" : "HIPRTC_ERROR (fake)"; }
+}  // extern "C"

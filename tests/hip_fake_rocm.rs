@@ -1,0 +1,341 @@
+//! The whole HIP backend, end to end, on a fake ROCm (tests/hip_emu/fake_rocm.cpp): a host library
+//! exporting the HIP runtime and rocBLAS entry points, which runs the real kernel bodies through
+//! the CPU emulation and checks every memory range, code object and launch it is given.
+//!
+//! This proves, without an AMD GPU: library loading and device queries through our tables, arch
+//! parsing from the property struct, code-object selection and loading per arch, the order and
+//! arguments of every launch and GEMM in a forward (both output paths, both formulations and
+//! directions, masks, biases, chunked projections), workspace and poison handling, the
+//! caller-stream path, and error reporting. It cannot prove what only hardware can: the HIP
+//! branch of common/compat.h, the compiled ISA, the MFMA unit's real operand layout (the fake uses
+//! the ISA table, as the kernel does), rocBLAS itself, timing.
+//!
+//! The fake is built with the host clang++ at test time; without one the tests skip visibly (fail
+//! with `TRIMUL_REQUIRE_HIP_CLANG`). This binary points `TRIMUL_HIP_LIBRARY` and
+//! `TRIMUL_ROCBLAS_LIBRARY` at the fake, so it must stay a test binary of its own.
+#![cfg(feature = "rocm")]
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use trimul::backend::hip::kernels::HipKernelOutput;
+use trimul::backend::hip::HipBackend;
+use trimul::reference;
+use trimul::suite::{self, Case, Dist};
+use trimul::Weights;
+use trimul::{Backend, BackendKind, Config, Device, Direction, Error, Formulation, Layer, Options, Problem, Shape};
+
+const TOL: f64 = 2e-2;
+const MAX_REL_L2: f64 = 5e-3;
+
+fn skip(what: &str) {
+    if std::env::var_os("TRIMUL_REQUIRE_HIP_CLANG").is_some() {
+        panic!("TRIMUL_REQUIRE_HIP_CLANG is set but {what}");
+    }
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {what}");
+}
+
+/// Builds the fake once, points the loaders at it, and serialises the tests (they change the fake
+/// device's arch through the environment).
+fn fake() -> Option<MutexGuard<'static, ()>> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    static LOCK: Mutex<()> = Mutex::new(());
+    let built = BUILT.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let cxx = std::env::var_os("TRIMUL_HOST_CXX").map(PathBuf::from).unwrap_or_else(|| "clang++-19".into());
+        let dir = std::env::temp_dir().join(format!("trimul-fake-rocm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let lib = dir.join("libtrimul_fake_rocm.so");
+        let out = Command::new(&cxx)
+            .args(["-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", "-Wall", "-Wno-psabi"])
+            .arg("-I")
+            .arg(&root)
+            .arg(root.join("tests/hip_emu/fake_rocm.cpp"))
+            .arg("-o")
+            .arg(&lib)
+            .output()
+            .map_err(|e| format!("no host C++ compiler {} to build the fake ROCm: {e}", cxx.display()))?;
+        if !out.status.success() {
+            // A compiler that exists but fails on our code is a real failure, not a skip.
+            panic!("building the fake ROCm failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::env::set_var("TRIMUL_HIP_LIBRARY", &lib);
+        std::env::set_var("TRIMUL_ROCBLAS_LIBRARY", &lib);
+        // No hipRTC: archs without prebuilt objects must fail clearly.
+        std::env::set_var("TRIMUL_HIPRTC_LIBRARY", dir.join("no-hiprtc-here.so"));
+        std::env::remove_var("TRIMUL_HIP_MFMA");
+        std::env::remove_var("TRIMUL_HIP_FORCE_RTC");
+        Ok(lib)
+    });
+    match built {
+        Ok(_) => {
+            let guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+            std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx942:sramecc+:xnack-");
+            Some(guard)
+        }
+        Err(why) => {
+            skip(why);
+            None
+        }
+    }
+}
+
+fn built_with_clang() -> bool {
+    if trimul::kernels::HIP_PREBUILT_ARCHS.is_empty() {
+        skip("this build embedded no HIP code objects; the fake loads only prebuilt ones");
+        return false;
+    }
+    true
+}
+
+fn backend(mfma: bool) -> HipBackend {
+    let b = HipBackend::new(0).unwrap();
+    b.set_poison(true);
+    b.set_mfma_output(Some(mfma));
+    b
+}
+
+/// One forward through a layer on `b`, checked against the f64 reference.
+fn check(b: &HipBackend, cfg: Config, case: &Case, dir: Direction, biases: bool, seed: u64) -> HipKernelOutput {
+    let problem = Problem::new(cfg, case.shape(), dir, case.masked).unwrap();
+    let weights = Weights::random(cfg, biases, seed).unwrap();
+    let inputs = suite::generate_inputs(case, seed ^ 0x5EED);
+    let mut layer = Layer::new(b, &weights, Options { direction: dir, ..Default::default() }).unwrap();
+    let mut y = vec![f32::NAN; inputs.x.len()];
+    layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
+    let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
+    let path = b.prepare(&weights).unwrap().output_path();
+    eprintln!("{} C={} H={} {} {dir} biases={biases} {path:?}: {cmp}", case.name(), cfg.c, cfg.h, cfg.formulation);
+    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{} {cfg:?} {dir} biases={biases} {path:?}: {cmp}", case.name());
+    path
+}
+
+#[test]
+fn device_opens_on_the_fake_runtime() {
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = HipBackend::new(0).unwrap();
+    let info = b.info();
+    assert_eq!((info.vendor.as_str(), info.arch.as_str(), info.compute_units), ("AMD", "gfx942", 304));
+    assert_eq!(info.name, "Fake AMD Instinct (gfx942)");
+    let v = |k: &str| info.versions.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()).unwrap_or_default();
+    assert_eq!(v("HIP runtime"), "6.3.42134");
+    assert_eq!(v("rocBLAS"), "4.3.0-fake");
+    assert_eq!(v("target id"), "gfx942:sramecc+:xnack-");
+    for stage in ["input_norm", "input_gating", "output_norm", "output_gate"] {
+        assert!(v("kernels").contains(&format!("{stage}: code object gfx942")), "{}", v("kernels"));
+    }
+    assert!(v("output stage (H=128)").contains("rocBLAS"), "default output path: {}", v("output stage (H=128)"));
+    // Detection prefers HIP when it opens.
+    assert_eq!(Device::detect_auto().kind(), BackendKind::Hip);
+    let mem = b.memory_info().unwrap().unwrap();
+    assert_eq!(mem.total, 64 << 30);
+}
+
+#[test]
+fn forwards_match_the_reference_on_both_output_paths() {
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    for mfma in [false, true] {
+        let b = backend(mfma);
+        let want = if mfma { HipKernelOutput::Mfma } else { HipKernelOutput::Blas };
+        let gm = |c, h| Config::new(Formulation::GpuMode, c, h).unwrap();
+        let af = |c, h| Config::new(Formulation::Af3, c, h).unwrap();
+        // (config, case, direction, biases): masks, Cauchy inputs, batch > 1 (a batch boundary
+        // inside tiles), C not a multiple of 32, H = 8, odd N.
+        let runs = [
+            (gm(32, 16), Case::new(8, 2, 32, true, Dist::Normal), Direction::Outgoing, false),
+            (gm(40, 24), Case::new(9, 1, 40, false, Dist::Cauchy), Direction::Incoming, false),
+            (af(24, 32), Case::new(10, 1, 24, true, Dist::Normal), Direction::Incoming, true),
+            (af(48, 8), Case::new(7, 3, 48, false, Dist::Cauchy), Direction::Outgoing, false),
+        ];
+        for (i, (cfg, case, dir, biases)) in runs.into_iter().enumerate() {
+            assert_eq!(check(&b, cfg, &case, dir, biases, 100 + i as u64), want);
+        }
+    }
+}
+
+#[test]
+fn chunked_projection_covers_every_position() {
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    // M = 4356 > 4096 rows: two projection chunks, the second starting at row 4096.
+    let b = backend(false);
+    let cfg = Config::new(Formulation::Af3, 8, 8).unwrap();
+    check(&b, cfg, &Case::new(66, 1, 8, true, Dist::Normal), Direction::Outgoing, true, 7);
+}
+
+#[test]
+fn device_buffers_caller_stream_and_workspace_reuse() {
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = backend(false);
+    let cfg = Config::new(Formulation::Af3, 16, 16).unwrap();
+    let case = Case::new(6, 2, 16, true, Dist::Normal);
+    let problem = Problem::new(cfg, case.shape(), Direction::Incoming, true).unwrap();
+    let weights = Weights::random(cfg, true, 11).unwrap();
+    let inputs = suite::generate_inputs(&case, 12);
+    let mask = inputs.mask.as_ref().unwrap();
+    let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming, ..Default::default() }).unwrap();
+    let mut xd = b.alloc(inputs.x.len()).unwrap();
+    let mut md = b.alloc(mask.len()).unwrap();
+    let mut yd = b.alloc(inputs.x.len()).unwrap();
+    b.upload(&inputs.x, &mut xd).unwrap();
+    b.upload(mask, &mut md).unwrap();
+    layer.forward_buffers(&xd, Some(&md), &mut yd, case.shape()).unwrap();
+    let mut y = vec![f32::NAN; inputs.x.len()];
+    b.download(&yd, &mut y).unwrap();
+    let cmp = reference::check(&weights, &problem, &inputs.x, Some(mask), &y, TOL, TOL).unwrap();
+    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "buffers: {cmp}");
+
+    let y2d = b.alloc(inputs.x.len()).unwrap();
+    // SAFETY: all three are live allocations of this backend sized for `case`, synchronised by
+    // the download before they drop.
+    unsafe {
+        layer
+            .forward_on_stream(xd.device_ptr(), Some(md.device_ptr()), y2d.device_ptr(), case.shape(), b.stream())
+            .unwrap()
+    };
+    let mut y2 = vec![0f32; inputs.x.len()];
+    b.download(&y2d, &mut y2).unwrap();
+    assert_eq!(y, y2, "caller-stream forward differs from the buffer forward");
+
+    // Another shape on the same layer: a new workspace, still right.
+    let case2 = Case::new(5, 1, 16, false, Dist::Normal);
+    let inputs2 = suite::generate_inputs(&case2, 13);
+    let mut y3 = vec![f32::NAN; inputs2.x.len()];
+    layer.forward_into(&inputs2.x, None, &mut y3, case2.shape()).unwrap();
+    let problem2 = Problem::new(cfg, case2.shape(), Direction::Incoming, false).unwrap();
+    let cmp = reference::check(&weights, &problem2, &inputs2.x, None, &y3, TOL, TOL).unwrap();
+    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "second shape: {cmp}");
+    assert!(b.peak_memory().unwrap() > 0);
+    let t = b.elapsed_ms(&mut || layer.forward_into(&inputs2.x, None, &mut y3, case2.shape())).unwrap();
+    assert!(t > 0.0);
+}
+
+#[test]
+fn memory_ranges_are_enforced_and_reported() {
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = backend(false);
+    // A workspace that cannot fit is OutOfMemory before anything is allocated.
+    let cfg = Config::new(Formulation::GpuMode, 128, 128).unwrap();
+    let weights = Weights::random(cfg, false, 1).unwrap();
+    let prepared = b.prepare(&weights).unwrap();
+    let huge = Problem::new(cfg, Shape::new(1, 40_000), Direction::Outgoing, false).unwrap();
+    let before = b.peak_memory().unwrap();
+    match b.workspace(&prepared, &huge) {
+        Err(Error::OutOfMemory { needed, available, .. }) => assert!(needed > available),
+        Err(other) => panic!("expected OutOfMemory, got {other}"),
+        Ok(_) => panic!("a 1.6 TB workspace fitted in 64 GiB"),
+    }
+    assert_eq!(b.peak_memory().unwrap(), before, "nothing allocated for a workspace that does not fit");
+    // f16 range of the weights is checked at prepare time.
+    let mut bad = weights.clone();
+    bad.out_proj.weight[3] = 1e9;
+    assert!(b.prepare(&bad).unwrap_err().to_string().contains("f16 range"));
+}
+
+#[test]
+fn a_y_pointer_outside_device_memory_is_caught_by_the_fake() {
+    // Checks the checker: a bad address must come back as an error, not pass silently.
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = backend(false);
+    // Without poisoning, so that it is the launch (not the NaN fill of y) that meets the bad range.
+    b.set_poison(false);
+    let cfg = Config::new(Formulation::GpuMode, 16, 8).unwrap();
+    let weights = Weights::random(cfg, false, 2).unwrap();
+    let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
+    let case = Case::new(4, 1, 16, false, Dist::Normal);
+    let xd = b.alloc(case.shape().rows() * 16).unwrap();
+    let small = b.alloc(8).unwrap();
+    // SAFETY (deliberately violated for the fake, which only records the access): `small` is far
+    // too short for y. On a real GPU this would be undefined behaviour; here host memory outside
+    // the fake's allocations is never written because the fake refuses the range first.
+    let e = unsafe { layer.forward_on_stream(xd.device_ptr(), None, small.device_ptr(), case.shape(), b.stream()) };
+    let e = e.err().map(|e| e.to_string()).or_else(|| b.synchronize().err().map(|e| e.to_string()));
+    let e = e.expect("the fake accepted a y of 8 floats");
+    assert!(e.contains("outside any device allocation"), "{e}");
+    eprintln!("refused as it should be: {e}");
+}
+
+#[test]
+fn each_arch_gets_its_own_code_objects_and_unknown_archs_fail_clearly() {
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    // gfx90a: the fake rejects objects of any other processor, so passing proves the selection.
+    std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx90a:sramecc+:xnack-");
+    let b = backend(true);
+    assert_eq!(b.arch(), "gfx90a");
+    let cfg = Config::new(Formulation::GpuMode, 32, 16).unwrap();
+    assert_eq!(
+        check(&b, cfg, &Case::new(6, 1, 32, true, Dist::Normal), Direction::Outgoing, false, 3),
+        HipKernelOutput::Mfma
+    );
+    drop(b);
+    // RDNA3 with no hipRTC: no kernels, and the error says why.
+    std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx1100");
+    match HipBackend::new(0) {
+        Err(Error::NoKernels { arch, reason }) => {
+            assert_eq!(arch, "gfx1100");
+            assert!(reason.contains("gfx942, gfx90a") && reason.contains("no-hiprtc-here.so"), "{reason}");
+        }
+        Err(other) => panic!("expected NoKernels, got {other}"),
+        Ok(_) => panic!("gfx1100 opened without kernels"),
+    }
+    // A device whose arch string is garbage is an error too.
+    std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "banana");
+    assert!(HipBackend::new(0).is_err());
+
+    // With hipRTC (the fake's compiles with a real clang): gfx1100 gets its kernels at run time.
+    // Once loaded, hipRTC stays loaded in this process, so this comes after the failures above.
+    let Some(clang) = ["clang++-19", "clang++"].into_iter().find(|c| {
+        Command::new(c)
+            .arg("--print-targets")
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("amdgcn"))
+    }) else {
+        return skip("no clang++ with the AMDGPU target for the fake hipRTC");
+    };
+    std::env::set_var("TRIMUL_FAKE_HIPRTC_CLANG", clang);
+    std::env::set_var("TRIMUL_HIPRTC_LIBRARY", std::env::var_os("TRIMUL_HIP_LIBRARY").unwrap());
+    std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx1100");
+    let b = backend(true);
+    let kernels = b.info().versions.into_iter().find(|(k, _)| k == "kernels").unwrap().1;
+    assert!(kernels.contains("input_norm: hipRTC gfx1100"), "{kernels}");
+    // No MFMA on RDNA: the rocBLAS output path, whatever was asked.
+    assert_eq!(
+        check(&b, cfg, &Case::new(5, 2, 32, true, Dist::Cauchy), Direction::Incoming, false, 4),
+        HipKernelOutput::Blas
+    );
+    drop(b);
+    // And on gfx942 with everything compiled at run time, MFMA kernel included.
+    std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx942:sramecc+:xnack-");
+    let b = HipBackend::with_runtime_compilation(0).unwrap();
+    b.set_poison(true);
+    b.set_mfma_output(Some(true));
+    let kernels = b.info().versions.into_iter().find(|(k, _)| k == "kernels").unwrap().1;
+    assert!(kernels.contains("output_gate: hipRTC gfx942"), "{kernels}");
+    let af3 = Config::new(Formulation::Af3, 32, 16).unwrap();
+    assert_eq!(
+        check(&b, af3, &Case::new(6, 1, 32, true, Dist::Normal), Direction::Outgoing, true, 5),
+        HipKernelOutput::Mfma
+    );
+}
