@@ -22,9 +22,6 @@ pub const OUTPUT_GATE: &str = "output_gate";
 /// The fused MFMA output stage (CDNA only).
 pub const OUTPUT_PROJECTION: &str = "output_projection";
 
-/// Stages every forward needs, on every arch.
-pub const PORTABLE_STAGES: &[&str] = &[INPUT_NORM, INPUT_GATING, OUTPUT_NORM, OUTPUT_GATE];
-
 /// Stages that use matrix-core builtins and exist only for [`has_mfma`] archs.
 pub fn needs_mfma(stage: &str) -> bool {
     stage == OUTPUT_PROJECTION
@@ -41,15 +38,6 @@ pub enum KernelImage {
     Prebuilt { stage: &'static str, arch: String, code: &'static [u8] },
     /// Source to compile at run time with hipRTC, with the options to pass.
     Compile { stage: &'static str, arch: String, source: &'static str, options: Vec<String> },
-}
-
-impl KernelImage {
-    pub fn describe(&self) -> String {
-        match self {
-            KernelImage::Prebuilt { arch, .. } => format!("prebuilt code objects for {arch}"),
-            KernelImage::Compile { arch, .. } => format!("hipRTC for {arch}"),
-        }
-    }
 }
 
 /// hipRTC options for `arch`: the same flags `build.rs` gives clang.

@@ -1,0 +1,59 @@
+//! Builds the fake ROCm (tests/hip_emu/fake_rocm.cpp) once per test process and points the
+//! HIP backend's loaders at it. Shared by the test binaries that run the backend on the fake.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+pub fn skip(what: &str) {
+    if std::env::var_os("TRIMUL_REQUIRE_HIP_CLANG").is_some() {
+        panic!("TRIMUL_REQUIRE_HIP_CLANG is set but {what}");
+    }
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {what}");
+}
+
+/// Builds the fake once, points the loaders at it, and serialises the tests (they change the fake
+/// device's arch through the environment).
+pub fn fake() -> Option<MutexGuard<'static, ()>> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    static LOCK: Mutex<()> = Mutex::new(());
+    let built = BUILT.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let cxx = std::env::var_os("TRIMUL_HOST_CXX").map(PathBuf::from).unwrap_or_else(|| "clang++-19".into());
+        let dir = std::env::temp_dir().join(format!("trimul-fake-rocm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let lib = dir.join("libtrimul_fake_rocm.so");
+        let out = Command::new(&cxx)
+            .args(["-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", "-Wall", "-Wno-psabi"])
+            .arg("-I")
+            .arg(&root)
+            .arg(root.join("tests/hip_emu/fake_rocm.cpp"))
+            .arg("-o")
+            .arg(&lib)
+            .output()
+            .map_err(|e| format!("no host C++ compiler {} to build the fake ROCm: {e}", cxx.display()))?;
+        if !out.status.success() {
+            // A compiler that exists but fails on our code is a real failure, not a skip.
+            panic!("building the fake ROCm failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::env::set_var("TRIMUL_HIP_LIBRARY", &lib);
+        std::env::set_var("TRIMUL_ROCBLAS_LIBRARY", &lib);
+        // No hipRTC: archs without prebuilt objects must fail clearly.
+        std::env::set_var("TRIMUL_HIPRTC_LIBRARY", dir.join("no-hiprtc-here.so"));
+        std::env::remove_var("TRIMUL_HIP_MFMA");
+        std::env::remove_var("TRIMUL_HIP_FORCE_RTC");
+        Ok(lib)
+    });
+    match built {
+        Ok(_) => {
+            let guard = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+            std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx942:sramecc+:xnack-");
+            Some(guard)
+        }
+        Err(why) => {
+            skip(why);
+            None
+        }
+    }
+}
