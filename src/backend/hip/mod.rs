@@ -545,6 +545,10 @@ fn load_stage(
     stage: &'static str,
     force: bool,
 ) -> Result<(Kernel, String)> {
+    if force {
+        // Asked for run-time compilation: without hipRTC that is an error, not a silent fallback.
+        sys::hiprtc()?;
+    }
     // hipRTC is loaded only when it may be needed (it is a large library).
     let arch = arch::normalize_arch(target_id).unwrap_or_default();
     let prebuilt = kernels::HIP_STAGES
