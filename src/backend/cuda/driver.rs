@@ -256,3 +256,48 @@ impl Drop for EventPair {
         }
     }
 }
+
+/// Events recorded between the stages of one forward, for a per-stage time breakdown.
+#[derive(Default)]
+pub(crate) struct Timeline {
+    marks: Vec<(&'static str, sys::CUevent)>,
+}
+
+// SAFETY: event handles are plain driver handles usable from any thread with the context bound.
+unsafe impl Send for Timeline {}
+
+impl Timeline {
+    /// Records an event named `name` on `stream` (the first mark is the start).
+    pub(crate) fn mark(&mut self, name: &'static str, stream: CUstream) -> Result<()> {
+        let ev = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx("cuEventCreate")?;
+        // SAFETY: a live event of the current context recorded on a stream of that context.
+        unsafe { cu::event::record(ev, stream) }.ctx("cuEventRecord")?;
+        self.marks.push((name, ev));
+        Ok(())
+    }
+
+    /// Waits for the last mark and returns each stage's milliseconds (time since the previous mark).
+    pub(crate) fn stage_ms(&self) -> Result<Vec<(String, f64)>> {
+        let Some(&(_, last)) = self.marks.last() else { return Ok(Vec::new()) };
+        // SAFETY: every event was recorded in `mark`.
+        unsafe { cu::event::synchronize(last) }.ctx("cuEventSynchronize")?;
+        self.marks
+            .windows(2)
+            // SAFETY: both events were recorded and the last one has completed.
+            .map(|w| {
+                unsafe { cu::event::elapsed(w[0].1, w[1].1) }
+                    .map(|ms| (w[1].0.to_string(), ms as f64))
+                    .ctx("cuEventElapsedTime")
+            })
+            .collect()
+    }
+}
+
+impl Drop for Timeline {
+    fn drop(&mut self) {
+        for &(_, ev) in &self.marks {
+            // SAFETY: created in `mark`, destroyed once.
+            let _ = unsafe { cu::event::destroy(ev) };
+        }
+    }
+}
