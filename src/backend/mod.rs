@@ -14,10 +14,12 @@
 //! Detection order is HIP, then CUDA, then CPU; `TRIMUL_BACKEND=cpu|cuda|hip` overrides it.
 
 pub mod cpu;
+// The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "rocm")]
 pub mod hip;
+pub(crate) mod host_gemm;
 
 use crate::error::{BackendKind, Error, Result};
 use crate::problem::Problem;
