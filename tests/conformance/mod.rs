@@ -1,0 +1,552 @@
+//! The conformance suite, written once and instantiated per backend.
+//!
+//! Every test body is a function of a [`Device`] and a [`Profile`] (the tolerances that backend
+//! promises); [`conformance_suite!`] stamps each out as a `#[test]`. A backend's test file is
+//! three lines:
+//!
+//! ```ignore
+//! #[macro_use]
+//! mod conformance;
+//! conformance_suite!(conformance::device_or_skip("cuda", trimul::Device::cuda(0)), conformance::Profile::gpu_mode(5e-3));
+//! ```
+//!
+//! Everything goes through the public API (`TriMul::new`, `forward`, `forward_into`) and is judged
+//! against the f64 reference only ([`trimul::reference`]); backends never check each other.
+//! Inputs are fresh each run: the base seed comes from the clock unless `TRIMUL_TEST_SEED` is set,
+//! and every test prints the value that replays it.
+
+use std::io::Write;
+use std::sync::OnceLock;
+
+use trimul::reference::{self, Comparison};
+use trimul::suite::{self, Case, Dist, Inputs};
+use trimul::{Device, Direction, Error, Formulation, Linear, Options, Problem, Shape, TriMul, Weights};
+
+/// What one backend promises.
+#[derive(Copy, Clone, Debug)]
+pub struct Profile {
+    /// GPU MODE's elementwise rule: `|got − ref| ≤ atol + rtol·|ref|`.
+    pub rtol: f64,
+    pub atol: f64,
+    /// Bound on `‖got − ref‖/‖ref‖`: the rule above alone lets a systematic error of 1% pass.
+    pub max_rel_l2: f64,
+    /// Relative and absolute bound between two calls that compute the same function by the
+    /// backend's own routes (absent mask vs all-ones mask, zero biases vs none).
+    pub equivalent: f64,
+    /// Largest N of the GPU MODE cases to run: the f64 reference and the input generation cost
+    /// CPU time whatever the backend (N = 1024, C = 768 is 3.2 GB of input per case).
+    pub max_suite_n: usize,
+}
+
+impl Profile {
+    /// GPU MODE's `rtol = atol = 2e-2`, the given relative-L2 bound, suite cases with N ≤ 256.
+    pub const fn gpu_mode(max_rel_l2: f64) -> Profile {
+        Profile { rtol: 2e-2, atol: 2e-2, max_rel_l2, equivalent: 1e-6, max_suite_n: 256 }
+    }
+
+    /// The CPU backend computes in f32 throughout; measured errors sit near 1e-7 relative L2, so
+    /// 1e-4 still leaves room for N = 1024 sums while catching any real bug.
+    pub const CPU_F32: Profile = Profile::gpu_mode(1e-4);
+}
+
+/// The device, or `None` after saying on stderr (past the test harness's capture, so it shows
+/// in a normal `cargo test` run) why this backend's tests are skipped. With
+/// `TRIMUL_REQUIRE_DEVICE` set a missing device is a failure instead, for machines that have one.
+pub fn device_or_skip(name: &str, device: trimul::Result<Device>) -> Option<Device> {
+    match device {
+        Ok(d) => Some(d),
+        Err(e) if std::env::var_os("TRIMUL_REQUIRE_DEVICE").is_some() => {
+            panic!("{name} device required (TRIMUL_REQUIRE_DEVICE is set) but unavailable: {e}")
+        }
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "SKIPPED: {name}: {e}");
+            None
+        }
+    }
+}
+
+/// Stamps out every conformance test for one backend: `conformance_suite!(device, profile)` with
+/// `device: Option<Device>` (see [`device_or_skip`]) and `profile: Profile`.
+macro_rules! conformance_suite {
+    ($device:expr, $profile:expr) => {
+        conformance_suite!(@tests $device, $profile;
+            suite_gpumode_outgoing,
+            suite_gpumode_incoming,
+            suite_af3_outgoing,
+            suite_af3_incoming,
+            n_equals_one,
+            odd_n,
+            odd_channel_widths,
+            batch_of_three,
+            all_zero_mask,
+            absent_mask_equals_all_ones,
+            af3_zero_biases_equal_no_biases,
+            incoming_is_outgoing_of_the_transpose,
+            nan_in_x_poisons_what_the_reference_poisons,
+            nan_prefilled_output_is_overwritten,
+            workspace_reuse_across_shapes,
+            bad_lengths_are_shape_errors,
+            mismatched_weights_are_weights_errors,
+            inputs_are_not_modified,
+        );
+    };
+    (@tests $device:expr, $profile:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                if let Some(device) = $device {
+                    conformance::$name(&device, &$profile);
+                }
+            }
+        )*
+    };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Seeds, inputs, runs
+
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+fn base_seed() -> u64 {
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(|| match std::env::var("TRIMUL_TEST_SEED") {
+        Ok(s) => s.trim().parse().unwrap_or_else(|_| panic!("TRIMUL_TEST_SEED={s:?} is not a u64")),
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64 ^ (d.as_secs() << 32)),
+    })
+}
+
+/// This test's seed: the run's base seed mixed with the test's name, printed so that a failure
+/// (whose output the harness shows) can be replayed.
+fn seed(test: &str) -> u64 {
+    let base = base_seed();
+    eprintln!("{test}: replay with TRIMUL_TEST_SEED={base}");
+    base ^ fnv(test)
+}
+
+fn mix(seed: u64, k: u64) -> u64 {
+    trimul::rand::Rng::new(seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+}
+
+fn layer(device: &Device, weights: &Weights, direction: Direction) -> TriMul {
+    TriMul::new(device, weights, Options { direction, ..Default::default() })
+        .unwrap_or_else(|e| panic!("TriMul::new failed for valid weights: {e}"))
+}
+
+fn weights(case: &Case, f: Formulation, biases: bool, seed: u64) -> Weights {
+    Weights::random(case.config(f).expect("valid config"), biases, seed).expect("random weights")
+}
+
+fn problem(case: &Case, f: Formulation, d: Direction) -> Problem {
+    case.problem(f, d).expect("valid problem")
+}
+
+fn forward(device: &Device, w: &Weights, d: Direction, inputs: &Inputs, shape: Shape) -> Vec<f32> {
+    layer(device, w, d)
+        .forward(&inputs.x, inputs.mask.as_deref(), shape)
+        .unwrap_or_else(|e| panic!("forward failed on valid inputs: {e}"))
+}
+
+/// `Err(message)` unless the comparison passes GPU MODE's rule and the relative-L2 bound.
+fn judge(label: &str, cmp: &Comparison, p: &Profile) -> Result<(), String> {
+    if cmp.passed() && cmp.rel_l2 <= p.max_rel_l2 {
+        eprintln!("ok   {label}: {cmp}");
+        Ok(())
+    } else {
+        Err(format!("{label}: {cmp} (rel L2 bound {:.0e})", p.max_rel_l2))
+    }
+}
+
+fn finish(test: &str, failures: Vec<String>) {
+    assert!(failures.is_empty(), "{test}: {} failed:\n  {}", failures.len(), failures.join("\n  "));
+}
+
+/// Runs `case` on the device and checks it against the reference.
+fn check_case(
+    device: &Device,
+    p: &Profile,
+    case: &Case,
+    f: Formulation,
+    d: Direction,
+    biases: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let w = weights(case, f, biases, mix(seed, 1));
+    let inputs = suite::generate_inputs(case, mix(seed, 2));
+    let y = forward(device, &w, d, &inputs, case.shape());
+    let cmp = reference::check(&w, &problem(case, f, d), &inputs.x, inputs.mask.as_deref(), &y, p.rtol, p.atol)
+        .map_err(|e| format!("reference failed: {e}"))?;
+    let label = format!("{case} {f}{} {d}", if biases { "+biases" } else { "" });
+    judge(&label, &cmp, p)
+}
+
+const FORMULATIONS: [Formulation; 2] = [Formulation::GpuMode, Formulation::Af3];
+const DIRECTIONS: [Direction; 2] = [Direction::Outgoing, Direction::Incoming];
+
+/// Every formulation and direction on each case; af3 alternates biases and none.
+fn check_all_combinations(device: &Device, p: &Profile, test: &str, cases: &[Case]) {
+    let s = seed(test);
+    let mut failures = Vec::new();
+    let mut k = 0u64;
+    for case in cases {
+        for f in FORMULATIONS {
+            for d in DIRECTIONS {
+                k += 1;
+                let biases = f == Formulation::Af3 && k % 2 == 0;
+                if let Err(e) = check_case(device, p, case, f, d, biases, mix(s, k)) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    finish(test, failures);
+}
+
+fn swap_ij<T: Copy>(v: &[T], shape: Shape, width: usize) -> Vec<T> {
+    let n = shape.n;
+    let mut out = v.to_vec();
+    for b in 0..shape.batch {
+        for i in 0..n {
+            for j in 0..n {
+                let (src, dst) = (((b * n + i) * n + j) * width, ((b * n + j) * n + i) * width);
+                out[dst..dst + width].copy_from_slice(&v[src..src + width]);
+            }
+        }
+    }
+    out
+}
+
+/// `|a − b| ≤ tol·(1 + |b|)` everywhere, NaN only where both are NaN.
+fn assert_equivalent(label: &str, a: &[f32], b: &[f32], tol: f64) {
+    assert_eq!(a.len(), b.len());
+    let bad: Vec<usize> = (0..a.len())
+        .filter(|&k| {
+            let (x, y) = (a[k] as f64, b[k] as f64);
+            !(x.is_nan() && y.is_nan() || (x - y).abs() <= tol * (1.0 + y.abs()))
+        })
+        .collect();
+    if let Some(&k) = bad.first() {
+        panic!(
+            "{label}: {} of {} elements differ by more than {tol:.0e}; first [{k}]: {} vs {}",
+            bad.len(),
+            a.len(),
+            a[k],
+            b[k]
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU MODE cases
+
+fn suite_cases(p: &Profile, f: Formulation, d: Direction, test: &str, device: &Device) {
+    let s = seed(test);
+    let mut failures = Vec::new();
+    for (k, case) in suite::test_cases().iter().enumerate().filter(|(_, c)| c.n <= p.max_suite_n) {
+        // af3 alternates OpenFold-style biases and AF3/Boltz-style none.
+        let biases = f == Formulation::Af3 && k % 2 == 0;
+        if let Err(e) = check_case(device, p, case, f, d, biases, mix(s, k as u64)) {
+            failures.push(e);
+        }
+    }
+    finish(test, failures);
+}
+
+pub fn suite_gpumode_outgoing(device: &Device, p: &Profile) {
+    suite_cases(p, Formulation::GpuMode, Direction::Outgoing, "suite_gpumode_outgoing", device);
+}
+
+pub fn suite_gpumode_incoming(device: &Device, p: &Profile) {
+    suite_cases(p, Formulation::GpuMode, Direction::Incoming, "suite_gpumode_incoming", device);
+}
+
+pub fn suite_af3_outgoing(device: &Device, p: &Profile) {
+    suite_cases(p, Formulation::Af3, Direction::Outgoing, "suite_af3_outgoing", device);
+}
+
+pub fn suite_af3_incoming(device: &Device, p: &Profile) {
+    suite_cases(p, Formulation::Af3, Direction::Incoming, "suite_af3_incoming", device);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Edge shapes
+
+pub fn n_equals_one(device: &Device, p: &Profile) {
+    let cases = [Case::new(1, 2, 128, true, Dist::Normal), Case::new(1, 1, 128, false, Dist::Cauchy)];
+    check_all_combinations(device, p, "n_equals_one", &cases);
+}
+
+/// N that no power-of-two tile divides.
+pub fn odd_n(device: &Device, p: &Profile) {
+    let cases = [Case::new(33, 1, 128, true, Dist::Normal), Case::new(127, 1, 128, false, Dist::Cauchy)];
+    check_all_combinations(device, p, "odd_n", &cases);
+}
+
+/// C and H that no vector width divides; the API accepts any width from 1 to 4096.
+pub fn odd_channel_widths(device: &Device, p: &Profile) {
+    let cases = [
+        Case { h: 19, ..Case::new(20, 2, 37, true, Dist::Normal) },
+        Case { h: 1, ..Case::new(9, 1, 1, false, Dist::Normal) },
+    ];
+    check_all_combinations(device, p, "odd_channel_widths", &cases);
+}
+
+pub fn batch_of_three(device: &Device, p: &Profile) {
+    check_all_combinations(device, p, "batch_of_three", &[Case::new(17, 3, 64, true, Dist::Cauchy)]);
+}
+
+/// All-zero mask: `left = right = 0`, so `t = 0` and `LN_H(t)` is the norm_out bias. The output
+/// is the gate path alone, which is not zero.
+pub fn all_zero_mask(device: &Device, p: &Profile) {
+    let s = seed("all_zero_mask");
+    let case = Case::new(40, 2, 128, true, Dist::Normal);
+    let mut failures = Vec::new();
+    for (k, (f, d)) in FORMULATIONS.iter().flat_map(|&f| DIRECTIONS.map(|d| (f, d))).enumerate() {
+        let w = weights(&case, f, f == Formulation::Af3, mix(s, k as u64));
+        let mut inputs = suite::generate_inputs(&case, mix(s, 100 + k as u64));
+        inputs.mask = Some(vec![0.0; case.batch * case.n * case.n]);
+        let y = forward(device, &w, d, &inputs, case.shape());
+        let pr = problem(&case, f, d);
+        let want = reference::forward(&w, &pr, &inputs.x, inputs.mask.as_deref()).expect("reference");
+        assert!(want.iter().any(|v| v.abs() > 1e-2), "the reference output is ~0: the test would prove nothing");
+        if let Err(e) = judge(&format!("{f} {d}"), &reference::compare(&y, &want, p.rtol, p.atol), p) {
+            failures.push(e);
+        }
+    }
+    finish("all_zero_mask", failures);
+}
+
+pub fn absent_mask_equals_all_ones(device: &Device, p: &Profile) {
+    let s = seed("absent_mask_equals_all_ones");
+    let case = Case::new(48, 2, 128, false, Dist::Normal);
+    for f in FORMULATIONS {
+        for d in DIRECTIONS {
+            let w = weights(&case, f, false, mix(s, 1));
+            let mut inputs = suite::generate_inputs(&case, mix(s, 2));
+            let none = forward(device, &w, d, &inputs, case.shape());
+            inputs.mask = Some(vec![1.0; case.batch * case.n * case.n]);
+            let ones = forward(device, &w, d, &inputs, case.shape());
+            assert_equivalent(&format!("{f} {d}: no mask vs all-ones mask"), &none, &ones, p.equivalent);
+        }
+    }
+}
+
+pub fn af3_zero_biases_equal_no_biases(device: &Device, p: &Profile) {
+    let s = seed("af3_zero_biases_equal_no_biases");
+    let case = Case::new(40, 1, 128, true, Dist::Cauchy);
+    let without = weights(&case, Formulation::Af3, false, mix(s, 1));
+    let mut with = without.clone();
+    for l in [
+        &mut with.left_proj,
+        &mut with.left_gate,
+        &mut with.right_proj,
+        &mut with.right_gate,
+        &mut with.out_gate,
+        &mut with.out_proj,
+    ] {
+        l.bias = Some(vec![0.0; l.out_features]);
+    }
+    assert!(with.has_biases() && !without.has_biases());
+    let inputs = suite::generate_inputs(&case, mix(s, 2));
+    for d in DIRECTIONS {
+        let a = forward(device, &with, d, &inputs, case.shape());
+        let b = forward(device, &without, d, &inputs, case.shape());
+        assert_equivalent(&format!("af3 {d}: zero biases vs none"), &a, &b, p.equivalent);
+    }
+}
+
+/// `incoming(x) = swap_ij(outgoing'(swap_ij(x)))`, where `swap_ij` exchanges i and j in x, the
+/// mask and y, and outgoing' has the left and right weights exchanged: the outgoing sum over
+/// the swapped input is `Σ_k left[k,j]·right[k,i]`, the incoming `t[j,i]`, so without the exchange
+/// the identity does not hold (the reference's own test shows it). Both sides run on the
+/// backend, through its two contraction routes.
+pub fn incoming_is_outgoing_of_the_transpose(device: &Device, p: &Profile) {
+    let s = seed("incoming_is_outgoing_of_the_transpose");
+    let case = Case::new(37, 2, 64, true, Dist::Normal);
+    let (shape, c) = (case.shape(), case.c);
+    let mut failures = Vec::new();
+    for (k, f) in FORMULATIONS.into_iter().enumerate() {
+        let w = weights(&case, f, f == Formulation::Af3, mix(s, k as u64));
+        let inputs = suite::generate_inputs(&case, mix(s, 10 + k as u64));
+        let y_in = forward(device, &w, Direction::Incoming, &inputs, shape);
+
+        let mut exchanged = w.clone();
+        std::mem::swap(&mut exchanged.left_proj, &mut exchanged.right_proj);
+        std::mem::swap(&mut exchanged.left_gate, &mut exchanged.right_gate);
+        let swapped =
+            Inputs { x: swap_ij(&inputs.x, shape, c), mask: inputs.mask.as_ref().map(|m| swap_ij(m, shape, 1)) };
+        let y_out = swap_ij(&forward(device, &exchanged, Direction::Outgoing, &swapped, shape), shape, c);
+        let want: Vec<f64> = y_out.iter().map(|&v| v as f64).collect();
+        // Two f32 results, each within the profile of the truth: allow twice the L2 bound.
+        let cmp = reference::compare(&y_in, &want, p.rtol, p.atol);
+        if let Err(e) = judge(&format!("{f}"), &cmp, &Profile { max_rel_l2: 2.0 * p.max_rel_l2, ..*p }) {
+            failures.push(e);
+        }
+    }
+    finish("incoming_is_outgoing_of_the_transpose", failures);
+}
+
+/// A NaN in `x[b,i,k,·]` poisons `z`, `left`, `right` and the gate at `(b,i,k)`; the reference
+/// says which outputs that reaches (row and column `i` of batch `b` outgoing, row and column `k`
+/// plus `(b,i,k)` incoming). The backend must poison exactly those: no more (NaN leaking across
+/// tiles or batches) and no fewer (a NaN silently dropped).
+pub fn nan_in_x_poisons_what_the_reference_poisons(device: &Device, p: &Profile) {
+    let s = seed("nan_in_x_poisons_what_the_reference_poisons");
+    let case = Case::new(24, 2, 128, false, Dist::Normal);
+    let (n, c) = (case.n, case.c);
+    let mut failures = Vec::new();
+    for (k, (f, d)) in FORMULATIONS.iter().flat_map(|&f| DIRECTIONS.map(|d| (f, d))).enumerate() {
+        let w = weights(&case, f, false, mix(s, k as u64));
+        let mut inputs = suite::generate_inputs(&case, mix(s, 10 + k as u64));
+        let (b, i, kk) = (1, 5, 17);
+        inputs.x[((b * n + i) * n + kk) * c + 7] = f32::NAN;
+        let y = forward(device, &w, d, &inputs, case.shape());
+        let want = reference::forward(&w, &problem(&case, f, d), &inputs.x, None).expect("reference");
+        let poisoned = want.iter().filter(|v| v.is_nan()).count();
+        assert!(poisoned >= (2 * n - 1) * c, "{f} {d}: the reference poisons only {poisoned} values");
+        assert!(want[..n * n * c].iter().all(|v| v.is_finite()), "{f} {d}: the reference poisons batch 0");
+        let cmp = reference::compare(&y, &want, p.rtol, p.atol);
+        let nans = y.iter().filter(|v| v.is_nan()).count();
+        if let Err(e) = judge(&format!("{f} {d} ({nans} NaN, reference {poisoned})"), &cmp, p) {
+            failures.push(e);
+        }
+    }
+    finish("nan_in_x_poisons_what_the_reference_poisons", failures);
+}
+
+/// `forward_into` must write every element of `y`: a NaN or huge value left over from the
+/// caller's buffer must not survive.
+pub fn nan_prefilled_output_is_overwritten(device: &Device, p: &Profile) {
+    let s = seed("nan_prefilled_output_is_overwritten");
+    let case = Case::new(33, 2, 128, true, Dist::Normal);
+    let mut failures = Vec::new();
+    for (k, (f, d)) in FORMULATIONS.iter().flat_map(|&f| DIRECTIONS.map(|d| (f, d))).enumerate() {
+        let w = weights(&case, f, false, mix(s, k as u64));
+        let inputs = suite::generate_inputs(&case, mix(s, 10 + k as u64));
+        let pr = problem(&case, f, d);
+        let mut l = layer(device, &w, d);
+        for fill in [f32::NAN, 1e30] {
+            let mut y = vec![fill; inputs.x.len()];
+            l.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).expect("forward_into");
+            let cmp =
+                reference::check(&w, &pr, &inputs.x, inputs.mask.as_deref(), &y, p.rtol, p.atol).expect("reference");
+            if let Err(e) = judge(&format!("{f} {d} prefilled {fill}"), &cmp, p) {
+                failures.push(e);
+            }
+        }
+    }
+    finish("nan_prefilled_output_is_overwritten", failures);
+}
+
+/// One layer serves calls of different shapes, masked and not, and back: whatever it caches per
+/// shape must follow.
+pub fn workspace_reuse_across_shapes(device: &Device, p: &Profile) {
+    let s = seed("workspace_reuse_across_shapes");
+    let a = Case::new(48, 1, 128, false, Dist::Normal);
+    let b = Case::new(20, 2, 128, true, Dist::Cauchy);
+    let mut failures = Vec::new();
+    for f in FORMULATIONS {
+        for d in DIRECTIONS {
+            let w = weights(&a, f, false, mix(s, 1));
+            let mut l = layer(device, &w, d);
+            for (k, case) in [a, b, a, b].iter().enumerate() {
+                let inputs = suite::generate_inputs(case, mix(s, 10 + k as u64));
+                let y = l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("forward");
+                let cmp =
+                    reference::check(&w, &problem(case, f, d), &inputs.x, inputs.mask.as_deref(), &y, p.rtol, p.atol)
+                        .expect("reference");
+                if let Err(e) = judge(&format!("{f} {d} call {k} {case}"), &cmp, p) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    finish("workspace_reuse_across_shapes", failures);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad inputs and the caller's data
+
+fn expect_shape_error(r: trimul::Result<()>, names: &str) {
+    match r {
+        Err(Error::Shape(msg)) => assert!(msg.contains(names), "shape error does not name {names:?}: {msg}"),
+        Err(e) => panic!("expected a shape error naming {names:?}, got {e}"),
+        Ok(()) => panic!("expected a shape error naming {names:?}, the call succeeded"),
+    }
+}
+
+pub fn bad_lengths_are_shape_errors(device: &Device, _p: &Profile) {
+    let case = Case::new(8, 2, 16, true, Dist::Normal);
+    let w = weights(&case, Formulation::GpuMode, false, 1);
+    let inputs = suite::generate_inputs(&case, 2);
+    let (x, m, shape) = (&inputs.x, inputs.mask.as_deref().expect("masked case"), case.shape());
+    for d in DIRECTIONS {
+        let mut l = layer(device, &w, d);
+        let mut y = vec![0.0f32; x.len()];
+        expect_shape_error(l.forward_into(&x[1..], Some(m), &mut y, shape), "x has");
+        expect_shape_error(l.forward(&x[1..], Some(m), shape).map(drop), "x has");
+        expect_shape_error(l.forward_into(x, Some(&m[1..]), &mut y, shape), "mask has");
+        expect_shape_error(l.forward_into(x, Some(m), &mut y[1..], shape), "y has");
+        let mut longer = vec![0.0f32; x.len() + 1];
+        expect_shape_error(l.forward_into(x, Some(m), &mut longer, shape), "y has");
+        expect_shape_error(l.forward_into(x, Some(m), &mut y, Shape::new(2, 0)), "N");
+        expect_shape_error(l.forward_into(x, Some(m), &mut y, Shape::new(0, 8)), "B");
+        // The layer still works after refusing bad calls.
+        l.forward_into(x, Some(m), &mut y, shape).expect("valid call after bad ones");
+    }
+}
+
+fn expect_weights_error(device: &Device, w: &Weights, what: &str) {
+    match TriMul::new(device, w, Options::default()) {
+        Err(Error::Weights(msg)) => assert!(msg.contains(what), "weights error does not name {what:?}: {msg}"),
+        Err(e) => panic!("{what}: expected a weights error, got {e}"),
+        Ok(_) => panic!("{what}: TriMul::new accepted inconsistent weights"),
+    }
+}
+
+pub fn mismatched_weights_are_weights_errors(device: &Device, _p: &Profile) {
+    let case = Case { h: 16, ..Case::new(8, 1, 32, false, Dist::Normal) };
+    for f in FORMULATIONS {
+        let good = weights(&case, f, false, 3);
+        let mut w = good.clone();
+        w.right_proj = Linear::new(vec![0.1; 8 * 32], None, 8, 32);
+        expect_weights_error(device, &w, "right_proj");
+        let mut w = good.clone();
+        w.norm_out.weight.truncate(8);
+        expect_weights_error(device, &w, "norm_out");
+        let mut w = good.clone();
+        w.out_proj = Linear::new(vec![0.1; 32 * 8], None, 32, 8);
+        expect_weights_error(device, &w, "out_proj");
+        let mut w = good.clone();
+        w.left_gate.weight.pop();
+        expect_weights_error(device, &w, "left_gate");
+    }
+    let mut w = weights(&case, Formulation::GpuMode, false, 4);
+    w.out_gate.bias = Some(vec![0.0; 16]);
+    expect_weights_error(device, &w, "out_gate");
+}
+
+pub fn inputs_are_not_modified(device: &Device, p: &Profile) {
+    let s = seed("inputs_are_not_modified");
+    let case = Case::new(32, 2, 128, true, Dist::Cauchy);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for f in FORMULATIONS {
+        for d in DIRECTIONS {
+            let w = weights(&case, f, false, mix(s, 1));
+            let inputs = suite::generate_inputs(&case, mix(s, 2));
+            let (x0, m0) = (bits(&inputs.x), bits(inputs.mask.as_deref().expect("masked")));
+            let w0 = w.clone();
+            let mut l = layer(device, &w, d);
+            let y1 = l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("forward");
+            let y2 = l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("forward");
+            assert_eq!(bits(&inputs.x), x0, "{f} {d}: x was modified");
+            assert_eq!(bits(inputs.mask.as_deref().expect("masked")), m0, "{f} {d}: mask was modified");
+            assert_eq!(w, w0, "{f} {d}: weights were modified");
+            // Same inputs, same layer: the second call sees the same data (and no state from the first).
+            assert_equivalent(&format!("{f} {d}: repeated call"), &y2, &y1, p.equivalent);
+        }
+    }
+}
