@@ -41,8 +41,24 @@
 //!    the gpumode gate, then one GEMM `u·Woutᵀ` written straight into the rows of `y`; af3 adds
 //!    `bz` and multiplies its gate row by row.
 //!
-//! Sigmoid uses a branch-free polynomial `exp` (below) so that the element-wise loops vectorise;
-//! `libm`'s scalar `expf` would cost as much as the GEMMs.
+//! # Precision
+//! Storage and GEMMs are f32. Both LayerNorms take mean and variance in two passes accumulated
+//! in f64 (cheap next to the GEMMs): Cauchy-distributed inputs put values of 1e4 beside values of
+//! 1e-2 in one row, where a one-pass f32 `E[x²] − E[x]²` would lose every digit. Sigmoid uses a
+//! branch-free polynomial `exp` (about 2 ulp) so the gate loops vectorise; `libm`'s `expf` is a
+//! scalar call. Measured against the f64 reference: relative L2 error 1e-7 to 4e-7.
+//!
+//! # Where the time goes
+//! Single-threaded at N = 256, B = 2, C = H = 128 (34.4 GFLOP), roughly: projection GEMM 200 ms,
+//! contraction 100 ms, output GEMM 47 ms (all near the `gemm` crate's single-core rate), gates
+//! and mask (pass B) 43 ms, LN_H and gathering `t` 25 ms, LN_C 11 ms. The element-wise stages are
+//! bound by memory traffic: `left`, `right`, the gate and `t` are each written to and read back
+//! from DRAM once, as in any unfused pipeline.
+//!
+//! # Safety and SIMD
+//! This module has no `unsafe`: GEMMs go through [`super::host_gemm`], which checks every view
+//! against its slice before calling `gemm`. Element-wise loops run inside [`simd`], which lets
+//! `pulp` pick AVX2+FMA (or NEON) at run time, so a portable build still vectorises them fully.
 
 #![forbid(unsafe_code)]
 
