@@ -56,8 +56,8 @@
 //! from DRAM once, as in any unfused pipeline.
 //!
 //! # Safety and SIMD
-//! This module has no `unsafe`: GEMMs go through [`super::host_gemm`], which checks every view
-//! against its slice before calling `gemm`. Element-wise loops run inside [`simd`], which lets
+//! This module has no `unsafe`: GEMMs go through `backend::host_gemm`, which checks every view
+//! against its slice before calling `gemm`. Element-wise loops run inside `simd()`, which lets
 //! `pulp` pick AVX2+FMA (or NEON) at run time, so a portable build still vectorises them fully.
 
 #![forbid(unsafe_code)]
