@@ -374,13 +374,16 @@ impl Backend for CpuBackend {
 /// The plain f32 GEMM rate of this machine through the same `gemm` crate and rayon pool the
 /// backend uses: an `n × n × n` product (`2n³` FLOPs), one warm-up, then the median of
 /// `repeats` timed runs, in GFLOP/s. The CPU backend's speed bar is a fraction of this.
-/// Returns NaN only if the product could not run (it cannot for `n ≥ 1`).
+/// Returns NaN if the three `n × n` matrices cannot be allocated.
 pub fn gemm_ceiling_gflops(n: usize, repeats: usize) -> f64 {
     let n = n.max(1);
+    let alloc = || try_zeroed((n as u128).pow(2), "GEMM ceiling matrix", 0);
+    let (Ok(mut a), Ok(mut b), Ok(mut c)) = (alloc(), alloc(), alloc()) else {
+        return f64::NAN;
+    };
     // Deterministic, non-trivial values: zeros or repeated constants could take shortcuts.
-    let a: Vec<f32> = (0..n * n).map(|i| ((i * 7 + 3) % 31) as f32 / 31.0 - 0.5).collect();
-    let b: Vec<f32> = (0..n * n).map(|i| ((i * 11 + 5) % 29) as f32 / 29.0 - 0.5).collect();
-    let mut c = vec![0.0f32; n * n];
+    a.iter_mut().enumerate().for_each(|(i, v)| *v = ((i * 7 + 3) % 31) as f32 / 31.0 - 0.5);
+    b.iter_mut().enumerate().for_each(|(i, v)| *v = ((i * 11 + 5) % 29) as f32 / 29.0 - 0.5);
     let par = Parallelism::Rayon(rayon::current_num_threads());
     let mut once = || -> Result<f64> {
         let start = std::time::Instant::now();
@@ -392,7 +395,7 @@ pub fn gemm_ceiling_gflops(n: usize, repeats: usize) -> f64 {
     }
     let mut times: Vec<f64> = (0..repeats.max(1)).filter_map(|_| once().ok()).collect();
     times.sort_by(f64::total_cmp);
-    2.0 * (n as f64).powi(3) / times[times.len() / 2] / 1e9
+    times.get(times.len() / 2).map_or(f64::NAN, |t| 2.0 * (n as f64).powi(3) / t / 1e9)
 }
 
 fn check_config(prepared: &CpuPrepared, problem: &Problem) -> Result<()> {
