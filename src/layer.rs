@@ -75,7 +75,7 @@ impl<B: Backend> Layer<B> {
 
     /// The backend, the prepared weights and a workspace that fits `problem`, made anew only
     /// when the shape changed.
-    fn parts(&mut self, problem: &Problem) -> Result<(&B, &B::Prepared, &mut B::Workspace)> {
+    pub(crate) fn parts(&mut self, problem: &Problem) -> Result<(&B, &B::Prepared, &mut B::Workspace)> {
         let Layer { backend, prepared, workspace, .. } = self;
         let fits = matches!(workspace, Some(ws) if backend.workspace_fits(ws, problem));
         if !fits {
@@ -113,6 +113,8 @@ impl<B: Backend> Layer<B> {
 }
 
 /// A layer on a backend chosen at run time: the type most callers want.
+// A layer is created once and held; variant sizes do not matter, boxing would only add a hop.
+#[allow(clippy::large_enum_variant)]
 pub enum TriMul {
     Cpu(Layer<CpuBackend>),
     #[cfg(feature = "cuda")]

@@ -24,15 +24,18 @@
 pub mod backend;
 pub mod error;
 pub mod io;
+pub mod kernels;
 pub mod layer;
 pub mod problem;
 pub mod rand;
 pub mod reference;
+pub mod report;
 pub mod suite;
 pub mod weights;
 
-pub use backend::{Backend, Device, DeviceInfo, MemoryInfo};
+pub use backend::{Backend, Ceilings, Device, DeviceInfo, MemoryInfo};
 pub use error::{BackendKind, Error, Result};
+pub use io::{NamingScheme, PairInput};
 pub use layer::{Layer, Options, Precision, TriMul};
 pub use problem::{Config, Direction, Formulation, Problem, Shape};
 pub use weights::{Linear, Norm, Weights};

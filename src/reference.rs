@@ -412,14 +412,13 @@ pub fn sample_positions(shape: Shape, seed: u64) -> Vec<Position> {
     if shape.rows() <= SAMPLE_POSITIONS {
         return (0..batch).flat_map(all).collect();
     }
-    let ceil_div = |a: usize, b: usize| a.div_ceil(b);
     let ceil_sqrt = |v: usize| (1..).find(|s: &usize| s * s >= v).unwrap_or(v);
 
     let mut batches = batch.min(SAMPLE_MAX_BATCHES);
-    let side = ceil_sqrt(ceil_div(SAMPLE_POSITIONS, batches)).max(SAMPLE_MIN_DISTINCT).min(n);
+    let side = ceil_sqrt(SAMPLE_POSITIONS.div_ceil(batches)).max(SAMPLE_MIN_DISTINCT).min(n);
     if batches * side * side < SAMPLE_POSITIONS {
         // side == n here; B·N² > 4096 guarantees enough batches exist.
-        batches = ceil_div(SAMPLE_POSITIONS, side * side).min(batch);
+        batches = SAMPLE_POSITIONS.div_ceil(side * side).min(batch);
     }
 
     let mut rng = Rng::new(seed);
@@ -565,9 +564,10 @@ fn sample_seed(problem: &Problem, x: &[f32]) -> u64 {
 /// reference would cost `O(B·N²·5HC + B·N³H)` f64 work and memory for `left`, `right` and `t`
 /// (minutes and gigabytes at N = 1024), so the comparison runs on [`sample_positions`] — at least
 /// 4096 positions, every channel of each, spread over ≥ 32 rows and ≥ 32 columns including the
-/// corners — with the sample seeded by the data ([`sample_seed`]). A layout or indexing bug hits
-/// whole rows, columns or channels and so cannot hide from such a sample; an error confined to a
-/// few isolated elements of a large output can.
+/// corners — with the sample seeded by the data (fresh inputs, fresh sample; same inputs, same
+/// sample). A layout or indexing bug hits whole rows, columns or channels and so cannot hide from
+/// such a sample; an error confined to a few isolated elements of a large output can. Either way
+/// [`Comparison::worst`] indexes `y`.
 pub fn check(
     weights: &Weights,
     problem: &Problem,
@@ -587,7 +587,12 @@ pub fn check(
     let c = problem.config.c;
     let n = problem.shape.n;
     let got: Vec<f32> = positions.iter().flat_map(|p| y[p.row(n) * c..(p.row(n) + 1) * c].iter().copied()).collect();
-    Ok(compare(&got, &want, rtol, atol))
+    let mut cmp = compare(&got, &want, rtol, atol);
+    // Report the worst entry by its index in y, not in the gathered sample.
+    if let Some((k, got, want)) = cmp.worst {
+        cmp.worst = Some((positions[k / c].row(n) * c + k % c, got, want));
+    }
+    Ok(cmp)
 }
 
 #[cfg(test)]
@@ -945,7 +950,7 @@ mod tests {
             let mut bad = y.clone();
             bad[idx] += delta;
             let cmp = check(&w, &p, &x, Some(&m), &bad, 2e-2, 2e-2).unwrap();
-            assert!(!cmp.passed() && cmp.bad == 1, "{cmp}");
+            assert!(!cmp.passed() && cmp.bad == 1 && cmp.worst.unwrap().0 == idx, "{cmp}");
         }
         let mut nan = y.clone();
         nan[0] = f32::NAN;

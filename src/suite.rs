@@ -13,6 +13,7 @@
 //! The floor of one shape is `max(FLOPs / GEMM rate, f32 bytes in+out / bandwidth)` with
 //! `FLOPs = 2·M·C·(4H + gate) + 2·B·H·N³ + 2·M·H·C`, `M = B·N²` ([`Problem::flops`]) and the bytes
 //! of `x` read, `y` written and the mask read ([`Problem::io_bytes`]).
+#![forbid(unsafe_code)]
 
 use crate::error::Result;
 use crate::problem::{Config, Direction, Formulation, Problem, Shape};

@@ -65,7 +65,7 @@
 use rayon::prelude::*;
 
 use super::host_gemm::{matmul, MatMut, MatRef, Parallelism};
-use super::{Backend, DeviceInfo, MemoryInfo};
+use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::problem::{Config, Direction, Formulation, Problem, Shape, LN_EPS};
 use crate::weights::Weights;
@@ -361,6 +361,45 @@ impl Backend for CpuBackend {
 
     fn synchronize(&self) -> Result<()> {
         Ok(())
+    }
+
+    fn measure_ceilings(&self) -> Result<Ceilings> {
+        const GEMM_N: usize = 2048;
+        const REPS: usize = 5;
+        let avail = meminfo("MemAvailable").unwrap_or(0);
+        let gemm = gemm_ceiling_gflops(GEMM_N, REPS);
+        if !gemm.is_finite() {
+            return Err(Error::OutOfMemory {
+                backend: BackendKind::Cpu,
+                what: format!("three {GEMM_N}×{GEMM_N} f32 matrices for the GEMM ceiling"),
+                needed: 3 * 4 * (GEMM_N * GEMM_N) as u64,
+                available: avail,
+            });
+        }
+        // 256 MiB each way: far beyond any cache, small enough for any machine that runs this.
+        let len = 64usize << 20;
+        let src: Vec<f32> = {
+            let mut v = try_zeroed(len as u128, "copy ceiling source", avail)?;
+            v.iter_mut().enumerate().for_each(|(i, x)| *x = (i % 1013) as f32);
+            v
+        };
+        let mut dst = try_zeroed(len as u128, "copy ceiling destination", avail)?;
+        // Split across the pool: one core cannot draw the memory system's full bandwidth.
+        let piece = len.div_ceil(rayon::current_num_threads().max(1) * 4);
+        let mut copy = || {
+            let start = std::time::Instant::now();
+            dst.par_chunks_mut(piece).zip(src.par_chunks(piece)).for_each(|(d, s)| d.copy_from_slice(s));
+            start.elapsed().as_secs_f64()
+        };
+        copy();
+        let mut times: Vec<f64> = (0..REPS).map(|_| copy()).collect();
+        times.sort_by(f64::total_cmp);
+        let copy_s = times[REPS / 2];
+        Ok(Ceilings {
+            gemm_tflops: gemm / 1e3,
+            gemm_desc: format!("gemm crate f32 {GEMM_N}³, {} rayon threads", rayon::current_num_threads()),
+            copy_gbs: 2.0 * (len * 4) as f64 / copy_s / 1e9,
+        })
     }
 
     fn memory_info(&self) -> Result<Option<MemoryInfo>> {
@@ -1057,6 +1096,14 @@ mod tests {
         assert_eq!(sigmoid(f32::INFINITY), 1.0);
         assert!(sigmoid(f32::NEG_INFINITY) < 1e-37);
         assert_eq!(sigmoid(0.0), 0.5);
+    }
+
+    #[test]
+    fn ceilings_are_measured() {
+        let c = CpuBackend::new().measure_ceilings().unwrap();
+        assert!(c.gemm_tflops > 0.0 && c.gemm_tflops.is_finite(), "{c:?}");
+        assert!(c.copy_gbs > 0.0 && c.copy_gbs.is_finite(), "{c:?}");
+        assert!(c.gemm_desc.contains("2048"));
     }
 
     #[test]

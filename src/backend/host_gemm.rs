@@ -8,7 +8,7 @@
 
 use crate::error::{Error, Result};
 
-pub use gemm::Parallelism;
+pub use ::gemm::Parallelism;
 
 /// A read-only strided matrix view: element `(i, j)` is `data[i·rs + j·cs]`.
 #[derive(Copy, Clone, Debug)]
@@ -105,7 +105,7 @@ pub fn matmul(dst: MatMut<'_>, lhs: MatRef<'_>, rhs: MatRef<'_>, parallelism: Pa
     // f32) are not read. All pointers stay valid for the call, which returns only when every
     // worker thread it started has finished.
     unsafe {
-        gemm::gemm(
+        ::gemm::gemm(
             m,
             n,
             k,

@@ -14,12 +14,14 @@
 //! Detection order is HIP, then CUDA, then CPU; `TRIMUL_BACKEND=cpu|cuda|hip` overrides it.
 
 pub mod cpu;
-// The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod gemm;
 #[cfg(feature = "rocm")]
 pub mod hip;
+// The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
 pub(crate) mod host_gemm;
+pub mod params;
 
 use crate::error::{BackendKind, Error, Result};
 use crate::problem::Problem;
@@ -43,6 +45,17 @@ pub struct DeviceInfo {
     pub memory_bytes: u64,
     /// Versions of the driver/runtime and each library, as `(name, version)`.
     pub versions: Vec<(String, String)>,
+}
+
+/// Ceilings measured on the device in the same run as a benchmark, for floor ratios.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Ceilings {
+    /// Rate of a large GEMM in the precision the backend computes in (TFLOP/s).
+    pub gemm_tflops: f64,
+    /// What that GEMM was (e.g. "cuBLASLt f16·f16→f32 8192³").
+    pub gemm_desc: String,
+    /// Device-to-device copy bandwidth, counting bytes read plus bytes written (GB/s).
+    pub copy_gbs: f64,
 }
 
 /// Device memory as reported by the driver.
@@ -119,6 +132,27 @@ pub trait Backend: Clone + Send + Sync {
 
     /// Free and total device memory, where the backend can tell.
     fn memory_info(&self) -> Result<Option<MemoryInfo>>;
+
+    /// Measures the GEMM and copy ceilings of this device (takes a second or two).
+    fn measure_ceilings(&self) -> Result<Ceilings>;
+
+    /// Milliseconds the work enqueued by `work` takes on the device. GPU backends time with
+    /// device events around it; the default synchronises and uses the host clock.
+    fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        self.synchronize()?;
+        let start = std::time::Instant::now();
+        work()?;
+        self.synchronize()?;
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    }
+
+    /// Peak bytes this backend has had allocated on its device since the last
+    /// [`Backend::reset_peak_memory`] (weights, workspaces and buffers), where it tracks them.
+    fn peak_memory(&self) -> Option<u64> {
+        None
+    }
+
+    fn reset_peak_memory(&self) {}
 }
 
 /// A backend chosen at run time.
@@ -248,5 +282,23 @@ impl Device {
 
     pub fn memory_info(&self) -> Result<Option<MemoryInfo>> {
         with_backend!(self, b => b.memory_info())
+    }
+
+    /// See [`Backend::measure_ceilings`].
+    pub fn measure_ceilings(&self) -> Result<Ceilings> {
+        with_backend!(self, b => b.measure_ceilings())
+    }
+
+    /// See [`Backend::elapsed_ms`].
+    pub fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        with_backend!(self, b => b.elapsed_ms(work))
+    }
+
+    pub fn peak_memory(&self) -> Option<u64> {
+        with_backend!(self, b => b.peak_memory())
+    }
+
+    pub fn reset_peak_memory(&self) {
+        with_backend!(self, b => b.reset_peak_memory())
     }
 }

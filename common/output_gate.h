@@ -1,0 +1,14 @@
+// Stage 3c (af3 only), the output-width gate applied after the output projection:
+//   y = σ(z·Wgᵀ + bg) ⊙ y        (σ(...) was computed by input_gating and stored as `gate`)
+#pragma once
+
+#define OUTPUT_GATE_THREADS 256
+
+extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_GATE_THREADS) output_gate(const TrimulParams p) {
+  const tm_i64 start = p.row0 * (tm_i64)p.c;
+  const tm_i64 count = p.rows * (tm_i64)p.c;
+  const tm_i64 stride = (tm_i64)tm_bdim() * p.tile_rows;  // tile_rows carries the grid size here
+  for (tm_i64 i = (tm_i64)tm_bid() * tm_bdim() + tm_tid(); i < count; i += stride) {
+    p.y[start + i] *= tm_h2f(p.gate[start + i]);
+  }
+}

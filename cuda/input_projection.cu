@@ -1,0 +1,276 @@
+// Stage 1, fused: input LayerNorm + all input projections + gating epilogue in one pass over x.
+//
+// A block owns BM = 128 consecutive positions. It reads their rows of x once (f32), computes
+// z = LN_C(x) with two-pass f32 statistics held in registers, and keeps z resident in shared
+// memory as f16 (the GEMM's A operand). It then walks the fused weight matrix in column chunks
+// of BN = 128, streaming each chunk's weights through a two-stage cp.async ring in K slices of
+// BK = 64, multiplying with mma.sync m16n8k16 (f16 in, f32 accumulate), and finishing each chunk
+// in registers:
+//   gating chunks (32 hidden channels each): the prepare step ordered the weight rows per block
+//     of 8 channels as [lp(8) | lg(8) | rp(8) | rg(8)], so every thread already holds lp, lg, rp
+//     and rg of the same channels and positions:
+//       left = (lp+b)·mask·σ(lg+b)   right = (rp+b)·mask·σ(rg+b)
+//     staged through shared memory and stored as 16-byte runs along positions, straight into
+//     the contraction layout [B, H, N, N];
+//   gate chunks: σ(og+b), staged and stored as 16-byte runs into gate [M, G].
+// The projection never touches device memory: x is read once and only left, right and the gate
+// are written, which is the byte floor of this stage.
+//
+// Shapes this kernel takes (the host checks; others use the cuBLASLt path): C % 4 == 0 and
+// k_pad = round_up(C, 64) <= 512 (z must fit in shared memory next to the weight ring).
+#include "common/compat.h"
+#include "common/params.h"
+
+#define IP_THREADS 256
+#define IP_BM 128
+#define IP_BN 128
+#define IP_BK 64
+#define IP_MAX_K 512
+// Row pitch of the weight ring in halves: 16 bytes of padding keep ldmatrix conflict-free.
+#define IP_LDB (IP_BK + 8)
+
+__device__ __forceinline__ unsigned ip_smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void ip_cp_async16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+
+__device__ __forceinline__ void ip_ldmatrix_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ip_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned ip_pack(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Issue the cp.async loads of K slice `ks` of column chunk `chunk` into ring stage `stage`.
+__device__ __forceinline__ void ip_load_b(const TrimulParams& p, tm_half* ring, int stage, int chunk, int ks) {
+  const unsigned tid = threadIdx.x;
+  tm_half* dst = ring + stage * IP_BN * IP_LDB;
+  // 128 rows x 64 halves = 1024 pieces of 16 bytes, 4 per thread.
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int piece = tid + i * IP_THREADS;
+    const int row = piece >> 3, col = (piece & 7) * 8;
+    const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * p.k_pad + ks * IP_BK + col;
+    ip_cp_async16(ip_smem_addr(dst + row * IP_LDB + col), src);
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(const TrimulParams p) {
+  extern __shared__ __align__(16) unsigned char ip_smem[];
+  const int lda = p.k_pad + 8;  // halves; +16 bytes keeps ldmatrix conflict-free
+  tm_half* sa = (tm_half*)ip_smem;                                 // [BM][lda]   z tile
+  tm_half* ring = sa + IP_BM * lda;                                // [2][BN][LDB] weight slices
+  tm_half* stage_buf = ring + 2 * IP_BN * IP_LDB;                  // [BM][BN+8]  epilogue staging
+  float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));        // [BM]
+
+  const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const tm_i64 m_total = (tm_i64)p.batch * p.n * p.n;
+  const tm_i64 tile0 = (tm_i64)blockIdx.x * IP_BM;
+  const int C = p.c, H = p.h, G = p.g;
+  const int nks = p.k_pad / IP_BK;
+  const int n_gating = p.h_pad / 32;  // 32 channels (128 columns) per gating chunk
+  const int n_chunks = n_gating + p.g_pad / IP_BN;
+
+  // Start streaming the first weight slice while the LayerNorm runs.
+  ip_load_b(p, ring, 0, 0, 0);
+
+  // ---- prologue: z = LN_C(x) into shared memory (16 rows per warp, a row per iteration).
+  for (int r = warp; r < IP_BM; r += IP_THREADS / 32) {
+    const tm_i64 row = tile0 + r;
+    tm_half* zr = sa + r * lda;
+    if (row >= m_total) {
+      for (int c = lane; c < p.k_pad; c += 32) zr[c] = 0;
+      if (lane == 0) smask[r] = 0.f;
+      continue;
+    }
+    const float4* xr = (const float4*)(p.x + row * C);
+    float4 v[IP_MAX_K / 128];
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < IP_MAX_K / 128; ++i) {
+      const int c4 = lane + 32 * i;
+      v[i] = c4 * 4 < C ? xr[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
+      s += (v[i].x + v[i].y) + (v[i].z + v[i].w);
+    }
+    const float mean = tm_group32_sum(s) / (float)C;
+    float q = 0.f;
+#pragma unroll
+    for (int i = 0; i < IP_MAX_K / 128; ++i) {
+      if ((lane + 32 * i) * 4 < C) {
+        const float a = v[i].x - mean, b = v[i].y - mean, c = v[i].z - mean, d = v[i].w - mean;
+        q += (a * a + b * b) + (c * c + d * d);
+      }
+    }
+    const float rstd = tm_rsqrt(tm_group32_sum(q) / (float)C + p.eps);
+#pragma unroll
+    for (int i = 0; i < IP_MAX_K / 128; ++i) {
+      const int c = (lane + 32 * i) * 4;
+      if (c < p.k_pad) {
+        unsigned lo = 0, hi = 0;
+        if (c < C) {
+          const float4 w = *(const float4*)(p.norm_in_w + c), b = *(const float4*)(p.norm_in_b + c);
+          lo = ip_pack((v[i].x - mean) * rstd * w.x + b.x, (v[i].y - mean) * rstd * w.y + b.y);
+          hi = ip_pack((v[i].z - mean) * rstd * w.z + b.z, (v[i].w - mean) * rstd * w.w + b.w);
+        }
+        *(uint2*)(zr + c) = make_uint2(lo, hi);
+      }
+    }
+    if (lane == 0) smask[r] = p.mask ? p.mask[row] : 1.f;
+  }
+
+  // ---- main loop over column chunks and K slices (one global slice counter for the ring).
+  const int warp_m = warp >> 1, warp_n = warp & 1;  // 4 x 2 warps, each 32 rows x 64 columns
+  const int g = lane >> 2, tig = lane & 3;
+  const tm_i64 nn = (tm_i64)p.n * p.n;
+  int slice = 0;
+  for (int chunk = 0; chunk < n_chunks; ++chunk) {
+    float acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    for (int ks = 0; ks < nks; ++ks, ++slice) {
+      asm volatile("cp.async.wait_group 0;");
+      __syncthreads();  // slice `slice` visible to all; everyone is done with the other stage
+      {
+        const int next_ks = ks + 1 < nks ? ks + 1 : 0;
+        const int next_chunk = ks + 1 < nks ? chunk : chunk + 1;
+        if (next_chunk < n_chunks) ip_load_b(p, ring, (slice + 1) & 1, next_chunk, next_ks);
+      }
+      const tm_half* sb = ring + (slice & 1) * IP_BN * IP_LDB;
+#pragma unroll
+      for (int kk = 0; kk < IP_BK; kk += 16) {
+        unsigned a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int row = warp_m * 32 + mt * 16 + (lane & 15);
+          const int col = ks * IP_BK + kk + (lane >> 4) * 8;
+          ip_ldmatrix_x4(ip_smem_addr(sa + row * lda + col), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+        }
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {  // pairs of n8 tiles
+          const int nrow = warp_n * 64 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+          const int kcol = kk + ((lane >> 3) & 1) * 8;
+          unsigned b0, b1, b2, b3;
+          ip_ldmatrix_x4(ip_smem_addr(sb + nrow * IP_LDB + kcol), b0, b1, b2, b3);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            ip_mma(acc[mt][2 * np], a[mt], b0, b1);
+            ip_mma(acc[mt][2 * np + 1], a[mt], b2, b3);
+          }
+        }
+      }
+    }
+
+    // ---- epilogue of this chunk.
+    const float* bias = p.w_in_bias ? p.w_in_bias + chunk * IP_BN : 0;
+    if (chunk < n_gating) {
+      // staging: left [32][BM+8] then right [32][BM+8]
+      tm_half* sl = stage_buf;
+      tm_half* sr = stage_buf + 32 * (IP_BM + 8);
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {      // the warp's two blocks of 8 channels
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = warp_m * 32 + mt * 16 + g + (e >> 1) * 8;
+            const int col8 = 2 * tig + (e & 1);               // channel within the block of 8
+            const int ch = (warp_n * 2 + q) * 8 + col8;        // channel within the chunk (0..31)
+            const int base = warp_n * 64 + q * 32;             // first column of this block
+            float lp = acc[mt][4 * q + 0][e], lg = acc[mt][4 * q + 1][e];
+            float rp = acc[mt][4 * q + 2][e], rg = acc[mt][4 * q + 3][e];
+            if (bias) {
+              lp += bias[base + col8];
+              lg += bias[base + 8 + col8];
+              rp += bias[base + 16 + col8];
+              rg += bias[base + 24 + col8];
+            }
+            const float m = smask[r];
+            sl[ch * (IP_BM + 8) + r] = tm_f2h(lp * m * tm_sigmoid(lg));
+            sr[ch * (IP_BM + 8) + r] = tm_f2h(rp * m * tm_sigmoid(rg));
+          }
+        }
+      }
+      __syncthreads();
+      // 2 x 32 channels x 16 runs of 8 positions = 1024 runs, 4 per thread.
+      const bool vec = (nn % 8 == 0) && (tile0 + IP_BM <= m_total);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int piece = tid + i * IP_THREADS;
+        const int side = piece >> 9, ch = (piece >> 4) & 31, run = piece & 15;
+        const int h = chunk * 32 + ch;
+        if (h >= H) continue;
+        const tm_half* src = (side ? sr : sl) + ch * (IP_BM + 8) + run * 8;
+        tm_half* out = side ? p.right : p.left;
+        const tm_i64 row = tile0 + run * 8;
+        if (vec) {
+          const tm_i64 b = row / nn, rem = row - b * nn;
+          *(uint4*)(out + (b * H + h) * nn + rem) = *(const uint4*)src;
+        } else {
+          for (int e = 0; e < 8; ++e) {
+            const tm_i64 rr = row + e;
+            if (rr >= m_total) break;
+            const tm_i64 b = rr / nn, rem = rr - b * nn;
+            out[(b * H + h) * nn + rem] = src[e];
+          }
+        }
+      }
+    } else {
+      // gate columns [gc0, gc0 + 128): staging [BM][BN+8]
+      const int gc0 = (chunk - n_gating) * IP_BN;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = warp_m * 32 + mt * 16 + g + (e >> 1) * 8;
+            const int col = warp_n * 64 + nt * 8 + 2 * tig + (e & 1);
+            float v = acc[mt][nt][e];
+            if (bias) v += bias[col];
+            stage_buf[r * (IP_BN + 8) + col] = tm_f2h(tm_sigmoid(v));
+          }
+      __syncthreads();
+      // BM rows x 16 runs of 8 gate columns = 2048 runs, 8 per thread.
+      const bool vec = (G % 8 == 0);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int piece = tid + i * IP_THREADS;
+        const int r = piece >> 4, run = piece & 15;
+        const tm_i64 row = tile0 + r;
+        const int col = gc0 + run * 8;
+        if (row >= m_total || col >= G) continue;
+        const tm_half* src = stage_buf + r * (IP_BN + 8) + run * 8;
+        if (vec) {
+          *(uint4*)(p.gate + row * G + col) = *(const uint4*)src;
+        } else {
+          for (int e = 0; e < 8 && col + e < G; ++e) p.gate[row * G + col + e] = src[e];
+        }
+      }
+    }
+    __syncthreads();  // staging is reused by the next chunk's epilogue
+  }
+}

@@ -1,0 +1,4 @@
+// output_norm stage for NVIDIA GPUs: the portable source in common/ compiled as CUDA.
+#include "common/compat.h"
+#include "common/params.h"
+#include "common/output_norm.h"

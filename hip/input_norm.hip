@@ -1,0 +1,4 @@
+// input_norm stage for AMD GPUs: the portable source in common/ compiled as HIP.
+#include "common/compat.h"
+#include "common/params.h"
+#include "common/input_norm.h"

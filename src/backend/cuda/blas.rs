@@ -1,0 +1,253 @@
+//! cuBLASLt: one handle per backend and one cached plan per GEMM of a workspace.
+//!
+//! cudarc's safe `Matmul` recreates descriptors and re-runs the algorithm heuristic on every call
+//! (~15 µs of host time); a plan here does that once per shape and each forward only launches.
+//! The layout math comes from [`GemmSpec`](crate::backend::gemm::GemmSpec), shared with HIP.
+
+use std::ffi::c_void;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys::{self, cublasComputeType_t, cublasLtEpilogue_t, cudaDataType};
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+
+use crate::backend::gemm::GemmSpec;
+use crate::error::{Error, Result};
+
+fn blas_err(call: &str, e: lt::CublasError) -> Error {
+    Error::Blas { library: "cuBLASLt", call: call.to_string(), status: format!("{:?}", e.0) }
+}
+
+/// The library handle.
+pub(crate) struct BlasHandle(sys::cublasLtHandle_t);
+
+// SAFETY: a cuBLASLt handle may be used from any thread as long as calls on it are not
+// concurrent; the backend serialises calls by owning the handle behind `&self` on one stream,
+// and cuBLASLt documents handle use as thread-safe for matmul with distinct descriptors.
+unsafe impl Send for BlasHandle {}
+// SAFETY: see above.
+unsafe impl Sync for BlasHandle {}
+
+impl BlasHandle {
+    pub(crate) fn new() -> Result<Self> {
+        lt::create_handle().map(BlasHandle).map_err(|e| blas_err("cublasLtCreate", e))
+    }
+
+    pub(crate) fn version() -> usize {
+        // SAFETY: a plain query with no arguments; the library was probed before.
+        unsafe { sys::cublasLtGetVersion() }
+    }
+}
+
+impl Drop for BlasHandle {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.0) };
+    }
+}
+
+/// Element types of a GEMM's operands.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Elem {
+    F16,
+    F32,
+}
+
+impl Elem {
+    fn cuda(self) -> cudaDataType {
+        match self {
+            Elem::F16 => cudaDataType::CUDA_R_16F,
+            Elem::F32 => cudaDataType::CUDA_R_32F,
+        }
+    }
+}
+
+/// A GEMM with its descriptors and algorithm chosen once.
+pub(crate) struct MatmulPlan {
+    spec: GemmSpec,
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+    workspace_bytes: usize,
+    bias: bool,
+}
+
+// SAFETY: the descriptors are immutable after construction except the bias pointer, which is
+// set right before each launch under `&mut self`.
+unsafe impl Send for MatmulPlan {}
+
+fn layout(
+    ty: Elem,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    batch: usize,
+    stride: usize,
+) -> Result<sys::cublasLtMatrixLayout_t> {
+    let l = lt::create_matrix_layout(ty.cuda(), rows as u64, cols as u64, ld as i64)
+        .map_err(|e| blas_err("cublasLtMatrixLayoutCreate", e))?;
+    if batch > 1 {
+        let count = batch as i32;
+        let stride = stride as i64;
+        // SAFETY: `l` is a live layout; the attribute values are plain integers of the sizes
+        // the attributes are documented with (int32 batch count, int64 stride).
+        unsafe {
+            lt::set_matrix_layout_attribute(
+                l,
+                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                &count as *const i32 as *const c_void,
+                std::mem::size_of::<i32>(),
+            )
+            .map_err(|e| blas_err("cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)", e))?;
+            lt::set_matrix_layout_attribute(
+                l,
+                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                &stride as *const i64 as *const c_void,
+                std::mem::size_of::<i64>(),
+            )
+            .map_err(|e| blas_err("cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)", e))?;
+        }
+    }
+    Ok(l)
+}
+
+impl MatmulPlan {
+    /// Creates descriptors for `spec` with f16 A/B, `d_type` output, f32 accumulation, an
+    /// optional per-row (of D, i.e. per output feature) bias epilogue, and picks the fastest
+    /// algorithm the heuristic offers within `max_workspace` bytes.
+    pub(crate) fn new(
+        handle: &BlasHandle,
+        spec: GemmSpec,
+        d_type: Elem,
+        bias: bool,
+        max_workspace: usize,
+    ) -> Result<Self> {
+        let desc = lt::create_matmul_desc(cublasComputeType_t::CUBLAS_COMPUTE_32F, cudaDataType::CUDA_R_32F)
+            .map_err(|e| blas_err("cublasLtMatmulDescCreate", e))?;
+        // cublasOperation_t as a 32-bit int: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
+        let (ta, tb) = (i32::from(spec.trans_a), i32::from(spec.trans_b));
+        // SAFETY: `desc` is live; each attribute gets a value of its documented type and size.
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &ta as *const _ as *const c_void,
+                std::mem::size_of_val(&ta),
+            )
+            .map_err(|e| blas_err("cublasLtMatmulDescSetAttribute(TRANSA)", e))?;
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                &tb as *const _ as *const c_void,
+                std::mem::size_of_val(&tb),
+            )
+            .map_err(|e| blas_err("cublasLtMatmulDescSetAttribute(TRANSB)", e))?;
+            if bias {
+                let epi = cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    &epi as *const _ as *const c_void,
+                    std::mem::size_of_val(&epi),
+                )
+                .map_err(|e| blas_err("cublasLtMatmulDescSetAttribute(EPILOGUE)", e))?;
+            }
+        }
+        let (ar, ac) = spec.a_dims();
+        let (br, bc) = spec.b_dims();
+        let a = layout(Elem::F16, ar, ac, spec.lda, spec.batch, spec.stride_a)?;
+        let b = layout(Elem::F16, br, bc, spec.ldb, spec.batch, spec.stride_b)?;
+        let d = layout(d_type, spec.m, spec.n, spec.ldd, spec.batch, spec.stride_d)?;
+
+        let pref = lt::create_matmul_pref().map_err(|e| blas_err("cublasLtMatmulPreferenceCreate", e))?;
+        let ws = max_workspace as u64;
+        // SAFETY: `pref` is live; the attribute is a u64 byte count.
+        let heuristic = unsafe {
+            lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
+            )
+            .map_err(|e| blas_err("cublasLtMatmulPreferenceSetAttribute", e))?;
+            let h = lt::get_matmul_algo_heuristic(handle.0, desc, a, b, d, d, pref);
+            let _ = lt::destroy_matmul_pref(pref);
+            h.map_err(|e| blas_err(&format!("cublasLtMatmulAlgoGetHeuristic for {spec:?}"), e))?
+        };
+        Ok(MatmulPlan { spec, desc, a, b, d, algo: heuristic.algo, workspace_bytes: heuristic.workspaceSize, bias })
+    }
+
+    pub(crate) fn spec(&self) -> &GemmSpec {
+        &self.spec
+    }
+
+    /// Enqueues `D = op(A)·op(B) (+ bias)` on `stream`.
+    ///
+    /// # Safety
+    /// `a`, `b`, `d` (and `bias` when the plan has one) must be device allocations of the sizes
+    /// the spec implies and `workspace` must hold `workspace_len ≥ self.workspace_bytes` bytes, all
+    /// alive until the stream has executed the call.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn run(
+        &mut self,
+        handle: &BlasHandle,
+        a: CUdeviceptr,
+        b: CUdeviceptr,
+        d: CUdeviceptr,
+        bias: CUdeviceptr,
+        workspace: CUdeviceptr,
+        workspace_len: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        if workspace_len < self.workspace_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "cuBLASLt plan needs {} workspace bytes, {} given",
+                self.workspace_bytes, workspace_len
+            )));
+        }
+        if self.bias {
+            let p = bias as *const c_void;
+            lt::set_matmul_desc_attribute(
+                self.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                &p as *const *const c_void as *const c_void,
+                std::mem::size_of::<*const c_void>(),
+            )
+            .map_err(|e| blas_err("cublasLtMatmulDescSetAttribute(BIAS_POINTER)", e))?;
+        }
+        let alpha = 1.0f32;
+        let beta = 0.0f32;
+        lt::matmul(
+            handle.0,
+            self.desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            a as *const c_void,
+            self.a,
+            b as *const c_void,
+            self.b,
+            d as *const c_void,
+            self.d,
+            d as *mut c_void,
+            self.d,
+            &self.algo,
+            workspace as *mut c_void,
+            self.workspace_bytes,
+            stream as sys::cudaStream_t,
+        )
+        .map_err(|e| blas_err("cublasLtMatmul", e))
+    }
+}
+
+impl Drop for MatmulPlan {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created in `new` and is destroyed once.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.a);
+            let _ = lt::destroy_matrix_layout(self.b);
+            let _ = lt::destroy_matrix_layout(self.d);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! Thin safe layer over the CUDA driver (through cudarc's dynamically loaded `sys`/`result`):
+//! library probing, device buffers with allocation tracking, events, error mapping.
+//!
+//! cudarc's loader panics when a library is missing, so every entry point first checks the
+//! library with `is_culib_present()` and turns absence into [`Error::LibraryNotFound`].
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::{self, CUdeviceptr, CUstream};
+
+use crate::error::{BackendKind, Error, Result};
+
+/// A driver error with the failing call's name.
+pub(crate) fn driver_err(call: &str, e: cu::DriverError) -> Error {
+    if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+        return Error::OutOfMemory {
+            backend: BackendKind::Cuda,
+            what: call.to_string(),
+            needed: 0,
+            available: cu::mem_get_info().map(|(f, _)| f as u64).unwrap_or(0),
+        };
+    }
+    let code = e.error_name().map(|c| c.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
+    Error::driver(BackendKind::Cuda, call, code)
+}
+
+pub(crate) trait DriverResult<T> {
+    fn ctx(self, call: &str) -> Result<T>;
+}
+
+impl<T> DriverResult<T> for std::result::Result<T, cu::DriverError> {
+    fn ctx(self, call: &str) -> Result<T> {
+        self.map_err(|e| driver_err(call, e))
+    }
+}
+
+/// The file names cudarc's loader tries for `lib` (e.g. `cuda` → `libcuda.so`, `libcuda.so.1`, …).
+fn candidates(lib: &str) -> String {
+    let names: Vec<String> = cudarc::get_lib_name_candidates(lib)
+        .into_iter()
+        .filter(|c| c.starts_with(&format!("lib{lib}")) && c.contains(".so"))
+        .collect();
+    names.join(", ")
+}
+
+/// Checks that libcuda and libcublasLt can be loaded, without letting cudarc panic.
+pub(crate) fn probe_libraries() -> Result<()> {
+    // SAFETY: `is_culib_present` only dlopen()s and dlclose()s candidate names; it runs no code
+    // of the library beyond its initialisers.
+    let (cuda, blaslt) = unsafe { (sys::is_culib_present(), cudarc::cublaslt::sys::is_culib_present()) };
+    let missing = |lib: &str, what: &str| Error::LibraryNotFound {
+        library: format!("lib{lib} ({what})"),
+        tried: candidates(lib),
+        reason: "not found on the loader path; install the NVIDIA driver / CUDA libraries or add their \
+                 directory to LD_LIBRARY_PATH"
+            .into(),
+    };
+    if !cuda {
+        return Err(missing("cuda", "NVIDIA driver"));
+    }
+    if !blaslt {
+        return Err(missing("cublasLt", "cuBLASLt 13"));
+    }
+    Ok(())
+}
+
+/// Whether NVRTC (run-time compilation, needed only when no prebuilt kernel fits) is loadable.
+pub(crate) fn nvrtc_present() -> bool {
+    // SAFETY: as in `probe_libraries`: dlopen/dlclose of candidate names only.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+pub(crate) fn nvrtc_missing() -> Error {
+    Error::LibraryNotFound {
+        library: "libnvrtc (CUDA run-time compiler)".into(),
+        tried: candidates("nvrtc"),
+        reason: "no prebuilt kernel matches this GPU and NVRTC is not on the loader path".into(),
+    }
+}
+
+/// Bytes currently and at most allocated through [`DeviceBuffer`] on one backend.
+#[derive(Debug, Default)]
+pub(crate) struct AllocTracker {
+    current: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl AllocTracker {
+    fn add(&self, bytes: u64) {
+        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+    fn sub(&self, bytes: u64) {
+        self.current.fetch_sub(bytes, Ordering::Relaxed);
+    }
+    pub(crate) fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+    pub(crate) fn reset_peak(&self) {
+        self.peak.store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// Device memory owned by the backend: `len` elements of `T`, freed on drop.
+pub struct DeviceBuffer<T> {
+    ptr: CUdeviceptr,
+    len: usize,
+    ctx: Arc<cudarc::driver::CudaContext>,
+    tracker: Arc<AllocTracker>,
+    _t: PhantomData<T>,
+}
+
+// SAFETY: the buffer is a plain device address plus bookkeeping; the driver allows using and
+// freeing it from any thread once the owning context is bound, which every method does.
+unsafe impl<T> Send for DeviceBuffer<T> {}
+// SAFETY: shared references only read the address and length.
+unsafe impl<T> Sync for DeviceBuffer<T> {}
+
+impl<T> DeviceBuffer<T> {
+    pub(crate) fn alloc(
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        tracker: &Arc<AllocTracker>,
+        len: usize,
+    ) -> Result<Self> {
+        let bytes = (len.max(1) * std::mem::size_of::<T>()) as u64;
+        ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        // SAFETY: the context is current on this thread; the size is non-zero.
+        let ptr = unsafe { cu::malloc_sync(bytes as usize) }.map_err(|e| {
+            let free = cu::mem_get_info().map(|(f, _)| f as u64).unwrap_or(0);
+            if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                Error::OutOfMemory {
+                    backend: BackendKind::Cuda,
+                    what: "a device buffer".into(),
+                    needed: bytes,
+                    available: free,
+                }
+            } else {
+                driver_err("cuMemAlloc", e)
+            }
+        })?;
+        tracker.add(bytes);
+        Ok(DeviceBuffer { ptr, len, ctx: ctx.clone(), tracker: tracker.clone(), _t: PhantomData })
+    }
+
+    /// Device address.
+    pub fn ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn bytes(&self) -> u64 {
+        (self.len.max(1) * std::mem::size_of::<T>()) as u64
+    }
+
+    /// Asynchronous copy from host memory of the same length on `stream`. The host slice must
+    /// stay alive and unchanged until the stream reaches the copy; callers synchronise.
+    pub(crate) fn upload_async(&mut self, src: &[T], stream: CUstream) -> Result<()> {
+        if src.len() != self.len {
+            return Err(Error::Shape(format!("upload of {} elements into a buffer of {}", src.len(), self.len)));
+        }
+        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        // SAFETY: lengths match; the destination is our allocation; callers synchronise the
+        // stream before the host slice is released (see the doc comment).
+        unsafe { cu::memcpy_htod_async(self.ptr, src, stream) }.ctx("cuMemcpyHtoDAsync")
+    }
+
+    /// Synchronous upload (waits for the copy).
+    pub(crate) fn upload(&mut self, src: &[T], stream: CUstream) -> Result<()> {
+        self.upload_async(src, stream)?;
+        // SAFETY: `stream` belongs to this context.
+        unsafe { cu::stream::synchronize(stream) }.ctx("cuStreamSynchronize")
+    }
+
+    /// Copy to host memory of the same length after all work on `stream`; waits.
+    pub(crate) fn download(&self, dst: &mut [T], stream: CUstream) -> Result<()> {
+        if dst.len() != self.len {
+            return Err(Error::Shape(format!("download of a buffer of {} into {} elements", self.len, dst.len())));
+        }
+        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        // SAFETY: lengths match; we synchronise before returning, so `dst` outlives the copy.
+        unsafe {
+            cu::memcpy_dtoh_async(dst, self.ptr, stream).ctx("cuMemcpyDtoHAsync")?;
+            cu::stream::synchronize(stream).ctx("cuStreamSynchronize")
+        }
+    }
+
+    /// Fill every byte with `value` on `stream` (used to poison outputs in tests and checks).
+    pub(crate) fn memset_async(&mut self, value: u8, stream: CUstream) -> Result<()> {
+        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        // SAFETY: the range is exactly our allocation.
+        unsafe { cu::memset_d8_async(self.ptr, value, self.bytes() as usize, stream) }.ctx("cuMemsetD8Async")
+    }
+}
+
+impl<T> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once.
+            // cuMemFree waits for work using it to finish.
+            let _ = unsafe { cu::free_sync(self.ptr) };
+        }
+        self.tracker.sub(self.bytes());
+    }
+}
+
+/// A pair of events bracketing work on a stream.
+pub(crate) struct EventPair {
+    start: sys::CUevent,
+    stop: sys::CUevent,
+}
+
+impl EventPair {
+    pub(crate) fn new() -> Result<Self> {
+        let start = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx("cuEventCreate")?;
+        let stop = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx("cuEventCreate")?;
+        Ok(EventPair { start, stop })
+    }
+
+    pub(crate) fn record_start(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: both handles are live events of the current context.
+        unsafe { cu::event::record(self.start, stream) }.ctx("cuEventRecord")
+    }
+
+    pub(crate) fn record_stop(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: as above.
+        unsafe { cu::event::record(self.stop, stream) }.ctx("cuEventRecord")
+    }
+
+    /// Waits for the stop event and returns the milliseconds between the two.
+    pub(crate) fn elapsed_ms(&self) -> Result<f64> {
+        // SAFETY: both events were recorded on a stream of this context.
+        unsafe {
+            cu::event::synchronize(self.stop).ctx("cuEventSynchronize")?;
+            cu::event::elapsed(self.start, self.stop).map(|v| v as f64).ctx("cuEventElapsedTime")
+        }
+    }
+}
+
+impl Drop for EventPair {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        unsafe {
+            let _ = cu::event::destroy(self.start);
+            let _ = cu::event::destroy(self.stop);
+        }
+    }
+}

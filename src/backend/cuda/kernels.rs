@@ -1,0 +1,133 @@
+//! Loading the embedded stage kernels and launching them.
+//!
+//! Each stage is a fatbin built by nvcc at build time (sm_80, sm_90a, compute_80 PTX); the driver
+//! picks the matching machine code or JIT-compiles the PTX. When the build had no nvcc, or the
+//! fatbin does not load on this device, the embedded source is compiled once with NVRTC for the
+//! device's own arch.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::{CUfunction, CUstream};
+use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+use super::driver::{nvrtc_missing, nvrtc_present, DriverResult};
+use crate::backend::params::KernelParams;
+use crate::error::{Error, Result};
+use crate::kernels::{find, EmbeddedStage, CUDA_STAGES};
+
+/// The four portable stages, loaded.
+pub(crate) struct Kernels {
+    pub input_norm: Stage,
+    pub input_gating: Stage,
+    pub output_norm: Stage,
+    pub output_gate: Stage,
+    /// How each stage was obtained ("fatbin" or "nvrtc sm_XX"), for `trimul info`.
+    pub origin: String,
+}
+
+pub(crate) struct Stage {
+    // Keeps the module loaded for as long as the function is used.
+    func: CudaFunction,
+    raw: CUfunction,
+}
+
+// SAFETY: a CUfunction handle is immutable and valid on any thread with its context bound.
+unsafe impl Send for Stage {}
+// SAFETY: see above.
+unsafe impl Sync for Stage {}
+
+fn arch_flag(cc: (i32, i32)) -> String {
+    // sm_90a unlocks Hopper-only instructions; the plain arch is right everywhere else.
+    match cc {
+        (9, 0) => "sm_90a".to_string(),
+        (10, 0) => "sm_100a".to_string(),
+        (ma, mi) => format!("sm_{ma}{mi}"),
+    }
+}
+
+fn load_stage(
+    ctx: &Arc<CudaContext>,
+    stage: &EmbeddedStage,
+    cc: (i32, i32),
+    origin: &mut Vec<String>,
+) -> Result<Stage> {
+    let from_binary = stage
+        .binary
+        .and_then(|bin| ctx.load_module(Ptx::from_binary(bin.to_vec())).ok())
+        .and_then(|m| m.load_function(stage.name).ok());
+    let func = match from_binary {
+        Some(f) => {
+            origin.push(format!("{}: fatbin", stage.name));
+            f
+        }
+        None => {
+            if !nvrtc_present() {
+                return Err(nvrtc_missing());
+            }
+            let arch = arch_flag(cc);
+            let opts = CompileOptions {
+                // `arch` is `&'static str` in cudarc's options; a handful of distinct strings per process.
+                arch: Some(Box::leak(arch.clone().into_boxed_str())),
+                options: vec!["-std=c++17".into(), "-default-device".into()],
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(stage.source, opts).map_err(|e| Error::NoKernels {
+                arch: arch.clone(),
+                reason: format!("NVRTC on {}: {e:?}", stage.name),
+            })?;
+            let module = ctx.load_module(ptx).ctx("cuModuleLoadData (NVRTC output)")?;
+            origin.push(format!("{}: nvrtc {arch}", stage.name));
+            module.load_function(stage.name).ctx("cuModuleGetFunction")?
+        }
+    };
+    let raw = func.cu_function();
+    Ok(Stage { func, raw })
+}
+
+impl Kernels {
+    pub(crate) fn load(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Self> {
+        let mut origin = Vec::new();
+        let mut get = |name: &str| -> Result<Stage> {
+            let stage = find(CUDA_STAGES, name).ok_or_else(|| Error::NoKernels {
+                arch: arch_flag(cc),
+                reason: format!("stage {name} not embedded"),
+            })?;
+            load_stage(ctx, stage, cc, &mut origin)
+        };
+        let k = Kernels {
+            input_norm: get("input_norm")?,
+            input_gating: get("input_gating")?,
+            output_norm: get("output_norm")?,
+            output_gate: get("output_gate")?,
+            origin: String::new(),
+        };
+        Ok(Kernels { origin: origin.join(", "), ..k })
+    }
+}
+
+impl Stage {
+    /// Launches the stage with `params` by value.
+    ///
+    /// # Safety
+    /// Every pointer in `params` that the stage dereferences must be a live device allocation of
+    /// the size the params' shape implies, until the stream has run the kernel.
+    pub(crate) unsafe fn launch(
+        &self,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        stream: CUstream,
+        params: &KernelParams,
+    ) -> Result<()> {
+        if grid == 0 {
+            return Ok(());
+        }
+        let _keep = &self.func;
+        let mut p = *params;
+        let mut args = [&mut p as *mut KernelParams as *mut c_void];
+        cu::launch_kernel(self.raw, (grid, 1, 1), (block, 1, 1), smem, stream, &mut args).ctx("cuLaunchKernel")
+    }
+}

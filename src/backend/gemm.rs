@@ -1,0 +1,204 @@
+//! The three GEMMs of a forward, written once as column-major BLAS calls (the convention of
+//! cuBLASLt and rocBLAS), so the CUDA and HIP backends issue identical calls and the layout math
+//! is tested here, on the host, against the formulas of SPEC.md.
+//!
+//! Row-major `X[r, c]` seen by a column-major library is `Xᵀ`. Every product below is therefore
+//! computed transposed: a row-major `D = U·V` is the column-major `Dᵀ = Vᵀ·Uᵀ`.
+//!
+//! - projection (one chunk of `rows` positions): `P[rows, Pw] = z[rows, C]·Wᵀ` with the fused
+//!   weights `W[Pw, C]`: column-major `Pᵀ = W·zᵀ`, i.e. A = W (transposed), B = z, m = Pw, n = rows, k = C.
+//! - contraction, per (b, h) with `L, R` the `N×N` row-major slices of left/right:
+//!   outgoing `T = L·Rᵀ` → `Tᵀ = R·Lᵀ`: A = R (transposed), B = L (as stored);
+//!   incoming `T = Lᵀ·R` → `Tᵀ = Rᵀ·L`: A = R (as stored), B = L (transposed);
+//!   m = n = k = N, batch B·H, stride N² for all three.
+//! - output projection: `y[M, C] = a[M, H]·Woutᵀ`: A = Wout (transposed), B = a, m = C, n = rows, k = H.
+
+use crate::problem::Direction;
+
+/// One (possibly strided-batched) column-major GEMM `D = op(A)·op(B)`, `D` of size `m × n`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct GemmSpec {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// `op(A) = Aᵀ`: A is stored `k × m` (leading dimension `lda ≥ k`), else `m × k`.
+    pub trans_a: bool,
+    /// `op(B) = Bᵀ`: B is stored `n × k`, else `k × n`.
+    pub trans_b: bool,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldd: usize,
+    pub batch: usize,
+    /// Elements between consecutive batch entries (0 when `batch == 1`).
+    pub stride_a: usize,
+    pub stride_b: usize,
+    pub stride_d: usize,
+}
+
+impl GemmSpec {
+    /// `P[rows, pw] = z[rows, c]·W[pw, c]ᵀ`; A = W, B = z, D = P.
+    pub fn projection(rows: usize, c: usize, pw: usize) -> Self {
+        GemmSpec {
+            m: pw,
+            n: rows,
+            k: c,
+            trans_a: true,
+            trans_b: false,
+            lda: c,
+            ldb: c,
+            ldd: pw,
+            batch: 1,
+            stride_a: 0,
+            stride_b: 0,
+            stride_d: 0,
+        }
+    }
+
+    /// `t = contraction(left, right)` for `batch_h = B·H` matrices of `n × n`; A = right,
+    /// B = left, D = t, all in the `[B, H, N, N]` layout.
+    pub fn contraction(direction: Direction, batch_h: usize, n: usize) -> Self {
+        let (trans_a, trans_b) = match direction {
+            Direction::Outgoing => (true, false),
+            Direction::Incoming => (false, true),
+        };
+        let s = if batch_h > 1 { n * n } else { 0 };
+        GemmSpec {
+            m: n,
+            n,
+            k: n,
+            trans_a,
+            trans_b,
+            lda: n,
+            ldb: n,
+            ldd: n,
+            batch: batch_h,
+            stride_a: s,
+            stride_b: s,
+            stride_d: s,
+        }
+    }
+
+    /// `y[rows, c] = a[rows, h]·Wout[c, h]ᵀ`; A = Wout, B = a, D = y.
+    pub fn output(rows: usize, c: usize, h: usize) -> Self {
+        GemmSpec {
+            m: c,
+            n: rows,
+            k: h,
+            trans_a: true,
+            trans_b: false,
+            lda: h,
+            ldb: h,
+            ldd: c,
+            batch: 1,
+            stride_a: 0,
+            stride_b: 0,
+            stride_d: 0,
+        }
+    }
+
+    /// Rows and columns of A and B as stored (column-major), for layout descriptors.
+    pub fn a_dims(&self) -> (usize, usize) {
+        if self.trans_a {
+            (self.k, self.m)
+        } else {
+            (self.m, self.k)
+        }
+    }
+
+    pub fn b_dims(&self) -> (usize, usize) {
+        if self.trans_b {
+            (self.n, self.k)
+        } else {
+            (self.k, self.n)
+        }
+    }
+
+    /// Executes the call on the host exactly as a column-major BLAS would (f64 accumulation).
+    /// Used by tests to prove the layout math; not a compute path.
+    pub fn run_host(&self, a: &[f32], b: &[f32], d: &mut [f32]) {
+        for bt in 0..self.batch {
+            let (oa, ob, od) = (bt * self.stride_a, bt * self.stride_b, bt * self.stride_d);
+            for col in 0..self.n {
+                for row in 0..self.m {
+                    let mut acc = 0f64;
+                    for kk in 0..self.k {
+                        let av = if self.trans_a { a[oa + row * self.lda + kk] } else { a[oa + kk * self.lda + row] };
+                        let bv = if self.trans_b { b[ob + kk * self.ldb + col] } else { b[ob + col * self.ldb + kk] };
+                        acc += av as f64 * bv as f64;
+                    }
+                    d[od + col * self.ldd + row] = acc as f32;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rand::Rng;
+
+    fn close(a: f32, b: f64) -> bool {
+        (a as f64 - b).abs() <= 1e-4 * (1.0 + b.abs())
+    }
+
+    #[test]
+    fn projection_is_z_times_w_transposed() {
+        let (rows, c, pw) = (7, 5, 11);
+        let mut r = Rng::new(1);
+        let z = r.normal_vec(rows * c, 1.0);
+        let w = r.normal_vec(pw * c, 1.0);
+        let mut p = vec![0f32; rows * pw];
+        GemmSpec::projection(rows, c, pw).run_host(&w, &z, &mut p);
+        for i in 0..rows {
+            for o in 0..pw {
+                let want: f64 = (0..c).map(|k| z[i * c + k] as f64 * w[o * c + k] as f64).sum();
+                assert!(close(p[i * pw + o], want), "P[{i},{o}]");
+            }
+        }
+    }
+
+    #[test]
+    fn contraction_matches_spec_in_both_directions() {
+        let (bh, n) = (3, 6);
+        let mut r = Rng::new(2);
+        let left = r.normal_vec(bh * n * n, 1.0);
+        let right = r.normal_vec(bh * n * n, 1.0);
+        for dir in [Direction::Outgoing, Direction::Incoming] {
+            let mut t = vec![0f32; bh * n * n];
+            GemmSpec::contraction(dir, bh, n).run_host(&right, &left, &mut t);
+            for s in 0..bh {
+                let (l, rr) = (&left[s * n * n..], &right[s * n * n..]);
+                for i in 0..n {
+                    for j in 0..n {
+                        let want: f64 = (0..n)
+                            .map(|k| match dir {
+                                // t[i,j] = Σ_k left[i,k]·right[j,k]
+                                Direction::Outgoing => l[i * n + k] as f64 * rr[j * n + k] as f64,
+                                // t[i,j] = Σ_k left[k,i]·right[k,j]
+                                Direction::Incoming => l[k * n + i] as f64 * rr[k * n + j] as f64,
+                            })
+                            .sum();
+                        assert!(close(t[s * n * n + i * n + j], want), "{dir} t[{s}][{i},{j}]");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn output_is_a_times_wout_transposed() {
+        let (rows, c, h) = (9, 4, 6);
+        let mut r = Rng::new(3);
+        let a = r.normal_vec(rows * h, 1.0);
+        let w = r.normal_vec(c * h, 1.0);
+        let mut y = vec![0f32; rows * c];
+        GemmSpec::output(rows, c, h).run_host(&w, &a, &mut y);
+        for i in 0..rows {
+            for o in 0..c {
+                let want: f64 = (0..h).map(|k| a[i * h + k] as f64 * w[o * h + k] as f64).sum();
+                assert!(close(y[i * c + o], want), "y[{i},{o}]");
+            }
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! Anchors: per-shape times measured elsewhere (PyTorch, other libraries, leaderboard code) that
+//! a report shows beside its runs as reference columns and dashed lines.
+//!
+//! An anchors file is a JSON array of [`Anchor`] objects (a single object is accepted too):
+//!
+//! ```json
+//! [{ "name": "PyTorch reference f32", "unit": "ms", "device": "NVIDIA H100 80GB HBM3",
+//!    "shapes": { "n256_b2_c128": 2.251, "n768_b1_c128": 15.01 } }]
+//! ```
+//!
+//! Keys are [`ShapeResult::key`](super::ShapeResult::key) strings, `n{N}_b{B}_c{C}`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// One reference series of per-shape times.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Anchor {
+    /// Column and legend name; unique among the anchors of one report.
+    pub name: String,
+    /// Unit of the values; only `ms` is accepted, so a file in µs cannot be misread by 1000×.
+    pub unit: String,
+    /// Device the times were measured on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Where the numbers come from and how they were taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// Median time per shape key.
+    pub shapes: BTreeMap<String, f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum AnchorsFile {
+    Many(Vec<Anchor>),
+    One(Anchor),
+}
+
+impl Anchor {
+    /// Parses an anchors document (array or single object). Errors are one line.
+    pub fn list_from_json_str(text: &str) -> Result<Vec<Anchor>> {
+        Anchor::parse(text).map_err(|m| Error::InvalidArgument(format!("anchors JSON: {m}")))
+    }
+
+    /// Reads an anchors file; errors are one line and name the file.
+    pub fn load(path: impl AsRef<Path>) -> Result<Vec<Anchor>> {
+        let path = path.as_ref();
+        let file_err = |reason: String| Error::File { path: path.display().to_string(), reason };
+        let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
+        Anchor::parse(&text).map_err(file_err)
+    }
+
+    fn parse(text: &str) -> std::result::Result<Vec<Anchor>, String> {
+        // Syntax first, so a truncated file says so rather than "did not match any variant".
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let anchors = match serde_json::from_value::<AnchorsFile>(value.clone()) {
+            Ok(AnchorsFile::Many(v)) => v,
+            Ok(AnchorsFile::One(a)) => vec![a],
+            // Untagged enums hide the field error; re-run the shape the document has for it.
+            Err(_) if value.is_array() => {
+                serde_json::from_value::<Vec<Anchor>>(value).map_err(|e| format!("not an anchors list: {e}"))?
+            }
+            Err(_) => vec![serde_json::from_value::<Anchor>(value).map_err(|e| format!("not an anchor: {e}"))?],
+        };
+        for a in &anchors {
+            a.validate().map_err(|e| match e {
+                Error::InvalidArgument(m) => m,
+                other => other.to_string(),
+            })?;
+        }
+        Ok(anchors)
+    }
+
+    /// Pretty JSON of a list of anchors, with a trailing newline.
+    pub fn list_to_json_string(anchors: &[Anchor]) -> Result<String> {
+        let mut s = serde_json::to_string_pretty(anchors)
+            .map_err(|e| Error::InvalidArgument(format!("anchors do not serialise: {e}")))?;
+        s.push('\n');
+        Ok(s)
+    }
+
+    /// A non-empty name, unit `ms`, and positive finite times.
+    pub fn validate(&self) -> Result<()> {
+        if self.name.trim().is_empty() {
+            return Err(Error::InvalidArgument("an anchor has an empty name".into()));
+        }
+        if self.unit != "ms" {
+            return Err(Error::InvalidArgument(format!(
+                "anchor {:?} has unit {:?}; only \"ms\" is accepted",
+                self.name, self.unit
+            )));
+        }
+        for (key, v) in &self.shapes {
+            if !v.is_finite() || *v <= 0.0 {
+                return Err(Error::InvalidArgument(format!(
+                    "anchor {:?}: {key} = {v} ms is not a positive time",
+                    self.name
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_one_or_many() {
+        let one = r#"{"name":"a","unit":"ms","shapes":{"n32_b1_c128":1.5}}"#;
+        assert_eq!(Anchor::list_from_json_str(one).unwrap().len(), 1);
+        let many = format!("[{one},{}]", one.replace("\"a\"", "\"b\""));
+        let v = Anchor::list_from_json_str(&many).unwrap();
+        assert_eq!(v[1].name, "b");
+        assert_eq!(v[0].shapes["n32_b1_c128"], 1.5);
+    }
+
+    #[test]
+    fn rejects_bad_units_values_and_syntax() {
+        let e = Anchor::list_from_json_str(r#"{"name":"a","unit":"us","shapes":{}}"#).unwrap_err().to_string();
+        assert!(e.contains("only \"ms\""), "{e}");
+        let e = Anchor::list_from_json_str(r#"[{"name":"a","unit":"ms","shapes":{"k":-1}}]"#).unwrap_err().to_string();
+        assert!(e.contains("not a positive time"), "{e}");
+        let e = Anchor::list_from_json_str(r#"[{"name":"a","unit":"ms","shap"#).unwrap_err().to_string();
+        assert!(e.contains("not valid JSON") && !e.contains('\n'), "{e}");
+        let e = Anchor::list_from_json_str(r#"[{"name":"a","shapes":{}}]"#).unwrap_err().to_string();
+        assert!(e.contains("unit"), "{e}");
+    }
+}

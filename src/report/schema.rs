@@ -1,0 +1,622 @@
+//! The bench JSON schema, version [`SCHEMA_VERSION`], written by `trimul bench --json` and read
+//! by `trimul report`.
+//!
+//! One file is one [`BenchRun`]: which code ran (tool version and commit), where (machine,
+//! driver and library versions), how (backend, precision, formulation, timing method), the
+//! ceilings measured in the same run, and one [`ShapeResult`] per benchmarked shape.
+//!
+//! Derived numbers follow SPEC.md: TFLOP/s = [`Problem::flops`] / median, GB/s =
+//! [`Problem::io_bytes`] / median (f32 `x` read + `y` written, plus the mask), and
+//! `floor = max(FLOPs / GEMM rate, io bytes / copy bandwidth)`.
+//!
+//! Versioning: readers check `schema_version` before anything else, so a file from a newer
+//! trimul fails with a message that says so instead of a field error. Adding an optional field
+//! keeps the version; renaming, removing or changing the meaning of a field bumps it.
+//!
+//! Floats that may legitimately be non-finite (an error norm of an output that holds NaN) are
+//! written as the strings `"NaN"`, `"inf"`, `"-inf"`, because JSON has no such numbers and
+//! serde_json would otherwise write `null` and fail to read it back.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::backend::DeviceInfo;
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+
+/// Version of the bench JSON layout this build writes and reads.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The commit this crate was built from (`git rev-parse --short HEAD` at build time, or
+/// `TRIMUL_GIT_COMMIT` from the build environment); `None` outside a git checkout.
+pub fn git_commit() -> Option<String> {
+    option_env!("TRIMUL_GIT_COMMIT").map(str::to_string).filter(|s| !s.is_empty())
+}
+
+/// One bench invocation on one device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BenchRun {
+    /// Always [`SCHEMA_VERSION`] when written by this build.
+    pub schema_version: u32,
+    pub tool: ToolInfo,
+    /// When the run started, RFC 3339 in UTC (`2026-11-22T14:03:07Z`); see [`format_utc`].
+    pub created_utc: String,
+    /// Optional short name for tables and legends (`"before fusion"`); the report falls back to
+    /// the backend and device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    pub machine: MachineInfo,
+    /// `cpu`, `cuda` or `hip`.
+    pub backend: String,
+    /// Precision mode, as [`crate::Precision::as_str`] spells it (`f32-io`).
+    pub precision: String,
+    /// `gpumode` or `af3`.
+    pub formulation: String,
+    pub timing: TimingMethod,
+    pub ceilings: Ceilings,
+    pub shapes: Vec<ShapeResult>,
+}
+
+/// Which build of trimul produced a run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolInfo {
+    pub name: String,
+    pub version: String,
+    pub git_commit: Option<String>,
+}
+
+impl ToolInfo {
+    /// This build: crate name, version and [`git_commit`].
+    pub fn current() -> ToolInfo {
+        ToolInfo {
+            name: env!("CARGO_PKG_NAME").to_string(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            git_commit: git_commit(),
+        }
+    }
+}
+
+/// The device (or host CPU) a run measured, and the software stack under it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MachineInfo {
+    /// `NVIDIA`, `AMD`, or the CPU vendor.
+    pub vendor: String,
+    /// Marketing name of the device or CPU.
+    pub device: String,
+    /// Normalised architecture: `sm_90`, `gfx942`, `x86_64`.
+    pub arch: String,
+    /// SMs, CUs or CPU threads used.
+    pub compute_units: u32,
+    /// Device memory (host memory for the CPU backend).
+    pub memory_bytes: u64,
+    /// Driver, runtime and library versions by name (`"CUDA driver"`, `"cuBLASLt"`, `"rocBLAS"`,
+    /// `"gemm"`); a map so the JSON reads naturally and the report lists them in a stable order.
+    #[serde(default)]
+    pub versions: BTreeMap<String, String>,
+    /// Host name or host CPU, where the bench chose to record it.
+    #[serde(default)]
+    pub host: Option<String>,
+}
+
+impl MachineInfo {
+    /// The fields a backend reports, plus the host.
+    pub fn from_device_info(info: &DeviceInfo, host: Option<String>) -> MachineInfo {
+        MachineInfo {
+            vendor: info.vendor.clone(),
+            device: info.name.clone(),
+            arch: info.arch.clone(),
+            compute_units: info.compute_units,
+            memory_bytes: info.memory_bytes,
+            versions: info.versions.iter().cloned().collect(),
+            host,
+        }
+    }
+}
+
+/// How the times were taken (the README's timing section explains why each matters).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TimingMethod {
+    /// Untimed calls before the first timed one.
+    pub warmup: u32,
+    /// Timed calls per shape (unless a shape says otherwise in [`ShapeResult::repeats`]).
+    pub repeats: u32,
+    /// Input buffer sets rotated between calls so the working set exceeds the last-level cache.
+    pub buffer_sets: u32,
+    /// `device-events` (GPU) or `host` (CPU wall clock).
+    pub clock: String,
+    /// Whether weights were re-prepared inside every timed call, as the GPU MODE leaderboard does.
+    pub fresh_weights: bool,
+}
+
+/// Ceilings measured in the same run, from which each shape's floor is derived.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Ceilings {
+    /// Achieved rate of a large GEMM in the precision mode's compute dtype.
+    #[serde(with = "lenient_f64")]
+    pub gemm_tflops: f64,
+    /// What that GEMM was (`"bf16 8192³ cuBLASLt"`).
+    pub gemm_desc: String,
+    /// Device copy bandwidth counting read + write, in GB/s (1 GB = 1e9 bytes).
+    #[serde(with = "lenient_f64")]
+    pub copy_gbs: f64,
+}
+
+impl Ceilings {
+    /// `max(FLOPs / GEMM rate, io bytes / copy bandwidth)` in ms. Infinite when a ceiling is
+    /// zero (not measured), so the ratio to it reads as 0 rather than as a fake floor.
+    pub fn floor_ms(&self, problem: &Problem) -> f64 {
+        let compute = problem.flops() / (self.gemm_tflops * 1e12);
+        let memory = problem.io_bytes() / (self.copy_gbs * 1e9);
+        let floor = compute.max(memory) * 1e3;
+        if floor.is_nan() {
+            f64::INFINITY
+        } else {
+            floor
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        for (name, v) in [("gemm_tflops", self.gemm_tflops), ("copy_gbs", self.copy_gbs)] {
+            if v.is_nan() || v < 0.0 {
+                return Err(Error::InvalidArgument(format!("ceilings.{name} = {v} is not a rate")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Order statistics of the timed samples of one shape, in ms.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct SampleStats {
+    pub median: f64,
+    pub p10: f64,
+    pub p90: f64,
+    pub min: f64,
+}
+
+impl SampleStats {
+    /// Percentiles by linear interpolation between order statistics (numpy's default), so the
+    /// median of an even count is the mean of the two middle samples.
+    pub fn from_samples(samples_ms: &[f64]) -> Result<SampleStats> {
+        if samples_ms.is_empty() {
+            return Err(Error::InvalidArgument("no timing samples".into()));
+        }
+        if let Some(bad) = samples_ms.iter().find(|v| !v.is_finite() || **v < 0.0) {
+            return Err(Error::InvalidArgument(format!("timing sample {bad} ms is not a duration")));
+        }
+        let mut s = samples_ms.to_vec();
+        s.sort_by(f64::total_cmp);
+        let q = |p: f64| {
+            let pos = p * (s.len() - 1) as f64;
+            let lo = pos.floor() as usize;
+            let hi = pos.ceil() as usize;
+            s[lo] + (s[hi] - s[lo]) * (pos - lo as f64)
+        };
+        Ok(SampleStats { median: q(0.5), p10: q(0.1), p90: q(0.9), min: s[0] })
+    }
+}
+
+/// One benchmarked shape of a run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShapeResult {
+    /// Free-form name (`"bench-3"`); the report identifies shapes by [`ShapeResult::key`].
+    pub name: String,
+    pub batch: usize,
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub masked: bool,
+    /// Input distribution: `normal` or `cauchy`.
+    pub dist: String,
+    /// `outgoing` or `incoming`.
+    pub direction: String,
+    /// Timed calls behind the statistics.
+    pub repeats: u32,
+    #[serde(with = "lenient_f64")]
+    pub median_ms: f64,
+    #[serde(with = "lenient_f64")]
+    pub p10_ms: f64,
+    #[serde(with = "lenient_f64")]
+    pub p90_ms: f64,
+    #[serde(with = "lenient_f64")]
+    pub min_ms: f64,
+    /// [`Problem::flops`] / median.
+    #[serde(with = "lenient_f64")]
+    pub tflops: f64,
+    /// [`Problem::io_bytes`] / median, 1 GB = 1e9 bytes.
+    #[serde(with = "lenient_f64")]
+    pub gbs: f64,
+    /// [`Ceilings::floor_ms`] with this run's ceilings.
+    #[serde(with = "lenient_f64")]
+    pub floor_ms: f64,
+    /// median / floor: 1 is the best any implementation could do on this device.
+    #[serde(with = "lenient_f64")]
+    pub floor_ratio: f64,
+    /// Largest `|out − ref|` against the f64 reference on this run's data; `None`: not checked.
+    #[serde(default, with = "lenient_opt_f64")]
+    pub max_abs_err: Option<f64>,
+    /// `‖out − ref‖ / ‖ref‖`; `None`: not checked.
+    #[serde(default, with = "lenient_opt_f64")]
+    pub rel_l2_err: Option<f64>,
+    /// The GPU MODE rule (every element within `2e-2 + 2e-2·|ref|`, no new NaN); `None`: not
+    /// checked. Optional because the reference for the largest shapes may be skipped, and a
+    /// missing check must not read as a failure or a pass.
+    #[serde(default)]
+    pub passed: Option<bool>,
+    /// High-water mark of device memory during the timed calls.
+    #[serde(default)]
+    pub peak_device_bytes: Option<u64>,
+    /// Bytes of the backend's workspace for this shape.
+    #[serde(default)]
+    pub workspace_bytes: Option<u64>,
+}
+
+impl ShapeResult {
+    /// A result from raw timings: statistics, throughput and floor are derived here so every
+    /// writer computes them the same way. Correctness and memory start unset; fill them with
+    /// [`ShapeResult::with_check`] and [`ShapeResult::with_memory`].
+    pub fn from_samples(
+        name: impl Into<String>,
+        problem: &Problem,
+        dist: impl Into<String>,
+        samples_ms: &[f64],
+        ceilings: &Ceilings,
+    ) -> Result<ShapeResult> {
+        let stats = SampleStats::from_samples(samples_ms)?;
+        let repeats = u32::try_from(samples_ms.len())
+            .map_err(|_| Error::InvalidArgument(format!("{} timing samples is too many", samples_ms.len())))?;
+        let secs = stats.median * 1e-3;
+        // A zero median (a clock too coarse for the shape) would give infinite throughput;
+        // report 0 so the table shows something obviously wrong but finite.
+        let per_sec = |work: f64| if secs > 0.0 { work / secs } else { 0.0 };
+        let floor_ms = ceilings.floor_ms(problem);
+        Ok(ShapeResult {
+            name: name.into(),
+            batch: problem.shape.batch,
+            n: problem.shape.n,
+            c: problem.config.c,
+            h: problem.config.h,
+            masked: problem.masked,
+            dist: dist.into(),
+            direction: problem.direction.as_str().to_string(),
+            repeats,
+            median_ms: stats.median,
+            p10_ms: stats.p10,
+            p90_ms: stats.p90,
+            min_ms: stats.min,
+            tflops: per_sec(problem.flops()) / 1e12,
+            gbs: per_sec(problem.io_bytes()) / 1e9,
+            floor_ms,
+            floor_ratio: stats.median / floor_ms,
+            max_abs_err: None,
+            rel_l2_err: None,
+            passed: None,
+            peak_device_bytes: None,
+            workspace_bytes: None,
+        })
+    }
+
+    /// Records the correctness check against the reference.
+    pub fn with_check(mut self, max_abs_err: f64, rel_l2_err: f64, passed: bool) -> ShapeResult {
+        self.max_abs_err = Some(max_abs_err);
+        self.rel_l2_err = Some(rel_l2_err);
+        self.passed = Some(passed);
+        self
+    }
+
+    /// Records device memory use.
+    pub fn with_memory(mut self, peak_device_bytes: Option<u64>, workspace_bytes: Option<u64>) -> ShapeResult {
+        self.peak_device_bytes = peak_device_bytes;
+        self.workspace_bytes = workspace_bytes;
+        self
+    }
+
+    /// The identity of a shape across runs and anchor files: `n{N}_b{B}_c{C}`, as the GPU MODE
+    /// benchmark names its shapes (H is 128 in all of them).
+    pub fn key(&self) -> String {
+        shape_key(self.n, self.batch, self.c)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let key = self.key();
+        if self.batch == 0 || self.n == 0 || self.c == 0 || self.h == 0 {
+            return Err(Error::InvalidArgument(format!("shape {key}: batch, n, c and h must be at least 1")));
+        }
+        for (field, v) in
+            [("median_ms", self.median_ms), ("p10_ms", self.p10_ms), ("p90_ms", self.p90_ms), ("min_ms", self.min_ms)]
+        {
+            if !v.is_finite() || v < 0.0 {
+                return Err(Error::InvalidArgument(format!("shape {key}: {field} = {v} is not a duration")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `n{N}_b{B}_c{C}`: see [`ShapeResult::key`].
+pub fn shape_key(n: usize, batch: usize, c: usize) -> String {
+    format!("n{n}_b{batch}_c{c}")
+}
+
+impl BenchRun {
+    /// Parses and validates a run; the caller adds where the text came from to the message.
+    fn parse(text: &str) -> std::result::Result<BenchRun, String> {
+        // Look at the version before the full structure: a newer file likely has fields this
+        // build does not know, and "missing field" would hide the real problem.
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let object = value.as_object().ok_or_else(|| {
+            format!("not a trimul bench run: the top level is {}, expected an object", json_kind(&value))
+        })?;
+        match object.get("schema_version") {
+            None => return Err("not a trimul bench run: no schema_version field".into()),
+            Some(v) => match v.as_u64() {
+                Some(v) if v == u64::from(SCHEMA_VERSION) => {}
+                Some(v) => {
+                    return Err(format!(
+                        "schema_version {v} is not supported (this trimul reads version {SCHEMA_VERSION})"
+                    ))
+                }
+                None => return Err(format!("schema_version is {v}, expected a whole number")),
+            },
+        }
+        // Parse the text again rather than the Value so field errors carry a line and column.
+        let run: BenchRun = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        run.validate().map_err(|e| match e {
+            Error::InvalidArgument(m) => m,
+            other => other.to_string(),
+        })?;
+        Ok(run)
+    }
+
+    /// Parses a run held in memory. Errors are one line.
+    pub fn from_json_str(text: &str) -> Result<BenchRun> {
+        BenchRun::parse(text).map_err(|m| Error::InvalidArgument(format!("bench JSON: {m}")))
+    }
+
+    /// Reads and validates a run file; errors are one line and name the file.
+    pub fn from_path(path: impl AsRef<Path>) -> Result<BenchRun> {
+        let path = path.as_ref();
+        let file_err = |reason: String| Error::File { path: path.display().to_string(), reason };
+        let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
+        BenchRun::parse(&text).map_err(file_err)
+    }
+
+    /// Pretty JSON with a trailing newline, as `trimul bench --json` writes it.
+    pub fn to_json_string(&self) -> Result<String> {
+        let mut s = serde_json::to_string_pretty(self)
+            .map_err(|e| Error::InvalidArgument(format!("bench run does not serialise: {e}")))?;
+        s.push('\n');
+        Ok(s)
+    }
+
+    /// Writes [`BenchRun::to_json_string`] to `path`.
+    pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        std::fs::write(path, self.to_json_string()?)
+            .map_err(|e| Error::File { path: path.display().to_string(), reason: e.to_string() })
+    }
+
+    /// Checks what the report relies on: a supported version, sane ceilings and times, and
+    /// each shape key at most once (the report's rows are keyed by it).
+    pub fn validate(&self) -> Result<()> {
+        if self.schema_version != SCHEMA_VERSION {
+            return Err(Error::InvalidArgument(format!(
+                "schema_version {} is not supported (this trimul reads version {SCHEMA_VERSION})",
+                self.schema_version
+            )));
+        }
+        self.ceilings.validate()?;
+        let mut seen = std::collections::BTreeSet::new();
+        for s in &self.shapes {
+            s.validate()?;
+            if !seen.insert(s.key()) {
+                return Err(Error::InvalidArgument(format!(
+                    "shape {} appears twice; a run holds each n/b/c at most once",
+                    s.key()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The calendar date of [`BenchRun::created_utc`] (`2026-11-22`), or the whole string when it
+    /// does not start with one.
+    pub fn date(&self) -> &str {
+        let s = self.created_utc.as_str();
+        let b = s.as_bytes();
+        let is_date = b.len() >= 10
+            && b[..10].iter().enumerate().all(|(i, c)| if i == 4 || i == 7 { *c == b'-' } else { c.is_ascii_digit() });
+        if is_date {
+            &s[..10]
+        } else {
+            s
+        }
+    }
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// Seconds since the Unix epoch as RFC 3339 UTC (`2026-11-22T14:03:07Z`), for
+/// [`BenchRun::created_utc`]; written out here to avoid a date-time dependency for one line.
+pub fn format_utc(unix_secs: u64) -> String {
+    let days = (unix_secs / 86_400) as i64;
+    let rem = unix_secs % 86_400;
+    let (y, m, d) = civil_from_days(days);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// The current time as [`format_utc`] writes it.
+pub fn now_utc() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    format_utc(secs)
+}
+
+/// Proleptic Gregorian date of a day count since 1970-01-01, by counting 400-year eras (each
+/// exactly 146 097 days) from 0000-03-01 so that leap days fall at the end of a year.
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468; // days from 0000-03-01 to 1970-01-01
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097); // day of era, 0..=146096
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // year of era, 0..=399
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // day of the March-based year
+    let mp = (5 * doy + 2) / 153; // March = 0
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// Serde for an `f64` that may be NaN or infinite: numbers as numbers, the rest as strings.
+mod lenient_f64 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if v.is_finite() {
+            s.serialize_f64(*v)
+        } else if v.is_nan() {
+            s.serialize_str("NaN")
+        } else if *v > 0.0 {
+            s.serialize_str("inf")
+        } else {
+            s.serialize_str("-inf")
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    pub(super) enum Repr {
+        Num(f64),
+        Text(String),
+    }
+
+    impl Repr {
+        pub(super) fn value<E: serde::de::Error>(self) -> Result<f64, E> {
+            match self {
+                Repr::Num(v) => Ok(v),
+                Repr::Text(t) => match t.as_str() {
+                    "NaN" | "nan" => Ok(f64::NAN),
+                    "inf" | "Infinity" => Ok(f64::INFINITY),
+                    "-inf" | "-Infinity" => Ok(f64::NEG_INFINITY),
+                    other => Err(E::custom(format!("{other:?} is not a number"))),
+                },
+            }
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Repr::deserialize(d)?.value()
+    }
+}
+
+/// [`lenient_f64`] for optional values; `null` or absent is `None`.
+mod lenient_opt_f64 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(v) => super::lenient_f64::serialize(v, s),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+        Option::<super::lenient_f64::Repr>::deserialize(d)?.map(|r| r.value()).transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::{Config, Direction, Formulation, Shape};
+
+    fn h100_ceilings() -> Ceilings {
+        Ceilings { gemm_tflops: 749.0, gemm_desc: "bf16 8192³".into(), copy_gbs: 2960.0 }
+    }
+
+    fn problem(n: usize, b: usize, c: usize, masked: bool) -> Problem {
+        let cfg = Config::new(Formulation::GpuMode, c, 128).unwrap();
+        Problem::new(cfg, Shape::new(b, n), Direction::Outgoing, masked).unwrap()
+    }
+
+    #[test]
+    fn floors_match_spec_table() {
+        // SPEC.md's floor column, derived from the same ceilings.
+        let cases = [
+            (256, 2, 128, false, 0.046),
+            (768, 1, 128, false, 0.309),
+            (256, 2, 384, true, 0.136),
+            (1024, 1, 128, false, 0.642),
+            (1024, 1, 384, false, 1.192),
+        ];
+        for (n, b, c, masked, want) in cases {
+            let got = h100_ceilings().floor_ms(&problem(n, b, c, masked));
+            assert!((got - want).abs() < 0.0015, "n{n}_b{b}_c{c}: floor {got} ms, SPEC says {want}");
+        }
+    }
+
+    #[test]
+    fn percentiles_interpolate() {
+        let s = SampleStats::from_samples(&[5.0, 1.0, 4.0, 2.0, 3.0]).unwrap();
+        assert_eq!((s.median, s.min), (3.0, 1.0));
+        assert!((s.p10 - 1.4).abs() < 1e-12 && (s.p90 - 4.6).abs() < 1e-12, "{s:?}");
+        let s = SampleStats::from_samples(&[4.0, 1.0]).unwrap();
+        assert_eq!(s.median, 2.5);
+        assert!(SampleStats::from_samples(&[]).is_err());
+        assert!(SampleStats::from_samples(&[1.0, f64::NAN]).is_err());
+        assert!(SampleStats::from_samples(&[-1.0]).is_err());
+    }
+
+    #[test]
+    fn from_samples_derives_throughput_and_floor() {
+        let p = problem(1024, 1, 384, false);
+        let r = ShapeResult::from_samples("bench-7", &p, "normal", &[4.0, 4.2, 3.8], &h100_ceilings()).unwrap();
+        assert_eq!(r.key(), "n1024_b1_c384");
+        assert_eq!((r.median_ms, r.min_ms, r.repeats), (4.0, 3.8, 3));
+        assert!((r.tflops - p.flops() / 4e-3 / 1e12).abs() < 1e-9);
+        assert!((r.gbs - p.io_bytes() / 4e-3 / 1e9).abs() < 1e-9);
+        assert!((r.floor_ratio - 4.0 / r.floor_ms).abs() < 1e-12);
+        assert_eq!(r.passed, None);
+        let r = r.with_check(1e-3, 5e-4, true);
+        assert_eq!(r.passed, Some(true));
+    }
+
+    #[test]
+    fn zero_ceiling_gives_infinite_floor_not_nan() {
+        let c = Ceilings { gemm_tflops: 0.0, gemm_desc: String::new(), copy_gbs: 0.0 };
+        assert_eq!(c.floor_ms(&problem(32, 1, 128, false)), f64::INFINITY);
+    }
+
+    #[test]
+    fn utc_formatting() {
+        assert_eq!(format_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(format_utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(format_utc(1_709_251_199), "2024-02-29T23:59:59Z");
+        assert_eq!(format_utc(4_107_542_400), "2100-03-01T00:00:00Z");
+    }
+
+    #[test]
+    fn non_finite_errors_round_trip() {
+        let p = problem(32, 1, 128, false);
+        let r = ShapeResult::from_samples("s", &p, "cauchy", &[1.0], &h100_ceilings()).unwrap().with_check(
+            f64::NAN,
+            f64::INFINITY,
+            false,
+        );
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(json.contains(r#""max_abs_err":"NaN""#) && json.contains(r#""rel_l2_err":"inf""#), "{json}");
+        let back: ShapeResult = serde_json::from_str(&json).unwrap();
+        assert!(back.max_abs_err.unwrap().is_nan());
+        assert_eq!(back.rel_l2_err, Some(f64::INFINITY));
+    }
+}
