@@ -19,6 +19,8 @@ pub mod cuda;
 pub mod gemm;
 #[cfg(feature = "rocm")]
 pub mod hip;
+// The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
+pub(crate) mod host_gemm;
 pub mod params;
 
 use crate::error::{BackendKind, Error, Result};
