@@ -160,7 +160,8 @@ impl FusedInputLayout {
         for row in 0..self.rows() {
             if let Some((section, idx)) = self.source(row) {
                 let lin = sources[section];
-                mat[row * self.k_pad..row * self.k_pad + self.c].copy_from_slice(&lin.weight[idx * self.c..(idx + 1) * self.c]);
+                mat[row * self.k_pad..row * self.k_pad + self.c]
+                    .copy_from_slice(&lin.weight[idx * self.c..(idx + 1) * self.c]);
                 if let (Some(b), Some(src)) = (bias.as_mut(), lin.bias.as_ref()) {
                     b[row] = src[idx];
                 }
@@ -180,7 +181,9 @@ mod fused_tests {
     /// column) and checks it reads back exactly the weights of the channel it writes.
     #[test]
     fn kernel_epilogue_mapping_reads_matching_weights() {
-        for (f, c, h) in [(Formulation::GpuMode, 128, 128), (Formulation::Af3, 64, 40), (Formulation::GpuMode, 384, 128)] {
+        for (f, c, h) in
+            [(Formulation::GpuMode, 128, 128), (Formulation::Af3, 64, 40), (Formulation::GpuMode, 384, 128)]
+        {
             let cfg = Config::new(f, c, h).unwrap();
             let w = Weights::random(cfg, f == Formulation::Af3, 3).unwrap();
             let l = FusedInputLayout::new(&cfg).unwrap();
