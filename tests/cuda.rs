@@ -130,7 +130,7 @@ fn bad_inputs_are_errors_not_panics() {
     let device = Device::Cuda(b);
     let weights = Weights::random(trimul::Config::new(Formulation::GpuMode, 64, 32).unwrap(), false, 1).unwrap();
     let mut layer = TriMul::new(&device, &weights, Options::default()).unwrap();
-    let e = layer.forward(&vec![1.0; 10], None, Shape::new(1, 4)).unwrap_err();
+    let e = layer.forward(&[1.0; 10], None, Shape::new(1, 4)).unwrap_err();
     assert!(e.to_string().contains("x has 10 elements"), "{e}");
     let x = vec![0.5; 4 * 4 * 64];
     let e = layer.forward(&x, Some(&[1.0; 3]), Shape::new(1, 4)).unwrap_err();

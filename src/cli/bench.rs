@@ -57,7 +57,7 @@ struct Plan {
 }
 
 enum Outcome {
-    Done(Measured),
+    Done(Box<Measured>),
     /// The shape does not fit in memory; the message says what was needed.
     Skipped(String),
 }
@@ -345,7 +345,7 @@ fn measure<B: Backend>(
     let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
         .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
         .with_memory(peak, Some(ws_bytes));
-    Ok(Outcome::Done(Measured { result, sets }))
+    Ok(Outcome::Done(Box::new(Measured { result, sets })))
 }
 
 /// Buffer sets to rotate over: enough that the `x` tensors reach [`ROTATION_BYTES`], at most
