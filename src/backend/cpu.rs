@@ -363,6 +363,9 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    /// The GEMM ceiling is the `gemm` crate's plain f32 2048³ product on all threads (the same
+    /// number the CPU speed bar divides by); the copy ceiling is a 256 MiB parallel copy,
+    /// counting bytes read plus written, far beyond any last-level cache.
     fn measure_ceilings(&self) -> Result<Ceilings> {
         const GEMM_N: usize = 2048;
         const REPS: usize = 5;
