@@ -39,10 +39,12 @@ impl<T> DriverResult<T> for std::result::Result<T, cu::DriverError> {
 
 /// The file names cudarc's loader tries for `lib` (e.g. `cuda` → `libcuda.so`, `libcuda.so.1`, …).
 fn candidates(lib: &str) -> String {
-    let names: Vec<String> = cudarc::get_lib_name_candidates(lib)
-        .into_iter()
-        .filter(|c| c.starts_with(&format!("lib{lib}")) && c.contains(".so"))
-        .collect();
+    let mut names: Vec<String> = Vec::new();
+    for c in cudarc::get_lib_name_candidates(lib) {
+        if c.starts_with(&format!("lib{lib}")) && c.contains(".so") && !names.contains(&c) {
+            names.push(c);
+        }
+    }
     names.join(", ")
 }
 
