@@ -71,6 +71,14 @@ typedef struct __attribute__((aligned(16))) {
   unsigned v[4];
 } tm_u128;
 
+typedef struct __attribute__((aligned(16))) {
+  float v[4];
+} tm_f4;
+
+typedef struct __attribute__((aligned(8))) {
+  unsigned v[2];
+} tm_u64h;
+
 TM_INLINE float tm_lo(unsigned w) { return tm_h2f((unsigned short)(w & 0xFFFFu)); }
 TM_INLINE float tm_hi(unsigned w) { return tm_h2f((unsigned short)(w >> 16)); }
 TM_INLINE unsigned tm_pack2(float lo, float hi) { return (unsigned)tm_f2h(lo) | ((unsigned)tm_f2h(hi) << 16); }

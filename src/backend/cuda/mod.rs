@@ -244,6 +244,11 @@ impl CudaBackend {
         if x == y {
             return Err(Error::InvalidArgument("y must not alias x (in-place mode is not supported)".into()));
         }
+        for (name, ptr) in [("x", x), ("mask", mask), ("y", y)] {
+            if ptr % 16 != 0 {
+                return Err(Error::InvalidArgument(format!("{name} must be 16-byte aligned on the device (got {ptr:#x})")));
+            }
+        }
         let inner = &self.inner;
         inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         let cfg = problem.config;
@@ -458,7 +463,11 @@ impl Scratch {
         let natural = m * cfg.h * 2;
         let ws = ((natural / 8).min(8 << 20) / 256) * 256;
         let row_bytes = (cfg.c + cfg.fused_proj_width()) * 2;
-        let chunk_rows = ((natural - ws) / row_bytes).clamp(1, m);
+        let mut chunk_rows = ((natural - ws) / row_bytes).clamp(1, m);
+        if chunk_rows >= 64 && chunk_rows < m {
+            // Chunks start 64-aligned so the gating kernel's tiles keep their 16-byte stores.
+            chunk_rows -= chunk_rows % 64;
+        }
         let proj_offset = round_up(chunk_rows * cfg.c * 2, 256);
         let ws_offset = proj_offset + round_up(chunk_rows * cfg.fused_proj_width() * 2, 256);
         Scratch { chunk_rows, proj_offset, ws_offset, t_bytes: natural.max(ws_offset + ws) }
