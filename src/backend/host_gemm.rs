@@ -8,7 +8,7 @@
 
 use crate::error::{Error, Result};
 
-pub use gemm::Parallelism;
+pub use ::gemm::Parallelism;
 
 /// A read-only strided matrix view: element `(i, j)` is `data[i·rs + j·cs]`.
 #[derive(Copy, Clone, Debug)]
@@ -101,11 +101,10 @@ pub fn matmul(dst: MatMut<'_>, lhs: MatRef<'_>, rhs: MatRef<'_>, parallelism: Pa
     // (i, j) to distinct elements; the shapes agree (checked above), so `gemm` reads only
     // lhs[0..m, 0..k] and rhs[0..k, 0..n] and writes only dst[0..m, 0..n]. `dst` is borrowed
     // mutably and the sources shared, so they cannot overlap. With `read_dst = false` the
-    // destination's old contents (possibly uninitialised-looking garbage, but always valid
-    // f32) are not read. All pointers stay valid for the call, which returns only when every
-    // worker thread it started has finished.
+    // destination's old contents are not read. All pointers stay valid for the call, which
+    // returns only when every worker thread it started has finished.
     unsafe {
-        gemm::gemm(
+        ::gemm::gemm(
             m,
             n,
             k,
