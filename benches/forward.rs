@@ -4,6 +4,8 @@
 //! Names are `{backend}/{formulation}/n{N}_b{B}_c{C}`; throughput is in elements of `x`
 //! (`B·N·N·C`), not FLOPs, so criterion's "elem/s" means what it says. Every iteration ends
 //! with the backend's synchronize, so a GPU's asynchronous launch is never what gets timed.
+//! Run the built bench executable directly with `--bench` (as `cargo bench` does); without it,
+//! criterion only runs each bench once as a smoke test.
 //! `trimul bench` is the tool for the GPU MODE methodology (buffer rotation, floors, JSON); these
 //! benches are for quick before/after comparisons with criterion's statistics.
 #![forbid(unsafe_code)]

@@ -135,6 +135,9 @@ fn cuda_without_the_feature_is_a_usage_error() {
 #[test]
 fn usage_errors_exit_2() {
     assert_eq!(trimul(&["bench", "--repeats", "0"]).status.code(), Some(2));
+    let o = trimul(&["bench", "--backend", "cpu", "--json", "/nonexistent-dir-for-trimul/run.json"]);
+    assert_usage_error(&o, "does not exist");
+    assert!(stdout(&o).is_empty(), "refused before measuring: {}", stdout(&o));
     assert_eq!(trimul(&["check", "--suite", "nope"]).status.code(), Some(2));
     assert_eq!(trimul(&["frobnicate"]).status.code(), Some(2));
     let o = Command::new(env!("CARGO_BIN_EXE_trimul")).args(["info"]).env("TRIMUL_BACKEND", "tpu").output().unwrap();

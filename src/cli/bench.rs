@@ -74,6 +74,16 @@ fn long_cases() -> Vec<Case> {
 
 pub fn run(args: &BenchArgs) -> CliResult {
     let started = trimul::report::now_utc();
+    // A run can take minutes; learn about a JSON path that cannot be written before it, not after.
+    if let Some(path) = &args.json {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+            return Err(CliError::usage(format!(
+                "--json {}: directory {} does not exist",
+                path.display(),
+                dir.display()
+            )));
+        }
+    }
     let device = open_device(args.backend)?;
     let kind = device.kind();
     let gpu = kind != BackendKind::Cpu;
