@@ -246,7 +246,9 @@ impl CudaBackend {
         }
         for (name, ptr) in [("x", x), ("mask", mask), ("y", y)] {
             if ptr % 16 != 0 {
-                return Err(Error::InvalidArgument(format!("{name} must be 16-byte aligned on the device (got {ptr:#x})")));
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be 16-byte aligned on the device (got {ptr:#x})"
+                )));
             }
         }
         let inner = &self.inner;
