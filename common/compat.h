@@ -73,6 +73,23 @@ typedef long long tm_i64;
 
 typedef unsigned short tm_half;
 
+// 16 bytes (8 halves) for vector loads and stores; both compilers honour the alignment.
+typedef struct __attribute__((aligned(16))) {
+  unsigned v[4];
+} tm_u128;
+
+typedef struct __attribute__((aligned(16))) {
+  float v[4];
+} tm_f4;
+
+typedef struct __attribute__((aligned(8))) {
+  unsigned v[2];
+} tm_u64h;
+
+TM_INLINE float tm_lo(unsigned w) { return tm_h2f((unsigned short)(w & 0xFFFFu)); }
+TM_INLINE float tm_hi(unsigned w) { return tm_h2f((unsigned short)(w >> 16)); }
+TM_INLINE unsigned tm_pack2(float lo, float hi) { return (unsigned)tm_f2h(lo) | ((unsigned)tm_f2h(hi) << 16); }
+
 // Sum over a group of 32 consecutive lanes (a CUDA warp, half an AMD wave).
 TM_INLINE float tm_group32_sum(float v) {
 #pragma unroll

@@ -2,8 +2,9 @@
 // [B, H, N, N] layout and writing the output-projection operand a in [M, H]:
 //   gpumode: a = LN_H(t) ⊙ gate          af3: a = LN_H(t)
 // A block takes tile_rows consecutive positions: it loads t[b, :, position] for all h into
-// shared memory (coalesced along positions), computes the statistics per position in f32 (two
-// passes), and writes a coalesced along h.
+// shared memory (16-byte loads along positions when the tile sits inside one batch), computes
+// the statistics per position in f32 (two passes, four threads per position), and writes a
+// (and reads the gate) 16 bytes at a time along h.
 #pragma once
 
 #define OUTPUT_NORM_THREADS 256
@@ -18,36 +19,88 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_NORM_THREADS) output_norm(con
   const tm_i64 end = p.row0 + p.rows;
   if (first >= end) return;
   const int np = (int)((end - first) < TP ? (end - first) : TP);
-  const unsigned tid = tm_tid(), nt = tm_bdim();
+  const int tid = (int)tm_tid(), nt = (int)tm_bdim();
   const tm_i64 nn = (tm_i64)p.n * p.n;
+  const tm_i64 b0 = first / nn, rem0 = first - b0 * nn;
 
-  for (int idx = tid; idx < H * TP; idx += nt) {
-    const int h = idx / TP, r = idx - h * TP;
-    if (r < np) {
-      const tm_i64 row = first + r;
-      const tm_i64 b = row / nn, rem = row - b * nn;
-      st[h * (TP + 1) + r] = tm_h2f(p.t[(b * H + h) * nn + rem]);
+  if (np == TP && TP % 8 == 0 && nn % 8 == 0 && first % 8 == 0 && rem0 + TP <= nn) {
+    const int runs = TP / 8;
+    for (int idx = tid; idx < H * runs; idx += nt) {
+      const int h = idx / runs, run = idx - h * runs;
+      const tm_u128 v = *(const tm_u128*)(p.t + (b0 * H + h) * nn + rem0 + run * 8);
+      float* dst = st + h * (TP + 1) + run * 8;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        dst[2 * e] = tm_lo(v.v[e]);
+        dst[2 * e + 1] = tm_hi(v.v[e]);
+      }
+    }
+  } else {
+    for (int idx = tid; idx < H * TP; idx += nt) {
+      const int h = idx / TP, r = idx - h * TP;
+      if (r < np) {
+        const tm_i64 row = first + r;
+        const tm_i64 b = row / nn, rem = row - b * nn;
+        st[h * (TP + 1) + r] = tm_h2f(p.t[(b * H + h) * nn + rem]);
+      }
     }
   }
   tm_sync();
-  for (int r = tid; r < np; r += nt) {
+  // Four adjacent threads per position; the loop bound is uniform so every shuffle is full.
+  for (int base = 0; base < TP; base += nt / 4) {
+    const int r = base + (tid >> 2), part = tid & 3;
+    const bool live = r < np;
     float s = 0.f;
-    for (int h = 0; h < H; ++h) s += st[h * (TP + 1) + r];
+    if (live)
+      for (int h = part; h < H; h += 4) s += st[h * (TP + 1) + r];
+    s += tm_shfl_xor(s, 1);
+    s += tm_shfl_xor(s, 2);
     const float mean = s / (float)H;
     float q = 0.f;
-    for (int h = 0; h < H; ++h) {
-      const float d = st[h * (TP + 1) + r] - mean;
-      q += d * d;
+    if (live)
+      for (int h = part; h < H; h += 4) {
+        const float d = st[h * (TP + 1) + r] - mean;
+        q += d * d;
+      }
+    q += tm_shfl_xor(q, 1);
+    q += tm_shfl_xor(q, 2);
+    if (live && part == 0) {
+      smean[r] = mean;
+      srstd[r] = tm_rsqrt(q / (float)H + p.eps);
     }
-    smean[r] = mean;
-    srstd[r] = tm_rsqrt(q / (float)H + p.eps);
   }
   tm_sync();
-  for (int idx = tid; idx < np * H; idx += nt) {
-    const int r = idx / H, h = idx - r * H;
-    const tm_i64 row = first + r;
-    float v = (st[h * (TP + 1) + r] - smean[r]) * srstd[r] * p.norm_out_w[h] + p.norm_out_b[h];
-    if (!p.af3) v *= tm_h2f(p.gate[row * (tm_i64)p.g + h]);
-    p.a[row * (tm_i64)H + h] = tm_f2h(v);
+  if (H % 8 == 0 && (p.af3 || p.g % 8 == 0)) {
+    const int hr = H / 8;
+    for (int idx = tid; idx < np * hr; idx += nt) {
+      const int r = idx / hr, h0 = (idx - r * hr) * 8;
+      const tm_i64 row = first + r;
+      const float mean = smean[r], rstd = srstd[r];
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        v[e] = (st[(h0 + e) * (TP + 1) + r] - mean) * rstd * p.norm_out_w[h0 + e] + p.norm_out_b[h0 + e];
+      }
+      if (!p.af3) {
+        const tm_u128 g = *(const tm_u128*)(p.gate + row * (tm_i64)p.g + h0);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          v[2 * e] *= tm_lo(g.v[e]);
+          v[2 * e + 1] *= tm_hi(g.v[e]);
+        }
+      }
+      tm_u128 o;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o.v[e] = tm_pack2(v[2 * e], v[2 * e + 1]);
+      *(tm_u128*)(p.a + row * (tm_i64)H + h0) = o;
+    }
+  } else {
+    for (int idx = tid; idx < np * H; idx += nt) {
+      const int r = idx / H, h = idx - r * H;
+      const tm_i64 row = first + r;
+      float v = (st[h * (TP + 1) + r] - smean[r]) * srstd[r] * p.norm_out_w[h] + p.norm_out_b[h];
+      if (!p.af3) v *= tm_h2f(p.gate[row * (tm_i64)p.g + h]);
+      p.a[row * (tm_i64)H + h] = tm_f2h(v);
+    }
   }
 }

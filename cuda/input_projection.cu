@@ -26,6 +26,8 @@
 #define IP_BN 128
 #define IP_BK 64
 #define IP_MAX_K 512
+// Rows of x a warp loads before reducing (all their loads in flight at once).
+#define IP_LN_ROWS 4
 // Row pitch of the weight ring in halves: 16 bytes of padding keep ldmatrix conflict-free.
 #define IP_LDB (IP_BK + 8)
 
@@ -74,7 +76,8 @@ __device__ __forceinline__ void ip_load_b(const TrimulParams& p, tm_half* ring, 
   asm volatile("cp.async.commit_group;");
 }
 
-extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(const TrimulParams p) {
+template <int KMAX>
+__device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   extern __shared__ __align__(16) unsigned char ip_smem[];
   const int lda = p.k_pad + 8;  // halves; +16 bytes keeps ldmatrix conflict-free
   tm_half* sa = (tm_half*)ip_smem;                                 // [BM][lda]   z tile
@@ -93,49 +96,57 @@ extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(con
   // Start streaming the first weight slice while the LayerNorm runs.
   ip_load_b(p, ring, 0, 0, 0);
 
-  // ---- prologue: z = LN_C(x) into shared memory (16 rows per warp, a row per iteration).
-  for (int r = warp; r < IP_BM; r += IP_THREADS / 32) {
-    const tm_i64 row = tile0 + r;
-    tm_half* zr = sa + r * lda;
-    if (row >= m_total) {
-      for (int c = lane; c < p.k_pad; c += 32) zr[c] = 0;
-      if (lane == 0) smask[r] = 0.f;
-      continue;
-    }
-    const float4* xr = (const float4*)(p.x + row * C);
-    float4 v[IP_MAX_K / 128];
-    float s = 0.f;
+  // ---- prologue: z = LN_C(x) into shared memory. Each warp takes IP_LN_ROWS rows at a time
+  // and issues all their loads before the first reduction, so a warp waits for DRAM once per
+  // batch instead of once per row.
+  for (int r0 = warp * IP_LN_ROWS; r0 < IP_BM; r0 += (IP_THREADS / 32) * IP_LN_ROWS) {
+    float4 v[IP_LN_ROWS][KMAX / 128];
 #pragma unroll
-    for (int i = 0; i < IP_MAX_K / 128; ++i) {
-      const int c4 = lane + 32 * i;
-      v[i] = c4 * 4 < C ? xr[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
-      s += (v[i].x + v[i].y) + (v[i].z + v[i].w);
-    }
-    const float mean = tm_group32_sum(s) / (float)C;
-    float q = 0.f;
+    for (int rr = 0; rr < IP_LN_ROWS; ++rr) {
+      const tm_i64 row = tile0 + r0 + rr;
+      const float4* xr = (const float4*)(p.x + row * C);
 #pragma unroll
-    for (int i = 0; i < IP_MAX_K / 128; ++i) {
-      if ((lane + 32 * i) * 4 < C) {
-        const float a = v[i].x - mean, b = v[i].y - mean, c = v[i].z - mean, d = v[i].w - mean;
-        q += (a * a + b * b) + (c * c + d * d);
+      for (int i = 0; i < KMAX / 128; ++i) {
+        const int c4 = lane + 32 * i;
+        v[rr][i] = (row < m_total && c4 * 4 < C) ? xr[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
-    const float rstd = tm_rsqrt(tm_group32_sum(q) / (float)C + p.eps);
 #pragma unroll
-    for (int i = 0; i < IP_MAX_K / 128; ++i) {
-      const int c = (lane + 32 * i) * 4;
-      if (c < p.k_pad) {
-        unsigned lo = 0, hi = 0;
-        if (c < C) {
-          const float4 w = *(const float4*)(p.norm_in_w + c), b = *(const float4*)(p.norm_in_b + c);
-          lo = ip_pack((v[i].x - mean) * rstd * w.x + b.x, (v[i].y - mean) * rstd * w.y + b.y);
-          hi = ip_pack((v[i].z - mean) * rstd * w.z + b.z, (v[i].w - mean) * rstd * w.w + b.w);
+    for (int rr = 0; rr < IP_LN_ROWS; ++rr) {
+      const int r = r0 + rr;
+      const tm_i64 row = tile0 + r;
+      tm_half* zr = sa + r * lda;
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < KMAX / 128; ++i) s += (v[rr][i].x + v[rr][i].y) + (v[rr][i].z + v[rr][i].w);
+      const float mean = tm_group32_sum(s) / (float)C;
+      float q = 0.f;
+#pragma unroll
+      for (int i = 0; i < KMAX / 128; ++i) {
+        if ((lane + 32 * i) * 4 < C) {
+          const float a = v[rr][i].x - mean, b = v[rr][i].y - mean, c = v[rr][i].z - mean, d = v[rr][i].w - mean;
+          q += (a * a + b * b) + (c * c + d * d);
         }
-        *(uint2*)(zr + c) = make_uint2(lo, hi);
       }
+      const float rstd = tm_rsqrt(tm_group32_sum(q) / (float)C + p.eps);
+      const bool live = row < m_total;  // rows past the end become zeros (and mask 0)
+#pragma unroll
+      for (int i = 0; i < KMAX / 128; ++i) {
+        const int c = (lane + 32 * i) * 4;
+        if (c < p.k_pad) {
+          unsigned lo = 0, hi = 0;
+          if (live && c < C) {
+            const float4 w = *(const float4*)(p.norm_in_w + c), b = *(const float4*)(p.norm_in_b + c);
+            lo = ip_pack((v[rr][i].x - mean) * rstd * w.x + b.x, (v[rr][i].y - mean) * rstd * w.y + b.y);
+            hi = ip_pack((v[rr][i].z - mean) * rstd * w.z + b.z, (v[rr][i].w - mean) * rstd * w.w + b.w);
+          }
+          *(uint2*)(zr + c) = make_uint2(lo, hi);
+        }
+      }
+      if (lane == 0) smask[r] = live ? (p.mask ? p.mask[row] : 1.f) : 0.f;
     }
-    if (lane == 0) smask[r] = p.mask ? p.mask[row] : 1.f;
   }
+  __syncthreads();  // z complete before any warp reads it
 
   // ---- main loop over column chunks and K slices (one global slice counter for the ring).
   const int warp_m = warp >> 1, warp_n = warp & 1;  // 4 x 2 warps, each 32 rows x 64 columns
@@ -160,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(con
         if (next_chunk < n_chunks) ip_load_b(p, ring, (slice + 1) & 1, next_chunk, next_ks);
       }
       const tm_half* sb = ring + (slice & 1) * IP_BN * IP_LDB;
-#pragma unroll
+#pragma unroll 1
       for (int kk = 0; kk < IP_BK; kk += 16) {
         unsigned a[2][4];
 #pragma unroll
@@ -217,6 +228,7 @@ extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(con
       __syncthreads();
       // 2 x 32 channels x 16 runs of 8 positions = 1024 runs, 4 per thread.
       const bool vec = (nn % 8 == 0) && (tile0 + IP_BM <= m_total);
+      const bool small = m_total < 0xFFFFFFFFll;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int piece = tid + i * IP_THREADS;
@@ -227,7 +239,8 @@ extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(con
         tm_half* out = side ? p.right : p.left;
         const tm_i64 row = tile0 + run * 8;
         if (vec) {
-          const tm_i64 b = row / nn, rem = row - b * nn;
+          // 32-bit division where the indices allow (it is several times cheaper than 64-bit).
+          const tm_i64 b = small ? (tm_i64)((unsigned)row / (unsigned)nn) : row / nn, rem = row - b * nn;
           *(uint4*)(out + (b * H + h) * nn + rem) = *(const uint4*)src;
         } else {
           for (int e = 0; e < 8; ++e) {
@@ -273,4 +286,16 @@ extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(con
     }
     __syncthreads();  // staging is reused by the next chunk's epilogue
   }
+}
+
+// k_pad <= 128: two blocks per SM (registers capped at 128, which the small LN prologue allows
+// without spilling)...
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(const TrimulParams p) {
+  input_projection_body<128>(p);
+}
+
+// ...and k_pad <= 512: one block per SM (z takes up to 130 KB of shared memory) with the
+// registers uncapped.
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_wide(const TrimulParams p) {
+  input_projection_body<IP_MAX_K>(p);
 }

@@ -313,3 +313,28 @@ fn write_puts_files_in_the_directory() {
     assert_eq!(std::fs::read_to_string(dir.join("floor_ratio.svg")).unwrap(), r.svgs[1].1);
     std::fs::remove_dir_all(dir.parent().unwrap()).unwrap();
 }
+
+/// The sample report in docs/perf/report was generated from the committed runs with
+/// `trimul report docs/perf/h100-cuda-gpumode.json docs/perf/h100-cuda-af3.json
+/// docs/perf/cpu-quick.json --anchors docs/perf/anchors-h100.json --out docs/perf/report`;
+/// rendering the same inputs must reproduce it byte for byte.
+#[test]
+fn committed_sample_report_reproduces() {
+    let perf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/perf");
+    let runs: Vec<BenchRun> = ["h100-cuda-gpumode.json", "h100-cuda-af3.json", "cpu-quick.json"]
+        .iter()
+        .map(|f| BenchRun::from_path(perf.join(f)).unwrap())
+        .collect();
+    let anchors = Anchor::load(perf.join("anchors-h100.json")).unwrap();
+    let report = trimul::report::render(&runs, &anchors, None).unwrap();
+    let dir = perf.join("report");
+    let expected = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        report.markdown == expected,
+        "docs/perf/report/report.md is not what `trimul report` renders from the committed runs"
+    );
+    for (name, svg) in &report.svgs {
+        let committed = std::fs::read_to_string(dir.join(name)).unwrap();
+        assert!(*svg == committed, "docs/perf/report/{name} differs from the rendering of the committed runs");
+    }
+}

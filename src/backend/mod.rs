@@ -19,6 +19,8 @@ pub mod cuda;
 pub mod gemm;
 #[cfg(feature = "rocm")]
 pub mod hip;
+// The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
+pub(crate) mod host_gemm;
 pub mod params;
 
 use crate::error::{BackendKind, Error, Result};
@@ -298,5 +300,20 @@ impl Device {
 
     pub fn reset_peak_memory(&self) {
         with_backend!(self, b => b.reset_peak_memory())
+    }
+
+    /// Fill outputs and intermediates with NaN before each forward (GPU backends), so that an
+    /// element a kernel fails to write cannot pass a check by holding a stale value. A no-op on
+    /// the CPU, whose buffers are the caller's host memory (a caller pre-fills `y` itself).
+    pub fn set_poison(&self, on: bool) {
+        match self {
+            Device::Cpu(_) => {
+                let _ = on;
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(b) => b.set_poison(on),
+            #[cfg(feature = "rocm")]
+            Device::Hip(b) => b.set_poison(on),
+        }
     }
 }

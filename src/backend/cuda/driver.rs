@@ -39,10 +39,12 @@ impl<T> DriverResult<T> for std::result::Result<T, cu::DriverError> {
 
 /// The file names cudarc's loader tries for `lib` (e.g. `cuda` → `libcuda.so`, `libcuda.so.1`, …).
 fn candidates(lib: &str) -> String {
-    let names: Vec<String> = cudarc::get_lib_name_candidates(lib)
-        .into_iter()
-        .filter(|c| c.starts_with(&format!("lib{lib}")) && c.contains(".so"))
-        .collect();
+    let mut names: Vec<String> = Vec::new();
+    for c in cudarc::get_lib_name_candidates(lib) {
+        if c.starts_with(&format!("lib{lib}")) && c.contains(".so") && !names.contains(&c) {
+            names.push(c);
+        }
+    }
     names.join(", ")
 }
 
@@ -253,6 +255,51 @@ impl Drop for EventPair {
         unsafe {
             let _ = cu::event::destroy(self.start);
             let _ = cu::event::destroy(self.stop);
+        }
+    }
+}
+
+/// Events recorded between the stages of one forward, for a per-stage time breakdown.
+#[derive(Default)]
+pub(crate) struct Timeline {
+    marks: Vec<(&'static str, sys::CUevent)>,
+}
+
+// SAFETY: event handles are plain driver handles usable from any thread with the context bound.
+unsafe impl Send for Timeline {}
+
+impl Timeline {
+    /// Records an event named `name` on `stream` (the first mark is the start).
+    pub(crate) fn mark(&mut self, name: &'static str, stream: CUstream) -> Result<()> {
+        let ev = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx("cuEventCreate")?;
+        // SAFETY: a live event of the current context recorded on a stream of that context.
+        unsafe { cu::event::record(ev, stream) }.ctx("cuEventRecord")?;
+        self.marks.push((name, ev));
+        Ok(())
+    }
+
+    /// Waits for the last mark and returns each stage's milliseconds (time since the previous mark).
+    pub(crate) fn stage_ms(&self) -> Result<Vec<(String, f64)>> {
+        let Some(&(_, last)) = self.marks.last() else { return Ok(Vec::new()) };
+        // SAFETY: every event was recorded in `mark`.
+        unsafe { cu::event::synchronize(last) }.ctx("cuEventSynchronize")?;
+        self.marks
+            .windows(2)
+            // SAFETY: both events were recorded and the last one has completed.
+            .map(|w| {
+                unsafe { cu::event::elapsed(w[0].1, w[1].1) }
+                    .map(|ms| (w[1].0.to_string(), ms as f64))
+                    .ctx("cuEventElapsedTime")
+            })
+            .collect()
+    }
+}
+
+impl Drop for Timeline {
+    fn drop(&mut self) {
+        for &(_, ev) in &self.marks {
+            // SAFETY: created in `mark`, destroyed once.
+            let _ = unsafe { cu::event::destroy(ev) };
         }
     }
 }

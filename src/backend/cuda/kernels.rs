@@ -24,6 +24,13 @@ pub(crate) struct Kernels {
     pub input_gating: Stage,
     pub output_norm: Stage,
     pub output_gate: Stage,
+    /// The fused LN + projection + gating kernel (sm_80+), with the dynamic shared memory
+    /// limit raised to the device's opt-in maximum; `None` on older GPUs.
+    pub input_projection: Option<Stage>,
+    /// The same kernel compiled for one block per SM with uncapped registers (wide C).
+    pub input_projection_wide: Option<Stage>,
+    /// Largest dynamic shared memory a block may use (bytes).
+    pub max_smem: usize,
     /// How each stage was obtained ("fatbin" or "nvrtc sm_XX"), for `trimul info`.
     pub origin: String,
 }
@@ -51,16 +58,17 @@ fn arch_flag(cc: (i32, i32)) -> String {
 fn load_stage(
     ctx: &Arc<CudaContext>,
     stage: &EmbeddedStage,
+    entry: &str,
     cc: (i32, i32),
     origin: &mut Vec<String>,
 ) -> Result<Stage> {
     let from_binary = stage
         .binary
         .and_then(|bin| ctx.load_module(Ptx::from_binary(bin.to_vec())).ok())
-        .and_then(|m| m.load_function(stage.name).ok());
+        .and_then(|m| m.load_function(entry).ok());
     let func = match from_binary {
         Some(f) => {
-            origin.push(format!("{}: fatbin", stage.name));
+            origin.push(format!("{entry}: fatbin"));
             f
         }
         None => {
@@ -74,13 +82,11 @@ fn load_stage(
                 options: vec!["-std=c++17".into(), "-default-device".into()],
                 ..Default::default()
             };
-            let ptx = compile_ptx_with_opts(stage.source, opts).map_err(|e| Error::NoKernels {
-                arch: arch.clone(),
-                reason: format!("NVRTC on {}: {e:?}", stage.name),
-            })?;
+            let ptx = compile_ptx_with_opts(stage.source, opts)
+                .map_err(|e| Error::NoKernels { arch: arch.clone(), reason: format!("NVRTC on {entry}: {e:?}") })?;
             let module = ctx.load_module(ptx).ctx("cuModuleLoadData (NVRTC output)")?;
-            origin.push(format!("{}: nvrtc {arch}", stage.name));
-            module.load_function(stage.name).ctx("cuModuleGetFunction")?
+            origin.push(format!("{entry}: nvrtc {arch}"));
+            module.load_function(entry).ctx("cuModuleGetFunction")?
         }
     };
     let raw = func.cu_function();
@@ -90,20 +96,48 @@ fn load_stage(
 impl Kernels {
     pub(crate) fn load(ctx: &Arc<CudaContext>, cc: (i32, i32)) -> Result<Self> {
         let mut origin = Vec::new();
+        // `name` is the stage (file) and, unless given as `file:entry`, the kernel entry point.
         let mut get = |name: &str| -> Result<Stage> {
-            let stage = find(CUDA_STAGES, name).ok_or_else(|| Error::NoKernels {
+            let (file, entry) = name.split_once(':').unwrap_or((name, name));
+            let stage = find(CUDA_STAGES, file).ok_or_else(|| Error::NoKernels {
                 arch: arch_flag(cc),
-                reason: format!("stage {name} not embedded"),
+                reason: format!("stage {file} not embedded"),
             })?;
-            load_stage(ctx, stage, cc, &mut origin)
+            load_stage(ctx, stage, entry, cc, &mut origin)
         };
         let k = Kernels {
             input_norm: get("input_norm")?,
             input_gating: get("input_gating")?,
             output_norm: get("output_norm")?,
             output_gate: get("output_gate")?,
+            input_projection: None,
+            input_projection_wide: None,
+            max_smem: 48 * 1024,
             origin: String::new(),
         };
+        let optin = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .ctx("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)")? as usize;
+        let mut big_smem = |name: &str| -> Result<Option<Stage>> {
+            if cc.0 < 8 {
+                return Ok(None);
+            }
+            let stage = get(name)?;
+            // SAFETY: `stage.raw` is a live function of a loaded module; the attribute takes a
+            // byte count no larger than the device's opt-in limit.
+            unsafe {
+                cu::function::set_function_attribute(
+                    stage.raw,
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    optin as i32,
+                )
+            }
+            .ctx("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+            Ok(Some(stage))
+        };
+        let input_projection = big_smem("input_projection")?;
+        let input_projection_wide = big_smem("input_projection:input_projection_wide")?;
+        let k = Kernels { input_projection, input_projection_wide, max_smem: optin, ..k };
         Ok(Kernels { origin: origin.join(", "), ..k })
     }
 }

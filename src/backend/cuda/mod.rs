@@ -30,10 +30,10 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use self::blas::{BlasHandle, Elem, MatmulPlan};
 pub use self::driver::DeviceBuffer;
-use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair};
+use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair, Timeline};
 use self::kernels::Kernels;
 use super::gemm::GemmSpec;
-use super::params::{self, KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
+use super::params::{self, FusedInputLayout, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
@@ -53,6 +53,11 @@ struct Inner {
     info: DeviceInfo,
     tracker: Arc<AllocTracker>,
     poison: AtomicBool,
+    fused_input: AtomicBool,
+    /// Shared memory per SM (bytes), to decide how many blocks of a kernel fit.
+    smem_per_sm: usize,
+    /// When set, the next forward records an event after each stage (see `stage_times`).
+    timeline: std::sync::Mutex<Option<Timeline>>,
 }
 
 /// An NVIDIA GPU with its stream, cuBLASLt handle and loaded kernels. Cheap to clone.
@@ -129,6 +134,7 @@ impl CudaBackend {
             let _ = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut ma, &mut mi) };
             versions.push(("NVRTC".to_string(), format!("{ma}.{mi}")));
         }
+        let smem_per_sm = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) as usize;
         let info = DeviceInfo {
             vendor: "NVIDIA".into(),
             name: ctx.name().unwrap_or_else(|_| "unknown NVIDIA GPU".into()),
@@ -146,6 +152,9 @@ impl CudaBackend {
                 info,
                 tracker: Arc::new(AllocTracker::default()),
                 poison: AtomicBool::new(false),
+                fused_input: AtomicBool::new(true),
+                smem_per_sm,
+                timeline: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -165,6 +174,35 @@ impl CudaBackend {
     /// over the buffers); `trimul check` and the GPU tests turn it on.
     pub fn set_poison(&self, on: bool) {
         self.inner.poison.store(on, Ordering::Relaxed);
+    }
+
+    /// Arms a per-stage timeline for the next forward; read it with [`CudaBackend::stage_times`].
+    pub fn record_stages(&self) {
+        if let Ok(mut t) = self.inner.timeline.lock() {
+            *t = Some(Timeline::default());
+        }
+    }
+
+    /// Milliseconds of each stage of the last forward run after [`CudaBackend::record_stages`].
+    pub fn stage_times(&self) -> Result<Vec<(String, f64)>> {
+        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        let taken = self.inner.timeline.lock().ok().and_then(|mut t| t.take());
+        taken.map_or(Ok(Vec::new()), |t| t.stage_ms())
+    }
+
+    fn mark(&self, name: &'static str, stream: CUstream) -> Result<()> {
+        if let Ok(mut guard) = self.inner.timeline.lock() {
+            if let Some(t) = guard.as_mut() {
+                t.mark(name, stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether layers prepared from now on use the fused input kernel where it takes the shape
+    /// (default on). Off forces the chunked cuBLASLt path, to test and compare it.
+    pub fn set_fused_input(&self, on: bool) {
+        self.inner.fused_input.store(on, Ordering::Relaxed);
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<DeviceBuffer<f32>> {
@@ -206,6 +244,13 @@ impl CudaBackend {
         if x == y {
             return Err(Error::InvalidArgument("y must not alias x (in-place mode is not supported)".into()));
         }
+        for (name, ptr) in [("x", x), ("mask", mask), ("y", y)] {
+            if ptr % 16 != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be 16-byte aligned on the device (got {ptr:#x})"
+                )));
+            }
+        }
         let inner = &self.inner;
         inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         let cfg = problem.config;
@@ -243,40 +288,40 @@ impl CudaBackend {
             ..KernelParams::default()
         };
 
-        // 1. chunks: LN_C, fused projection, gating. Scratch layout inside t: [z | proj | gemm ws].
-        let scratch = ws.scratch;
-        let z = ws.t.ptr();
-        let proj = z + scratch.proj_offset as u64;
-        let gemm_ws = z + scratch.ws_offset as u64;
-        let gemm_ws_len = ws.t.bytes() as usize - scratch.ws_offset;
-        let tr = params::gating_tile_rows(h);
-        let mut row0 = 0;
-        while row0 < m {
-            let rows = scratch.chunk_rows.min(m - row0);
-            let kp = KernelParams { row0: row0 as i64, rows: rows as i64, z, proj, tile_rows: tr as i32, ..base };
-            k.input_norm.launch(ceil_div(rows, INPUT_NORM_ROWS_PER_BLOCK as usize), STAGE_THREADS, 0, stream, &kp)?;
-            let plan = if rows == scratch.chunk_rows {
-                &mut ws.proj_full
-            } else {
-                ws.proj_tail.as_mut().unwrap_or(&mut ws.proj_full)
+        self.mark("start", stream)?;
+        // 1. LN_C, input projections and gating.
+        let fused = match (&prep.fused, self.fused_kernel_for(prep, problem)) {
+            (Some(f), Some(kernel)) if ws.chunked.is_none() => Some((f, kernel)),
+            _ => None,
+        };
+        if let Some((f, kernel)) = fused {
+            // One pass: x read once, left/right/gate written once.
+            let kp = KernelParams {
+                row0: 0,
+                rows: m as i64,
+                w_in: f.w.ptr(),
+                w_in_bias: f.bias.as_ref().map_or(0, |b| b.ptr()),
+                k_pad: f.layout.k_pad as i32,
+                h_pad: f.layout.h_pad as i32,
+                g_pad: f.layout.g_pad as i32,
+                ..base
             };
-            if plan.spec().n != rows {
-                return Err(Error::InvalidArgument(format!("no projection plan for a chunk of {rows} rows")));
-            }
-            plan.run(&inner.blas, prep.w_in.ptr(), z, proj, 0, gemm_ws, gemm_ws_len, stream)?;
-            let smem = params::gating_smem_bytes(h, tr) as u32;
-            k.input_gating.launch(ceil_div(rows, tr), STAGE_THREADS, smem, stream, &kp)?;
-            row0 += rows;
+            kernel.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, f.smem_bytes() as u32, stream, &kp)?;
+        } else {
+            self.enqueue_chunked_input(prep, ws, &base, m, stream)?;
         }
 
+        self.mark("input (LN, projections, gating)", stream)?;
         // 2. contraction over the B·H matrices; y is dead until step 3, so it lends the workspace.
         ws.contraction.run(&inner.blas, ws.right.ptr(), ws.left.ptr(), ws.t.ptr(), 0, y, m * c * 4, stream)?;
+        self.mark("contraction", stream)?;
 
         // 3. LN_H (+ gate) into `a` (= left), output GEMM (+ bias) into y; right lends the workspace.
         let tp = params::output_norm_tile_rows(h);
         let kp = KernelParams { row0: 0, rows: m as i64, tile_rows: tp as i32, ..base };
         let smem = params::output_norm_smem_bytes(h, tp) as u32;
         k.output_norm.launch(ceil_div(m, tp), STAGE_THREADS, smem, stream, &kp)?;
+        self.mark("output LayerNorm", stream)?;
         let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
         ws.output.run(
             &inner.blas,
@@ -288,10 +333,80 @@ impl CudaBackend {
             ws.right.bytes() as usize,
             stream,
         )?;
+        self.mark("output GEMM", stream)?;
         if cfg.formulation == Formulation::Af3 {
             let grid = ceil_div(m * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
             let kp = KernelParams { row0: 0, rows: m as i64, tile_rows: grid as i32, ..base };
             k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &kp)?;
+            self.mark("output gate", stream)?;
+        }
+        Ok(())
+    }
+
+    /// The fused input kernel for this layer and problem, or `None` for the chunked cuBLASLt
+    /// path. Padded C ≤ 128: the build with two blocks per SM (its LayerNorm holds at most 128
+    /// channels in registers). Wider C: the one-block-per-SM build, which measured faster than the
+    /// chunked path below about half a million positions and slower above (H100, C = 384:
+    /// 0.55 vs 0.78 ms at 131K positions, 2.30 vs 2.24 ms at 590K, 3.92 vs 3.60 ms at 1M).
+    fn fused_kernel_for(&self, prep: &CudaPrepared, problem: &Problem) -> Option<&kernels::Stage> {
+        const WIDE_MAX_POSITIONS: usize = 512 * 1024;
+        let k = &self.inner.kernels;
+        let f = prep.fused.as_ref()?;
+        let two_fit = 2 * (f.smem_bytes() + 1024) <= self.inner.smem_per_sm;
+        if f.layout.k_pad <= 128 && two_fit {
+            k.input_projection.as_ref()
+        } else if problem.shape.rows() < WIDE_MAX_POSITIONS {
+            k.input_projection_wide.as_ref()
+        } else {
+            None
+        }
+    }
+
+    /// Stage 1 without the fused kernel (shapes it does not take, GPUs before sm_80): per chunk
+    /// of positions, `input_norm`, the projection GEMM through cuBLASLt and `input_gating`, with
+    /// the scratch inside the t buffer.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue`]; `base` holds that call's pointers.
+    unsafe fn enqueue_chunked_input(
+        &self,
+        prep: &CudaPrepared,
+        ws: &mut CudaWorkspace,
+        base: &KernelParams,
+        m: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let k = &inner.kernels;
+        let h = base.h as usize;
+        let t_bytes = ws.t.bytes() as usize;
+        let z = ws.t.ptr();
+        let Some(chunked) = ws.chunked.as_mut() else {
+            return Err(Error::InvalidArgument("workspace has no chunked-projection plan".into()));
+        };
+        let scratch = chunked.scratch;
+        // Scratch layout inside t: [z | proj | gemm ws].
+        let proj = z + scratch.proj_offset as u64;
+        let gemm_ws = z + scratch.ws_offset as u64;
+        let gemm_ws_len = t_bytes - scratch.ws_offset;
+        let tr = params::gating_tile_rows(h);
+        let mut row0 = 0;
+        while row0 < m {
+            let rows = scratch.chunk_rows.min(m - row0);
+            let kp = KernelParams { row0: row0 as i64, rows: rows as i64, z, proj, tile_rows: tr as i32, ..*base };
+            k.input_norm.launch(ceil_div(rows, INPUT_NORM_ROWS_PER_BLOCK as usize), STAGE_THREADS, 0, stream, &kp)?;
+            let plan = if rows == scratch.chunk_rows {
+                &mut chunked.proj_full
+            } else {
+                chunked.proj_tail.as_mut().unwrap_or(&mut chunked.proj_full)
+            };
+            if plan.spec().n != rows {
+                return Err(Error::InvalidArgument(format!("no projection plan for a chunk of {rows} rows")));
+            }
+            plan.run(&inner.blas, prep.w_in.ptr(), z, proj, 0, gemm_ws, gemm_ws_len, stream)?;
+            let smem = params::gating_smem_bytes(h, tr) as u32;
+            k.input_gating.launch(ceil_div(rows, tr), STAGE_THREADS, smem, stream, &kp)?;
+            row0 += rows;
         }
         Ok(())
     }
@@ -299,6 +414,8 @@ impl CudaBackend {
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
+    /// Weights in the fused input kernel's order, when that kernel takes this shape.
+    fused: Option<FusedInput>,
     /// `[P, C]` f16, rows `[left_proj; left_gate; right_proj; right_gate; out_gate]`.
     w_in: DeviceBuffer<u16>,
     /// `[C, H]` f16.
@@ -311,6 +428,23 @@ pub struct CudaPrepared {
     norm_in_b: DeviceBuffer<f32>,
     norm_out_w: DeviceBuffer<f32>,
     norm_out_b: DeviceBuffer<f32>,
+}
+
+struct FusedInput {
+    layout: FusedInputLayout,
+    w: DeviceBuffer<u16>,
+    bias: Option<DeviceBuffer<f32>>,
+}
+
+impl FusedInput {
+    /// Dynamic shared memory of one block (see the layout comment in `cuda/input_projection.cu`).
+    fn smem_bytes(&self) -> usize {
+        let rows = FUSED_INPUT_ROWS;
+        let a = rows * (self.layout.k_pad + 8) * 2;
+        let ring = 2 * 128 * (64 + 8) * 2;
+        let staging = (2 * 32 * (rows + 8) * 2).max(rows * (128 + 8) * 2);
+        a + ring + staging + rows * 4
+    }
 }
 
 /// Where the per-chunk scratch sits inside the t buffer.
@@ -331,7 +465,11 @@ impl Scratch {
         let natural = m * cfg.h * 2;
         let ws = ((natural / 8).min(8 << 20) / 256) * 256;
         let row_bytes = (cfg.c + cfg.fused_proj_width()) * 2;
-        let chunk_rows = ((natural - ws) / row_bytes).clamp(1, m);
+        let mut chunk_rows = ((natural - ws) / row_bytes).clamp(1, m);
+        if chunk_rows >= 64 && chunk_rows < m {
+            // Chunks start 64-aligned so the gating kernel's tiles keep their 16-byte stores.
+            chunk_rows -= chunk_rows % 64;
+        }
         let proj_offset = round_up(chunk_rows * cfg.c * 2, 256);
         let ws_offset = proj_offset + round_up(chunk_rows * cfg.fused_proj_width() * 2, 256);
         Scratch { chunk_rows, proj_offset, ws_offset, t_bytes: natural.max(ws_offset + ws) }
@@ -341,17 +479,22 @@ impl Scratch {
 /// Intermediates and GEMM plans for one problem shape.
 pub struct CudaWorkspace {
     problem: Problem,
-    scratch: Scratch,
     left: DeviceBuffer<u16>,
     right: DeviceBuffer<u16>,
     gate: DeviceBuffer<u16>,
     t: DeviceBuffer<u16>,
-    proj_full: MatmulPlan,
-    proj_tail: Option<MatmulPlan>,
+    /// The chunked stage-1 path's scratch plan and projection GEMMs (None with the fused kernel).
+    chunked: Option<ChunkedInput>,
     contraction: MatmulPlan,
     output: MatmulPlan,
     /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use.
     staging: Option<Staging>,
+}
+
+struct ChunkedInput {
+    scratch: Scratch,
+    proj_full: MatmulPlan,
+    proj_tail: Option<MatmulPlan>,
 }
 
 struct Staging {
@@ -391,7 +534,20 @@ impl Backend for CudaBackend {
             None
         };
         debug_assert_eq!(fused.len(), cfg.fused_proj_width() * cfg.c);
+        let fused_input = match (FusedInputLayout::new(&cfg), &self.inner.kernels.input_projection) {
+            (Some(layout), Some(_)) if self.inner.fused_input.load(Ordering::Relaxed) => {
+                let (mat, bias) = layout.pack(w);
+                let f = FusedInput {
+                    layout,
+                    w: self.upload_f16("the input projections", &mat)?,
+                    bias: bias.map(|b| self.upload_f32(&b)).transpose()?,
+                };
+                (f.smem_bytes() <= self.inner.kernels.max_smem).then_some(f)
+            }
+            _ => None,
+        };
         Ok(CudaPrepared {
+            fused: fused_input,
             w_in: self.upload_f16("the input projections", &fused)?,
             w_out: self.upload_f16("the output projection", &w.out_proj.weight)?,
             proj_bias,
@@ -403,11 +559,12 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn workspace_bytes(&self, _prepared: &CudaPrepared, problem: &Problem) -> u64 {
+    fn workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {
         let m = problem.shape.rows() as u64;
         let cfg = problem.config;
-        let s = Scratch::plan(problem);
-        2 * (2 * m * cfg.h as u64 + m * cfg.gate_width() as u64) + s.t_bytes as u64
+        let t_bytes =
+            if prepared.fused.is_some() { m * cfg.h as u64 * 2 } else { Scratch::plan(problem).t_bytes as u64 };
+        2 * (2 * m * cfg.h as u64 + m * cfg.gate_width() as u64) + t_bytes
     }
 
     fn workspace(&self, prepared: &CudaPrepared, problem: &Problem) -> Result<CudaWorkspace> {
@@ -424,24 +581,38 @@ impl Backend for CudaBackend {
         }
         let cfg = problem.config;
         let m = problem.shape.rows();
-        let s = Scratch::plan(problem);
         let blas = &self.inner.blas;
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
-        let ws_proj = s.t_bytes - s.ws_offset;
-        let proj = |rows| {
-            MatmulPlan::new(blas, GemmSpec::projection(rows, cfg.c, cfg.fused_proj_width()), Elem::F16, false, ws_proj)
+        let chunked = if self.fused_kernel_for(prepared, problem).is_some() {
+            None
+        } else {
+            let s = Scratch::plan(problem);
+            let ws_proj = s.t_bytes - s.ws_offset;
+            let proj = |rows| {
+                MatmulPlan::new(
+                    blas,
+                    GemmSpec::projection(rows, cfg.c, cfg.fused_proj_width()),
+                    Elem::F16,
+                    false,
+                    ws_proj,
+                )
+            };
+            let tail = m % s.chunk_rows;
+            Some(ChunkedInput {
+                scratch: s,
+                proj_full: proj(s.chunk_rows)?,
+                proj_tail: if tail > 0 { Some(proj(tail)?) } else { None },
+            })
         };
-        let tail = m % s.chunk_rows;
+        let t_len = chunked.as_ref().map_or(m * cfg.h, |c| c.scratch.t_bytes / 2);
         let bh = problem.shape.batch * cfg.h;
         Ok(CudaWorkspace {
             problem: *problem,
-            scratch: s,
             left: self.alloc_buffer(m * cfg.h)?,
             right: self.alloc_buffer(m * cfg.h)?,
             gate: self.alloc_buffer(m * cfg.gate_width())?,
-            t: self.alloc_buffer(s.t_bytes / 2)?,
-            proj_full: proj(s.chunk_rows)?,
-            proj_tail: if tail > 0 { Some(proj(tail)?) } else { None },
+            t: self.alloc_buffer(t_len)?,
+            chunked,
             contraction: MatmulPlan::new(
                 blas,
                 GemmSpec::contraction(problem.direction, bh, problem.shape.n),

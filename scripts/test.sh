@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test command of the README: installs the kernel compilers, then builds and tests the crate
+# with every backend compiled in (GPU tests skip with a message when no GPU is present), and
+# checks that it also builds with no features and with each feature alone.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/setup.sh >/dev/null
+cargo test --all-features
+cargo check --all-targets
+cargo check --all-targets --features cuda
+cargo check --all-targets --features rocm

@@ -1,0 +1,475 @@
+//! `trimul bench`: times the GPU MODE benchmark shapes on one backend.
+//!
+//! Method, per shape:
+//! 1. Random weights (GPU MODE distributions; af3 without biases, as AF3, Boltz and the
+//!    cuEquivariance anchors run it) prepared once into a [`Layer`], and one input set on the
+//!    device. One forward on it is checked against the f64 reference, and the peak device memory
+//!    of that single forward (weights, x, mask, y, workspace) is recorded.
+//! 2. More buffer sets (x, mask, y) are added until the `x` tensors together reach 256 MiB (at
+//!    most 8, fewer when memory is short), and calls rotate over them, so that a small shape is
+//!    not timed with its input sitting in the last-level cache. The sets hold copies of the same
+//!    data: timing does not depend on the values, and generating gigabytes of fresh random
+//!    numbers would cost more than the benchmark.
+//! 3. `warmup` untimed calls, then `repeats` calls each timed on its own with
+//!    [`Backend::elapsed_ms`] (device events on GPUs, the host clock on the CPU); median, p10,
+//!    p90 and min are reported. With `--fresh-weights` each timed call also re-prepares the
+//!    weights (fuse, cast, upload), as the GPU MODE leaderboard's timings include.
+//!
+//! Floors come from ceilings measured in the same process ([`Device::measure_ceilings`]):
+//! `floor = max(FLOPs / GEMM rate, io bytes / copy bandwidth)`.
+
+use std::process::ExitCode;
+
+use trimul::backend::cpu::{gemm_ceiling_gflops, CpuBackend};
+use trimul::report::{BenchRun, Ceilings, MachineInfo, ShapeResult, TimingMethod, ToolInfo, SCHEMA_VERSION};
+use trimul::suite::{self, Case, Dist};
+use trimul::{
+    reference, Backend, BackendKind, Device, Direction, Error, Formulation, Layer, Options, Precision, Weights,
+};
+
+use super::{
+    clock_seed, device_summary, fmt_bytes, fmt_err, open_device, BenchArgs, BenchSuite, CliError, CliResult, Progress,
+    SeedStream, EXIT_FAILED,
+};
+
+/// GPU MODE's tolerances, for the one checked forward per shape.
+const RTOL: f64 = 2e-2;
+const ATOL: f64 = 2e-2;
+
+/// Rotate buffer sets until the `x` tensors together reach this many bytes: far beyond any
+/// last-level cache of today's GPUs (H100 50 MiB, MI300X 256 MiB Infinity Cache) and CPUs.
+const ROTATION_BYTES: u64 = 256 << 20;
+const MAX_BUFFER_SETS: u64 = 8;
+
+/// The shape of the CPU speed bar: the backend must reach this fraction of the `gemm` crate's
+/// plain f32 2048³ rate on it.
+const SPEED_BAR_KEY: (usize, usize, usize) = (256, 2, 128);
+const SPEED_BAR_GEMM_N: usize = 2048;
+const SPEED_BAR: f64 = 0.40;
+
+/// What every shape of one run shares.
+struct Plan {
+    formulation: Formulation,
+    direction: Direction,
+    warmup: u32,
+    repeats: u32,
+    fresh_weights: bool,
+}
+
+enum Outcome {
+    Done(Box<Measured>),
+    /// The shape does not fit in memory; the message says what was needed.
+    Skipped(String),
+}
+
+struct Measured {
+    result: ShapeResult,
+    sets: u64,
+}
+
+/// `long`: B = 1, C = H = 128, the sizes where users of AF3-style models run out of memory.
+fn long_cases() -> Vec<Case> {
+    [2048, 3072, 4096, 6144, 8192].into_iter().map(|n| Case::new(n, 1, 128, false, Dist::Normal)).collect()
+}
+
+pub fn run(args: &BenchArgs) -> CliResult {
+    let started = trimul::report::now_utc();
+    // A run can take minutes; learn about a JSON path that cannot be written before it, not after.
+    if let Some(path) = &args.json {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+            return Err(CliError::usage(format!(
+                "--json {}: directory {} does not exist",
+                path.display(),
+                dir.display()
+            )));
+        }
+    }
+    let device = open_device(args.backend)?;
+    let kind = device.kind();
+    let gpu = kind != BackendKind::Cpu;
+    let suite = args.suite.unwrap_or(if gpu { BenchSuite::Gpumode } else { BenchSuite::Quick });
+    let (suite_name, cases) = match suite {
+        BenchSuite::Gpumode => ("gpumode", suite::bench_cases()),
+        BenchSuite::Quick => ("quick", suite::quick_bench_cases()),
+        BenchSuite::Long => ("long", long_cases()),
+    };
+    // Fewer calls on the CPU, where one call of a quick shape already takes tens of ms to seconds.
+    let plan = Plan {
+        formulation: args.formulation.into(),
+        direction: args.direction.into(),
+        warmup: args.warmup.unwrap_or(if gpu { 3 } else { 1 }),
+        repeats: args.repeats.unwrap_or(if gpu { 15 } else { 5 }),
+        fresh_weights: args.fresh_weights,
+    };
+    let seed = args.seed.unwrap_or_else(clock_seed);
+    let info = device.info();
+
+    let progress = Progress::bar(cases.len() as u64 * u64::from(1 + plan.warmup + plan.repeats));
+    progress.out(&format!(
+        "trimul bench: {kind} ({}), suite {suite_name} ({} shapes), {} {}, {}, seed {seed}",
+        device_summary(kind, &info),
+        cases.len(),
+        plan.formulation,
+        plan.direction,
+        Precision::default().as_str(),
+    ));
+    progress.out(&format!(
+        "timing: {} warm-up + {} timed calls per shape, median; {}; weights {}",
+        plan.warmup,
+        plan.repeats,
+        if gpu { "device events" } else { "host clock" },
+        if plan.fresh_weights { "re-prepared inside every timed call" } else { "prepared once" },
+    ));
+    progress.set_message("measuring ceilings");
+    let measured = device.measure_ceilings()?;
+    let ceilings =
+        Ceilings { gemm_tflops: measured.gemm_tflops, gemm_desc: measured.gemm_desc, copy_gbs: measured.copy_gbs };
+    progress.out(&format!(
+        "ceilings: GEMM {:.3} TFLOP/s ({}), copy {:.1} GB/s (read + write)",
+        ceilings.gemm_tflops, ceilings.gemm_desc, ceilings.copy_gbs
+    ));
+    progress.out(&header());
+
+    let mut seeds = SeedStream::new(seed);
+    let mut shapes: Vec<ShapeResult> = Vec::new();
+    let mut max_sets = 1u64;
+    let mut skipped = 0usize;
+    let mut speed_bar: Option<(f64, f64)> = None;
+    let steps_per_case = u64::from(1 + plan.warmup + plan.repeats);
+    for case in &cases {
+        progress.set_message(case.name());
+        let (input_seed, weights_seed) = (seeds.next(), seeds.next());
+        let before = progress.position();
+        let outcome = match &device {
+            Device::Cpu(b) => bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(b) => bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+            #[cfg(feature = "rocm")]
+            Device::Hip(b) => bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+        }?;
+        // Skipped shapes advance the bar by the calls they did not make.
+        progress.inc((before + steps_per_case).saturating_sub(progress.position()));
+        match outcome {
+            Outcome::Done(m) => {
+                progress.out(&row(&m));
+                max_sets = max_sets.max(m.sets);
+                if !gpu && (m.result.n, m.result.batch, m.result.c) == SPEED_BAR_KEY {
+                    // Right after the shape, so both rates see the same load on a shared machine.
+                    progress.set_message(format!("CPU speed bar: gemm crate {SPEED_BAR_GEMM_N}³"));
+                    let gemm = gemm_ceiling_gflops(SPEED_BAR_GEMM_N, 3);
+                    speed_bar = Some((m.result.tflops * 1e3, gemm));
+                }
+                shapes.push(m.result);
+            }
+            Outcome::Skipped(why) => {
+                skipped += 1;
+                progress.out(&format!("{:<28} skipped: {why}", case.name()));
+            }
+        }
+    }
+    progress.finish();
+
+    summarise(&shapes, skipped, cases.len());
+    if let Some((got, gemm)) = speed_bar {
+        let ratio = got / gemm;
+        super::emit(&format!(
+            "CPU speed bar: n{}_b{}_c{} at {got:.1} GFLOP/s vs gemm crate f32 {SPEED_BAR_GEMM_N}³ at {gemm:.1} GFLOP/s \
+             (same process): {:.1}% ({} the {:.0}% bar)",
+            SPEED_BAR_KEY.0,
+            SPEED_BAR_KEY.1,
+            SPEED_BAR_KEY.2,
+            100.0 * ratio,
+            if ratio >= SPEED_BAR { "meets" } else { "misses" },
+            100.0 * SPEED_BAR
+        ));
+    }
+
+    let failed = shapes.iter().filter(|s| s.passed == Some(false)).count();
+    if let Some(path) = &args.json {
+        let run = BenchRun {
+            schema_version: SCHEMA_VERSION,
+            tool: ToolInfo::current(),
+            created_utc: started,
+            label: args.label.clone(),
+            // A GPU run records the host CPU too: it feeds the launches and the fresh-weights path.
+            machine: MachineInfo::from_device_info(&info, gpu.then(|| CpuBackend::new().info().name)),
+            backend: kind.as_str().to_string(),
+            precision: Precision::default().as_str().to_string(),
+            formulation: plan.formulation.as_str().to_string(),
+            timing: TimingMethod {
+                warmup: plan.warmup,
+                repeats: plan.repeats,
+                buffer_sets: u32::try_from(max_sets).unwrap_or(u32::MAX),
+                clock: if gpu { "device-events" } else { "host" }.to_string(),
+                fresh_weights: plan.fresh_weights,
+            },
+            ceilings,
+            shapes,
+        };
+        run.write(path)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if failed > 0 {
+        return Err(CliError {
+            code: EXIT_FAILED,
+            message: format!("{failed} shape(s) failed the correctness check; their timings measure wrong results"),
+        });
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One shape on one backend. Out-of-memory anywhere becomes [`Outcome::Skipped`]; other errors
+/// abort the run.
+fn bench_case<B: Backend>(
+    backend: &B,
+    case: &Case,
+    plan: &Plan,
+    input_seed: u64,
+    weights_seed: u64,
+    ceilings: &Ceilings,
+    progress: &Progress,
+) -> trimul::Result<Outcome> {
+    match measure(backend, case, plan, input_seed, weights_seed, ceilings, progress) {
+        Err(Error::OutOfMemory { what, needed, available, .. }) => Ok(Outcome::Skipped(format!(
+            "out of memory: {what} needs {}, {} available",
+            fmt_bytes(needed),
+            fmt_bytes(available)
+        ))),
+        other => other,
+    }
+}
+
+fn measure<B: Backend>(
+    backend: &B,
+    case: &Case,
+    plan: &Plan,
+    input_seed: u64,
+    weights_seed: u64,
+    ceilings: &Ceilings,
+    progress: &Progress,
+) -> trimul::Result<Outcome> {
+    let problem = case.problem(plan.formulation, plan.direction)?;
+    let shape = problem.shape;
+    let weights = Weights::random(problem.config, false, weights_seed)?;
+    // From here on, the peak counts this shape's weights, buffers and workspace only.
+    backend.reset_peak_memory();
+    let options = Options { direction: plan.direction, ..Options::default() };
+    let mut layer = Layer::new(backend, &weights, options)?;
+    let ws_bytes = layer.workspace_bytes(shape, problem.masked)?;
+
+    let (x_len, mask_len) = (problem.x_len(), if problem.masked { problem.mask_len() } else { 0 });
+    let set_bytes = 4 * (2 * x_len + mask_len) as u64;
+    // Host copies: the generated x and mask, and y downloaded for the check.
+    let host_bytes = set_bytes;
+    let host_free = CpuBackend::new().memory_info()?.map(|m| m.free);
+    let device_free = backend.memory_info()?.map(|m| m.free);
+    let cpu = backend.kind() == BackendKind::Cpu;
+    // On the CPU backend "device" buffers are host memory too.
+    let (host_need, device_need) =
+        if cpu { (host_bytes + set_bytes + ws_bytes, 0) } else { (host_bytes, set_bytes + ws_bytes) };
+    if let Some(free) = host_free.filter(|&f| host_need > f) {
+        return Ok(Outcome::Skipped(format!(
+            "needs {} of host memory (inputs, output{}), {} available",
+            fmt_bytes(host_need),
+            if cpu { ", workspace" } else { "" },
+            fmt_bytes(free)
+        )));
+    }
+    if let Some(free) = device_free.filter(|&f| !cpu && device_need > f) {
+        return Ok(Outcome::Skipped(format!(
+            "needs {} of device memory (x, y, workspace), {} free",
+            fmt_bytes(device_need),
+            fmt_bytes(free)
+        )));
+    }
+
+    progress.set_message(format!("{}: generating inputs", case.name()));
+    let inputs = suite::generate_inputs(case, input_seed);
+    let upload = |data: &[f32]| -> trimul::Result<B::Buffer> {
+        let mut buf = backend.alloc(data.len())?;
+        backend.upload(data, &mut buf)?;
+        Ok(buf)
+    };
+    let mut xs = vec![upload(&inputs.x)?];
+    let mut masks = vec![inputs.mask.as_deref().map(upload).transpose()?];
+    let mut ys = vec![backend.alloc(x_len)?];
+
+    progress.set_message(format!("{}: checked forward", case.name()));
+    layer.forward_buffers(&xs[0], masks[0].as_ref(), &mut ys[0], shape)?;
+    backend.synchronize()?;
+    let peak = backend.peak_memory();
+    let mut y = vec![0.0f32; x_len];
+    backend.download(&ys[0], &mut y)?;
+    progress.set_message(format!("{}: reference check", case.name()));
+    let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, RTOL, ATOL)?;
+    drop(y);
+    progress.inc(1);
+
+    let sets = buffer_sets(x_len as u64 * 4, set_bytes, if cpu { host_free } else { device_free }, ws_bytes);
+    for _ in 1..sets {
+        xs.push(upload(&inputs.x)?);
+        masks.push(inputs.mask.as_deref().map(upload).transpose()?);
+        ys.push(backend.alloc(x_len)?);
+    }
+    drop(inputs);
+
+    progress.set_message(format!("{}: timing", case.name()));
+    let calls = (plan.warmup + plan.repeats) as usize;
+    let mut samples = Vec::with_capacity(plan.repeats as usize);
+    if plan.fresh_weights {
+        // The leaderboard's way: weight preparation inside every timed call. The workspace is
+        // made once (a framework's caching allocator would serve it without a device allocation).
+        drop(layer);
+        let mut workspace = {
+            let prepared = backend.prepare(&weights)?;
+            backend.workspace(&prepared, &problem)?
+        };
+        for i in 0..calls {
+            let k = i % sets as usize;
+            // Prepared weights are freed only after the call's work has finished on the device.
+            let mut held = Vec::with_capacity(1);
+            let ms = backend.elapsed_ms(&mut || {
+                let prepared = backend.prepare(&weights)?;
+                let r = backend.forward(&prepared, &mut workspace, &problem, &xs[k], masks[k].as_ref(), &mut ys[k]);
+                held.push(prepared);
+                r
+            })?;
+            drop(held);
+            if i >= plan.warmup as usize {
+                samples.push(ms);
+            }
+            progress.inc(1);
+        }
+    } else {
+        for i in 0..calls {
+            let k = i % sets as usize;
+            let ms = backend.elapsed_ms(&mut || layer.forward_buffers(&xs[k], masks[k].as_ref(), &mut ys[k], shape))?;
+            if i >= plan.warmup as usize {
+                samples.push(ms);
+            }
+            progress.inc(1);
+        }
+    }
+    backend.synchronize()?;
+
+    let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
+        .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
+        .with_memory(peak, Some(ws_bytes));
+    Ok(Outcome::Done(Box::new(Measured { result, sets })))
+}
+
+/// Buffer sets to rotate over: enough that the `x` tensors reach [`ROTATION_BYTES`], at most
+/// [`MAX_BUFFER_SETS`], and no more than half of the memory left after the workspace holds.
+fn buffer_sets(x_bytes: u64, set_bytes: u64, free: Option<u64>, ws_bytes: u64) -> u64 {
+    let wanted = ROTATION_BYTES.div_ceil(x_bytes.max(1)).clamp(1, MAX_BUFFER_SETS);
+    match free {
+        Some(free) => wanted.min((free.saturating_sub(ws_bytes) / 2 / set_bytes.max(1)).max(1)),
+        None => wanted,
+    }
+}
+
+fn header() -> String {
+    format!(
+        "{:<28} {:>9} {:>9} {:>9} {:>8} {:>7} {:>8} {:>7} {:>8} {:>8} {:>5} {:>9} {:>4}",
+        "shape",
+        "median ms",
+        "p10",
+        "p90",
+        "TFLOP/s",
+        "GB/s",
+        "floor ms",
+        "×floor",
+        "max abs",
+        "rel L2",
+        "check",
+        "peak mem",
+        "sets"
+    )
+}
+
+fn row(m: &Measured) -> String {
+    let r = &m.result;
+    let check = match r.passed {
+        Some(true) => "pass",
+        Some(false) => "FAIL",
+        None => "-",
+    };
+    format!(
+        "{:<28} {:>9.3} {:>9.3} {:>9.3} {:>8.3} {:>7.1} {:>8.3} {:>7} {:>8} {:>8} {:>5} {:>9} {:>4}",
+        r.name,
+        r.median_ms,
+        r.p10_ms,
+        r.p90_ms,
+        r.tflops,
+        r.gbs,
+        r.floor_ms,
+        fmt_ratio(r.floor_ratio),
+        r.max_abs_err.map_or("-".into(), fmt_err),
+        r.rel_l2_err.map_or("-".into(), fmt_err),
+        check,
+        r.peak_device_bytes.map_or("-".into(), fmt_bytes),
+        m.sets
+    )
+}
+
+/// `2.35×`, `23.5×`, `235×`.
+fn fmt_ratio(v: f64) -> String {
+    if !v.is_finite() || v <= 0.0 {
+        return "n/a".into();
+    }
+    let decimals = (2.0 - v.log10().floor()).clamp(0.0, 6.0) as usize;
+    format!("{v:.decimals$}×")
+}
+
+/// The geometric means, over the shapes measured.
+fn summarise(shapes: &[ShapeResult], skipped: usize, total: usize) {
+    if shapes.is_empty() {
+        super::emit(&format!("no shape measured ({skipped} of {total} skipped)"));
+        return;
+    }
+    let geomean =
+        |f: &dyn Fn(&ShapeResult) -> f64| (shapes.iter().map(|s| f(s).ln()).sum::<f64>() / shapes.len() as f64).exp();
+    let note =
+        if skipped > 0 { format!(" ({} of {total} shapes; {skipped} skipped)", shapes.len()) } else { String::new() };
+    super::emit(&format!(
+        "{:<28} {:>9.3}{:46} {:>7}{note}",
+        "geomean",
+        geomean(&|s| s.median_ms),
+        "",
+        fmt_ratio(geomean(&|s| s.floor_ratio))
+    ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotation_reaches_the_target_within_memory() {
+        let mib = 1u64 << 20;
+        // 64 MiB of x: four sets reach 256 MiB.
+        assert_eq!(buffer_sets(64 * mib, 130 * mib, None, 0), 4);
+        // A tiny x is capped at 8 sets.
+        assert_eq!(buffer_sets(mib, 2 * mib, None, 0), 8);
+        // A large x needs one set.
+        assert_eq!(buffer_sets(1600 * mib, 3200 * mib, Some(80_000 * mib), 0), 1);
+        // Short memory: 1 GiB free after a 200 MiB workspace holds ~3 sets of 130 MiB in half of it.
+        assert_eq!(buffer_sets(64 * mib, 130 * mib, Some(1224 * mib), 200 * mib), 3);
+        // Never fewer than one.
+        assert_eq!(buffer_sets(64 * mib, 130 * mib, Some(10 * mib), 200 * mib), 1);
+    }
+
+    #[test]
+    fn long_suite_shapes() {
+        let ns: Vec<usize> = long_cases().iter().map(|c| c.n).collect();
+        assert_eq!(ns, [2048, 3072, 4096, 6144, 8192]);
+        assert!(long_cases().iter().all(|c| c.batch == 1 && c.c == 128 && c.h == 128 && !c.masked));
+    }
+
+    #[test]
+    fn ratios_keep_three_digits() {
+        assert_eq!(fmt_ratio(2.346), "2.35×");
+        assert_eq!(fmt_ratio(234.4), "234×");
+        assert_eq!(fmt_ratio(f64::INFINITY), "n/a");
+    }
+}

@@ -1,0 +1,231 @@
+//! `trimul check`: the GPU MODE correctness cases on one backend against the f64 reference.
+//!
+//! Every case gets fresh random inputs and weights derived from one printed seed (so a failure
+//! can be replayed with `--seed`), and passes when every element is within
+//! `atol + rtol·|ref|` (rtol = atol = 2e-2) with no NaN the reference lacks. Large cases are
+//! compared on the reference's deterministic sample of positions (see `trimul::reference::check`).
+//!
+//! Unwritten output cannot pass by accident: the host `y` starts as NaN and GPU backends
+//! NaN-poison their outputs and intermediates before every forward.
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use serde::Serialize;
+use trimul::suite::{self, Case};
+use trimul::{reference, BackendKind, Device, Direction, Formulation, Options, TriMul, Weights};
+
+use super::{
+    clock_seed, device_summary, emit_json, fmt_err, json_f64, open_device, CheckArgs, CheckSuite, CliResult, Progress,
+    SeedStream, EXIT_FAILED,
+};
+
+/// GPU MODE's tolerances.
+const RTOL: f64 = 2e-2;
+const ATOL: f64 = 2e-2;
+
+#[derive(Serialize)]
+struct Report {
+    backend: BackendKind,
+    device: String,
+    suite: &'static str,
+    formulation: Formulation,
+    direction: Direction,
+    seed: u64,
+    rtol: f64,
+    atol: f64,
+    passed: usize,
+    failed: usize,
+    cases: Vec<CaseResult>,
+}
+
+#[derive(Serialize)]
+struct CaseResult {
+    name: String,
+    batch: usize,
+    n: usize,
+    c: usize,
+    h: usize,
+    masked: bool,
+    dist: &'static str,
+    /// Seeds of this case's inputs and weights (derived from the run's seed).
+    input_seed: u64,
+    weights_seed: u64,
+    passed: bool,
+    /// Absent when the forward or the reference failed; `error` says why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    comparison: Option<ComparisonJson>,
+    /// Wall time of the forward on host slices, uploads and downloads included.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    forward_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+#[derive(Serialize)]
+struct ComparisonJson {
+    #[serde(serialize_with = "json_f64")]
+    max_abs: f64,
+    #[serde(serialize_with = "json_f64")]
+    rel_l2: f64,
+    /// Elements compared.
+    checked: usize,
+    /// Whether `checked` covers the whole output or the reference's sample of positions.
+    sampled: bool,
+    /// Elements outside tolerance (NaN mismatches included).
+    bad: usize,
+    nan_mismatch: usize,
+    /// `[index in y, got, want]` of the element furthest past its tolerance.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    worst: Option<(usize, f32, f64)>,
+}
+
+pub fn run(args: &CheckArgs) -> CliResult {
+    let device = open_device(args.backend)?;
+    let formulation = Formulation::from(args.formulation);
+    let direction = Direction::from(args.direction);
+    let (suite_name, cases) = match args.suite {
+        CheckSuite::Gpumode => ("gpumode", suite::test_cases()),
+        CheckSuite::Quick => ("quick", suite::quick_test_cases()),
+    };
+    let seed = args.seed.unwrap_or_else(clock_seed);
+    let info = device.info();
+    let summary = device_summary(device.kind(), &info);
+
+    let progress = Progress::bar(cases.len() as u64);
+    if !args.json {
+        progress.out(&format!(
+            "trimul check: {} ({summary}), suite {suite_name} ({} cases), {formulation} {direction}, seed {seed}",
+            device.kind(),
+            cases.len()
+        ));
+        progress.out(&format!("tolerance: every element within {ATOL:.0e} + {RTOL:.0e}·|ref| of the f64 reference"));
+        progress.out(&format!(
+            "{:<28} {:>9} {:>9} {:>10} {:<7} {:>6} {:>9}",
+            "case", "max abs", "rel L2", "checked", "", "result", "fwd ms"
+        ));
+    }
+    device.set_poison(true);
+    let mut seeds = SeedStream::new(seed);
+    let mut results = Vec::with_capacity(cases.len());
+    for case in &cases {
+        progress.set_message(case.name());
+        let (input_seed, weights_seed) = (seeds.next(), seeds.next());
+        let result = run_case(&device, case, formulation, direction, input_seed, weights_seed);
+        if !args.json {
+            progress.out(&row(&result));
+        }
+        results.push(result);
+        progress.inc(1);
+    }
+    device.set_poison(false);
+    progress.finish();
+
+    let passed = results.iter().filter(|r| r.passed).count();
+    let failed = results.len() - passed;
+    if args.json {
+        emit_json(&Report {
+            backend: device.kind(),
+            device: info.name,
+            suite: suite_name,
+            formulation,
+            direction,
+            seed,
+            rtol: RTOL,
+            atol: ATOL,
+            passed,
+            failed,
+            cases: results,
+        })?;
+    } else {
+        super::emit(&format!("{passed} passed, {failed} failed"));
+        if failed > 0 {
+            eprintln!("replay with: trimul check --backend {} --suite {suite_name} --seed {seed}", device.kind());
+        }
+    }
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::from(EXIT_FAILED) })
+}
+
+/// One case end to end. Errors from the forward or the reference become a failed case with
+/// the message, so the other cases still run and the summary counts it.
+fn run_case(
+    device: &Device,
+    case: &Case,
+    formulation: Formulation,
+    direction: Direction,
+    input_seed: u64,
+    weights_seed: u64,
+) -> CaseResult {
+    let mut result = CaseResult {
+        name: case.name(),
+        batch: case.batch,
+        n: case.n,
+        c: case.c,
+        h: case.h,
+        masked: case.masked,
+        dist: case.dist.as_str(),
+        input_seed,
+        weights_seed,
+        passed: false,
+        comparison: None,
+        forward_ms: None,
+        error: None,
+    };
+    let outcome = (|| -> trimul::Result<(reference::Comparison, f64)> {
+        let problem = case.problem(formulation, direction)?;
+        // af3 weights carry biases here so the bias paths are checked too.
+        let weights = Weights::random(problem.config, formulation == Formulation::Af3, weights_seed)?;
+        let inputs = suite::generate_inputs(case, input_seed);
+        let mut layer = TriMul::new(device, &weights, Options { direction, ..Options::default() })?;
+        // NaN, so an element the backend never writes fails the comparison.
+        let mut y = vec![f32::NAN; problem.x_len()];
+        let start = Instant::now();
+        layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape())?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, RTOL, ATOL)?;
+        Ok((cmp, ms))
+    })();
+    match outcome {
+        Ok((cmp, ms)) => {
+            result.passed = cmp.passed();
+            result.forward_ms = Some(ms);
+            result.comparison = Some(ComparisonJson {
+                max_abs: cmp.max_abs,
+                rel_l2: cmp.rel_l2,
+                checked: cmp.checked,
+                sampled: case.batch * case.n * case.n > reference::FULL_CHECK_ROWS,
+                bad: cmp.bad,
+                nan_mismatch: cmp.nan_mismatch,
+                worst: cmp.worst,
+            });
+        }
+        Err(e) => result.error = Some(e.to_string()),
+    }
+    result
+}
+
+fn row(r: &CaseResult) -> String {
+    match (&r.comparison, &r.error) {
+        (Some(c), _) => {
+            let mut line = format!(
+                "{:<28} {:>9} {:>9} {:>10} {:<7} {:>6} {:>9.1}",
+                r.name,
+                fmt_err(c.max_abs),
+                fmt_err(c.rel_l2),
+                c.checked,
+                if c.sampled { "sampled" } else { "all" },
+                if r.passed { "pass" } else { "FAIL" },
+                r.forward_ms.unwrap_or(f64::NAN),
+            );
+            if !r.passed {
+                line.push_str(&format!("  ({} bad, {} NaN mismatches", c.bad, c.nan_mismatch));
+                if let Some((i, got, want)) = c.worst {
+                    line.push_str(&format!("; worst y[{i}] = {got:e}, reference {want:e}"));
+                }
+                line.push(')');
+            }
+            line
+        }
+        (None, e) => format!("{:<28} FAIL  error: {}", r.name, e.as_deref().unwrap_or("unknown")),
+    }
+}

@@ -1,0 +1,517 @@
+//! The `trimul` command line: argument definitions (clap derive), the mapping of errors to exit
+//! codes, and the output helpers every command shares.
+//!
+//! Conventions: results go to stdout, progress bars and log lines to stderr (bars only when
+//! stderr is a terminal); `--json` switches `info` and `check` to one JSON document on stdout.
+//! Exit codes: 0 success; 1 a check failed or the device failed while computing; 2 a usage or
+//! input error (bad arguments, unreadable or inconsistent files, a backend that is not compiled
+//! in or cannot be opened). Errors are one line on stderr: `trimul: error: ...`.
+
+mod bench;
+mod check;
+mod info;
+mod report;
+mod run;
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use trimul::{BackendKind, Device, DeviceInfo, Direction, Formulation};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "trimul",
+    version,
+    about = "Triangle multiplicative update (AlphaFold3-style TriMul) on CPU, CUDA and HIP",
+    after_help = "Exit codes: 0 success, 1 a check failed or the device failed while computing, \
+                  2 usage or input error.\nWithout --backend, TRIMUL_BACKEND=cpu|cuda|hip picks the \
+                  backend; otherwise the first usable of hip, cuda, cpu."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Show the compiled-in backends, the device each finds, and why the others are unusable.
+    Info(InfoArgs),
+    /// Run the GPU MODE test cases against the f64 reference (rtol = atol = 2e-2).
+    Check(CheckArgs),
+    /// Time the GPU MODE benchmark shapes (median of repeats after warm-up).
+    Bench(BenchArgs),
+    /// Apply one layer to an input file: y = TriMul(x, mask).
+    Run(RunArgs),
+    /// Merge bench JSON files into report.md and SVG plots.
+    Report(ReportArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    /// Print one JSON document instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckArgs {
+    /// Backend to run on (default: detection, see TRIMUL_BACKEND).
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendArg>,
+    /// `gpumode`: the 18 GPU MODE cases; `quick`: a small subset for CI and CPUs.
+    #[arg(long, value_enum, default_value_t = CheckSuite::Gpumode)]
+    pub suite: CheckSuite,
+    /// Which formulation the random weights follow (af3 weights carry biases).
+    #[arg(long, value_enum, default_value_t = FormulationArg::Gpumode)]
+    pub formulation: FormulationArg,
+    #[arg(long, value_enum, default_value_t = DirectionArg::Outgoing)]
+    pub direction: DirectionArg,
+    /// Seed of the inputs and weights (default: from the clock; printed, so a run can be replayed).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Print one JSON document instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Backend to run on (default: detection, see TRIMUL_BACKEND).
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendArg>,
+    /// `gpumode`: the 7 GPU MODE shapes; `quick`: the 3 cheapest (default on the CPU);
+    /// `long`: B=1, C=H=128, N from 2048 to 8192 (shapes that do not fit are skipped).
+    #[arg(long, value_enum)]
+    pub suite: Option<BenchSuite>,
+    /// Write the results as a bench JSON file (schema v1, read by `trimul report`).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// A short name for this run in reports (e.g. "before fusion").
+    #[arg(long)]
+    pub label: Option<String>,
+    #[arg(long, value_enum, default_value_t = FormulationArg::Gpumode)]
+    pub formulation: FormulationArg,
+    #[arg(long, value_enum, default_value_t = DirectionArg::Outgoing)]
+    pub direction: DirectionArg,
+    /// Timed calls per shape (default: 15 on a GPU, 5 on the CPU).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeats: Option<u32>,
+    /// Untimed calls per shape before timing (default: 3 on a GPU, 1 on the CPU).
+    #[arg(long)]
+    pub warmup: Option<u32>,
+    /// Re-prepare (fuse, cast, upload) the weights inside every timed call, as the GPU MODE
+    /// leaderboard does.
+    #[arg(long)]
+    pub fresh_weights: bool,
+    /// Seed of the inputs and weights (default: from the clock).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Layer weights (GPU MODE, packed af3, functional or OpenFold names; formulation inferred).
+    #[arg(long, value_name = "W.safetensors")]
+    pub weights: PathBuf,
+    /// Input: tensor `x` [B,N,N,C] (or [N,N,C]) and optional `mask` [B,N,N].
+    #[arg(long, value_name = "X.safetensors")]
+    pub input: PathBuf,
+    /// Output file; receives tensor `y` [B,N,N,C] f32.
+    #[arg(long, value_name = "Y.safetensors")]
+    pub output: PathBuf,
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendArg>,
+    #[arg(long, value_enum, default_value_t = DirectionArg::Outgoing)]
+    pub direction: DirectionArg,
+    /// Read the weights under this name prefix (e.g. `pairformer.0.tri_mul_out.`).
+    #[arg(long)]
+    pub prefix: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// Bench JSON files written by `trimul bench --json`, one run each.
+    #[arg(required = true, value_name = "RUN.json")]
+    pub runs: Vec<PathBuf>,
+    /// Directory for report.md and the SVG plots (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// Reference timings (JSON: name, unit "ms", per-shape values) shown beside the runs.
+    #[arg(long, value_name = "FILE")]
+    pub anchors: Option<PathBuf>,
+    /// The run speedups are measured against, numbered from 1 in the order given (default 1).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
+    pub baseline: Option<u32>,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendArg {
+    Cpu,
+    Cuda,
+    Hip,
+}
+
+impl From<BackendArg> for BackendKind {
+    fn from(b: BackendArg) -> BackendKind {
+        match b {
+            BackendArg::Cpu => BackendKind::Cpu,
+            BackendArg::Cuda => BackendKind::Cuda,
+            BackendArg::Hip => BackendKind::Hip,
+        }
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FormulationArg {
+    Gpumode,
+    Af3,
+}
+
+impl From<FormulationArg> for Formulation {
+    fn from(f: FormulationArg) -> Formulation {
+        match f {
+            FormulationArg::Gpumode => Formulation::GpuMode,
+            FormulationArg::Af3 => Formulation::Af3,
+        }
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DirectionArg {
+    Outgoing,
+    Incoming,
+}
+
+impl From<DirectionArg> for Direction {
+    fn from(d: DirectionArg) -> Direction {
+        match d {
+            DirectionArg::Outgoing => Direction::Outgoing,
+            DirectionArg::Incoming => Direction::Incoming,
+        }
+    }
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum CheckSuite {
+    Gpumode,
+    Quick,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchSuite {
+    Gpumode,
+    Quick,
+    Long,
+}
+
+/// Parses the arguments, runs the command, and turns its outcome into an exit code.
+pub fn main() -> ExitCode {
+    // clap prints its own usage errors and exits with code 2, which is our usage code too.
+    let cli = Cli::parse();
+    let outcome = match &cli.command {
+        Command::Info(a) => info::run(a),
+        Command::Check(a) => check::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Run(a) => run::run(a),
+        Command::Report(a) => report::run(a),
+    };
+    match outcome {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("trimul: error: {}", one_line(&e.message));
+            ExitCode::from(e.code)
+        }
+    }
+}
+
+/// Exit code of a failed check, or of a computation the device could not finish.
+pub const EXIT_FAILED: u8 = 1;
+/// Exit code of a usage or input error.
+pub const EXIT_USAGE: u8 = 2;
+
+/// An error on its way to the user: a one-line message and the exit code it earns.
+#[derive(Debug)]
+pub struct CliError {
+    pub code: u8,
+    pub message: String,
+}
+
+impl CliError {
+    pub fn usage(message: impl Into<String>) -> CliError {
+        CliError { code: EXIT_USAGE, message: message.into() }
+    }
+}
+
+impl From<trimul::Error> for CliError {
+    /// Failures of the device or its libraries while computing are "the run failed" (1);
+    /// everything else (shapes, weights, files, a backend that is absent) is the caller's input (2).
+    fn from(e: trimul::Error) -> CliError {
+        use trimul::Error as E;
+        let code = match e {
+            E::Driver { .. } | E::Blas { .. } | E::NoKernels { .. } | E::OutOfMemory { .. } => EXIT_FAILED,
+            _ => EXIT_USAGE,
+        };
+        CliError { code, message: e.to_string() }
+    }
+}
+
+pub type CliResult<T = ExitCode> = Result<T, CliError>;
+
+/// Collapses a message onto one line (errors from files or drivers may carry newlines).
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Opens the backend named on the command line, or the detected one.
+pub fn open_device(backend: Option<BackendArg>) -> CliResult<Device> {
+    Ok(Device::select(backend.map(BackendKind::from))?)
+}
+
+/// A seed from the clock, for runs that were not given one.
+pub fn clock_seed() -> u64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    // Mixed so that runs a second apart get unrelated seeds, and cut to 9 digits to stay easy
+    // to retype.
+    trimul::rand::Rng::new(nanos as u64).next_u64() % 1_000_000_000
+}
+
+/// Writes one line to stdout. A closed pipe (`trimul info | head -1`) is not an error worth a
+/// panic: the reader has what it wanted.
+pub fn emit(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+}
+
+/// A progress bar on stderr, hidden when stderr is not a terminal, through which the commands
+/// print their results to stdout with the bar lifted out of the way.
+pub struct Progress {
+    bar: ProgressBar,
+}
+
+impl Progress {
+    /// A bar of `len` steps; the message shows what is running now.
+    pub fn bar(len: u64) -> Progress {
+        let bar = ProgressBar::with_draw_target(Some(len), draw_target());
+        if let Ok(style) = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {wide_msg}")
+        {
+            bar.set_style(style);
+        }
+        // Steady ticks keep the clock moving through single steps that take seconds (a
+        // reference check of a large case, a slow CPU forward).
+        bar.enable_steady_tick(Duration::from_millis(200));
+        Progress { bar }
+    }
+
+    /// A spinner for work of unknown length.
+    pub fn spinner() -> Progress {
+        let bar = ProgressBar::with_draw_target(None, draw_target());
+        if let Ok(style) = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_msg}") {
+            bar.set_style(style);
+        }
+        bar.enable_steady_tick(Duration::from_millis(200));
+        Progress { bar }
+    }
+
+    pub fn set_message(&self, msg: impl Into<String>) {
+        self.bar.set_message(msg.into());
+    }
+
+    pub fn inc(&self, n: u64) {
+        self.bar.inc(n);
+    }
+
+    pub fn position(&self) -> u64 {
+        self.bar.position()
+    }
+
+    /// A result line on stdout.
+    pub fn out(&self, line: &str) {
+        self.bar.suspend(|| emit(line));
+    }
+
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        // An early return through `?` must not leave a half-drawn bar above the error line.
+        self.bar.finish_and_clear();
+    }
+}
+
+fn draw_target() -> ProgressDrawTarget {
+    if std::io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    }
+}
+
+/// `AMD EPYC 7B13, x86_64, 2 threads, 7.8 GiB` or `NVIDIA H100 80GB HBM3, sm_90, 132 SMs, 79.1 GiB`.
+pub fn device_summary(kind: BackendKind, info: &DeviceInfo) -> String {
+    let units = match kind {
+        BackendKind::Cpu => "threads",
+        BackendKind::Cuda => "SMs",
+        BackendKind::Hip => "CUs",
+    };
+    let mut parts = vec![info.name.clone()];
+    if !info.arch.is_empty() {
+        parts.push(info.arch.clone());
+    }
+    if info.compute_units > 0 {
+        parts.push(format!("{} {units}", info.compute_units));
+    }
+    if info.memory_bytes > 0 {
+        parts.push(fmt_bytes(info.memory_bytes));
+    }
+    parts.join(", ")
+}
+
+/// Bytes in binary units: `512 B`, `79.2 GiB`.
+pub fn fmt_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// An error norm: `1.23e-4`, `0`, or `NaN`/`inf` spelled out because that is the finding.
+pub fn fmt_err(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        "inf".into()
+    } else if v == 0.0 {
+        "0".into()
+    } else {
+        format!("{v:.2e}")
+    }
+}
+
+/// Serialises an `f64` as a JSON number, or as the strings `"NaN"`, `"inf"`, `"-inf"` (JSON has
+/// no such numbers and serde_json would write `null`), as the bench JSON schema does.
+pub fn json_f64<S: serde::Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+    if v.is_finite() {
+        s.serialize_f64(*v)
+    } else if v.is_nan() {
+        s.serialize_str("NaN")
+    } else if *v > 0.0 {
+        s.serialize_str("inf")
+    } else {
+        s.serialize_str("-inf")
+    }
+}
+
+/// Pretty JSON of `value` on stdout.
+pub fn emit_json<T: serde::Serialize>(value: &T) -> CliResult<()> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| CliError { code: EXIT_FAILED, message: format!("JSON output: {e}") })?;
+    emit(&text);
+    Ok(())
+}
+
+/// Derives independent seeds for the parts of one run (inputs and weights of each case) from
+/// the one seed the user sees.
+pub struct SeedStream(trimul::rand::Rng);
+
+impl SeedStream {
+    pub fn new(seed: u64) -> SeedStream {
+        SeedStream(trimul::rand::Rng::new(seed))
+    }
+
+    pub fn next(&mut self) -> u64 {
+        self.0.next_u64()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_command_lines() {
+        let cli = Cli::try_parse_from(["trimul", "check", "--backend", "cpu", "--suite", "quick", "--seed", "7"])
+            .expect("check parses");
+        match cli.command {
+            Command::Check(a) => {
+                assert_eq!((a.backend, a.suite, a.seed), (Some(BackendArg::Cpu), CheckSuite::Quick, Some(7)));
+                assert_eq!((a.formulation, a.direction), (FormulationArg::Gpumode, DirectionArg::Outgoing));
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        let cli = Cli::try_parse_from([
+            "trimul",
+            "bench",
+            "--suite",
+            "long",
+            "--formulation",
+            "af3",
+            "--direction",
+            "incoming",
+            "--repeats",
+            "3",
+            "--warmup",
+            "0",
+            "--fresh-weights",
+            "--json",
+            "out.json",
+        ])
+        .expect("bench parses");
+        match cli.command {
+            Command::Bench(a) => {
+                assert_eq!(a.suite, Some(BenchSuite::Long));
+                assert_eq!((a.repeats, a.warmup, a.fresh_weights), (Some(3), Some(0), true));
+                assert_eq!(a.json.as_deref(), Some(std::path::Path::new("out.json")));
+                assert_eq!(Formulation::from(a.formulation), Formulation::Af3);
+                assert_eq!(Direction::from(a.direction), Direction::Incoming);
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(Cli::try_parse_from(["trimul", "bench", "--repeats", "0"]).is_err());
+        assert!(Cli::try_parse_from(["trimul", "check", "--suite", "long"]).is_err());
+        assert!(Cli::try_parse_from(["trimul", "report", "--out", "d"]).is_err(), "report needs a run");
+        assert!(Cli::try_parse_from(["trimul", "run", "--weights", "w", "--input", "x"]).is_err());
+    }
+
+    #[test]
+    fn exit_codes_follow_the_error_kind() {
+        let nc = trimul::Error::NotCompiled { backend: BackendKind::Cuda, feature: "cuda" };
+        assert_eq!(CliError::from(nc).code, EXIT_USAGE);
+        let drv = trimul::Error::driver(BackendKind::Cuda, "cuLaunchKernel", "CUDA_ERROR_LAUNCH_FAILED");
+        assert_eq!(CliError::from(drv).code, EXIT_FAILED);
+        assert_eq!(CliError::from(trimul::Error::Shape("x".into())).code, EXIT_USAGE);
+    }
+
+    #[test]
+    fn formatting() {
+        assert_eq!(one_line("a\n  b\tc "), "a b c");
+        assert_eq!(fmt_bytes(512), "512 B");
+        assert_eq!(fmt_bytes(3 << 29), "1.5 GiB");
+        assert_eq!(fmt_err(0.0), "0");
+        assert_eq!(fmt_err(1.234e-4), "1.23e-4");
+        assert_eq!(fmt_err(f64::INFINITY), "inf");
+        #[derive(serde::Serialize)]
+        struct V {
+            #[serde(serialize_with = "json_f64")]
+            a: f64,
+            #[serde(serialize_with = "json_f64")]
+            b: f64,
+        }
+        let s = serde_json::to_string(&V { a: 0.5, b: f64::NAN }).unwrap();
+        assert_eq!(s, r#"{"a":0.5,"b":"NaN"}"#);
+    }
+}

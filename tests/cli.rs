@@ -1,0 +1,324 @@
+//! The `trimul` binary end to end: every command on the CPU backend, exit codes, and the
+//! one-line error contract.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use trimul::report::BenchRun;
+use trimul::{io, Config, Device, Direction, Formulation, NamingScheme, Options, PairInput, Shape, TriMul, Weights};
+
+/// The built binary, with any backend override from the caller's environment removed.
+fn trimul(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_trimul"))
+        .args(args)
+        .env_remove("TRIMUL_BACKEND")
+        .output()
+        .expect("the trimul binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let dir = std::env::temp_dir().join(format!("trimul-cli-{name}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    fn path(&self, file: &str) -> PathBuf {
+        self.0.join(file)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("temp paths are UTF-8")
+}
+
+/// Exit code 2 and exactly one line on stderr, in the `trimul: error: ...` form.
+fn assert_usage_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "one line expected, got: {err:?}");
+    assert!(err.starts_with("trimul: error: "), "{err}");
+    assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+}
+
+#[test]
+fn info_lists_cpu_as_available() {
+    let o = trimul(&["info"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("compiled backends: cpu"), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("cpu") && l.contains("available:")), "{out}");
+    // Every backend is listed with a status, usable or not.
+    for b in ["hip", "cuda"] {
+        assert!(out.lines().any(|l| l.starts_with(b)), "{b} missing from: {out}");
+    }
+
+    let o = trimul(&["info", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("info --json is JSON");
+    let backends = v["backends"].as_array().unwrap();
+    assert_eq!(backends.len(), 3);
+    let cpu = backends.iter().find(|b| b["backend"] == "cpu").unwrap();
+    assert_eq!(cpu["available"], true);
+    assert!(cpu["device"]["compute_units"].as_u64().unwrap() >= 1);
+    for b in backends.iter().filter(|b| b["available"] == false) {
+        assert!(!b["error"].as_str().unwrap().is_empty(), "an unusable backend says why: {b}");
+    }
+    if !cfg!(feature = "cuda") {
+        let cuda = backends.iter().find(|b| b["backend"] == "cuda").unwrap();
+        assert!(cuda["error"].as_str().unwrap().contains("--features cuda"), "{cuda}");
+    }
+}
+
+#[test]
+fn check_quick_passes_on_cpu() {
+    let o = trimul(&["check", "--backend", "cpu", "--suite", "quick", "--seed", "11"]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {}", stderr(&o));
+    let n = trimul::suite::quick_test_cases().len();
+    assert!(out.contains(&format!("{n} passed, 0 failed")), "{out}");
+    assert!(out.contains("seed 11"), "the seed is printed: {out}");
+    assert_eq!(out.lines().filter(|l| l.contains(" pass ")).count(), n, "{out}");
+
+    // The same run as JSON, af3 with biases and incoming.
+    let o = trimul(&[
+        "check",
+        "--backend",
+        "cpu",
+        "--suite",
+        "quick",
+        "--seed",
+        "11",
+        "--formulation",
+        "af3",
+        "--direction",
+        "incoming",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("check --json is JSON");
+    assert_eq!((v["passed"].as_u64(), v["failed"].as_u64()), (Some(n as u64), Some(0)));
+    assert_eq!((v["formulation"].as_str(), v["direction"].as_str()), (Some("af3"), Some("incoming")));
+    for case in v["cases"].as_array().unwrap() {
+        let rel = case["comparison"]["rel_l2"].as_f64().unwrap();
+        // f32 against f64: far below the pass tolerance, and not a suspicious exact zero.
+        assert!(rel > 0.0 && rel < 1e-4, "{case}");
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_without_the_feature_is_a_usage_error() {
+    let o = trimul(&["check", "--backend", "cuda", "--suite", "quick"]);
+    assert_usage_error(&o, "--features cuda");
+    assert!(stdout(&o).is_empty(), "nothing ran: {}", stdout(&o));
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    assert_eq!(trimul(&["bench", "--repeats", "0"]).status.code(), Some(2));
+    let o = trimul(&["bench", "--backend", "cpu", "--json", "/nonexistent-dir-for-trimul/run.json"]);
+    assert_usage_error(&o, "does not exist");
+    assert!(stdout(&o).is_empty(), "refused before measuring: {}", stdout(&o));
+    assert_eq!(trimul(&["check", "--suite", "nope"]).status.code(), Some(2));
+    assert_eq!(trimul(&["frobnicate"]).status.code(), Some(2));
+    let o = Command::new(env!("CARGO_BIN_EXE_trimul")).args(["info"]).env("TRIMUL_BACKEND", "tpu").output().unwrap();
+    assert!(o.status.success(), "info reports a bad TRIMUL_BACKEND rather than failing");
+    assert!(stdout(&o).contains("unknown backend"), "{}", stdout(&o));
+    let o = Command::new(env!("CARGO_BIN_EXE_trimul"))
+        .args(["check", "--suite", "quick"])
+        .env("TRIMUL_BACKEND", "tpu")
+        .output()
+        .unwrap();
+    assert_usage_error(&o, "TRIMUL_BACKEND");
+}
+
+/// Writes the tensors of several layer files into one safetensors file, each layer's names under
+/// its prefix, as in a checkpoint that holds many layers.
+fn merged_checkpoint(layers: &[(&Path, &str)], dst: &Path) {
+    let files: Vec<Vec<u8>> = layers.iter().map(|(src, _)| std::fs::read(src).unwrap()).collect();
+    let mut tensors = Vec::new();
+    for (bytes, (_, prefix)) in files.iter().zip(layers) {
+        let st = safetensors::SafeTensors::deserialize(bytes).unwrap();
+        tensors.extend(st.tensors().into_iter().map(|(n, v)| (format!("{prefix}{n}"), v)));
+    }
+    std::fs::write(dst, safetensors::serialize(tensors, None).unwrap()).unwrap();
+}
+
+#[test]
+fn run_round_trip_matches_the_library() {
+    let dir = TempDir::new("run");
+    let (batch, n, c, h) = (2, 12, 16, 8);
+    let config = Config::new(Formulation::Af3, c, h).unwrap();
+    let weights = Weights::random(config, true, 3).unwrap();
+    weights.to_safetensors(dir.path("layer3.safetensors"), NamingScheme::Packed).unwrap();
+    let decoy = Weights::random(config, true, 4).unwrap();
+    decoy.to_safetensors(dir.path("layer4.safetensors"), NamingScheme::Packed).unwrap();
+    merged_checkpoint(
+        &[
+            (&dir.path("layer4.safetensors"), "trunk.layers.4.tri_mul_in."),
+            (&dir.path("layer3.safetensors"), "trunk.layers.3.tri_mul_in."),
+        ],
+        &dir.path("w.safetensors"),
+    );
+    let mut rng = trimul::rand::Rng::new(9);
+    let x = rng.normal_vec(batch * n * n * c, 1.0);
+    let mask = rng.mask_vec(batch * n * n);
+    let input = PairInput::new(x.clone(), Some(mask.clone()), batch, n, c).unwrap();
+    io::write_input(dir.path("x.safetensors"), &input).unwrap();
+
+    let o = trimul(&[
+        "run",
+        "--backend",
+        "cpu",
+        "--direction",
+        "incoming",
+        "--weights",
+        s(&dir.path("w.safetensors")),
+        "--prefix",
+        "trunk.layers.3.tri_mul_in",
+        "--input",
+        s(&dir.path("x.safetensors")),
+        "--output",
+        s(&dir.path("y.safetensors")),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).is_empty(), "run reports on stderr only");
+    let err = stderr(&o);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("af3 incoming") && err.contains("B=2 N=12 C=16 H=8") && err.contains("masked"), "{err}");
+
+    let (y, dims) = io::read_output(dir.path("y.safetensors")).unwrap();
+    assert_eq!(dims, [batch, n, n, c]);
+    let mut layer =
+        TriMul::new(&Device::cpu(), &weights, Options { direction: Direction::Incoming, ..Options::default() })
+            .unwrap();
+    let want = layer.forward(&x, Some(&mask), Shape::new(batch, n)).unwrap();
+    assert_eq!(y.len(), want.len());
+    let worst = y.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(worst <= 1e-5, "CLI and library differ by {worst}");
+    assert!(y.iter().all(|v| v.is_finite()));
+
+    // The prefix is needed: without it the file holds two layers.
+    let o = trimul(&[
+        "run",
+        "--backend",
+        "cpu",
+        "--weights",
+        s(&dir.path("w.safetensors")),
+        "--input",
+        s(&dir.path("x.safetensors")),
+        "--output",
+        s(&dir.path("y2.safetensors")),
+    ]);
+    assert_usage_error(&o, "trunk.layers.3.tri_mul_in");
+    assert!(!dir.path("y2.safetensors").exists());
+
+    // Weights for another C.
+    let other = Weights::random(Config::new(Formulation::GpuMode, 24, 8).unwrap(), false, 4).unwrap();
+    other.to_safetensors(dir.path("w24.safetensors"), NamingScheme::GpuMode).unwrap();
+    let o = trimul(&[
+        "run",
+        "--weights",
+        s(&dir.path("w24.safetensors")),
+        "--input",
+        s(&dir.path("x.safetensors")),
+        "--output",
+        s(&dir.path("y3.safetensors")),
+    ]);
+    assert_usage_error(&o, "C = 16");
+}
+
+#[test]
+fn bench_json_parses_and_reports() {
+    let dir = TempDir::new("bench");
+    let json = dir.path("cpu.json");
+    let o = trimul(&[
+        "bench",
+        "--backend",
+        "cpu",
+        "--suite",
+        "quick",
+        "--repeats",
+        "2",
+        "--warmup",
+        "0",
+        "--label",
+        "ci",
+        "--json",
+        s(&json),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "stdout: {out}\nstderr: {}", stderr(&o));
+    assert!(out.contains("geomean"), "{out}");
+    assert!(out.contains("CPU speed bar: n256_b2_c128 at"), "{out}");
+
+    let run = BenchRun::from_path(&json).expect("bench JSON parses as BenchRun");
+    let quick = trimul::suite::quick_bench_cases();
+    assert_eq!(run.shapes.len(), quick.len());
+    assert_eq!((run.backend.as_str(), run.formulation.as_str(), run.label.as_deref()), ("cpu", "gpumode", Some("ci")));
+    assert_eq!((run.timing.repeats, run.timing.warmup, run.timing.clock.as_str()), (2, 0, "host"));
+    assert!(run.timing.buffer_sets >= 2, "64 MiB inputs rotate over several sets: {:?}", run.timing);
+    assert!(run.ceilings.gemm_tflops > 0.0 && run.ceilings.copy_gbs > 0.0, "{:?}", run.ceilings);
+    for (shape, case) in run.shapes.iter().zip(&quick) {
+        assert_eq!((shape.n, shape.batch, shape.c, shape.masked), (case.n, case.batch, case.c, case.masked));
+        assert_eq!(shape.repeats, 2);
+        assert_eq!(shape.passed, Some(true), "{shape:?}");
+        assert!(shape.median_ms > 0.0 && shape.min_ms <= shape.median_ms, "{shape:?}");
+        assert!(shape.tflops > 0.0 && shape.floor_ms > 0.0, "{shape:?}");
+    }
+
+    // The file feeds `trimul report`.
+    let out_dir = dir.path("report");
+    let o = trimul(&["report", s(&json), "--out", s(&out_dir)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let md = std::fs::read_to_string(out_dir.join("report.md")).unwrap();
+    assert!(md.contains("n256_b2_c128"), "{md}");
+}
+
+#[test]
+fn report_rejects_bad_input_in_one_line() {
+    let dir = TempDir::new("report");
+    let good = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/synthetic-cpu.json");
+    let text = std::fs::read_to_string(&good).unwrap();
+    let out = dir.path("out");
+
+    let truncated = dir.path("truncated.json");
+    std::fs::write(&truncated, &text[..text.len() / 2]).unwrap();
+    assert_usage_error(&trimul(&["report", s(&truncated), "--out", s(&out)]), "truncated.json");
+
+    let future = dir.path("future.json");
+    std::fs::write(&future, text.replacen("\"schema_version\": 1", "\"schema_version\": 99", 1)).unwrap();
+    assert_usage_error(&trimul(&["report", s(&future), "--out", s(&out)]), "schema_version 99");
+
+    let missing = dir.path("missing.json");
+    assert_usage_error(&trimul(&["report", s(&missing), "--out", s(&out)]), "missing.json");
+
+    assert_usage_error(&trimul(&["report", s(&good), "--out", s(&out), "--baseline", "2"]), "baseline");
+    assert!(!out.join("report.md").exists(), "nothing written on error");
+
+    // No runs at all is caught by the argument parser, with the same exit code.
+    assert_eq!(trimul(&["report", "--out", s(&out)]).status.code(), Some(2));
+
+    let o = trimul(&["report", s(&good), "--out", s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.join("report.md").exists());
+}
