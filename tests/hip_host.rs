@@ -269,6 +269,36 @@ fn device_side_params_layout_equals_the_rust_mirror() {
 
 // ------------------------------------------------------------------ MFMA kernel, CPU emulation
 
+/// Every `tm_*` name the kernel bodies use must exist in the CPU stand-in for compat.h/mfma.h,
+/// or the emulation and the fake ROCm stop compiling when the portability layer grows.
+#[test]
+fn emulation_header_covers_every_name_the_kernels_use() {
+    let read = |p: &std::path::Path| std::fs::read_to_string(p).unwrap();
+    let emu = read(&root().join("tests/hip_emu/emu.h"));
+    let mut bodies: Vec<PathBuf> = std::fs::read_dir(root().join("common"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "h"))
+        .filter(|p| !p.ends_with("compat.h") && !p.ends_with("params.h"))
+        .collect();
+    bodies.push(root().join("hip/output_projection.h"));
+    let mut names: Vec<String> = bodies
+        .iter()
+        .flat_map(|p| {
+            read(p)
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("tm_"))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    assert!(names.len() >= 10, "parsed too few names: {names:?}");
+    let missing: Vec<&String> = names.iter().filter(|n| !emu.contains(n.as_str())).collect();
+    assert!(missing.is_empty(), "tests/hip_emu/emu.h lacks {missing:?} (used by the kernels)");
+}
+
 #[test]
 fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
     let Some(cxx) = tool("TRIMUL_HOST_CXX", &["clang++-19", "clang++"]) else {

@@ -89,6 +89,20 @@ inline tm_half tm_f2h(float f) {
 }
 inline float tm_exp(float x) { return std::exp(x); }
 inline float tm_rsqrt(float x) { return 1.0f / std::sqrt(x); }
+// The common tail of common/compat.h, mirrored (tests/hip_host.rs checks that every tm_* name
+// defined there is defined here too).
+typedef struct __attribute__((aligned(16))) {
+  unsigned v[4];
+} tm_u128;
+typedef struct __attribute__((aligned(16))) {
+  float v[4];
+} tm_f4;
+typedef struct __attribute__((aligned(8))) {
+  unsigned v[2];
+} tm_u64h;
+inline float tm_lo(unsigned w) { return tm_h2f((unsigned short)(w & 0xFFFFu)); }
+inline float tm_hi(unsigned w) { return tm_h2f((unsigned short)(w >> 16)); }
+inline unsigned tm_pack2(float lo, float hi) { return (unsigned)tm_f2h(lo) | ((unsigned)tm_f2h(hi) << 16); }
 inline float tm_group32_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += tm_shfl_xor(v, o);
   return v;

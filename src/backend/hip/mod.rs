@@ -397,6 +397,14 @@ impl HipBackend {
         if x == y {
             return Err(Error::InvalidArgument("y must not alias x (in-place mode is not supported)".into()));
         }
+        // The stage kernels use 16-byte vector loads and stores (common/compat.h's tm_f4, tm_u128).
+        for (name, ptr) in [("x", x), ("mask", mask), ("y", y)] {
+            if ptr % 16 != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be 16-byte aligned on the device (got {ptr:#x})"
+                )));
+            }
+        }
         self.bind()?;
         let blas = self.ctx.blas.lock().map_err(poisoned)?;
         let own = self.ctx.stream.raw();

@@ -18,7 +18,8 @@ use crate::problem::{Formulation, Problem};
 
 /// Fewest positions per projection chunk when chunking (GEMM efficiency drops below this).
 pub const MIN_CHUNK_ROWS: usize = 4096;
-/// Chunks are multiples of this many positions (keeps `proj` 256-byte aligned after `z`).
+/// Chunks are multiples of this many positions: chunk starts stay 64-aligned, which the stage
+/// kernels' 16-byte vector accesses along positions rely on.
 pub const CHUNK_ALIGN: usize = 64;
 /// Alignment of the `proj` staging area.
 pub const STAGING_ALIGN: usize = 256;
@@ -159,6 +160,8 @@ mod tests {
             let mut next = 0;
             for (r0, rows) in plan.chunks() {
                 assert_eq!(r0, next, "{what}");
+                // Chunks start 64-aligned: the gating kernel's 16-byte tile stores rely on it.
+                assert_eq!(r0 % CHUNK_ALIGN, 0, "{what}");
                 assert!(rows >= 1 && rows <= plan.chunk_rows, "{what}");
                 next += rows;
             }
