@@ -373,21 +373,7 @@ pub fn device_summary(kind: BackendKind, info: &DeviceInfo) -> String {
     parts.join(", ")
 }
 
-/// Bytes in binary units: `512 B`, `79.2 GiB`.
-pub fn fmt_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
+pub use trimul::report::fmt_bytes;
 
 /// An error norm: `1.23e-4`, `0`, or `NaN`/`inf` spelled out because that is the finding.
 pub fn fmt_err(v: f64) -> String {

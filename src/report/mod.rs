@@ -193,8 +193,8 @@ pub(crate) fn fmt_err(v: f64) -> String {
     }
 }
 
-/// Bytes in binary units: `79.2 GiB`, `512.0 MiB`.
-pub(crate) fn fmt_bytes(b: u64) -> String {
+/// Bytes in binary units: `512 B`, `79.2 GiB`, `512.0 MiB` (shared by the report and the CLI).
+pub fn fmt_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut u = 0;
