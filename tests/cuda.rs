@@ -2,6 +2,8 @@
 //! visible message when the build has no `cuda` feature or no device opens.
 #![cfg(feature = "cuda")]
 
+use std::io::Write;
+
 use trimul::backend::cuda::CudaBackend;
 use trimul::reference;
 use trimul::suite::{self, Case, Dist};
@@ -18,8 +20,13 @@ fn cuda() -> Option<CudaBackend> {
             b.set_poison(true);
             Some(b)
         }
+        Err(e) if std::env::var_os("TRIMUL_REQUIRE_DEVICE").is_some() => {
+            panic!("CUDA device required (TRIMUL_REQUIRE_DEVICE is set) but unavailable: {e}")
+        }
         Err(e) => {
-            eprintln!("SKIPPED: no CUDA device: {e}");
+            // Written to the stderr handle, not through eprintln!, so the test harness does not
+            // capture it: a skipped GPU test is visible in every run.
+            let _ = writeln!(std::io::stderr(), "SKIPPED: no CUDA device: {e}");
             None
         }
     }
