@@ -495,6 +495,7 @@ impl HipBackend {
         for (row0, rows) in plan.chunks() {
             let p = KernelParams { row0: row0 as i64, rows: rows as i64, tile_rows: tr as i32, ..base };
             let g = RocblasGemm::from_spec(&GemmSpec::projection(rows, c, plan.p), DataType::F16, DataType::F16)?;
+            // SAFETY: the invariant stated at the top of this section holds for these addresses.
             unsafe {
                 launch(&k.input_norm, stream, rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize), 0, &p)?;
                 gemm(blas, &g, 1.0, prep.w_in.addr(), base.z, 0.0, base.proj)?;
@@ -505,6 +506,7 @@ impl HipBackend {
         // 2. Contraction: A = right, B = left, D = t, one N×N matrix per (b, h).
         let spec = GemmSpec::contraction(problem.direction, b * h, n);
         let g = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16)?;
+        // SAFETY: the invariant stated at the top of this section holds for these addresses.
         unsafe { gemm(blas, &g, 1.0, ws.right.addr(), ws.left.addr(), 0.0, ws.t.addr())? };
 
         // 3. Output stage.
@@ -516,12 +518,14 @@ impl HipBackend {
                 })?;
                 let p = KernelParams { tile_rows: kernels::OUTPUT_PROJECTION_ROWS as i32, ..base };
                 let bias = prep.out_bias.as_ref().map_or(0, DeviceMem::addr);
+                // SAFETY: the invariant stated at the top of this section holds for these addresses.
                 unsafe { launch_output_projection(kernel, stream, m, h, &p, prep.w_out.addr(), bias)? };
             }
             HipKernelOutput::Blas => {
                 let tp = launch_params::output_norm_tile_rows(h);
                 let p = KernelParams { tile_rows: tp as i32, ..base };
                 let g = RocblasGemm::from_spec(&GemmSpec::output(m, c, h), DataType::F16, DataType::F32)?;
+                // SAFETY: the invariant stated at the top of this section holds for these addresses.
                 unsafe {
                     launch(&k.output_norm, stream, m.div_ceil(tp), launch_params::output_norm_smem_bytes(h, tp), &p)?;
                     gemm(blas, &g, 1.0, prep.w_out.addr(), base.a, 0.0, y)?;
@@ -531,11 +535,13 @@ impl HipBackend {
                         Error::InvalidArgument("workspace has no ones vector for the af3 bias".into())
                     })?;
                     let g = RocblasGemm::from_spec(&bias_update_spec(m, c), DataType::F32, DataType::F32)?;
+                    // SAFETY: the invariant stated at the top of this section holds for these addresses.
                     unsafe { gemm(blas, &g, 1.0, bias.addr(), ones.addr(), 1.0, y)? };
                 }
                 if formulation == Formulation::Af3 {
                     let grid = (m * c).div_ceil(STAGE_THREADS as usize * 8).clamp(1, OUTPUT_GATE_MAX_GRID);
                     let p = KernelParams { tile_rows: grid as i32, ..base };
+                    // SAFETY: the invariant stated at the top of this section holds for these addresses.
                     unsafe { launch(&k.output_gate, stream, grid, 0, &p)? };
                 }
             }
