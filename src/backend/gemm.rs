@@ -138,8 +138,9 @@ mod tests {
     use super::*;
     use crate::rand::Rng;
 
+    /// f32 results of f64-accumulated products: equal to the f64 sum to f32 rounding.
     fn close(a: f32, b: f64) -> bool {
-        (a as f64 - b).abs() <= 1e-4 * (1.0 + b.abs())
+        approx::relative_eq!(a as f64, b, epsilon = 1e-4, max_relative = 1e-4)
     }
 
     #[test]
