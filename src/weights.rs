@@ -132,6 +132,12 @@ impl Weights {
         ]
     }
 
+    /// The five linear layers applied to `z`, in the order of the fused input projection:
+    /// left value, left gate, right value, right gate, output gate.
+    pub fn input_linears(&self) -> [&Linear; 5] {
+        [&self.left_proj, &self.left_gate, &self.right_proj, &self.right_gate, &self.out_gate]
+    }
+
     pub fn validate(&self) -> Result<()> {
         let Config { c, h, formulation } = self.config;
         self.config.validate()?;

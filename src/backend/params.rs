@@ -153,7 +153,7 @@ impl FusedInputLayout {
     /// Reorders and pads the input-projection weights (`[out, C]` row-major each) and their
     /// biases into the kernel's `[rows, k_pad]` matrix and `[rows]` bias (None when no bias).
     pub fn pack(&self, w: &crate::weights::Weights) -> (Vec<f32>, Option<Vec<f32>>) {
-        let sources = [&w.left_proj, &w.left_gate, &w.right_proj, &w.right_gate, &w.out_gate];
+        let sources = w.input_linears();
         let any_bias = sources.iter().any(|l| l.bias.is_some());
         let mut mat = vec![0f32; self.rows() * self.k_pad];
         let mut bias = any_bias.then(|| vec![0f32; self.rows()]);

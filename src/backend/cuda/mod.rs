@@ -518,17 +518,12 @@ impl Backend for CudaBackend {
 
     fn prepare(&self, w: &Weights) -> Result<CudaPrepared> {
         let cfg = w.config();
-        let fused: Vec<f32> = [&w.left_proj, &w.left_gate, &w.right_proj, &w.right_gate, &w.out_gate]
-            .iter()
-            .flat_map(|l| l.weight.iter().copied())
-            .collect();
-        let any_bias =
-            [&w.left_proj, &w.left_gate, &w.right_proj, &w.right_gate, &w.out_gate].iter().any(|l| l.bias.is_some());
+        let inputs = w.input_linears();
+        let fused: Vec<f32> = inputs.iter().flat_map(|l| l.weight.iter().copied()).collect();
+        let any_bias = inputs.iter().any(|l| l.bias.is_some());
         let proj_bias = if any_bias {
-            let b: Vec<f32> = [&w.left_proj, &w.left_gate, &w.right_proj, &w.right_gate, &w.out_gate]
-                .iter()
-                .flat_map(|l| l.bias.clone().unwrap_or_else(|| vec![0.0; l.out_features]))
-                .collect();
+            let b: Vec<f32> =
+                inputs.iter().flat_map(|l| l.bias.clone().unwrap_or_else(|| vec![0.0; l.out_features])).collect();
             Some(self.upload_f32(&b)?)
         } else {
             None

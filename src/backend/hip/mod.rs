@@ -623,7 +623,7 @@ impl Backend for HipBackend {
         w.validate()?;
         self.bind()?;
         let config = w.config();
-        let inputs = [&w.left_proj, &w.left_gate, &w.right_proj, &w.right_gate, &w.out_gate];
+        let inputs = w.input_linears();
         let fused: Vec<f32> = inputs.iter().flat_map(|l| l.weight.iter().copied()).collect();
         debug_assert_eq!(fused.len(), config.fused_proj_width() * config.c);
         let proj_bias = if inputs.iter().any(|l| l.bias.is_some()) {
