@@ -25,7 +25,7 @@ fn main() -> trimul::Result<()> {
     let p = Problem::new(cfg, Shape::new(b, n), Direction::Outgoing, false)?;
     let be = CpuBackend::new();
     let prep = be.prepare(&w)?;
-    let mut ws = be.workspace(&prep, &p)?;
+    let mut ws = be.workspace(&prep, &p, None)?;
     let x = trimul::rand::Rng::new(2).normal_vec(p.x_len(), 1.0);
     let mut y = vec![0.0f32; x.len()];
     be.forward_host(&prep, &mut ws, &p, &x, None, &mut y)?;

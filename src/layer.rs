@@ -3,6 +3,7 @@
 
 use crate::backend::{cpu::CpuBackend, Backend, Device};
 use crate::error::{BackendKind, Error, Result};
+use crate::memory::{self, ExecPlan, MemoryNeeds};
 use crate::problem::{Config, Direction, Problem, Shape};
 use crate::weights::Weights;
 
@@ -40,6 +41,9 @@ pub struct Layer<B: Backend> {
     options: Options,
     prepared: B::Prepared,
     workspace: Option<B::Workspace>,
+    /// Bytes a forward may hold on the device (weights, x, mask, y, workspace); `None`: what
+    /// the device has free, less [`memory::margin`].
+    budget: Option<u64>,
 }
 
 impl<B: Backend> Layer<B> {
@@ -47,7 +51,14 @@ impl<B: Backend> Layer<B> {
     pub fn new(backend: &B, weights: &Weights, options: Options) -> Result<Self> {
         weights.validate()?;
         let prepared = backend.prepare(weights)?;
-        Ok(Layer { backend: backend.clone(), config: weights.config(), options, prepared, workspace: None })
+        Ok(Layer {
+            backend: backend.clone(),
+            config: weights.config(),
+            options,
+            prepared,
+            workspace: None,
+            budget: None,
+        })
     }
 
     pub fn backend(&self) -> &B {
@@ -73,16 +84,103 @@ impl<B: Backend> Layer<B> {
         Ok(self.backend.workspace_bytes(&self.prepared, &p))
     }
 
+    /// Caps the device memory a forward of this layer may hold: the prepared weights, `x`, the
+    /// mask, `y` and the workspace together (`None`: the memory the device reports free, less a
+    /// margin). Shapes whose one-pass workspace does not fit run in chunks (see
+    /// [`crate::memory`]); when nothing fits, forwards fail with [`Error::OutOfMemory`] before
+    /// allocating anything.
+    pub fn set_memory_budget(&mut self, bytes: Option<u64>) {
+        if self.budget != bytes {
+            self.budget = bytes;
+            self.workspace = None;
+        }
+    }
+
+    pub fn memory_budget(&self) -> Option<u64> {
+        self.budget
+    }
+
+    /// What a forward of this shape holds on the device: weights, x/mask/y and the workspace of
+    /// the fastest and of the narrowest plan.
+    pub fn memory_needs(&self, shape: Shape, masked: bool, in_place: bool) -> Result<MemoryNeeds> {
+        let p = self.problem(shape, masked)?.in_place(in_place);
+        Ok(MemoryNeeds {
+            weights: self.backend.prepared_bytes(&self.prepared),
+            io: p.io_device_bytes(),
+            one_pass_workspace: self.backend.workspace_bytes(&self.prepared, &p),
+            min_workspace: self.backend.min_workspace_bytes(&self.prepared, &p),
+        })
+    }
+
+    /// The plan of the current workspace (after a forward), e.g. to report chunking.
+    pub fn exec_plan(&self) -> Option<ExecPlan> {
+        self.workspace.as_ref().map(B::exec_plan)
+    }
+
+    /// Bytes the workspace of `problem` may take under the budget and the device's free memory,
+    /// or the error naming what does not fit. `host_io` says the forward is on host slices, so
+    /// a GPU backend will stage x, mask and y on the device (counted in the budget anyway).
+    fn workspace_limit(&self, problem: &Problem, host_io: bool) -> Result<Option<u64>> {
+        let backend = &self.backend;
+        let io = problem.io_device_bytes();
+        let fixed = io + backend.prepared_bytes(&self.prepared);
+        let min_ws = backend.min_workspace_bytes(&self.prepared, problem);
+        let what = |available: &str| {
+            format!(
+                "B={} N={} C={} H={}{}: weights, x, mask and y take {}, the smallest workspace {}; {available}",
+                problem.shape.batch,
+                problem.shape.n,
+                problem.config.c,
+                problem.config.h,
+                if problem.in_place { " in place" } else { "" },
+                crate::report::fmt_bytes(fixed),
+                crate::report::fmt_bytes(min_ws),
+            )
+        };
+        let mut limit = None;
+        if let Some(budget) = self.budget {
+            if fixed.saturating_add(min_ws) > budget {
+                return Err(Error::OutOfMemory {
+                    backend: backend.kind(),
+                    what: what("the memory budget is too small"),
+                    needed: fixed.saturating_add(min_ws),
+                    available: budget,
+                });
+            }
+            limit = Some(budget - fixed);
+        }
+        if let Some(mem) = backend.memory_info()? {
+            // Device buffers of the caller already count as used; a host forward's staging not yet.
+            let staged = if host_io && backend.host_io_staged() { io } else { 0 };
+            let free = mem.free.saturating_sub(memory::margin(mem.total));
+            if staged.saturating_add(min_ws) > free {
+                return Err(Error::OutOfMemory {
+                    backend: backend.kind(),
+                    what: what("the device has too little free"),
+                    needed: staged.saturating_add(min_ws),
+                    available: free,
+                });
+            }
+            limit = Some(limit.map_or(free - staged, |l: u64| l.min(free - staged)));
+        }
+        Ok(limit)
+    }
+
     /// The backend, the prepared weights and a workspace that fits `problem`, made anew only
     /// when the shape changed.
     pub(crate) fn parts(&mut self, problem: &Problem) -> Result<(&B, &B::Prepared, &mut B::Workspace)> {
-        let Layer { backend, prepared, workspace, .. } = self;
-        let fits = matches!(workspace, Some(ws) if backend.workspace_fits(ws, problem));
+        self.parts_for(problem, false)
+    }
+
+    fn parts_for(&mut self, problem: &Problem, host_io: bool) -> Result<(&B, &B::Prepared, &mut B::Workspace)> {
+        let fits = matches!(&self.workspace, Some(ws) if self.backend.workspace_fits(ws, problem));
         if !fits {
-            // Free the old workspace before allocating the new one.
-            *workspace = None;
-            *workspace = Some(backend.workspace(prepared, problem)?);
+            // Free the old workspace before planning and allocating the new one.
+            self.workspace = None;
+            let limit = self.workspace_limit(problem, host_io)?;
+            self.workspace = Some(self.backend.workspace(&self.prepared, problem, limit)?);
         }
+        let Layer { backend, prepared, workspace, .. } = self;
         let ws = workspace.as_mut().ok_or_else(|| Error::InvalidArgument("workspace missing".into()))?;
         Ok((backend, prepared, ws))
     }
@@ -92,8 +190,32 @@ impl<B: Backend> Layer<B> {
     pub fn forward_into(&mut self, x: &[f32], mask: Option<&[f32]>, y: &mut [f32], shape: Shape) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?;
         problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        let (backend, prepared, ws) = self.parts(&problem)?;
+        let (backend, prepared, ws) = self.parts_for(&problem, true)?;
         backend.forward_host(prepared, ws, &problem, x, mask, y)
+    }
+
+    /// One forward whose output overwrites its input: on return `xy` holds `y`. The largest
+    /// tensor exists once instead of twice, which is what lets the longest sequences fit. If the
+    /// forward fails after it started writing, `xy` holds neither `x` nor `y`: the error says so.
+    pub fn forward_in_place(&mut self, xy: &mut [f32], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
+        let problem = self.problem(shape, mask.is_some())?.in_place(true);
+        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
+        let (backend, prepared, ws) = self.parts_for(&problem, true)?;
+        backend.forward_host_in_place(prepared, ws, &problem, xy, mask)
+    }
+
+    /// [`Layer::forward_in_place`] on a backend buffer: enqueues the work, `xy` holds `y` after
+    /// a synchronize.
+    pub fn forward_buffers_in_place(
+        &mut self,
+        xy: &mut B::Buffer,
+        mask: Option<&B::Buffer>,
+        shape: Shape,
+    ) -> Result<()> {
+        let problem = self.problem(shape, mask.is_some())?.in_place(true);
+        problem.check_lengths(B::buffer_len(xy), mask.map(B::buffer_len), B::buffer_len(xy))?;
+        let (backend, prepared, ws) = self.parts(&problem)?;
+        backend.forward_in_place(prepared, ws, &problem, xy, mask)
     }
 
     /// Enqueues one forward on backend buffers; call [`Backend::synchronize`] (or download)
@@ -177,6 +299,30 @@ impl TriMul {
     /// One forward on host slices into `y`. See [`Layer::forward_into`].
     pub fn forward_into(&mut self, x: &[f32], mask: Option<&[f32]>, y: &mut [f32], shape: Shape) -> Result<()> {
         with_layer!(self, l => l.forward_into(x, mask, y, shape))
+    }
+
+    /// See [`Layer::forward_in_place`].
+    pub fn forward_in_place(&mut self, xy: &mut [f32], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
+        with_layer!(self, l => l.forward_in_place(xy, mask, shape))
+    }
+
+    /// See [`Layer::set_memory_budget`].
+    pub fn set_memory_budget(&mut self, bytes: Option<u64>) {
+        with_layer!(self, l => l.set_memory_budget(bytes))
+    }
+
+    pub fn memory_budget(&self) -> Option<u64> {
+        with_layer!(self, l => l.memory_budget())
+    }
+
+    /// See [`Layer::memory_needs`].
+    pub fn memory_needs(&self, shape: Shape, masked: bool, in_place: bool) -> Result<MemoryNeeds> {
+        with_layer!(self, l => l.memory_needs(shape, masked, in_place))
+    }
+
+    /// See [`Layer::exec_plan`].
+    pub fn exec_plan(&self) -> Option<ExecPlan> {
+        with_layer!(self, l => l.exec_plan())
     }
 
     /// One forward on host slices, returning a new `y` of the shape of `x`.

@@ -155,13 +155,18 @@ impl Shape {
     }
 }
 
-/// A fully specified, validated call: configuration, shape, direction and whether a mask is given.
+/// A fully specified, validated call: configuration, shape, direction, whether a mask is given
+/// and whether `y` overwrites `x` (in-place mode).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Problem {
     pub config: Config,
     pub shape: Shape,
     pub direction: Direction,
     pub masked: bool,
+    /// `y` is written over `x` once everything that needs `x` has read it (see
+    /// [`Problem::in_place`]).
+    #[serde(default)]
+    pub in_place: bool,
 }
 
 impl Problem {
@@ -181,7 +186,20 @@ impl Problem {
                 shape.batch, shape.n, config.c, config.h
             )));
         }
-        Ok(Problem { config, shape, direction, masked })
+        Ok(Problem { config, shape, direction, masked, in_place: false })
+    }
+
+    /// The same call with `y` written over `x` (`on = true`) or into its own buffer.
+    pub fn in_place(self, on: bool) -> Problem {
+        Problem { in_place: on, ..self }
+    }
+
+    /// Bytes of the caller's tensors on the device: `x`, the mask and `y` as f32 (`y` shares
+    /// `x`'s memory in in-place mode).
+    pub fn io_device_bytes(&self) -> u64 {
+        let x = self.x_len() as u64 * 4;
+        let mask = if self.masked { self.mask_len() as u64 * 4 } else { 0 };
+        x + mask + if self.in_place { 0 } else { x }
     }
 
     /// Elements of `x` and `y`: `B·N·N·C`.

@@ -186,7 +186,7 @@ fn memory_ranges_are_enforced_and_reported() {
     let prepared = b.prepare(&weights).unwrap();
     let huge = Problem::new(cfg, Shape::new(1, 40_000), Direction::Outgoing, false).unwrap();
     let before = b.peak_memory().unwrap();
-    match b.workspace(&prepared, &huge) {
+    match b.workspace(&prepared, &huge, None) {
         Err(Error::OutOfMemory { needed, available, .. }) => assert!(needed > available),
         Err(other) => panic!("expected OutOfMemory, got {other}"),
         Ok(_) => panic!("a 1.6 TB workspace fitted in 64 GiB"),

@@ -15,31 +15,36 @@
 //!
 //! # Data layout (workspace)
 //! With `M = B·N²` positions `m = b·N² + i·N + j`:
-//! - `left`, `right`, `t`: `[B, H, N²]`, hidden channel outside, so each `(b, h)` slice is an
-//!   `N × N` row-major matrix and the contraction is one GEMM per slice with no copies;
-//! - the output gate, already passed through σ: gpumode `[B, H, N²]` (it multiplies `LN_H(t)`,
-//!   which the output stage holds hidden-major), af3 `[M, C]` (it multiplies `y`, position-major);
+//! - `t`: `[B, H, N²]`, hidden channel outside, so each `(b, h)` slice is an `N × N` row-major
+//!   matrix and the contraction is one GEMM per slice with no copies;
+//! - `left`, `right`: `[B, hc, N²]` for one *hidden chunk* of `hc` channels (all `H` when memory
+//!   allows; see [`crate::memory`] for why chunks are exact);
 //! - `scratch`: one chunk per sub-block (below), reused by the projection and the output stage.
+//!
+//! The output gate is never stored: the output stage recomputes it per sub-block from its rows
+//! of `x` (LN_C again and a `[C, G]` GEMM, about 1/8 of the projection work, while the stored
+//! `[M, G]` tensor would add a quarter to the workspace). The same order makes in-place mode
+//! free: a sub-block reads its rows of `x` for the gate before it writes those rows of `y`.
 //!
 //! # Blocking and threading
 //! Positions are processed in *super-blocks* of `subs · rows` consecutive positions (flat over
 //! `M`, so `N = 1` with a large `B` still makes full blocks), each split into `subs` sub-blocks of
 //! `rows` positions, one per rayon task and one scratch chunk each. Only a super-block's worth of
-//! `P` ever exists, so memory beyond the four `[B, ·, N²]` tensors stays a few MiB.
-//! 1. Projection, per super-block. Pass A, parallel over sub-blocks: LN_C of the rows into `z`,
-//!    then `P = z·Wcatᵀ` as one single-threaded GEMM written hidden-major (`P[w][q]`, so every
-//!    output column is contiguous over positions); af3 also applies σ to its gate here and
-//!    transposes it into the `[M, C]` gate. Pass B, parallel over `(b, h)`: bias, σ, mask and
-//!    product, reading contiguous runs of `P` and writing contiguous runs of `left`/`right`/`og`.
-//!    (Two passes because a sub-block's outputs are `H` separate runs of the `[B, H, N²]` tensors,
-//!    which safe Rust cannot hand to one task; the extra read of `P` hits the cache.)
-//! 2. Contraction: one `N × N × N` GEMM per `(b, h)`, parallel over the `B·H` slices with a
-//!    single-threaded GEMM each (no synchronisation inside); when there are too few slices to
-//!    keep every thread busy, the slices run one after another with a multi-threaded GEMM.
-//! 3. Output, per super-block, parallel over sub-blocks: gather `t` for the sub-block's positions
-//!    hidden-major (`u[h][q]`, contiguous runs), LN_H with statistics vectorised across positions,
-//!    the gpumode gate, then one GEMM `u·Woutᵀ` written straight into the rows of `y`; af3 adds
-//!    `bz` and multiplies its gate row by row.
+//! `P` ever exists, so memory beyond the `[B, ·, N²]` tensors stays a few MiB.
+//! 1. Projection, per hidden chunk and super-block. Pass A, parallel over sub-blocks: LN_C of the
+//!    rows into `z`, then `P = z·Wᵀ` for the chunk's rows of the four left/right projections as
+//!    single-threaded GEMMs written hidden-major (`P[w][q]`, so every output column is contiguous
+//!    over positions). Pass B, parallel over `(b, h)`: bias, σ, mask and product, reading
+//!    contiguous runs of `P` and writing contiguous runs of `left`/`right`. (Two passes because a
+//!    sub-block's outputs are separate runs of the `[B, hc, N²]` tensors, which safe Rust cannot
+//!    hand to one task; the extra read of `P` hits the cache.)
+//! 2. Contraction, per hidden chunk: one `N × N × N` GEMM per `(b, h)`, parallel over the slices
+//!    with a single-threaded GEMM each (no synchronisation inside); when there are too few slices
+//!    to keep every thread busy, the slices run one after another with a multi-threaded GEMM.
+//! 3. Output, per super-block, parallel over sub-blocks: the gate `σ(LN_C(x)·Wogᵀ)` hidden-major,
+//!    then `t` gathered for the sub-block's positions hidden-major (`u[h][q]`, contiguous runs),
+//!    LN_H with statistics vectorised across positions, the gpumode gate, then one GEMM
+//!    `u·Woutᵀ` written straight into the rows of `y`; af3 adds `bz` and multiplies its gate.
 //!
 //! # Precision
 //! Storage and GEMMs are f32. Both LayerNorms take mean and variance in two passes accumulated
@@ -67,6 +72,7 @@ use rayon::prelude::*;
 use super::host_gemm::{matmul, MatMut, MatRef, Parallelism};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
+use crate::memory::ExecPlan;
 use crate::problem::{Config, Direction, Formulation, Problem, Shape, LN_EPS};
 use crate::weights::Weights;
 
@@ -112,7 +118,7 @@ pub struct CpuPrepared {
     b_out: Vec<f32>,
 }
 
-/// How positions are blocked for one problem and thread count.
+/// How positions and hidden channels are blocked for one problem, thread count and memory limit.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 struct Plan {
     /// Positions per sub-block.
@@ -121,18 +127,19 @@ struct Plan {
     subs: usize,
     /// f32 elements of one sub-block's scratch chunk.
     chunk: usize,
+    /// Hidden channels per projection + contraction pass.
+    hc: usize,
 }
 
 impl Plan {
-    fn new(config: &Config, shape: &Shape, threads: usize) -> Plan {
+    fn new(config: &Config, shape: &Shape, threads: usize, hc: usize) -> Plan {
         let m = shape.rows();
         let rows = SUB_ROWS.min(m).max(1);
         let subs = (threads.max(1) * SUBS_PER_THREAD).min(m.div_ceil(rows)).max(1);
-        // Projection: z [rows, C] + P [4H+G, rows]. Output: u [H, rows]. Problem::new bounds every
-        // tensor far below usize::MAX, and these are a tiny fraction of one.
-        let proj = rows * config.c + config.fused_proj_width() * rows;
-        let out = config.h * rows;
-        Plan { rows, subs, chunk: proj.max(out) }
+        // Projection: z [rows, C] + P [4·hc, rows]. Output: z + og [G, rows] + u [H, rows].
+        // Problem::new bounds every tensor far below usize::MAX, and these are a tiny fraction.
+        let chunk = rows * config.c + rows * (4 * hc).max(config.gate_width() + config.h);
+        Plan { rows, subs, chunk, hc }
     }
 
     fn super_rows(&self) -> usize {
@@ -146,23 +153,29 @@ pub struct CpuWorkspace {
     config: Config,
     shape: Shape,
     plan: Plan,
+    /// `[B, hc, N²]`: one hidden chunk of the left and right projections.
     left: Vec<f32>,
     right: Vec<f32>,
+    /// `[B, H, N²]`: the contraction, every channel.
     t: Vec<f32>,
-    gate: Vec<f32>,
     scratch: Vec<f32>,
 }
 
-/// Element counts of the workspace tensors: left, right, t, gate, scratch.
-fn workspace_lens(config: &Config, shape: &Shape, plan: &Plan) -> [u128; 5] {
-    let hidden = shape.rows() as u128 * config.h as u128;
-    let gate = shape.rows() as u128 * config.gate_width() as u128;
+/// Element counts of the workspace tensors: left, right, t, scratch.
+fn workspace_lens(config: &Config, shape: &Shape, plan: &Plan) -> [u128; 4] {
+    let m = shape.rows() as u128;
+    let chunk = m * plan.hc as u128;
     let scratch = plan.subs as u128 * plan.chunk as u128;
-    [hidden, hidden, hidden, gate, scratch]
+    [chunk, chunk, m * config.h as u128, scratch]
 }
 
 fn workspace_bytes_of(config: &Config, shape: &Shape, plan: &Plan) -> u128 {
     workspace_lens(config, shape, plan).iter().sum::<u128>() * 4
+}
+
+fn plan_bytes(problem: &Problem, hc: usize) -> u64 {
+    let plan = Plan::new(&problem.config, &problem.shape, rayon::current_num_threads(), hc);
+    u64::try_from(workspace_bytes_of(&problem.config, &problem.shape, &plan)).unwrap_or(u64::MAX)
 }
 
 /// A zeroed f32 vector, or `OutOfMemory` if the allocator refuses.
@@ -263,32 +276,42 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn workspace(&self, prepared: &CpuPrepared, problem: &Problem) -> Result<CpuWorkspace> {
+    fn prepared_bytes(&self, p: &CpuPrepared) -> u64 {
+        let floats = p.norm_in_w.len()
+            + p.norm_in_b.len()
+            + p.w_cat.len()
+            + p.b_cat.len()
+            + p.norm_out_w.len()
+            + p.norm_out_b.len()
+            + p.w_out_t.len()
+            + p.b_out.len();
+        floats as u64 * 4
+    }
+
+    fn workspace(&self, prepared: &CpuPrepared, problem: &Problem, limit: Option<u64>) -> Result<CpuWorkspace> {
         check_config(prepared, problem)?;
         let (config, shape) = (problem.config, problem.shape);
-        let plan = Plan::new(&config, &shape, rayon::current_num_threads());
-        let needed = workspace_bytes_of(&config, &shape, &plan);
         let available = meminfo("MemAvailable");
-        if let Some(avail) = available {
-            if needed > avail as u128 {
-                return Err(Error::OutOfMemory {
-                    backend: BackendKind::Cpu,
-                    what: format!("CPU workspace for B={} N={} C={} H={}", shape.batch, shape.n, config.c, config.h),
-                    needed: u64::try_from(needed).unwrap_or(u64::MAX),
-                    available: avail,
-                });
-            }
-        }
+        let lim = limit.unwrap_or(u64::MAX).min(available.unwrap_or(u64::MAX));
+        let what = || format!("CPU workspace for B={} N={} C={} H={}", shape.batch, shape.n, config.c, config.h);
+        let Some(hc) = crate::memory::widest_hidden_chunk(config.h, 1, lim, |hc| plan_bytes(problem, hc)) else {
+            return Err(Error::OutOfMemory {
+                backend: BackendKind::Cpu,
+                what: format!("{} (one hidden channel per pass)", what()),
+                needed: plan_bytes(problem, 1),
+                available: lim,
+            });
+        };
+        let plan = Plan::new(&config, &shape, rayon::current_num_threads(), hc);
         let avail = available.unwrap_or(0);
-        let [l, r, t, g, s] = workspace_lens(&config, &shape, &plan);
+        let [l, r, t, s] = workspace_lens(&config, &shape, &plan);
         Ok(CpuWorkspace {
             config,
             shape,
             plan,
-            left: try_zeroed(l, "left projection [B,H,N,N]", avail)?,
-            right: try_zeroed(r, "right projection [B,H,N,N]", avail)?,
+            left: try_zeroed(l, "left projection chunk [B,hc,N,N]", avail)?,
+            right: try_zeroed(r, "right projection chunk [B,hc,N,N]", avail)?,
             t: try_zeroed(t, "contraction [B,H,N,N]", avail)?,
-            gate: try_zeroed(g, "output gate", avail)?,
             scratch: try_zeroed(s, "block scratch", avail)?,
         })
     }
@@ -298,8 +321,22 @@ impl Backend for CpuBackend {
     }
 
     fn workspace_bytes(&self, _prepared: &CpuPrepared, problem: &Problem) -> u64 {
-        let plan = Plan::new(&problem.config, &problem.shape, rayon::current_num_threads());
-        u64::try_from(workspace_bytes_of(&problem.config, &problem.shape, &plan)).unwrap_or(u64::MAX)
+        plan_bytes(problem, problem.config.h)
+    }
+
+    fn min_workspace_bytes(&self, _prepared: &CpuPrepared, problem: &Problem) -> u64 {
+        plan_bytes(problem, 1)
+    }
+
+    fn exec_plan(ws: &CpuWorkspace) -> ExecPlan {
+        let plan = ws.plan;
+        ExecPlan {
+            hidden_chunk: plan.hc,
+            hidden_passes: ws.config.h.div_ceil(plan.hc),
+            output_rows: plan.super_rows().min(ws.shape.rows()),
+            gate_recomputed: true,
+            workspace_bytes: u64::try_from(workspace_bytes_of(&ws.config, &ws.shape, &plan)).unwrap_or(u64::MAX),
+        }
     }
 
     fn alloc(&self, len: usize) -> Result<Vec<f32>> {
@@ -339,24 +376,34 @@ impl Backend for CpuBackend {
         mask: Option<&[f32]>,
         y: &mut [f32],
     ) -> Result<()> {
-        check_config(prepared, problem)?;
         problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        if problem.masked != mask.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "problem says masked = {}, but a mask was {}given",
-                problem.masked,
-                if mask.is_some() { "" } else { "not " }
-            )));
-        }
-        if !self.workspace_fits(workspace, problem) {
-            return Err(Error::InvalidArgument(format!(
-                "workspace was made for B={} N={} and {:?}, not for this problem",
-                workspace.shape.batch, workspace.shape.n, workspace.config
-            )));
-        }
-        project(prepared, workspace, x, mask)?;
-        contract(workspace, problem.direction)?;
-        output(prepared, workspace, y)
+        check_call(self, prepared, workspace, problem, x.len(), mask)?;
+        run(prepared, workspace, problem, x, mask)?;
+        output(prepared, workspace, Some(x), y)
+    }
+
+    fn forward_in_place(
+        &self,
+        prepared: &CpuPrepared,
+        workspace: &mut CpuWorkspace,
+        problem: &Problem,
+        xy: &mut Vec<f32>,
+        mask: Option<&Vec<f32>>,
+    ) -> Result<()> {
+        self.forward_host_in_place(prepared, workspace, problem, xy, mask.map(Vec::as_slice))
+    }
+
+    fn forward_host_in_place(
+        &self,
+        prepared: &CpuPrepared,
+        workspace: &mut CpuWorkspace,
+        problem: &Problem,
+        xy: &mut [f32],
+        mask: Option<&[f32]>,
+    ) -> Result<()> {
+        check_call(self, prepared, workspace, problem, xy.len(), mask)?;
+        run(prepared, workspace, problem, xy, mask)?;
+        output(prepared, workspace, None, xy)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -438,6 +485,44 @@ pub fn gemm_ceiling_gflops(n: usize, repeats: usize) -> f64 {
     let mut times: Vec<f64> = (0..repeats.max(1)).filter_map(|_| once().ok()).collect();
     times.sort_by(f64::total_cmp);
     times.get(times.len() / 2).map_or(f64::NAN, |t| 2.0 * (n as f64).powi(3) / t / 1e9)
+}
+
+/// The checks every forward makes before touching memory.
+fn check_call(
+    be: &CpuBackend,
+    prepared: &CpuPrepared,
+    workspace: &CpuWorkspace,
+    problem: &Problem,
+    x_len: usize,
+    mask: Option<&[f32]>,
+) -> Result<()> {
+    check_config(prepared, problem)?;
+    problem.check_lengths(x_len, mask.map(<[f32]>::len), x_len)?;
+    if problem.masked != mask.is_some() {
+        return Err(Error::InvalidArgument(format!(
+            "problem says masked = {}, but a mask was {}given",
+            problem.masked,
+            if mask.is_some() { "" } else { "not " }
+        )));
+    }
+    if !be.workspace_fits(workspace, problem) {
+        return Err(Error::InvalidArgument(format!(
+            "workspace was made for B={} N={} and {:?}, not for this problem",
+            workspace.shape.batch, workspace.shape.n, workspace.config
+        )));
+    }
+    Ok(())
+}
+
+/// Every hidden pass: the chunk's projections, then its channels of the contraction.
+fn run(prep: &CpuPrepared, ws: &mut CpuWorkspace, problem: &Problem, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
+    let (h, hc) = (prep.config.h, ws.plan.hc);
+    for h0 in (0..h).step_by(hc) {
+        let n = hc.min(h - h0);
+        project(prep, ws, x, mask, h0, n)?;
+        contract(ws, problem.direction, h0, n)?;
+    }
+    Ok(())
 }
 
 fn check_config(prepared: &CpuPrepared, problem: &Problem) -> Result<()> {
@@ -614,19 +699,28 @@ impl Iterator for Runs {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Stage 1: LN_C, fused projection, gates.
+// Stage 1: LN_C, the left/right projections of one hidden chunk, gates and mask.
 
-fn project(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
-    let Config { c, h, formulation } = prep.config;
-    let w = prep.config.fused_proj_width();
+/// `left`/`right` for hidden channels `h0 .. h0 + n` of every position, into the workspace's
+/// `[B, n, N²]` chunk buffers.
+fn project(
+    prep: &CpuPrepared,
+    ws: &mut CpuWorkspace,
+    x: &[f32],
+    mask: Option<&[f32]>,
+    h0: usize,
+    n: usize,
+) -> Result<()> {
+    let Config { c, h, .. } = prep.config;
     let np = ws.shape.n * ws.shape.n;
     let m_total = ws.shape.rows();
     let Plan { rows, chunk, .. } = ws.plan;
     let super_rows = ws.plan.super_rows();
-    let CpuWorkspace { left, right, gate, scratch, .. } = ws;
+    let CpuWorkspace { left, right, scratch, .. } = ws;
 
-    // Pass A for one sub-block: LN_C and one GEMM P = z·Wcatᵀ, stored P[w][q] (column stride
-    // `rows`) so each of the 4H+G outputs is a contiguous run over the sub-block's positions.
+    // Pass A for one sub-block: LN_C, then P = z·Wᵀ for the chunk's rows of the four left/right
+    // projections, stored P[w][q] (column stride `rows`) with w = s·n + j for section s (lp,
+    // lg, rp, rg) and channel h0 + j, so each output is a contiguous run over positions.
     let pass_a = |sc: &mut [f32], xb: &[f32]| -> Result<()> {
         let q = xb.len() / c;
         let (z, p) = sc.split_at_mut(rows * c);
@@ -635,12 +729,22 @@ fn project(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: &[f32], mask: Option<&[
             #[inline(always)]
             || layer_norm_rows(xb, z, &prep.norm_in_w, &prep.norm_in_b),
         );
-        matmul(
-            MatMut::new(&mut p[..w * rows], q, w, 1, rows)?,
-            MatRef::new(z, q, c, c, 1)?,
-            MatRef::new(&prep.w_cat, c, w, 1, c)?,
-            Parallelism::None,
-        )
+        let zv = || MatRef::new(z, q, c, c, 1);
+        if n == h {
+            // The four sections are contiguous rows of Wcat: one GEMM.
+            let w = &prep.w_cat[..4 * h * c];
+            return matmul(
+                MatMut::new(&mut p[..4 * h * rows], q, 4 * h, 1, rows)?,
+                zv()?,
+                MatRef::new(w, c, 4 * h, 1, c)?,
+                Parallelism::None,
+            );
+        }
+        for (s, ps) in p[..4 * n * rows].chunks_exact_mut(n * rows).enumerate() {
+            let w = &prep.w_cat[(s * h + h0) * c..(s * h + h0 + n) * c];
+            matmul(MatMut::new(ps, q, n, 1, rows)?, zv()?, MatRef::new(w, c, n, 1, c)?, Parallelism::None)?;
+        }
+        Ok(())
     };
 
     for m0 in (0..m_total).step_by(super_rows) {
@@ -648,79 +752,32 @@ fn project(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: &[f32], mask: Option<&[
         let subs = (m1 - m0).div_ceil(rows);
         let scratch = &mut scratch[..subs * chunk];
         let xs = &x[m0 * c..m1 * c];
+        scratch.par_chunks_mut(chunk).zip(xs.par_chunks(rows * c)).try_for_each(|(sc, xb)| pass_a(sc, xb))?;
 
-        match formulation {
-            Formulation::GpuMode => {
-                scratch.par_chunks_mut(chunk).zip(xs.par_chunks(rows * c)).try_for_each(|(sc, xb)| pass_a(sc, xb))?
-            }
-            Formulation::Af3 => {
-                // The af3 gate multiplies y, which is position-major: apply σ to the gate rows of
-                // P while they are in this core's cache and transpose them into gate [M, C].
-                let gs = &mut gate[m0 * c..m1 * c];
-                scratch
-                    .par_chunks_mut(chunk)
-                    .zip(xs.par_chunks(rows * c))
-                    .zip(gs.par_chunks_mut(rows * c))
-                    .try_for_each(|((sc, xb), gb)| {
-                        pass_a(sc, xb)?;
-                        let p = &mut sc[rows * c + 4 * h * rows..][..c * rows];
-                        simd(
-                            #[inline(always)]
-                            || af3_gate(p, gb, &prep.b_cat[4 * h..], rows),
-                        );
-                        Ok::<(), Error>(())
-                    })?
-            }
-        }
-
-        // Pass B, per (b, h): bias, σ, mask and product for the runs of left/right (and of the
-        // gpumode gate) inside this super-block, from the contiguous runs of P.
+        // Pass B, per (b, channel): bias, σ, mask and product for the runs of left/right inside
+        // this super-block, from the contiguous runs of P.
         let scratch = &*scratch;
         let (b0, b1) = (m0 / np, (m1 - 1) / np + 1);
-        let range = b0 * h * np..b1 * h * np;
+        let range = b0 * n * np..b1 * n * np;
         let bc = &prep.b_cat;
-        let lr = || {
-            left[range.clone()].par_chunks_mut(np).zip(right[range.clone()].par_chunks_mut(np)).enumerate().for_each(
-                |(e, (lrow, rrow))| {
-                    let (b, hh) = (b0 + e / h, e % h);
-                    let runs = Runs::new(m0, m0.max(b * np), m1.min((b + 1) * np), np, rows);
-                    simd(
-                        #[inline(always)]
-                        || {
-                            for Run { p, off, len, .. } in runs {
-                                let mk = mask.map(|m| &m[b * np + p..][..len]);
-                                let col = |j: usize| p_run(scratch, chunk, rows, c, j, off, len);
-                                gated(&mut lrow[p..p + len], col(hh), col(h + hh), bc[hh], bc[h + hh], mk);
-                                let (vj, gj) = (2 * h + hh, 3 * h + hh);
-                                gated(&mut rrow[p..p + len], col(vj), col(gj), bc[vj], bc[gj], mk);
-                            }
-                        },
-                    );
-                },
-            )
-        };
-        let og = || {
-            if formulation != Formulation::GpuMode {
-                return;
-            }
-            gate[range.clone()].par_chunks_mut(np).enumerate().for_each(|(e, grow)| {
-                let (b, hh) = (b0 + e / h, e % h);
+        left[range.clone()].par_chunks_mut(np).zip(right[range].par_chunks_mut(np)).enumerate().for_each(
+            |(e, (lrow, rrow))| {
+                let (b, j) = (b0 + e / n, e % n);
+                let hh = h0 + j;
                 let runs = Runs::new(m0, m0.max(b * np), m1.min((b + 1) * np), np, rows);
-                let bias = bc[4 * h + hh];
                 simd(
                     #[inline(always)]
                     || {
                         for Run { p, off, len, .. } in runs {
-                            let src = p_run(scratch, chunk, rows, c, 4 * h + hh, off, len);
-                            for (d, &v) in grow[p..p + len].iter_mut().zip(src) {
-                                *d = sigmoid(v + bias);
-                            }
+                            let mk = mask.map(|m| &m[b * np + p..][..len]);
+                            let col = |s: usize| p_run(scratch, chunk, rows, c, s * n + j, off, len);
+                            gated(&mut lrow[p..p + len], col(0), col(1), bc[hh], bc[h + hh], mk);
+                            gated(&mut rrow[p..p + len], col(2), col(3), bc[2 * h + hh], bc[3 * h + hh], mk);
                         }
                     },
                 );
-            })
-        };
-        rayon::join(lr, og);
+            },
+        );
     }
     Ok(())
 }
@@ -732,49 +789,36 @@ fn p_run(scratch: &[f32], chunk: usize, rows: usize, c: usize, col: usize, off: 
     &scratch[(off / rows) * chunk + rows * c + col * rows + off % rows..][..len]
 }
 
-/// af3 output gate of one sub-block: `gate[q][o] = σ(P[og_o][q] + b[o])`, from `p` (the gate
-/// columns of P, `[C][rows]`) into `gate` (`[q][C]`), σ applied in place first so that loop
-/// runs over contiguous memory.
-#[inline(always)]
-fn af3_gate(p: &mut [f32], gate: &mut [f32], bias: &[f32], rows: usize) {
-    let c = bias.len();
-    let q = gate.len() / c;
-    for (prow, &b) in p.chunks_exact_mut(rows).zip(bias) {
-        for v in &mut prow[..q] {
-            *v = sigmoid(*v + b);
-        }
-    }
-    for (qi, grow) in gate.chunks_exact_mut(c).enumerate() {
-        for (o, g) in grow.iter_mut().enumerate() {
-            *g = p[o * rows + qi];
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Stage 2: the triangle contraction, one GEMM per (b, h).
 
-fn contract(ws: &mut CpuWorkspace, direction: Direction) -> Result<()> {
-    let n = ws.shape.n;
-    let np = n * n;
-    let slices = ws.shape.batch * ws.config.h;
+/// `t[b, h0 + j] = L·Rᵀ` (or `Lᵀ·R`) for the chunk's `n` channels, from the chunk buffers.
+fn contract(ws: &mut CpuWorkspace, direction: Direction, h0: usize, n: usize) -> Result<()> {
+    let nseq = ws.shape.n;
+    let np = nseq * nseq;
+    let h = ws.config.h;
+    let slices = ws.shape.batch * n;
     let threads = rayon::current_num_threads();
     // outgoing t = L·Rᵀ: rhs(k, j) = R[j][k]; incoming t = Lᵀ·R: lhs(i, k) = L[k][i].
     let one = |t: &mut [f32], l: &[f32], r: &[f32], par: Parallelism| -> Result<()> {
         let (lhs, rhs) = match direction {
-            Direction::Outgoing => (MatRef::new(l, n, n, n, 1)?, MatRef::new(r, n, n, 1, n)?),
-            Direction::Incoming => (MatRef::new(l, n, n, 1, n)?, MatRef::new(r, n, n, n, 1)?),
+            Direction::Outgoing => (MatRef::new(l, nseq, nseq, nseq, 1)?, MatRef::new(r, nseq, nseq, 1, nseq)?),
+            Direction::Incoming => (MatRef::new(l, nseq, nseq, 1, nseq)?, MatRef::new(r, nseq, nseq, nseq, 1)?),
         };
-        matmul(MatMut::new(t, n, n, n, 1)?, lhs, rhs, par)
+        matmul(MatMut::new(t, nseq, nseq, nseq, 1)?, lhs, rhs, par)
     };
     let CpuWorkspace { left, right, t, .. } = ws;
+    // The chunk's channels of t: per batch, n consecutive N×N slices.
+    let mut ts: Vec<&mut [f32]> =
+        t.chunks_mut(h * np).flat_map(|tb| tb[h0 * np..(h0 + n) * np].chunks_mut(np)).collect();
+    let (left, right) = (&left[..slices * np], &right[..slices * np]);
     if slices >= threads * SLICES_PER_THREAD {
-        t.par_chunks_mut(np)
+        ts.par_iter_mut()
             .zip(left.par_chunks(np))
             .zip(right.par_chunks(np))
             .try_for_each(|((t, l), r)| one(t, l, r, Parallelism::None))
     } else {
-        t.chunks_mut(np)
+        ts.iter_mut()
             .zip(left.chunks(np))
             .zip(right.chunks(np))
             .try_for_each(|((t, l), r)| one(t, l, r, Parallelism::Rayon(threads)))
@@ -782,25 +826,67 @@ fn contract(ws: &mut CpuWorkspace, direction: Direction) -> Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Stage 3: LN_H, output gate, output projection.
+// Stage 3: output gate (from x), LN_H, output projection.
 
-fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, y: &mut [f32]) -> Result<()> {
+/// The output stage, per sub-block of positions. `x` is `None` in place: the sub-block's rows
+/// of `x` are then the rows of `y` it is about to write, and its gate reads them first.
+fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: Option<&[f32]>, y: &mut [f32]) -> Result<()> {
     let Config { c, h, formulation } = prep.config;
+    let g = prep.config.gate_width();
     let np = ws.shape.n * ws.shape.n;
     let m_total = ws.shape.rows();
     let Plan { rows, chunk, .. } = ws.plan;
     let super_rows = ws.plan.super_rows();
-    let CpuWorkspace { t, gate, scratch, .. } = ws;
-    let (t, gate) = (t.as_slice(), gate.as_slice());
+    let CpuWorkspace { t, scratch, .. } = ws;
+    let t = t.as_slice();
 
-    // One sub-block of positions r0 .. r0 + q: u = LN_H(t) (⊙ og) hidden-major, then y = u·Woutᵀ.
-    let sub_block = |r0: usize, yb: &mut [f32], u: &mut [f32]| -> Result<()> {
+    // One sub-block of positions r0 .. r0 + q. Scratch: z [rows, C] | og [G][rows] | u [H][rows].
+    let sub_block = |r0: usize, yb: &mut [f32], sc: &mut [f32]| -> Result<()> {
         let q = yb.len() / c;
+        let (z, rest) = sc.split_at_mut(rows * c);
+        let (og, u) = rest.split_at_mut(g * rows);
         let u = &mut u[..h * rows];
-        let og = (formulation == Formulation::GpuMode).then_some(gate);
+        {
+            // og = σ(LN_C(x)·Wogᵀ + b), hidden-major like u. In place, x's rows are yb's.
+            let xb: &[f32] = match x {
+                Some(x) => &x[r0 * c..(r0 + q) * c],
+                None => &*yb,
+            };
+            let z = &mut z[..q * c];
+            simd(
+                #[inline(always)]
+                || layer_norm_rows(xb, z, &prep.norm_in_w, &prep.norm_in_b),
+            );
+            matmul(
+                MatMut::new(og, q, g, 1, rows)?,
+                MatRef::new(z, q, c, c, 1)?,
+                MatRef::new(&prep.w_cat[4 * h * c..], c, g, 1, c)?,
+                Parallelism::None,
+            )?;
+            let bias = &prep.b_cat[4 * h..];
+            simd(
+                #[inline(always)]
+                || {
+                    for (orow, &b) in og.chunks_exact_mut(rows).zip(bias) {
+                        for v in &mut orow[..q] {
+                            *v = sigmoid(*v + b);
+                        }
+                    }
+                },
+            );
+        }
         simd(
             #[inline(always)]
-            || norm_out_block(prep, t, og, u, r0, q, np, rows),
+            || {
+                norm_out_block(prep, t, u, r0, q, np, rows);
+                if formulation == Formulation::GpuMode {
+                    for (urow, orow) in u.chunks_exact_mut(rows).zip(og.chunks_exact(rows)) {
+                        for (v, &gv) in urow[..q].iter_mut().zip(&orow[..q]) {
+                            *v *= gv;
+                        }
+                    }
+                }
+            },
         );
         matmul(
             MatMut::new(yb, q, c, c, 1)?,
@@ -809,13 +895,12 @@ fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, y: &mut [f32]) -> Result<()
             Parallelism::None,
         )?;
         if formulation == Formulation::Af3 {
-            let g = &gate[r0 * c..(r0 + q) * c];
             simd(
                 #[inline(always)]
                 || {
-                    for (yrow, grow) in yb.chunks_exact_mut(c).zip(g.chunks_exact(c)) {
-                        for ((v, &g), &bz) in yrow.iter_mut().zip(grow).zip(&prep.b_out) {
-                            *v = g * (*v + bz);
+                    for (qi, yrow) in yb.chunks_exact_mut(c).enumerate() {
+                        for (o, (v, &bz)) in yrow.iter_mut().zip(&prep.b_out).enumerate() {
+                            *v = og[o * rows + qi] * (*v + bz);
                         }
                     }
                 },
@@ -831,27 +916,17 @@ fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, y: &mut [f32]) -> Result<()
             .par_chunks_mut(rows * c)
             .zip(scratch[..subs * chunk].par_chunks_mut(chunk))
             .enumerate()
-            .try_for_each(|(s, (yb, u))| sub_block(m0 + s * rows, yb, u))?;
+            .try_for_each(|(s, (yb, sc))| sub_block(m0 + s * rows, yb, sc))?;
     }
     Ok(())
 }
 
-/// `u[h][qi] = LN_H(t[·, r0 + qi])[h] (⊙ og[h, r0 + qi])` for the `q` positions from `r0`,
-/// with `u` hidden-major (`[H][rows]`). Gathered from `t` ([B, H, N²]) in contiguous runs; the
-/// statistics accumulate across the H rows so every loop runs over positions and vectorises.
-/// Two passes in f64, as for LN_C.
-#[allow(clippy::too_many_arguments)]
+/// `u[h][qi] = LN_H(t[·, r0 + qi])[h]` for the `q` positions from `r0`, with `u` hidden-major
+/// (`[H][rows]`). Gathered from `t` ([B, H, N²]) in contiguous runs; the statistics accumulate
+/// across the H rows so every loop runs over positions and vectorises. Two passes in f64, as
+/// for LN_C.
 #[inline(always)]
-fn norm_out_block(
-    prep: &CpuPrepared,
-    t: &[f32],
-    og: Option<&[f32]>,
-    u: &mut [f32],
-    r0: usize,
-    q: usize,
-    np: usize,
-    rows: usize,
-) {
+fn norm_out_block(prep: &CpuPrepared, t: &[f32], u: &mut [f32], r0: usize, q: usize, np: usize, rows: usize) {
     let h = prep.config.h;
     let mut mean = [0.0f64; SUB_ROWS];
     let mut rstd = [0.0f64; SUB_ROWS];
@@ -878,13 +953,6 @@ fn norm_out_block(
         let (wi, bi) = (prep.norm_out_w[hh], prep.norm_out_b[hh]);
         for ((v, &m), &s) in urow.iter_mut().zip(mean.iter()).zip(rstd.iter()) {
             *v = ((*v as f64 - m) * s) as f32 * wi + bi;
-        }
-        if let Some(og) = og {
-            for Run { b, p, off, len } in Runs::new(r0, r0, r0 + q, np, rows) {
-                for (v, &g) in urow[off..off + len].iter_mut().zip(&og[(b * h + hh) * np + p..][..len]) {
-                    *v *= g;
-                }
-            }
         }
     }
 }
@@ -930,7 +998,7 @@ mod tests {
     fn run_cpu(w: &Weights, pr: &Problem, x: &[f32], mask: Option<&[f32]>) -> Result<Vec<f32>> {
         let be = CpuBackend::new();
         let prep = be.prepare(w)?;
-        let mut ws = be.workspace(&prep, pr)?;
+        let mut ws = be.workspace(&prep, pr, None)?;
         let mut y = vec![f32::NAN; x.len()];
         be.forward_host(&prep, &mut ws, pr, x, mask, &mut y)?;
         Ok(y)
@@ -1001,7 +1069,7 @@ mod tests {
         let (w, pr, x, _) = inputs(&cs, 11);
         let be = CpuBackend::new();
         let prep = be.prepare(&w).unwrap();
-        let mut ws = be.workspace(&prep, &pr).unwrap();
+        let mut ws = be.workspace(&prep, &pr, None).unwrap();
         let mut y1 = vec![0.0; x.len()];
         let mut y2 = vec![0.0; x.len()];
         be.forward_host(&prep, &mut ws, &pr, &x, None, &mut y1).unwrap();
@@ -1021,7 +1089,7 @@ mod tests {
         assert!(be.forward_host(&prep, &mut ws, &incoming, &x, None, &mut y1).is_err());
         assert!(be.forward_host(&prep, &mut ws, &pr, &x[1..], None, &mut y1).is_err());
         let bytes = be.workspace_bytes(&prep, &pr);
-        let floats = ws.left.len() + ws.right.len() + ws.t.len() + ws.gate.len() + ws.scratch.len();
+        let floats = ws.left.len() + ws.right.len() + ws.t.len() + ws.scratch.len();
         assert_eq!(bytes, 4 * floats as u64);
     }
 
@@ -1032,9 +1100,9 @@ mod tests {
         let pr = Problem::new(cfg, Shape::new(4, 100_000), Direction::Outgoing, false).unwrap();
         let be = CpuBackend::new();
         let prep = be.prepare(&w).unwrap();
-        match be.workspace(&prep, &pr) {
+        match be.workspace(&prep, &pr, None) {
             Err(Error::OutOfMemory { backend: BackendKind::Cpu, needed, .. }) => {
-                assert_eq!(needed, be.workspace_bytes(&prep, &pr))
+                assert_eq!(needed, be.min_workspace_bytes(&prep, &pr))
             }
             other => panic!("expected OutOfMemory, got {:?}", other.map(|_| ())),
         }

@@ -24,6 +24,7 @@ pub(crate) mod host_gemm;
 pub mod params;
 
 use crate::error::{BackendKind, Error, Result};
+use crate::memory::ExecPlan;
 use crate::problem::Problem;
 use crate::weights::Weights;
 
@@ -82,15 +83,35 @@ pub trait Backend: Clone + Send + Sync {
     /// Fuse, cast, transpose and upload the weights of one layer. Done once per layer.
     fn prepare(&self, weights: &Weights) -> Result<Self::Prepared>;
 
-    /// Allocate the intermediates for `problem`. Fails with [`Error::OutOfMemory`] before
-    /// allocating when they cannot fit.
-    fn workspace(&self, prepared: &Self::Prepared, problem: &Problem) -> Result<Self::Workspace>;
+    /// Device bytes the prepared weights take (they count against a memory budget).
+    fn prepared_bytes(&self, prepared: &Self::Prepared) -> u64;
+
+    /// Allocate the intermediates for `problem`, planned to take at most `limit` bytes (`None`:
+    /// the widest plan, the fastest). Narrower limits split the work into hidden-channel and
+    /// row chunks (see [`crate::memory`]). Fails with [`Error::OutOfMemory`] before allocating
+    /// when no plan fits the limit or the device.
+    fn workspace(&self, prepared: &Self::Prepared, problem: &Problem, limit: Option<u64>) -> Result<Self::Workspace>;
 
     /// Whether `workspace` can serve `problem` without reallocation.
     fn workspace_fits(&self, workspace: &Self::Workspace, problem: &Problem) -> bool;
 
-    /// Device bytes a workspace for `problem` takes (for planning and reports).
+    /// Device bytes the one-pass (fastest) workspace for `problem` takes.
     fn workspace_bytes(&self, prepared: &Self::Prepared, problem: &Problem) -> u64;
+
+    /// Device bytes of the narrowest plan this backend can run `problem` with; a limit below
+    /// this cannot be met. Backends without chunked plans return [`Backend::workspace_bytes`].
+    fn min_workspace_bytes(&self, prepared: &Self::Prepared, problem: &Problem) -> u64 {
+        self.workspace_bytes(prepared, problem)
+    }
+
+    /// The plan a workspace was made with.
+    fn exec_plan(workspace: &Self::Workspace) -> ExecPlan;
+
+    /// Whether [`Backend::forward_host`] copies `x`, the mask and `y` into device buffers of its
+    /// own (GPU backends), which a memory plan made for a host forward must leave room for.
+    fn host_io_staged(&self) -> bool {
+        false
+    }
 
     /// A buffer of `len` f32 values. Contents are unspecified.
     fn alloc(&self, len: usize) -> Result<Self::Buffer>;
@@ -126,6 +147,33 @@ pub trait Backend: Clone + Send + Sync {
         mask: Option<&[f32]>,
         y: &mut [f32],
     ) -> Result<()>;
+
+    /// Enqueue one forward whose output `y` overwrites its input `x` (`xy`), for a problem made
+    /// with [`Problem::in_place`]. Backends without in-place support say so in the error.
+    fn forward_in_place(
+        &self,
+        prepared: &Self::Prepared,
+        workspace: &mut Self::Workspace,
+        problem: &Problem,
+        xy: &mut Self::Buffer,
+        mask: Option<&Self::Buffer>,
+    ) -> Result<()> {
+        let _ = (prepared, workspace, problem, xy, mask);
+        Err(Error::InvalidArgument(format!("the {} backend has no in-place mode", self.kind())))
+    }
+
+    /// [`Backend::forward_in_place`] on a host slice; returns when `xy` holds `y`.
+    fn forward_host_in_place(
+        &self,
+        prepared: &Self::Prepared,
+        workspace: &mut Self::Workspace,
+        problem: &Problem,
+        xy: &mut [f32],
+        mask: Option<&[f32]>,
+    ) -> Result<()> {
+        let _ = (prepared, workspace, problem, xy, mask);
+        Err(Error::InvalidArgument(format!("the {} backend has no in-place mode", self.kind())))
+    }
 
     /// Block until all enqueued work has finished, surfacing any deferred device error.
     fn synchronize(&self) -> Result<()>;

@@ -322,7 +322,7 @@ fn measure<B: Backend>(
         drop(layer);
         let mut workspace = {
             let prepared = backend.prepare(&weights)?;
-            backend.workspace(&prepared, &problem)?
+            backend.workspace(&prepared, &problem, None)?
         };
         for i in 0..calls {
             let k = i % sets as usize;

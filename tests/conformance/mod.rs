@@ -90,6 +90,9 @@ macro_rules! conformance_suite {
             bad_lengths_are_shape_errors,
             mismatched_weights_are_weights_errors,
             inputs_are_not_modified,
+            tight_budget_runs_in_chunks,
+            in_place_equals_out_of_place,
+            budget_below_the_minimum_is_out_of_memory,
         );
     };
     (@tests $device:expr, $profile:expr; $($name:ident),* $(,)?) => {
@@ -576,4 +579,102 @@ pub fn inputs_are_not_modified(device: &Device, p: &Profile) {
             assert_equivalent(&format!("{f} {d}: repeated call"), &y2, &y1, p.equivalent);
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory budgets, chunked plans and in-place mode
+
+/// The budget that leaves the workspace only its narrowest plan.
+fn tightest_budget(l: &TriMul, shape: Shape, masked: bool, in_place: bool) -> u64 {
+    l.memory_needs(shape, masked, in_place).expect("memory needs").min_total()
+}
+
+/// With the smallest budget the backend accepts, the forward runs its narrowest plan (several
+/// hidden passes where the backend has them) and matches both the reference and the one-pass
+/// result of the same layer.
+pub fn tight_budget_runs_in_chunks(device: &Device, p: &Profile) {
+    let s = seed("tight_budget_runs_in_chunks");
+    let cases = [Case::new(40, 2, 64, true, Dist::Normal), Case::new(33, 1, 128, true, Dist::Cauchy)];
+    let mut failures = Vec::new();
+    for (k, case) in cases.iter().enumerate() {
+        for f in FORMULATIONS {
+            for d in DIRECTIONS {
+                let w = weights(case, f, f == Formulation::Af3, mix(s, k as u64));
+                let inputs = suite::generate_inputs(case, mix(s, 10 + k as u64));
+                let mut l = layer(device, &w, d);
+                let one_pass = l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("one-pass forward");
+                let needs = l.memory_needs(case.shape(), case.masked, false).expect("needs");
+                l.set_memory_budget(Some(tightest_budget(&l, case.shape(), case.masked, false)));
+                let y = l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("forward in the budget");
+                let plan = l.exec_plan().expect("a plan after a forward");
+                if needs.min_workspace < needs.one_pass_workspace {
+                    assert!(plan.hidden_passes > 1, "{case} {f} {d}: the tightest budget ran {}", plan.describe());
+                }
+                assert!(plan.workspace_bytes <= needs.min_workspace, "{case} {f} {d}: {plan:?} vs {needs:?}");
+                assert_equivalent(&format!("{case} {f} {d} chunked vs one pass"), &y, &one_pass, 1e-3);
+                let cmp =
+                    reference::check(&w, &problem(case, f, d), &inputs.x, inputs.mask.as_deref(), &y, p.rtol, p.atol)
+                        .expect("reference");
+                if let Err(e) = judge(&format!("{case} {f} {d} ({})", plan.describe()), &cmp, p) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    finish("tight_budget_runs_in_chunks", failures);
+}
+
+/// `forward_in_place` leaves in `x` what `forward` returns, with and without a tight budget.
+pub fn in_place_equals_out_of_place(device: &Device, p: &Profile) {
+    let s = seed("in_place_equals_out_of_place");
+    let case = Case::new(36, 2, 64, true, Dist::Normal);
+    let mut failures = Vec::new();
+    for (k, f) in FORMULATIONS.into_iter().enumerate() {
+        for d in DIRECTIONS {
+            let w = weights(&case, f, false, mix(s, k as u64));
+            let inputs = suite::generate_inputs(&case, mix(s, 10 + k as u64));
+            let mut l = layer(device, &w, d);
+            let y = l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("forward");
+            for tight in [false, true] {
+                let budget = tight.then(|| tightest_budget(&l, case.shape(), case.masked, true));
+                l.set_memory_budget(budget);
+                let mut xy = inputs.x.clone();
+                l.forward_in_place(&mut xy, inputs.mask.as_deref(), case.shape()).expect("forward_in_place");
+                assert_equivalent(&format!("{f} {d} in place (tight budget: {tight})"), &xy, &y, 1e-3);
+                let cmp =
+                    reference::check(&w, &problem(&case, f, d), &inputs.x, inputs.mask.as_deref(), &xy, p.rtol, p.atol)
+                        .expect("reference");
+                if let Err(e) = judge(&format!("{f} {d} in place, tight {tight}"), &cmp, p) {
+                    failures.push(e);
+                }
+            }
+        }
+    }
+    finish("in_place_equals_out_of_place", failures);
+}
+
+/// One byte under the smallest budget, and a budget below x + y alone: `OutOfMemory` naming
+/// both byte counts, before anything is written to `y`.
+pub fn budget_below_the_minimum_is_out_of_memory(device: &Device, _p: &Profile) {
+    let case = Case::new(24, 1, 64, true, Dist::Normal);
+    let w = weights(&case, Formulation::GpuMode, false, 5);
+    let inputs = suite::generate_inputs(&case, 6);
+    let mut l = layer(device, &w, Direction::Outgoing);
+    let needs = l.memory_needs(case.shape(), true, false).expect("needs");
+    for budget in [needs.min_total() - 1, needs.io / 2] {
+        l.set_memory_budget(Some(budget));
+        let mut y = vec![f32::NAN; inputs.x.len()];
+        match l.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()) {
+            Err(Error::OutOfMemory { needed, available, what, .. }) => {
+                assert_eq!(available, budget, "{what}");
+                assert!(needed > budget && needed >= needs.min_total().min(needs.io), "{what}: {needed}");
+                assert!(what.contains("budget"), "{what}");
+            }
+            other => panic!("budget {budget} < {}: expected OutOfMemory, got {other:?}", needs.min_total()),
+        }
+        assert!(y.iter().all(|v| v.is_nan()), "a refused forward wrote into y");
+    }
+    // The same layer still runs once the budget allows it.
+    l.set_memory_budget(Some(needs.min_total()));
+    l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("forward within the minimum budget");
 }
