@@ -61,7 +61,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_GATING_THREADS) input_gating(c
       tm_u128 out;
 #pragma unroll
       for (int w = 0; w < 4; ++w) out.v[w] = tm_pack2(tm_sigmoid(o[2 * w]), tm_sigmoid(o[2 * w + 1]));
-      *(tm_u128*)(p.gate + (p.row0 + local) * (tm_i64)G + g0) = out;
+      *(tm_u128*)(p.gate + (p.row0 + local - p.buf_row0) * (tm_i64)G + g0) = out;
     }
   } else {
     for (int idx = tid; idx < nr * H; idx += nt) {
@@ -83,7 +83,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_GATING_THREADS) input_gating(c
       const tm_i64 local = first + r;
       float og = tm_h2f(p.proj[local * (tm_i64)P + 4 * H + g]);
       if (bias) og += bias[4 * H + g];
-      p.gate[(p.row0 + local) * (tm_i64)G + g] = tm_f2h(tm_sigmoid(og));
+      p.gate[(p.row0 + local - p.buf_row0) * (tm_i64)G + g] = tm_f2h(tm_sigmoid(og));
     }
   }
   tm_sync();

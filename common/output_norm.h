@@ -1,5 +1,6 @@
 // Stage 3a, output LayerNorm over the hidden width, reading the contraction result t in its
-// [B, H, N, N] layout and writing the output-projection operand a in [M, H]:
+// [B, H, N, N] layout and writing the output-projection operand a in [M, H] (gate and a start at
+// position buf_row0 in the row-chunked plan):
 //   gpumode: a = LN_H(t) ⊙ gate          af3: a = LN_H(t)
 // A block takes tile_rows consecutive positions: it loads t[b, :, position] for all h into
 // shared memory (16-byte loads along positions when the tile sits inside one batch), computes
@@ -82,7 +83,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_NORM_THREADS) output_norm(con
         v[e] = (st[(h0 + e) * (TP + 1) + r] - mean) * rstd * p.norm_out_w[h0 + e] + p.norm_out_b[h0 + e];
       }
       if (!p.af3) {
-        const tm_u128 g = *(const tm_u128*)(p.gate + row * (tm_i64)p.g + h0);
+        const tm_u128 g = *(const tm_u128*)(p.gate + (row - p.buf_row0) * (tm_i64)p.g + h0);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           v[2 * e] *= tm_lo(g.v[e]);
@@ -92,15 +93,15 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_NORM_THREADS) output_norm(con
       tm_u128 o;
 #pragma unroll
       for (int e = 0; e < 4; ++e) o.v[e] = tm_pack2(v[2 * e], v[2 * e + 1]);
-      *(tm_u128*)(p.a + row * (tm_i64)H + h0) = o;
+      *(tm_u128*)(p.a + (row - p.buf_row0) * (tm_i64)H + h0) = o;
     }
   } else {
     for (int idx = tid; idx < np * H; idx += nt) {
       const int r = idx / H, h = idx - r * H;
       const tm_i64 row = first + r;
       float v = (st[h * (TP + 1) + r] - smean[r]) * srstd[r] * p.norm_out_w[h] + p.norm_out_b[h];
-      if (!p.af3) v *= tm_h2f(p.gate[row * (tm_i64)p.g + h]);
-      p.a[row * (tm_i64)H + h] = tm_f2h(v);
+      if (!p.af3) v *= tm_h2f(p.gate[(row - p.buf_row0) * (tm_i64)p.g + h]);
+      p.a[(row - p.buf_row0) * (tm_i64)H + h] = tm_f2h(v);
     }
   }
 }

@@ -6,7 +6,7 @@
 //   x, y       [M, C] f32         z      [rows, C] f16 (one chunk of positions)
 //   proj       [rows, P] f16, P = 4H + G, columns [left_proj | left_gate | right_proj | right_gate | out_gate]
 //   left/right [B, H, N, N] f16   (the contraction layout: one N x N matrix per (b, h))
-//   gate       [M, G] f16, sigmoid already applied (G = H for gpumode, C for af3)
+//   gate       [M, G] f16, sigmoid already applied (G = H for gpumode, C for af3); rows from buf_row0
 //   t          [B, H, N, N] f16   a [M, H] f16 (output-projection operand)
 #pragma once
 
@@ -38,8 +38,14 @@ typedef struct TrimulParams {
   const tm_half* w_in;
   const float* w_in_bias;
   int k_pad, h_pad, g_pad, reserved2;
+  // Chunked plans (src/memory.rs). `gate` and `a` hold positions buf_row0 .. buf_row0 + rows
+  // only (0 in the one-pass plan, where they hold every position). The fused input kernel runs
+  // its column chunks [chunk_begin, chunk_end) (chunk_end 0: all), and `left`/`right` hold the
+  // hidden channels lr_h0 .. lr_h0 + lr_h as [B, lr_h, N, N] (lr_h 0: all H).
+  tm_i64 buf_row0;
+  int chunk_begin, chunk_end, lr_h0, lr_h;
 } TrimulParams;
 
 #if defined(__cplusplus) && __cplusplus >= 201103L
-static_assert(sizeof(TrimulParams) == 208, "TrimulParams layout must match src/backend/params.rs");
+static_assert(sizeof(TrimulParams) == 232, "TrimulParams layout must match src/backend/params.rs");
 #endif

@@ -13,6 +13,10 @@
 //     staged through shared memory and stored as 16-byte runs along positions, straight into
 //     the contraction layout [B, H, N, N];
 //   gate chunks: σ(og+b), staged and stored as 16-byte runs into gate [M, G].
+// Chunked plans (src/memory.rs) launch it on a subset: a hidden pass runs the gating chunks of
+// its channels over every position, writing [B, lr_h, N, N] chunk buffers; the output stage's
+// gate pass runs the gate chunks over one row chunk (row0, rows) into a gate buffer that starts
+// at position buf_row0.
 // The projection never touches device memory: x is read once and only left, right and the gate
 // are written, which is the byte floor of this stage.
 //
@@ -86,15 +90,22 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));        // [BM]
 
   const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const tm_i64 m_total = (tm_i64)p.batch * p.n * p.n;
-  const tm_i64 tile0 = (tm_i64)blockIdx.x * IP_BM;
+  // Positions row0 .. m_total of this launch (a row chunk of the output stage's gate pass, or
+  // every position); rows past m_total are zeros with mask 0 and are never stored.
+  const tm_i64 m_total = p.row0 + p.rows;
+  const tm_i64 tile0 = p.row0 + (tm_i64)blockIdx.x * IP_BM;
   const int C = p.c, H = p.h, G = p.g;
   const int nks = p.k_pad / IP_BK;
   const int n_gating = p.h_pad / 32;  // 32 channels (128 columns) per gating chunk
-  const int n_chunks = n_gating + p.g_pad / IP_BN;
+  // Column chunks of this launch: a hidden pass runs some gating chunks, the gate pass the gate
+  // chunks, the one-pass plan all of them.
+  const int chunk0 = p.chunk_begin;
+  const int n_chunks = p.chunk_end > 0 ? p.chunk_end : n_gating + p.g_pad / IP_BN;
+  const int lr_h0 = p.lr_h0, lr_h = p.lr_h > 0 ? p.lr_h : H;
+  const tm_i64 nn = (tm_i64)p.n * p.n;
 
   // Start streaming the first weight slice while the LayerNorm runs.
-  ip_load_b(p, ring, 0, 0, 0);
+  ip_load_b(p, ring, 0, chunk0, 0);
 
   // ---- prologue: z = LN_C(x) into shared memory. Each warp takes IP_LN_ROWS rows at a time
   // and issues all their loads before the first reduction, so a warp waits for DRAM once per
@@ -151,9 +162,8 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   // ---- main loop over column chunks and K slices (one global slice counter for the ring).
   const int warp_m = warp >> 1, warp_n = warp & 1;  // 4 x 2 warps, each 32 rows x 64 columns
   const int g = lane >> 2, tig = lane & 3;
-  const tm_i64 nn = (tm_i64)p.n * p.n;
   int slice = 0;
-  for (int chunk = 0; chunk < n_chunks; ++chunk) {
+  for (int chunk = chunk0; chunk < n_chunks; ++chunk) {
     float acc[2][8][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -234,20 +244,20 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
         const int piece = tid + i * IP_THREADS;
         const int side = piece >> 9, ch = (piece >> 4) & 31, run = piece & 15;
         const int h = chunk * 32 + ch;
-        if (h >= H) continue;
+        if (h >= H || h < lr_h0 || h >= lr_h0 + lr_h) continue;
         const tm_half* src = (side ? sr : sl) + ch * (IP_BM + 8) + run * 8;
         tm_half* out = side ? p.right : p.left;
         const tm_i64 row = tile0 + run * 8;
         if (vec) {
           // 32-bit division where the indices allow (it is several times cheaper than 64-bit).
           const tm_i64 b = small ? (tm_i64)((unsigned)row / (unsigned)nn) : row / nn, rem = row - b * nn;
-          *(uint4*)(out + (b * H + h) * nn + rem) = *(const uint4*)src;
+          *(uint4*)(out + (b * lr_h + (h - lr_h0)) * nn + rem) = *(const uint4*)src;
         } else {
           for (int e = 0; e < 8; ++e) {
             const tm_i64 rr = row + e;
             if (rr >= m_total) break;
             const tm_i64 b = rr / nn, rem = rr - b * nn;
-            out[(b * H + h) * nn + rem] = src[e];
+            out[(b * lr_h + (h - lr_h0)) * nn + rem] = src[e];
           }
         }
       }
@@ -269,6 +279,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
       __syncthreads();
       // BM rows x 16 runs of 8 gate columns = 2048 runs, 8 per thread.
       const bool vec = (G % 8 == 0);
+
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         const int piece = tid + i * IP_THREADS;
@@ -278,9 +289,9 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
         if (row >= m_total || col >= G) continue;
         const tm_half* src = stage_buf + r * (IP_BN + 8) + run * 8;
         if (vec) {
-          *(uint4*)(p.gate + row * G + col) = *(const uint4*)src;
+          *(uint4*)(p.gate + (row - p.buf_row0) * G + col) = *(const uint4*)src;
         } else {
-          for (int e = 0; e < 8 && col + e < G; ++e) p.gate[row * G + col + e] = src[e];
+          for (int e = 0; e < 8 && col + e < G; ++e) p.gate[(row - p.buf_row0) * G + col + e] = src[e];
         }
       }
     }

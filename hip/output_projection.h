@@ -83,7 +83,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_PROJECTION_THREADS)
     float v = 0.f;
     if (r < np) {
       v = (tm_h2f(st[h * OP_ST_STRIDE + r]) - smean[r]) * srstd[r] * p.norm_out_w[h] + p.norm_out_b[h];
-      if (!p.af3) v *= tm_h2f(p.gate[(first + r) * (tm_i64)G + h]);
+      if (!p.af3) v *= tm_h2f(p.gate[(first + r - p.buf_row0) * (tm_i64)G + h]);
     }
     sa[r * SA + h] = tm_f2h(v);
   }
@@ -120,7 +120,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_PROJECTION_THREADS)
           if (r < np) {
             const tm_i64 row = first + r;
             float v = (half ? acc1[e] : acc0[e]) + bias;
-            if (p.af3) v *= tm_h2f(p.gate[row * (tm_i64)G + c]);
+            if (p.af3) v *= tm_h2f(p.gate[(row - p.buf_row0) * (tm_i64)G + c]);
             p.y[row * (tm_i64)C + c] = v;
           }
         }

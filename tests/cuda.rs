@@ -168,3 +168,89 @@ fn bad_inputs_are_errors_not_panics() {
     let e = TriMul::new(&device, &bad, Options::default()).unwrap_err();
     assert!(e.to_string().contains("f16 range"), "{e}");
 }
+
+/// Chunked plans on the GPU with poisoned buffers: a tight budget out of place (left/right in
+/// y, gate recomputed per row chunk, several row chunks) and in place (four hidden passes of 32
+/// channels), on a shape large enough for multi-chunk row tails, against the reference and the
+/// one-pass plan (the same kernels; only cuBLASLt may pick other algorithms for the smaller
+/// batched and row-chunked GEMMs, which moves the last bits).
+#[test]
+fn chunked_plans_and_in_place_match_one_pass() {
+    let Some(b) = cuda() else { return };
+    let s = seed();
+    let case = Case::new(200, 2, 128, true, Dist::Cauchy);
+    for (k, (f, d)) in [
+        (Formulation::GpuMode, Direction::Outgoing),
+        (Formulation::Af3, Direction::Incoming),
+        (Formulation::Af3, Direction::Outgoing),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let problem = case.problem(f, d).unwrap();
+        let weights = Weights::random(problem.config, f == Formulation::Af3, s ^ k as u64).unwrap();
+        let inputs = suite::generate_inputs(&case, s ^ 0x5EED ^ k as u64);
+        let mut layer = Layer::new(&b, &weights, Options { direction: d, ..Default::default() }).unwrap();
+        let one_pass = {
+            let mut y = vec![f32::NAN; inputs.x.len()];
+            layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
+            y
+        };
+        assert!(!layer.exec_plan().unwrap().gate_recomputed);
+        for in_place in [false, true] {
+            let needs = layer.memory_needs(case.shape(), true, in_place).unwrap();
+            // The narrowest plan plus a little: hidden passes as narrow as they go, and row
+            // chunks of a few thousand positions (the shape has 80000).
+            layer.set_memory_budget(Some(needs.min_total() + (1 << 20)));
+            let y = if in_place {
+                let mut xy = inputs.x.clone();
+                layer.forward_in_place(&mut xy, inputs.mask.as_deref(), case.shape()).unwrap();
+                xy
+            } else {
+                let mut y = vec![f32::NAN; inputs.x.len()];
+                layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
+                y
+            };
+            let plan = layer.exec_plan().unwrap();
+            eprintln!("{f} {d} in place {in_place}: {}", plan.describe());
+            assert!(plan.gate_recomputed && plan.output_rows < case.shape().rows(), "{plan:?}");
+            if in_place {
+                assert_eq!(plan.hidden_passes, 4, "{plan:?}");
+            }
+            let same = y.iter().zip(&one_pass).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            let far = y.iter().zip(&one_pass).filter(|(a, b)| (**a - **b).abs() > 1e-3 * (1.0 + b.abs())).count();
+            eprintln!("{f} {d} in place {in_place}: {same} of {} elements bit-identical to one pass", y.len());
+            assert_eq!(far, 0, "{f} {d} in place {in_place}: chunked differs from one pass");
+            let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
+            eprintln!("{f} {d} in place {in_place}: {cmp}");
+            assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{f} {d} in place {in_place} seed {s}: {cmp}");
+            layer.set_memory_budget(None);
+        }
+    }
+}
+
+/// A budget below x + y, and an in-place device-buffer forward on a problem made for separate
+/// buffers: errors, nothing written.
+#[test]
+fn budget_errors_come_before_any_work() {
+    let Some(b) = cuda() else { return };
+    let case = Case::new(64, 1, 128, false, Dist::Normal);
+    let problem = case.problem(Formulation::GpuMode, Direction::Outgoing).unwrap();
+    let weights = Weights::random(problem.config, false, 3).unwrap();
+    let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
+    let inputs = suite::generate_inputs(&case, 4);
+    let needs = layer.memory_needs(case.shape(), false, false).unwrap();
+    layer.set_memory_budget(Some(needs.io - 1));
+    let mut y = vec![f32::NAN; inputs.x.len()];
+    let err = layer.forward_into(&inputs.x, None, &mut y, case.shape()).unwrap_err();
+    assert!(matches!(err, trimul::Error::OutOfMemory { .. }), "{err}");
+    assert!(err.to_string().contains("budget"), "{err}");
+    assert!(y.iter().all(|v| v.is_nan()));
+    // Same buffer for x and y through the out-of-place entry point is refused.
+    let mut ws = b.workspace(&b.prepare(&weights).unwrap(), &problem, None).unwrap();
+    let mut xy = b.alloc(inputs.x.len()).unwrap();
+    b.upload(&inputs.x, &mut xy).unwrap();
+    let prep = b.prepare(&weights).unwrap();
+    let e = b.forward_in_place(&prep, &mut ws, &problem, &mut xy, None).unwrap_err();
+    assert!(e.to_string().contains("in_place"), "{e}");
+}

@@ -1,6 +1,6 @@
 //! The host side of `common/params.h`: the one struct every stage kernel takes by value, shared
 //! by the CUDA and HIP backends. Field order, types and size must match the C header; both sides
-//! assert the size (208 bytes).
+//! assert the size (232 bytes).
 
 /// Mirror of `TrimulParams` in `common/params.h`. Pointers are device addresses (0 = null).
 #[repr(C)]
@@ -47,9 +47,17 @@ pub struct KernelParams {
     pub h_pad: i32,
     pub g_pad: i32,
     pub reserved2: i32,
+    /// First position held by the `gate` and `a` buffers (row-chunked output stage), else 0.
+    pub buf_row0: i64,
+    /// Column chunks of the fused input kernel to run: `[chunk_begin, chunk_end)`, 0 = all.
+    pub chunk_begin: i32,
+    pub chunk_end: i32,
+    /// `left`/`right` hold hidden channels `lr_h0 .. lr_h0 + lr_h` as `[B, lr_h, N, N]` (0 = all).
+    pub lr_h0: i32,
+    pub lr_h: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<KernelParams>() == 208);
+const _: () = assert!(std::mem::size_of::<KernelParams>() == 232);
 
 /// Threads per block of every portable stage (the `*_THREADS` constants of `common/*.h`).
 pub const STAGE_THREADS: u32 = 256;

@@ -54,6 +54,9 @@ struct Plan {
     warmup: u32,
     repeats: u32,
     fresh_weights: bool,
+    /// `--max-memory`.
+    budget: Option<u64>,
+    in_place: bool,
 }
 
 enum Outcome {
@@ -93,6 +96,13 @@ pub fn run(args: &BenchArgs) -> CliResult {
         BenchSuite::Quick => ("quick", suite::quick_bench_cases()),
         BenchSuite::Long => ("long", long_cases()),
     };
+    let cases: Vec<Case> = cases.into_iter().filter(|c| args.n.is_empty() || args.n.contains(&c.n)).collect();
+    if cases.is_empty() {
+        return Err(CliError::usage(format!("--n {:?}: no shape of suite {suite_name} has these N", args.n)));
+    }
+    if args.fresh_weights && (args.in_place || args.max_memory.is_some()) {
+        return Err(CliError::usage("--fresh-weights cannot be combined with --in-place or --max-memory"));
+    }
     // Fewer calls on the CPU, where one call of a quick shape already takes tens of ms to seconds.
     let plan = Plan {
         formulation: args.formulation.into(),
@@ -100,6 +110,8 @@ pub fn run(args: &BenchArgs) -> CliResult {
         warmup: args.warmup.unwrap_or(if gpu { 3 } else { 1 }),
         repeats: args.repeats.unwrap_or(if gpu { 15 } else { 5 }),
         fresh_weights: args.fresh_weights,
+        budget: args.max_memory,
+        in_place: args.in_place,
     };
     let seed = args.seed.unwrap_or_else(clock_seed);
     let info = device.info();
@@ -120,6 +132,13 @@ pub fn run(args: &BenchArgs) -> CliResult {
         if gpu { "device events" } else { "host clock" },
         if plan.fresh_weights { "re-prepared inside every timed call" } else { "prepared once" },
     ));
+    if plan.budget.is_some() || plan.in_place {
+        progress.out(&format!(
+            "memory: budget {}{}",
+            plan.budget.map_or("= free device memory".into(), fmt_bytes),
+            if plan.in_place { "; y written over x (in place)" } else { "" }
+        ));
+    }
     progress.set_message("measuring ceilings");
     let measured = device.measure_ceilings()?;
     let ceilings =
@@ -152,6 +171,9 @@ pub fn run(args: &BenchArgs) -> CliResult {
         match outcome {
             Outcome::Done(m) => {
                 progress.out(&row(&m));
+                if let Some(line) = plan_line(&m.result) {
+                    progress.out(&line);
+                }
                 max_sets = max_sets.max(m.sets);
                 if !gpu && (m.result.n, m.result.batch, m.result.c) == SPEED_BAR_KEY {
                     // Right after the shape, so both rates see the same load on a shared machine.
@@ -255,18 +277,25 @@ fn measure<B: Backend>(
     backend.reset_peak_memory();
     let options = Options { direction: plan.direction, ..Options::default() };
     let mut layer = Layer::new(backend, &weights, options)?;
-    let ws_bytes = layer.workspace_bytes(shape, problem.masked)?;
+    layer.set_memory_budget(plan.budget);
+    let needs = layer.memory_needs(shape, problem.masked, plan.in_place)?;
+    let ws_bytes = needs.one_pass_workspace;
 
     let (x_len, mask_len) = (problem.x_len(), if problem.masked { problem.mask_len() } else { 0 });
-    let set_bytes = 4 * (2 * x_len + mask_len) as u64;
+    let set_bytes = needs.io;
     // Host copies: the generated x and mask, and y downloaded for the check.
-    let host_bytes = set_bytes;
+    let host_bytes = 4 * (2 * x_len + mask_len) as u64;
     let host_free = CpuBackend::new().memory_info()?.map(|m| m.free);
     let device_free = backend.memory_info()?.map(|m| m.free);
     let cpu = backend.kind() == BackendKind::Cpu;
-    // On the CPU backend "device" buffers are host memory too.
-    let (host_need, device_need) =
-        if cpu { (host_bytes + set_bytes + ws_bytes, 0) } else { (host_bytes, set_bytes + ws_bytes) };
+    // On the CPU backend "device" buffers are host memory too. The layer itself refuses plans
+    // that do not fit its budget (an OutOfMemory, reported as a skip); this only avoids
+    // generating gigabytes of input for a shape that cannot run at all.
+    let (host_need, device_need) = if cpu {
+        (host_bytes + set_bytes + needs.min_workspace, 0)
+    } else {
+        (host_bytes, set_bytes + needs.min_workspace)
+    };
     if let Some(free) = host_free.filter(|&f| host_need > f) {
         return Ok(Outcome::Skipped(format!(
             "needs {} of host memory (inputs, output{}), {} available",
@@ -277,9 +306,16 @@ fn measure<B: Backend>(
     }
     if let Some(free) = device_free.filter(|&f| !cpu && device_need > f) {
         return Ok(Outcome::Skipped(format!(
-            "needs {} of device memory (x, y, workspace), {} free",
+            "needs {} of device memory (x, y, narrowest workspace), {} free",
             fmt_bytes(device_need),
             fmt_bytes(free)
+        )));
+    }
+    if let Some(budget) = plan.budget.filter(|&b| needs.min_total() > b) {
+        return Ok(Outcome::Skipped(format!(
+            "needs at least {} (weights, x, y and the narrowest workspace), the budget is {}",
+            fmt_bytes(needs.min_total()),
+            fmt_bytes(budget)
         )));
     }
 
@@ -292,20 +328,32 @@ fn measure<B: Backend>(
     };
     let mut xs = vec![upload(&inputs.x)?];
     let mut masks = vec![inputs.mask.as_deref().map(upload).transpose()?];
-    let mut ys = vec![backend.alloc(x_len)?];
+    // In place, y is x: no separate output buffers.
+    let mut ys = if plan.in_place { Vec::new() } else { vec![backend.alloc(x_len)?] };
 
     progress.set_message(format!("{}: checked forward", case.name()));
-    layer.forward_buffers(&xs[0], masks[0].as_ref(), &mut ys[0], shape)?;
+    if plan.in_place {
+        layer.forward_buffers_in_place(&mut xs[0], masks[0].as_ref(), shape)?;
+    } else {
+        layer.forward_buffers(&xs[0], masks[0].as_ref(), &mut ys[0], shape)?;
+    }
     backend.synchronize()?;
     let peak = backend.peak_memory();
+    let exec_plan = layer.exec_plan();
     let mut y = vec![0.0f32; x_len];
-    backend.download(&ys[0], &mut y)?;
+    backend.download(if plan.in_place { &xs[0] } else { &ys[0] }, &mut y)?;
     progress.set_message(format!("{}: reference check", case.name()));
     let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, RTOL, ATOL)?;
     drop(y);
     progress.inc(1);
 
-    let sets = buffer_sets(x_len as u64 * 4, set_bytes, if cpu { host_free } else { device_free }, ws_bytes);
+    let used_ws = exec_plan.map_or(ws_bytes, |p| p.workspace_bytes);
+    // Extra sets would break the budget's accounting: with one, the peak is the forward's.
+    let sets = if plan.budget.is_some() || plan.in_place {
+        1
+    } else {
+        buffer_sets(x_len as u64 * 4, set_bytes, if cpu { host_free } else { device_free }, used_ws)
+    };
     for _ in 1..sets {
         xs.push(upload(&inputs.x)?);
         masks.push(inputs.mask.as_deref().map(upload).transpose()?);
@@ -343,7 +391,13 @@ fn measure<B: Backend>(
     } else {
         for i in 0..calls {
             let k = i % sets as usize;
-            let ms = backend.elapsed_ms(&mut || layer.forward_buffers(&xs[k], masks[k].as_ref(), &mut ys[k], shape))?;
+            // In place, each call reads the previous call's y as its x: timing does not depend
+            // on the values (LayerNorm keeps them in range), and only the first call was checked.
+            let ms = if plan.in_place {
+                backend.elapsed_ms(&mut || layer.forward_buffers_in_place(&mut xs[k], masks[k].as_ref(), shape))?
+            } else {
+                backend.elapsed_ms(&mut || layer.forward_buffers(&xs[k], masks[k].as_ref(), &mut ys[k], shape))?
+            };
             if i >= plan.warmup as usize {
                 samples.push(ms);
             }
@@ -354,7 +408,8 @@ fn measure<B: Backend>(
 
     let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
         .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
-        .with_memory(peak, Some(ws_bytes));
+        .with_memory(peak, Some(used_ws))
+        .with_plan(plan.budget, exec_plan, plan.in_place);
     Ok(Outcome::Done(Box::new(Measured { result, sets })))
 }
 
@@ -410,6 +465,28 @@ fn row(m: &Measured) -> String {
         r.peak_device_bytes.map_or("-".into(), fmt_bytes),
         m.sets
     )
+}
+
+/// For runs under a budget, in place or chunked: the plan, and the peak against the budget.
+fn plan_line(r: &ShapeResult) -> Option<String> {
+    let p = r.exec_plan?;
+    if r.memory_budget_bytes.is_none() && !r.in_place && !p.is_chunked() {
+        return None;
+    }
+    let peak = r.peak_device_bytes.map_or("-".into(), fmt_bytes);
+    let budget = match (r.memory_budget_bytes, r.peak_device_bytes) {
+        (Some(b), Some(peak)) => {
+            format!(", budget {} ({})", fmt_bytes(b), if peak <= b { "peak within it" } else { "PEAK EXCEEDS IT" })
+        }
+        (Some(b), None) => format!(", budget {}", fmt_bytes(b)),
+        (None, _) => String::new(),
+    };
+    Some(format!(
+        "{:<28} plan: {}{}; peak {peak}{budget}",
+        "",
+        p.describe(),
+        if r.in_place { ", in place" } else { "" }
+    ))
 }
 
 /// `2.35×`, `23.5×`, `235×`.

@@ -110,6 +110,20 @@ pub struct BenchArgs {
     /// Seed of the inputs and weights (default: from the clock).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Device memory a forward may hold: weights, x, mask, y and workspace (e.g. 24GB, 20GiB).
+    /// Shapes whose fastest plan does not fit run in chunks; default: the device's free memory.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes_arg)]
+    pub max_memory: Option<u64>,
+    /// Write y over x (one tensor instead of two on the device).
+    #[arg(long)]
+    pub in_place: bool,
+    /// Only the shapes with these sequence lengths (comma-separated), e.g. `--n 4096,8192`.
+    #[arg(long, value_name = "N,...", value_delimiter = ',')]
+    pub n: Vec<usize>,
+}
+
+fn parse_bytes_arg(s: &str) -> std::result::Result<u64, String> {
+    trimul::memory::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 #[derive(Args, Debug)]
@@ -130,6 +144,12 @@ pub struct RunArgs {
     /// Read the weights under this name prefix (e.g. `pairformer.0.tri_mul_out.`).
     #[arg(long)]
     pub prefix: Option<String>,
+    /// Device memory the forward may hold (e.g. 24GB); default: the device's free memory.
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes_arg)]
+    pub max_memory: Option<u64>,
+    /// Compute y in the memory of x (halves the largest tensors on the device).
+    #[arg(long)]
+    pub in_place: bool,
 }
 
 #[derive(Args, Debug)]

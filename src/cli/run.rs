@@ -32,21 +32,31 @@ pub fn run(args: &RunArgs) -> CliResult {
     progress.set_message(format!("forward on {}", device.kind()));
     let start = Instant::now();
     let mut layer = TriMul::new(&device, &weights, Options { direction, ..Options::default() })?;
-    let y = layer.forward(&input.x, input.mask.as_deref(), input.shape())?;
+    layer.set_memory_budget(args.max_memory);
+    let shape = input.shape();
+    let masked = input.mask.is_some();
+    let y = if args.in_place {
+        let mut xy = input.x;
+        layer.forward_in_place(&mut xy, input.mask.as_deref(), shape)?;
+        xy
+    } else {
+        layer.forward(&input.x, input.mask.as_deref(), shape)?
+    };
     let seconds = start.elapsed().as_secs_f64();
+    let plan = layer.exec_plan().map_or_else(String::new, |p| format!(" ({})", p.describe()));
 
     progress.set_message(format!("writing {}", args.output.display()));
     io::write_output(&args.output, &y, input.batch, input.n, input.c)?;
     progress.finish();
     eprintln!(
         "trimul run: {} {direction}, B={} N={} C={} H={}, {}; {} ({}): {:.1} ms including weight preparation \
-         and transfers; wrote {}",
+         and transfers{plan}; wrote {}",
         config.formulation,
         input.batch,
         input.n,
         config.c,
         config.h,
-        if input.mask.is_some() { "masked" } else { "no mask" },
+        if masked { "masked" } else { "no mask" },
         device.kind(),
         device_summary(device.kind(), &device.info()),
         seconds * 1e3,

@@ -251,6 +251,16 @@ pub struct ShapeResult {
     /// Bytes of the backend's workspace for this shape.
     #[serde(default)]
     pub workspace_bytes: Option<u64>,
+    /// The memory budget the forward ran under (`trimul bench --max-memory`); `None`: the
+    /// device's free memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_budget_bytes: Option<u64>,
+    /// How the forward was split to fit (hidden passes, row chunks), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exec_plan: Option<crate::memory::ExecPlan>,
+    /// `y` overwrote `x`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_place: bool,
 }
 
 impl ShapeResult {
@@ -295,6 +305,9 @@ impl ShapeResult {
             passed: None,
             peak_device_bytes: None,
             workspace_bytes: None,
+            memory_budget_bytes: None,
+            exec_plan: None,
+            in_place: false,
         })
     }
 
@@ -303,6 +316,19 @@ impl ShapeResult {
         self.max_abs_err = Some(max_abs_err);
         self.rel_l2_err = Some(rel_l2_err);
         self.passed = Some(passed);
+        self
+    }
+
+    /// Records the memory budget, the plan the backend chose and whether `y` overwrote `x`.
+    pub fn with_plan(
+        mut self,
+        budget: Option<u64>,
+        plan: Option<crate::memory::ExecPlan>,
+        in_place: bool,
+    ) -> ShapeResult {
+        self.memory_budget_bytes = budget;
+        self.exec_plan = plan;
+        self.in_place = in_place;
         self
     }
 

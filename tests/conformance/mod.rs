@@ -589,9 +589,8 @@ fn tightest_budget(l: &TriMul, shape: Shape, masked: bool, in_place: bool) -> u6
     l.memory_needs(shape, masked, in_place).expect("memory needs").min_total()
 }
 
-/// With the smallest budget the backend accepts, the forward runs its narrowest plan (several
-/// hidden passes where the backend has them) and matches both the reference and the one-pass
-/// result of the same layer.
+/// With the smallest budget the backend accepts, the forward runs its narrowest plan and matches
+/// both the reference and the one-pass result of the same layer.
 pub fn tight_budget_runs_in_chunks(device: &Device, p: &Profile) {
     let s = seed("tight_budget_runs_in_chunks");
     let cases = [Case::new(40, 2, 64, true, Dist::Normal), Case::new(33, 1, 128, true, Dist::Cauchy)];
@@ -608,7 +607,13 @@ pub fn tight_budget_runs_in_chunks(device: &Device, p: &Profile) {
                 let y = l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("forward in the budget");
                 let plan = l.exec_plan().expect("a plan after a forward");
                 if needs.min_workspace < needs.one_pass_workspace {
-                    assert!(plan.hidden_passes > 1, "{case} {f} {d}: the tightest budget ran {}", plan.describe());
+                    // Out of place a GPU keeps left/right in y, so its narrowest plan may need
+                    // one hidden pass; it still must not be the one-pass plan.
+                    assert!(
+                        plan.hidden_passes > 1 || plan.gate_recomputed,
+                        "{case} {f} {d}: the tightest budget ran {}",
+                        plan.describe()
+                    );
                 }
                 assert!(plan.workspace_bytes <= needs.min_workspace, "{case} {f} {d}: {plan:?} vs {needs:?}");
                 assert_equivalent(&format!("{case} {f} {d} chunked vs one pass"), &y, &one_pass, 1e-3);
@@ -624,7 +629,8 @@ pub fn tight_budget_runs_in_chunks(device: &Device, p: &Profile) {
     finish("tight_budget_runs_in_chunks", failures);
 }
 
-/// `forward_in_place` leaves in `x` what `forward` returns, with and without a tight budget.
+/// `forward_in_place` leaves in `x` what `forward` returns, with and without a tight budget (the
+/// tight one forces several hidden passes wherever the backend has them).
 pub fn in_place_equals_out_of_place(device: &Device, p: &Profile) {
     let s = seed("in_place_equals_out_of_place");
     let case = Case::new(36, 2, 64, true, Dist::Normal);
@@ -640,6 +646,11 @@ pub fn in_place_equals_out_of_place(device: &Device, p: &Profile) {
                 l.set_memory_budget(budget);
                 let mut xy = inputs.x.clone();
                 l.forward_in_place(&mut xy, inputs.mask.as_deref(), case.shape()).expect("forward_in_place");
+                let needs = l.memory_needs(case.shape(), case.masked, true).expect("needs");
+                if tight && needs.min_workspace < needs.one_pass_workspace {
+                    let plan = l.exec_plan().expect("plan");
+                    assert!(plan.hidden_passes > 1, "{f} {d}: tight in-place budget ran {}", plan.describe());
+                }
                 assert_equivalent(&format!("{f} {d} in place (tight budget: {tight})"), &xy, &y, 1e-3);
                 let cmp =
                     reference::check(&w, &problem(&case, f, d), &inputs.x, inputs.mask.as_deref(), &xy, p.rtol, p.atol)

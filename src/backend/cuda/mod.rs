@@ -37,6 +37,7 @@ use super::params::{self, FusedInputLayout, KernelParams, FUSED_INPUT_ROWS, INPU
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
+use crate::memory::ExecPlan;
 use crate::problem::{Formulation, Problem, Shape, LN_EPS};
 use crate::weights::Weights;
 
@@ -241,8 +242,12 @@ impl CudaBackend {
         if !self.workspace_fits(ws, problem) {
             return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
         }
-        if x == y {
-            return Err(Error::InvalidArgument("y must not alias x (in-place mode is not supported)".into()));
+        if (x == y) != problem.in_place {
+            return Err(Error::InvalidArgument(if problem.in_place {
+                "an in-place forward needs y = x".into()
+            } else {
+                "y must not alias x (use the in-place forward to overwrite x)".into()
+            }));
         }
         for (name, ptr) in [("x", x), ("mask", mask), ("y", y)] {
             if ptr % 16 != 0 {
@@ -258,10 +263,18 @@ impl CudaBackend {
         let m = problem.shape.rows();
         let k = &inner.kernels;
         if inner.poison.load(Ordering::Relaxed) {
-            for b in [&mut ws.left, &mut ws.right, &mut ws.gate, &mut ws.t] {
-                b.memset_async(POISON_BYTE, stream)?;
+            ws.t.memset_async(POISON_BYTE, stream)?;
+            match &mut ws.layout {
+                Layout::OnePass { left, right, gate, .. } => {
+                    for b in [left, right, gate] {
+                        b.memset_async(POISON_BYTE, stream)?;
+                    }
+                }
+                Layout::Chunked { scratch, .. } => scratch.memset_async(POISON_BYTE, stream)?,
             }
-            cu::memset_d8_async(y, POISON_BYTE, m * c * 4, stream).ctx("cuMemsetD8Async(y)")?;
+            if !problem.in_place {
+                cu::memset_d8_async(y, POISON_BYTE, m * c * 4, stream).ctx("cuMemsetD8Async(y)")?;
+            }
         }
         let base = KernelParams {
             x,
@@ -271,11 +284,7 @@ impl CudaBackend {
             proj_bias: prep.proj_bias.as_ref().map_or(0, |b| b.ptr()),
             norm_out_w: prep.norm_out_w.ptr(),
             norm_out_b: prep.norm_out_b.ptr(),
-            left: ws.left.ptr(),
-            right: ws.right.ptr(),
-            gate: ws.gate.ptr(),
             t: ws.t.ptr(),
-            a: ws.left.ptr(),
             y,
             batch: problem.shape.batch as i32,
             n: problem.shape.n as i32,
@@ -289,9 +298,20 @@ impl CudaBackend {
         };
 
         self.mark("start", stream)?;
+        let (left, right, gate) = match &ws.layout {
+            Layout::OnePass { left, right, gate, .. } => (left.ptr(), right.ptr(), gate.ptr()),
+            Layout::Chunked { plan, scratch } => {
+                let plan = *plan;
+                let scratch = scratch.ptr();
+                return self.enqueue_chunked(prep, ws, plan, scratch, &base, m, stream);
+            }
+        };
+        let base = KernelParams { left, right, gate, a: left, ..base };
         // 1. LN_C, input projections and gating.
         let fused = match (&prep.fused, self.fused_kernel_for(prep, problem)) {
-            (Some(f), Some(kernel)) if ws.chunked.is_none() => Some((f, kernel)),
+            (Some(f), Some(kernel)) if matches!(ws.layout, Layout::OnePass { blas_input: None, .. }) => {
+                Some((f, kernel))
+            }
             _ => None,
         };
         if let Some((f, kernel)) = fused {
@@ -308,12 +328,13 @@ impl CudaBackend {
             };
             kernel.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, f.smem_bytes() as u32, stream, &kp)?;
         } else {
-            self.enqueue_chunked_input(prep, ws, &base, m, stream)?;
+            self.enqueue_blas_input(prep, ws, &base, m, stream)?;
         }
 
         self.mark("input (LN, projections, gating)", stream)?;
-        // 2. contraction over the B·H matrices; y is dead until step 3, so it lends the workspace.
-        ws.contraction.run(&inner.blas, ws.right.ptr(), ws.left.ptr(), ws.t.ptr(), 0, y, m * c * 4, stream)?;
+        // 2. contraction over the B·H matrices; y (or, in place, x) is dead until step 3, so it
+        // lends the workspace.
+        ws.contraction.run(&inner.blas, right, left, ws.t.ptr(), 0, y, m * c * 4, stream)?;
         self.mark("contraction", stream)?;
 
         // 3. LN_H (+ gate) into `a` (= left), output GEMM (+ bias) into y; right lends the workspace.
@@ -323,16 +344,7 @@ impl CudaBackend {
         k.output_norm.launch(ceil_div(m, tp), STAGE_THREADS, smem, stream, &kp)?;
         self.mark("output LayerNorm", stream)?;
         let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
-        ws.output.run(
-            &inner.blas,
-            prep.w_out.ptr(),
-            ws.left.ptr(),
-            y,
-            bias,
-            ws.right.ptr(),
-            ws.right.bytes() as usize,
-            stream,
-        )?;
+        ws.output.run(&inner.blas, prep.w_out.ptr(), left, y, bias, right, m * h * 2, stream)?;
         self.mark("output GEMM", stream)?;
         if cfg.formulation == Formulation::Af3 {
             let grid = ceil_div(m * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
@@ -368,7 +380,7 @@ impl CudaBackend {
     ///
     /// # Safety
     /// As [`CudaBackend::enqueue`]; `base` holds that call's pointers.
-    unsafe fn enqueue_chunked_input(
+    unsafe fn enqueue_blas_input(
         &self,
         prep: &CudaPrepared,
         ws: &mut CudaWorkspace,
@@ -381,7 +393,7 @@ impl CudaBackend {
         let h = base.h as usize;
         let t_bytes = ws.t.bytes() as usize;
         let z = ws.t.ptr();
-        let Some(chunked) = ws.chunked.as_mut() else {
+        let Layout::OnePass { blas_input: Some(chunked), .. } = &mut ws.layout else {
             return Err(Error::InvalidArgument("workspace has no chunked-projection plan".into()));
         };
         let scratch = chunked.scratch;
@@ -408,6 +420,164 @@ impl CudaBackend {
             k.input_gating.launch(ceil_div(rows, tr), STAGE_THREADS, smem, stream, &kp)?;
             row0 += rows;
         }
+        Ok(())
+    }
+
+    /// The fused input kernel a chunked plan runs with, whatever the number of positions
+    /// (hidden passes and the gate pass need its column-chunk selection); `None` when this layer
+    /// has no fused weights or the GPU no such kernel.
+    fn chunk_kernel(&self, prep: &CudaPrepared) -> Option<&kernels::Stage> {
+        let k = &self.inner.kernels;
+        let f = prep.fused.as_ref()?;
+        let two_fit = 2 * (f.smem_bytes() + 1024) <= self.inner.smem_per_sm;
+        if f.layout.k_pad <= 128 && two_fit {
+            k.input_projection.as_ref()
+        } else {
+            k.input_projection_wide.as_ref()
+        }
+    }
+
+    fn chunked_workspace(&self, prepared: &CudaPrepared, problem: &Problem, plan: ChunkPlan) -> Result<CudaWorkspace> {
+        let cfg = problem.config;
+        let (m, b) = (problem.shape.rows(), problem.shape.batch);
+        let blas = &self.inner.blas;
+        let contraction = |hc: usize| {
+            MatmulPlan::new(
+                blas,
+                GemmSpec::contraction(problem.direction, hc, problem.shape.n),
+                Elem::F16,
+                false,
+                plan.cws,
+            )
+        };
+        let output = |rows: usize| {
+            MatmulPlan::new(
+                blas,
+                GemmSpec::output(rows, cfg.c, cfg.h),
+                Elem::F32,
+                prepared.out_bias.is_some(),
+                plan.ows,
+            )
+        };
+        let (h_tail, m_tail) = (cfg.h % plan.hc, m % plan.out_rows);
+        let _ = b;
+        Ok(CudaWorkspace {
+            problem: *problem,
+            layout: Layout::Chunked { plan, scratch: self.alloc_buffer(plan.scratch_bytes)? },
+            t: self.alloc_buffer(m * cfg.h)?,
+            contraction: contraction(plan.hc)?,
+            contraction_tail: if h_tail > 0 { Some(contraction(h_tail)?) } else { None },
+            output: output(plan.out_rows)?,
+            output_tail: if m_tail > 0 { Some(output(m_tail)?) } else { None },
+            staging: None,
+        })
+    }
+
+    /// The chunked plan (see [`ChunkPlan`] and [`crate::memory`]): hidden passes of the fused
+    /// input kernel and the contraction, then the output stage per row chunk with the gate
+    /// recomputed from x. In place, each row chunk reads its rows of x (the gate) before the
+    /// output GEMM writes them.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue`]; `scratch` is the workspace's scratch buffer of
+    /// `plan.scratch_bytes` bytes and `base` holds the call's pointers.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_chunked(
+        &self,
+        prep: &CudaPrepared,
+        ws: &mut CudaWorkspace,
+        plan: ChunkPlan,
+        scratch: CUdeviceptr,
+        base: &KernelParams,
+        m: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let (Some(f), Some(kernel)) = (prep.fused.as_ref(), self.chunk_kernel(prep)) else {
+            return Err(Error::InvalidArgument("a chunked plan needs the fused input kernel".into()));
+        };
+        let (c, h) = (base.c as usize, base.h as usize);
+        let (batch, nn) = (ws.problem.shape.batch, ws.problem.shape.n * ws.problem.shape.n);
+        let fused = KernelParams {
+            w_in: f.w.ptr(),
+            w_in_bias: f.bias.as_ref().map_or(0, |b| b.ptr()),
+            k_pad: f.layout.k_pad as i32,
+            h_pad: f.layout.h_pad as i32,
+            g_pad: f.layout.g_pad as i32,
+            ..*base
+        };
+        let smem = f.smem_bytes() as u32;
+        let n_gating = f.layout.h_pad / 32;
+
+        // Phase A: per hidden pass, left/right of its channels for every position, then its
+        // channels of t, one strided-batched GEMM per batch (t's channels of a pass are
+        // contiguous within a batch only).
+        let (lr, cws) = if plan.lr_in_y { (base.y, scratch) } else { (scratch, scratch + plan.cws_off as u64) };
+        let (left, right) = (lr, lr + plan.lr_bytes as u64);
+        for h0 in (0..h).step_by(plan.hc) {
+            let n = plan.hc.min(h - h0);
+            let kp = KernelParams {
+                row0: 0,
+                rows: m as i64,
+                left,
+                right,
+                chunk_begin: (h0 / 32) as i32,
+                chunk_end: (h0 + n).div_ceil(32) as i32,
+                lr_h0: h0 as i32,
+                lr_h: n as i32,
+                ..fused
+            };
+            kernel.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
+            let gemm = if n == plan.hc {
+                &mut ws.contraction
+            } else {
+                ws.contraction_tail.as_mut().unwrap_or(&mut ws.contraction)
+            };
+            if gemm.spec().batch != n {
+                return Err(Error::InvalidArgument(format!("no contraction plan for a pass of {n} channels")));
+            }
+            for b in 0..batch {
+                let off = (b * n * nn * 2) as u64;
+                let t = ws.t.ptr() + ((b * h + h0) * nn * 2) as u64;
+                gemm.run(&inner.blas, right + off, left + off, t, 0, cws, plan.cws, stream)?;
+            }
+        }
+        self.mark("hidden passes (input projections, contraction)", stream)?;
+
+        // Phase B: per row chunk, the gate from x, LN_H (⊙ gate), the output GEMM (+ bias) into
+        // y's rows, and af3's gate.
+        let (gate, a, ows) =
+            (scratch + plan.gate_off as u64, scratch + plan.a_off as u64, scratch + plan.ows_off as u64);
+        let k = &inner.kernels;
+        let tp = params::output_norm_tile_rows(h);
+        let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = plan.out_rows.min(m - r0);
+            let chunk = KernelParams { row0: r0 as i64, rows: rows as i64, gate, a, buf_row0: r0 as i64, ..fused };
+            let kp = KernelParams {
+                chunk_begin: n_gating as i32,
+                chunk_end: (n_gating + f.layout.g_pad / 128) as i32,
+                ..chunk
+            };
+            kernel.launch(ceil_div(rows, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
+            let kp = KernelParams { tile_rows: tp as i32, ..chunk };
+            let norm_smem = params::output_norm_smem_bytes(h, tp) as u32;
+            k.output_norm.launch(ceil_div(rows, tp), STAGE_THREADS, norm_smem, stream, &kp)?;
+            let gemm =
+                if rows == plan.out_rows { &mut ws.output } else { ws.output_tail.as_mut().unwrap_or(&mut ws.output) };
+            if gemm.spec().n != rows {
+                return Err(Error::InvalidArgument(format!("no output plan for a chunk of {rows} rows")));
+            }
+            gemm.run(&inner.blas, prep.w_out.ptr(), a, base.y + (r0 * c * 4) as u64, bias, ows, plan.ows, stream)?;
+            if base.af3 != 0 {
+                let grid = ceil_div(rows * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
+                let kp = KernelParams { tile_rows: grid as i32, ..chunk };
+                k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &kp)?;
+            }
+            r0 += rows;
+        }
+        self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)?;
         Ok(())
     }
 }
@@ -479,19 +649,122 @@ impl Scratch {
 /// Intermediates and GEMM plans for one problem shape.
 pub struct CudaWorkspace {
     problem: Problem,
-    left: DeviceBuffer<u16>,
-    right: DeviceBuffer<u16>,
-    gate: DeviceBuffer<u16>,
+    layout: Layout,
+    /// `[B, H, N, N]` f16, the contraction (plus, in the one-pass cuBLASLt input path, that
+    /// path's scratch before the contraction runs).
     t: DeviceBuffer<u16>,
-    /// The chunked stage-1 path's scratch plan and projection GEMMs (None with the fused kernel).
-    chunked: Option<ChunkedInput>,
+    /// One-pass: all `B·H` matrices. Chunked: the `hc` matrices of one batch and pass.
     contraction: MatmulPlan,
+    /// Chunked: the last pass when `hc` does not divide H.
+    contraction_tail: Option<MatmulPlan>,
+    /// One-pass: all M rows. Chunked: one row chunk.
     output: MatmulPlan,
+    /// Chunked: the last row chunk when it is shorter.
+    output_tail: Option<MatmulPlan>,
     /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use.
     staging: Option<Staging>,
 }
 
-struct ChunkedInput {
+/// Where the intermediates live. One per workspace, so the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum Layout {
+    /// Everything at once: left, right and the gate for every position.
+    OnePass {
+        left: DeviceBuffer<u16>,
+        right: DeviceBuffer<u16>,
+        gate: DeviceBuffer<u16>,
+        /// The cuBLASLt stage-1 path's scratch plan and projection GEMMs (None with the fused kernel).
+        blas_input: Option<BlasInput>,
+    },
+    /// Hidden passes and row chunks within a memory limit (see [`crate::memory`]).
+    Chunked { plan: ChunkPlan, scratch: DeviceBuffer<u8> },
+}
+
+/// Bytes of one chunked plan: the `[B, H, N, N]` t and one scratch buffer shared by the two
+/// phases (they never overlap in time). Offsets are in bytes, 256-aligned.
+///
+/// Hidden pass (phase A): `left`/`right` chunks `[B, hc, N, N]` f16 and the contraction's
+/// workspace. Out of place, the chunks live in the caller's `y` (`M·C·4` bytes, dead until the
+/// output stage) whenever they fit there, so they cost nothing; in place (`y` is `x`, which
+/// every pass reads) they take scratch. Output stage (phase B), per row chunk: the gate
+/// `[rows, G]`, the output GEMM's operand `a` `[rows, H]` and its workspace.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct ChunkPlan {
+    hc: usize,
+    lr_in_y: bool,
+    /// Bytes of one of the left/right chunk buffers.
+    lr_bytes: usize,
+    /// Contraction workspace: at scratch offset `cws_off`.
+    cws_off: usize,
+    cws: usize,
+    out_rows: usize,
+    gate_off: usize,
+    a_off: usize,
+    ows_off: usize,
+    ows: usize,
+    scratch_bytes: usize,
+    t_bytes: usize,
+}
+
+impl ChunkPlan {
+    /// Largest row chunk of the output stage: beyond a million positions launches are noise.
+    const MAX_OUT_ROWS: usize = 1 << 20;
+
+    fn new(problem: &Problem, hc: usize, out_rows: usize) -> ChunkPlan {
+        let cfg = problem.config;
+        let m = problem.shape.rows();
+        let lr_bytes = round_up(m * hc * 2, 256);
+        let lr_in_y = !problem.in_place && 2 * lr_bytes <= m * cfg.c * 4;
+        let cws = round_up((m * hc / 2).min(MAX_GEMM_WORKSPACE), 256);
+        let cws_off = if lr_in_y { 0 } else { 2 * lr_bytes };
+        let gate_bytes = round_up(out_rows * cfg.gate_width() * 2, 256);
+        let a_bytes = round_up(out_rows * cfg.h * 2, 256);
+        let ows = round_up((out_rows * cfg.h / 2).min(8 << 20), 256);
+        ChunkPlan {
+            hc,
+            lr_in_y,
+            lr_bytes,
+            cws_off,
+            cws,
+            out_rows,
+            gate_off: 0,
+            a_off: gate_bytes,
+            ows_off: gate_bytes + a_bytes,
+            ows,
+            scratch_bytes: (cws_off + cws).max(gate_bytes + a_bytes + ows),
+            t_bytes: m * cfg.h * 2,
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        (self.t_bytes + self.scratch_bytes) as u64
+    }
+
+    /// The narrowest plan: 32 channels per pass (the fused kernel's granularity), 128 rows.
+    fn narrowest(problem: &Problem) -> ChunkPlan {
+        ChunkPlan::new(problem, problem.config.h.min(32), problem.shape.rows().min(FUSED_INPUT_ROWS))
+    }
+
+    /// The widest hidden chunk that fits `limit`, then the largest row chunk (halving from
+    /// [`ChunkPlan::MAX_OUT_ROWS`], multiples of 128) that still fits.
+    fn choose(problem: &Problem, limit: u64) -> Option<ChunkPlan> {
+        let m = problem.shape.rows();
+        let min_rows = m.min(FUSED_INPUT_ROWS);
+        let hc = crate::memory::widest_hidden_chunk(problem.config.h, 32, limit, |hc| {
+            ChunkPlan::new(problem, hc, min_rows).bytes()
+        })?;
+        let mut rows = m.min(Self::MAX_OUT_ROWS);
+        loop {
+            let plan = ChunkPlan::new(problem, hc, rows);
+            if plan.bytes() <= limit || rows <= min_rows {
+                return (plan.bytes() <= limit).then_some(plan);
+            }
+            rows = (rows / 2 / FUSED_INPUT_ROWS * FUSED_INPUT_ROWS).max(min_rows);
+        }
+    }
+}
+
+struct BlasInput {
     scratch: Scratch,
     proj_full: MatmulPlan,
     proj_tail: Option<MatmulPlan>,
@@ -500,7 +773,8 @@ struct ChunkedInput {
 struct Staging {
     x: DeviceBuffer<f32>,
     mask: Option<DeviceBuffer<f32>>,
-    y: DeviceBuffer<f32>,
+    /// None for in-place forwards (y is x).
+    y: Option<DeviceBuffer<f32>>,
 }
 
 impl Backend for CudaBackend {
@@ -554,6 +828,19 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn prepared_bytes(&self, p: &CudaPrepared) -> u64 {
+        let f = p.fused.as_ref().map_or(0, |f| f.w.bytes() + f.bias.as_ref().map_or(0, |b| b.bytes()));
+        let opt = |b: &Option<DeviceBuffer<f32>>| b.as_ref().map_or(0, |b| b.bytes());
+        f + p.w_in.bytes()
+            + p.w_out.bytes()
+            + opt(&p.proj_bias)
+            + opt(&p.out_bias)
+            + p.norm_in_w.bytes()
+            + p.norm_in_b.bytes()
+            + p.norm_out_w.bytes()
+            + p.norm_out_b.bytes()
+    }
+
     fn workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {
         let m = problem.shape.rows() as u64;
         let cfg = problem.config;
@@ -562,23 +849,83 @@ impl Backend for CudaBackend {
         2 * (2 * m * cfg.h as u64 + m * cfg.gate_width() as u64) + t_bytes
     }
 
-    fn workspace(&self, prepared: &CudaPrepared, problem: &Problem) -> Result<CudaWorkspace> {
-        let needed = self.workspace_bytes(prepared, problem);
-        if let Some(mem) = self.memory_info()? {
-            if needed > mem.free {
+    fn min_workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {
+        let one_pass = self.workspace_bytes(prepared, problem);
+        match self.chunk_kernel(prepared) {
+            Some(_) => one_pass.min(ChunkPlan::narrowest(problem).bytes()),
+            None => one_pass,
+        }
+    }
+
+    fn exec_plan(ws: &CudaWorkspace) -> ExecPlan {
+        let h = ws.problem.config.h;
+        match &ws.layout {
+            Layout::OnePass { left, right, gate, .. } => ExecPlan {
+                hidden_chunk: h,
+                hidden_passes: 1,
+                output_rows: ws.problem.shape.rows(),
+                gate_recomputed: false,
+                workspace_bytes: left.bytes() + right.bytes() + gate.bytes() + ws.t.bytes(),
+            },
+            Layout::Chunked { plan, .. } => ExecPlan {
+                hidden_chunk: plan.hc,
+                hidden_passes: h.div_ceil(plan.hc),
+                output_rows: plan.out_rows,
+                gate_recomputed: true,
+                workspace_bytes: plan.bytes(),
+            },
+        }
+    }
+
+    fn host_io_staged(&self) -> bool {
+        true
+    }
+
+    fn workspace(&self, prepared: &CudaPrepared, problem: &Problem, limit: Option<u64>) -> Result<CudaWorkspace> {
+        let one_pass = self.workspace_bytes(prepared, problem);
+        let free = self.memory_info()?.map(|m| m.free);
+        let limit = limit.unwrap_or(u64::MAX);
+        let what = || {
+            format!(
+                "the workspace for B={} N={} C={} H={}",
+                problem.shape.batch, problem.shape.n, problem.config.c, problem.config.h
+            )
+        };
+        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        if one_pass > limit {
+            let Some(_) = self.chunk_kernel(prepared) else {
                 return Err(Error::OutOfMemory {
                     backend: BackendKind::Cuda,
-                    what: format!("the workspace for B={} N={}", problem.shape.batch, problem.shape.n),
-                    needed,
-                    available: mem.free,
+                    what: format!(
+                        "{} (chunked plans need the fused input kernel: sm_80 or newer, C a multiple of 4 and at most 512)",
+                        what()
+                    ),
+                    needed: one_pass,
+                    available: limit,
                 });
-            }
+            };
+            let Some(plan) = ChunkPlan::choose(problem, limit.min(free.unwrap_or(u64::MAX))) else {
+                return Err(Error::OutOfMemory {
+                    backend: BackendKind::Cuda,
+                    what: format!("{} (narrowest chunked plan)", what()),
+                    needed: ChunkPlan::narrowest(problem).bytes(),
+                    available: limit.min(free.unwrap_or(u64::MAX)),
+                });
+            };
+            return self.chunked_workspace(prepared, problem, plan);
+        }
+        if let Some(free) = free.filter(|&f| one_pass > f) {
+            return Err(Error::OutOfMemory {
+                backend: BackendKind::Cuda,
+                what: what(),
+                needed: one_pass,
+                available: free,
+            });
         }
         let cfg = problem.config;
         let m = problem.shape.rows();
         let blas = &self.inner.blas;
-        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
-        let chunked = if self.fused_kernel_for(prepared, problem).is_some() {
+        let blas_input = if self.fused_kernel_for(prepared, problem).is_some() {
             None
         } else {
             let s = Scratch::plan(problem);
@@ -593,21 +940,23 @@ impl Backend for CudaBackend {
                 )
             };
             let tail = m % s.chunk_rows;
-            Some(ChunkedInput {
+            Some(BlasInput {
                 scratch: s,
                 proj_full: proj(s.chunk_rows)?,
                 proj_tail: if tail > 0 { Some(proj(tail)?) } else { None },
             })
         };
-        let t_len = chunked.as_ref().map_or(m * cfg.h, |c| c.scratch.t_bytes / 2);
+        let t_len = blas_input.as_ref().map_or(m * cfg.h, |c| c.scratch.t_bytes / 2);
         let bh = problem.shape.batch * cfg.h;
         Ok(CudaWorkspace {
             problem: *problem,
-            left: self.alloc_buffer(m * cfg.h)?,
-            right: self.alloc_buffer(m * cfg.h)?,
-            gate: self.alloc_buffer(m * cfg.gate_width())?,
+            layout: Layout::OnePass {
+                left: self.alloc_buffer(m * cfg.h)?,
+                right: self.alloc_buffer(m * cfg.h)?,
+                gate: self.alloc_buffer(m * cfg.gate_width())?,
+                blas_input,
+            },
             t: self.alloc_buffer(t_len)?,
-            chunked,
             contraction: MatmulPlan::new(
                 blas,
                 GemmSpec::contraction(problem.direction, bh, problem.shape.n),
@@ -615,6 +964,7 @@ impl Backend for CudaBackend {
                 false,
                 MAX_GEMM_WORKSPACE.min(m * cfg.c * 4),
             )?,
+            contraction_tail: None,
             output: MatmulPlan::new(
                 blas,
                 GemmSpec::output(m, cfg.c, cfg.h),
@@ -622,6 +972,7 @@ impl Backend for CudaBackend {
                 prepared.out_bias.is_some(),
                 MAX_GEMM_WORKSPACE.min(m * cfg.h * 2),
             )?,
+            output_tail: None,
             staging: None,
         })
     }
@@ -631,6 +982,7 @@ impl Backend for CudaBackend {
         ws.problem.config == problem.config
             && ws.problem.shape == problem.shape
             && ws.problem.direction == problem.direction
+            && ws.problem.in_place == problem.in_place
     }
 
     fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {
@@ -681,8 +1033,11 @@ impl Backend for CudaBackend {
         let stream = self.stream();
         let mut staging = match workspace.staging.take() {
             Some(s) => s,
-            None => Staging { x: self.alloc_buffer(x.len())?, mask: None, y: self.alloc_buffer(y.len())? },
+            None => Staging { x: self.alloc_buffer(x.len())?, mask: None, y: None },
         };
+        if staging.y.is_none() {
+            staging.y = Some(self.alloc_buffer(y.len())?);
+        }
         if let Some(m) = mask {
             if staging.mask.is_none() {
                 staging.mask = Some(self.alloc_buffer(m.len())?);
@@ -697,8 +1052,67 @@ impl Backend for CudaBackend {
             // SAFETY: the staging buffers are live allocations sized for this problem (made for
             // this workspace's shape), distinct from each other; the download below waits for
             // the stream, so the host slices outlive every copy.
-            unsafe { self.enqueue(prepared, workspace, problem, staging.x.ptr(), mask_ptr, staging.y.ptr(), stream)? };
-            staging.y.download(y, stream)
+            let ys = staging.y.as_ref().ok_or_else(|| Error::InvalidArgument("staging y missing".into()))?;
+            unsafe { self.enqueue(prepared, workspace, problem, staging.x.ptr(), mask_ptr, ys.ptr(), stream)? };
+            ys.download(y, stream)
+        })();
+        workspace.staging = Some(staging);
+        result
+    }
+
+    fn forward_in_place(
+        &self,
+        prepared: &CudaPrepared,
+        workspace: &mut CudaWorkspace,
+        problem: &Problem,
+        xy: &mut DeviceBuffer<f32>,
+        mask: Option<&DeviceBuffer<f32>>,
+    ) -> Result<()> {
+        problem.check_lengths(xy.len(), mask.map(|m| m.len()), xy.len())?;
+        if !problem.in_place {
+            return Err(Error::InvalidArgument("forward_in_place needs a problem made with in_place(true)".into()));
+        }
+        // SAFETY: as in `forward`; x and y are the same live allocation, which the in-place plan
+        // expects (every read of x is ordered before the write of the same rows of y).
+        unsafe {
+            self.enqueue(prepared, workspace, problem, xy.ptr(), mask.map_or(0, |m| m.ptr()), xy.ptr(), self.stream())
+        }
+    }
+
+    fn forward_host_in_place(
+        &self,
+        prepared: &CudaPrepared,
+        workspace: &mut CudaWorkspace,
+        problem: &Problem,
+        xy: &mut [f32],
+        mask: Option<&[f32]>,
+    ) -> Result<()> {
+        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
+        if !problem.in_place {
+            return Err(Error::InvalidArgument("forward_in_place needs a problem made with in_place(true)".into()));
+        }
+        let stream = self.stream();
+        // One device tensor for x and y: the reason to run in place.
+        let mut staging = match workspace.staging.take() {
+            Some(s) => s,
+            None => Staging { x: self.alloc_buffer(xy.len())?, mask: None, y: None },
+        };
+        if let Some(m) = mask {
+            if staging.mask.is_none() {
+                staging.mask = Some(self.alloc_buffer(m.len())?);
+            }
+        }
+        let result = (|| {
+            staging.x.upload_async(xy, stream)?;
+            if let (Some(m), Some(md)) = (mask, staging.mask.as_mut()) {
+                md.upload_async(m, stream)?;
+            }
+            let mask_ptr = if mask.is_some() { staging.mask.as_ref().map_or(0, |m| m.ptr()) } else { 0 };
+            // SAFETY: the staging buffers are live allocations sized for this problem; x and y
+            // are the same buffer as the in-place plan expects; the download waits for the
+            // stream, so the host slices outlive every copy.
+            unsafe { self.enqueue(prepared, workspace, problem, staging.x.ptr(), mask_ptr, staging.x.ptr(), stream)? };
+            staging.x.download(xy, stream)
         })();
         workspace.staging = Some(staging);
         result
@@ -820,6 +1234,73 @@ mod tests {
             if m >= 4096 {
                 // no growth beyond the contraction output: the memory bound holds
                 assert_eq!(s.t_bytes, m * h * 2, "{b} {n} {c}");
+            }
+        }
+    }
+
+    fn long(n: usize, in_place: bool) -> Problem {
+        let cfg = Config::new(Formulation::GpuMode, 128, 128).unwrap();
+        Problem::new(cfg, Shape::new(1, n), Direction::Outgoing, false).unwrap().in_place(in_place)
+    }
+
+    /// The plan's regions fit its scratch, and phase A's chunk buffers fit wherever they live.
+    fn assert_consistent(p: &Problem, plan: &ChunkPlan) {
+        let m = p.shape.rows();
+        let (g, h, c) = (p.config.gate_width(), p.config.h, p.config.c);
+        assert!(plan.a_off >= plan.gate_off + plan.out_rows * g * 2);
+        assert!(plan.ows_off >= plan.a_off + plan.out_rows * h * 2);
+        assert!(plan.scratch_bytes >= plan.ows_off + plan.ows);
+        assert!(plan.scratch_bytes >= plan.cws_off + plan.cws);
+        assert!(plan.lr_bytes >= m * plan.hc * 2);
+        if plan.lr_in_y {
+            assert!(!p.in_place && 2 * plan.lr_bytes <= m * c * 4);
+        } else {
+            assert!(plan.cws_off >= 2 * plan.lr_bytes);
+        }
+        assert!(plan.out_rows >= 1 && plan.out_rows <= m);
+        assert!(plan.out_rows == m || plan.out_rows % FUSED_INPUT_ROWS == 0);
+        assert!(plan.hc == h || plan.hc % 32 == 0);
+    }
+
+    #[test]
+    fn chunk_plans_meet_the_issue_budgets() {
+        let gb = 1_000_000_000u64;
+        // N = 4096 in 24 GB: x + y take 17.18 GB; left/right go into y, so one hidden pass fits.
+        let p = long(4096, false);
+        let limit = 24 * gb - p.io_device_bytes() - (1 << 20);
+        let plan = ChunkPlan::choose(&p, limit).expect("fits");
+        assert_consistent(&p, &plan);
+        assert!(plan.bytes() <= limit);
+        assert_eq!((plan.hc, plan.lr_in_y), (128, true));
+        assert_eq!(plan.out_rows, ChunkPlan::MAX_OUT_ROWS);
+        // N = 8192 in place on an 80 GB H100 (79 GB free, 2% margin): 64 channels per pass.
+        let p = long(8192, true);
+        let limit = 79 * gb - 79 * gb / 50 - p.io_device_bytes();
+        let plan = ChunkPlan::choose(&p, limit).expect("fits");
+        assert_consistent(&p, &plan);
+        assert!(plan.bytes() <= limit);
+        assert_eq!((plan.hc, plan.lr_in_y), (64, false));
+        // Too little for even the narrowest plan.
+        assert!(ChunkPlan::choose(&p, ChunkPlan::narrowest(&p).bytes() - 1).is_none());
+    }
+
+    #[test]
+    fn chunk_plans_shrink_with_the_limit() {
+        for (n, b, c, h, in_place) in [(33, 2, 64, 40, true), (48, 1, 128, 128, false), (100, 1, 384, 128, true)] {
+            let cfg = Config::new(Formulation::Af3, c, h).unwrap();
+            let p = Problem::new(cfg, Shape::new(b, n), Direction::Incoming, true).unwrap().in_place(in_place);
+            let narrowest = ChunkPlan::narrowest(&p);
+            assert_consistent(&p, &narrowest);
+            let mut last = u64::MAX;
+            for extra in [1u64 << 40, 1 << 24, 1 << 20, 1 << 16, 0] {
+                let plan = ChunkPlan::choose(&p, narrowest.bytes() + extra).expect("the narrowest plan fits");
+                assert_consistent(&p, &plan);
+                assert!(plan.bytes() <= narrowest.bytes() + extra && plan.bytes() <= last);
+                last = plan.bytes();
+            }
+            if in_place {
+                // The chunk buffers are in scratch: the narrowest budget means 32 channels a pass.
+                assert_eq!(ChunkPlan::choose(&p, narrowest.bytes()).map(|q| q.hc), Some(h.min(32)));
             }
         }
     }

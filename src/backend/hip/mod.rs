@@ -46,6 +46,7 @@ use super::params::{self as launch_params, KernelParams, INPUT_NORM_ROWS_PER_BLO
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
+use crate::memory::ExecPlan;
 use crate::problem::{Config, Formulation, Problem, Shape, LN_EPS};
 use crate::weights::Weights;
 
@@ -167,7 +168,8 @@ pub struct HipWorkspace {
 struct HostIo {
     x: HipBuffer,
     mask: Option<HipBuffer>,
-    y: HipBuffer,
+    /// None for in-place forwards (y is x).
+    y: Option<HipBuffer>,
 }
 
 /// `len` f32 values in device memory.
@@ -368,6 +370,58 @@ impl HipBackend {
         Ok(())
     }
 
+    /// A forward on host slices through device copies kept in the workspace; `y: None` runs in
+    /// place (the result stays in the device copy of x for the caller to download).
+    fn host_forward(
+        &self,
+        prepared: &HipPrepared,
+        workspace: &mut HipWorkspace,
+        problem: &Problem,
+        x: &[f32],
+        mask: Option<&[f32]>,
+        y: Option<&mut [f32]>,
+    ) -> Result<()> {
+        self.bind()?;
+        let mut io = match workspace.host_io.take() {
+            Some(io) if io.x.len == x.len() => io,
+            _ => {
+                self.check_fits("a device copy of x", 4 * x.len() as u64)?;
+                HostIo { x: self.alloc(x.len())?, mask: None, y: None }
+            }
+        };
+        if y.is_some() && io.y.is_none() {
+            self.check_fits("a device copy of y", 4 * x.len() as u64)?;
+            io.y = Some(self.alloc(x.len())?);
+        }
+        if let Some(m) = mask {
+            if io.mask.as_ref().is_none_or(|d| d.len != m.len()) {
+                io.mask = Some(self.alloc(m.len())?);
+            }
+        }
+        let run = (|| {
+            io.x.mem.upload(&self.ctx.stream, 0, x)?;
+            let mut mask_addr = 0;
+            if let (Some(hm), Some(dm)) = (mask, io.mask.as_ref()) {
+                dm.mem.upload(&self.ctx.stream, 0, hm)?;
+                mask_addr = dm.mem.addr();
+            }
+            let y_dev = match (&y, &io.y) {
+                (Some(_), Some(yd)) => yd.mem.addr(),
+                _ => io.x.mem.addr(),
+            };
+            // SAFETY: the staging buffers are live allocations of this backend sized for this
+            // problem, distinct from each other and from the workspace (y = x only in place);
+            // the download below waits for the stream, so the host slices outlive every copy.
+            unsafe { self.enqueue(prepared, workspace, problem, io.x.mem.addr(), mask_addr, y_dev, self.stream())? };
+            match (y, &io.y) {
+                (Some(yh), Some(yd)) => yd.mem.download(&self.ctx.stream, 0, yh),
+                _ => self.synchronize(),
+            }
+        })();
+        workspace.host_io = Some(io);
+        run
+    }
+
     /// Enqueues one forward (module docs) on `stream`.
     ///
     /// # Safety
@@ -394,8 +448,13 @@ impl HipBackend {
         if !self.workspace_fits(ws, problem) {
             return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
         }
-        if x == y {
-            return Err(Error::InvalidArgument("y must not alias x (in-place mode is not supported)".into()));
+        // In place, x is read only by stage 1 and y written only by stage 3, so one buffer serves.
+        if (x == y) != problem.in_place {
+            return Err(Error::InvalidArgument(if problem.in_place {
+                "an in-place forward needs y = x".into()
+            } else {
+                "y must not alias x (use the in-place forward to overwrite x)".into()
+            }));
         }
         // The stage kernels use 16-byte vector loads and stores (common/compat.h's tm_f4, tm_u128).
         for (name, ptr) in [("x", x), ("mask", mask), ("y", y)] {
@@ -450,8 +509,10 @@ impl HipBackend {
                 // SAFETY: a workspace allocation of this device; `stream` per the contract.
                 unsafe { buf.memset(stream, POISON_BYTE)? };
             }
-            // SAFETY: y holds M·C f32 per the contract.
-            unsafe { result::memset_async(api, y, POISON_BYTE, m * c * 4, stream)? };
+            if !problem.in_place {
+                // SAFETY: y holds M·C f32 per the contract.
+                unsafe { result::memset_async(api, y, POISON_BYTE, m * c * 4, stream)? };
+            }
         }
         let int =
             |v: usize, what: &str| i32::try_from(v).map_err(|_| Error::Shape(format!("{what} = {v} exceeds i32")));
@@ -653,10 +714,42 @@ impl Backend for HipBackend {
         })
     }
 
-    fn workspace(&self, _prepared: &HipPrepared, problem: &Problem) -> Result<HipWorkspace> {
+    fn prepared_bytes(&self, p: &HipPrepared) -> u64 {
+        let opt = |b: &Option<DeviceMem>| b.as_ref().map_or(0, |m| m.bytes() as u64);
+        [&p.w_in, &p.w_out, &p.norm_in_w, &p.norm_in_b, &p.norm_out_w, &p.norm_out_b]
+            .iter()
+            .map(|m| m.bytes() as u64)
+            .sum::<u64>()
+            + opt(&p.proj_bias)
+            + opt(&p.out_bias)
+    }
+
+    fn exec_plan(ws: &HipWorkspace) -> ExecPlan {
+        ExecPlan {
+            hidden_chunk: ws.problem.config.h,
+            hidden_passes: 1,
+            output_rows: ws.plan.rows,
+            gate_recomputed: false,
+            workspace_bytes: ws.plan.total_bytes(),
+        }
+    }
+
+    fn host_io_staged(&self) -> bool {
+        true
+    }
+
+    fn workspace(&self, _prepared: &HipPrepared, problem: &Problem, limit: Option<u64>) -> Result<HipWorkspace> {
         self.bind()?;
         let plan = Plan::new(problem)?;
         let (b, n) = (problem.shape.batch, problem.shape.n);
+        if let Some(limit) = limit.filter(|&l| plan.total_bytes() > l) {
+            return Err(Error::OutOfMemory {
+                backend: BackendKind::Hip,
+                what: format!("the workspace for B={b} N={n} (the HIP backend has no chunked plan yet)"),
+                needed: plan.total_bytes(),
+                available: limit,
+            });
+        }
         self.check_fits(&format!("the workspace for B={b} N={n}"), plan.total_bytes())?;
         let staging = match plan.staging {
             Staging::Separate => Some(self.alloc_mem(plan.staging_bytes)?),
@@ -754,36 +847,40 @@ impl Backend for HipBackend {
         y: &mut [f32],
     ) -> Result<()> {
         problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        self.bind()?;
-        let mut io = match workspace.host_io.take() {
-            Some(io) if io.x.len == x.len() => io,
-            _ => {
-                self.check_fits("device copies of x and y", 8 * x.len() as u64)?;
-                HostIo { x: self.alloc(x.len())?, mask: None, y: self.alloc(y.len())? }
-            }
-        };
-        if let Some(m) = mask {
-            if io.mask.as_ref().is_none_or(|d| d.len != m.len()) {
-                io.mask = Some(self.alloc(m.len())?);
-            }
+        self.host_forward(prepared, workspace, problem, x, mask, Some(y))
+    }
+
+    fn forward_in_place(
+        &self,
+        prepared: &HipPrepared,
+        workspace: &mut HipWorkspace,
+        problem: &Problem,
+        xy: &mut HipBuffer,
+        mask: Option<&HipBuffer>,
+    ) -> Result<()> {
+        problem.check_lengths(xy.len, mask.map(|m| m.len), xy.len)?;
+        // SAFETY: as in `forward`; x and y are one live allocation, which the in-place problem
+        // allows (stage 1 reads x before stage 3 writes y).
+        unsafe {
+            let xy = xy.mem.addr();
+            self.enqueue(prepared, workspace, problem, xy, mask.map_or(0, |m| m.mem.addr()), xy, self.stream())
         }
-        let run = (|| {
-            io.x.mem.upload(&self.ctx.stream, 0, x)?;
-            let mut mask_addr = 0;
-            if let (Some(hm), Some(dm)) = (mask, io.mask.as_ref()) {
-                dm.mem.upload(&self.ctx.stream, 0, hm)?;
-                mask_addr = dm.mem.addr();
-            }
-            // SAFETY: the staging buffers are live allocations of this backend sized for this
-            // problem, distinct from each other and from the workspace; the download below waits
-            // for the stream, so the host slices outlive every copy.
-            unsafe {
-                self.enqueue(prepared, workspace, problem, io.x.mem.addr(), mask_addr, io.y.mem.addr(), self.stream())?
-            };
-            io.y.mem.download(&self.ctx.stream, 0, y)
-        })();
-        workspace.host_io = Some(io);
-        run
+    }
+
+    fn forward_host_in_place(
+        &self,
+        prepared: &HipPrepared,
+        workspace: &mut HipWorkspace,
+        problem: &Problem,
+        xy: &mut [f32],
+        mask: Option<&[f32]>,
+    ) -> Result<()> {
+        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
+        let x = xy.to_vec();
+        self.host_forward(prepared, workspace, problem, &x, mask, None).and_then(|()| {
+            let io = workspace.host_io.as_ref().ok_or_else(|| Error::InvalidArgument("staging missing".into()))?;
+            io.x.mem.download(&self.ctx.stream, 0, xy)
+        })
     }
 
     fn synchronize(&self) -> Result<()> {
