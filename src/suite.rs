@@ -178,14 +178,35 @@ pub struct Inputs {
 /// Fresh inputs for `case`, a pure function of `seed`: `x` first, then the mask, from one stream.
 pub fn generate_inputs(case: &Case, seed: u64) -> Inputs {
     let rows = case.batch * case.n * case.n;
+    let len = rows * case.c;
     let mut rng = Rng::new(seed);
-    let x = match case.dist {
-        Dist::Normal => rng.normal_vec(rows * case.c, 1.0),
-        Dist::Cauchy => rng.cauchy_vec(rows * case.c, CAUCHY_SCALE),
+    let x = if len <= PARALLEL_INPUT_LEN {
+        match case.dist {
+            Dist::Normal => rng.normal_vec(len, 1.0),
+            Dist::Cauchy => rng.cauchy_vec(len, CAUCHY_SCALE),
+        }
+    } else {
+        // The long-sequence shapes hold billions of values: one generator per block of
+        // PARALLEL_INPUT_LEN, seeded from (seed, block), filled in parallel. Deterministic.
+        use rayon::prelude::*;
+        let mut x = vec![0.0f32; len];
+        x.par_chunks_mut(PARALLEL_INPUT_LEN).enumerate().for_each(|(i, chunk)| {
+            let mut r = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
+            let v = match case.dist {
+                Dist::Normal => r.normal_vec(chunk.len(), 1.0),
+                Dist::Cauchy => r.cauchy_vec(chunk.len(), CAUCHY_SCALE),
+            };
+            chunk.copy_from_slice(&v);
+        });
+        x
     };
     let mask = case.masked.then(|| rng.mask_vec(rows));
     Inputs { x, mask }
 }
+
+/// Inputs above this many values are generated in parallel blocks of this size (small ones keep
+/// the single sequential stream, so their values do not depend on the machine).
+const PARALLEL_INPUT_LEN: usize = 1 << 24;
 
 /// The performance floor of one call in milliseconds:
 /// `max(FLOPs / (gemm_tflops·10¹²), io_bytes / (bandwidth_gbs·10⁹))`.
