@@ -584,6 +584,12 @@ pub fn inputs_are_not_modified(device: &Device, p: &Profile) {
 // ---------------------------------------------------------------------------------------------
 // Memory budgets, chunked plans and in-place mode
 
+/// How close a chunked or in-place result must be to the one-pass result of the same layer:
+/// a GPU's GEMM library may pick other algorithms for the smaller chunked GEMMs, which moves an
+/// f16 intermediate by an ulp (≈ 1e-3 relative) here and there; five ulps of room, far below what
+/// a wrong chunk (an error of order 1) would produce.
+const CHUNKED_EQUIVALENT: f64 = 5e-3;
+
 /// The budget that leaves the workspace only its narrowest plan.
 fn tightest_budget(l: &TriMul, shape: Shape, masked: bool, in_place: bool) -> u64 {
     l.memory_needs(shape, masked, in_place).expect("memory needs").min_total()
@@ -616,7 +622,7 @@ pub fn tight_budget_runs_in_chunks(device: &Device, p: &Profile) {
                     );
                 }
                 assert!(plan.workspace_bytes <= needs.min_workspace, "{case} {f} {d}: {plan:?} vs {needs:?}");
-                assert_equivalent(&format!("{case} {f} {d} chunked vs one pass"), &y, &one_pass, 1e-3);
+                assert_equivalent(&format!("{case} {f} {d} chunked vs one pass"), &y, &one_pass, CHUNKED_EQUIVALENT);
                 let cmp =
                     reference::check(&w, &problem(case, f, d), &inputs.x, inputs.mask.as_deref(), &y, p.rtol, p.atol)
                         .expect("reference");
@@ -651,7 +657,7 @@ pub fn in_place_equals_out_of_place(device: &Device, p: &Profile) {
                     let plan = l.exec_plan().expect("plan");
                     assert!(plan.hidden_passes > 1, "{f} {d}: tight in-place budget ran {}", plan.describe());
                 }
-                assert_equivalent(&format!("{f} {d} in place (tight budget: {tight})"), &xy, &y, 1e-3);
+                assert_equivalent(&format!("{f} {d} in place (tight budget: {tight})"), &xy, &y, CHUNKED_EQUIVALENT);
                 let cmp =
                     reference::check(&w, &problem(&case, f, d), &inputs.x, inputs.mask.as_deref(), &xy, p.rtol, p.atol)
                         .expect("reference");
