@@ -44,8 +44,11 @@ typedef struct TrimulParams {
   // hidden channels lr_h0 .. lr_h0 + lr_h as [B, lr_h, N, N] (lr_h 0: all H).
   tm_i64 buf_row0;
   int chunk_begin, chunk_end, lr_h0, lr_h;
+  // Fused output stage (cuda/output_projection.cu): Wout [C, H] f16 and its bias [C] (or null).
+  const tm_half* w_out;
+  const float* out_bias;
 } TrimulParams;
 
 #if defined(__cplusplus) && __cplusplus >= 201103L
-static_assert(sizeof(TrimulParams) == 232, "TrimulParams layout must match src/backend/params.rs");
+static_assert(sizeof(TrimulParams) == 248, "TrimulParams layout must match src/backend/params.rs");
 #endif

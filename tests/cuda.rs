@@ -76,14 +76,17 @@ fn af3_with_and_without_biases_both_directions() {
 #[test]
 fn chunked_cublaslt_input_path_matches_reference() {
     let Some(b) = cuda() else { return };
+    // Both fallbacks at once: the cuBLASLt input path and output_norm + the cuBLASLt output GEMM.
     b.set_fused_input(false);
+    b.set_fused_output(false);
     let s = seed();
     for case in [Case::new(64, 2, 256, true, Dist::Normal), Case::new(256, 1, 128, false, Dist::Cauchy)] {
         check_case(&b, &case, Formulation::GpuMode, Direction::Outgoing, false, s);
         check_case(&b, &case, Formulation::Af3, Direction::Incoming, true, s);
     }
-    // C = 66 is not a multiple of 4: the fused kernel never takes it, whatever the switch.
+    // C = 66 is not a multiple of 4: the fused kernels never take it, whatever the switches.
     b.set_fused_input(true);
+    b.set_fused_output(true);
     check_case(
         &b,
         &Case { c: 66, ..Case::new(40, 1, 66, true, Dist::Normal) },

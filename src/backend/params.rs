@@ -1,6 +1,6 @@
 //! The host side of `common/params.h`: the one struct every stage kernel takes by value, shared
 //! by the CUDA and HIP backends. Field order, types and size must match the C header; both sides
-//! assert the size (232 bytes).
+//! assert the size (248 bytes).
 
 /// Mirror of `TrimulParams` in `common/params.h`. Pointers are device addresses (0 = null).
 #[repr(C)]
@@ -55,9 +55,12 @@ pub struct KernelParams {
     /// `left`/`right` hold hidden channels `lr_h0 .. lr_h0 + lr_h` as `[B, lr_h, N, N]` (0 = all).
     pub lr_h0: i32,
     pub lr_h: i32,
+    /// Fused output stage: `Wout` `[C, H]` f16 and its bias `[C]` f32 (0 = none).
+    pub w_out: u64,
+    pub out_bias: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<KernelParams>() == 232);
+const _: () = assert!(std::mem::size_of::<KernelParams>() == 248);
 
 /// Threads per block of every portable stage (the `*_THREADS` constants of `common/*.h`).
 pub const STAGE_THREADS: u32 = 256;

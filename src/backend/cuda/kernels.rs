@@ -29,6 +29,8 @@ pub(crate) struct Kernels {
     pub input_projection: Option<Stage>,
     /// The same kernel compiled for one block per SM with uncapped registers (wide C).
     pub input_projection_wide: Option<Stage>,
+    /// LN_H + gate + output projection in one kernel (`cuda/output_projection.cu`); sm_80+.
+    pub output_projection: Option<Stage>,
     /// Largest dynamic shared memory a block may use (bytes).
     pub max_smem: usize,
     /// How each stage was obtained ("fatbin" or "nvrtc sm_XX"), for `trimul info`.
@@ -112,6 +114,7 @@ impl Kernels {
             output_gate: get("output_gate")?,
             input_projection: None,
             input_projection_wide: None,
+            output_projection: None,
             max_smem: 48 * 1024,
             origin: String::new(),
         };
@@ -137,7 +140,8 @@ impl Kernels {
         };
         let input_projection = big_smem("input_projection")?;
         let input_projection_wide = big_smem("input_projection:input_projection_wide")?;
-        let k = Kernels { input_projection, input_projection_wide, max_smem: optin, ..k };
+        let output_projection = big_smem("output_projection")?;
+        let k = Kernels { input_projection, input_projection_wide, output_projection, max_smem: optin, ..k };
         Ok(Kernels { origin: origin.join(", "), ..k })
     }
 }

@@ -55,6 +55,7 @@ struct Inner {
     tracker: Arc<AllocTracker>,
     poison: AtomicBool,
     fused_input: AtomicBool,
+    fused_output: AtomicBool,
     /// Shared memory per SM (bytes), to decide how many blocks of a kernel fit.
     smem_per_sm: usize,
     /// When set, the next forward records an event after each stage (see `stage_times`).
@@ -154,6 +155,7 @@ impl CudaBackend {
                 tracker: Arc::new(AllocTracker::default()),
                 poison: AtomicBool::new(false),
                 fused_input: AtomicBool::new(true),
+                fused_output: AtomicBool::new(true),
                 smem_per_sm,
                 timeline: std::sync::Mutex::new(None),
             }),
@@ -204,6 +206,43 @@ impl CudaBackend {
     /// (default on). Off forces the chunked cuBLASLt path, to test and compare it.
     pub fn set_fused_input(&self, on: bool) {
         self.inner.fused_input.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether forwards use the fused output kernel (LN_H + gate + projection) where it takes
+    /// the shape (default on). Off forces output_norm + the cuBLASLt GEMM, to test and compare.
+    pub fn set_fused_output(&self, on: bool) {
+        self.inner.fused_output.store(on, Ordering::Relaxed);
+    }
+
+    /// The fused output kernel when it takes this configuration: H a multiple of 16 up to 128
+    /// (the whole reduction in one shared-memory tile) and C a multiple of 8 (8-byte stores).
+    fn fused_output_for(&self, cfg: &crate::problem::Config) -> Option<&kernels::Stage> {
+        let k = self.inner.kernels.output_projection.as_ref()?;
+        let fits =
+            cfg.h % 16 == 0 && cfg.h <= 128 && cfg.c % 8 == 0 && OUTPUT_PROJECTION_SMEM <= self.inner.kernels.max_smem;
+        (fits && self.inner.fused_output.load(Ordering::Relaxed)).then_some(k)
+    }
+
+    /// Enqueues the fused output stage for `kp`'s rows (gate at `kp.gate` from `kp.buf_row0`).
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue`]: every pointer in `kp` is live and sized for the rows.
+    unsafe fn launch_output(
+        &self,
+        k: &kernels::Stage,
+        prep: &CudaPrepared,
+        kp: &KernelParams,
+        stream: CUstream,
+    ) -> Result<()> {
+        let kp =
+            KernelParams { w_out: prep.w_out.ptr(), out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()), ..*kp };
+        k.launch(
+            ceil_div(kp.rows as usize, OUTPUT_PROJECTION_ROWS),
+            STAGE_THREADS,
+            OUTPUT_PROJECTION_SMEM as u32,
+            stream,
+            &kp,
+        )
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<DeviceBuffer<f32>> {
@@ -337,7 +376,15 @@ impl CudaBackend {
         ws.contraction.run(&inner.blas, right, left, ws.t.ptr(), 0, y, m * c * 4, stream)?;
         self.mark("contraction", stream)?;
 
-        // 3. LN_H (+ gate) into `a` (= left), output GEMM (+ bias) into y; right lends the workspace.
+        // 3. LN_H (+ gate) and the output projection (+ bias, af3 gate): one fused kernel, or
+        // LN_H into `a` (= left), the cuBLASLt GEMM (+ bias) into y (right lends the workspace)
+        // and af3's gate kernel.
+        if let Some(op) = self.fused_output_for(&cfg) {
+            let kp = KernelParams { row0: 0, rows: m as i64, ..base };
+            self.launch_output(op, prep, &kp, stream)?;
+            self.mark("output stage (LayerNorm, gate, projection)", stream)?;
+            return Ok(());
+        }
         let tp = params::output_norm_tile_rows(h);
         let kp = KernelParams { row0: 0, rows: m as i64, tile_rows: tp as i32, ..base };
         let smem = params::output_norm_smem_bytes(h, tp) as u32;
@@ -551,6 +598,7 @@ impl CudaBackend {
         let k = &inner.kernels;
         let tp = params::output_norm_tile_rows(h);
         let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
+        let fused_output = self.fused_output_for(&ws.problem.config);
         let mut r0 = 0;
         while r0 < m {
             let rows = plan.out_rows.min(m - r0);
@@ -561,6 +609,11 @@ impl CudaBackend {
                 ..chunk
             };
             kernel.launch(ceil_div(rows, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
+            if let Some(op) = fused_output {
+                self.launch_output(op, prep, &chunk, stream)?;
+                r0 += rows;
+                continue;
+            }
             let kp = KernelParams { tile_rows: tp as i32, ..chunk };
             let norm_smem = params::output_norm_smem_bytes(h, tp) as u32;
             k.output_norm.launch(ceil_div(rows, tp), STAGE_THREADS, norm_smem, stream, &kp)?;
@@ -581,6 +634,12 @@ impl CudaBackend {
         Ok(())
     }
 }
+
+/// Positions per block and dynamic shared memory of the fused output kernel
+/// (`cuda/output_projection.cu`: the a tile and one 128-column Wout chunk, 136 halves per row,
+/// plus mean and rstd per position).
+const OUTPUT_PROJECTION_ROWS: usize = 128;
+const OUTPUT_PROJECTION_SMEM: usize = 2 * 128 * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4;
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {

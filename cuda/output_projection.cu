@@ -1,0 +1,228 @@
+// Stage 3 fused: output LayerNorm, gate and output projection in one pass, f32 y out.
+//   gpumode: y = (LN_H(t) ⊙ gate) · Woutᵀ                gate [M, H]
+//   af3:     y = gate ⊙ (LN_H(t) · Woutᵀ + bout)         gate [M, C], bout optional
+// It replaces output_norm + the cuBLASLt output GEMM (+ output_gate) and saves writing and
+// re-reading the [M, H] operand `a` (and, for af3, a pass over y).
+//
+// A block owns OP_BM = 128 consecutive positions:
+//   1. t[b, :, positions] -> shared sa[BM][H + 8] (f16), transposed on the way in: each thread
+//      loads 32 bytes of one channel (16 positions, a full sector) and writes them down a column,
+//      consecutive threads taking consecutive channels so the shared stores do not conflict;
+//   2. mean and rstd per position in f32, two passes, 2 threads per position;
+//   3. a = (t - mean)·rstd·w + b (⊙ gate for gpumode) in place in sa, 16 bytes at a time, the
+//      gate read 16 bytes at a time along h (coalesced);
+//   4. for each 128-column chunk of C: Wout's rows for the chunk -> shared sw[128][H + 8] through
+//      cp.async (the first chunk's copy overlaps steps 1–3), then mma.sync m16n8k16 with f32
+//      accumulators, 8 warps as 4 (rows) x 2 (columns) of 32 x 64, K = H;
+//   5. epilogue from registers: + bout, ⊙ gate for af3, 8-byte stores of y.
+// Requirements checked by the host: H % 16 == 0, H <= 128, C % 8 == 0.
+#include "common/compat.h"
+#include "common/params.h"
+
+#define OP_THREADS 256
+#define OP_BM 128
+#define OP_BN 128
+#define OP_LD (128 + 8)  // halves per row of sa and sw: 16 bytes of padding keep ldmatrix conflict-free
+
+__device__ __forceinline__ unsigned op_smem_addr(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void op_ldmatrix_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void op_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Copy Wout rows [c0, c0 + 128) into sw (zeros past C); one cp.async group.
+__device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, int c0) {
+  const int H = p.h, pieces_per_row = H / 8;
+  for (int i = threadIdx.x; i < OP_BN * pieces_per_row; i += OP_THREADS) {
+    const int row = i / pieces_per_row, col = (i - row * pieces_per_row) * 8;
+    tm_half* dst = sw + row * OP_LD + col;
+    if (c0 + row < p.c) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(op_smem_addr(dst)),
+                   "l"(p.w_out + (tm_i64)(c0 + row) * H + col));
+    } else {
+      *(uint4*)dst = make_uint4(0, 0, 0, 0);
+    }
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(const TrimulParams p) {
+  extern __shared__ __align__(16) unsigned char op_smem[];
+  tm_half* sa = (tm_half*)op_smem;          // [BM][OP_LD]
+  tm_half* sw = sa + OP_BM * OP_LD;         // [BN][OP_LD]
+  float* smean = (float*)(sw + OP_BN * OP_LD);  // [BM]
+  float* srstd = smean + OP_BM;                 // [BM]
+
+  const int H = p.h, C = p.c, G = p.g;
+  const tm_i64 first = p.row0 + (tm_i64)blockIdx.x * OP_BM;
+  const tm_i64 end = p.row0 + p.rows;
+  if (first >= end) return;
+  const int np = (int)((end - first) < OP_BM ? (end - first) : OP_BM);
+  const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const tm_i64 nn = (tm_i64)p.n * p.n;
+
+  op_load_w(p, sw, 0);
+
+  // 1. t tile, transposed into sa[position][h]; positions past the end are zero.
+  {
+    const tm_i64 b0 = first / nn, rem0 = first - b0 * nn;
+    const bool fast = np == OP_BM && nn % 8 == 0 && rem0 % 8 == 0 && rem0 + OP_BM <= nn;
+    for (int i = tid; i < H * (OP_BM / 16); i += OP_THREADS) {
+      const int h = i % H, seg = i / H;  // consecutive threads: consecutive channels
+      tm_half v[16];
+      if (fast) {
+        const uint4* src = (const uint4*)(p.t + (b0 * H + h) * nn + rem0 + seg * 16);
+        *(uint4*)&v[0] = src[0];
+        *(uint4*)&v[8] = src[1];
+      } else {
+        for (int e = 0; e < 16; ++e) {
+          const int r = seg * 16 + e;
+          v[e] = 0;
+          if (r < np) {
+            const tm_i64 row = first + r;
+            const tm_i64 b = row / nn, rem = row - b * nn;
+            v[e] = p.t[(b * H + h) * nn + rem];
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 16; ++e) sa[(seg * 16 + e) * OP_LD + h] = v[e];
+    }
+  }
+  __syncthreads();
+
+  // 2. statistics, two threads per position (each half of the channels), two passes in f32.
+  {
+    const int r = tid >> 1, part = tid & 1;
+    const int h0 = part * (H / 2), h1 = h0 + H / 2;
+    const tm_half* row = sa + r * OP_LD;
+    float s = 0.f;
+    for (int h = h0; h < h1; h += 8) {
+      const uint4 w = *(const uint4*)(row + h);
+      const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s += tm_lo(u[e]) + tm_hi(u[e]);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    const float mean = s / (float)H;
+    float q = 0.f;
+    for (int h = h0; h < h1; h += 8) {
+      const uint4 w = *(const uint4*)(row + h);
+      const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float a = tm_lo(u[e]) - mean, b = tm_hi(u[e]) - mean;
+        q += a * a + b * b;
+      }
+    }
+    q += __shfl_xor_sync(0xffffffffu, q, 1);
+    if (part == 0) {
+      smean[r] = mean;
+      srstd[r] = tm_rsqrt(q / (float)H + p.eps);
+    }
+  }
+  __syncthreads();
+
+  // 3. normalise (⊙ gate for gpumode) in place, 8 channels per thread.
+  {
+    const int h8 = H / 8;
+    for (int i = tid; i < OP_BM * h8; i += OP_THREADS) {
+      const int r = i / h8, h = (i - r * h8) * 8;
+      const tm_i64 row = first + r;
+      tm_half* a = sa + r * OP_LD + h;
+      const uint4 w = *(const uint4*)a;
+      const unsigned u[4] = {w.x, w.y, w.z, w.w};
+      const float mean = smean[r], rstd = srstd[r];
+      unsigned gv[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};  // f16 ones
+      if (!p.af3 && r < np) {
+        const uint4 gg = *(const uint4*)(p.gate + (row - p.buf_row0) * (tm_i64)G + h);
+        gv[0] = gg.x, gv[1] = gg.y, gv[2] = gg.z, gv[3] = gg.w;
+      }
+      unsigned o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = h + 2 * e;
+        const float lo = ((tm_lo(u[e]) - mean) * rstd * p.norm_out_w[c] + p.norm_out_b[c]) * tm_lo(gv[e]);
+        const float hi = ((tm_hi(u[e]) - mean) * rstd * p.norm_out_w[c + 1] + p.norm_out_b[c + 1]) * tm_hi(gv[e]);
+        o[e] = r < np ? tm_pack2(lo, hi) : 0u;
+      }
+      *(uint4*)a = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+
+  // 4–5. per 128-column chunk: MMA over K = H, then the epilogue from registers.
+  const int warp_m = warp >> 1, warp_n = warp & 1;
+  const int g = lane >> 2, tig = lane & 3;
+  for (int c0 = 0; c0 < C; c0 += OP_BN) {
+    asm volatile("cp.async.wait_group 0;");
+    __syncthreads();  // sw (and, on the first chunk, sa) complete
+    float acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+#pragma unroll 1
+    for (int kk = 0; kk < H; kk += 16) {
+      unsigned a[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int row = warp_m * 32 + mt * 16 + (lane & 15);
+        op_ldmatrix_x4(op_smem_addr(sa + row * OP_LD + kk + (lane >> 4) * 8), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+      }
+#pragma unroll
+      for (int nq = 0; nq < 4; ++nq) {
+        const int nrow = warp_n * 64 + nq * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int kcol = kk + ((lane >> 3) & 1) * 8;
+        unsigned b0, b1, b2, b3;
+        op_ldmatrix_x4(op_smem_addr(sw + nrow * OP_LD + kcol), b0, b1, b2, b3);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          op_mma(acc[mt][2 * nq], a[mt], b0, b1);
+          op_mma(acc[mt][2 * nq + 1], a[mt], b2, b3);
+        }
+      }
+    }
+    __syncthreads();  // every warp done with sw before the next chunk's copy
+    if (c0 + OP_BN < C) op_load_w(p, sw, c0 + OP_BN);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = warp_m * 32 + mt * 16 + g + half * 8;
+        if (r >= np) continue;
+        const tm_i64 row = first + r;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int c = c0 + warp_n * 64 + nt * 8 + 2 * tig;
+          if (c >= C) continue;
+          float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
+          if (p.out_bias) {
+            v0 += p.out_bias[c];
+            v1 += p.out_bias[c + 1];
+          }
+          if (p.af3) {
+            const unsigned gg = *(const unsigned*)(p.gate + (row - p.buf_row0) * (tm_i64)G + c);
+            v0 *= tm_lo(gg);
+            v1 *= tm_hi(gg);
+          }
+          *(float2*)(p.y + row * C + c) = make_float2(v0, v1);
+        }
+      }
+  }
+}
