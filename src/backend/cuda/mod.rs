@@ -214,13 +214,18 @@ impl CudaBackend {
         self.inner.fused_output.store(on, Ordering::Relaxed);
     }
 
-    /// The fused output kernel when it takes this configuration: H a multiple of 16 up to 128
-    /// (the whole reduction in one shared-memory tile) and C a multiple of 8 (8-byte stores).
+    /// The fused output kernel when it takes this configuration (H a multiple of 16 up to 128:
+    /// the whole reduction in one shared-memory tile; C a multiple of 8: 8-byte stores) and
+    /// measured faster. H100, against output_norm + cuBLASLt (+ the af3 gate pass): af3 gains
+    /// everywhere (1024,1,128: 2.875 → 2.477 ms; 1024,1,384: 6.754 → 5.845 ms), gpumode gains a
+    /// little at C = 128 (2.365 → 2.359 ms) and loses at C = 384 (4.282 → 4.387 ms), where
+    /// cuBLASLt's GEMM beats reloading Wout per 128-column chunk.
     fn fused_output_for(&self, cfg: &crate::problem::Config) -> Option<&kernels::Stage> {
         let k = self.inner.kernels.output_projection.as_ref()?;
         let fits =
             cfg.h % 16 == 0 && cfg.h <= 128 && cfg.c % 8 == 0 && OUTPUT_PROJECTION_SMEM <= self.inner.kernels.max_smem;
-        (fits && self.inner.fused_output.load(Ordering::Relaxed)).then_some(k)
+        let wins = cfg.c <= 128 || cfg.formulation == Formulation::Af3;
+        (fits && wins && self.inner.fused_output.load(Ordering::Relaxed)).then_some(k)
     }
 
     /// Enqueues the fused output stage for `kp`'s rows (gate at `kp.gate` from `kp.buf_row0`).
