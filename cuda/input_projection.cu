@@ -162,6 +162,11 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   // ---- main loop over column chunks and K slices (one global slice counter for the ring).
   const int warp_m = warp >> 1, warp_n = warp & 1;  // 4 x 2 warps, each 32 rows x 64 columns
   const int g = lane >> 2, tig = lane & 3;
+  // Shared-window addresses of the two operand tiles, computed once (not per ldmatrix).
+  const unsigned sa_u = ip_smem_addr(sa), ring_u = ip_smem_addr(ring);
+  // Batch and in-batch position of the tile's first row: the epilogue's stores step from here
+  // instead of dividing by N² per store.
+  const tm_i64 tb0 = tile0 / nn, trem0 = tile0 - tb0 * nn;
   int slice = 0;
   for (int chunk = chunk0; chunk < n_chunks; ++chunk) {
     float acc[2][8][4];
@@ -180,7 +185,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
         const int next_chunk = ks + 1 < nks ? chunk : chunk + 1;
         if (next_chunk < n_chunks) ip_load_b(p, ring, (slice + 1) & 1, next_chunk, next_ks);
       }
-      const tm_half* sb = ring + (slice & 1) * IP_BN * IP_LDB;
+      const unsigned sb_u = ring_u + (slice & 1) * IP_BN * IP_LDB * 2;
 #pragma unroll 1
       for (int kk = 0; kk < IP_BK; kk += 16) {
         unsigned a[2][4];
@@ -188,14 +193,14 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
         for (int mt = 0; mt < 2; ++mt) {
           const int row = warp_m * 32 + mt * 16 + (lane & 15);
           const int col = ks * IP_BK + kk + (lane >> 4) * 8;
-          ip_ldmatrix_x4(ip_smem_addr(sa + row * lda + col), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+          ip_ldmatrix_x4(sa_u + (row * lda + col) * 2, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
         }
 #pragma unroll
         for (int np = 0; np < 4; ++np) {  // pairs of n8 tiles
           const int nrow = warp_n * 64 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
           const int kcol = kk + ((lane >> 3) & 1) * 8;
           unsigned b0, b1, b2, b3;
-          ip_ldmatrix_x4(ip_smem_addr(sb + nrow * IP_LDB + kcol), b0, b1, b2, b3);
+          ip_ldmatrix_x4(sb_u + (nrow * IP_LDB + kcol) * 2, b0, b1, b2, b3);
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             ip_mma(acc[mt][2 * np], a[mt], b0, b1);
@@ -238,7 +243,6 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
       __syncthreads();
       // 2 x 32 channels x 16 runs of 8 positions = 1024 runs, 4 per thread.
       const bool vec = (nn % 8 == 0) && (tile0 + IP_BM <= m_total);
-      const bool small = m_total < 0xFFFFFFFFll;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int piece = tid + i * IP_THREADS;
@@ -249,8 +253,13 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
         tm_half* out = side ? p.right : p.left;
         const tm_i64 row = tile0 + run * 8;
         if (vec) {
-          // 32-bit division where the indices allow (it is several times cheaper than 64-bit).
-          const tm_i64 b = small ? (tm_i64)((unsigned)row / (unsigned)nn) : row / nn, rem = row - b * nn;
+          // The run starts run·8 positions into the tile: step across batch boundaries from the
+          // tile's first row (a tile spans one boundary unless N² < 128).
+          tm_i64 b = tb0, rem = trem0 + run * 8;
+          while (rem >= nn) {
+            rem -= nn;
+            ++b;
+          }
           *(uint4*)(out + (b * lr_h + (h - lr_h0)) * nn + rem) = *(const uint4*)src;
         } else {
           for (int e = 0; e < 8; ++e) {
@@ -269,12 +278,15 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = warp_m * 32 + mt * 16 + g + (e >> 1) * 8;
-            const int col = warp_n * 64 + nt * 8 + 2 * tig + (e & 1);
-            float v = acc[mt][nt][e];
-            if (bias) v += bias[col];
-            stage_buf[r * (IP_BN + 8) + col] = tm_f2h(tm_sigmoid(v));
+          for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; two adjacent columns each
+            const int r = warp_m * 32 + mt * 16 + g + hf * 8;
+            const int col = warp_n * 64 + nt * 8 + 2 * tig;
+            float v0 = acc[mt][nt][2 * hf], v1 = acc[mt][nt][2 * hf + 1];
+            if (bias) {
+              v0 += bias[col];
+              v1 += bias[col + 1];
+            }
+            *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_pack(tm_sigmoid(v0), tm_sigmoid(v1));
           }
       __syncthreads();
       // BM rows x 16 runs of 8 gate columns = 2048 runs, 8 per thread.
