@@ -10,7 +10,8 @@
 //      consecutive threads taking consecutive channels so the shared stores do not conflict;
 //   2. mean and rstd per position in f32, two passes, 2 threads per position;
 //   3. a = (t - mean)·rstd·w + b (⊙ gate for gpumode) in place in sa, 16 bytes at a time, the
-//      gate read 16 bytes at a time along h (coalesced);
+//      gate read 16 bytes at a time along h (coalesced) at the start of the kernel, so that its
+//      latency, like that of the t loads (four in flight per thread), overlaps other work;
 //   4. for each 128-column chunk of C: Wout's rows for the chunk -> shared sw[128][H + 8] through
 //      cp.async (the first chunk's copy overlaps steps 1–3), then mma.sync m16n8k16 with f32
 //      accumulators, 8 warps as 4 (rows) x 2 (columns) of 32 x 64, K = H;
@@ -23,6 +24,8 @@
 #define OP_BM 128
 #define OP_BN 128
 #define OP_LD (128 + 8)  // halves per row of sa and sw: 16 bytes of padding keep ldmatrix conflict-free
+// Step-3 items (8 channels of one position) per thread at the largest H (128).
+#define OP_ITEMS (OP_BM * (128 / 8) / OP_THREADS)
 
 __device__ __forceinline__ unsigned op_smem_addr(const void* p) {
   unsigned r;
@@ -77,30 +80,57 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
 
   op_load_w(p, sw, 0);
 
-  // 1. t tile, transposed into sa[position][h]; positions past the end are zero.
+  // The gpumode gate of this thread's step-3 items, loaded now so its latency overlaps steps 1–2.
+  const int h8 = H / 8;
+  uint4 gpre[OP_ITEMS];
+#pragma unroll
+  for (int k = 0; k < OP_ITEMS; ++k) {
+    const int i = tid + k * OP_THREADS, r = i / h8;
+    gpre[k] = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);  // f16 ones
+    if (!p.af3 && i < OP_BM * h8 && r < np) {
+      gpre[k] = *(const uint4*)(p.gate + (first + r - p.buf_row0) * (tm_i64)G + (i - r * h8) * 8);
+    }
+  }
+
+  // 1. t tile, transposed into sa[position][h]; positions past the end are zero. Four pieces
+  // per thread are loaded before any is stored, so their DRAM latencies overlap.
   {
     const tm_i64 b0 = first / nn, rem0 = first - b0 * nn;
     const bool fast = np == OP_BM && nn % 8 == 0 && rem0 % 8 == 0 && rem0 + OP_BM <= nn;
-    for (int i = tid; i < H * (OP_BM / 16); i += OP_THREADS) {
-      const int h = i % H, seg = i / H;  // consecutive threads: consecutive channels
-      tm_half v[16];
-      if (fast) {
-        const uint4* src = (const uint4*)(p.t + (b0 * H + h) * nn + rem0 + seg * 16);
-        *(uint4*)&v[0] = src[0];
-        *(uint4*)&v[8] = src[1];
-      } else {
-        for (int e = 0; e < 16; ++e) {
-          const int r = seg * 16 + e;
-          v[e] = 0;
-          if (r < np) {
-            const tm_i64 row = first + r;
-            const tm_i64 b = row / nn, rem = row - b * nn;
-            v[e] = p.t[(b * H + h) * nn + rem];
+    const int total = H * (OP_BM / 16);
+    for (int i0 = tid; i0 < total; i0 += 4 * OP_THREADS) {
+      uint4 v[4][2];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = i0 + u * OP_THREADS;
+        const int h = i % H, seg = i / H;  // consecutive threads: consecutive channels
+        if (i >= total) continue;
+        if (fast) {
+          const uint4* src = (const uint4*)(p.t + (b0 * H + h) * nn + rem0 + seg * 16);
+          v[u][0] = src[0];
+          v[u][1] = src[1];
+        } else {
+          tm_half* e16 = (tm_half*)&v[u][0];
+          for (int e = 0; e < 16; ++e) {
+            const int r = seg * 16 + e;
+            e16[e] = 0;
+            if (r < np) {
+              const tm_i64 row = first + r;
+              const tm_i64 b = row / nn, rem = row - b * nn;
+              e16[e] = p.t[(b * H + h) * nn + rem];
+            }
           }
         }
       }
 #pragma unroll
-      for (int e = 0; e < 16; ++e) sa[(seg * 16 + e) * OP_LD + h] = v[e];
+      for (int u = 0; u < 4; ++u) {
+        const int i = i0 + u * OP_THREADS;
+        if (i >= total) continue;
+        const int h = i % H, seg = i / H;
+        const tm_half* e16 = (const tm_half*)&v[u][0];
+#pragma unroll
+        for (int e = 0; e < 16; ++e) sa[(seg * 16 + e) * OP_LD + h] = e16[e];
+      }
     }
   }
   __syncthreads();
@@ -138,30 +168,25 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
   __syncthreads();
 
   // 3. normalise (⊙ gate for gpumode) in place, 8 channels per thread.
-  {
-    const int h8 = H / 8;
-    for (int i = tid; i < OP_BM * h8; i += OP_THREADS) {
-      const int r = i / h8, h = (i - r * h8) * 8;
-      const tm_i64 row = first + r;
-      tm_half* a = sa + r * OP_LD + h;
-      const uint4 w = *(const uint4*)a;
-      const unsigned u[4] = {w.x, w.y, w.z, w.w};
-      const float mean = smean[r], rstd = srstd[r];
-      unsigned gv[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};  // f16 ones
-      if (!p.af3 && r < np) {
-        const uint4 gg = *(const uint4*)(p.gate + (row - p.buf_row0) * (tm_i64)G + h);
-        gv[0] = gg.x, gv[1] = gg.y, gv[2] = gg.z, gv[3] = gg.w;
-      }
-      unsigned o[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = h + 2 * e;
-        const float lo = ((tm_lo(u[e]) - mean) * rstd * p.norm_out_w[c] + p.norm_out_b[c]) * tm_lo(gv[e]);
-        const float hi = ((tm_hi(u[e]) - mean) * rstd * p.norm_out_w[c + 1] + p.norm_out_b[c + 1]) * tm_hi(gv[e]);
-        o[e] = r < np ? tm_pack2(lo, hi) : 0u;
-      }
-      *(uint4*)a = make_uint4(o[0], o[1], o[2], o[3]);
+  for (int k = 0; k < OP_ITEMS; ++k) {
+    const int i = tid + k * OP_THREADS;
+    if (i >= OP_BM * h8) break;
+    const int r = i / h8, h = (i - r * h8) * 8;
+    tm_half* a = sa + r * OP_LD + h;
+    const uint4 w = *(const uint4*)a;
+    const unsigned u[4] = {w.x, w.y, w.z, w.w};
+    const unsigned gv[4] = {gpre[k].x, gpre[k].y, gpre[k].z, gpre[k].w};
+    const float mean = smean[r], rstd = srstd[r];
+    unsigned o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = h + 2 * e;
+      const float lo = ((tm_lo(u[e]) - mean) * rstd * p.norm_out_w[c] + p.norm_out_b[c]) * tm_lo(gv[e]);
+      const float hi = ((tm_hi(u[e]) - mean) * rstd * p.norm_out_w[c + 1] + p.norm_out_b[c + 1]) * tm_hi(gv[e]);
+      o[e] = r < np ? tm_pack2(lo, hi) : 0u;
     }
+    *(uint4*)a = make_uint4(o[0], o[1], o[2], o[3]);
   }
 
   // 4–5. per 128-column chunk: MMA over K = H, then the epilogue from registers.
