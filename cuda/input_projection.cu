@@ -24,6 +24,7 @@
 // k_pad = round_up(C, 64) <= 512 (z must fit in shared memory next to the weight ring).
 #include "common/compat.h"
 #include "common/params.h"
+#include "cuda/mma.h"
 
 #define IP_THREADS 256
 #define IP_BM 128
@@ -35,42 +36,12 @@
 // Row pitch of the weight ring in halves: 16 bytes of padding keep ldmatrix conflict-free.
 #define IP_LDB (IP_BK + 8)
 
-__device__ __forceinline__ unsigned ip_smem_addr(const void* p) {
-  unsigned r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ void ip_cp_async16(unsigned dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-
-__device__ __forceinline__ void ip_ldmatrix_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ip_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned ip_pack(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // σ of two values as packed f16: 0.5·tanh(x/2) + 0.5 with tanh.approx.f16x2, three instructions
 // for two sigmoids where the f32 form takes four per value. Its absolute error (≈ 2.5e-4, the
 // f16 resolution of tanh near ±1) is below the f16 rounding the result is stored with. The
 // epilogues' sigmoids were the largest block of this kernel's instructions (ncu, H100).
 __device__ __forceinline__ unsigned ip_sigmoid2(float lo, float hi) {
-  const unsigned x = ip_pack(0.5f * lo, 0.5f * hi);
+  const unsigned x = mma_pack_h2(0.5f * lo, 0.5f * hi);
   unsigned t, r;
   asm("tanh.approx.f16x2 %0, %1;" : "=r"(t) : "r"(x));
   asm("fma.rn.f16x2 %0, %1, %2, %2;" : "=r"(r) : "r"(t), "r"(0x38003800u));  // t·0.5 + 0.5
@@ -93,7 +64,7 @@ __device__ __forceinline__ void ip_load_b(const TrimulParams& p, tm_half* ring, 
     const int piece = tid + i * IP_THREADS;
     const int row = piece >> 3, col = (piece & 7) * 8;
     const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * p.k_pad + ks * IP_BK + col;
-    ip_cp_async16(ip_smem_addr(dst + row * IP_LDB + col), src);
+    mma_cp_async16(mma_smem_addr(dst + row * IP_LDB + col), src);
   }
   asm volatile("cp.async.commit_group;");
 }
@@ -166,8 +137,8 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
           unsigned lo = 0, hi = 0;
           if (live && c < C) {
             const float4 w = *(const float4*)(p.norm_in_w + c), b = *(const float4*)(p.norm_in_b + c);
-            lo = ip_pack((v[rr][i].x - mean) * rstd * w.x + b.x, (v[rr][i].y - mean) * rstd * w.y + b.y);
-            hi = ip_pack((v[rr][i].z - mean) * rstd * w.z + b.z, (v[rr][i].w - mean) * rstd * w.w + b.w);
+            lo = mma_pack_h2((v[rr][i].x - mean) * rstd * w.x + b.x, (v[rr][i].y - mean) * rstd * w.y + b.y);
+            hi = mma_pack_h2((v[rr][i].z - mean) * rstd * w.z + b.z, (v[rr][i].w - mean) * rstd * w.w + b.w);
           }
           *(uint2*)(zr + c) = make_uint2(lo, hi);
         }
@@ -181,7 +152,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   const int warp_m = warp >> 1, warp_n = warp & 1;  // 4 x 2 warps, each 32 rows x 64 columns
   const int g = lane >> 2, tig = lane & 3;
   // Shared-window addresses of the two operand tiles, computed once (not per ldmatrix).
-  const unsigned sa_u = ip_smem_addr(sa), ring_u = ip_smem_addr(ring);
+  const unsigned sa_u = mma_smem_addr(sa), ring_u = mma_smem_addr(ring);
   // Batch and in-batch position of the tile's first row: the epilogue's stores step from here
   // instead of dividing by N² per store.
   const tm_i64 tb0 = tile0 / nn, trem0 = tile0 - tb0 * nn;
@@ -211,18 +182,18 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
         for (int mt = 0; mt < 2; ++mt) {
           const int row = warp_m * 32 + mt * 16 + (lane & 15);
           const int col = ks * IP_BK + kk + (lane >> 4) * 8;
-          ip_ldmatrix_x4(sa_u + (row * lda + col) * 2, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+          mma_ldmatrix_x4(sa_u + (row * lda + col) * 2, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
         }
 #pragma unroll
         for (int np = 0; np < 4; ++np) {  // pairs of n8 tiles
           const int nrow = warp_n * 64 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
           const int kcol = kk + ((lane >> 3) & 1) * 8;
           unsigned b0, b1, b2, b3;
-          ip_ldmatrix_x4(sb_u + (nrow * IP_LDB + kcol) * 2, b0, b1, b2, b3);
+          mma_ldmatrix_x4(sb_u + (nrow * IP_LDB + kcol) * 2, b0, b1, b2, b3);
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
-            ip_mma(acc[mt][2 * np], a[mt], b0, b1);
-            ip_mma(acc[mt][2 * np + 1], a[mt], b2, b3);
+            mma_16816(acc[mt][2 * np], a[mt], b0, b1);
+            mma_16816(acc[mt][2 * np + 1], a[mt], b2, b3);
           }
         }
       }
@@ -255,8 +226,8 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
               }
             }
             const float m = smask[r];
-            const unsigned left = ip_hmul2(ip_pack(v[0][0] * m, v[0][1] * m), ip_sigmoid2(v[1][0], v[1][1]));
-            const unsigned right = ip_hmul2(ip_pack(v[2][0] * m, v[2][1] * m), ip_sigmoid2(v[3][0], v[3][1]));
+            const unsigned left = ip_hmul2(mma_pack_h2(v[0][0] * m, v[0][1] * m), ip_sigmoid2(v[1][0], v[1][1]));
+            const unsigned right = ip_hmul2(mma_pack_h2(v[2][0] * m, v[2][1] * m), ip_sigmoid2(v[3][0], v[3][1]));
             sl[ch * (IP_BM + 8) + r] = (tm_half)(left & 0xFFFFu);
             sl[(ch + 1) * (IP_BM + 8) + r] = (tm_half)(left >> 16);
             sr[ch * (IP_BM + 8) + r] = (tm_half)(right & 0xFFFFu);

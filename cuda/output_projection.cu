@@ -19,6 +19,7 @@
 // Requirements checked by the host: H % 16 == 0, H <= 128, C % 8 == 0.
 #include "common/compat.h"
 #include "common/params.h"
+#include "cuda/mma.h"
 
 #define OP_THREADS 256
 #define OP_BM 128
@@ -27,26 +28,6 @@
 // Step-3 items (8 channels of one position) per thread at the largest H (128).
 #define OP_ITEMS (OP_BM * (128 / 8) / OP_THREADS)
 
-__device__ __forceinline__ unsigned op_smem_addr(const void* p) {
-  unsigned r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ void op_ldmatrix_x4(unsigned addr, unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void op_mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Copy Wout rows [c0, c0 + 128) into sw (zeros past C); one cp.async group.
 __device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, int c0) {
   const int H = p.h, pieces_per_row = H / 8;
@@ -54,8 +35,7 @@ __device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, in
     const int row = i / pieces_per_row, col = (i - row * pieces_per_row) * 8;
     tm_half* dst = sw + row * OP_LD + col;
     if (c0 + row < p.c) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(op_smem_addr(dst)),
-                   "l"(p.w_out + (tm_i64)(c0 + row) * H + col));
+      mma_cp_async16(mma_smem_addr(dst), p.w_out + (tm_i64)(c0 + row) * H + col);
     } else {
       *(uint4*)dst = make_uint4(0, 0, 0, 0);
     }
@@ -208,18 +188,18 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         const int row = warp_m * 32 + mt * 16 + (lane & 15);
-        op_ldmatrix_x4(op_smem_addr(sa + row * OP_LD + kk + (lane >> 4) * 8), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+        mma_ldmatrix_x4(mma_smem_addr(sa + row * OP_LD + kk + (lane >> 4) * 8), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
       }
 #pragma unroll
       for (int nq = 0; nq < 4; ++nq) {
         const int nrow = warp_n * 64 + nq * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int kcol = kk + ((lane >> 3) & 1) * 8;
         unsigned b0, b1, b2, b3;
-        op_ldmatrix_x4(op_smem_addr(sw + nrow * OP_LD + kcol), b0, b1, b2, b3);
+        mma_ldmatrix_x4(mma_smem_addr(sw + nrow * OP_LD + kcol), b0, b1, b2, b3);
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          op_mma(acc[mt][2 * nq], a[mt], b0, b1);
-          op_mma(acc[mt][2 * nq + 1], a[mt], b2, b3);
+          mma_16816(acc[mt][2 * nq], a[mt], b0, b1);
+          mma_16816(acc[mt][2 * nq + 1], a[mt], b2, b3);
         }
       }
     }
