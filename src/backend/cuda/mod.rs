@@ -948,7 +948,9 @@ impl Backend for CudaBackend {
     fn workspace(&self, prepared: &CudaPrepared, problem: &Problem, limit: Option<u64>) -> Result<CudaWorkspace> {
         let one_pass = self.workspace_bytes(prepared, problem);
         let free = self.memory_info()?.map(|m| m.free);
-        let limit = limit.unwrap_or(u64::MAX);
+        // No limit given: the device's free memory is one (callers of the trait directly get a
+        // chunked plan rather than an out-of-memory error when the one-pass plan cannot fit).
+        let limit = limit.unwrap_or(u64::MAX).min(free.unwrap_or(u64::MAX));
         let what = || {
             format!(
                 "the workspace for B={} N={} C={} H={}",
@@ -968,12 +970,12 @@ impl Backend for CudaBackend {
                     available: limit,
                 });
             };
-            let Some(plan) = ChunkPlan::choose(problem, limit.min(free.unwrap_or(u64::MAX))) else {
+            let Some(plan) = ChunkPlan::choose(problem, limit) else {
                 return Err(Error::OutOfMemory {
                     backend: BackendKind::Cuda,
                     what: format!("{} (narrowest chunked plan)", what()),
                     needed: ChunkPlan::narrowest(problem).bytes(),
-                    available: limit.min(free.unwrap_or(u64::MAX)),
+                    available: limit,
                 });
             };
             return self.chunked_workspace(prepared, problem, plan);
