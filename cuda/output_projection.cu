@@ -4,17 +4,18 @@
 // It replaces output_norm + the cuBLASLt output GEMM (+ output_gate) and saves writing and
 // re-reading the [M, H] operand `a` (and, for af3, a pass over y).
 //
-// A block owns OP_BM = 128 consecutive positions:
+// A block owns OP_BM = 64 consecutive positions (three blocks per SM: with 128 the kernel sat
+// waiting on DRAM, ncu's long-scoreboard stall at 3.9 per issued instruction):
 //   1. t[b, :, positions] -> shared sa[BM][H + 8] (f16), transposed on the way in: each thread
 //      loads 32 bytes of one channel (16 positions, a full sector) and writes them down a column,
 //      consecutive threads taking consecutive channels so the shared stores do not conflict;
-//   2. mean and rstd per position in f32, two passes, 2 threads per position;
+//   2. mean and rstd per position in f32, two passes, 4 threads per position;
 //   3. a = (t - mean)·rstd·w + b (⊙ gate for gpumode) in place in sa, 16 bytes at a time, the
 //      gate read 16 bytes at a time along h (coalesced) at the start of the kernel, so that its
 //      latency, like that of the t loads (four in flight per thread), overlaps other work;
 //   4. for each 128-column chunk of C: Wout's rows for the chunk -> shared sw[128][H + 8] through
 //      cp.async (the first chunk's copy overlaps steps 1–3), then mma.sync m16n8k16 with f32
-//      accumulators, 8 warps as 4 (rows) x 2 (columns) of 32 x 64, K = H;
+//      accumulators, 8 warps as 2 (rows) x 4 (columns) of 32 x 32, K = H;
 //   5. epilogue from registers: + bout, ⊙ gate for af3, 8-byte stores of y.
 // Requirements checked by the host: H % 16 == 0, H <= 128, C % 8 == 0.
 #include "common/compat.h"
@@ -22,11 +23,14 @@
 #include "cuda/mma.h"
 
 #define OP_THREADS 256
-#define OP_BM 128
+#define OP_BM 64
 #define OP_BN 128
 #define OP_LD (128 + 8)  // halves per row of sa and sw: 16 bytes of padding keep ldmatrix conflict-free
 // Step-3 items (8 channels of one position) per thread at the largest H (128).
 #define OP_ITEMS (OP_BM * (128 / 8) / OP_THREADS)
+#define OP_TPP (OP_THREADS / OP_BM)  // threads per position in the statistics step
+// t pieces (32 bytes) each thread has in flight in step 1: all of them at H = 128.
+#define OP_T_INFLIGHT (128 * (OP_BM / 16) / OP_THREADS)
 
 // Copy Wout rows [c0, c0 + 128) into sw (zeros past C); one cp.async group.
 __device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, int c0) {
@@ -43,7 +47,7 @@ __device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, in
   asm volatile("cp.async.commit_group;");
 }
 
-extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(const TrimulParams p) {
   extern __shared__ __align__(16) unsigned char op_smem[];
   tm_half* sa = (tm_half*)op_smem;          // [BM][OP_LD]
   tm_half* sw = sa + OP_BM * OP_LD;         // [BN][OP_LD]
@@ -72,16 +76,16 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
     }
   }
 
-  // 1. t tile, transposed into sa[position][h]; positions past the end are zero. Four pieces
-  // per thread are loaded before any is stored, so their DRAM latencies overlap.
+  // 1. t tile, transposed into sa[position][h]; positions past the end are zero. Every piece a
+  // thread copies is loaded before any is stored, so their DRAM latencies overlap.
   {
     const tm_i64 b0 = first / nn, rem0 = first - b0 * nn;
     const bool fast = np == OP_BM && nn % 8 == 0 && rem0 % 8 == 0 && rem0 + OP_BM <= nn;
     const int total = H * (OP_BM / 16);
-    for (int i0 = tid; i0 < total; i0 += 4 * OP_THREADS) {
-      uint4 v[4][2];
+    for (int i0 = tid; i0 < total; i0 += OP_T_INFLIGHT * OP_THREADS) {
+      uint4 v[OP_T_INFLIGHT][2];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < OP_T_INFLIGHT; ++u) {
         const int i = i0 + u * OP_THREADS;
         const int h = i % H, seg = i / H;  // consecutive threads: consecutive channels
         if (i >= total) continue;
@@ -103,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
         }
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < OP_T_INFLIGHT; ++u) {
         const int i = i0 + u * OP_THREADS;
         if (i >= total) continue;
         const int h = i % H, seg = i / H;
@@ -115,22 +119,23 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
   }
   __syncthreads();
 
-  // 2. statistics, two threads per position (each half of the channels), two passes in f32.
+  // 2. statistics, OP_TPP threads per position (adjacent lanes, 8 channels at a time in turn),
+  // two passes in f32.
   {
-    const int r = tid >> 1, part = tid & 1;
-    const int h0 = part * (H / 2), h1 = h0 + H / 2;
+    const int r = tid / OP_TPP, part = tid % OP_TPP;
     const tm_half* row = sa + r * OP_LD;
     float s = 0.f;
-    for (int h = h0; h < h1; h += 8) {
+    for (int h = part * 8; h < H; h += OP_TPP * 8) {
       const uint4 w = *(const uint4*)(row + h);
       const unsigned u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) s += tm_lo(u[e]) + tm_hi(u[e]);
     }
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
+#pragma unroll
+    for (int o = 1; o < OP_TPP; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     const float mean = s / (float)H;
     float q = 0.f;
-    for (int h = h0; h < h1; h += 8) {
+    for (int h = part * 8; h < H; h += OP_TPP * 8) {
       const uint4 w = *(const uint4*)(row + h);
       const unsigned u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -139,7 +144,8 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
         q += a * a + b * b;
       }
     }
-    q += __shfl_xor_sync(0xffffffffu, q, 1);
+#pragma unroll
+    for (int o = 1; o < OP_TPP; o <<= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
     if (part == 0) {
       smean[r] = mean;
       srstd[r] = tm_rsqrt(q / (float)H + p.eps);
@@ -170,19 +176,19 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
   }
 
   // 4–5. per 128-column chunk: MMA over K = H, then the epilogue from registers.
-  const int warp_m = warp >> 1, warp_n = warp & 1;
+  const int warp_m = warp & 1, warp_n = warp >> 1;  // 2 x 4 warps of 32 rows x 32 columns
   const int g = lane >> 2, tig = lane & 3;
   for (int c0 = 0; c0 < C; c0 += OP_BN) {
     asm volatile("cp.async.wait_group 0;");
     __syncthreads();  // sw (and, on the first chunk, sa) complete
-    float acc[2][8][4];
+    float acc[2][4][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-#pragma unroll 1
+#pragma unroll 2
     for (int kk = 0; kk < H; kk += 16) {
       unsigned a[2][4];
 #pragma unroll
@@ -191,8 +197,8 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
         mma_ldmatrix_x4(mma_smem_addr(sa + row * OP_LD + kk + (lane >> 4) * 8), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
       }
 #pragma unroll
-      for (int nq = 0; nq < 4; ++nq) {
-        const int nrow = warp_n * 64 + nq * 16 + (lane & 7) + ((lane >> 4) << 3);
+      for (int nq = 0; nq < 2; ++nq) {
+        const int nrow = warp_n * 32 + nq * 16 + (lane & 7) + ((lane >> 4) << 3);
         const int kcol = kk + ((lane >> 3) & 1) * 8;
         unsigned b0, b1, b2, b3;
         mma_ldmatrix_x4(mma_smem_addr(sw + nrow * OP_LD + kcol), b0, b1, b2, b3);
@@ -213,8 +219,8 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection(co
         if (r >= np) continue;
         const tm_i64 row = first + r;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const int c = c0 + warp_n * 64 + nt * 8 + 2 * tig;
+        for (int nt = 0; nt < 4; ++nt) {
+          const int c = c0 + warp_n * 32 + nt * 8 + 2 * tig;
           if (c >= C) continue;
           float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
           if (p.out_bias) {

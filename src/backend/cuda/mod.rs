@@ -643,8 +643,8 @@ impl CudaBackend {
 /// Positions per block and dynamic shared memory of the fused output kernel
 /// (`cuda/output_projection.cu`: the a tile and one 128-column Wout chunk, 136 halves per row,
 /// plus mean and rstd per position).
-const OUTPUT_PROJECTION_ROWS: usize = 128;
-const OUTPUT_PROJECTION_SMEM: usize = 2 * 128 * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4;
+const OUTPUT_PROJECTION_ROWS: usize = 64;
+const OUTPUT_PROJECTION_SMEM: usize = (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4;
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
