@@ -1,6 +1,6 @@
 // Stage 1, fused: input LayerNorm + all input projections + gating epilogue in one pass over x.
 //
-// A block owns BM consecutive positions (64 in the k_pad <= 128 build, 128 in the wide one). It reads their rows of x once (f32), computes
+// A block owns BM = 128 consecutive positions. It reads their rows of x once (f32), computes
 // z = LN_C(x) with two-pass f32 statistics held in registers, and keeps z resident in shared
 // memory as f16 (the GEMM's A operand). It then walks the fused weight matrix in column chunks
 // of BN = 128, streaming each chunk's weights through a two-stage cp.async ring in K slices of
@@ -28,8 +28,6 @@
 
 #define IP_THREADS 256
 #define IP_BM 128
-// Positions per block of the k_pad <= 128 build: 64, so three blocks fit per SM.
-#define IP_BM_NARROW 64
 #define IP_BN 128
 #define IP_BK 64
 #define IP_MAX_K 512
@@ -71,21 +69,20 @@ __device__ __forceinline__ void ip_load_b(const TrimulParams& p, tm_half* ring, 
   asm volatile("cp.async.commit_group;");
 }
 
-// BM positions per block: 128 (warps 4 x 2, 32 x 64 each) or 64 (warps 2 x 4, 32 x 32 each).
-template <int KMAX, int BM>
+template <int KMAX>
 __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   extern __shared__ __align__(16) unsigned char ip_smem[];
   const int lda = p.k_pad + 8;  // halves; +16 bytes keeps ldmatrix conflict-free
   tm_half* sa = (tm_half*)ip_smem;                                 // [BM][lda]   z tile
-  tm_half* ring = sa + BM * lda;                                // [2][BN][LDB] weight slices
+  tm_half* ring = sa + IP_BM * lda;                                // [2][BN][LDB] weight slices
   tm_half* stage_buf = ring + 2 * IP_BN * IP_LDB;                  // [BM][BN+8]  epilogue staging
-  float* smask = (float*)(stage_buf + BM * (IP_BN + 8));        // [BM]
+  float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));        // [BM]
 
   const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // Positions row0 .. m_total of this launch (a row chunk of the output stage's gate pass, or
   // every position); rows past m_total are zeros with mask 0 and are never stored.
   const tm_i64 m_total = p.row0 + p.rows;
-  const tm_i64 tile0 = p.row0 + (tm_i64)blockIdx.x * BM;
+  const tm_i64 tile0 = p.row0 + (tm_i64)blockIdx.x * IP_BM;
   const int C = p.c, H = p.h, G = p.g;
   const int nks = p.k_pad / IP_BK;
   const int n_gating = p.h_pad / 32;  // 32 channels (128 columns) per gating chunk
@@ -102,7 +99,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   // ---- prologue: z = LN_C(x) into shared memory. Each warp takes IP_LN_ROWS rows at a time
   // and issues all their loads before the first reduction, so a warp waits for DRAM once per
   // batch instead of once per row.
-  for (int r0 = warp * IP_LN_ROWS; r0 < BM; r0 += (IP_THREADS / 32) * IP_LN_ROWS) {
+  for (int r0 = warp * IP_LN_ROWS; r0 < IP_BM; r0 += (IP_THREADS / 32) * IP_LN_ROWS) {
     float4 v[IP_LN_ROWS][KMAX / 128];
 #pragma unroll
     for (int rr = 0; rr < IP_LN_ROWS; ++rr) {
@@ -152,10 +149,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   __syncthreads();  // z complete before any warp reads it
 
   // ---- main loop over column chunks and K slices (one global slice counter for the ring).
-  // Warp tiling: WN warps across the 128 columns of a chunk, each NT n8-tiles (NT / 4 blocks of
-  // 8 channels' [lp|lg|rp|rg]) wide; BM / 32 warps down the rows.
-  constexpr int WN = 8 / (BM / 32), NT = IP_BN / WN / 8;
-  const int warp_m = warp / WN, warp_n = warp % WN;
+  const int warp_m = warp >> 1, warp_n = warp & 1;  // 4 x 2 warps, each 32 rows x 64 columns
   const int g = lane >> 2, tig = lane & 3;
   // Shared-window addresses of the two operand tiles, computed once (not per ldmatrix).
   const unsigned sa_u = mma_smem_addr(sa), ring_u = mma_smem_addr(ring);
@@ -164,11 +158,11 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   const tm_i64 tb0 = tile0 / nn, trem0 = tile0 - tb0 * nn;
   int slice = 0;
   for (int chunk = chunk0; chunk < n_chunks; ++chunk) {
-    float acc[2][NT][4];
+    float acc[2][8][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
@@ -191,8 +185,8 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
           mma_ldmatrix_x4(sa_u + (row * lda + col) * 2, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
         }
 #pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {  // pairs of n8 tiles
-          const int nrow = warp_n * (NT * 8) + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        for (int np = 0; np < 4; ++np) {  // pairs of n8 tiles
+          const int nrow = warp_n * 64 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
           const int kcol = kk + ((lane >> 3) & 1) * 8;
           unsigned b0, b1, b2, b3;
           mma_ldmatrix_x4(sb_u + (nrow * IP_LDB + kcol) * 2, b0, b1, b2, b3);
@@ -210,17 +204,17 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
     if (chunk < n_gating) {
       // staging: left [32][BM+8] then right [32][BM+8]
       tm_half* sl = stage_buf;
-      tm_half* sr = stage_buf + 32 * (BM + 8);
+      tm_half* sr = stage_buf + 32 * (IP_BM + 8);
 #pragma unroll
-      for (int q = 0; q < NT / 4; ++q) {  // the warp's blocks of 8 channels
+      for (int q = 0; q < 2; ++q) {      // the warp's two blocks of 8 channels
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; channels col8, col8 + 1 as a pair
             const int r = warp_m * 32 + mt * 16 + g + hf * 8;
             const int col8 = 2 * tig;                          // channel within the block of 8
-            const int ch = (warp_n * (NT / 4) + q) * 8 + col8;  // channel within the chunk (0..31)
-            const int base = warp_n * (NT * 8) + q * 32;         // first column of this block
+            const int ch = (warp_n * 2 + q) * 8 + col8;        // channel within the chunk (0..31)
+            const int base = warp_n * 64 + q * 32;             // first column of this block
             float v[4][2];
 #pragma unroll
             for (int sct = 0; sct < 4; ++sct) {  // lp, lg, rp, rg
@@ -234,23 +228,23 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
             const float m = smask[r];
             const unsigned left = ip_hmul2(mma_pack_h2(v[0][0] * m, v[0][1] * m), ip_sigmoid2(v[1][0], v[1][1]));
             const unsigned right = ip_hmul2(mma_pack_h2(v[2][0] * m, v[2][1] * m), ip_sigmoid2(v[3][0], v[3][1]));
-            sl[ch * (BM + 8) + r] = (tm_half)(left & 0xFFFFu);
-            sl[(ch + 1) * (BM + 8) + r] = (tm_half)(left >> 16);
-            sr[ch * (BM + 8) + r] = (tm_half)(right & 0xFFFFu);
-            sr[(ch + 1) * (BM + 8) + r] = (tm_half)(right >> 16);
+            sl[ch * (IP_BM + 8) + r] = (tm_half)(left & 0xFFFFu);
+            sl[(ch + 1) * (IP_BM + 8) + r] = (tm_half)(left >> 16);
+            sr[ch * (IP_BM + 8) + r] = (tm_half)(right & 0xFFFFu);
+            sr[(ch + 1) * (IP_BM + 8) + r] = (tm_half)(right >> 16);
           }
         }
       }
       __syncthreads();
       // 2 x 32 channels x 16 runs of 8 positions = 1024 runs, 4 per thread.
-      const bool vec = (nn % 8 == 0) && (tile0 + BM <= m_total);
+      const bool vec = (nn % 8 == 0) && (tile0 + IP_BM <= m_total);
 #pragma unroll
-      for (int i = 0; i < 2 * 32 * (BM / 8) / IP_THREADS; ++i) {
+      for (int i = 0; i < 4; ++i) {
         const int piece = tid + i * IP_THREADS;
-        const int side = piece / (32 * (BM / 8)), ch = (piece / (BM / 8)) % 32, run = piece % (BM / 8);
+        const int side = piece >> 9, ch = (piece >> 4) & 31, run = piece & 15;
         const int h = chunk * 32 + ch;
         if (h >= H || h < lr_h0 || h >= lr_h0 + lr_h) continue;
-        const tm_half* src = (side ? sr : sl) + ch * (BM + 8) + run * 8;
+        const tm_half* src = (side ? sr : sl) + ch * (IP_BM + 8) + run * 8;
         tm_half* out = side ? p.right : p.left;
         const tm_i64 row = tile0 + run * 8;
         if (vec) {
@@ -277,11 +271,11 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; two adjacent columns each
             const int r = warp_m * 32 + mt * 16 + g + hf * 8;
-            const int col = warp_n * (NT * 8) + nt * 8 + 2 * tig;
+            const int col = warp_n * 64 + nt * 8 + 2 * tig;
             float v0 = acc[mt][nt][2 * hf], v1 = acc[mt][nt][2 * hf + 1];
             if (bias) {
               v0 += bias[col];
@@ -294,7 +288,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
       const bool vec = (G % 8 == 0);
 
 #pragma unroll
-      for (int i = 0; i < BM * 16 / IP_THREADS; ++i) {
+      for (int i = 0; i < 8; ++i) {
         const int piece = tid + i * IP_THREADS;
         const int r = piece >> 4, run = piece & 15;
         const tm_i64 row = tile0 + r;
@@ -312,14 +306,14 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   }
 }
 
-// k_pad <= 128: 64-position blocks, three per SM (registers capped at 80, which the small LN
-// prologue and the 32 x 32 warp tiles allow without spilling)...
-extern "C" __global__ void __launch_bounds__(IP_THREADS, 3) input_projection(const TrimulParams p) {
-  input_projection_body<128, IP_BM_NARROW>(p);
+// k_pad <= 128: two blocks per SM (registers capped at 128, which the small LN prologue allows
+// without spilling)...
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(const TrimulParams p) {
+  input_projection_body<128>(p);
 }
 
 // ...and k_pad <= 512: one block per SM (z takes up to 130 KB of shared memory) with the
 // registers uncapped.
 extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_wide(const TrimulParams p) {
-  input_projection_body<IP_MAX_K, IP_BM>(p);
+  input_projection_body<IP_MAX_K>(p);
 }

@@ -370,7 +370,7 @@ impl CudaBackend {
                 g_pad: f.layout.g_pad as i32,
                 ..base
             };
-            kernel.launch(f, m, stream, &kp)?;
+            kernel.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, f.smem_bytes() as u32, stream, &kp)?;
         } else {
             self.enqueue_blas_input(prep, ws, &base, m, stream)?;
         }
@@ -408,15 +408,22 @@ impl CudaBackend {
     }
 
     /// The fused input kernel for this layer and problem, or `None` for the chunked cuBLASLt
-    /// path. Padded C ≤ 128: the build with 64-position blocks, three per SM (its LayerNorm holds
-    /// at most 128 channels in registers). Wider C: the one-block-per-SM build, which measured
-    /// faster than the chunked path below about half a million positions and slower above (H100,
-    /// C = 384: 0.55 vs 0.78 ms at 131K positions, 2.30 vs 2.24 ms at 590K, 3.92 vs 3.60 ms at
-    /// 1M; v9: 2.571 vs 2.431 ms at 590K).
-    fn fused_kernel_for(&self, prep: &CudaPrepared, problem: &Problem) -> Option<InputLaunch<'_>> {
+    /// path. Padded C ≤ 128: the build with two blocks per SM (its LayerNorm holds at most 128
+    /// channels in registers). Wider C: the one-block-per-SM build, which measured faster than the
+    /// chunked path below about half a million positions and slower above (H100, C = 384:
+    /// 0.55 vs 0.78 ms at 131K positions, 2.30 vs 2.24 ms at 590K, 3.92 vs 3.60 ms at 1M).
+    fn fused_kernel_for(&self, prep: &CudaPrepared, problem: &Problem) -> Option<&kernels::Stage> {
         const WIDE_MAX_POSITIONS: usize = 512 * 1024;
-        let launch = self.chunk_kernel(prep)?;
-        (launch.rows == NARROW_INPUT_ROWS || problem.shape.rows() < WIDE_MAX_POSITIONS).then_some(launch)
+        let k = &self.inner.kernels;
+        let f = prep.fused.as_ref()?;
+        let two_fit = 2 * (f.smem_bytes() + 1024) <= self.inner.smem_per_sm;
+        if f.layout.k_pad <= 128 && two_fit {
+            k.input_projection.as_ref()
+        } else if problem.shape.rows() < WIDE_MAX_POSITIONS {
+            k.input_projection_wide.as_ref()
+        } else {
+            None
+        }
     }
 
     /// Stage 1 without the fused kernel (shapes it does not take, GPUs before sm_80): per chunk
@@ -471,14 +478,14 @@ impl CudaBackend {
     /// The fused input kernel a chunked plan runs with, whatever the number of positions
     /// (hidden passes and the gate pass need its column-chunk selection); `None` when this layer
     /// has no fused weights or the GPU no such kernel.
-    fn chunk_kernel(&self, prep: &CudaPrepared) -> Option<InputLaunch<'_>> {
+    fn chunk_kernel(&self, prep: &CudaPrepared) -> Option<&kernels::Stage> {
         let k = &self.inner.kernels;
         let f = prep.fused.as_ref()?;
-        let narrow_fits = 2 * (f.smem_bytes(NARROW_INPUT_ROWS) + 1024) <= self.inner.smem_per_sm;
-        if f.layout.k_pad <= 128 && narrow_fits {
-            k.input_projection.as_ref().map(|stage| InputLaunch { stage, rows: NARROW_INPUT_ROWS })
+        let two_fit = 2 * (f.smem_bytes() + 1024) <= self.inner.smem_per_sm;
+        if f.layout.k_pad <= 128 && two_fit {
+            k.input_projection.as_ref()
         } else {
-            k.input_projection_wide.as_ref().map(|stage| InputLaunch { stage, rows: FUSED_INPUT_ROWS })
+            k.input_projection_wide.as_ref()
         }
     }
 
@@ -551,6 +558,7 @@ impl CudaBackend {
             g_pad: f.layout.g_pad as i32,
             ..*base
         };
+        let smem = f.smem_bytes() as u32;
         let n_gating = f.layout.h_pad / 32;
 
         // Phase A: per hidden pass, left/right of its channels for every position, then its
@@ -571,7 +579,7 @@ impl CudaBackend {
                 lr_h: n as i32,
                 ..fused
             };
-            kernel.launch(f, m, stream, &kp)?;
+            kernel.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
             let gemm = if n == plan.hc {
                 &mut ws.contraction
             } else {
@@ -605,7 +613,7 @@ impl CudaBackend {
                 chunk_end: (n_gating + f.layout.g_pad / 128) as i32,
                 ..chunk
             };
-            kernel.launch(f, rows, stream, &kp)?;
+            kernel.launch(ceil_div(rows, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
             if let Some(op) = fused_output {
                 self.launch_output(op, prep, &chunk, stream)?;
                 r0 += rows;
@@ -629,27 +637,6 @@ impl CudaBackend {
         }
         self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)?;
         Ok(())
-    }
-}
-
-/// Positions per block of the fused input kernel's k_pad ≤ 128 build (`IP_BM_NARROW`).
-const NARROW_INPUT_ROWS: usize = 64;
-
-/// One build of the fused input kernel and its positions per block.
-#[derive(Copy, Clone)]
-struct InputLaunch<'a> {
-    stage: &'a kernels::Stage,
-    rows: usize,
-}
-
-impl InputLaunch<'_> {
-    /// Launches over `positions` positions from `kp.row0`.
-    ///
-    /// # Safety
-    /// As [`CudaBackend::enqueue`]: every pointer in `kp` is live and sized for the launch.
-    unsafe fn launch(&self, f: &FusedInput, positions: usize, stream: CUstream, kp: &KernelParams) -> Result<()> {
-        let smem = f.smem_bytes(self.rows) as u32;
-        self.stage.launch(ceil_div(positions, self.rows), STAGE_THREADS, smem, stream, kp)
     }
 }
 
@@ -684,9 +671,9 @@ struct FusedInput {
 }
 
 impl FusedInput {
-    /// Dynamic shared memory of one block of `rows` positions (see the layout comment in
-    /// `cuda/input_projection.cu`).
-    fn smem_bytes(&self, rows: usize) -> usize {
+    /// Dynamic shared memory of one block (see the layout comment in `cuda/input_projection.cu`).
+    fn smem_bytes(&self) -> usize {
+        let rows = FUSED_INPUT_ROWS;
         let a = rows * (self.layout.k_pad + 8) * 2;
         let ring = 2 * 128 * (64 + 8) * 2;
         let staging = (2 * 32 * (rows + 8) * 2).max(rows * (128 + 8) * 2);
@@ -888,7 +875,7 @@ impl Backend for CudaBackend {
                     w: self.upload_f16("the input projections", &mat)?,
                     bias: bias.map(|b| self.upload_f32(&b)).transpose()?,
                 };
-                (f.smem_bytes(FUSED_INPUT_ROWS) <= self.inner.kernels.max_smem).then_some(f)
+                (f.smem_bytes() <= self.inner.kernels.max_smem).then_some(f)
             }
             _ => None,
         };
