@@ -4,8 +4,8 @@
 //! cudarc's loader panics when a library is missing, so every entry point first checks the
 //! library with `is_culib_present()` and turns absence into [`Error::LibraryNotFound`].
 
+pub(crate) use crate::backend::AllocTracker;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::result as cu;
@@ -80,29 +80,6 @@ pub(crate) fn nvrtc_missing() -> Error {
         library: "libnvrtc (CUDA run-time compiler)".into(),
         tried: candidates("nvrtc"),
         reason: "no prebuilt kernel matches this GPU and NVRTC is not on the loader path".into(),
-    }
-}
-
-/// Bytes currently and at most allocated through [`DeviceBuffer`] on one backend.
-#[derive(Debug, Default)]
-pub(crate) struct AllocTracker {
-    current: AtomicU64,
-    peak: AtomicU64,
-}
-
-impl AllocTracker {
-    fn add(&self, bytes: u64) {
-        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak.fetch_max(now, Ordering::Relaxed);
-    }
-    fn sub(&self, bytes: u64) {
-        self.current.fetch_sub(bytes, Ordering::Relaxed);
-    }
-    pub(crate) fn peak(&self) -> u64 {
-        self.peak.load(Ordering::Relaxed)
-    }
-    pub(crate) fn reset_peak(&self) {
-        self.peak.store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 }
 

@@ -6,9 +6,9 @@
 //! on device pointers the type system cannot see (kernel launches, GEMMs) are `unsafe fn`; the
 //! rest check their arguments and are safe.
 
+pub(crate) use crate::backend::AllocTracker;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::blas::RocblasGemm;
@@ -198,32 +198,6 @@ impl Plain for f32 {}
 impl Plain for u16 {}
 impl Plain for u8 {}
 
-/// Bytes allocated through one backend now and at the high-water mark.
-#[derive(Debug, Default)]
-pub struct AllocTracker {
-    current: AtomicU64,
-    peak: AtomicU64,
-}
-
-impl AllocTracker {
-    fn add(&self, bytes: u64) {
-        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak.fetch_max(now, Ordering::Relaxed);
-    }
-
-    fn sub(&self, bytes: u64) {
-        self.current.fetch_sub(bytes, Ordering::Relaxed);
-    }
-
-    pub fn peak(&self) -> u64 {
-        self.peak.load(Ordering::Relaxed)
-    }
-
-    pub fn reset_peak(&self) {
-        self.peak.store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
-}
-
 /// One device allocation, freed on drop.
 pub struct DeviceMem {
     api: &'static HipApi,
@@ -241,7 +215,7 @@ unsafe impl Sync for DeviceMem {}
 impl DeviceMem {
     /// `bytes` of device memory on the current device (at least 1 byte is requested, so the
     /// address is never null), counted in `tracker`.
-    pub fn alloc(api: &'static HipApi, tracker: &Arc<AllocTracker>, bytes: usize) -> Result<DeviceMem> {
+    pub(crate) fn alloc(api: &'static HipApi, tracker: &Arc<AllocTracker>, bytes: usize) -> Result<DeviceMem> {
         let mut ptr: *mut c_void = ptr::null_mut();
         // SAFETY: hipMalloc writes a device address into our local on success.
         let code = unsafe { (api.hipMalloc)(&mut ptr, bytes.max(1)) };
