@@ -393,34 +393,7 @@ pub fn device_summary(kind: BackendKind, info: &DeviceInfo) -> String {
     parts.join(", ")
 }
 
-pub use trimul::report::fmt_bytes;
-
-/// An error norm: `1.23e-4`, `0`, or `NaN`/`inf` spelled out because that is the finding.
-pub fn fmt_err(v: f64) -> String {
-    if v.is_nan() {
-        "NaN".into()
-    } else if v.is_infinite() {
-        "inf".into()
-    } else if v == 0.0 {
-        "0".into()
-    } else {
-        format!("{v:.2e}")
-    }
-}
-
-/// Serialises an `f64` as a JSON number, or as the strings `"NaN"`, `"inf"`, `"-inf"` (JSON has
-/// no such numbers and serde_json would write `null`), as the bench JSON schema does.
-pub fn json_f64<S: serde::Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
-    if v.is_finite() {
-        s.serialize_f64(*v)
-    } else if v.is_nan() {
-        s.serialize_str("NaN")
-    } else if *v > 0.0 {
-        s.serialize_str("inf")
-    } else {
-        s.serialize_str("-inf")
-    }
-}
+pub use trimul::report::{fmt_bytes, fmt_err, json_f64};
 
 /// Pretty JSON of `value` on stdout.
 pub fn emit_json<T: serde::Serialize>(value: &T) -> CliResult<()> {

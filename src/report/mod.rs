@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 
 pub use anchors::Anchor;
 pub use schema::{
-    format_utc, git_commit, now_utc, shape_key, BenchRun, Ceilings, MachineInfo, SampleStats, ShapeResult,
+    format_utc, git_commit, json_f64, now_utc, shape_key, BenchRun, Ceilings, MachineInfo, SampleStats, ShapeResult,
     TimingMethod, ToolInfo, SCHEMA_VERSION,
 };
 
@@ -181,7 +181,7 @@ pub(crate) fn fmt_ratio(v: f64) -> String {
 }
 
 /// Error norms: `5.12e-4`, or `NaN` / `inf` spelled out because that is the finding.
-pub(crate) fn fmt_err(v: f64) -> String {
+pub fn fmt_err(v: f64) -> String {
     if v.is_nan() {
         "NaN".into()
     } else if v.is_infinite() {

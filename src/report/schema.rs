@@ -503,20 +503,27 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
     (y, m, d)
 }
 
+/// Serialises an `f64` as a JSON number, or as the strings `"NaN"`, `"inf"`, `"-inf"` (JSON has
+/// no such numbers and serde_json would write `null`). Also for `serialize_with` outside the
+/// schema (the CLI's `check --json`).
+pub fn json_f64<S: serde::Serializer>(v: &f64, s: S) -> std::result::Result<S::Ok, S::Error> {
+    if v.is_finite() {
+        s.serialize_f64(*v)
+    } else if v.is_nan() {
+        s.serialize_str("NaN")
+    } else if *v > 0.0 {
+        s.serialize_str("inf")
+    } else {
+        s.serialize_str("-inf")
+    }
+}
+
 /// Serde for an `f64` that may be NaN or infinite: numbers as numbers, the rest as strings.
 mod lenient_f64 {
     use serde::{Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
-        if v.is_finite() {
-            s.serialize_f64(*v)
-        } else if v.is_nan() {
-            s.serialize_str("NaN")
-        } else if *v > 0.0 {
-            s.serialize_str("inf")
-        } else {
-            s.serialize_str("-inf")
-        }
+        super::json_f64(v, s)
     }
 
     #[derive(Deserialize)]
