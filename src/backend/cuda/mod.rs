@@ -491,7 +491,7 @@ impl CudaBackend {
 
     fn chunked_workspace(&self, prepared: &CudaPrepared, problem: &Problem, plan: ChunkPlan) -> Result<CudaWorkspace> {
         let cfg = problem.config;
-        let (m, b) = (problem.shape.rows(), problem.shape.batch);
+        let m = problem.shape.rows();
         let blas = &self.inner.blas;
         let contraction = |hc: usize| {
             MatmulPlan::new(
@@ -512,7 +512,6 @@ impl CudaBackend {
             )
         };
         let (h_tail, m_tail) = (cfg.h % plan.hc, m % plan.out_rows);
-        let _ = b;
         Ok(CudaWorkspace {
             problem: *problem,
             layout: Layout::Chunked { plan, scratch: self.alloc_buffer(plan.scratch_bytes)? },
