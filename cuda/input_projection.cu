@@ -177,25 +177,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
       const unsigned sb_u = ring_u + (slice & 1) * IP_BN * IP_LDB * 2;
 #pragma unroll 1
       for (int kk = 0; kk < IP_BK; kk += 16) {
-        unsigned a[2][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const int row = warp_m * 32 + mt * 16 + (lane & 15);
-          const int col = ks * IP_BK + kk + (lane >> 4) * 8;
-          mma_ldmatrix_x4(sa_u + (row * lda + col) * 2, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
-        }
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {  // pairs of n8 tiles
-          const int nrow = warp_n * 64 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
-          const int kcol = kk + ((lane >> 3) & 1) * 8;
-          unsigned b0, b1, b2, b3;
-          mma_ldmatrix_x4(sb_u + (nrow * IP_LDB + kcol) * 2, b0, b1, b2, b3);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            mma_16816(acc[mt][2 * np], a[mt], b0, b1);
-            mma_16816(acc[mt][2 * np + 1], a[mt], b2, b3);
-          }
-        }
+        mma_warp_k16<8>(acc, sa_u, lda, warp_m * 32, ks * IP_BK + kk, sb_u, IP_LDB, warp_n * 64, kk);
       }
     }
 

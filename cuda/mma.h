@@ -33,3 +33,31 @@ __device__ __forceinline__ unsigned mma_pack_h2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+
+// One k16 step of a warp's 32 x (8·NT) tile: acc[mt][nt] += A[rows a_row0 + 16·mt ..][k] ·
+// B[rows b_row0 + 8·nt ..][k]ᵀ for the 16 k from a_col (A) and b_col (B). A and B are f16 in
+// shared memory, row-major with pitches lda and ldb halves, at shared-window addresses a_u and
+// b_u; B's rows are the output columns (the weights' natural [out, in] layout).
+template <int NT>
+__device__ __forceinline__ void mma_warp_k16(float (&acc)[2][NT][4], unsigned a_u, int lda, int a_row0, int a_col,
+                                             unsigned b_u, int ldb, int b_row0, int b_col) {
+  const unsigned lane = threadIdx.x & 31;
+  unsigned a[2][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int row = a_row0 + mt * 16 + (lane & 15);
+    mma_ldmatrix_x4(a_u + (row * lda + a_col + (lane >> 4) * 8) * 2, a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+  }
+#pragma unroll
+  for (int np = 0; np < NT / 2; ++np) {  // pairs of n8 tiles
+    const int nrow = b_row0 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+    const int kcol = b_col + ((lane >> 3) & 1) * 8;
+    unsigned b0, b1, b2, b3;
+    mma_ldmatrix_x4(b_u + (nrow * ldb + kcol) * 2, b0, b1, b2, b3);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      mma_16816(acc[mt][2 * np], a[mt], b0, b1);
+      mma_16816(acc[mt][2 * np + 1], a[mt], b2, b3);
+    }
+  }
+}

@@ -178,6 +178,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
   // 4–5. per 128-column chunk: MMA over K = H, then the epilogue from registers.
   const int warp_m = warp & 1, warp_n = warp >> 1;  // 2 x 4 warps of 32 rows x 32 columns
   const int g = lane >> 2, tig = lane & 3;
+  const unsigned sa_u = mma_smem_addr(sa), sw_u = mma_smem_addr(sw);
   for (int c0 = 0; c0 < C; c0 += OP_BN) {
     asm volatile("cp.async.wait_group 0;");
     __syncthreads();  // sw (and, on the first chunk, sa) complete
@@ -190,24 +191,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
         for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 #pragma unroll 2
     for (int kk = 0; kk < H; kk += 16) {
-      unsigned a[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        const int row = warp_m * 32 + mt * 16 + (lane & 15);
-        mma_ldmatrix_x4(mma_smem_addr(sa + row * OP_LD + kk + (lane >> 4) * 8), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
-      }
-#pragma unroll
-      for (int nq = 0; nq < 2; ++nq) {
-        const int nrow = warp_n * 32 + nq * 16 + (lane & 7) + ((lane >> 4) << 3);
-        const int kcol = kk + ((lane >> 3) & 1) * 8;
-        unsigned b0, b1, b2, b3;
-        mma_ldmatrix_x4(mma_smem_addr(sw + nrow * OP_LD + kcol), b0, b1, b2, b3);
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          mma_16816(acc[mt][2 * nq], a[mt], b0, b1);
-          mma_16816(acc[mt][2 * nq + 1], a[mt], b2, b3);
-        }
-      }
+      mma_warp_k16<4>(acc, sa_u, OP_LD, warp_m * 32, kk, sw_u, OP_LD, warp_n * 32, kk);
     }
     __syncthreads();  // every warp done with sw before the next chunk's copy
     if (c0 + OP_BN < C) op_load_w(p, sw, c0 + OP_BN);
