@@ -4,8 +4,8 @@
 // z = LN_C(x) with two-pass f32 statistics held in registers, and keeps z resident in shared
 // memory as f16 (the GEMM's A operand). It then walks the fused weight matrix in column chunks
 // of BN = 128, streaming each chunk's weights through a two-stage cp.async ring in K slices of
-// BK = 64, multiplying with mma.sync m16n8k16 (f16 in, f32 accumulate), and finishing each chunk
-// in registers:
+// BK = 64, multiplying with f16 tensor-core MMAs (f32 accumulate), and finishing each chunk in
+// registers:
 //   gating chunks (32 hidden channels each): the prepare step ordered the weight rows per block
 //     of 8 channels as [lp(8) | lg(8) | rp(8) | rg(8)], so every thread already holds lp, lg, rp
 //     and rg of the same channels and positions:
@@ -13,6 +13,10 @@
 //     staged through shared memory and stored as 16-byte runs along positions, straight into
 //     the contraction layout [B, H, N, N];
 //   gate chunks: σ(og+b), staged and stored as 16-byte runs into gate [M, G].
+// Two builds of the MMA: mma.sync m16n8k16 (sm_80+: 8 warps of 32 x 64, operands through
+// ldmatrix), and on sm_90a the warpgroup MMA (2 warpgroups of 64 x 128, wgmma.m64n128k16 with both
+// operands read by the tensor cores from 128-byte-swizzled shared memory). Everything else is
+// shared: the LayerNorm prologue, the epilogues and the stores.
 // Chunked plans (src/memory.rs) launch it on a subset: a hidden pass runs the gating chunks of
 // its channels over every position, writing [B, lr_h, N, N] chunk buffers; the output stage's
 // gate pass runs the gate chunks over one row chunk (row0, rows) into a gate buffer that starts
@@ -54,51 +58,43 @@ __device__ __forceinline__ unsigned ip_hmul2(unsigned a, unsigned b) {
   return r;
 }
 
-// Issue the cp.async loads of K slice `ks` of column chunk `chunk` into ring stage `stage`.
+// Issue the cp.async loads of K slice `ks` of column chunk `chunk` into ring stage `stage`:
+// 128 rows x 64 halves = 1024 pieces of 16 bytes, 4 per thread. SW128 selects the layout the
+// wgmma kernel reads (rows of 128 bytes, 16-byte pieces XOR-permuted by row % 8); otherwise rows
+// are IP_LDB halves apart, the padding keeping ldmatrix conflict-free.
+template <bool SW128>
 __device__ __forceinline__ void ip_load_b(const TrimulParams& p, tm_half* ring, int stage, int chunk, int ks) {
   const unsigned tid = threadIdx.x;
-  tm_half* dst = ring + stage * IP_BN * IP_LDB;
-  // 128 rows x 64 halves = 1024 pieces of 16 bytes, 4 per thread.
+  const unsigned ring_u = mma_smem_addr(ring) + stage * IP_BN * (SW128 ? IP_BK : IP_LDB) * 2;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int piece = tid + i * IP_THREADS;
-    const int row = piece >> 3, col = (piece & 7) * 8;
-    const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * p.k_pad + ks * IP_BK + col;
-    mma_cp_async16(mma_smem_addr(dst + row * IP_LDB + col), src);
+    const int row = piece >> 3, c16 = piece & 7;
+    const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * p.k_pad + ks * IP_BK + c16 * 8;
+    const unsigned dst = SW128 ? ring_u + row * 128 + ((c16 ^ (row & 7)) << 4) : ring_u + (row * IP_LDB + c16 * 8) * 2;
+    mma_cp_async16(dst, src);
   }
   asm volatile("cp.async.commit_group;");
 }
 
-template <int KMAX>
-__device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
-  extern __shared__ __align__(16) unsigned char ip_smem[];
-  const int lda = p.k_pad + 8;  // halves; +16 bytes keeps ldmatrix conflict-free
-  tm_half* sa = (tm_half*)ip_smem;                                 // [BM][lda]   z tile
-  tm_half* ring = sa + IP_BM * lda;                                // [2][BN][LDB] weight slices
-  tm_half* stage_buf = ring + 2 * IP_BN * IP_LDB;                  // [BM][BN+8]  epilogue staging
-  float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));        // [BM]
+// Byte offset of z[r][c] (c % 4 == 0, an 8-byte group) in the block's A tile. SW128: the wgmma
+// layout, 64-channel atoms of [BM][128 bytes] one after another, pieces permuted as in ip_load_b;
+// otherwise row-major with a pitch of `lda` halves.
+template <bool SW128>
+__device__ __forceinline__ unsigned ip_z_offset(int r, int c, int lda) {
+  if (SW128) return (c >> 6) * (IP_BM * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+  return (r * lda + c) * 2;
+}
 
-  const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Positions row0 .. m_total of this launch (a row chunk of the output stage's gate pass, or
-  // every position); rows past m_total are zeros with mask 0 and are never stored.
-  const tm_i64 m_total = p.row0 + p.rows;
-  const tm_i64 tile0 = p.row0 + (tm_i64)blockIdx.x * IP_BM;
-  const int C = p.c, H = p.h, G = p.g;
-  const int nks = p.k_pad / IP_BK;
-  const int n_gating = p.h_pad / 32;  // 32 channels (128 columns) per gating chunk
-  // Column chunks of this launch: a hidden pass runs some gating chunks, the gate pass the gate
-  // chunks, the one-pass plan all of them.
-  const int chunk0 = p.chunk_begin;
-  const int n_chunks = p.chunk_end > 0 ? p.chunk_end : n_gating + p.g_pad / IP_BN;
-  const int lr_h0 = p.lr_h0, lr_h = p.lr_h > 0 ? p.lr_h : H;
-  const tm_i64 nn = (tm_i64)p.n * p.n;
-
-  // Start streaming the first weight slice while the LayerNorm runs.
-  ip_load_b(p, ring, 0, chunk0, 0);
-
-  // ---- prologue: z = LN_C(x) into shared memory. Each warp takes IP_LN_ROWS rows at a time
-  // and issues all their loads before the first reduction, so a warp waits for DRAM once per
-  // batch instead of once per row.
+// Prologue: z = LN_C(x) for the block's rows, into shared memory as f16 (zeros past C and past
+// the last position), and each row's mask into smask. Each warp takes IP_LN_ROWS rows at a time
+// and issues all their loads before the first reduction, so a warp waits for DRAM once per
+// batch instead of once per row.
+template <int KMAX, bool SW128>
+__device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
+                                             tm_i64 tile0, tm_i64 m_total) {
+  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int C = p.c;
   for (int r0 = warp * IP_LN_ROWS; r0 < IP_BM; r0 += (IP_THREADS / 32) * IP_LN_ROWS) {
     float4 v[IP_LN_ROWS][KMAX / 128];
 #pragma unroll
@@ -115,7 +111,6 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
     for (int rr = 0; rr < IP_LN_ROWS; ++rr) {
       const int r = r0 + rr;
       const tm_i64 row = tile0 + r;
-      tm_half* zr = sa + r * lda;
       float s = 0.f;
 #pragma unroll
       for (int i = 0; i < KMAX / 128; ++i) s += (v[rr][i].x + v[rr][i].y) + (v[rr][i].z + v[rr][i].w);
@@ -140,12 +135,131 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
             lo = mma_pack_h2((v[rr][i].x - mean) * rstd * w.x + b.x, (v[rr][i].y - mean) * rstd * w.y + b.y);
             hi = mma_pack_h2((v[rr][i].z - mean) * rstd * w.z + b.z, (v[rr][i].w - mean) * rstd * w.w + b.w);
           }
-          *(uint2*)(zr + c) = make_uint2(lo, hi);
+          *(uint2*)(sa + ip_z_offset<SW128>(r, c, lda)) = make_uint2(lo, hi);
         }
       }
       if (lane == 0) smask[r] = live ? (p.mask ? p.mask[row] : 1.f) : 0.f;
     }
   }
+}
+
+// Gating epilogue of one position r and one pair of channels (ch, ch + 1) of a gating chunk:
+// v holds lp, lg, rp, rg (bias added) of both channels. Stages left and right as f16, laid out
+// [channel][position] for the stores along positions.
+__device__ __forceinline__ void ip_stage_gating(tm_half* sl, tm_half* sr, int r, int ch, const float (&v)[4][2],
+                                                float m) {
+  const unsigned left = ip_hmul2(mma_pack_h2(v[0][0] * m, v[0][1] * m), ip_sigmoid2(v[1][0], v[1][1]));
+  const unsigned right = ip_hmul2(mma_pack_h2(v[2][0] * m, v[2][1] * m), ip_sigmoid2(v[3][0], v[3][1]));
+  sl[ch * (IP_BM + 8) + r] = (tm_half)(left & 0xFFFFu);
+  sl[(ch + 1) * (IP_BM + 8) + r] = (tm_half)(left >> 16);
+  sr[ch * (IP_BM + 8) + r] = (tm_half)(right & 0xFFFFu);
+  sr[(ch + 1) * (IP_BM + 8) + r] = (tm_half)(right >> 16);
+}
+
+// Stores a gating chunk's staged left and right (32 channels x BM positions each) as 16-byte runs
+// along positions into [B, lr_h, N, N]: 2 x 32 channels x 16 runs of 8 positions = 1024 runs, 4
+// per thread. Channels outside the launch's window lr_h0 .. lr_h0 + lr_h are skipped.
+__device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_half* sl, const tm_half* sr, int chunk,
+                                                tm_i64 tile0, tm_i64 m_total, tm_i64 tb0, tm_i64 trem0, tm_i64 nn,
+                                                int lr_h0, int lr_h) {
+  const unsigned tid = threadIdx.x;
+  const bool vec = (nn % 8 == 0) && (tile0 + IP_BM <= m_total);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int piece = tid + i * IP_THREADS;
+    const int side = piece >> 9, ch = (piece >> 4) & 31, run = piece & 15;
+    const int h = chunk * 32 + ch;
+    if (h >= p.h || h < lr_h0 || h >= lr_h0 + lr_h) continue;
+    const tm_half* src = (side ? sr : sl) + ch * (IP_BM + 8) + run * 8;
+    tm_half* out = side ? p.right : p.left;
+    const tm_i64 row = tile0 + run * 8;
+    if (vec) {
+      // The run starts run·8 positions into the tile: step across batch boundaries from the
+      // tile's first row (a tile spans one boundary unless N² < 128).
+      tm_i64 b = tb0, rem = trem0 + run * 8;
+      while (rem >= nn) {
+        rem -= nn;
+        ++b;
+      }
+      *(uint4*)(out + (b * lr_h + (h - lr_h0)) * nn + rem) = *(const uint4*)src;
+    } else {
+      for (int e = 0; e < 8; ++e) {
+        const tm_i64 rr = row + e;
+        if (rr >= m_total) break;
+        const tm_i64 b = rr / nn, rem = rr - b * nn;
+        out[(b * lr_h + (h - lr_h0)) * nn + rem] = src[e];
+      }
+    }
+  }
+}
+
+// Stores a gate chunk's staged σ(og) (BM positions x 128 columns from gc0) as 16-byte runs into
+// gate [rows from buf_row0, G]: BM rows x 16 runs of 8 columns = 2048 runs, 8 per thread.
+__device__ __forceinline__ void ip_store_gate(const TrimulParams& p, const tm_half* stage_buf, int gc0, tm_i64 tile0,
+                                              tm_i64 m_total) {
+  const unsigned tid = threadIdx.x;
+  const int G = p.g;
+  const bool vec = (G % 8 == 0);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int piece = tid + i * IP_THREADS;
+    const int r = piece >> 4, run = piece & 15;
+    const tm_i64 row = tile0 + r;
+    const int col = gc0 + run * 8;
+    if (row >= m_total || col >= G) continue;
+    const tm_half* src = stage_buf + r * (IP_BN + 8) + run * 8;
+    if (vec) {
+      *(uint4*)(p.gate + (row - p.buf_row0) * G + col) = *(const uint4*)src;
+    } else {
+      for (int e = 0; e < 8 && col + e < G; ++e) p.gate[(row - p.buf_row0) * G + col + e] = src[e];
+    }
+  }
+}
+
+// What a launch covers, shared by both bodies.
+struct IpLaunch {
+  tm_i64 m_total, tile0, nn, tb0, trem0;
+  int nks, n_gating, chunk0, n_chunks, lr_h0, lr_h;
+};
+
+__device__ __forceinline__ IpLaunch ip_launch(const TrimulParams& p) {
+  IpLaunch l;
+  // Positions row0 .. m_total of this launch (a row chunk of the output stage's gate pass, or
+  // every position); rows past m_total are zeros with mask 0 and are never stored.
+  l.m_total = p.row0 + p.rows;
+  l.tile0 = p.row0 + (tm_i64)blockIdx.x * IP_BM;
+  l.nks = p.k_pad / IP_BK;
+  l.n_gating = p.h_pad / 32;  // 32 channels (128 columns) per gating chunk
+  // Column chunks of this launch: a hidden pass runs some gating chunks, the gate pass the gate
+  // chunks, the one-pass plan all of them.
+  l.chunk0 = p.chunk_begin;
+  l.n_chunks = p.chunk_end > 0 ? p.chunk_end : l.n_gating + p.g_pad / IP_BN;
+  l.lr_h0 = p.lr_h0;
+  l.lr_h = p.lr_h > 0 ? p.lr_h : p.h;
+  l.nn = (tm_i64)p.n * p.n;
+  // Batch and in-batch position of the tile's first row: the epilogue's stores step from here
+  // instead of dividing by N² per store.
+  l.tb0 = l.tile0 / l.nn;
+  l.trem0 = l.tile0 - l.tb0 * l.nn;
+  return l;
+}
+
+// The sm_80 body: 8 warps of 32 rows x 64 columns (4 x 2) with mma.sync.
+template <int KMAX>
+__device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
+  extern __shared__ __align__(16) unsigned char ip_smem[];
+  const int lda = p.k_pad + 8;  // halves; +16 bytes keeps ldmatrix conflict-free
+  tm_half* sa = (tm_half*)ip_smem;                                 // [BM][lda]   z tile
+  tm_half* ring = sa + IP_BM * lda;                                // [2][BN][LDB] weight slices
+  tm_half* stage_buf = ring + 2 * IP_BN * IP_LDB;                  // [BM][BN+8]  epilogue staging
+  float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));        // [BM]
+
+  const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const IpLaunch l = ip_launch(p);
+
+  // Start streaming the first weight slice while the LayerNorm runs.
+  ip_load_b<false>(p, ring, 0, l.chunk0, 0);
+  ip_layernorm<KMAX, false>(p, (unsigned char*)sa, lda, smask, l.tile0, l.m_total);
   __syncthreads();  // z complete before any warp reads it
 
   // ---- main loop over column chunks and K slices (one global slice counter for the ring).
@@ -153,11 +267,8 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   const int g = lane >> 2, tig = lane & 3;
   // Shared-window addresses of the two operand tiles, computed once (not per ldmatrix).
   const unsigned sa_u = mma_smem_addr(sa), ring_u = mma_smem_addr(ring);
-  // Batch and in-batch position of the tile's first row: the epilogue's stores step from here
-  // instead of dividing by N² per store.
-  const tm_i64 tb0 = tile0 / nn, trem0 = tile0 - tb0 * nn;
   int slice = 0;
-  for (int chunk = chunk0; chunk < n_chunks; ++chunk) {
+  for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
     float acc[2][8][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -166,13 +277,13 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
-    for (int ks = 0; ks < nks; ++ks, ++slice) {
+    for (int ks = 0; ks < l.nks; ++ks, ++slice) {
       asm volatile("cp.async.wait_group 0;");
       __syncthreads();  // slice `slice` visible to all; everyone is done with the other stage
       {
-        const int next_ks = ks + 1 < nks ? ks + 1 : 0;
-        const int next_chunk = ks + 1 < nks ? chunk : chunk + 1;
-        if (next_chunk < n_chunks) ip_load_b(p, ring, (slice + 1) & 1, next_chunk, next_ks);
+        const int next_ks = ks + 1 < l.nks ? ks + 1 : 0;
+        const int next_chunk = ks + 1 < l.nks ? chunk : chunk + 1;
+        if (next_chunk < l.n_chunks) ip_load_b<false>(p, ring, (slice + 1) & 1, next_chunk, next_ks);
       }
       const unsigned sb_u = ring_u + (slice & 1) * IP_BN * IP_LDB * 2;
 #pragma unroll 1
@@ -183,73 +294,33 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
 
     // ---- epilogue of this chunk.
     const float* bias = p.w_in_bias ? p.w_in_bias + chunk * IP_BN : 0;
-    if (chunk < n_gating) {
-      // staging: left [32][BM+8] then right [32][BM+8]
+    if (chunk < l.n_gating) {
+      // The prepare step ordered each block of 8 channels as [lp | lg | rp | rg]: a warp's 64
+      // columns are two such blocks. Staging: left [32][BM+8] then right [32][BM+8].
       tm_half* sl = stage_buf;
       tm_half* sr = stage_buf + 32 * (IP_BM + 8);
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {      // the warp's two blocks of 8 channels
+      for (int q = 0; q < 2; ++q) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; channels col8, col8 + 1 as a pair
+          for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; channels 2·tig, 2·tig + 1 as a pair
             const int r = warp_m * 32 + mt * 16 + g + hf * 8;
-            const int col8 = 2 * tig;                          // channel within the block of 8
-            const int ch = (warp_n * 2 + q) * 8 + col8;        // channel within the chunk (0..31)
-            const int base = warp_n * 64 + q * 32;             // first column of this block
+            const int base = warp_n * 64 + q * 32;  // first column of this block of 8 channels
             float v[4][2];
 #pragma unroll
-            for (int sct = 0; sct < 4; ++sct) {  // lp, lg, rp, rg
-              v[sct][0] = acc[mt][4 * q + sct][2 * hf];
-              v[sct][1] = acc[mt][4 * q + sct][2 * hf + 1];
-              if (bias) {
-                v[sct][0] += bias[base + 8 * sct + col8];
-                v[sct][1] += bias[base + 8 * sct + col8 + 1];
-              }
-            }
-            const float m = smask[r];
-            const unsigned left = ip_hmul2(mma_pack_h2(v[0][0] * m, v[0][1] * m), ip_sigmoid2(v[1][0], v[1][1]));
-            const unsigned right = ip_hmul2(mma_pack_h2(v[2][0] * m, v[2][1] * m), ip_sigmoid2(v[3][0], v[3][1]));
-            sl[ch * (IP_BM + 8) + r] = (tm_half)(left & 0xFFFFu);
-            sl[(ch + 1) * (IP_BM + 8) + r] = (tm_half)(left >> 16);
-            sr[ch * (IP_BM + 8) + r] = (tm_half)(right & 0xFFFFu);
-            sr[(ch + 1) * (IP_BM + 8) + r] = (tm_half)(right >> 16);
+            for (int sct = 0; sct < 4; ++sct)  // lp, lg, rp, rg
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                v[sct][e] = acc[mt][4 * q + sct][2 * hf + e] + (bias ? bias[base + 8 * sct + 2 * tig + e] : 0.f);
+            ip_stage_gating(sl, sr, r, (warp_n * 2 + q) * 8 + 2 * tig, v, smask[r]);
           }
         }
       }
       __syncthreads();
-      // 2 x 32 channels x 16 runs of 8 positions = 1024 runs, 4 per thread.
-      const bool vec = (nn % 8 == 0) && (tile0 + IP_BM <= m_total);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int piece = tid + i * IP_THREADS;
-        const int side = piece >> 9, ch = (piece >> 4) & 31, run = piece & 15;
-        const int h = chunk * 32 + ch;
-        if (h >= H || h < lr_h0 || h >= lr_h0 + lr_h) continue;
-        const tm_half* src = (side ? sr : sl) + ch * (IP_BM + 8) + run * 8;
-        tm_half* out = side ? p.right : p.left;
-        const tm_i64 row = tile0 + run * 8;
-        if (vec) {
-          // The run starts run·8 positions into the tile: step across batch boundaries from the
-          // tile's first row (a tile spans one boundary unless N² < 128).
-          tm_i64 b = tb0, rem = trem0 + run * 8;
-          while (rem >= nn) {
-            rem -= nn;
-            ++b;
-          }
-          *(uint4*)(out + (b * lr_h + (h - lr_h0)) * nn + rem) = *(const uint4*)src;
-        } else {
-          for (int e = 0; e < 8; ++e) {
-            const tm_i64 rr = row + e;
-            if (rr >= m_total) break;
-            const tm_i64 b = rr / nn, rem = rr - b * nn;
-            out[(b * lr_h + (h - lr_h0)) * nn + rem] = src[e];
-          }
-        }
-      }
+      ip_store_gating(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
     } else {
       // gate columns [gc0, gc0 + 128): staging [BM][BN+8]
-      const int gc0 = (chunk - n_gating) * IP_BN;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -258,34 +329,111 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
           for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; two adjacent columns each
             const int r = warp_m * 32 + mt * 16 + g + hf * 8;
             const int col = warp_n * 64 + nt * 8 + 2 * tig;
-            float v0 = acc[mt][nt][2 * hf], v1 = acc[mt][nt][2 * hf + 1];
-            if (bias) {
-              v0 += bias[col];
-              v1 += bias[col + 1];
-            }
+            const float v0 = acc[mt][nt][2 * hf] + (bias ? bias[col] : 0.f);
+            const float v1 = acc[mt][nt][2 * hf + 1] + (bias ? bias[col + 1] : 0.f);
             *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
           }
       __syncthreads();
-      // BM rows x 16 runs of 8 gate columns = 2048 runs, 8 per thread.
-      const bool vec = (G % 8 == 0);
-
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int piece = tid + i * IP_THREADS;
-        const int r = piece >> 4, run = piece & 15;
-        const tm_i64 row = tile0 + r;
-        const int col = gc0 + run * 8;
-        if (row >= m_total || col >= G) continue;
-        const tm_half* src = stage_buf + r * (IP_BN + 8) + run * 8;
-        if (vec) {
-          *(uint4*)(p.gate + (row - p.buf_row0) * G + col) = *(const uint4*)src;
-        } else {
-          for (int e = 0; e < 8 && col + e < G; ++e) p.gate[(row - p.buf_row0) * G + col + e] = src[e];
-        }
-      }
+      ip_store_gate(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
     }
     __syncthreads();  // staging is reused by the next chunk's epilogue
   }
+}
+
+// The sm_90a body: two warpgroups, each 64 rows x 128 columns with wgmma m64n128k16, z and the
+// weight ring in the 128-byte swizzle the descriptors name. The shared-memory traffic of the MMA
+// (ldmatrix of every A and B fragment, once per warp) becomes the tensor cores' own reads, and a
+// warpgroup issues one instruction per k16 step where the mma.sync body issues 22 per warp.
+// Same LayerNorm, epilogues and stores as the sm_80 body.
+template <int KMAX>
+__device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p) {
+#if defined(TM_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char ip_smem[];
+  // The swizzle atoms must sit on 1024-byte boundaries; the host adds 1024 bytes of slack.
+  unsigned char* base = ip_smem + ((1024u - (mma_smem_addr(ip_smem) & 1023u)) & 1023u);
+  unsigned char* sa = base;                                         // k_pad/64 atoms of [BM][128 B]
+  tm_half* ring = (tm_half*)(sa + IP_BM * p.k_pad * 2);             // [2][BN][128 B]
+  tm_half* stage_buf = ring + 2 * IP_BN * IP_BK;                    // [BM][BN+8] epilogue staging
+  float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));         // [BM]
+
+  const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const IpLaunch l = ip_launch(p);
+
+  ip_load_b<true>(p, ring, 0, l.chunk0, 0);
+  ip_layernorm<KMAX, true>(p, sa, 0, smask, l.tile0, l.m_total);
+  fence_proxy_async();  // z was written by ordinary stores; the tensor cores read it next
+  __syncthreads();
+
+  const int wg = warp >> 2, wq = warp & 3;  // warpgroup (64 rows each), warp within it (16 rows)
+  const int g = lane >> 2, tig = lane & 3;
+  const unsigned a_u = mma_smem_addr(sa) + wg * 64 * 128, ring_u = mma_smem_addr(ring);
+  int slice = 0;
+  for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+
+    for (int ks = 0; ks < l.nks; ++ks, ++slice) {
+      wgmma_wait_all();  // the previous slice's MMAs are done reading the other stage
+      asm volatile("cp.async.wait_group 0;");
+      fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores
+      __syncthreads();
+      {
+        const int next_ks = ks + 1 < l.nks ? ks + 1 : 0;
+        const int next_chunk = ks + 1 < l.nks ? chunk : chunk + 1;
+        if (next_chunk < l.n_chunks) ip_load_b<true>(p, ring, (slice + 1) & 1, next_chunk, next_ks);
+      }
+      const unsigned sb_u = ring_u + (slice & 1) * IP_BN * 128;
+      const unsigned sa_k = a_u + ks * IP_BM * 128;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)  // four k16 steps of 32 bytes inside the 128-byte rows
+        wgmma_m64n128k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), 1);
+      wgmma_commit();
+    }
+    wgmma_wait_all();
+
+    // ---- epilogue of this chunk. A warp holds 16 rows x 128 columns: acc[4j + e] is n8 tile j.
+    const float* bias = p.w_in_bias ? p.w_in_bias + chunk * IP_BN : 0;
+    if (chunk < l.n_gating) {
+      tm_half* sl = stage_buf;
+      tm_half* sr = stage_buf + 32 * (IP_BM + 8);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // the chunk's four blocks of 8 channels [lp | lg | rp | rg]
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = wg * 64 + wq * 16 + g + hf * 8;
+          float v[4][2];
+#pragma unroll
+          for (int sct = 0; sct < 4; ++sct)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              v[sct][e] = acc[(4 * q + sct) * 4 + 2 * hf + e] + (bias ? bias[q * 32 + 8 * sct + 2 * tig + e] : 0.f);
+          ip_stage_gating(sl, sr, r, q * 8 + 2 * tig, v, smask[r]);
+        }
+      }
+      __syncthreads();
+      ip_store_gating(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = wg * 64 + wq * 16 + g + hf * 8;
+          const int col = nt * 8 + 2 * tig;
+          const float v0 = acc[nt * 4 + 2 * hf] + (bias ? bias[col] : 0.f);
+          const float v1 = acc[nt * 4 + 2 * hf + 1] + (bias ? bias[col + 1] : 0.f);
+          *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
+        }
+      __syncthreads();
+      ip_store_gate(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
+    }
+    __syncthreads();  // staging is reused by the next chunk's epilogue
+  }
+#else
+  // Built for another target: the host launches this entry only on sm_90 from sm_90a code.
+  __trap();
+#endif
 }
 
 // k_pad <= 128: two blocks per SM (registers capped at 128, which the small LN prologue allows
@@ -298,4 +446,13 @@ extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(con
 // registers uncapped.
 extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_wide(const TrimulParams p) {
   input_projection_body<IP_MAX_K>(p);
+}
+
+// The same two builds with warpgroup MMA, for sm_90a.
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection_sm90(const TrimulParams p) {
+  input_projection_sm90_body<128>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_sm90_wide(const TrimulParams p) {
+  input_projection_sm90_body<IP_MAX_K>(p);
 }

@@ -1,6 +1,7 @@
-// Tensor-core building blocks shared by the fused CUDA kernels (sm_80+): shared-window
-// addresses, cp.async, ldmatrix, mma.sync m16n8k16 with f16 inputs and f32 accumulators, and the
-// f32 -> f16x2 pack. Inline PTX, because NVRTC ships no <mma.h>/<cuda_fp16.h>.
+// Tensor-core building blocks shared by the fused CUDA kernels: shared-window addresses,
+// cp.async, ldmatrix, mma.sync m16n8k16 with f16 inputs and f32 accumulators, the f32 -> f16x2
+// pack (sm_80+), and Hopper's warpgroup MMA with its shared-memory descriptors (sm_90a only).
+// Inline PTX, because NVRTC ships no <mma.h>/<cuda_fp16.h>.
 #pragma once
 
 __device__ __forceinline__ unsigned mma_smem_addr(const void* p) {
@@ -61,3 +62,44 @@ __device__ __forceinline__ void mma_warp_k16(float (&acc)[2][NT][4], unsigned a_
     }
   }
 }
+
+// ---- Hopper warpgroup MMA (sm_90a only; callers guard with TM_HAS_WGMMA) ----
+// A warpgroup (4 consecutive warps, the first at a warp index divisible by 4) multiplies a
+// 64 x 16 A tile by a 16 x 128 B tile from shared memory into 64 f32 accumulators per thread.
+// Thread t of the warpgroup (warp w = t / 32, lane l) holds d[4j + e] for the n8 tile j:
+// row 16w + l/4 + 8·(e/2), column 8j + 2·(l%4) + e%2 (the mma.sync m16n8 layout, one per n8 tile).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TM_HAS_WGMMA 1
+
+// Shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: rows of 64 halves
+// (128 bytes) whose 16-byte pieces are permuted by XOR with (row % 8), 8-row groups 1024 bytes
+// apart, each group 1024-byte aligned. The leading-byte offset is unused in this mode.
+__device__ __forceinline__ unsigned long long wgmma_desc_sw128(unsigned smem_addr) {
+  return (unsigned long long)((smem_addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Generic-proxy shared stores (st.shared, cp.async) made visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// d (+)= A·Bᵀ for one k16 step; `accumulate` 0 overwrites d.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long a_desc, unsigned long long b_desc,
+                                                 int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+#endif

@@ -97,6 +97,21 @@ fn chunked_cublaslt_input_path_matches_reference() {
     );
 }
 
+/// On an H100 the fused input kernel runs its wgmma build; the mma.sync build, which every other
+/// GPU runs, is checked here on the same chip (both its two-blocks-per-SM and its wide build, with
+/// masks, biases, a ragged last tile and both directions). Elsewhere this repeats the default path.
+#[test]
+fn mma_sync_input_kernel_matches_reference() {
+    let Some(b) = cuda() else { return };
+    b.set_warpgroup_mma(false);
+    let s = seed();
+    for case in [Case::new(64, 2, 128, true, Dist::Cauchy), Case::new(96, 1, 384, true, Dist::Normal)] {
+        check_case(&b, &case, Formulation::GpuMode, Direction::Outgoing, false, s);
+        check_case(&b, &case, Formulation::Af3, Direction::Incoming, true, s);
+    }
+    check_case(&b, &Case::new(37, 1, 128, false, Dist::Normal), Formulation::GpuMode, Direction::Incoming, false, s);
+}
+
 #[test]
 fn incoming_gpumode_and_odd_sizes() {
     let Some(b) = cuda() else { return };

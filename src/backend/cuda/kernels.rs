@@ -29,6 +29,10 @@ pub(crate) struct Kernels {
     pub input_projection: Option<Stage>,
     /// The same kernel compiled for one block per SM with uncapped registers (wide C).
     pub input_projection_wide: Option<Stage>,
+    /// Both builds again with Hopper's warpgroup MMA (`wgmma`, sm_90a machine code); `None`
+    /// on every other GPU.
+    pub input_projection_sm90: Option<Stage>,
+    pub input_projection_sm90_wide: Option<Stage>,
     /// LN_H + gate + output projection in one kernel (`cuda/output_projection.cu`); sm_80+.
     pub output_projection: Option<Stage>,
     /// Largest dynamic shared memory a block may use (bytes).
@@ -114,6 +118,8 @@ impl Kernels {
             output_gate: get("output_gate")?,
             input_projection: None,
             input_projection_wide: None,
+            input_projection_sm90: None,
+            input_projection_sm90_wide: None,
             output_projection: None,
             max_smem: 48 * 1024,
             origin: String::new(),
@@ -140,8 +146,25 @@ impl Kernels {
         };
         let input_projection = big_smem("input_projection")?;
         let input_projection_wide = big_smem("input_projection:input_projection_wide")?;
+        // wgmma exists only in sm_90a code: the fatbin's sm_90a image, or NVRTC for sm_90a.
+        let (input_projection_sm90, input_projection_sm90_wide) = if cc == (9, 0) {
+            (
+                big_smem("input_projection:input_projection_sm90")?,
+                big_smem("input_projection:input_projection_sm90_wide")?,
+            )
+        } else {
+            (None, None)
+        };
         let output_projection = big_smem("output_projection")?;
-        let k = Kernels { input_projection, input_projection_wide, output_projection, max_smem: optin, ..k };
+        let k = Kernels {
+            input_projection,
+            input_projection_wide,
+            input_projection_sm90,
+            input_projection_sm90_wide,
+            output_projection,
+            max_smem: optin,
+            ..k
+        };
         Ok(Kernels { origin: origin.join(", "), ..k })
     }
 }

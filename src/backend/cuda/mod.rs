@@ -56,6 +56,7 @@ struct Inner {
     poison: AtomicBool,
     fused_input: AtomicBool,
     fused_output: AtomicBool,
+    warpgroup_mma: AtomicBool,
     /// Shared memory per SM (bytes), to decide how many blocks of a kernel fit.
     smem_per_sm: usize,
     /// When set, the next forward records an event after each stage (see `stage_times`).
@@ -156,6 +157,8 @@ impl CudaBackend {
                 poison: AtomicBool::new(false),
                 fused_input: AtomicBool::new(true),
                 fused_output: AtomicBool::new(true),
+                // `TRIMUL_CUDA_WGMMA=0` starts with the mma.sync input kernel, to compare the two.
+                warpgroup_mma: AtomicBool::new(std::env::var("TRIMUL_CUDA_WGMMA").map_or(true, |v| v.trim() != "0")),
                 smem_per_sm,
                 timeline: std::sync::Mutex::new(None),
             }),
@@ -206,6 +209,13 @@ impl CudaBackend {
     /// (default on). Off forces the chunked cuBLASLt path, to test and compare it.
     pub fn set_fused_input(&self, on: bool) {
         self.inner.fused_input.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether forwards on an H100 (sm_90) run the fused input kernel's warpgroup-MMA build
+    /// (default on, unless `TRIMUL_CUDA_WGMMA=0`). Off takes the mma.sync build that other GPUs
+    /// run, to test and compare it on the same chip.
+    pub fn set_warpgroup_mma(&self, on: bool) {
+        self.inner.warpgroup_mma.store(on, Ordering::Relaxed);
     }
 
     /// Whether forwards use the fused output kernel (LN_H + gate + projection) where it takes
@@ -370,7 +380,7 @@ impl CudaBackend {
                 g_pad: f.layout.g_pad as i32,
                 ..base
             };
-            kernel.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, f.smem_bytes() as u32, stream, &kp)?;
+            kernel.stage.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, kernel.smem, stream, &kp)?;
         } else {
             self.enqueue_blas_input(prep, ws, &base, m, stream)?;
         }
@@ -412,18 +422,19 @@ impl CudaBackend {
     /// channels in registers). Wider C: the one-block-per-SM build, which measured faster than the
     /// chunked path below about half a million positions and slower above (H100, C = 384:
     /// 0.55 vs 0.78 ms at 131K positions, 2.30 vs 2.24 ms at 590K, 3.92 vs 3.60 ms at 1M).
-    fn fused_kernel_for(&self, prep: &CudaPrepared, problem: &Problem) -> Option<&kernels::Stage> {
+    fn fused_kernel_for(&self, prep: &CudaPrepared, problem: &Problem) -> Option<FusedKernel<'_>> {
         const WIDE_MAX_POSITIONS: usize = 512 * 1024;
-        let k = &self.inner.kernels;
         let f = prep.fused.as_ref()?;
-        let two_fit = 2 * (f.smem_bytes() + 1024) <= self.inner.smem_per_sm;
-        if f.layout.k_pad <= 128 && two_fit {
-            k.input_projection.as_ref()
-        } else if problem.shape.rows() < WIDE_MAX_POSITIONS {
-            k.input_projection_wide.as_ref()
+        if f.layout.k_pad <= 128 && self.two_blocks_fit(f) || problem.shape.rows() < WIDE_MAX_POSITIONS {
+            self.chunk_kernel(prep)
         } else {
             None
         }
+    }
+
+    /// Whether two blocks of the fused input kernel fit on one SM.
+    fn two_blocks_fit(&self, f: &FusedInput) -> bool {
+        2 * (f.smem_bytes() + 1024) <= self.inner.smem_per_sm
     }
 
     /// Stage 1 without the fused kernel (shapes it does not take, GPUs before sm_80): per chunk
@@ -478,14 +489,19 @@ impl CudaBackend {
     /// The fused input kernel a chunked plan runs with, whatever the number of positions
     /// (hidden passes and the gate pass need its column-chunk selection); `None` when this layer
     /// has no fused weights or the GPU no such kernel.
-    fn chunk_kernel(&self, prep: &CudaPrepared) -> Option<&kernels::Stage> {
+    fn chunk_kernel(&self, prep: &CudaPrepared) -> Option<FusedKernel<'_>> {
         let k = &self.inner.kernels;
         let f = prep.fused.as_ref()?;
-        let two_fit = 2 * (f.smem_bytes() + 1024) <= self.inner.smem_per_sm;
-        if f.layout.k_pad <= 128 && two_fit {
-            k.input_projection.as_ref()
-        } else {
-            k.input_projection_wide.as_ref()
+        let narrow = f.layout.k_pad <= 128 && self.two_blocks_fit(f);
+        let sm90 = if narrow { &k.input_projection_sm90 } else { &k.input_projection_sm90_wide };
+        match sm90 {
+            Some(stage) if self.inner.warpgroup_mma.load(Ordering::Relaxed) => {
+                Some(FusedKernel { stage, smem: f.smem_bytes_sm90() as u32 })
+            }
+            _ => {
+                let stage = if narrow { k.input_projection.as_ref() } else { k.input_projection_wide.as_ref() }?;
+                Some(FusedKernel { stage, smem: f.smem_bytes() as u32 })
+            }
         }
     }
 
@@ -557,7 +573,7 @@ impl CudaBackend {
             g_pad: f.layout.g_pad as i32,
             ..*base
         };
-        let smem = f.smem_bytes() as u32;
+        let smem = kernel.smem;
         let n_gating = f.layout.h_pad / 32;
 
         // Phase A: per hidden pass, left/right of its channels for every position, then its
@@ -578,7 +594,7 @@ impl CudaBackend {
                 lr_h: n as i32,
                 ..fused
             };
-            kernel.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
+            kernel.stage.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
             let gemm = if n == plan.hc {
                 &mut ws.contraction
             } else {
@@ -612,7 +628,7 @@ impl CudaBackend {
                 chunk_end: (n_gating + f.layout.g_pad / 128) as i32,
                 ..chunk
             };
-            kernel.launch(ceil_div(rows, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
+            kernel.stage.launch(ceil_div(rows, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
             if let Some(op) = fused_output {
                 self.launch_output(op, prep, &chunk, stream)?;
                 r0 += rows;
@@ -663,6 +679,13 @@ pub struct CudaPrepared {
     norm_out_b: DeviceBuffer<f32>,
 }
 
+/// The build of the fused input kernel a forward launches, with its dynamic shared memory.
+#[derive(Copy, Clone)]
+struct FusedKernel<'a> {
+    stage: &'a kernels::Stage,
+    smem: u32,
+}
+
 struct FusedInput {
     layout: FusedInputLayout,
     w: DeviceBuffer<u16>,
@@ -670,13 +693,24 @@ struct FusedInput {
 }
 
 impl FusedInput {
-    /// Dynamic shared memory of one block (see the layout comment in `cuda/input_projection.cu`).
+    /// Dynamic shared memory of one block of the mma.sync build (see the layout comment in
+    /// `cuda/input_projection.cu`).
     fn smem_bytes(&self) -> usize {
         let rows = FUSED_INPUT_ROWS;
         let a = rows * (self.layout.k_pad + 8) * 2;
         let ring = 2 * 128 * (64 + 8) * 2;
-        let staging = (2 * 32 * (rows + 8) * 2).max(rows * (128 + 8) * 2);
-        a + ring + staging + rows * 4
+        a + ring + Self::staging_bytes() + rows * 4
+    }
+
+    /// The same for the wgmma build: unpadded swizzled tiles, plus 1024 bytes to align them.
+    fn smem_bytes_sm90(&self) -> usize {
+        let rows = FUSED_INPUT_ROWS;
+        rows * self.layout.k_pad * 2 + 2 * 128 * 64 * 2 + Self::staging_bytes() + rows * 4 + 1024
+    }
+
+    fn staging_bytes() -> usize {
+        let rows = FUSED_INPUT_ROWS;
+        (2 * 32 * (rows + 8) * 2).max(rows * (128 + 8) * 2)
     }
 }
 
