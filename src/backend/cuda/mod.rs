@@ -251,13 +251,10 @@ impl CudaBackend {
     ) -> Result<()> {
         let kp =
             KernelParams { w_out: prep.w_out.ptr(), out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()), ..*kp };
-        k.launch(
-            ceil_div(kp.rows as usize, OUTPUT_PROJECTION_ROWS),
-            STAGE_THREADS,
-            OUTPUT_PROJECTION_SMEM as u32,
-            stream,
-            &kp,
-        )
+        // Persistent: as many blocks as stay resident, each walking every grid-th tile.
+        let tiles = (kp.rows as usize).div_ceil(OUTPUT_PROJECTION_ROWS);
+        let resident = OUTPUT_PROJECTION_BLOCKS_PER_SM * self.inner.info.compute_units.max(1) as usize;
+        k.launch(tiles.min(resident) as u32, STAGE_THREADS, OUTPUT_PROJECTION_SMEM as u32, stream, &kp)
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<DeviceBuffer<f32>> {
@@ -419,17 +416,17 @@ impl CudaBackend {
 
     /// The fused input kernel for this layer and problem, or `None` for the chunked cuBLASLt
     /// path. Padded C ≤ 128: the build with two blocks per SM (its LayerNorm holds at most 128
-    /// channels in registers). Wider C: the one-block-per-SM build, which measured faster than the
-    /// chunked path below about half a million positions and slower above (H100, C = 384:
-    /// 0.55 vs 0.78 ms at 131K positions, 2.30 vs 2.24 ms at 590K, 3.92 vs 3.60 ms at 1M).
+    /// channels in registers). Wider C: the one-block-per-SM build. Its wgmma form (H100) beats
+    /// the chunked path at every size measured (C = 384: 2.420 → 2.356 ms at 590K positions,
+    /// 4.272 → 4.148 ms at 1M). Its mma.sync form is faster than the chunked path only below
+    /// about half a million positions (H100, C = 384: 0.55 vs 0.78 ms at 131K positions, 2.30 vs
+    /// 2.24 ms at 590K, 3.92 vs 3.60 ms at 1M).
     fn fused_kernel_for(&self, prep: &CudaPrepared, problem: &Problem) -> Option<FusedKernel<'_>> {
-        const WIDE_MAX_POSITIONS: usize = 512 * 1024;
+        const WIDE_MMA_SYNC_MAX_POSITIONS: usize = 512 * 1024;
         let f = prep.fused.as_ref()?;
-        if f.layout.k_pad <= 128 && self.two_blocks_fit(f) || problem.shape.rows() < WIDE_MAX_POSITIONS {
-            self.chunk_kernel(prep)
-        } else {
-            None
-        }
+        let kernel = self.chunk_kernel(prep)?;
+        let narrow = f.layout.k_pad <= 128 && self.two_blocks_fit(f);
+        (narrow || kernel.wgmma || problem.shape.rows() < WIDE_MMA_SYNC_MAX_POSITIONS).then_some(kernel)
     }
 
     /// Whether two blocks of the fused input kernel fit on one SM.
@@ -496,11 +493,11 @@ impl CudaBackend {
         let sm90 = if narrow { &k.input_projection_sm90 } else { &k.input_projection_sm90_wide };
         match sm90 {
             Some(stage) if self.inner.warpgroup_mma.load(Ordering::Relaxed) => {
-                Some(FusedKernel { stage, smem: f.smem_bytes_sm90() as u32 })
+                Some(FusedKernel { stage, smem: f.smem_bytes_sm90() as u32, wgmma: true })
             }
             _ => {
                 let stage = if narrow { k.input_projection.as_ref() } else { k.input_projection_wide.as_ref() }?;
-                Some(FusedKernel { stage, smem: f.smem_bytes() as u32 })
+                Some(FusedKernel { stage, smem: f.smem_bytes() as u32, wgmma: false })
             }
         }
     }
@@ -659,7 +656,11 @@ impl CudaBackend {
 /// (`cuda/output_projection.cu`: the a tile and one 128-column Wout chunk, 136 halves per row,
 /// plus mean and rstd per position).
 const OUTPUT_PROJECTION_ROWS: usize = 64;
-const OUTPUT_PROJECTION_SMEM: usize = (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4;
+/// sa [64][136] + sw [128][136] + st [128][72] + two gate tiles [64][136] (halves) + mean/rstd.
+const OUTPUT_PROJECTION_SMEM: usize =
+    (3 * OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 128 * 72 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4;
+/// Resident blocks per SM of the persistent output kernel (`__launch_bounds__(256, 2)`).
+const OUTPUT_PROJECTION_BLOCKS_PER_SM: usize = 2;
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
@@ -684,6 +685,8 @@ pub struct CudaPrepared {
 struct FusedKernel<'a> {
     stage: &'a kernels::Stage,
     smem: u32,
+    /// The warpgroup-MMA (sm_90a) build.
+    wgmma: bool,
 }
 
 struct FusedInput {
