@@ -656,11 +656,7 @@ impl CudaBackend {
 /// (`cuda/output_projection.cu`: the a tile and one 128-column Wout chunk, 136 halves per row,
 /// plus mean and rstd per position).
 const OUTPUT_PROJECTION_ROWS: usize = 64;
-/// sa [64][136] + sw [128][136] + st [128][72] + two gate tiles [64][136] (halves) + mean/rstd.
-const OUTPUT_PROJECTION_SMEM: usize =
-    (3 * OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 128 * 72 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4;
-/// Resident blocks per SM of the persistent output kernel (`__launch_bounds__(256, 2)`).
-const OUTPUT_PROJECTION_BLOCKS_PER_SM: usize = 2;
+const OUTPUT_PROJECTION_SMEM: usize = (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4;
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
