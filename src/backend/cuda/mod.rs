@@ -251,10 +251,13 @@ impl CudaBackend {
     ) -> Result<()> {
         let kp =
             KernelParams { w_out: prep.w_out.ptr(), out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()), ..*kp };
-        // Persistent: as many blocks as stay resident, each walking every grid-th tile.
-        let tiles = (kp.rows as usize).div_ceil(OUTPUT_PROJECTION_ROWS);
-        let resident = OUTPUT_PROJECTION_BLOCKS_PER_SM * self.inner.info.compute_units.max(1) as usize;
-        k.launch(tiles.min(resident) as u32, STAGE_THREADS, OUTPUT_PROJECTION_SMEM as u32, stream, &kp)
+        k.launch(
+            ceil_div(kp.rows as usize, OUTPUT_PROJECTION_ROWS),
+            STAGE_THREADS,
+            OUTPUT_PROJECTION_SMEM as u32,
+            stream,
+            &kp,
+        )
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<DeviceBuffer<f32>> {
