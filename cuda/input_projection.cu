@@ -35,8 +35,10 @@
 #define IP_BN 128
 #define IP_BK 64
 #define IP_MAX_K 512
-// Rows of x a warp loads before reducing (all their loads in flight at once).
-#define IP_LN_ROWS 4
+// Rows of x a warp loads before reducing (all their loads in flight at once), for C <= 128 and
+// for wider C (whose rows take four times the registers).
+#define IP_LN_ROWS_NARROW 8
+#define IP_LN_ROWS_WIDE 8
 // Row pitch of the weight ring in halves: 16 bytes of padding keep ldmatrix conflict-free.
 #define IP_LDB (IP_BK + 8)
 
@@ -87,18 +89,30 @@ __device__ __forceinline__ unsigned ip_z_offset(int r, int c, int lda) {
 }
 
 // Prologue: z = LN_C(x) for the block's rows, into shared memory as f16 (zeros past C and past
-// the last position), and each row's mask into smask. Each warp takes IP_LN_ROWS rows at a time
-// and issues all their loads before the first reduction, so a warp waits for DRAM once per
-// batch instead of once per row.
+// the last position), and each row's mask into smask. Each warp takes IP_LN_ROWS_* rows at a time:
+// all their loads are issued before the first use, and the rows' butterfly reductions are
+// interleaved, so a warp waits for DRAM once per batch and the shuffle latencies overlap. (ncu on
+// the H100: with 4 rows per batch and one reduction after another, the first use of x was the
+// kernel's most-stalled instruction and the LayerNorm about 40% of its stall samples.) A lane's
+// channels are the same in every row, so its LN weights are loaded once.
 template <int KMAX, bool SW128>
 __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
                                              tm_i64 tile0, tm_i64 m_total) {
   const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int C = p.c;
-  for (int r0 = warp * IP_LN_ROWS; r0 < IP_BM; r0 += (IP_THREADS / 32) * IP_LN_ROWS) {
-    float4 v[IP_LN_ROWS][KMAX / 128];
+  const float inv_c = 1.f / (float)C;
+  constexpr int ln_rows = KMAX <= 128 ? IP_LN_ROWS_NARROW : IP_LN_ROWS_WIDE;
+  float4 w[KMAX / 128], b[KMAX / 128];
 #pragma unroll
-    for (int rr = 0; rr < IP_LN_ROWS; ++rr) {
+  for (int i = 0; i < KMAX / 128; ++i) {
+    const int c = (lane + 32 * i) * 4;
+    w[i] = c < C ? *(const float4*)(p.norm_in_w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    b[i] = c < C ? *(const float4*)(p.norm_in_b + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int r0 = warp * ln_rows; r0 < IP_BM; r0 += (IP_THREADS / 32) * ln_rows) {
+    float4 v[ln_rows][KMAX / 128];
+#pragma unroll
+    for (int rr = 0; rr < ln_rows; ++rr) {
       const tm_i64 row = tile0 + r0 + rr;
       const float4* xr = (const float4*)(p.x + row * C);
 #pragma unroll
@@ -107,23 +121,41 @@ __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned cha
         v[rr][i] = (row < m_total && c4 * 4 < C) ? xr[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
+    float mean[ln_rows], rstd[ln_rows];
 #pragma unroll
-    for (int rr = 0; rr < IP_LN_ROWS; ++rr) {
-      const int r = r0 + rr;
-      const tm_i64 row = tile0 + r;
+    for (int rr = 0; rr < ln_rows; ++rr) {
       float s = 0.f;
 #pragma unroll
       for (int i = 0; i < KMAX / 128; ++i) s += (v[rr][i].x + v[rr][i].y) + (v[rr][i].z + v[rr][i].w);
-      const float mean = tm_group32_sum(s) / (float)C;
+      mean[rr] = s;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int rr = 0; rr < ln_rows; ++rr) mean[rr] += __shfl_xor_sync(0xffffffffu, mean[rr], o);
+#pragma unroll
+    for (int rr = 0; rr < ln_rows; ++rr) {
+      mean[rr] *= inv_c;
       float q = 0.f;
 #pragma unroll
       for (int i = 0; i < KMAX / 128; ++i) {
         if ((lane + 32 * i) * 4 < C) {
-          const float a = v[rr][i].x - mean, b = v[rr][i].y - mean, c = v[rr][i].z - mean, d = v[rr][i].w - mean;
-          q += (a * a + b * b) + (c * c + d * d);
+          const float a = v[rr][i].x - mean[rr], bb = v[rr][i].y - mean[rr];
+          const float c = v[rr][i].z - mean[rr], d = v[rr][i].w - mean[rr];
+          q += (a * a + bb * bb) + (c * c + d * d);
         }
       }
-      const float rstd = tm_rsqrt(tm_group32_sum(q) / (float)C + p.eps);
+      rstd[rr] = q;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int rr = 0; rr < ln_rows; ++rr) rstd[rr] += __shfl_xor_sync(0xffffffffu, rstd[rr], o);
+#pragma unroll
+    for (int rr = 0; rr < ln_rows; ++rr) {
+      const int r = r0 + rr;
+      const tm_i64 row = tile0 + r;
+      const float m = mean[rr], rs = tm_rsqrt(rstd[rr] * inv_c + p.eps);
       const bool live = row < m_total;  // rows past the end become zeros (and mask 0)
 #pragma unroll
       for (int i = 0; i < KMAX / 128; ++i) {
@@ -131,9 +163,8 @@ __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned cha
         if (c < p.k_pad) {
           unsigned lo = 0, hi = 0;
           if (live && c < C) {
-            const float4 w = *(const float4*)(p.norm_in_w + c), b = *(const float4*)(p.norm_in_b + c);
-            lo = mma_pack_h2((v[rr][i].x - mean) * rstd * w.x + b.x, (v[rr][i].y - mean) * rstd * w.y + b.y);
-            hi = mma_pack_h2((v[rr][i].z - mean) * rstd * w.z + b.z, (v[rr][i].w - mean) * rstd * w.w + b.w);
+            lo = mma_pack_h2((v[rr][i].x - m) * rs * w[i].x + b[i].x, (v[rr][i].y - m) * rs * w[i].y + b[i].y);
+            hi = mma_pack_h2((v[rr][i].z - m) * rs * w[i].z + b[i].z, (v[rr][i].w - m) * rs * w[i].w + b[i].w);
           }
           *(uint2*)(sa + ip_z_offset<SW128>(r, c, lda)) = make_uint2(lo, hi);
         }
@@ -244,6 +275,106 @@ __device__ __forceinline__ IpLaunch ip_launch(const TrimulParams& p) {
   return l;
 }
 
+// x + bias[i], or x itself without a bias (specialised at compile time).
+template <bool HAS_BIAS>
+__device__ __forceinline__ float ip_bias(float x, const float* bias, int i) {
+  return HAS_BIAS ? x + bias[i] : x;
+}
+
+// Epilogue of one column chunk, mma.sync build: a warp holds 32 rows x 64 columns as
+// acc[m16 tile][n8 tile][4].
+template <bool HAS_BIAS>
+__device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], const TrimulParams& p, const IpLaunch& l,
+                                                int chunk, tm_half* stage_buf, const float* smask, int warp_m,
+                                                int warp_n) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const float* bias = p.w_in_bias + chunk * IP_BN;
+  if (chunk < l.n_gating) {
+    // The prepare step ordered each block of 8 channels as [lp | lg | rp | rg]: a warp's 64
+    // columns are two such blocks. Staging: left [32][BM+8] then right [32][BM+8].
+    tm_half* sl = stage_buf;
+    tm_half* sr = stage_buf + 32 * (IP_BM + 8);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; channels 2·tig, 2·tig + 1 as a pair
+          const int r = warp_m * 32 + mt * 16 + g + hf * 8;
+          const int base = warp_n * 64 + q * 32;  // first column of this block of 8 channels
+          float v[4][2];
+#pragma unroll
+          for (int sct = 0; sct < 4; ++sct)  // lp, lg, rp, rg
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              v[sct][e] = ip_bias<HAS_BIAS>(acc[mt][4 * q + sct][2 * hf + e], bias, base + 8 * sct + 2 * tig + e);
+          ip_stage_gating(sl, sr, r, (warp_n * 2 + q) * 8 + 2 * tig, v, smask[r]);
+        }
+      }
+    }
+    __syncthreads();
+    ip_store_gating(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
+  } else {
+    // gate columns [gc0, gc0 + 128): staging [BM][BN+8]
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; two adjacent columns each
+          const int r = warp_m * 32 + mt * 16 + g + hf * 8;
+          const int col = warp_n * 64 + nt * 8 + 2 * tig;
+          const float v0 = ip_bias<HAS_BIAS>(acc[mt][nt][2 * hf], bias, col);
+          const float v1 = ip_bias<HAS_BIAS>(acc[mt][nt][2 * hf + 1], bias, col + 1);
+          *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
+        }
+    __syncthreads();
+    ip_store_gate(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
+  }
+}
+
+// Epilogue of one column chunk, wgmma build: a warp holds 16 rows x 128 columns, acc[4j + e]
+// being n8 tile j.
+template <bool HAS_BIAS>
+__device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[64], const TrimulParams& p, const IpLaunch& l,
+                                                 int chunk, tm_half* stage_buf, const float* smask, int wg, int wq) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const float* bias = p.w_in_bias + chunk * IP_BN;
+  if (chunk < l.n_gating) {
+    tm_half* sl = stage_buf;
+    tm_half* sr = stage_buf + 32 * (IP_BM + 8);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // the chunk's four blocks of 8 channels [lp | lg | rp | rg]
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = wg * 64 + wq * 16 + g + hf * 8;
+        float v[4][2];
+#pragma unroll
+        for (int sct = 0; sct < 4; ++sct)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            v[sct][e] = ip_bias<HAS_BIAS>(acc[(4 * q + sct) * 4 + 2 * hf + e], bias, q * 32 + 8 * sct + 2 * tig + e);
+        ip_stage_gating(sl, sr, r, q * 8 + 2 * tig, v, smask[r]);
+      }
+    }
+    __syncthreads();
+    ip_store_gating(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = wg * 64 + wq * 16 + g + hf * 8;
+        const int col = nt * 8 + 2 * tig;
+        const float v0 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf], bias, col);
+        const float v1 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf + 1], bias, col + 1);
+        *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
+      }
+    __syncthreads();
+    ip_store_gate(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
+  }
+}
+
 // The sm_80 body: 8 warps of 32 rows x 64 columns (4 x 2) with mma.sync.
 template <int KMAX>
 __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
@@ -254,7 +385,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   tm_half* stage_buf = ring + 2 * IP_BN * IP_LDB;                  // [BM][BN+8]  epilogue staging
   float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));        // [BM]
 
-  const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned warp = threadIdx.x >> 5;
   const IpLaunch l = ip_launch(p);
 
   // Start streaming the first weight slice while the LayerNorm runs.
@@ -264,7 +395,6 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
 
   // ---- main loop over column chunks and K slices (one global slice counter for the ring).
   const int warp_m = warp >> 1, warp_n = warp & 1;  // 4 x 2 warps, each 32 rows x 64 columns
-  const int g = lane >> 2, tig = lane & 3;
   // Shared-window addresses of the two operand tiles, computed once (not per ldmatrix).
   const unsigned sa_u = mma_smem_addr(sa), ring_u = mma_smem_addr(ring);
   int slice = 0;
@@ -292,49 +422,12 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
       }
     }
 
-    // ---- epilogue of this chunk.
-    const float* bias = p.w_in_bias ? p.w_in_bias + chunk * IP_BN : 0;
-    if (chunk < l.n_gating) {
-      // The prepare step ordered each block of 8 channels as [lp | lg | rp | rg]: a warp's 64
-      // columns are two such blocks. Staging: left [32][BM+8] then right [32][BM+8].
-      tm_half* sl = stage_buf;
-      tm_half* sr = stage_buf + 32 * (IP_BM + 8);
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; channels 2·tig, 2·tig + 1 as a pair
-            const int r = warp_m * 32 + mt * 16 + g + hf * 8;
-            const int base = warp_n * 64 + q * 32;  // first column of this block of 8 channels
-            float v[4][2];
-#pragma unroll
-            for (int sct = 0; sct < 4; ++sct)  // lp, lg, rp, rg
-#pragma unroll
-              for (int e = 0; e < 2; ++e)
-                v[sct][e] = acc[mt][4 * q + sct][2 * hf + e] + (bias ? bias[base + 8 * sct + 2 * tig + e] : 0.f);
-            ip_stage_gating(sl, sr, r, (warp_n * 2 + q) * 8 + 2 * tig, v, smask[r]);
-          }
-        }
-      }
-      __syncthreads();
-      ip_store_gating(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
+    // ---- epilogue of this chunk, specialised on the bias (adding a zero is not free: x + 0
+    // is not x for x = -0, so the compiler keeps every add and its load).
+    if (p.w_in_bias) {
+      ip_epilogue_mma<true>(acc, p, l, chunk, stage_buf, smask, warp_m, warp_n);
     } else {
-      // gate columns [gc0, gc0 + 128): staging [BM][BN+8]
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; two adjacent columns each
-            const int r = warp_m * 32 + mt * 16 + g + hf * 8;
-            const int col = warp_n * 64 + nt * 8 + 2 * tig;
-            const float v0 = acc[mt][nt][2 * hf] + (bias ? bias[col] : 0.f);
-            const float v1 = acc[mt][nt][2 * hf + 1] + (bias ? bias[col + 1] : 0.f);
-            *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
-          }
-      __syncthreads();
-      ip_store_gate(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
+      ip_epilogue_mma<false>(acc, p, l, chunk, stage_buf, smask, warp_m, warp_n);
     }
     __syncthreads();  // staging is reused by the next chunk's epilogue
   }
@@ -356,7 +449,7 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
   tm_half* stage_buf = ring + 2 * IP_BN * IP_BK;                    // [BM][BN+8] epilogue staging
   float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));         // [BM]
 
-  const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned warp = threadIdx.x >> 5;
   const IpLaunch l = ip_launch(p);
 
   ip_load_b<true>(p, ring, 0, l.chunk0, 0);
@@ -365,7 +458,6 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
   __syncthreads();
 
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup (64 rows each), warp within it (16 rows)
-  const int g = lane >> 2, tig = lane & 3;
   const unsigned a_u = mma_smem_addr(sa) + wg * 64 * 128, ring_u = mma_smem_addr(ring);
   int slice = 0;
   for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
@@ -393,40 +485,10 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
     }
     wgmma_wait_all();
 
-    // ---- epilogue of this chunk. A warp holds 16 rows x 128 columns: acc[4j + e] is n8 tile j.
-    const float* bias = p.w_in_bias ? p.w_in_bias + chunk * IP_BN : 0;
-    if (chunk < l.n_gating) {
-      tm_half* sl = stage_buf;
-      tm_half* sr = stage_buf + 32 * (IP_BM + 8);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {  // the chunk's four blocks of 8 channels [lp | lg | rp | rg]
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int r = wg * 64 + wq * 16 + g + hf * 8;
-          float v[4][2];
-#pragma unroll
-          for (int sct = 0; sct < 4; ++sct)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              v[sct][e] = acc[(4 * q + sct) * 4 + 2 * hf + e] + (bias ? bias[q * 32 + 8 * sct + 2 * tig + e] : 0.f);
-          ip_stage_gating(sl, sr, r, q * 8 + 2 * tig, v, smask[r]);
-        }
-      }
-      __syncthreads();
-      ip_store_gating(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
+    if (p.w_in_bias) {
+      ip_epilogue_sm90<true>(acc, p, l, chunk, stage_buf, smask, wg, wq);
     } else {
-#pragma unroll
-      for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int r = wg * 64 + wq * 16 + g + hf * 8;
-          const int col = nt * 8 + 2 * tig;
-          const float v0 = acc[nt * 4 + 2 * hf] + (bias ? bias[col] : 0.f);
-          const float v1 = acc[nt * 4 + 2 * hf + 1] + (bias ? bias[col + 1] : 0.f);
-          *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
-        }
-      __syncthreads();
-      ip_store_gate(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
+      ip_epilogue_sm90<false>(acc, p, l, chunk, stage_buf, smask, wg, wq);
     }
     __syncthreads();  // staging is reused by the next chunk's epilogue
   }
