@@ -112,6 +112,45 @@ fn layout(
     Ok(l)
 }
 
+/// Up to `count` algorithms the heuristic offers for these descriptors, best first (at least one,
+/// or an error).
+///
+/// # Safety
+/// Every descriptor must be live.
+unsafe fn heuristic_candidates(
+    handle: sys::cublasLtHandle_t,
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    pref: sys::cublasLtMatmulPreference_t,
+    count: usize,
+) -> std::result::Result<Vec<sys::cublasLtMatmulHeuristicResult_t>, lt::CublasError> {
+    let count = count.clamp(1, 16);
+    // SAFETY: the heuristic result is plain data (an algorithm blob, sizes and a status);
+    // all-zero is a valid value that the call overwrites.
+    let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> = vec![std::mem::zeroed(); count];
+    let mut returned = 0i32;
+    sys::cublasLtMatmulAlgoGetHeuristic(
+        handle,
+        desc,
+        a,
+        b,
+        d,
+        d,
+        pref,
+        count as i32,
+        results.as_mut_ptr(),
+        &mut returned,
+    )
+    .result()?;
+    if returned <= 0 {
+        return Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED));
+    }
+    results.truncate(returned as usize);
+    Ok(results)
+}
+
 impl MatmulPlan {
     /// Creates descriptors for `spec` with f16 A/B, `d_type` output, f32 accumulation, an
     /// optional per-row (of D, i.e. per output feature) bias epilogue, and picks the fastest
@@ -122,6 +161,20 @@ impl MatmulPlan {
         d_type: Elem,
         bias: bool,
         max_workspace: usize,
+    ) -> Result<Self> {
+        Self::new_ranked(handle, spec, d_type, bias, max_workspace, 0)
+    }
+
+    /// As [`MatmulPlan::new`], with the heuristic's candidate of rank `rank` (0: its first
+    /// choice; past the last candidate, the last). The tuning table (`super::tuning`) names
+    /// ranks that measured faster than the first choice.
+    pub(crate) fn new_ranked(
+        handle: &BlasHandle,
+        spec: GemmSpec,
+        d_type: Elem,
+        bias: bool,
+        max_workspace: usize,
+        rank: usize,
     ) -> Result<Self> {
         let desc = lt::create_matmul_desc(cublasComputeType_t::CUBLAS_COMPUTE_32F, cudaDataType::CUDA_R_32F)
             .map_err(|e| blas_err("cublasLtMatmulDescCreate", e))?;
@@ -171,9 +224,10 @@ impl MatmulPlan {
                 std::mem::size_of::<u64>(),
             )
             .map_err(|e| blas_err("cublasLtMatmulPreferenceSetAttribute", e))?;
-            let h = lt::get_matmul_algo_heuristic(handle.0, desc, a, b, d, d, pref);
+            let h = heuristic_candidates(handle.0, desc, a, b, d, pref, rank + 1);
             let _ = lt::destroy_matmul_pref(pref);
-            h.map_err(|e| blas_err(&format!("cublasLtMatmulAlgoGetHeuristic for {spec:?}"), e))?
+            let all = h.map_err(|e| blas_err(&format!("cublasLtMatmulAlgoGetHeuristic for {spec:?}"), e))?;
+            all[rank.min(all.len() - 1)]
         };
         Ok(MatmulPlan { spec, desc, a, b, d, algo: heuristic.algo, workspace_bytes: heuristic.workspaceSize, bias })
     }

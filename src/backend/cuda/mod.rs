@@ -659,7 +659,9 @@ impl CudaBackend {
 /// (`cuda/output_projection.cu`: the a tile and one 128-column Wout chunk, 136 halves per row,
 /// plus mean and rstd per position).
 const OUTPUT_PROJECTION_ROWS: usize = 64;
-const OUTPUT_PROJECTION_SMEM: usize = (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4;
+/// sa [64][136] and sw [128][136] (halves), mean and rstd [64], LN_H weight and bias [128] (f32).
+const OUTPUT_PROJECTION_SMEM: usize =
+    (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4 + 2 * 128 * 4;
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
