@@ -35,10 +35,12 @@
 #define IP_BN 128
 #define IP_BK 64
 #define IP_MAX_K 512
-// Rows of x a warp loads before reducing (all their loads in flight at once), for C <= 128 and
-// for wider C (whose rows take four times the registers).
+// Rows of x a warp loads before reducing (all their loads in flight at once): the wgmma builds
+// for C <= 128 and for wider C at one block per SM, and the mma.sync builds (whose fragments
+// leave fewer registers: 8 rows spill there).
 #define IP_LN_ROWS_NARROW 8
 #define IP_LN_ROWS_WIDE 8
+#define IP_LN_ROWS_MMA 4
 // Row pitch of the weight ring in halves: 16 bytes of padding keep ldmatrix conflict-free.
 #define IP_LDB (IP_BK + 8)
 
@@ -82,9 +84,9 @@ __device__ __forceinline__ void ip_load_b(const TrimulParams& p, tm_half* ring, 
 // Byte offset of z[r][c] (c % 4 == 0, an 8-byte group) in the block's A tile. SW128: the wgmma
 // layout, 64-channel atoms of [BM][128 bytes] one after another, pieces permuted as in ip_load_b;
 // otherwise row-major with a pitch of `lda` halves.
-template <bool SW128>
+template <bool SW128, int BM>
 __device__ __forceinline__ unsigned ip_z_offset(int r, int c, int lda) {
-  if (SW128) return (c >> 6) * (IP_BM * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+  if (SW128) return (c >> 6) * (BM * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
   return (r * lda + c) * 2;
 }
 
@@ -95,13 +97,13 @@ __device__ __forceinline__ unsigned ip_z_offset(int r, int c, int lda) {
 // the H100: with 4 rows per batch and one reduction after another, the first use of x was the
 // kernel's most-stalled instruction and the LayerNorm about 40% of its stall samples.) A lane's
 // channels are the same in every row, so its LN weights are loaded once.
-template <int KMAX, bool SW128>
+template <int KMAX, bool SW128, int BM, int LN_ROWS>
 __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
                                              tm_i64 tile0, tm_i64 m_total) {
   const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int C = p.c;
   const float inv_c = 1.f / (float)C;
-  constexpr int ln_rows = KMAX <= 128 ? IP_LN_ROWS_NARROW : IP_LN_ROWS_WIDE;
+  constexpr int ln_rows = LN_ROWS;
   float4 w[KMAX / 128], b[KMAX / 128];
 #pragma unroll
   for (int i = 0; i < KMAX / 128; ++i) {
@@ -109,7 +111,7 @@ __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned cha
     w[i] = c < C ? *(const float4*)(p.norm_in_w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     b[i] = c < C ? *(const float4*)(p.norm_in_b + c) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  for (int r0 = warp * ln_rows; r0 < IP_BM; r0 += (IP_THREADS / 32) * ln_rows) {
+  for (int r0 = warp * ln_rows; r0 < BM; r0 += (IP_THREADS / 32) * ln_rows) {
     float4 v[ln_rows][KMAX / 128];
 #pragma unroll
     for (int rr = 0; rr < ln_rows; ++rr) {
@@ -166,7 +168,7 @@ __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned cha
             lo = mma_pack_h2((v[rr][i].x - m) * rs * w[i].x + b[i].x, (v[rr][i].y - m) * rs * w[i].y + b[i].y);
             hi = mma_pack_h2((v[rr][i].z - m) * rs * w[i].z + b[i].z, (v[rr][i].w - m) * rs * w[i].w + b[i].w);
           }
-          *(uint2*)(sa + ip_z_offset<SW128>(r, c, lda)) = make_uint2(lo, hi);
+          *(uint2*)(sa + ip_z_offset<SW128, BM>(r, c, lda)) = make_uint2(lo, hi);
         }
       }
       if (lane == 0) smask[r] = live ? (p.mask ? p.mask[row] : 1.f) : 0.f;
@@ -177,31 +179,34 @@ __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned cha
 // Gating epilogue of one position r and one pair of channels (ch, ch + 1) of a gating chunk:
 // v holds lp, lg, rp, rg (bias added) of both channels. Stages left and right as f16, laid out
 // [channel][position] for the stores along positions.
+template <int BM>
 __device__ __forceinline__ void ip_stage_gating(tm_half* sl, tm_half* sr, int r, int ch, const float (&v)[4][2],
                                                 float m) {
   const unsigned left = ip_hmul2(mma_pack_h2(v[0][0] * m, v[0][1] * m), ip_sigmoid2(v[1][0], v[1][1]));
   const unsigned right = ip_hmul2(mma_pack_h2(v[2][0] * m, v[2][1] * m), ip_sigmoid2(v[3][0], v[3][1]));
-  sl[ch * (IP_BM + 8) + r] = (tm_half)(left & 0xFFFFu);
-  sl[(ch + 1) * (IP_BM + 8) + r] = (tm_half)(left >> 16);
-  sr[ch * (IP_BM + 8) + r] = (tm_half)(right & 0xFFFFu);
-  sr[(ch + 1) * (IP_BM + 8) + r] = (tm_half)(right >> 16);
+  sl[ch * (BM + 8) + r] = (tm_half)(left & 0xFFFFu);
+  sl[(ch + 1) * (BM + 8) + r] = (tm_half)(left >> 16);
+  sr[ch * (BM + 8) + r] = (tm_half)(right & 0xFFFFu);
+  sr[(ch + 1) * (BM + 8) + r] = (tm_half)(right >> 16);
 }
 
 // Stores a gating chunk's staged left and right (32 channels x BM positions each) as 16-byte runs
-// along positions into [B, lr_h, N, N]: 2 x 32 channels x 16 runs of 8 positions = 1024 runs, 4
-// per thread. Channels outside the launch's window lr_h0 .. lr_h0 + lr_h are skipped.
+// along positions into [B, lr_h, N, N]: 2 x 32 channels x BM/8 runs of 8 positions, BM/32 per
+// thread. Channels outside the launch's window lr_h0 .. lr_h0 + lr_h are skipped.
+template <int BM>
 __device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_half* sl, const tm_half* sr, int chunk,
                                                 tm_i64 tile0, tm_i64 m_total, tm_i64 tb0, tm_i64 trem0, tm_i64 nn,
                                                 int lr_h0, int lr_h) {
   const unsigned tid = threadIdx.x;
-  const bool vec = (nn % 8 == 0) && (tile0 + IP_BM <= m_total);
+  constexpr int runs = BM / 8;
+  const bool vec = (nn % 8 == 0) && (tile0 + BM <= m_total);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 2 * 32 * runs / IP_THREADS; ++i) {
     const int piece = tid + i * IP_THREADS;
-    const int side = piece >> 9, ch = (piece >> 4) & 31, run = piece & 15;
+    const int side = piece / (32 * runs), ch = (piece / runs) % 32, run = piece % runs;
     const int h = chunk * 32 + ch;
     if (h >= p.h || h < lr_h0 || h >= lr_h0 + lr_h) continue;
-    const tm_half* src = (side ? sr : sl) + ch * (IP_BM + 8) + run * 8;
+    const tm_half* src = (side ? sr : sl) + ch * (BM + 8) + run * 8;
     tm_half* out = side ? p.right : p.left;
     const tm_i64 row = tile0 + run * 8;
     if (vec) {
@@ -225,14 +230,15 @@ __device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_
 }
 
 // Stores a gate chunk's staged σ(og) (BM positions x 128 columns from gc0) as 16-byte runs into
-// gate [rows from buf_row0, G]: BM rows x 16 runs of 8 columns = 2048 runs, 8 per thread.
+// gate [rows from buf_row0, G]: BM rows x 16 runs of 8 columns, BM/16 per thread.
+template <int BM>
 __device__ __forceinline__ void ip_store_gate(const TrimulParams& p, const tm_half* stage_buf, int gc0, tm_i64 tile0,
                                               tm_i64 m_total) {
   const unsigned tid = threadIdx.x;
   const int G = p.g;
   const bool vec = (G % 8 == 0);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < BM * 16 / IP_THREADS; ++i) {
     const int piece = tid + i * IP_THREADS;
     const int r = piece >> 4, run = piece & 15;
     const tm_i64 row = tile0 + r;
@@ -253,12 +259,13 @@ struct IpLaunch {
   int nks, n_gating, chunk0, n_chunks, lr_h0, lr_h;
 };
 
+template <int BM>
 __device__ __forceinline__ IpLaunch ip_launch(const TrimulParams& p) {
   IpLaunch l;
   // Positions row0 .. m_total of this launch (a row chunk of the output stage's gate pass, or
   // every position); rows past m_total are zeros with mask 0 and are never stored.
   l.m_total = p.row0 + p.rows;
-  l.tile0 = p.row0 + (tm_i64)blockIdx.x * IP_BM;
+  l.tile0 = p.row0 + (tm_i64)blockIdx.x * BM;
   l.nks = p.k_pad / IP_BK;
   l.n_gating = p.h_pad / 32;  // 32 channels (128 columns) per gating chunk
   // Column chunks of this launch: a hidden pass runs some gating chunks, the gate pass the gate
@@ -308,12 +315,12 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
 #pragma unroll
             for (int e = 0; e < 2; ++e)
               v[sct][e] = ip_bias<HAS_BIAS>(acc[mt][4 * q + sct][2 * hf + e], bias, base + 8 * sct + 2 * tig + e);
-          ip_stage_gating(sl, sr, r, (warp_n * 2 + q) * 8 + 2 * tig, v, smask[r]);
+          ip_stage_gating<IP_BM>(sl, sr, r, (warp_n * 2 + q) * 8 + 2 * tig, v, smask[r]);
         }
       }
     }
     __syncthreads();
-    ip_store_gating(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
+    ip_store_gating<IP_BM>(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
   } else {
     // gate columns [gc0, gc0 + 128): staging [BM][BN+8]
 #pragma unroll
@@ -329,49 +336,54 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
           *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
         }
     __syncthreads();
-    ip_store_gate(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
+    ip_store_gate<IP_BM>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
   }
 }
 
-// Epilogue of one column chunk, wgmma build: a warp holds 16 rows x 128 columns, acc[4j + e]
-// being n8 tile j.
-template <bool HAS_BIAS>
-__device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[64], const TrimulParams& p, const IpLaunch& l,
-                                                 int chunk, tm_half* stage_buf, const float* smask, int wg, int wq) {
+// Epilogue of one column chunk, wgmma build. BM = 128: warpgroup wg owns rows 64·wg .. and all
+// 128 columns; BM = 64: both own the 64 rows and warpgroup wg the columns 64·wg ... A warp holds
+// 16 rows x NW columns, acc[4j + e] being n8 tile j.
+template <bool HAS_BIAS, int BM>
+__device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 64 : 32], const TrimulParams& p,
+                                                 const IpLaunch& l, int chunk, tm_half* stage_buf, const float* smask,
+                                                 int wg, int wq) {
+  constexpr int NW = BM == 128 ? 128 : 64;  // columns per warpgroup
   const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int row0 = (BM == 128 ? wg * 64 : 0) + wq * 16 + g, col0 = BM == 128 ? 0 : wg * 64;
   const float* bias = p.w_in_bias + chunk * IP_BN;
   if (chunk < l.n_gating) {
     tm_half* sl = stage_buf;
-    tm_half* sr = stage_buf + 32 * (IP_BM + 8);
+    tm_half* sr = stage_buf + 32 * (BM + 8);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // the chunk's four blocks of 8 channels [lp | lg | rp | rg]
+    for (int qq = 0; qq < NW / 32; ++qq) {  // the warpgroup's blocks of 8 channels [lp | lg | rp | rg]
+      const int q = col0 / 32 + qq;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int r = wg * 64 + wq * 16 + g + hf * 8;
+        const int r = row0 + hf * 8;
         float v[4][2];
 #pragma unroll
         for (int sct = 0; sct < 4; ++sct)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            v[sct][e] = ip_bias<HAS_BIAS>(acc[(4 * q + sct) * 4 + 2 * hf + e], bias, q * 32 + 8 * sct + 2 * tig + e);
-        ip_stage_gating(sl, sr, r, q * 8 + 2 * tig, v, smask[r]);
+            v[sct][e] = ip_bias<HAS_BIAS>(acc[(4 * qq + sct) * 4 + 2 * hf + e], bias, q * 32 + 8 * sct + 2 * tig + e);
+        ip_stage_gating<BM>(sl, sr, r, q * 8 + 2 * tig, v, smask[r]);
       }
     }
     __syncthreads();
-    ip_store_gating(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
+    ip_store_gating<BM>(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
   } else {
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
+    for (int nt = 0; nt < NW / 8; ++nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int r = wg * 64 + wq * 16 + g + hf * 8;
-        const int col = nt * 8 + 2 * tig;
+        const int r = row0 + hf * 8;
+        const int col = col0 + nt * 8 + 2 * tig;
         const float v0 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf], bias, col);
         const float v1 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf + 1], bias, col + 1);
         *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
       }
     __syncthreads();
-    ip_store_gate(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
+    ip_store_gate<BM>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
   }
 }
 
@@ -386,11 +398,11 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));        // [BM]
 
   const unsigned warp = threadIdx.x >> 5;
-  const IpLaunch l = ip_launch(p);
+  const IpLaunch l = ip_launch<IP_BM>(p);
 
   // Start streaming the first weight slice while the LayerNorm runs.
   ip_load_b<false>(p, ring, 0, l.chunk0, 0);
-  ip_layernorm<KMAX, false>(p, (unsigned char*)sa, lda, smask, l.tile0, l.m_total);
+  ip_layernorm<KMAX, false, IP_BM, IP_LN_ROWS_MMA>(p, (unsigned char*)sa, lda, smask, l.tile0, l.m_total);
   __syncthreads();  // z complete before any warp reads it
 
   // ---- main loop over column chunks and K slices (one global slice counter for the ring).
@@ -433,37 +445,41 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   }
 }
 
-// The sm_90a body: two warpgroups, each 64 rows x 128 columns with wgmma m64n128k16, z and the
-// weight ring in the 128-byte swizzle the descriptors name. The shared-memory traffic of the MMA
-// (ldmatrix of every A and B fragment, once per warp) becomes the tensor cores' own reads, and a
-// warpgroup issues one instruction per k16 step where the mma.sync body issues 22 per warp.
-// Same LayerNorm, epilogues and stores as the sm_80 body.
-template <int KMAX>
+// The sm_90a body: two warpgroups with wgmma, z and the weight ring in the 128-byte swizzle the
+// descriptors name. BM = 128: each warpgroup multiplies its 64 rows by all 128 columns of a chunk
+// (m64n128k16); BM = 64: both take the block's 64 rows and each warpgroup 64 of the columns
+// (m64n64k16), which halves z so that two blocks fit on an SM at C up to 448. The
+// shared-memory traffic of the MMA (ldmatrix of every A and B fragment, once per warp) becomes
+// the tensor cores' own reads, and a warpgroup issues one instruction per k16 step where the
+// mma.sync body issues 22 per warp. Same LayerNorm, epilogues and stores as the sm_80 body.
+template <int KMAX, int BM, int LN_ROWS>
 __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p) {
 #if defined(TM_HAS_WGMMA)
   extern __shared__ __align__(16) unsigned char ip_smem[];
   // The swizzle atoms must sit on 1024-byte boundaries; the host adds 1024 bytes of slack.
   unsigned char* base = ip_smem + ((1024u - (mma_smem_addr(ip_smem) & 1023u)) & 1023u);
   unsigned char* sa = base;                                         // k_pad/64 atoms of [BM][128 B]
-  tm_half* ring = (tm_half*)(sa + IP_BM * p.k_pad * 2);             // [2][BN][128 B]
+  tm_half* ring = (tm_half*)(sa + BM * p.k_pad * 2);                // [2][BN][128 B]
   tm_half* stage_buf = ring + 2 * IP_BN * IP_BK;                    // [BM][BN+8] epilogue staging
-  float* smask = (float*)(stage_buf + IP_BM * (IP_BN + 8));         // [BM]
+  float* smask = (float*)(stage_buf + BM * (IP_BN + 8));            // [BM]
 
   const unsigned warp = threadIdx.x >> 5;
-  const IpLaunch l = ip_launch(p);
+  const IpLaunch l = ip_launch<BM>(p);
 
   ip_load_b<true>(p, ring, 0, l.chunk0, 0);
-  ip_layernorm<KMAX, true>(p, sa, 0, smask, l.tile0, l.m_total);
+  ip_layernorm<KMAX, true, BM, LN_ROWS>(p, sa, 0, smask, l.tile0, l.m_total);
   fence_proxy_async();  // z was written by ordinary stores; the tensor cores read it next
   __syncthreads();
 
-  const int wg = warp >> 2, wq = warp & 3;  // warpgroup (64 rows each), warp within it (16 rows)
-  const unsigned a_u = mma_smem_addr(sa) + wg * 64 * 128, ring_u = mma_smem_addr(ring);
+  const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it (16 rows)
+  // This warpgroup's A rows and B rows (output columns) within the tiles.
+  const unsigned a_u = mma_smem_addr(sa) + (BM == 128 ? wg * 64 * 128 : 0);
+  const unsigned ring_u = mma_smem_addr(ring) + (BM == 128 ? 0 : wg * 64 * 128);
   int slice = 0;
   for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
-    float acc[64];
+    float acc[BM == 128 ? 64 : 32];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int i = 0; i < (BM == 128 ? 64 : 32); ++i) acc[i] = 0.f;
 
     for (int ks = 0; ks < l.nks; ++ks, ++slice) {
       wgmma_wait_all();  // the previous slice's MMAs are done reading the other stage
@@ -476,19 +492,24 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
         if (next_chunk < l.n_chunks) ip_load_b<true>(p, ring, (slice + 1) & 1, next_chunk, next_ks);
       }
       const unsigned sb_u = ring_u + (slice & 1) * IP_BN * 128;
-      const unsigned sa_k = a_u + ks * IP_BM * 128;
+      const unsigned sa_k = a_u + ks * BM * 128;
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)  // four k16 steps of 32 bytes inside the 128-byte rows
-        wgmma_m64n128k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), 1);
+      for (int kk = 0; kk < 4; ++kk) {  // four k16 steps of 32 bytes inside the 128-byte rows
+        if constexpr (BM == 128) {
+          wgmma_m64n128k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), 1);
+        } else {
+          wgmma_m64n64k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), 1);
+        }
+      }
       wgmma_commit();
     }
     wgmma_wait_all();
 
     if (p.w_in_bias) {
-      ip_epilogue_sm90<true>(acc, p, l, chunk, stage_buf, smask, wg, wq);
+      ip_epilogue_sm90<true, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
     } else {
-      ip_epilogue_sm90<false>(acc, p, l, chunk, stage_buf, smask, wg, wq);
+      ip_epilogue_sm90<false, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
     }
     __syncthreads();  // staging is reused by the next chunk's epilogue
   }
@@ -510,11 +531,17 @@ extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_wid
   input_projection_body<IP_MAX_K>(p);
 }
 
-// The same two builds with warpgroup MMA, for sm_90a.
+// The same two builds with warpgroup MMA, for sm_90a...
 extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection_sm90(const TrimulParams p) {
-  input_projection_sm90_body<128>(p);
+  input_projection_sm90_body<128, IP_BM, IP_LN_ROWS_NARROW>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_sm90_wide(const TrimulParams p) {
-  input_projection_sm90_body<IP_MAX_K>(p);
+  input_projection_sm90_body<IP_MAX_K, IP_BM, IP_LN_ROWS_WIDE>(p);
+}
+
+// ...and a third for 128 < k_pad <= 448: 64-position blocks, two per SM, so that one block's
+// LayerNorm (DRAM-bound) overlaps the other's MMAs and epilogues.
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection_sm90_mid(const TrimulParams p) {
+  input_projection_sm90_body<IP_MAX_K, 64, 2>(p);
 }

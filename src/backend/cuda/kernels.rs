@@ -33,6 +33,8 @@ pub(crate) struct Kernels {
     /// on every other GPU.
     pub input_projection_sm90: Option<Stage>,
     pub input_projection_sm90_wide: Option<Stage>,
+    /// The wgmma build in 64-position blocks, two per SM, for 128 < padded C ≤ 448.
+    pub input_projection_sm90_mid: Option<Stage>,
     /// LN_H + gate + output projection in one kernel (`cuda/output_projection.cu`); sm_80+.
     pub output_projection: Option<Stage>,
     /// Largest dynamic shared memory a block may use (bytes).
@@ -120,6 +122,7 @@ impl Kernels {
             input_projection_wide: None,
             input_projection_sm90: None,
             input_projection_sm90_wide: None,
+            input_projection_sm90_mid: None,
             output_projection: None,
             max_smem: 48 * 1024,
             origin: String::new(),
@@ -147,13 +150,14 @@ impl Kernels {
         let input_projection = big_smem("input_projection")?;
         let input_projection_wide = big_smem("input_projection:input_projection_wide")?;
         // wgmma exists only in sm_90a code: the fatbin's sm_90a image, or NVRTC for sm_90a.
-        let (input_projection_sm90, input_projection_sm90_wide) = if cc == (9, 0) {
+        let (input_projection_sm90, input_projection_sm90_wide, input_projection_sm90_mid) = if cc == (9, 0) {
             (
                 big_smem("input_projection:input_projection_sm90")?,
                 big_smem("input_projection:input_projection_sm90_wide")?,
+                big_smem("input_projection:input_projection_sm90_mid")?,
             )
         } else {
-            (None, None)
+            (None, None, None)
         };
         let output_projection = big_smem("output_projection")?;
         let k = Kernels {
@@ -161,6 +165,7 @@ impl Kernels {
             input_projection_wide,
             input_projection_sm90,
             input_projection_sm90_wide,
+            input_projection_sm90_mid,
             output_projection,
             max_smem: optin,
             ..k

@@ -380,7 +380,7 @@ impl CudaBackend {
                 g_pad: f.layout.g_pad as i32,
                 ..base
             };
-            kernel.stage.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, kernel.smem, stream, &kp)?;
+            kernel.stage.launch(ceil_div(m, kernel.rows), STAGE_THREADS, kernel.smem, stream, &kp)?;
         } else {
             self.enqueue_blas_input(prep, ws, &base, m, stream)?;
         }
@@ -493,16 +493,24 @@ impl CudaBackend {
         let k = &self.inner.kernels;
         let f = prep.fused.as_ref()?;
         let narrow = f.layout.k_pad <= 128 && self.two_blocks_fit(f);
-        let sm90 = if narrow { &k.input_projection_sm90 } else { &k.input_projection_sm90_wide };
-        match sm90 {
-            Some(stage) if self.inner.warpgroup_mma.load(Ordering::Relaxed) => {
-                Some(FusedKernel { stage, smem: f.smem_bytes_sm90() as u32, wgmma: true })
-            }
-            _ => {
-                let stage = if narrow { k.input_projection.as_ref() } else { k.input_projection_wide.as_ref() }?;
-                Some(FusedKernel { stage, smem: f.smem_bytes() as u32, wgmma: false })
+        if self.inner.warpgroup_mma.load(Ordering::Relaxed) {
+            // Wider C: 64-position blocks, two per SM, where they fit (H100, C = 384: 1024,1,384
+            // 3.97 → TODO ms against 128-position blocks, one per SM).
+            let mid_smem = f.smem_bytes_sm90_rows(64);
+            let mid_fits = 2 * (mid_smem + 1024) <= self.inner.smem_per_sm;
+            let (sm90, smem, rows) = if narrow {
+                (&k.input_projection_sm90, f.smem_bytes_sm90_rows(FUSED_INPUT_ROWS), FUSED_INPUT_ROWS)
+            } else if mid_fits && k.input_projection_sm90_mid.is_some() {
+                (&k.input_projection_sm90_mid, mid_smem, 64)
+            } else {
+                (&k.input_projection_sm90_wide, f.smem_bytes_sm90_rows(FUSED_INPUT_ROWS), FUSED_INPUT_ROWS)
+            };
+            if let Some(stage) = sm90 {
+                return Some(FusedKernel { stage, smem: smem as u32, rows, wgmma: true });
             }
         }
+        let stage = if narrow { k.input_projection.as_ref() } else { k.input_projection_wide.as_ref() }?;
+        Some(FusedKernel { stage, smem: f.smem_bytes() as u32, rows: FUSED_INPUT_ROWS, wgmma: false })
     }
 
     fn chunked_workspace(&self, prepared: &CudaPrepared, problem: &Problem, plan: ChunkPlan) -> Result<CudaWorkspace> {
@@ -594,7 +602,7 @@ impl CudaBackend {
                 lr_h: n as i32,
                 ..fused
             };
-            kernel.stage.launch(ceil_div(m, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
+            kernel.stage.launch(ceil_div(m, kernel.rows), STAGE_THREADS, smem, stream, &kp)?;
             let gemm = if n == plan.hc {
                 &mut ws.contraction
             } else {
@@ -628,7 +636,7 @@ impl CudaBackend {
                 chunk_end: (n_gating + f.layout.g_pad / 128) as i32,
                 ..chunk
             };
-            kernel.stage.launch(ceil_div(rows, FUSED_INPUT_ROWS), STAGE_THREADS, smem, stream, &kp)?;
+            kernel.stage.launch(ceil_div(rows, kernel.rows), STAGE_THREADS, smem, stream, &kp)?;
             if let Some(op) = fused_output {
                 self.launch_output(op, prep, &chunk, stream)?;
                 r0 += rows;
@@ -686,6 +694,8 @@ pub struct CudaPrepared {
 struct FusedKernel<'a> {
     stage: &'a kernels::Stage,
     smem: u32,
+    /// Positions per block.
+    rows: usize,
     /// The warpgroup-MMA (sm_90a) build.
     wgmma: bool,
 }
@@ -703,17 +713,16 @@ impl FusedInput {
         let rows = FUSED_INPUT_ROWS;
         let a = rows * (self.layout.k_pad + 8) * 2;
         let ring = 2 * 128 * (64 + 8) * 2;
-        a + ring + Self::staging_bytes() + rows * 4
+        a + ring + Self::staging_bytes(rows) + rows * 4
     }
 
-    /// The same for the wgmma build: unpadded swizzled tiles, plus 1024 bytes to align them.
-    fn smem_bytes_sm90(&self) -> usize {
-        let rows = FUSED_INPUT_ROWS;
-        rows * self.layout.k_pad * 2 + 2 * 128 * 64 * 2 + Self::staging_bytes() + rows * 4 + 1024
+    /// The same for the wgmma builds with `rows` positions per block: unpadded swizzled tiles,
+    /// plus 1024 bytes to align them.
+    fn smem_bytes_sm90_rows(&self, rows: usize) -> usize {
+        rows * self.layout.k_pad * 2 + 2 * 128 * 64 * 2 + Self::staging_bytes(rows) + rows * 4 + 1024
     }
 
-    fn staging_bytes() -> usize {
-        let rows = FUSED_INPUT_ROWS;
+    fn staging_bytes(rows: usize) -> usize {
         (2 * 32 * (rows + 8) * 2).max(rows * (128 + 8) * 2)
     }
 }
