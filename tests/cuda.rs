@@ -112,6 +112,24 @@ fn mma_sync_input_kernel_matches_reference() {
     check_case(&b, &Case::new(37, 1, 128, false, Dist::Normal), Formulation::GpuMode, Direction::Incoming, false, s);
 }
 
+/// Every choice a tuning table can make gives the same correct result: a lower-ranked cuBLASLt
+/// candidate for the contraction, the fused output kernel forced off (and on where the rule
+/// would not take it), and the mma.sync input build.
+#[test]
+fn tuning_choices_match_reference() {
+    use trimul::backend::cuda::Tuning;
+    let Some(b) = cuda() else { return };
+    let s = seed();
+    for (rank, fused_output, warpgroup_mma) in [(2, Some(false), None), (1, Some(true), Some(false)), (3, None, None)] {
+        b.set_tuning(Some(Tuning { contraction_rank: rank, fused_output, warpgroup_mma }));
+        for case in [Case::new(64, 2, 128, true, Dist::Cauchy), Case::new(48, 1, 384, false, Dist::Normal)] {
+            check_case(&b, &case, Formulation::GpuMode, Direction::Outgoing, false, s);
+            check_case(&b, &case, Formulation::Af3, Direction::Incoming, true, s);
+        }
+    }
+    b.set_tuning(None);
+}
+
 #[test]
 fn incoming_gpumode_and_odd_sizes() {
     let Some(b) = cuda() else { return };

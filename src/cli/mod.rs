@@ -12,6 +12,7 @@ mod check;
 mod info;
 mod report;
 mod run;
+mod tune;
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -48,6 +49,43 @@ pub enum Command {
     Run(RunArgs),
     /// Merge bench JSON files into report.md and SVG plots.
     Report(ReportArgs),
+    /// Sweep the CUDA backend's per-shape choices (contraction algorithm, output path) and
+    /// write the faster correct ones as a tuning table (TRIMUL_CUDA_TUNING reads it).
+    Tune(TuneArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct TuneArgs {
+    /// `gpumode`: the 7 GPU MODE shapes; `quick`: the 3 cheapest.
+    #[arg(long, value_enum, default_value_t = BenchSuite::Gpumode)]
+    pub suite: BenchSuite,
+    #[arg(long, value_enum, default_value_t = FormulationArg::Gpumode)]
+    pub formulation: FormulationArg,
+    #[arg(long, value_enum, default_value_t = DirectionArg::Outgoing)]
+    pub direction: DirectionArg,
+    /// cuBLASLt heuristic candidates to try for the contraction (ranks 0 .. N-1).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(1..=16))]
+    pub candidates: u8,
+    /// Also sweep the mma.sync build of the fused input kernel against the wgmma one (sm_90).
+    #[arg(long)]
+    pub sweep_input_kernel: bool,
+    #[arg(long, default_value_t = 3)]
+    pub warmup: u32,
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeats: u32,
+    /// Keep a choice only when it beats the built-in rules by more than this fraction.
+    #[arg(long, default_value_t = 0.01)]
+    pub min_gain: f64,
+    /// Merge the entries into this table file (replacing entries of the same shapes); default:
+    /// print the table.
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Seed of the inputs and weights (default: from the clock).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Only the shapes with these sequence lengths (comma-separated).
+    #[arg(long, value_name = "N,...", value_delimiter = ',')]
+    pub n: Vec<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -238,6 +276,7 @@ pub fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Run(a) => run::run(a),
         Command::Report(a) => report::run(a),
+        Command::Tune(a) => tune::run(a),
     };
     match outcome {
         Ok(code) => code,
@@ -460,6 +499,17 @@ mod tests {
             }
             other => panic!("parsed as {other:?}"),
         }
+        let cli = Cli::try_parse_from(["trimul", "tune", "--candidates", "3", "--n", "512,1024", "--out", "t.json"])
+            .expect("tune parses");
+        match cli.command {
+            Command::Tune(a) => {
+                assert_eq!((a.suite, a.candidates, a.n.as_slice()), (BenchSuite::Gpumode, 3, &[512, 1024][..]));
+                assert_eq!((a.warmup, a.repeats, a.sweep_input_kernel), (3, 15, false));
+                assert_eq!(a.out.as_deref(), Some(std::path::Path::new("t.json")));
+            }
+            other => panic!("parsed as {other:?}"),
+        }
+        assert!(Cli::try_parse_from(["trimul", "tune", "--candidates", "0"]).is_err());
         assert!(Cli::try_parse_from(["trimul", "bench", "--repeats", "0"]).is_err());
         assert!(Cli::try_parse_from(["trimul", "check", "--suite", "long"]).is_err());
         assert!(Cli::try_parse_from(["trimul", "report", "--out", "d"]).is_err(), "report needs a run");

@@ -19,6 +19,9 @@
 mod blas;
 mod driver;
 mod kernels;
+mod tuning;
+
+pub use tuning::{Tuning, TuningEntry, TuningTable};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -57,6 +60,10 @@ struct Inner {
     fused_input: AtomicBool,
     fused_output: AtomicBool,
     warpgroup_mma: AtomicBool,
+    /// Measured per-shape choices (`trimul tune`) for this GPU's architecture.
+    tuning: TuningTable,
+    /// Choices that replace the table's for every shape (the sweep sets these).
+    tuning_override: std::sync::Mutex<Option<Tuning>>,
     /// Shared memory per SM (bytes), to decide how many blocks of a kernel fit.
     smem_per_sm: usize,
     /// When set, the next forward records an event after each stage (see `stage_times`).
@@ -138,7 +145,7 @@ impl CudaBackend {
             versions.push(("NVRTC".to_string(), format!("{ma}.{mi}")));
         }
         let smem_per_sm = attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR) as usize;
-        let info = DeviceInfo {
+        let mut info = DeviceInfo {
             vendor: "NVIDIA".into(),
             name: ctx.name().unwrap_or_else(|_| "unknown NVIDIA GPU".into()),
             arch: format!("sm_{}{}", cc.0, cc.1),
@@ -146,6 +153,13 @@ impl CudaBackend {
             memory_bytes: ctx.total_mem().unwrap_or(0) as u64,
             versions,
         };
+        // `TRIMUL_CUDA_TUNING=path` replaces the table shipped for this architecture.
+        let tuning = match std::env::var_os("TRIMUL_CUDA_TUNING") {
+            Some(path) => TuningTable::from_file(std::path::Path::new(&path))?,
+            None => TuningTable::embedded(&info.arch)?,
+        };
+        let source = std::env::var("TRIMUL_CUDA_TUNING").unwrap_or_else(|_| format!("embedded for {}", info.arch));
+        info.versions.push(("tuning table".into(), format!("{} entries ({source})", tuning.entries.len())));
         Ok(CudaBackend {
             inner: Arc::new(Inner {
                 ctx,
@@ -159,6 +173,8 @@ impl CudaBackend {
                 fused_output: AtomicBool::new(true),
                 // `TRIMUL_CUDA_WGMMA=0` starts with the mma.sync input kernel, to compare the two.
                 warpgroup_mma: AtomicBool::new(std::env::var("TRIMUL_CUDA_WGMMA").map_or(true, |v| v.trim() != "0")),
+                tuning,
+                tuning_override: std::sync::Mutex::new(None),
                 smem_per_sm,
                 timeline: std::sync::Mutex::new(None),
             }),
@@ -211,6 +227,26 @@ impl CudaBackend {
         self.inner.fused_input.store(on, Ordering::Relaxed);
     }
 
+    /// The per-shape choices (see [`tuning`]) forwards of `problem` use: the override, else the
+    /// table's entry, else the built-in rules.
+    pub fn tuning_for(&self, problem: &Problem) -> Tuning {
+        let forced = self.inner.tuning_override.lock().ok().and_then(|g| *g);
+        forced.or_else(|| self.inner.tuning.lookup(&self.inner.info.arch, problem)).unwrap_or_default()
+    }
+
+    /// Replaces the tuning table's choices for every shape (`None`: back to the table). Layers
+    /// plan new workspaces on their next forward. `trimul tune` sweeps with this.
+    pub fn set_tuning(&self, tuning: Option<Tuning>) {
+        if let Ok(mut g) = self.inner.tuning_override.lock() {
+            *g = tuning;
+        }
+    }
+
+    /// The table of measured choices this backend applies.
+    pub fn tuning_table(&self) -> &TuningTable {
+        &self.inner.tuning
+    }
+
     /// Whether forwards on an H100 (sm_90) run the fused input kernel's warpgroup-MMA build
     /// (default on, unless `TRIMUL_CUDA_WGMMA=0`). Off takes the mma.sync build that other GPUs
     /// run, to test and compare it on the same chip.
@@ -230,11 +266,11 @@ impl CudaBackend {
     /// everywhere (1024,1,128: 2.875 → 2.477 ms; 1024,1,384: 6.754 → 5.845 ms), gpumode gains a
     /// little at C = 128 (2.365 → 2.359 ms) and loses at C = 384 (4.282 → 4.387 ms), where
     /// cuBLASLt's GEMM beats reloading Wout per 128-column chunk.
-    fn fused_output_for(&self, cfg: &crate::problem::Config) -> Option<&kernels::Stage> {
+    fn fused_output_for(&self, cfg: &crate::problem::Config, tuning: Tuning) -> Option<&kernels::Stage> {
         let k = self.inner.kernels.output_projection.as_ref()?;
         let fits =
             cfg.h % 16 == 0 && cfg.h <= 128 && cfg.c % 8 == 0 && OUTPUT_PROJECTION_SMEM <= self.inner.kernels.max_smem;
-        let wins = cfg.c <= 128 || cfg.formulation == Formulation::Af3;
+        let wins = tuning.fused_output.unwrap_or(cfg.c <= 128 || cfg.formulation == Formulation::Af3);
         (fits && wins && self.inner.fused_output.load(Ordering::Relaxed)).then_some(k)
     }
 
@@ -362,7 +398,7 @@ impl CudaBackend {
         };
         let base = KernelParams { left, right, gate, a: left, ..base };
         // 1. LN_C, input projections and gating.
-        let fused = match (&prep.fused, self.fused_kernel_for(prep, problem)) {
+        let fused = match (&prep.fused, self.fused_kernel_for(prep, problem, ws.tuning)) {
             (Some(f), Some(kernel)) if matches!(ws.layout, Layout::OnePass { blas_input: None, .. }) => {
                 Some((f, kernel))
             }
@@ -394,7 +430,7 @@ impl CudaBackend {
         // 3. LN_H (+ gate) and the output projection (+ bias, af3 gate): one fused kernel, or
         // LN_H into `a` (= left), the cuBLASLt GEMM (+ bias) into y (right lends the workspace)
         // and af3's gate kernel.
-        if let Some(op) = self.fused_output_for(&cfg) {
+        if let Some(op) = self.fused_output_for(&cfg, ws.tuning) {
             let kp = KernelParams { row0: 0, rows: m as i64, ..base };
             self.launch_output(op, prep, &kp, stream)?;
             self.mark("output stage (LayerNorm, gate, projection)", stream)?;
@@ -424,10 +460,10 @@ impl CudaBackend {
     /// 4.272 → 4.148 ms at 1M). Its mma.sync form is faster than the chunked path only below
     /// about half a million positions (H100, C = 384: 0.55 vs 0.78 ms at 131K positions, 2.30 vs
     /// 2.24 ms at 590K, 3.92 vs 3.60 ms at 1M).
-    fn fused_kernel_for(&self, prep: &CudaPrepared, problem: &Problem) -> Option<FusedKernel<'_>> {
+    fn fused_kernel_for(&self, prep: &CudaPrepared, problem: &Problem, tuning: Tuning) -> Option<FusedKernel<'_>> {
         const WIDE_MMA_SYNC_MAX_POSITIONS: usize = 512 * 1024;
         let f = prep.fused.as_ref()?;
-        let kernel = self.chunk_kernel(prep)?;
+        let kernel = self.chunk_kernel(prep, tuning)?;
         let narrow = f.layout.k_pad <= 128 && self.two_blocks_fit(f);
         (narrow || kernel.wgmma || problem.shape.rows() < WIDE_MMA_SYNC_MAX_POSITIONS).then_some(kernel)
     }
@@ -489,11 +525,11 @@ impl CudaBackend {
     /// The fused input kernel a chunked plan runs with, whatever the number of positions
     /// (hidden passes and the gate pass need its column-chunk selection); `None` when this layer
     /// has no fused weights or the GPU no such kernel.
-    fn chunk_kernel(&self, prep: &CudaPrepared) -> Option<FusedKernel<'_>> {
+    fn chunk_kernel(&self, prep: &CudaPrepared, tuning: Tuning) -> Option<FusedKernel<'_>> {
         let k = &self.inner.kernels;
         let f = prep.fused.as_ref()?;
         let narrow = f.layout.k_pad <= 128 && self.two_blocks_fit(f);
-        if self.inner.warpgroup_mma.load(Ordering::Relaxed) {
+        if self.inner.warpgroup_mma.load(Ordering::Relaxed) && tuning.warpgroup_mma.unwrap_or(true) {
             // Wider C: 64-position blocks, two per SM, where they fit (H100, C = 384: 1024,1,384
             // 3.97 → TODO ms against 128-position blocks, one per SM).
             let mid_smem = f.smem_bytes_sm90_rows(64);
@@ -514,6 +550,7 @@ impl CudaBackend {
     }
 
     fn chunked_workspace(&self, prepared: &CudaPrepared, problem: &Problem, plan: ChunkPlan) -> Result<CudaWorkspace> {
+        let tuning = self.tuning_for(problem);
         let cfg = problem.config;
         let m = problem.shape.rows();
         let blas = &self.inner.blas;
@@ -545,6 +582,7 @@ impl CudaBackend {
             output: output(plan.out_rows)?,
             output_tail: if m_tail > 0 { Some(output(m_tail)?) } else { None },
             staging: None,
+            tuning,
         })
     }
 
@@ -568,7 +606,7 @@ impl CudaBackend {
         stream: CUstream,
     ) -> Result<()> {
         let inner = &self.inner;
-        let (Some(f), Some(kernel)) = (prep.fused.as_ref(), self.chunk_kernel(prep)) else {
+        let (Some(f), Some(kernel)) = (prep.fused.as_ref(), self.chunk_kernel(prep, ws.tuning)) else {
             return Err(Error::InvalidArgument("a chunked plan needs the fused input kernel".into()));
         };
         let (c, h) = (base.c as usize, base.h as usize);
@@ -626,7 +664,7 @@ impl CudaBackend {
         let k = &inner.kernels;
         let tp = params::output_norm_tile_rows(h);
         let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
-        let fused_output = self.fused_output_for(&ws.problem.config);
+        let fused_output = self.fused_output_for(&ws.problem.config, ws.tuning);
         let mut r0 = 0;
         while r0 < m {
             let rows = plan.out_rows.min(m - r0);
@@ -773,6 +811,8 @@ pub struct CudaWorkspace {
     output_tail: Option<MatmulPlan>,
     /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use.
     staging: Option<Staging>,
+    /// The choices this workspace was planned and is run with.
+    tuning: Tuning,
 }
 
 /// Where the intermediates live. One per workspace, so the variants' sizes do not matter.
@@ -961,7 +1001,7 @@ impl Backend for CudaBackend {
 
     fn min_workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {
         let one_pass = self.workspace_bytes(prepared, problem);
-        match self.chunk_kernel(prepared) {
+        match self.chunk_kernel(prepared, Tuning::default()) {
             Some(_) => one_pass.min(ChunkPlan::narrowest(problem).bytes()),
             None => one_pass,
         }
@@ -1005,7 +1045,7 @@ impl Backend for CudaBackend {
         };
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         if one_pass > limit {
-            let Some(_) = self.chunk_kernel(prepared) else {
+            let Some(_) = self.chunk_kernel(prepared, Tuning::default()) else {
                 return Err(Error::OutOfMemory {
                     backend: BackendKind::Cuda,
                     what: format!(
@@ -1037,7 +1077,8 @@ impl Backend for CudaBackend {
         let cfg = problem.config;
         let m = problem.shape.rows();
         let blas = &self.inner.blas;
-        let blas_input = if self.fused_kernel_for(prepared, problem).is_some() {
+        let tuning = self.tuning_for(problem);
+        let blas_input = if self.fused_kernel_for(prepared, problem, tuning).is_some() {
             None
         } else {
             let s = Scratch::plan(problem);
@@ -1069,12 +1110,13 @@ impl Backend for CudaBackend {
                 blas_input,
             },
             t: self.alloc_buffer(t_len)?,
-            contraction: MatmulPlan::new(
+            contraction: MatmulPlan::new_ranked(
                 blas,
                 GemmSpec::contraction(problem.direction, bh, problem.shape.n),
                 Elem::F16,
                 false,
                 MAX_GEMM_WORKSPACE.min(m * cfg.c * 4),
+                tuning.contraction_rank as usize,
             )?,
             contraction_tail: None,
             output: MatmulPlan::new(
@@ -1086,6 +1128,7 @@ impl Backend for CudaBackend {
             )?,
             output_tail: None,
             staging: None,
+            tuning,
         })
     }
 
@@ -1095,6 +1138,7 @@ impl Backend for CudaBackend {
             && ws.problem.shape == problem.shape
             && ws.problem.direction == problem.direction
             && ws.problem.in_place == problem.in_place
+            && ws.tuning == self.tuning_for(problem)
     }
 
     fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {

@@ -1,0 +1,162 @@
+//! Per-shape kernel choices, measured rather than guessed.
+//!
+//! The CUDA backend has a few choices its built-in rules make the same way for every shape: which
+//! of cuBLASLt's heuristic candidates runs the contraction (the first, unless told otherwise),
+//! whether the output stage is the fused kernel or LN_H + the cuBLASLt GEMM, and whether an H100
+//! runs the wgmma or the mma.sync build of the fused input kernel. `trimul tune` times every
+//! combination on the device at hand, checks each against the f64 reference, and writes a
+//! [`TuningTable`] with an entry only where a combination was both correct and faster than the
+//! built-in choice by more than the noise. The backend applies the table embedded for its
+//! architecture (`tuned-<arch>.json` beside this file), or the file named by
+//! `TRIMUL_CUDA_TUNING`; shapes without an entry keep the rules, so every GPU has a working path.
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::problem::{Direction, Formulation, Problem};
+
+/// One shape's choices. The default is the built-in rules.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Tuning {
+    /// Rank of the cuBLASLt heuristic candidate that runs the contraction (0: its first choice).
+    #[serde(default)]
+    pub contraction_rank: u8,
+    /// The fused output kernel on or off where it takes the shape (`None`: the rule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fused_output: Option<bool>,
+    /// The wgmma build of the fused input kernel on or off on sm_90 (`None`: on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warpgroup_mma: Option<bool>,
+}
+
+impl std::fmt::Display for Tuning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let onoff = |v: Option<bool>| match v {
+            None => "rule",
+            Some(true) => "on",
+            Some(false) => "off",
+        };
+        write!(
+            f,
+            "contraction candidate {}, fused output {}, wgmma input {}",
+            self.contraction_rank,
+            onoff(self.fused_output),
+            onoff(self.warpgroup_mma)
+        )
+    }
+}
+
+/// A measured choice for one shape on one architecture.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TuningEntry {
+    /// `sm_90`, as [`crate::DeviceInfo::arch`] spells it.
+    pub arch: String,
+    pub formulation: Formulation,
+    pub direction: Direction,
+    pub batch: usize,
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub choice: Tuning,
+    /// Median ms of the choice and of the built-in rules, in the run that made the entry.
+    pub ms: f64,
+    pub default_ms: f64,
+}
+
+impl TuningEntry {
+    fn matches(&self, arch: &str, problem: &Problem) -> bool {
+        self.arch == arch
+            && self.formulation == problem.config.formulation
+            && self.direction == problem.direction
+            && self.batch == problem.shape.batch
+            && self.n == problem.shape.n
+            && self.c == problem.config.c
+            && self.h == problem.config.h
+    }
+}
+
+/// The entries `trimul tune` wrote, with where they came from.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TuningTable {
+    /// The device and tool version that measured the entries.
+    #[serde(default)]
+    pub measured_on: String,
+    #[serde(default)]
+    pub entries: Vec<TuningEntry>,
+}
+
+/// The tables shipped with the crate, per architecture.
+const EMBEDDED: &[(&str, &str)] = &[("sm_90", include_str!("tuned-sm_90.json"))];
+
+impl TuningTable {
+    /// The table shipped for `arch` (empty when there is none).
+    pub fn embedded(arch: &str) -> Result<TuningTable> {
+        match EMBEDDED.iter().find(|(a, _)| *a == arch) {
+            Some((_, text)) => Self::parse(text, &format!("the embedded tuning table for {arch}")),
+            None => Ok(TuningTable::default()),
+        }
+    }
+
+    pub fn from_file(path: &Path) -> Result<TuningTable> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::InvalidArgument(format!("tuning table {}: {e}", path.display())))?;
+        Self::parse(&text, &format!("tuning table {}", path.display()))
+    }
+
+    fn parse(text: &str, what: &str) -> Result<TuningTable> {
+        serde_json::from_str(text).map_err(|e| Error::InvalidArgument(format!("{what}: {e}")))
+    }
+
+    /// The measured choice for `problem` on `arch`, if the table has one.
+    pub fn lookup(&self, arch: &str, problem: &Problem) -> Option<Tuning> {
+        self.entries.iter().find(|e| e.matches(arch, problem)).map(|e| e.choice)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::{Config, Shape};
+
+    #[test]
+    fn embedded_tables_parse_and_name_their_arch() {
+        for (arch, _) in EMBEDDED {
+            let t = TuningTable::embedded(arch).unwrap();
+            assert!(t.entries.iter().all(|e| e.arch == *arch), "{arch}: {t:?}");
+            assert!(t.entries.iter().all(|e| e.ms < e.default_ms), "{arch}: an entry that did not win");
+        }
+        assert!(TuningTable::embedded("sm_75").unwrap().entries.is_empty());
+    }
+
+    #[test]
+    fn lookup_matches_the_whole_shape_only() {
+        let cfg = Config::new(Formulation::GpuMode, 128, 128).unwrap();
+        let p = Problem::new(cfg, Shape::new(1, 1024), Direction::Outgoing, false).unwrap();
+        let choice = Tuning { contraction_rank: 2, ..Tuning::default() };
+        let entry = TuningEntry {
+            arch: "sm_90".into(),
+            formulation: Formulation::GpuMode,
+            direction: Direction::Outgoing,
+            batch: 1,
+            n: 1024,
+            c: 128,
+            h: 128,
+            choice,
+            ms: 1.0,
+            default_ms: 1.1,
+        };
+        let table = TuningTable { measured_on: "test".into(), entries: vec![entry] };
+        assert_eq!(table.lookup("sm_90", &p), Some(choice));
+        assert_eq!(table.lookup("sm_80", &p), None);
+        let other = Problem::new(cfg, Shape::new(1, 768), Direction::Outgoing, false).unwrap();
+        assert_eq!(table.lookup("sm_90", &other), None);
+        let incoming = Problem::new(cfg, Shape::new(1, 1024), Direction::Incoming, false).unwrap();
+        assert_eq!(table.lookup("sm_90", &incoming), None);
+        let back: TuningTable = serde_json::from_str(&table.to_json()).unwrap();
+        assert_eq!(back, table);
+    }
+}

@@ -1,0 +1,158 @@
+//! `trimul tune`: sweeps the CUDA backend's per-shape choices and writes a tuning table.
+//!
+//! Per shape: one input set on the device (plus copies up to 256 MiB, rotated as in `bench`),
+//! then for the built-in rules and every combination of {contraction candidate 0..k} × {fused
+//! output kernel on, off} (× {wgmma input kernel on, off} with `--sweep-input-kernel`): a
+//! forward checked against the f64
+//! reference (a combination that fails is never chosen), then `warmup` untimed and `repeats`
+//! timed calls (device events, median). The fastest correct combination becomes a table entry
+//! when it beats the rules by more than `--min-gain`. See `trimul::backend::cuda::tuning`.
+
+use super::{clock_seed, CliError, CliResult, TuneArgs};
+
+#[cfg(not(feature = "cuda"))]
+pub fn run(_args: &TuneArgs) -> CliResult {
+    let _ = clock_seed;
+    Err(CliError::from(trimul::Error::NotCompiled { backend: trimul::BackendKind::Cuda, feature: "cuda" }))
+}
+
+#[cfg(feature = "cuda")]
+pub fn run(args: &TuneArgs) -> CliResult {
+    use trimul::backend::cuda::{CudaBackend, Tuning, TuningEntry, TuningTable};
+    use trimul::suite::{self, Case};
+    use trimul::{reference, Backend, Layer, Options, Weights};
+
+    use super::{device_summary, SeedStream};
+
+    let backend = CudaBackend::new(0)?;
+    let info = backend.info();
+    let cases: Vec<Case> = match args.suite {
+        super::BenchSuite::Gpumode => suite::bench_cases(),
+        super::BenchSuite::Quick => suite::quick_bench_cases(),
+        super::BenchSuite::Long => {
+            return Err(CliError::usage("--suite long: tune the shapes a table is for (gpumode or quick)"));
+        }
+    };
+    let cases: Vec<Case> = cases.into_iter().filter(|c| args.n.is_empty() || args.n.contains(&c.n)).collect();
+    if cases.is_empty() {
+        return Err(CliError::usage(format!("--n {:?}: no shape of the suite has these N", args.n)));
+    }
+    let (formulation, direction) = (args.formulation.into(), args.direction.into());
+    let seed = args.seed.unwrap_or_else(clock_seed);
+    let mut table = match &args.out {
+        Some(path) if path.exists() => TuningTable::from_file(path)?,
+        _ => TuningTable::default(),
+    };
+    println!(
+        "trimul tune: cuda ({}), {} shapes, {formulation} {direction}, contraction candidates 0..{}, seed {seed}",
+        device_summary(trimul::BackendKind::Cuda, &info),
+        cases.len(),
+        args.candidates.saturating_sub(1),
+    );
+    println!("timing: {} warm-up + {} timed calls, median; device events", args.warmup, args.repeats);
+
+    // The mma.sync input build lost to the wgmma one on every shape measured on the H100, so it
+    // is swept only on request.
+    let input_builds: &[Option<bool>] = if args.sweep_input_kernel { &[Some(true), Some(false)] } else { &[None] };
+    let mut candidates = vec![None];
+    for rank in 0..args.candidates.max(1) {
+        for fused_output in [Some(true), Some(false)] {
+            for &warpgroup_mma in input_builds {
+                candidates.push(Some(Tuning { contraction_rank: rank, fused_output, warpgroup_mma }));
+            }
+        }
+    }
+    let mut seeds = SeedStream::new(seed);
+    for case in &cases {
+        let problem = case.problem(formulation, direction)?;
+        let shape = problem.shape;
+        let weights = Weights::random(problem.config, false, seeds.next())?;
+        let inputs = suite::generate_inputs(case, seeds.next());
+        let upload = |data: &[f32]| -> trimul::Result<_> {
+            let mut buf = backend.alloc(data.len())?;
+            backend.upload(data, &mut buf)?;
+            Ok(buf)
+        };
+        let x_bytes = inputs.x.len() as u64 * 4;
+        let sets = (256u64 << 20).div_ceil(x_bytes).clamp(1, 8) as usize;
+        let xs = (0..sets).map(|_| upload(&inputs.x)).collect::<trimul::Result<Vec<_>>>()?;
+        let masks =
+            (0..sets).map(|_| inputs.mask.as_deref().map(upload).transpose()).collect::<trimul::Result<Vec<_>>>()?;
+        let mut ys = (0..sets).map(|_| backend.alloc(inputs.x.len())).collect::<trimul::Result<Vec<_>>>()?;
+        let mut layer = Layer::new(&backend, &weights, Options { direction, ..Options::default() })?;
+        let mut y = vec![0f32; inputs.x.len()];
+
+        let mut results: Vec<(Option<Tuning>, f64)> = Vec::new();
+        for cand in &candidates {
+            backend.set_tuning(*cand);
+            let label = cand.map_or("built-in rules".to_string(), |t| t.to_string());
+            layer.forward_buffers(&xs[0], masks[0].as_ref(), &mut ys[0], shape)?;
+            backend.download(&ys[0], &mut y)?;
+            let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, 2e-2, 2e-2)?;
+            if !cmp.passed() {
+                println!("{:<28} {label}: FAILS the reference check ({cmp}); never chosen", case.name());
+                continue;
+            }
+            let mut samples = Vec::with_capacity(args.repeats as usize);
+            for i in 0..(args.warmup + args.repeats) as usize {
+                let k = i % sets;
+                let ms =
+                    backend.elapsed_ms(&mut || layer.forward_buffers(&xs[k], masks[k].as_ref(), &mut ys[k], shape))?;
+                if i >= args.warmup as usize {
+                    samples.push(ms);
+                }
+            }
+            samples.sort_by(f64::total_cmp);
+            let median = samples[samples.len() / 2];
+            results.push((*cand, median));
+        }
+        backend.set_tuning(None);
+        let Some(&(_, default_ms)) = results.iter().find(|(c, _)| c.is_none()) else {
+            return Err(CliError::from(trimul::Error::InvalidArgument(format!(
+                "{}: the built-in rules failed the reference check",
+                case.name()
+            ))));
+        };
+        let (best, best_ms) = results
+            .iter()
+            .filter_map(|(c, ms)| c.map(|c| (c, *ms)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .unwrap_or((Tuning::default(), default_ms));
+        let keep = best_ms < default_ms * (1.0 - args.min_gain);
+        println!(
+            "{:<28} rules {default_ms:.3} ms; best {best_ms:.3} ms ({best}){}",
+            case.name(),
+            if keep { "; kept" } else { "; not kept (within --min-gain of the rules)" }
+        );
+        table.entries.retain(|e| {
+            !(e.arch == info.arch
+                && e.formulation == formulation
+                && e.direction == direction
+                && (e.batch, e.n, e.c, e.h) == (shape.batch, shape.n, problem.config.c, problem.config.h))
+        });
+        if keep {
+            table.entries.push(TuningEntry {
+                arch: info.arch.clone(),
+                formulation,
+                direction,
+                batch: shape.batch,
+                n: shape.n,
+                c: problem.config.c,
+                h: problem.config.h,
+                choice: best,
+                ms: best_ms,
+                default_ms,
+            });
+        }
+    }
+    table.measured_on = format!("{} ({}), trimul {}", info.name, info.arch, env!("CARGO_PKG_VERSION"));
+    match &args.out {
+        Some(path) => {
+            std::fs::write(path, table.to_json() + "\n")
+                .map_err(|e| CliError::usage(format!("--out {}: {e}", path.display())))?;
+            eprintln!("wrote {} ({} entries)", path.display(), table.entries.len());
+        }
+        None => println!("{}", table.to_json()),
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
