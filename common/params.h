@@ -3,12 +3,16 @@
 // both sides). Pointers are device addresses; unused ones are null.
 //
 // Layouts (M = B*N*N positions, row m = (b*N + i)*N + j):
-//   x, y       [M, C] f32         z      [rows, C] f16 (one chunk of positions)
+//   x, y       [M, C] f32 (bf16 or f16 where io_dtype says)    z  [rows, C] f16 (one chunk of positions)
 //   proj       [rows, P] f16, P = 4H + G, columns [left_proj | left_gate | right_proj | right_gate | out_gate]
 //   left/right [B, H, N, N] f16   (the contraction layout: one N x N matrix per (b, h))
 //   gate       [M, G] f16, sigmoid already applied (G = H for gpumode, C for af3); rows from buf_row0
 //   t          [B, H, N, N] f16   a [M, H] f16 (output-projection operand)
 #pragma once
+
+#define TM_IO_F32 0
+#define TM_IO_BF16 1
+#define TM_IO_F16 2
 
 typedef struct TrimulParams {
   const float* x;
@@ -32,7 +36,7 @@ typedef struct TrimulParams {
   int af3;        // 0: gpumode (gate before the output projection), 1: af3 (after)
   int tile_rows;  // positions per block in input_gating
   float eps;
-  int reserved;
+  int io_dtype;  // x and y: TM_IO_F32, TM_IO_BF16 or TM_IO_F16 (the fused CUDA kernels only)
   // Fused input projection (cuda/input_projection.cu): weights reordered and zero-padded at
   // prepare time, [4*h_pad + g_pad, k_pad] f16, and the bias in the same order (f32, or null).
   const tm_half* w_in;

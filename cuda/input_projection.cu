@@ -1,6 +1,7 @@
 // Stage 1, fused: input LayerNorm + all input projections + gating epilogue in one pass over x.
 //
-// A block owns BM = 128 consecutive positions. It reads their rows of x once (f32), computes
+// A block owns BM = 128 consecutive positions. It reads their rows of x once (f32, bf16 or f16
+// as io_dtype says), computes
 // z = LN_C(x) with two-pass f32 statistics held in registers, and keeps z resident in shared
 // memory as f16 (the GEMM's A operand). It then walks the fused weight matrix in column chunks
 // of BN = 128, streaming each chunk's weights through a two-stage cp.async ring in K slices of
@@ -28,6 +29,7 @@
 // k_pad = round_up(C, 64) <= 512 (z must fit in shared memory next to the weight ring).
 #include "common/compat.h"
 #include "common/params.h"
+#include "cuda/io.h"
 #include "cuda/mma.h"
 
 #define IP_THREADS 256
@@ -116,11 +118,10 @@ __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned cha
 #pragma unroll
     for (int rr = 0; rr < ln_rows; ++rr) {
       const tm_i64 row = tile0 + r0 + rr;
-      const float4* xr = (const float4*)(p.x + row * C);
 #pragma unroll
       for (int i = 0; i < KMAX / 128; ++i) {
         const int c4 = lane + 32 * i;
-        v[rr][i] = (row < m_total && c4 * 4 < C) ? xr[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[rr][i] = (row < m_total && c4 * 4 < C) ? io_load_x4(p, row * C + c4 * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
     float mean[ln_rows], rstd[ln_rows];

@@ -1,4 +1,5 @@
-// Stage 3 fused: output LayerNorm, gate and output projection in one pass, f32 y out.
+// Stage 3 fused: output LayerNorm, gate and output projection in one pass, y out in the I/O
+// precision (f32, bf16 or f16).
 //   gpumode: y = (LN_H(t) ⊙ gate) · Woutᵀ                gate [M, H]
 //   af3:     y = gate ⊙ (LN_H(t) · Woutᵀ + bout)         gate [M, C], bout optional
 // It replaces output_norm + the cuBLASLt output GEMM (+ output_gate) and saves writing and
@@ -16,10 +17,12 @@
 //   4. for each 128-column chunk of C: Wout's rows for the chunk -> shared sw[128][H + 8] through
 //      cp.async (the first chunk's copy overlaps steps 1–3), then mma.sync m16n8k16 with f32
 //      accumulators, 8 warps as 2 (rows) x 4 (columns) of 32 x 32, K = H;
-//   5. epilogue from registers: + bout, ⊙ gate for af3, 8-byte stores of y.
+//   5. epilogue from registers: + bout, ⊙ gate for af3, stores of y (8 bytes per thread in f32,
+//      4 in bf16/f16).
 // Requirements checked by the host: H % 16 == 0, H <= 128, C % 8 == 0.
 #include "common/compat.h"
 #include "common/params.h"
+#include "cuda/io.h"
 #include "cuda/mma.h"
 
 #define OP_THREADS 256
@@ -80,7 +83,7 @@ __device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (
           v0 *= tm_lo(gg);
           v1 *= tm_hi(gg);
         }
-        *(float2*)(p.y + row * C + c) = make_float2(v0, v1);
+        io_store_y2(p, row * C + c, v0, v1);
       }
   }
 }

@@ -4,34 +4,120 @@
 use crate::backend::{cpu::CpuBackend, Backend, Device};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::{self, ExecPlan, MemoryNeeds};
+pub use crate::problem::Precision;
 use crate::problem::{Config, Direction, Problem, Shape};
 use crate::weights::Weights;
 
-/// Precision of the input and output tensors. Intermediates are chosen by each backend
-/// (f32 on the CPU, f16 between GPU stages with f32 accumulation).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-#[non_exhaustive]
-pub enum Precision {
-    /// f32 `x`, mask and `y`, as GPU MODE runs it.
-    #[default]
-    F32Io,
-}
-
-impl Precision {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Precision::F32Io => "f32-io",
-        }
-    }
-}
-
-/// Per-layer options.
+/// Per-layer options. The precision of `x` and `y` is their element type (see [`IoElement`]).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct Options {
     pub direction: Direction,
-    pub precision: Precision,
 }
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// Element types `x` and `y` can be passed in: `f32` ([`Precision::F32Io`]), [`half::bf16`]
+/// ([`Precision::Bf16Io`]) and [`half::f16`] ([`Precision::F16Io`]). The mask is always `f32`.
+/// How a backend runs each: see [`Backend::forward_host_half`].
+pub trait IoElement: sealed::Sealed + Copy + Default + Send + Sync + 'static {
+    const PRECISION: Precision;
+
+    #[doc(hidden)]
+    fn forward_host<B: Backend>(
+        backend: &B,
+        prepared: &B::Prepared,
+        workspace: &mut B::Workspace,
+        problem: &Problem,
+        x: &[Self],
+        mask: Option<&[f32]>,
+        y: &mut [Self],
+    ) -> Result<()>;
+
+    #[doc(hidden)]
+    fn forward_host_in_place<B: Backend>(
+        backend: &B,
+        prepared: &B::Prepared,
+        workspace: &mut B::Workspace,
+        problem: &Problem,
+        xy: &mut [Self],
+        mask: Option<&[f32]>,
+    ) -> Result<()>;
+}
+
+impl IoElement for f32 {
+    const PRECISION: Precision = Precision::F32Io;
+
+    fn forward_host<B: Backend>(
+        backend: &B,
+        prepared: &B::Prepared,
+        workspace: &mut B::Workspace,
+        problem: &Problem,
+        x: &[f32],
+        mask: Option<&[f32]>,
+        y: &mut [f32],
+    ) -> Result<()> {
+        backend.forward_host(prepared, workspace, problem, x, mask, y)
+    }
+
+    fn forward_host_in_place<B: Backend>(
+        backend: &B,
+        prepared: &B::Prepared,
+        workspace: &mut B::Workspace,
+        problem: &Problem,
+        xy: &mut [f32],
+        mask: Option<&[f32]>,
+    ) -> Result<()> {
+        backend.forward_host_in_place(prepared, workspace, problem, xy, mask)
+    }
+}
+
+macro_rules! half_io_element {
+    ($t:ty, $p:expr) => {
+        impl IoElement for $t {
+            const PRECISION: Precision = $p;
+
+            fn forward_host<B: Backend>(
+                backend: &B,
+                prepared: &B::Prepared,
+                workspace: &mut B::Workspace,
+                problem: &Problem,
+                x: &[$t],
+                mask: Option<&[f32]>,
+                y: &mut [$t],
+            ) -> Result<()> {
+                use half::slice::HalfFloatSliceExt;
+                backend.forward_host_half(
+                    prepared,
+                    workspace,
+                    problem,
+                    x.reinterpret_cast(),
+                    mask,
+                    y.reinterpret_cast_mut(),
+                )
+            }
+
+            fn forward_host_in_place<B: Backend>(
+                backend: &B,
+                prepared: &B::Prepared,
+                workspace: &mut B::Workspace,
+                problem: &Problem,
+                xy: &mut [$t],
+                mask: Option<&[f32]>,
+            ) -> Result<()> {
+                use half::slice::HalfFloatSliceExt;
+                backend.forward_host_half_in_place(prepared, workspace, problem, xy.reinterpret_cast_mut(), mask)
+            }
+        }
+    };
+}
+
+half_io_element!(half::bf16, Precision::Bf16Io);
+half_io_element!(half::f16, Precision::F16Io);
 
 /// A layer on one statically known backend. Use this type to run on backend buffers
 /// ([`Layer::forward_buffers`]); use [`TriMul`] when the backend is chosen at run time.
@@ -185,23 +271,30 @@ impl<B: Backend> Layer<B> {
         Ok((backend, prepared, ws))
     }
 
-    /// One forward on host slices (`x`: `[B,N,N,C]`, `mask`: `[B,N,N]`, `y`: `[B,N,N,C]`).
-    /// Returns when `y` holds the result. `x` and `mask` are not modified.
-    pub fn forward_into(&mut self, x: &[f32], mask: Option<&[f32]>, y: &mut [f32], shape: Shape) -> Result<()> {
-        let problem = self.problem(shape, mask.is_some())?;
+    /// One forward on host slices (`x`: `[B,N,N,C]`, `mask`: `[B,N,N]`, `y`: `[B,N,N,C]`), with
+    /// `x` and `y` in f32, bf16 or f16 (see [`IoElement`]). Returns when `y` holds the result.
+    /// `x` and `mask` are not modified.
+    pub fn forward_into<T: IoElement>(
+        &mut self,
+        x: &[T],
+        mask: Option<&[f32]>,
+        y: &mut [T],
+        shape: Shape,
+    ) -> Result<()> {
+        let problem = self.problem(shape, mask.is_some())?.with_io(T::PRECISION);
         problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
         let (backend, prepared, ws) = self.parts_for(&problem, true)?;
-        backend.forward_host(prepared, ws, &problem, x, mask, y)
+        T::forward_host(backend, prepared, ws, &problem, x, mask, y)
     }
 
     /// One forward whose output overwrites its input: on return `xy` holds `y`. The largest
     /// tensor exists once instead of twice, which is what lets the longest sequences fit. If the
     /// forward fails after it started writing, `xy` holds neither `x` nor `y`: the error says so.
-    pub fn forward_in_place(&mut self, xy: &mut [f32], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
-        let problem = self.problem(shape, mask.is_some())?.in_place(true);
+    pub fn forward_in_place<T: IoElement>(&mut self, xy: &mut [T], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
+        let problem = self.problem(shape, mask.is_some())?.in_place(true).with_io(T::PRECISION);
         problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
         let (backend, prepared, ws) = self.parts_for(&problem, true)?;
-        backend.forward_host_in_place(prepared, ws, &problem, xy, mask)
+        T::forward_host_in_place(backend, prepared, ws, &problem, xy, mask)
     }
 
     /// [`Layer::forward_in_place`] on a backend buffer: enqueues the work, `xy` holds `y` after
@@ -297,12 +390,18 @@ impl TriMul {
     }
 
     /// One forward on host slices into `y`. See [`Layer::forward_into`].
-    pub fn forward_into(&mut self, x: &[f32], mask: Option<&[f32]>, y: &mut [f32], shape: Shape) -> Result<()> {
+    pub fn forward_into<T: IoElement>(
+        &mut self,
+        x: &[T],
+        mask: Option<&[f32]>,
+        y: &mut [T],
+        shape: Shape,
+    ) -> Result<()> {
         with_layer!(self, l => l.forward_into(x, mask, y, shape))
     }
 
     /// See [`Layer::forward_in_place`].
-    pub fn forward_in_place(&mut self, xy: &mut [f32], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
+    pub fn forward_in_place<T: IoElement>(&mut self, xy: &mut [T], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
         with_layer!(self, l => l.forward_in_place(xy, mask, shape))
     }
 
@@ -325,9 +424,9 @@ impl TriMul {
         with_layer!(self, l => l.exec_plan())
     }
 
-    /// One forward on host slices, returning a new `y` of the shape of `x`.
-    pub fn forward(&mut self, x: &[f32], mask: Option<&[f32]>, shape: Shape) -> Result<Vec<f32>> {
-        let mut y = vec![0.0f32; x.len()];
+    /// One forward on host slices, returning a new `y` of the shape and element type of `x`.
+    pub fn forward<T: IoElement>(&mut self, x: &[T], mask: Option<&[f32]>, shape: Shape) -> Result<Vec<T>> {
+        let mut y = vec![T::default(); x.len()];
         self.forward_into(x, mask, &mut y, shape)?;
         Ok(y)
     }

@@ -37,7 +37,7 @@ pub mod weights;
 pub use backend::{Backend, Ceilings, Device, DeviceInfo, MemoryInfo};
 pub use error::{BackendKind, Error, Result};
 pub use io::{NamingScheme, PairInput};
-pub use layer::{Layer, Options, Precision, TriMul};
+pub use layer::{IoElement, Layer, Options, Precision, TriMul};
 pub use memory::{ExecPlan, MemoryNeeds};
 pub use problem::{Config, Direction, Formulation, Problem, Shape};
 pub use weights::{Linear, Norm, Weights};

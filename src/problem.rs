@@ -15,6 +15,84 @@
 
 use crate::error::{Error, Result};
 
+/// Precision of `x` and `y` as the caller holds them. Intermediates are chosen by each backend
+/// (f32 on the CPU, f16 between GPU stages with f32 accumulation); the mask is always f32.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Precision {
+    /// f32 `x` and `y`, as GPU MODE runs it.
+    #[default]
+    F32Io,
+    /// bfloat16 `x` and `y`, as AF3, Boltz and OpenFold run the layer in mixed precision.
+    Bf16Io,
+    /// IEEE half `x` and `y`.
+    F16Io,
+}
+
+impl Precision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::F32Io => "f32-io",
+            Precision::Bf16Io => "bf16-io",
+            Precision::F16Io => "f16-io",
+        }
+    }
+
+    /// Bytes of one element of `x` and `y`.
+    pub fn io_bytes(self) -> usize {
+        match self {
+            Precision::F32Io => 4,
+            Precision::Bf16Io | Precision::F16Io => 2,
+        }
+    }
+
+    /// Rounds `v` to this precision (identity for f32).
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            Precision::F32Io => v,
+            Precision::Bf16Io => half::bf16::from_f32(v).to_f32(),
+            Precision::F16Io => half::f16::from_f32(v).to_f32(),
+        }
+    }
+
+    /// Decodes one 16-bit element of a half-precision mode.
+    pub fn decode_half(self, bits: u16) -> f32 {
+        match self {
+            Precision::Bf16Io => half::bf16::from_bits(bits).to_f32(),
+            _ => half::f16::from_bits(bits).to_f32(),
+        }
+    }
+
+    /// Encodes `v` as one 16-bit element of a half-precision mode (round to nearest even).
+    pub fn encode_half(self, v: f32) -> u16 {
+        match self {
+            Precision::Bf16Io => half::bf16::from_f32(v).to_bits(),
+            _ => half::f16::from_f32(v).to_bits(),
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32-io" | "f32" => Ok(Precision::F32Io),
+            "bf16-io" | "bf16" => Ok(Precision::Bf16Io),
+            "f16-io" | "f16" | "fp16" => Ok(Precision::F16Io),
+            other => {
+                Err(Error::InvalidArgument(format!("unknown precision {other:?}: expected f32-io, bf16-io or f16-io")))
+            }
+        }
+    }
+}
+
 /// LayerNorm epsilon used by both LayerNorms in both formulations.
 pub const LN_EPS: f32 = 1e-5;
 
@@ -167,6 +245,9 @@ pub struct Problem {
     /// [`Problem::in_place`]).
     #[serde(default)]
     pub in_place: bool,
+    /// Element type of `x` and `y` (see [`Problem::with_io`]).
+    #[serde(default)]
+    pub io: Precision,
 }
 
 impl Problem {
@@ -186,7 +267,7 @@ impl Problem {
                 shape.batch, shape.n, config.c, config.h
             )));
         }
-        Ok(Problem { config, shape, direction, masked, in_place: false })
+        Ok(Problem { config, shape, direction, masked, in_place: false, io: Precision::F32Io })
     }
 
     /// The same call with `y` written over `x` (`on = true`) or into its own buffer.
@@ -194,10 +275,15 @@ impl Problem {
         Problem { in_place: on, ..self }
     }
 
-    /// Bytes of the caller's tensors on the device: `x`, the mask and `y` as f32 (`y` shares
-    /// `x`'s memory in in-place mode).
+    /// The same problem with `x` and `y` held in `io` precision.
+    pub fn with_io(self, io: Precision) -> Problem {
+        Problem { io, ..self }
+    }
+
+    /// Bytes of the caller's tensors on the device: `x` and `y` in the I/O precision, the mask
+    /// as f32 (`y` shares `x`'s memory in in-place mode).
     pub fn io_device_bytes(&self) -> u64 {
-        let x = self.x_len() as u64 * 4;
+        let x = (self.x_len() * self.io.io_bytes()) as u64;
         let mask = if self.masked { self.mask_len() as u64 * 4 } else { 0 };
         x + mask + if self.in_place { 0 } else { x }
     }

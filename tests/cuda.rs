@@ -44,7 +44,7 @@ fn check_case(b: &CudaBackend, case: &Case, formulation: Formulation, direction:
     let problem = case.problem(formulation, direction).unwrap();
     let weights = Weights::random(problem.config, biases, seed).unwrap();
     let inputs = suite::generate_inputs(case, seed ^ 0xABCD);
-    let mut layer = Layer::new(b, &weights, Options { direction, ..Default::default() }).unwrap();
+    let mut layer = Layer::new(b, &weights, Options { direction }).unwrap();
     let mut y = vec![f32::NAN; inputs.x.len()];
     layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
     let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
@@ -165,7 +165,7 @@ fn device_buffer_forward_and_caller_stream_forward_agree_with_reference() {
     let weights = Weights::random(problem.config, true, 11).unwrap();
     let inputs = suite::generate_inputs(&case, 12);
     let mask = inputs.mask.as_ref().unwrap();
-    let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming, ..Default::default() }).unwrap();
+    let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming }).unwrap();
     let mut xd = b.alloc(inputs.x.len()).unwrap();
     let mut md = b.alloc(mask.len()).unwrap();
     let mut yd = b.alloc(inputs.x.len()).unwrap();
@@ -226,7 +226,7 @@ fn chunked_plans_and_in_place_match_one_pass() {
         let problem = case.problem(f, d).unwrap();
         let weights = Weights::random(problem.config, f == Formulation::Af3, s ^ k as u64).unwrap();
         let inputs = suite::generate_inputs(&case, s ^ 0x5EED ^ k as u64);
-        let mut layer = Layer::new(&b, &weights, Options { direction: d, ..Default::default() }).unwrap();
+        let mut layer = Layer::new(&b, &weights, Options { direction: d }).unwrap();
         let one_pass = {
             let mut y = vec![f32::NAN; inputs.x.len()];
             layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();

@@ -52,7 +52,7 @@ fn check(b: &HipBackend, cfg: Config, case: &Case, dir: Direction, biases: bool,
     let problem = Problem::new(cfg, case.shape(), dir, case.masked).unwrap();
     let weights = Weights::random(cfg, biases, seed).unwrap();
     let inputs = suite::generate_inputs(case, seed ^ 0x5EED);
-    let mut layer = Layer::new(b, &weights, Options { direction: dir, ..Default::default() }).unwrap();
+    let mut layer = Layer::new(b, &weights, Options { direction: dir }).unwrap();
     let mut y = vec![f32::NAN; inputs.x.len()];
     layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
     let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
@@ -136,7 +136,7 @@ fn device_buffers_caller_stream_and_workspace_reuse() {
     let weights = Weights::random(cfg, true, 11).unwrap();
     let inputs = suite::generate_inputs(&case, 12);
     let mask = inputs.mask.as_ref().unwrap();
-    let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming, ..Default::default() }).unwrap();
+    let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming }).unwrap();
     let mut xd = b.alloc(inputs.x.len()).unwrap();
     let mut md = b.alloc(mask.len()).unwrap();
     let mut yd = b.alloc(inputs.x.len()).unwrap();

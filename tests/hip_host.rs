@@ -239,7 +239,7 @@ fn device_side_params_layout_equals_the_rust_mirror() {
         ("af3", offset_of!(KernelParams, af3)),
         ("tile_rows", offset_of!(KernelParams, tile_rows)),
         ("eps", offset_of!(KernelParams, eps)),
-        ("reserved", offset_of!(KernelParams, reserved)),
+        ("io_dtype", offset_of!(KernelParams, io_dtype)),
         ("w_in", offset_of!(KernelParams, w_in)),
         ("w_in_bias", offset_of!(KernelParams, w_in_bias)),
         ("k_pad", offset_of!(KernelParams, k_pad)),

@@ -25,7 +25,7 @@ pub mod params;
 
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;
-use crate::problem::Problem;
+use crate::problem::{Precision, Problem};
 use crate::weights::Weights;
 
 /// Bytes currently and at most allocated on one GPU backend's device (weights, workspaces and
@@ -96,6 +96,14 @@ pub struct Ceilings {
 pub struct MemoryInfo {
     pub free: u64,
     pub total: u64,
+}
+
+/// The 16-bit I/O precision of `problem`, or the error for a problem in f32.
+pub(crate) fn half_io(problem: &Problem) -> Result<Precision> {
+    match problem.io {
+        p @ (Precision::Bf16Io | Precision::F16Io) => Ok(p),
+        other => Err(Error::Dtype(format!("a 16-bit forward was given a problem in {other}"))),
+    }
 }
 
 /// One compute backend. See the module docs for the life cycle.
@@ -205,6 +213,49 @@ pub trait Backend: Clone + Send + Sync {
     ) -> Result<()> {
         let _ = (prepared, workspace, problem, xy, mask);
         Err(Error::InvalidArgument(format!("the {} backend has no in-place mode", self.kind())))
+    }
+
+    /// One forward on host slices holding `x` and `y` as 16-bit floats: bf16 or f16 bit
+    /// patterns, as `problem.io` says. The default converts to f32 on the host around
+    /// [`Backend::forward_host`] (same math; the device holds f32 copies); backends whose
+    /// kernels read and write half precision override it.
+    fn forward_host_half(
+        &self,
+        prepared: &Self::Prepared,
+        workspace: &mut Self::Workspace,
+        problem: &Problem,
+        x: &[u16],
+        mask: Option<&[f32]>,
+        y: &mut [u16],
+    ) -> Result<()> {
+        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
+        let io = half_io(problem)?;
+        let xf: Vec<f32> = x.iter().map(|&b| io.decode_half(b)).collect();
+        let mut yf = vec![0f32; y.len()];
+        self.forward_host(prepared, workspace, &problem.with_io(Precision::F32Io), &xf, mask, &mut yf)?;
+        for (d, &v) in y.iter_mut().zip(&yf) {
+            *d = io.encode_half(v);
+        }
+        Ok(())
+    }
+
+    /// [`Backend::forward_host_in_place`] for 16-bit `xy` (see [`Backend::forward_host_half`]).
+    fn forward_host_half_in_place(
+        &self,
+        prepared: &Self::Prepared,
+        workspace: &mut Self::Workspace,
+        problem: &Problem,
+        xy: &mut [u16],
+        mask: Option<&[f32]>,
+    ) -> Result<()> {
+        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
+        let io = half_io(problem)?;
+        let mut f: Vec<f32> = xy.iter().map(|&b| io.decode_half(b)).collect();
+        self.forward_host_in_place(prepared, workspace, &problem.with_io(Precision::F32Io), &mut f, mask)?;
+        for (d, &v) in xy.iter_mut().zip(&f) {
+            *d = io.encode_half(v);
+        }
+        Ok(())
     }
 
     /// Block until all enqueued work has finished, surfacing any deferred device error.

@@ -2,6 +2,20 @@
 //! by the CUDA and HIP backends. Field order, types and size must match the C header; both sides
 //! assert the size (248 bytes).
 
+/// `io_dtype` values (`TM_IO_*` in `common/params.h`).
+pub const IO_F32: i32 = 0;
+pub const IO_BF16: i32 = 1;
+pub const IO_F16: i32 = 2;
+
+/// The `io_dtype` of a precision mode.
+pub fn io_dtype(p: crate::problem::Precision) -> i32 {
+    match p {
+        crate::problem::Precision::Bf16Io => IO_BF16,
+        crate::problem::Precision::F16Io => IO_F16,
+        _ => IO_F32,
+    }
+}
+
 /// Mirror of `TrimulParams` in `common/params.h`. Pointers are device addresses (0 = null).
 #[repr(C)]
 #[derive(Copy, Clone, Debug, Default, PartialEq)]
@@ -38,7 +52,9 @@ pub struct KernelParams {
     /// Positions per block (input_gating, output_norm) or grid size (output_gate).
     pub tile_rows: i32,
     pub eps: f32,
-    pub reserved: i32,
+    /// Element type of `x` and `y`: [`IO_F32`], [`IO_BF16`] or [`IO_F16`] (the fused CUDA
+    /// kernels read and write all three; every other stage takes f32 only).
+    pub io_dtype: i32,
     /// Fused input projection weights `[4·h_pad + g_pad, k_pad]` f16 (see `FusedInputLayout`).
     pub w_in: u64,
     /// Their bias in the same order, f32, or 0.

@@ -275,7 +275,7 @@ fn measure<B: Backend>(
     let weights = Weights::random(problem.config, false, weights_seed)?;
     // From here on, the peak counts this shape's weights, buffers and workspace only.
     backend.reset_peak_memory();
-    let options = Options { direction: plan.direction, ..Options::default() };
+    let options = Options { direction: plan.direction };
     let mut layer = Layer::new(backend, &weights, options)?;
     layer.set_memory_budget(plan.budget);
     let needs = layer.memory_needs(shape, problem.masked, plan.in_place)?;
