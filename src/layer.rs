@@ -189,7 +189,12 @@ impl<B: Backend> Layer<B> {
     /// What a forward of this shape holds on the device: weights, x/mask/y and the workspace of
     /// the fastest and of the narrowest plan.
     pub fn memory_needs(&self, shape: Shape, masked: bool, in_place: bool) -> Result<MemoryNeeds> {
-        let p = self.problem(shape, masked)?.in_place(in_place);
+        self.memory_needs_io(shape, masked, in_place, Precision::F32Io)
+    }
+
+    /// [`Layer::memory_needs`] for `x` and `y` held in precision `io`.
+    pub fn memory_needs_io(&self, shape: Shape, masked: bool, in_place: bool, io: Precision) -> Result<MemoryNeeds> {
+        let p = self.problem(shape, masked)?.in_place(in_place).with_io(io);
         Ok(MemoryNeeds {
             weights: self.backend.prepared_bytes(&self.prepared),
             io: p.io_device_bytes(),
@@ -417,6 +422,11 @@ impl TriMul {
     /// See [`Layer::memory_needs`].
     pub fn memory_needs(&self, shape: Shape, masked: bool, in_place: bool) -> Result<MemoryNeeds> {
         with_layer!(self, l => l.memory_needs(shape, masked, in_place))
+    }
+
+    /// See [`Layer::memory_needs_io`].
+    pub fn memory_needs_io(&self, shape: Shape, masked: bool, in_place: bool, io: Precision) -> Result<MemoryNeeds> {
+        with_layer!(self, l => l.memory_needs_io(shape, masked, in_place, io))
     }
 
     /// See [`Layer::exec_plan`].

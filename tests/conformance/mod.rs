@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 
 use trimul::reference::{self, Comparison};
 use trimul::suite::{self, Case, Dist, Inputs};
-use trimul::{Device, Direction, Error, Formulation, Linear, Options, Problem, Shape, TriMul, Weights};
+use trimul::{Device, Direction, Error, Formulation, Linear, Options, Precision, Problem, Shape, TriMul, Weights};
 
 /// What one backend promises.
 #[derive(Copy, Clone, Debug)]
@@ -93,6 +93,7 @@ macro_rules! conformance_suite {
             tight_budget_runs_in_chunks,
             in_place_equals_out_of_place,
             budget_below_the_minimum_is_out_of_memory,
+            half_precision_io_matches_reference,
         );
     };
     (@tests $device:expr, $profile:expr; $($name:ident),* $(,)?) => {
@@ -694,4 +695,81 @@ pub fn budget_below_the_minimum_is_out_of_memory(device: &Device, _p: &Profile) 
     // The same layer still runs once the budget allows it.
     l.set_memory_budget(Some(needs.min_total()));
     l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("forward within the minimum budget");
+}
+
+/// One forward of `l` with x (already rounded to `io`) passed as `io` elements, out of place or
+/// in place; y decoded to f32.
+fn forward_half(
+    l: &mut TriMul,
+    io: Precision,
+    x: &[f32],
+    mask: Option<&[f32]>,
+    shape: Shape,
+    in_place: bool,
+) -> Vec<f32> {
+    fn run<T: trimul::IoElement>(
+        l: &mut TriMul,
+        x: Vec<T>,
+        mask: Option<&[f32]>,
+        shape: Shape,
+        in_place: bool,
+    ) -> trimul::Result<Vec<T>> {
+        if in_place {
+            let mut xy = x;
+            l.forward_in_place(&mut xy, mask, shape)?;
+            Ok(xy)
+        } else {
+            l.forward(&x, mask, shape)
+        }
+    }
+    let r = match io {
+        Precision::Bf16Io => run(l, x.iter().map(|&v| half::bf16::from_f32(v)).collect(), mask, shape, in_place)
+            .map(|y| y.iter().map(|v| v.to_f32()).collect()),
+        Precision::F16Io => run(l, x.iter().map(|&v| half::f16::from_f32(v)).collect(), mask, shape, in_place)
+            .map(|y| y.iter().map(|v| v.to_f32()).collect()),
+        other => panic!("not a 16-bit mode: {other}"),
+    };
+    r.unwrap_or_else(|e| panic!("{io} forward (in place: {in_place}) failed: {e}"))
+}
+
+/// bf16 and f16 x and y (`forward::<half::bf16>` etc.): out of place, in place and under the
+/// tightest budget, each against the f64 reference of the rounded x. y carries one more
+/// rounding than an f32 result, which the relative-L2 bound allows for (2^-9 relative for bf16,
+/// 2^-12 for f16, as an RMS over many elements about half that).
+pub fn half_precision_io_matches_reference(device: &Device, p: &Profile) {
+    let s = seed("half_precision_io_matches_reference");
+    let cases = [Case::new(40, 2, 64, true, Dist::Normal), Case::new(33, 1, 128, false, Dist::Cauchy)];
+    let mut failures = Vec::new();
+    for (k, case) in cases.iter().enumerate() {
+        let d = if k == 0 { Direction::Outgoing } else { Direction::Incoming };
+        for f in FORMULATIONS {
+            let w = weights(case, f, f == Formulation::Af3, mix(s, k as u64));
+            let inputs = suite::generate_inputs(case, mix(s, 10 + k as u64));
+            for io in [Precision::Bf16Io, Precision::F16Io] {
+                let rounding = if io == Precision::Bf16Io { 2e-3 } else { 3e-4 };
+                let bound = Profile { max_rel_l2: p.max_rel_l2 + rounding, ..*p };
+                let x: Vec<f32> = inputs.x.iter().map(|&v| io.round(v)).collect();
+                let mask = inputs.mask.as_deref();
+                let mut l = layer(device, &w, d);
+                let mut runs = Vec::new();
+                for (label, in_place, tight) in
+                    [("out of place", false, false), ("in place", true, false), ("tightest budget", false, true)]
+                {
+                    let needs = l.memory_needs_io(case.shape(), case.masked, in_place, io).expect("needs");
+                    l.set_memory_budget(tight.then(|| needs.min_total()));
+                    let y = forward_half(&mut l, io, &x, mask, case.shape(), in_place);
+                    runs.push((label, l.exec_plan().expect("plan").describe(), y));
+                }
+                for (label, plan, got) in &runs {
+                    let cmp =
+                        reference::check(&w, &problem(case, f, d), &x, mask, got, p.rtol, p.atol).expect("reference");
+                    let label = format!("{case} {f} {d} {io} {label} ({plan})");
+                    if let Err(e) = judge(&label, &cmp, &bound) {
+                        failures.push(e);
+                    }
+                }
+            }
+        }
+    }
+    finish("half_precision_io_matches_reference", failures);
 }

@@ -41,7 +41,7 @@ use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
 use crate::memory::ExecPlan;
-use crate::problem::{Formulation, Problem, Shape, LN_EPS};
+use crate::problem::{Formulation, Precision, Problem, Shape, LN_EPS};
 use crate::weights::Weights;
 
 /// Largest cuBLASLt workspace a GEMM may borrow.
@@ -266,12 +266,35 @@ impl CudaBackend {
     /// everywhere (1024,1,128: 2.875 → 2.477 ms; 1024,1,384: 6.754 → 5.845 ms), gpumode gains a
     /// little at C = 128 (2.365 → 2.359 ms) and loses at C = 384 (4.282 → 4.387 ms), where
     /// cuBLASLt's GEMM beats reloading Wout per 128-column chunk.
-    fn fused_output_for(&self, cfg: &crate::problem::Config, tuning: Tuning) -> Option<&kernels::Stage> {
+    fn fused_output_for(&self, problem: &Problem, tuning: Tuning) -> Option<&kernels::Stage> {
+        let cfg = &problem.config;
         let k = self.inner.kernels.output_projection.as_ref()?;
         let fits =
             cfg.h % 16 == 0 && cfg.h <= 128 && cfg.c % 8 == 0 && OUTPUT_PROJECTION_SMEM <= self.inner.kernels.max_smem;
+        if problem.io != Precision::F32Io {
+            // The only output path that writes 16-bit y.
+            return fits.then_some(k);
+        }
         let wins = tuning.fused_output.unwrap_or(cfg.c <= 128 || cfg.formulation == Formulation::Af3);
         (fits && wins && self.inner.fused_output.load(Ordering::Relaxed)).then_some(k)
+    }
+
+    /// Why this GPU cannot run `problem` with 16-bit x and y, if it cannot: only the fused
+    /// kernels read and write bf16/f16.
+    fn half_io_unsupported(&self, prepared: &CudaPrepared, problem: &Problem) -> Option<String> {
+        if problem.io == Precision::F32Io {
+            return None;
+        }
+        let cfg = &problem.config;
+        let input = self.chunk_kernel(prepared, Tuning::default()).is_some();
+        let output = self.fused_output_for(problem, Tuning::default()).is_some();
+        (!input || !output).then(|| {
+            format!(
+                "{} x and y on CUDA need the fused kernels (sm_80 or newer, C a multiple of 8 up to 512, H a \
+                 multiple of 16 up to 128); this layer has C={} H={} on {}",
+                problem.io, cfg.c, cfg.h, self.inner.info.arch
+            )
+        })
     }
 
     /// Enqueues the fused output stage for `kp`'s rows (gate at `kp.gate` from `kp.buf_row0`).
@@ -363,7 +386,7 @@ impl CudaBackend {
                 Layout::Chunked { scratch, .. } => scratch.memset_async(POISON_BYTE, stream)?,
             }
             if !problem.in_place {
-                cu::memset_d8_async(y, POISON_BYTE, m * c * 4, stream).ctx("cuMemsetD8Async(y)")?;
+                cu::memset_d8_async(y, POISON_BYTE, m * c * problem.io.io_bytes(), stream).ctx("cuMemsetD8Async(y)")?;
             }
         }
         let base = KernelParams {
@@ -384,6 +407,7 @@ impl CudaBackend {
             p: p as i32,
             af3: i32::from(cfg.formulation == Formulation::Af3),
             eps: LN_EPS,
+            io_dtype: params::io_dtype(problem.io),
             ..KernelParams::default()
         };
 
@@ -424,13 +448,13 @@ impl CudaBackend {
         self.mark("input (LN, projections, gating)", stream)?;
         // 2. contraction over the B·H matrices; y (or, in place, x) is dead until step 3, so it
         // lends the workspace.
-        ws.contraction.run(&inner.blas, right, left, ws.t.ptr(), 0, y, m * c * 4, stream)?;
+        ws.contraction.run(&inner.blas, right, left, ws.t.ptr(), 0, y, m * c * problem.io.io_bytes(), stream)?;
         self.mark("contraction", stream)?;
 
         // 3. LN_H (+ gate) and the output projection (+ bias, af3 gate): one fused kernel, or
         // LN_H into `a` (= left), the cuBLASLt GEMM (+ bias) into y (right lends the workspace)
         // and af3's gate kernel.
-        if let Some(op) = self.fused_output_for(&cfg, ws.tuning) {
+        if let Some(op) = self.fused_output_for(problem, ws.tuning) {
             let kp = KernelParams { row0: 0, rows: m as i64, ..base };
             self.launch_output(op, prep, &kp, stream)?;
             self.mark("output stage (LayerNorm, gate, projection)", stream)?;
@@ -465,7 +489,9 @@ impl CudaBackend {
         let f = prep.fused.as_ref()?;
         let kernel = self.chunk_kernel(prep, tuning)?;
         let narrow = f.layout.k_pad <= 128 && self.two_blocks_fit(f);
-        (narrow || kernel.wgmma || problem.shape.rows() < WIDE_MMA_SYNC_MAX_POSITIONS).then_some(kernel)
+        // 16-bit x is read by the fused kernels only.
+        let half_io = problem.io != Precision::F32Io;
+        (narrow || kernel.wgmma || half_io || problem.shape.rows() < WIDE_MMA_SYNC_MAX_POSITIONS).then_some(kernel)
     }
 
     /// Whether two blocks of the fused input kernel fit on one SM.
@@ -582,6 +608,7 @@ impl CudaBackend {
             output: output(plan.out_rows)?,
             output_tail: if m_tail > 0 { Some(output(m_tail)?) } else { None },
             staging: None,
+            half_staging: None,
             tuning,
         })
     }
@@ -664,7 +691,7 @@ impl CudaBackend {
         let k = &inner.kernels;
         let tp = params::output_norm_tile_rows(h);
         let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
-        let fused_output = self.fused_output_for(&ws.problem.config, ws.tuning);
+        let fused_output = self.fused_output_for(&ws.problem, ws.tuning);
         let mut r0 = 0;
         while r0 < m {
             let rows = plan.out_rows.min(m - r0);
@@ -809,8 +836,10 @@ pub struct CudaWorkspace {
     output: MatmulPlan,
     /// Chunked: the last row chunk when it is shorter.
     output_tail: Option<MatmulPlan>,
-    /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use.
-    staging: Option<Staging>,
+    /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use...
+    staging: Option<Staging<f32>>,
+    /// ...and for [`Backend::forward_host_half`].
+    half_staging: Option<Staging<u16>>,
     /// The choices this workspace was planned and is run with.
     tuning: Tuning,
 }
@@ -864,7 +893,7 @@ impl ChunkPlan {
         let cfg = problem.config;
         let m = problem.shape.rows();
         let lr_bytes = round_up(m * hc * 2, 256);
-        let lr_in_y = !problem.in_place && 2 * lr_bytes <= m * cfg.c * 4;
+        let lr_in_y = !problem.in_place && 2 * lr_bytes <= m * cfg.c * problem.io.io_bytes();
         let cws = round_up((m * hc / 2).min(MAX_GEMM_WORKSPACE), 256);
         let cws_off = if lr_in_y { 0 } else { 2 * lr_bytes };
         let gate_bytes = round_up(out_rows * cfg.gate_width() * 2, 256);
@@ -920,11 +949,129 @@ struct BlasInput {
     proj_tail: Option<MatmulPlan>,
 }
 
-struct Staging {
-    x: DeviceBuffer<f32>,
+struct Staging<T> {
+    x: DeviceBuffer<T>,
     mask: Option<DeviceBuffer<f32>>,
     /// None for in-place forwards (y is x).
-    y: Option<DeviceBuffer<f32>>,
+    y: Option<DeviceBuffer<T>>,
+}
+
+/// The caller's host tensors of one forward.
+enum HostIo<'a, T> {
+    OutOfPlace {
+        x: &'a [T],
+        y: &'a mut [T],
+    },
+    /// y is written over x.
+    InPlace(&'a mut [T]),
+}
+
+/// The error for an f32 entry point given a problem in 16-bit I/O.
+fn f32_io(problem: &Problem) -> Result<()> {
+    if problem.io == Precision::F32Io {
+        Ok(())
+    } else {
+        Err(Error::Dtype(format!("an f32 forward was given a problem in {}", problem.io)))
+    }
+}
+
+impl CudaBackend {
+    /// A host forward through the workspace's staging buffers of element type `T` (`slot`
+    /// picks them): x (and the mask) copied to the device, the forward enqueued, y copied back.
+    /// The buffers are made on first use and kept with the workspace.
+    fn staged_forward<T: Copy>(
+        &self,
+        prepared: &CudaPrepared,
+        workspace: &mut CudaWorkspace,
+        problem: &Problem,
+        io: HostIo<'_, T>,
+        mask: Option<&[f32]>,
+        slot: fn(&mut CudaWorkspace) -> &mut Option<Staging<T>>,
+    ) -> Result<()> {
+        let stream = self.stream();
+        let (len, in_place) = match &io {
+            HostIo::OutOfPlace { x, .. } => (x.len(), false),
+            HostIo::InPlace(xy) => (xy.len(), true),
+        };
+        // In place, one device tensor for x and y: the reason to run in place.
+        let mut staging = match slot(workspace).take() {
+            Some(s) => s,
+            None => Staging { x: self.alloc_buffer(len)?, mask: None, y: None },
+        };
+        if !in_place && staging.y.is_none() {
+            staging.y = Some(self.alloc_buffer(len)?);
+        }
+        if let Some(m) = mask {
+            if staging.mask.is_none() {
+                staging.mask = Some(self.alloc_buffer(m.len())?);
+            }
+        }
+        let result = (|| {
+            match &io {
+                HostIo::OutOfPlace { x, .. } => staging.x.upload_async(x, stream)?,
+                HostIo::InPlace(xy) => staging.x.upload_async(xy, stream)?,
+            }
+            if let (Some(m), Some(md)) = (mask, staging.mask.as_mut()) {
+                md.upload_async(m, stream)?;
+            }
+            let mask_ptr = if mask.is_some() { staging.mask.as_ref().map_or(0, |m| m.ptr()) } else { 0 };
+            let y_ptr = match (&staging.y, in_place) {
+                (_, true) => staging.x.ptr(),
+                (Some(y), false) => y.ptr(),
+                (None, false) => return Err(Error::InvalidArgument("staging y missing".into())),
+            };
+            // SAFETY: the staging buffers are live allocations sized for this problem (made for
+            // this workspace's shape and element type), distinct from each other except x and y
+            // in place, which the in-place plan expects; the download below waits for the
+            // stream, so the host slices outlive every copy.
+            unsafe { self.enqueue(prepared, workspace, problem, staging.x.ptr(), mask_ptr, y_ptr, stream)? };
+            match io {
+                HostIo::OutOfPlace { y, .. } => staging.y.as_ref().map_or(Ok(()), |ys| ys.download(y, stream)),
+                HostIo::InPlace(xy) => staging.x.download(xy, stream),
+            }
+        })();
+        *slot(workspace) = Some(staging);
+        result
+    }
+}
+
+impl CudaBackend {
+    /// Copies 16-bit values (bf16 or f16 bit patterns) into a device buffer of the same length;
+    /// waits for the copy.
+    pub fn upload_bits(&self, src: &[u16], dst: &mut DeviceBuffer<u16>) -> Result<()> {
+        dst.upload(src, self.stream())
+    }
+
+    /// Copies a 16-bit device buffer to host memory of the same length after pending work.
+    pub fn download_bits(&self, src: &DeviceBuffer<u16>, dst: &mut [u16]) -> Result<()> {
+        src.download(dst, self.stream())
+    }
+}
+
+impl crate::layer::Layer<CudaBackend> {
+    /// Enqueues one forward on device buffers holding `x` and `y` in 16-bit precision `io`
+    /// (bf16 or f16 bit patterns, e.g. filled with [`CudaBackend::upload_bits`]); the mask stays
+    /// f32. The fused kernels read x and write y in that precision, so x and y take half the
+    /// bytes of the f32 path. Synchronize (or download) before reading `y`.
+    pub fn forward_buffers_half(
+        &mut self,
+        x: &DeviceBuffer<u16>,
+        mask: Option<&DeviceBuffer<f32>>,
+        y: &mut DeviceBuffer<u16>,
+        shape: Shape,
+        io: Precision,
+    ) -> Result<()> {
+        let problem = self.problem(shape, mask.is_some())?.with_io(io);
+        problem.check_lengths(x.len(), mask.map(|m| m.len()), y.len())?;
+        crate::backend::half_io(&problem)?;
+        let (backend, prepared, ws) = self.parts(&problem)?;
+        // SAFETY: the buffers are live allocations of this backend with lengths checked above;
+        // `y` is borrowed mutably so it cannot alias x or mask; the workspace outlives the work
+        // (its buffers are freed through cuMemFree, which waits for pending work).
+        unsafe {
+            backend.enqueue(prepared, ws, &problem, x.ptr(), mask.map_or(0, |m| m.ptr()), y.ptr(), backend.stream())
+        }
+    }
 }
 
 impl Backend for CudaBackend {
@@ -1044,6 +1191,9 @@ impl Backend for CudaBackend {
             )
         };
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        if let Some(why) = self.half_io_unsupported(prepared, problem) {
+            return Err(Error::Dtype(why));
+        }
         if one_pass > limit {
             let Some(_) = self.chunk_kernel(prepared, Tuning::default()) else {
                 return Err(Error::OutOfMemory {
@@ -1115,7 +1265,7 @@ impl Backend for CudaBackend {
                 GemmSpec::contraction(problem.direction, bh, problem.shape.n),
                 Elem::F16,
                 false,
-                MAX_GEMM_WORKSPACE.min(m * cfg.c * 4),
+                MAX_GEMM_WORKSPACE.min(m * cfg.c * problem.io.io_bytes()),
                 tuning.contraction_rank as usize,
             )?,
             contraction_tail: None,
@@ -1128,6 +1278,7 @@ impl Backend for CudaBackend {
             )?,
             output_tail: None,
             staging: None,
+            half_staging: None,
             tuning,
         })
     }
@@ -1138,6 +1289,7 @@ impl Backend for CudaBackend {
             && ws.problem.shape == problem.shape
             && ws.problem.direction == problem.direction
             && ws.problem.in_place == problem.in_place
+            && ws.problem.io == problem.io
             && ws.tuning == self.tuning_for(problem)
     }
 
@@ -1167,6 +1319,7 @@ impl Backend for CudaBackend {
         y: &mut DeviceBuffer<f32>,
     ) -> Result<()> {
         problem.check_lengths(x.len(), mask.map(|m| m.len()), y.len())?;
+        f32_io(problem)?;
         // SAFETY: the buffers are live allocations of this backend with lengths checked above;
         // `y` is borrowed mutably so it cannot alias x or mask; the workspace is borrowed for the
         // call and its buffers outlive the stream work because dropping them frees through
@@ -1186,34 +1339,8 @@ impl Backend for CudaBackend {
         y: &mut [f32],
     ) -> Result<()> {
         problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        let stream = self.stream();
-        let mut staging = match workspace.staging.take() {
-            Some(s) => s,
-            None => Staging { x: self.alloc_buffer(x.len())?, mask: None, y: None },
-        };
-        if staging.y.is_none() {
-            staging.y = Some(self.alloc_buffer(y.len())?);
-        }
-        if let Some(m) = mask {
-            if staging.mask.is_none() {
-                staging.mask = Some(self.alloc_buffer(m.len())?);
-            }
-        }
-        let result = (|| {
-            staging.x.upload_async(x, stream)?;
-            if let (Some(m), Some(md)) = (mask, staging.mask.as_mut()) {
-                md.upload_async(m, stream)?;
-            }
-            let mask_ptr = if mask.is_some() { staging.mask.as_ref().map_or(0, |m| m.ptr()) } else { 0 };
-            // SAFETY: the staging buffers are live allocations sized for this problem (made for
-            // this workspace's shape), distinct from each other; the download below waits for
-            // the stream, so the host slices outlive every copy.
-            let ys = staging.y.as_ref().ok_or_else(|| Error::InvalidArgument("staging y missing".into()))?;
-            unsafe { self.enqueue(prepared, workspace, problem, staging.x.ptr(), mask_ptr, ys.ptr(), stream)? };
-            ys.download(y, stream)
-        })();
-        workspace.staging = Some(staging);
-        result
+        f32_io(problem)?;
+        self.staged_forward(prepared, workspace, problem, HostIo::OutOfPlace { x, y }, mask, |w| &mut w.staging)
     }
 
     fn forward_in_place(
@@ -1228,6 +1355,7 @@ impl Backend for CudaBackend {
         if !problem.in_place {
             return Err(Error::InvalidArgument("forward_in_place needs a problem made with in_place(true)".into()));
         }
+        f32_io(problem)?;
         // SAFETY: as in `forward`; x and y are the same live allocation, which the in-place plan
         // expects (every read of x is ordered before the write of the same rows of y).
         unsafe {
@@ -1247,31 +1375,39 @@ impl Backend for CudaBackend {
         if !problem.in_place {
             return Err(Error::InvalidArgument("forward_in_place needs a problem made with in_place(true)".into()));
         }
-        let stream = self.stream();
-        // One device tensor for x and y: the reason to run in place.
-        let mut staging = match workspace.staging.take() {
-            Some(s) => s,
-            None => Staging { x: self.alloc_buffer(xy.len())?, mask: None, y: None },
-        };
-        if let Some(m) = mask {
-            if staging.mask.is_none() {
-                staging.mask = Some(self.alloc_buffer(m.len())?);
-            }
+        f32_io(problem)?;
+        self.staged_forward(prepared, workspace, problem, HostIo::InPlace(xy), mask, |w| &mut w.staging)
+    }
+
+    /// 16-bit x and y stay 16-bit on the device: the fused kernels read and write them.
+    fn forward_host_half(
+        &self,
+        prepared: &CudaPrepared,
+        workspace: &mut CudaWorkspace,
+        problem: &Problem,
+        x: &[u16],
+        mask: Option<&[f32]>,
+        y: &mut [u16],
+    ) -> Result<()> {
+        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
+        crate::backend::half_io(problem)?;
+        self.staged_forward(prepared, workspace, problem, HostIo::OutOfPlace { x, y }, mask, |w| &mut w.half_staging)
+    }
+
+    fn forward_host_half_in_place(
+        &self,
+        prepared: &CudaPrepared,
+        workspace: &mut CudaWorkspace,
+        problem: &Problem,
+        xy: &mut [u16],
+        mask: Option<&[f32]>,
+    ) -> Result<()> {
+        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
+        if !problem.in_place {
+            return Err(Error::InvalidArgument("forward_in_place needs a problem made with in_place(true)".into()));
         }
-        let result = (|| {
-            staging.x.upload_async(xy, stream)?;
-            if let (Some(m), Some(md)) = (mask, staging.mask.as_mut()) {
-                md.upload_async(m, stream)?;
-            }
-            let mask_ptr = if mask.is_some() { staging.mask.as_ref().map_or(0, |m| m.ptr()) } else { 0 };
-            // SAFETY: the staging buffers are live allocations sized for this problem; x and y
-            // are the same buffer as the in-place plan expects; the download waits for the
-            // stream, so the host slices outlive every copy.
-            unsafe { self.enqueue(prepared, workspace, problem, staging.x.ptr(), mask_ptr, staging.x.ptr(), stream)? };
-            staging.x.download(xy, stream)
-        })();
-        workspace.staging = Some(staging);
-        result
+        crate::backend::half_io(problem)?;
+        self.staged_forward(prepared, workspace, problem, HostIo::InPlace(xy), mask, |w| &mut w.half_staging)
     }
 
     fn synchronize(&self) -> Result<()> {
