@@ -336,10 +336,10 @@ impl Problem {
         2.0 * m * c * (4.0 * h + gate) + 2.0 * b * h * n * n * n + 2.0 * m * h * c
     }
 
-    /// Minimum bytes moved with f32 input and output: `x` read once, `y` written once (the
+    /// Minimum bytes moved: `x` read once and `y` written once in the I/O precision (the
     /// mask, one f32 per position, is included when present).
     pub fn io_bytes(&self) -> f64 {
-        let xb = (self.x_len() * 4) as f64;
+        let xb = (self.x_len() * self.io.io_bytes()) as f64;
         let mb = if self.masked { (self.mask_len() * 4) as f64 } else { 0.0 };
         2.0 * xb + mb
     }

@@ -7,7 +7,7 @@ use std::io::Write;
 use trimul::backend::cuda::CudaBackend;
 use trimul::reference;
 use trimul::suite::{self, Case, Dist};
-use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Shape, TriMul, Weights};
+use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Shape, TriMul, Weights};
 
 const TOL: f64 = 2e-2;
 /// f16 intermediates with f32 accumulation land near 5e-4 (SPEC.md); this leaves room for Cauchy
@@ -140,6 +140,75 @@ fn incoming_gpumode_and_odd_sizes() {
         }
     }
     check_case(&b, &Case::new(33, 3, 64, true, Dist::Cauchy), Formulation::Af3, Direction::Incoming, true, s);
+}
+
+/// bf16 and f16 x and y on device buffers (`forward_buffers_half`, y poisoned with NaN first):
+/// every build of the fused input kernel (C = 128, 256 and 384, ragged N), both formulations and
+/// directions, against the reference of the rounded x; the host-slice API gives the same bits.
+#[test]
+fn half_io_device_buffers_match_reference() {
+    let Some(b) = cuda() else { return };
+    let s = seed();
+    for (k, case) in [
+        Case::new(50, 2, 128, true, Dist::Cauchy),
+        Case::new(37, 1, 256, false, Dist::Normal),
+        Case::new(64, 1, 384, true, Dist::Normal),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for (f, dir) in [(Formulation::GpuMode, Direction::Outgoing), (Formulation::Af3, Direction::Incoming)] {
+            for io in [Precision::Bf16Io, Precision::F16Io] {
+                let problem = case.problem(f, dir).unwrap();
+                let weights = Weights::random(problem.config, f == Formulation::Af3, s ^ k as u64).unwrap();
+                let inputs = suite::generate_inputs(case, s ^ 0xABCD ^ k as u64);
+                let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
+                let x: Vec<f32> = bits.iter().map(|&v| io.decode_half(v)).collect();
+                let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
+                let mut xd = b.alloc_buffer::<u16>(bits.len()).unwrap();
+                b.upload_bits(&bits, &mut xd).unwrap();
+                let md = inputs.mask.as_ref().map(|m| {
+                    let mut d = b.alloc(m.len()).unwrap();
+                    b.upload(m, &mut d).unwrap();
+                    d
+                });
+                let mut yd = b.alloc_buffer::<u16>(bits.len()).unwrap();
+                layer.forward_buffers_half(&xd, md.as_ref(), &mut yd, case.shape(), io).unwrap();
+                let mut ybits = vec![0u16; bits.len()];
+                b.download_bits(&yd, &mut ybits).unwrap();
+                let y: Vec<f32> = ybits.iter().map(|&v| io.decode_half(v)).collect();
+                let cmp = reference::check(&weights, &problem, &x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
+                eprintln!("{} {f} {dir} {io}: {cmp}", case.name());
+                assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{} {f} {dir} {io} seed {s}: {cmp}", case.name());
+                let host: Vec<u16> = match io {
+                    Precision::Bf16Io => {
+                        let xh: Vec<half::bf16> = bits.iter().map(|&v| half::bf16::from_bits(v)).collect();
+                        let mut yh = vec![half::bf16::ZERO; xh.len()];
+                        layer.forward_into(&xh, inputs.mask.as_deref(), &mut yh, case.shape()).unwrap();
+                        yh.iter().map(|v| v.to_bits()).collect()
+                    }
+                    _ => {
+                        let xh: Vec<half::f16> = bits.iter().map(|&v| half::f16::from_bits(v)).collect();
+                        let mut yh = vec![half::f16::ZERO; xh.len()];
+                        layer.forward_into(&xh, inputs.mask.as_deref(), &mut yh, case.shape()).unwrap();
+                        yh.iter().map(|v| v.to_bits()).collect()
+                    }
+                };
+                assert!(host == ybits, "{} {f} {dir} {io}: host-slice and device-buffer forwards differ", case.name());
+            }
+        }
+    }
+    // A layer whose shape the fused kernels cannot take says so instead of computing in f32.
+    let case = Case::new(16, 1, 66, false, Dist::Normal);
+    let problem = case.problem(Formulation::Af3, Direction::Outgoing).unwrap();
+    let weights = Weights::random(problem.config, false, 3).unwrap();
+    let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
+    let x = vec![half::bf16::ONE; problem.x_len()];
+    let mut y = vec![half::bf16::ZERO; problem.x_len()];
+    match layer.forward_into(&x, None, &mut y, case.shape()) {
+        Err(trimul::Error::Dtype(m)) => assert!(m.contains("bf16-io") && m.contains("C=66"), "{m}"),
+        other => panic!("expected a Dtype error, got {other:?}"),
+    }
 }
 
 #[test]

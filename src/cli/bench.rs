@@ -57,6 +57,8 @@ struct Plan {
     /// `--max-memory`.
     budget: Option<u64>,
     in_place: bool,
+    /// Element type of x and y on the device.
+    precision: Precision,
 }
 
 enum Outcome {
@@ -112,7 +114,21 @@ pub fn run(args: &BenchArgs) -> CliResult {
         fresh_weights: args.fresh_weights,
         budget: args.max_memory,
         in_place: args.in_place,
+        precision: args.precision,
     };
+    if plan.precision != Precision::F32Io {
+        if kind != BackendKind::Cuda {
+            return Err(CliError::usage(format!(
+                "--precision {}: 16-bit device buffers are timed on CUDA only ({kind} converts on the host)",
+                plan.precision
+            )));
+        }
+        if plan.fresh_weights || plan.in_place {
+            return Err(CliError::usage(
+                "--precision bf16-io/f16-io cannot be combined with --fresh-weights or --in-place",
+            ));
+        }
+    }
     let seed = args.seed.unwrap_or_else(clock_seed);
     let info = device.info();
 
@@ -123,7 +139,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
         cases.len(),
         plan.formulation,
         plan.direction,
-        Precision::default().as_str(),
+        plan.precision.as_str(),
     ));
     progress.out(&format!(
         "timing: {} warm-up + {} timed calls per shape, median; {}; weights {}",
@@ -161,6 +177,10 @@ pub fn run(args: &BenchArgs) -> CliResult {
         let before = progress.position();
         let outcome = match &device {
             Device::Cpu(b) => bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(b) if plan.precision != Precision::F32Io => {
+                half::bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress)
+            }
             #[cfg(feature = "cuda")]
             Device::Cuda(b) => bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
             #[cfg(feature = "rocm")]
@@ -216,7 +236,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
             // A GPU run records the host CPU too: it feeds the launches and the fresh-weights path.
             machine: MachineInfo::from_device_info(&info, gpu.then(|| CpuBackend::new().info().name)),
             backend: kind.as_str().to_string(),
-            precision: Precision::default().as_str().to_string(),
+            precision: plan.precision.as_str().to_string(),
             formulation: plan.formulation.as_str().to_string(),
             timing: TimingMethod {
                 warmup: plan.warmup,
@@ -548,5 +568,115 @@ mod tests {
         assert_eq!(fmt_ratio(2.346), "2.35×");
         assert_eq!(fmt_ratio(234.4), "234×");
         assert_eq!(fmt_ratio(f64::INFINITY), "n/a");
+    }
+}
+
+/// `--precision bf16-io|f16-io` on CUDA: the same method as [`measure`] on 16-bit device buffers
+/// (`Layer::forward_buffers_half`), checked against the reference of the rounded x.
+#[cfg(feature = "cuda")]
+mod half {
+    use trimul::backend::cuda::CudaBackend;
+
+    use super::*;
+
+    pub(super) fn bench_case(
+        backend: &CudaBackend,
+        case: &Case,
+        plan: &Plan,
+        input_seed: u64,
+        weights_seed: u64,
+        ceilings: &Ceilings,
+        progress: &Progress,
+    ) -> trimul::Result<Outcome> {
+        match measure(backend, case, plan, input_seed, weights_seed, ceilings, progress) {
+            Err(Error::OutOfMemory { what, needed, available, .. }) => Ok(Outcome::Skipped(format!(
+                "out of memory: {what} needs {}, {} available",
+                fmt_bytes(needed),
+                fmt_bytes(available)
+            ))),
+            other => other,
+        }
+    }
+
+    fn measure(
+        backend: &CudaBackend,
+        case: &Case,
+        plan: &Plan,
+        input_seed: u64,
+        weights_seed: u64,
+        ceilings: &Ceilings,
+        progress: &Progress,
+    ) -> trimul::Result<Outcome> {
+        let io = plan.precision;
+        let problem = case.problem(plan.formulation, plan.direction)?.with_io(io);
+        let shape = problem.shape;
+        let weights = Weights::random(problem.config, false, weights_seed)?;
+        backend.reset_peak_memory();
+        let mut layer = Layer::new(backend, &weights, Options { direction: plan.direction })?;
+        layer.set_memory_budget(plan.budget);
+        let needs = layer.memory_needs_io(shape, problem.masked, false, io)?;
+
+        progress.set_message(format!("{}: generating inputs", case.name()));
+        let inputs = suite::generate_inputs(case, input_seed);
+        let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
+        // The caller's x is the rounded one; the reference sees exactly that.
+        let x: Vec<f32> = bits.iter().map(|&v| io.decode_half(v)).collect();
+        drop(inputs.x);
+        let upload_bits = |data: &[u16]| -> trimul::Result<_> {
+            let mut buf = backend.alloc_buffer::<u16>(data.len())?;
+            backend.upload_bits(data, &mut buf)?;
+            Ok(buf)
+        };
+        let upload_mask = |data: &[f32]| -> trimul::Result<_> {
+            let mut buf = backend.alloc(data.len())?;
+            backend.upload(data, &mut buf)?;
+            Ok(buf)
+        };
+        let mut xs = vec![upload_bits(&bits)?];
+        let mut masks = vec![inputs.mask.as_deref().map(upload_mask).transpose()?];
+        let mut ys = vec![backend.alloc_buffer::<u16>(bits.len())?];
+
+        progress.set_message(format!("{}: checked forward", case.name()));
+        layer.forward_buffers_half(&xs[0], masks[0].as_ref(), &mut ys[0], shape, io)?;
+        backend.synchronize()?;
+        let peak = backend.peak_memory();
+        let exec_plan = layer.exec_plan();
+        let mut ybits = vec![0u16; bits.len()];
+        backend.download_bits(&ys[0], &mut ybits)?;
+        let y: Vec<f32> = ybits.iter().map(|&v| io.decode_half(v)).collect();
+        drop(ybits);
+        progress.set_message(format!("{}: reference check", case.name()));
+        let cmp = reference::check(&weights, &problem, &x, inputs.mask.as_deref(), &y, RTOL, ATOL)?;
+        drop((x, y));
+        progress.inc(1);
+
+        let used_ws = exec_plan.map_or(needs.one_pass_workspace, |p| p.workspace_bytes);
+        let device_free = backend.memory_info()?.map(|m| m.free);
+        let sets =
+            if plan.budget.is_some() { 1 } else { buffer_sets(bits.len() as u64 * 2, needs.io, device_free, used_ws) };
+        for _ in 1..sets {
+            xs.push(upload_bits(&bits)?);
+            masks.push(inputs.mask.as_deref().map(upload_mask).transpose()?);
+            ys.push(backend.alloc_buffer::<u16>(bits.len())?);
+        }
+        drop(bits);
+
+        progress.set_message(format!("{}: timing", case.name()));
+        let mut samples = Vec::with_capacity(plan.repeats as usize);
+        for i in 0..(plan.warmup + plan.repeats) as usize {
+            let k = i % sets as usize;
+            let ms = backend
+                .elapsed_ms(&mut || layer.forward_buffers_half(&xs[k], masks[k].as_ref(), &mut ys[k], shape, io))?;
+            if i >= plan.warmup as usize {
+                samples.push(ms);
+            }
+            progress.inc(1);
+        }
+        backend.synchronize()?;
+        let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
+            .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
+            .with_memory(peak, Some(used_ws))
+            .with_plan(plan.budget, exec_plan, false);
+        Ok(Outcome::Done(Box::new(Measured { result, sets })))
     }
 }

@@ -158,6 +158,14 @@ pub struct BenchArgs {
     /// Only the shapes with these sequence lengths (comma-separated), e.g. `--n 4096,8192`.
     #[arg(long, value_name = "N,...", value_delimiter = ',')]
     pub n: Vec<usize>,
+    /// Element type of x and y on the device: f32-io, or bf16-io / f16-io (CUDA; the fused
+    /// kernels read and write them directly).
+    #[arg(long, default_value = "f32-io", value_parser = parse_precision_arg)]
+    pub precision: trimul::Precision,
+}
+
+fn parse_precision_arg(s: &str) -> std::result::Result<trimul::Precision, String> {
+    s.parse().map_err(|e: trimul::Error| e.to_string())
 }
 
 fn parse_bytes_arg(s: &str) -> std::result::Result<u64, String> {
