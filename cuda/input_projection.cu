@@ -99,9 +99,9 @@ __device__ __forceinline__ unsigned ip_z_offset(int r, int c, int lda) {
 // the H100: with 4 rows per batch and one reduction after another, the first use of x was the
 // kernel's most-stalled instruction and the LayerNorm about 40% of its stall samples.) A lane's
 // channels are the same in every row, so its LN weights are loaded once.
-template <int KMAX, bool SW128, int BM, int LN_ROWS>
-__device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
-                                             tm_i64 tile0, tm_i64 m_total) {
+template <int KMAX, bool SW128, int BM, int LN_ROWS, int IO>
+__device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
+                                                tm_i64 tile0, tm_i64 m_total) {
   const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int C = p.c;
   const float inv_c = 1.f / (float)C;
@@ -115,14 +115,26 @@ __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned cha
   }
   for (int r0 = warp * ln_rows; r0 < BM; r0 += (IP_THREADS / 32) * ln_rows) {
     float4 v[ln_rows][KMAX / 128];
+    uint2 raw[IO == TM_IO_F32 ? 1 : ln_rows][KMAX / 128];  // 16-bit x as loaded
 #pragma unroll
     for (int rr = 0; rr < ln_rows; ++rr) {
       const tm_i64 row = tile0 + r0 + rr;
 #pragma unroll
       for (int i = 0; i < KMAX / 128; ++i) {
         const int c4 = lane + 32 * i;
-        v[rr][i] = (row < m_total && c4 * 4 < C) ? io_load_x4(p, row * C + c4 * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const bool in = row < m_total && c4 * 4 < C;
+        if (IO == TM_IO_F32) {
+          v[rr][i] = in ? *(const float4*)(p.x + row * C + c4 * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        } else {
+          raw[rr][i] = in ? *(const uint2*)((const unsigned short*)p.x + row * C + c4 * 4) : make_uint2(0u, 0u);
+        }
       }
+    }
+    if (IO != TM_IO_F32) {
+#pragma unroll
+      for (int rr = 0; rr < ln_rows; ++rr)
+#pragma unroll
+        for (int i = 0; i < KMAX / 128; ++i) v[rr][i] = io_widen4<IO>(raw[rr][i]);
     }
     float mean[ln_rows], rstd[ln_rows];
 #pragma unroll
@@ -174,6 +186,19 @@ __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned cha
       }
       if (lane == 0) smask[r] = live ? (p.mask ? p.mask[row] : 1.f) : 0.f;
     }
+  }
+}
+
+// The prologue for the launch's I/O precision (one uniform branch per block).
+template <int KMAX, bool SW128, int BM, int LN_ROWS>
+__device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
+                                             tm_i64 tile0, tm_i64 m_total) {
+  if (p.io_dtype == TM_IO_BF16) {
+    ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_BF16>(p, sa, lda, smask, tile0, m_total);
+  } else if (p.io_dtype == TM_IO_F16) {
+    ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_F16>(p, sa, lda, smask, tile0, m_total);
+  } else {
+    ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_F32>(p, sa, lda, smask, tile0, m_total);
   }
 }
 
