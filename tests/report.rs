@@ -316,15 +316,22 @@ fn write_puts_files_in_the_directory() {
 
 /// The sample report in docs/perf/report was generated from the committed runs with
 /// `trimul report docs/perf/h100-cuda-gpumode.json docs/perf/h100-cuda-af3.json
-/// docs/perf/cpu-quick.json --anchors docs/perf/anchors-h100.json --out docs/perf/report`;
+/// docs/perf/h100-cuda-gpumode-bf16.json docs/perf/h100-cuda-af3-bf16.json docs/perf/cpu-quick.json
+/// --anchors docs/perf/anchors-h100.json --out docs/perf/report`;
 /// rendering the same inputs must reproduce it byte for byte.
 #[test]
 fn committed_sample_report_reproduces() {
     let perf = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/perf");
-    let runs: Vec<BenchRun> = ["h100-cuda-gpumode.json", "h100-cuda-af3.json", "cpu-quick.json"]
-        .iter()
-        .map(|f| BenchRun::from_path(perf.join(f)).unwrap())
-        .collect();
+    let runs: Vec<BenchRun> = [
+        "h100-cuda-gpumode.json",
+        "h100-cuda-af3.json",
+        "h100-cuda-gpumode-bf16.json",
+        "h100-cuda-af3-bf16.json",
+        "cpu-quick.json",
+    ]
+    .iter()
+    .map(|f| BenchRun::from_path(perf.join(f)).unwrap())
+    .collect();
     let anchors = Anchor::load(perf.join("anchors-h100.json")).unwrap();
     let report = trimul::report::render(&runs, &anchors, None).unwrap();
     let dir = perf.join("report");
