@@ -92,6 +92,16 @@ __device__ __forceinline__ unsigned ip_z_offset(int r, int c, int lda) {
   return (r * lda + c) * 2;
 }
 
+// Sums each of R values over the warp, the R butterflies interleaved so their shuffle latencies
+// overlap.
+template <int R>
+__device__ __forceinline__ void ip_warp_sums(float (&v)[R]) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) v[rr] += __shfl_xor_sync(0xffffffffu, v[rr], o);
+}
+
 // Prologue: z = LN_C(x) for the block's rows, into shared memory as f16 (zeros past C and past
 // the last position), and each row's mask into smask. Each warp takes IP_LN_ROWS_* rows at a time:
 // all their loads are issued before the first use, and the rows' butterfly reductions are
@@ -144,10 +154,7 @@ __device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned 
       for (int i = 0; i < KMAX / 128; ++i) s += (v[rr][i].x + v[rr][i].y) + (v[rr][i].z + v[rr][i].w);
       mean[rr] = s;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-      for (int rr = 0; rr < ln_rows; ++rr) mean[rr] += __shfl_xor_sync(0xffffffffu, mean[rr], o);
+    ip_warp_sums(mean);
 #pragma unroll
     for (int rr = 0; rr < ln_rows; ++rr) {
       mean[rr] *= inv_c;
@@ -162,10 +169,7 @@ __device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned 
       }
       rstd[rr] = q;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-      for (int rr = 0; rr < ln_rows; ++rr) rstd[rr] += __shfl_xor_sync(0xffffffffu, rstd[rr], o);
+    ip_warp_sums(rstd);
 #pragma unroll
     for (int rr = 0; rr < ln_rows; ++rr) {
       const int r = r0 + rr;

@@ -271,7 +271,12 @@ fn bench_case<B: Backend>(
     ceilings: &Ceilings,
     progress: &Progress,
 ) -> trimul::Result<Outcome> {
-    match measure(backend, case, plan, input_seed, weights_seed, ceilings, progress) {
+    skip_if_out_of_memory(measure(backend, case, plan, input_seed, weights_seed, ceilings, progress))
+}
+
+/// An out-of-memory error becomes [`Outcome::Skipped`] naming the bytes.
+fn skip_if_out_of_memory(result: trimul::Result<Outcome>) -> trimul::Result<Outcome> {
+    match result {
         Err(Error::OutOfMemory { what, needed, available, .. }) => Ok(Outcome::Skipped(format!(
             "out of memory: {what} needs {}, {} available",
             fmt_bytes(needed),
@@ -279,6 +284,28 @@ fn bench_case<B: Backend>(
         ))),
         other => other,
     }
+}
+
+/// `warmup` untimed then `repeats` timed calls of `call(k)`, k rotating over the `sets` buffer
+/// sets, each timed alone with [`Backend::elapsed_ms`]; returns the timed samples.
+fn time_calls<B: Backend>(
+    backend: &B,
+    plan: &Plan,
+    sets: u64,
+    progress: &Progress,
+    mut call: impl FnMut(usize) -> trimul::Result<()>,
+) -> trimul::Result<Vec<f64>> {
+    let mut samples = Vec::with_capacity(plan.repeats as usize);
+    for i in 0..(plan.warmup + plan.repeats) as usize {
+        let k = i % sets as usize;
+        let ms = backend.elapsed_ms(&mut || call(k))?;
+        if i >= plan.warmup as usize {
+            samples.push(ms);
+        }
+        progress.inc(1);
+    }
+    backend.synchronize()?;
+    Ok(samples)
 }
 
 fn measure<B: Backend>(
@@ -409,20 +436,15 @@ fn measure<B: Backend>(
             progress.inc(1);
         }
     } else {
-        for i in 0..calls {
-            let k = i % sets as usize;
-            // In place, each call reads the previous call's y as its x: timing does not depend
-            // on the values (LayerNorm keeps them in range), and only the first call was checked.
-            let ms = if plan.in_place {
-                backend.elapsed_ms(&mut || layer.forward_buffers_in_place(&mut xs[k], masks[k].as_ref(), shape))?
+        // In place, each call reads the previous call's y as its x: timing does not depend on
+        // the values (LayerNorm keeps them in range), and only the first call was checked.
+        samples = time_calls(backend, plan, sets, progress, |k| {
+            if plan.in_place {
+                layer.forward_buffers_in_place(&mut xs[k], masks[k].as_ref(), shape)
             } else {
-                backend.elapsed_ms(&mut || layer.forward_buffers(&xs[k], masks[k].as_ref(), &mut ys[k], shape))?
-            };
-            if i >= plan.warmup as usize {
-                samples.push(ms);
+                layer.forward_buffers(&xs[k], masks[k].as_ref(), &mut ys[k], shape)
             }
-            progress.inc(1);
-        }
+        })?;
     }
     backend.synchronize()?;
 
@@ -588,14 +610,7 @@ mod half {
         ceilings: &Ceilings,
         progress: &Progress,
     ) -> trimul::Result<Outcome> {
-        match measure(backend, case, plan, input_seed, weights_seed, ceilings, progress) {
-            Err(Error::OutOfMemory { what, needed, available, .. }) => Ok(Outcome::Skipped(format!(
-                "out of memory: {what} needs {}, {} available",
-                fmt_bytes(needed),
-                fmt_bytes(available)
-            ))),
-            other => other,
-        }
+        skip_if_out_of_memory(measure(backend, case, plan, input_seed, weights_seed, ceilings, progress))
     }
 
     fn measure(
@@ -662,17 +677,9 @@ mod half {
         drop(bits);
 
         progress.set_message(format!("{}: timing", case.name()));
-        let mut samples = Vec::with_capacity(plan.repeats as usize);
-        for i in 0..(plan.warmup + plan.repeats) as usize {
-            let k = i % sets as usize;
-            let ms = backend
-                .elapsed_ms(&mut || layer.forward_buffers_half(&xs[k], masks[k].as_ref(), &mut ys[k], shape, io))?;
-            if i >= plan.warmup as usize {
-                samples.push(ms);
-            }
-            progress.inc(1);
-        }
-        backend.synchronize()?;
+        let samples = time_calls(backend, plan, sets, progress, |k| {
+            layer.forward_buffers_half(&xs[k], masks[k].as_ref(), &mut ys[k], shape, io)
+        })?;
         let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
             .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
             .with_memory(peak, Some(used_ws))
