@@ -2,6 +2,7 @@
 // kernels read x and write y through these, so one build serves every mode; the branch is
 // uniform across the grid.
 #pragma once
+#include "cuda/mma.h"
 
 // Four 16-bit elements of x (bf16 or f16 as IO says), widened to f32. Callers load the raw
 // words of every row they batch first and widen after, so that all the loads are in flight at
@@ -27,7 +28,7 @@ __device__ __forceinline__ void io_store_y2(const TrimulParams& p, tm_i64 idx, f
   if (p.io_dtype == TM_IO_BF16) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(v1), "f"(v0));
   } else {
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(v1), "f"(v0));
+    packed = mma_pack_h2(v0, v1);
   }
   *(unsigned*)((unsigned short*)p.y + idx) = packed;
 }
