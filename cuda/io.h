@@ -18,17 +18,23 @@ __device__ __forceinline__ float4 io_widen4(uint2 w) {
   return make_float4(tm_lo(w.x), tm_hi(w.x), tm_lo(w.y), tm_hi(w.y));
 }
 
-// Two consecutive elements of y at element `idx` (even), rounded to nearest even.
-__device__ __forceinline__ void io_store_y2(const TrimulParams& p, tm_i64 idx, float v0, float v1) {
-  if (p.io_dtype == TM_IO_F32) {
-    *(float2*)(p.y + idx) = make_float2(v0, v1);
-    return;
-  }
+// Two consecutive elements of 16-bit y packed in the launch's I/O type (bf16 or f16), rounded to
+// nearest even.
+__device__ __forceinline__ unsigned io_pack_y2(const TrimulParams& p, float v0, float v1) {
   unsigned packed;
   if (p.io_dtype == TM_IO_BF16) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(v1), "f"(v0));
   } else {
     packed = mma_pack_h2(v0, v1);
   }
-  *(unsigned*)((unsigned short*)p.y + idx) = packed;
+  return packed;
+}
+
+// Two consecutive elements of y at element `idx` (even), rounded to nearest even.
+__device__ __forceinline__ void io_store_y2(const TrimulParams& p, tm_i64 idx, float v0, float v1) {
+  if (p.io_dtype == TM_IO_F32) {
+    *(float2*)(p.y + idx) = make_float2(v0, v1);
+    return;
+  }
+  *(unsigned*)((unsigned short*)p.y + idx) = io_pack_y2(p, v0, v1);
 }

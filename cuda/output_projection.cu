@@ -17,8 +17,11 @@
 //   4. for each 128-column chunk of C: Wout's rows for the chunk -> shared sw[128][H + 8] through
 //      cp.async (the first chunk's copy overlaps steps 1–3), then mma.sync m16n8k16 with f32
 //      accumulators, 8 warps as 2 (rows) x 4 (columns) of 32 x 32, K = H;
-//   5. epilogue from registers: + bout, ⊙ gate for af3, stores of y (8 bytes per thread in f32,
-//      4 in bf16/f16).
+//   5. epilogue from registers: + bout, ⊙ gate for af3, and y out. af3's gate chunk [BM][128]
+//      comes into shared sg through cp.async with the Wout chunk (ncu, af3 bf16 at N = 1024: the
+//      epilogue's per-element gate loads, issued right before their use, held a third of the
+//      kernel's stall samples). 16-bit y is packed into sg (over the gate it used) and leaves as
+//      16-byte runs along C; f32 y is stored from registers, 8 bytes per thread.
 // Requirements checked by the host: H % 16 == 0, H <= 128, C % 8 == 0.
 #include "common/compat.h"
 #include "common/params.h"
@@ -55,12 +58,43 @@ __device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, in
   asm volatile("cp.async.commit_group;");
 }
 
+// Whether the block stages through sg: af3's gate, and 16-bit y on its way out.
+__device__ __forceinline__ bool op_uses_sg(const TrimulParams& p) { return p.af3 || p.io_dtype != TM_IO_F32; }
+
+// Copy af3's gate columns [c0, c0 + 128) of the block's rows into sg (zeros past C and past the
+// last position); cp.async without a commit: the Wout copy that follows commits both.
+__device__ __forceinline__ void op_load_gate(const TrimulParams& p, tm_half* sg, tm_i64 first, int np, int c0) {
+#pragma unroll
+  for (int k = 0; k < OP_BM * 16 / OP_THREADS; ++k) {
+    const int i = threadIdx.x + k * OP_THREADS, r = i >> 4, col = (i & 15) * 8;
+    tm_half* dst = sg + r * OP_LD + col;
+    if (r < np && c0 + col < p.c) {
+      mma_cp_async16(mma_smem_addr(dst), p.gate + (first + r - p.buf_row0) * (tm_i64)p.g + c0 + col);
+    } else {
+      *(uint4*)dst = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// The 16-bit y staged in sg (columns [c0, c0 + 128) of the block's rows) out as 16-byte runs.
+__device__ __forceinline__ void op_store_y16(const TrimulParams& p, const tm_half* sg, tm_i64 first, int np, int c0) {
+#pragma unroll
+  for (int k = 0; k < OP_BM * 16 / OP_THREADS; ++k) {
+    const int i = threadIdx.x + k * OP_THREADS, r = i >> 4, col = (i & 15) * 8;
+    if (r < np && c0 + col < p.c) {
+      *(uint4*)((unsigned short*)p.y + (first + r) * p.c + c0 + col) = *(const uint4*)(sg + r * OP_LD + col);
+    }
+  }
+}
+
 // Step 5 for a warp's 32 x 32 tile: acc[mt][nt] covers rows r0 + 16·mt (+ 8) and columns
-// cw + 8·nt (+ 1), cw already including the lane's 2·(lane % 4).
-template <bool HAS_BIAS, bool AF3>
-__device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (&acc)[2][4][4], tm_i64 first, int np,
-                                            int cw, int r0) {
-  const int C = p.c, G = p.g;
+// cw + 8·nt (+ 1) of the chunk starting at c0, cw already including the lane's 2·(lane % 4).
+// Y16: y is 16-bit and goes into sg (each element where this thread read its gate); the caller
+// stores the tile after a barrier.
+template <bool HAS_BIAS, bool AF3, bool Y16>
+__device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (&acc)[2][4][4], tm_half* sg,
+                                            tm_i64 first, int np, int c0, int cw, int r0) {
+  const int C = p.c;
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
     const int c = cw + nt * 8;
@@ -72,19 +106,33 @@ __device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (
       for (int half = 0; half < 2; ++half) {
         const int r = r0 + mt * 16 + half * 8;
         if (r >= np) continue;
-        const tm_i64 row = first + r;
+        unsigned* staged = (unsigned*)(sg + r * OP_LD + (c - c0));
         float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
         if (HAS_BIAS) {
           v0 += bias.x;
           v1 += bias.y;
         }
         if (AF3) {
-          const unsigned gg = *(const unsigned*)(p.gate + (row - p.buf_row0) * (tm_i64)G + c);
+          const unsigned gg = *staged;
           v0 *= tm_lo(gg);
           v1 *= tm_hi(gg);
         }
-        io_store_y2(p, row * C + c, v0, v1);
+        if (Y16) {
+          *staged = io_pack_y2(p, v0, v1);
+        } else {
+          io_store_y2(p, (first + r) * C + c, v0, v1);
+        }
       }
+  }
+}
+
+template <bool HAS_BIAS, bool AF3>
+__device__ __forceinline__ void op_epilogue_io(const TrimulParams& p, const float (&acc)[2][4][4], tm_half* sg,
+                                               tm_i64 first, int np, int c0, int cw, int r0) {
+  if (p.io_dtype == TM_IO_F32) {
+    op_epilogue<HAS_BIAS, AF3, false>(p, acc, sg, first, np, c0, cw, r0);
+  } else {
+    op_epilogue<HAS_BIAS, AF3, true>(p, acc, sg, first, np, c0, cw, r0);
   }
 }
 
@@ -96,6 +144,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
   float* srstd = smean + OP_BM;                 // [BM]
   float* snw = srstd + OP_BM;                   // [128] LN_H weight and bias, read from shared
   float* snb = snw + 128;                       // memory by the normalisation (not per element from L1)
+  tm_half* sg = (tm_half*)(snb + 128);          // [BM][OP_LD] when op_uses_sg: af3 gate, 16-bit y
 
   const int H = p.h, C = p.c, G = p.g;
   const tm_i64 first = p.row0 + (tm_i64)blockIdx.x * OP_BM;
@@ -105,6 +154,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
   const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const tm_i64 nn = (tm_i64)p.n * p.n;
 
+  if (p.af3) op_load_gate(p, sg, first, np, 0);
   op_load_w(p, sw, 0);
   for (int h = tid; h < H; h += OP_THREADS) {  // read by step 3, after two barriers
     snw[h] = p.norm_out_w[h];
@@ -245,13 +295,22 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
     if (c0 + OP_BN < C) op_load_w(p, sw, c0 + OP_BN);
     // Specialised on the bias and the formulation: the branches and the per-element loads of
     // the general form were a fifth of this kernel's instructions (ncu, H100).
-    const int cw = c0 + warp_n * 32 + 2 * tig;
+    const int cw = c0 + warp_n * 32 + 2 * tig, r0 = warp_m * 32 + g;
     if (p.out_bias) {
-      if (p.af3) op_epilogue<true, true>(p, acc, first, np, cw, warp_m * 32 + g);
-      else op_epilogue<true, false>(p, acc, first, np, cw, warp_m * 32 + g);
+      if (p.af3) op_epilogue_io<true, true>(p, acc, sg, first, np, c0, cw, r0);
+      else op_epilogue_io<true, false>(p, acc, sg, first, np, c0, cw, r0);
     } else {
-      if (p.af3) op_epilogue<false, true>(p, acc, first, np, cw, warp_m * 32 + g);
-      else op_epilogue<false, false>(p, acc, first, np, cw, warp_m * 32 + g);
+      if (p.af3) op_epilogue_io<false, true>(p, acc, sg, first, np, c0, cw, r0);
+      else op_epilogue_io<false, false>(p, acc, sg, first, np, c0, cw, r0);
+    }
+    if (op_uses_sg(p)) {
+      __syncthreads();  // the tile's 16-bit y complete, and every gate read
+      if (p.io_dtype != TM_IO_F32) op_store_y16(p, sg, first, np, c0);
+      if (p.af3 && c0 + OP_BN < C) {
+        __syncthreads();  // sg's y copied out before the next gate chunk lands on it
+        op_load_gate(p, sg, first, np, c0 + OP_BN);
+        asm volatile("cp.async.commit_group;");
+      }
     }
   }
 }

@@ -2,16 +2,17 @@
 //! recorded after every stage (`CudaBackend::record_stages`), printed as milliseconds per stage.
 //! The numbers behind the stage columns of `docs/perf/NOTES.md`.
 //!
-//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3]`
+//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io]`
 
 #[cfg(feature = "cuda")]
 fn main() -> trimul::Result<()> {
     use trimul::backend::cuda::CudaBackend;
-    use trimul::{suite, Backend, Direction, Formulation, Layer, Options, Weights};
+    use trimul::{suite, Backend, Direction, Formulation, Layer, Options, Precision, Weights};
 
     let formulation: Formulation = std::env::args().nth(1).as_deref().unwrap_or("gpumode").parse()?;
+    let io: Precision = std::env::args().nth(2).as_deref().unwrap_or("f32-io").parse()?;
     let b = CudaBackend::new(0)?;
-    println!("{} ({}), {formulation}", b.info().name, b.info().arch);
+    println!("{} ({}), {formulation}, {io}", b.info().name, b.info().arch);
     for case in suite::bench_cases() {
         let problem = case.problem(formulation, Direction::Outgoing)?;
         let weights = Weights::random(problem.config, false, 1)?;
@@ -28,11 +29,25 @@ fn main() -> trimul::Result<()> {
             None => None,
         };
         let mut y = b.alloc(inputs.x.len())?;
+        // 16-bit I/O: the same inputs rounded to the I/O type, in 16-bit device buffers.
+        let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
+        let mut x16 = b.alloc_buffer::<u16>(bits.len())?;
+        let mut y16 = b.alloc_buffer::<u16>(bits.len())?;
+        if io != Precision::F32Io {
+            b.upload_bits(&bits, &mut x16)?;
+        }
+        let mut forward = |layer: &mut Layer<CudaBackend>| {
+            if io == Precision::F32Io {
+                layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape())
+            } else {
+                layer.forward_buffers_half(&x16, mask.as_ref(), &mut y16, case.shape(), io)
+            }
+        };
         for _ in 0..3 {
-            layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape())?;
+            forward(&mut layer)?;
         }
         b.record_stages();
-        layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape())?;
+        forward(&mut layer)?;
         let stages = b.stage_times()?;
         let total: f64 = stages.iter().map(|(_, ms)| ms).sum();
         let parts: Vec<String> = stages.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();

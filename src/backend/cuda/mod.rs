@@ -268,8 +268,11 @@ impl CudaBackend {
     fn fused_output_for(&self, problem: &Problem, tuning: Tuning) -> Option<&kernels::Stage> {
         let cfg = &problem.config;
         let k = self.inner.kernels.output_projection.as_ref()?;
-        let fits =
-            cfg.h % 16 == 0 && cfg.h <= 128 && cfg.c % 8 == 0 && OUTPUT_PROJECTION_SMEM <= self.inner.kernels.max_smem;
+        let fits = cfg.h % 16 == 0
+            && cfg.h <= 128
+            && cfg.c % 8 == 0
+            && output_projection_smem(cfg.formulation == Formulation::Af3, params::io_dtype(problem.io)) as usize
+                <= self.inner.kernels.max_smem;
         if problem.io != Precision::F32Io {
             // The only output path that writes 16-bit y.
             return fits.then_some(k);
@@ -312,7 +315,7 @@ impl CudaBackend {
         k.launch(
             ceil_div(kp.rows as usize, OUTPUT_PROJECTION_ROWS),
             STAGE_THREADS,
-            OUTPUT_PROJECTION_SMEM as u32,
+            output_projection_smem(kp.af3 != 0, kp.io_dtype) as u32,
             stream,
             &kp,
         )
@@ -731,9 +734,13 @@ impl CudaBackend {
 /// (`cuda/output_projection.cu`: the a tile and one 128-column Wout chunk, 136 halves per row,
 /// plus mean and rstd per position).
 const OUTPUT_PROJECTION_ROWS: usize = 64;
-/// sa [64][136] and sw [128][136] (halves), mean and rstd [64], LN_H weight and bias [128] (f32).
-const OUTPUT_PROJECTION_SMEM: usize =
-    (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4 + 2 * 128 * 4;
+/// sa [64][136] and sw [128][136] (halves), mean and rstd [64], LN_H weight and bias [128] (f32),
+/// and for af3 or 16-bit y the staging tile sg [64][136] (halves) of the gate and y.
+fn output_projection_smem(af3: bool, io_dtype: i32) -> u32 {
+    let base = (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4 + 2 * 128 * 4;
+    let staging = if af3 || io_dtype != params::IO_F32 { OUTPUT_PROJECTION_ROWS * 136 * 2 } else { 0 };
+    (base + staging) as u32
+}
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
