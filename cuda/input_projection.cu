@@ -109,11 +109,12 @@ __device__ __forceinline__ void ip_warp_sums(float (&v)[R]) {
 // the H100: with 4 rows per batch and one reduction after another, the first use of x was the
 // kernel's most-stalled instruction and the LayerNorm about 40% of its stall samples.) A lane's
 // channels are the same in every row, so its LN weights are loaded once.
-template <int KMAX, bool SW128, int BM, int LN_ROWS, int IO>
+// FULL: C == KMAX and every row of the tile is a position, so no channel or row is checked.
+template <int KMAX, bool SW128, int BM, int LN_ROWS, int IO, bool FULL>
 __device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
                                                 tm_i64 tile0, tm_i64 m_total) {
   const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int C = p.c;
+  const int C = FULL ? KMAX : p.c;
   const float inv_c = 1.f / (float)C;
   constexpr int ln_rows = LN_ROWS;
   float4 w[KMAX / 128], b[KMAX / 128];
@@ -132,7 +133,7 @@ __device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned 
 #pragma unroll
       for (int i = 0; i < KMAX / 128; ++i) {
         const int c4 = lane + 32 * i;
-        const bool in = row < m_total && c4 * 4 < C;
+        const bool in = FULL || (row < m_total && c4 * 4 < C);
         if (IO == TM_IO_F32) {
           v[rr][i] = in ? *(const float4*)(p.x + row * C + c4 * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
         } else {
@@ -161,7 +162,7 @@ __device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned 
       float q = 0.f;
 #pragma unroll
       for (int i = 0; i < KMAX / 128; ++i) {
-        if ((lane + 32 * i) * 4 < C) {
+        if (FULL || (lane + 32 * i) * 4 < C) {
           const float a = v[rr][i].x - mean[rr], bb = v[rr][i].y - mean[rr];
           const float c = v[rr][i].z - mean[rr], d = v[rr][i].w - mean[rr];
           q += (a * a + bb * bb) + (c * c + d * d);
@@ -175,13 +176,13 @@ __device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned 
       const int r = r0 + rr;
       const tm_i64 row = tile0 + r;
       const float m = mean[rr], rs = tm_rsqrt(rstd[rr] * inv_c + p.eps);
-      const bool live = row < m_total;  // rows past the end become zeros (and mask 0)
+      const bool live = FULL || row < m_total;  // rows past the end become zeros (and mask 0)
 #pragma unroll
       for (int i = 0; i < KMAX / 128; ++i) {
         const int c = (lane + 32 * i) * 4;
-        if (c < p.k_pad) {
+        if (FULL || c < p.k_pad) {
           unsigned lo = 0, hi = 0;
-          if (live && c < C) {
+          if (FULL || (live && c < C)) {
             lo = mma_pack_h2((v[rr][i].x - m) * rs * w[i].x + b[i].x, (v[rr][i].y - m) * rs * w[i].y + b[i].y);
             hi = mma_pack_h2((v[rr][i].z - m) * rs * w[i].z + b[i].z, (v[rr][i].w - m) * rs * w[i].w + b[i].w);
           }
@@ -194,15 +195,29 @@ __device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned 
 }
 
 // The prologue for the launch's I/O precision (one uniform branch per block).
+template <int KMAX, bool SW128, int BM, int LN_ROWS, bool FULL>
+__device__ __forceinline__ void ip_layernorm_full(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
+                                                  tm_i64 tile0, tm_i64 m_total) {
+  if (p.io_dtype == TM_IO_BF16) {
+    ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_BF16, FULL>(p, sa, lda, smask, tile0, m_total);
+  } else if (p.io_dtype == TM_IO_F16) {
+    ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_F16, FULL>(p, sa, lda, smask, tile0, m_total);
+  } else {
+    ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_F32, FULL>(p, sa, lda, smask, tile0, m_total);
+  }
+}
+
+// The prologue for the launch's I/O precision and, in the wgmma builds where C is the build's
+// width (C = 128 in the narrow build) and the tile is all positions, without its bounds checks
+// (ncu, H100: they were a tenth of the LayerNorm's instructions, as compares and divergence
+// bookkeeping). The mma.sync build keeps the checked form: the unchecked one spills there.
 template <int KMAX, bool SW128, int BM, int LN_ROWS>
 __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
                                              tm_i64 tile0, tm_i64 m_total) {
-  if (p.io_dtype == TM_IO_BF16) {
-    ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_BF16>(p, sa, lda, smask, tile0, m_total);
-  } else if (p.io_dtype == TM_IO_F16) {
-    ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_F16>(p, sa, lda, smask, tile0, m_total);
+  if (SW128 && p.c == KMAX && p.k_pad == KMAX && tile0 + BM <= m_total) {
+    ip_layernorm_full<KMAX, SW128, BM, LN_ROWS, true>(p, sa, lda, smask, tile0, m_total);
   } else {
-    ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_F32>(p, sa, lda, smask, tile0, m_total);
+    ip_layernorm_full<KMAX, SW128, BM, LN_ROWS, false>(p, sa, lda, smask, tile0, m_total);
   }
 }
 
@@ -221,39 +236,56 @@ __device__ __forceinline__ void ip_stage_gating(tm_half* sl, tm_half* sr, int r,
 }
 
 // Stores a gating chunk's staged left and right (32 channels x BM positions each) as 16-byte runs
-// along positions into [B, lr_h, N, N]: 2 x 32 channels x BM/8 runs of 8 positions, BM/32 per
-// thread. Channels outside the launch's window lr_h0 .. lr_h0 + lr_h are skipped.
+// along positions into [B, lr_h, N, N]: 2 x 32 channels x BM/8 runs of 8 positions. A thread
+// keeps one run and takes every (256 / runs)-th channel. Channels outside the launch's window
+// lr_h0 .. lr_h0 + lr_h are skipped. When the tile lies inside one batch (N² a multiple of 8 and
+// of the tile: every shape but N² < 128) a store is one 64-bit multiply-add from the tile's base;
+// the general path steps across batch boundaries per run (ncu, H100: the general index math was a
+// seventh of this kernel's stall samples).
 template <int BM>
 __device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_half* sl, const tm_half* sr, int chunk,
                                                 tm_i64 tile0, tm_i64 m_total, tm_i64 tb0, tm_i64 trem0, tm_i64 nn,
                                                 int lr_h0, int lr_h) {
   const unsigned tid = threadIdx.x;
   constexpr int runs = BM / 8;
-  const bool vec = (nn % 8 == 0) && (tile0 + BM <= m_total);
+  constexpr int ch_step = IP_THREADS / runs;  // channels a pass over the threads covers
+  const int run = tid % runs, ch0 = tid / runs;
+  if ((nn % 8 == 0) && (tile0 + BM <= m_total) && (trem0 + BM <= nn)) {
+    const tm_i64 base = tb0 * lr_h * nn + trem0 + run * 8;
 #pragma unroll
-  for (int i = 0; i < 2 * 32 * runs / IP_THREADS; ++i) {
-    const int piece = tid + i * IP_THREADS;
-    const int side = piece / (32 * runs), ch = (piece / runs) % 32, run = piece % runs;
-    const int h = chunk * 32 + ch;
-    if (h >= p.h || h < lr_h0 || h >= lr_h0 + lr_h) continue;
-    const tm_half* src = (side ? sr : sl) + ch * (BM + 8) + run * 8;
-    tm_half* out = side ? p.right : p.left;
-    const tm_i64 row = tile0 + run * 8;
-    if (vec) {
-      // The run starts run·8 positions into the tile: step across batch boundaries from the
-      // tile's first row (a tile spans one boundary unless N² < 128).
-      tm_i64 b = tb0, rem = trem0 + run * 8;
-      while (rem >= nn) {
-        rem -= nn;
-        ++b;
-      }
-      *(uint4*)(out + (b * lr_h + (h - lr_h0)) * nn + rem) = *(const uint4*)src;
-    } else {
-      for (int e = 0; e < 8; ++e) {
-        const tm_i64 rr = row + e;
-        if (rr >= m_total) break;
-        const tm_i64 b = rr / nn, rem = rr - b * nn;
-        out[(b * lr_h + (h - lr_h0)) * nn + rem] = src[e];
+    for (int i = 0; i < 32 / ch_step; ++i) {
+      const int ch = ch0 + i * ch_step, h = chunk * 32 + ch;
+      if (h >= p.h || h < lr_h0 || h >= lr_h0 + lr_h) continue;
+      const tm_i64 off = base + (tm_i64)(h - lr_h0) * nn;
+      *(uint4*)(p.left + off) = *(const uint4*)(sl + ch * (BM + 8) + run * 8);
+      *(uint4*)(p.right + off) = *(const uint4*)(sr + ch * (BM + 8) + run * 8);
+    }
+    return;
+  }
+  const bool vec = (nn % 8 == 0) && (tile0 + BM <= m_total);
+  for (int side = 0; side < 2; ++side) {
+    for (int ch = ch0; ch < 32; ch += ch_step) {
+      const int h = chunk * 32 + ch;
+      if (h >= p.h || h < lr_h0 || h >= lr_h0 + lr_h) continue;
+      const tm_half* src = (side ? sr : sl) + ch * (BM + 8) + run * 8;
+      tm_half* out = side ? p.right : p.left;
+      const tm_i64 row = tile0 + run * 8;
+      if (vec) {
+        // The run starts run·8 positions into the tile: step across batch boundaries from the
+        // tile's first row (a tile spans one boundary unless N² < 128).
+        tm_i64 b = tb0, rem = trem0 + run * 8;
+        while (rem >= nn) {
+          rem -= nn;
+          ++b;
+        }
+        *(uint4*)(out + (b * lr_h + (h - lr_h0)) * nn + rem) = *(const uint4*)src;
+      } else {
+        for (int e = 0; e < 8; ++e) {
+          const tm_i64 rr = row + e;
+          if (rr >= m_total) break;
+          const tm_i64 b = rr / nn, rem = rr - b * nn;
+          out[(b * lr_h + (h - lr_h0)) * nn + rem] = src[e];
+        }
       }
     }
   }
@@ -506,11 +538,12 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
   const unsigned a_u = mma_smem_addr(sa) + (BM == 128 ? wg * 64 * 128 : 0);
   const unsigned ring_u = mma_smem_addr(ring) + (BM == 128 ? 0 : wg * 64 * 128);
   int slice = 0;
-  for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
-    float acc[BM == 128 ? 64 : 32];
+  // A chunk's first k16 step overwrites the accumulators (scale-d 0), so they are not zeroed per
+  // chunk: 32 register moves per thread and chunk fewer.
+  float acc[BM == 128 ? 64 : 32];
 #pragma unroll
-    for (int i = 0; i < (BM == 128 ? 64 : 32); ++i) acc[i] = 0.f;
-
+  for (int i = 0; i < (BM == 128 ? 64 : 32); ++i) acc[i] = 0.f;
+  for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
     for (int ks = 0; ks < l.nks; ++ks, ++slice) {
       wgmma_wait_all();  // the previous slice's MMAs are done reading the other stage
       asm volatile("cp.async.wait_group 0;");
@@ -526,10 +559,11 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {  // four k16 steps of 32 bytes inside the 128-byte rows
+        const int accumulate = (ks | kk) != 0;
         if constexpr (BM == 128) {
-          wgmma_m64n128k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), 1);
+          wgmma_m64n128k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), accumulate);
         } else {
-          wgmma_m64n64k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), 1);
+          wgmma_m64n64k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), accumulate);
         }
       }
       wgmma_commit();
