@@ -64,27 +64,41 @@ __device__ __forceinline__ unsigned ip_hmul2(unsigned a, unsigned b) {
   return r;
 }
 
-// Issue the cp.async loads of K slice `ks` of column chunk `chunk` into ring stage `stage`:
-// 128 rows x 64 halves = 1024 pieces of 16 bytes, 4 per thread. SW128 selects the layout the
-// wgmma kernel reads (rows of 128 bytes, 16-byte pieces XOR-permuted by row % 8); otherwise rows
-// are IP_LDB halves apart, the padding keeping ldmatrix conflict-free.
+// Where this thread's weight pieces come from and go to: a slice is 128 rows x 64 halves = 1024
+// pieces of 16 bytes, 4 per thread, piece i at row tid/8 + 32·i and 16-byte column tid % 8. SW128
+// selects the layout the wgmma kernel reads (rows of 128 bytes, 16-byte pieces XOR-permuted by
+// row % 8, which is the same for all four pieces); otherwise rows are IP_LDB halves apart, the
+// padding keeping ldmatrix conflict-free. Computed once per block: per slice only the chunk's and
+// slice's offsets are added (ncu, H100: the per-piece 64-bit index math was a fifth of the main
+// loop's instructions).
+struct IpBLoader {
+  const tm_half* src;     // this thread's first piece in chunk 0, slice 0
+  tm_i64 src_step;        // halves between its pieces (32 rows)
+  unsigned dst;           // its first piece in ring stage 0
+};
+
 template <bool SW128>
-__device__ __forceinline__ void ip_load_b(const TrimulParams& p, tm_half* ring, int stage, int chunk, int ks) {
-  const unsigned tid = threadIdx.x;
-  const unsigned ring_u = mma_smem_addr(ring) + stage * IP_BN * (SW128 ? IP_BK : IP_LDB) * 2;
+__device__ __forceinline__ IpBLoader ip_b_loader(const TrimulParams& p, const tm_half* ring) {
+  const int row = threadIdx.x >> 3, c16 = threadIdx.x & 7;
+  IpBLoader b;
+  b.src = p.w_in + (tm_i64)row * p.k_pad + c16 * 8;
+  b.src_step = (tm_i64)32 * p.k_pad;
+  b.dst = mma_smem_addr(ring) + (SW128 ? row * 128 + ((c16 ^ (row & 7)) << 4) : (row * IP_LDB + c16 * 8) * 2);
+  return b;
+}
+
+// Issue the cp.async loads of K slice `ks` of column chunk `chunk` into ring stage `stage`.
+template <bool SW128>
+__device__ __forceinline__ void ip_load_b(const TrimulParams& p, const IpBLoader& b, int stage, int chunk, int ks) {
+  const tm_half* src = b.src + (tm_i64)chunk * IP_BN * p.k_pad + ks * IP_BK;
+  const unsigned dst = b.dst + stage * IP_BN * (SW128 ? IP_BK : IP_LDB) * 2;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int piece = tid + i * IP_THREADS;
-    const int row = piece >> 3, c16 = piece & 7;
-    const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * p.k_pad + ks * IP_BK + c16 * 8;
-    const unsigned dst = SW128 ? ring_u + row * 128 + ((c16 ^ (row & 7)) << 4) : ring_u + (row * IP_LDB + c16 * 8) * 2;
-    mma_cp_async16(dst, src);
-  }
+  for (int i = 0; i < 4; ++i) mma_cp_async16(dst + i * 32 * (SW128 ? 128 : IP_LDB * 2), src + i * b.src_step);
   asm volatile("cp.async.commit_group;");
 }
 
 // Byte offset of z[r][c] (c % 4 == 0, an 8-byte group) in the block's A tile. SW128: the wgmma
-// layout, 64-channel atoms of [BM][128 bytes] one after another, pieces permuted as in ip_load_b;
+// layout, 64-channel atoms of [BM][128 bytes] one after another, pieces permuted as in ip_b_loader;
 // otherwise row-major with a pitch of `lda` halves.
 template <bool SW128, int BM>
 __device__ __forceinline__ unsigned ip_z_offset(int r, int c, int lda) {
@@ -344,10 +358,16 @@ __device__ __forceinline__ IpLaunch ip_launch(const TrimulParams& p) {
   return l;
 }
 
-// x + bias[i], or x itself without a bias (specialised at compile time).
+// bias[i], bias[i + 1] (i even) in one 8-byte load, or zeros without a bias (specialised at
+// compile time: adding a zero is not free, since x + 0 is not x for x = -0).
 template <bool HAS_BIAS>
-__device__ __forceinline__ float ip_bias(float x, const float* bias, int i) {
-  return HAS_BIAS ? x + bias[i] : x;
+__device__ __forceinline__ float2 ip_bias2(const float* bias, int i) {
+  return HAS_BIAS ? *(const float2*)(bias + i) : make_float2(0.f, 0.f);
+}
+
+template <bool HAS_BIAS>
+__device__ __forceinline__ float ip_bias(float x, float b) {
+  return HAS_BIAS ? x + b : x;
 }
 
 // Epilogue of one column chunk, mma.sync build: a warp holds 32 rows x 64 columns as
@@ -373,10 +393,11 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
           const int base = warp_n * 64 + q * 32;  // first column of this block of 8 channels
           float v[4][2];
 #pragma unroll
-          for (int sct = 0; sct < 4; ++sct)  // lp, lg, rp, rg
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              v[sct][e] = ip_bias<HAS_BIAS>(acc[mt][4 * q + sct][2 * hf + e], bias, base + 8 * sct + 2 * tig + e);
+          for (int sct = 0; sct < 4; ++sct) {  // lp, lg, rp, rg
+            const float2 b = ip_bias2<HAS_BIAS>(bias, base + 8 * sct + 2 * tig);
+            v[sct][0] = ip_bias<HAS_BIAS>(acc[mt][4 * q + sct][2 * hf], b.x);
+            v[sct][1] = ip_bias<HAS_BIAS>(acc[mt][4 * q + sct][2 * hf + 1], b.y);
+          }
           ip_stage_gating<IP_BM>(sl, sr, r, (warp_n * 2 + q) * 8 + 2 * tig, v, smask[r]);
         }
       }
@@ -393,8 +414,9 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
         for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; two adjacent columns each
           const int r = warp_m * 32 + mt * 16 + g + hf * 8;
           const int col = warp_n * 64 + nt * 8 + 2 * tig;
-          const float v0 = ip_bias<HAS_BIAS>(acc[mt][nt][2 * hf], bias, col);
-          const float v1 = ip_bias<HAS_BIAS>(acc[mt][nt][2 * hf + 1], bias, col + 1);
+          const float2 b = ip_bias2<HAS_BIAS>(bias, col);
+          const float v0 = ip_bias<HAS_BIAS>(acc[mt][nt][2 * hf], b.x);
+          const float v1 = ip_bias<HAS_BIAS>(acc[mt][nt][2 * hf + 1], b.y);
           *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
         }
     __syncthreads();
@@ -424,10 +446,11 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
         const int r = row0 + hf * 8;
         float v[4][2];
 #pragma unroll
-        for (int sct = 0; sct < 4; ++sct)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            v[sct][e] = ip_bias<HAS_BIAS>(acc[(4 * qq + sct) * 4 + 2 * hf + e], bias, q * 32 + 8 * sct + 2 * tig + e);
+        for (int sct = 0; sct < 4; ++sct) {
+          const float2 b = ip_bias2<HAS_BIAS>(bias, q * 32 + 8 * sct + 2 * tig);
+          v[sct][0] = ip_bias<HAS_BIAS>(acc[(4 * qq + sct) * 4 + 2 * hf], b.x);
+          v[sct][1] = ip_bias<HAS_BIAS>(acc[(4 * qq + sct) * 4 + 2 * hf + 1], b.y);
+        }
         ip_stage_gating<BM>(sl, sr, r, q * 8 + 2 * tig, v, smask[r]);
       }
     }
@@ -440,8 +463,9 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
       for (int hf = 0; hf < 2; ++hf) {
         const int r = row0 + hf * 8;
         const int col = col0 + nt * 8 + 2 * tig;
-        const float v0 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf], bias, col);
-        const float v1 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf + 1], bias, col + 1);
+        const float2 b = ip_bias2<HAS_BIAS>(bias, col);
+        const float v0 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf], b.x);
+        const float v1 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf + 1], b.y);
         *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
       }
     __syncthreads();
@@ -463,9 +487,11 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   const IpLaunch l = ip_launch<IP_BM>(p);
 
   // Start streaming the first weight slice while the LayerNorm runs.
-  ip_load_b<false>(p, ring, 0, l.chunk0, 0);
+  ip_load_b<false>(p, ip_b_loader<false>(p, ring), 0, l.chunk0, 0);
   ip_layernorm<KMAX, false, IP_BM, IP_LN_ROWS_MMA>(p, (unsigned char*)sa, lda, smask, l.tile0, l.m_total);
   __syncthreads();  // z complete before any warp reads it
+  // Built again after the LayerNorm rather than held through it (held, it spills in this build).
+  const IpBLoader bl = ip_b_loader<false>(p, ring);
 
   // ---- main loop over column chunks and K slices (one global slice counter for the ring).
   const int warp_m = warp >> 1, warp_n = warp & 1;  // 4 x 2 warps, each 32 rows x 64 columns
@@ -487,7 +513,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
       {
         const int next_ks = ks + 1 < l.nks ? ks + 1 : 0;
         const int next_chunk = ks + 1 < l.nks ? chunk : chunk + 1;
-        if (next_chunk < l.n_chunks) ip_load_b<false>(p, ring, (slice + 1) & 1, next_chunk, next_ks);
+        if (next_chunk < l.n_chunks) ip_load_b<false>(p, bl, (slice + 1) & 1, next_chunk, next_ks);
       }
       const unsigned sb_u = ring_u + (slice & 1) * IP_BN * IP_LDB * 2;
 #pragma unroll 1
@@ -528,15 +554,18 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
   const unsigned warp = threadIdx.x >> 5;
   const IpLaunch l = ip_launch<BM>(p);
 
-  ip_load_b<true>(p, ring, 0, l.chunk0, 0);
+  const IpBLoader bl = ip_b_loader<true>(p, ring);
+  ip_load_b<true>(p, bl, 0, l.chunk0, 0);
   ip_layernorm<KMAX, true, BM, LN_ROWS>(p, sa, 0, smask, l.tile0, l.m_total);
   fence_proxy_async();  // z was written by ordinary stores; the tensor cores read it next
   __syncthreads();
 
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it (16 rows)
   // This warpgroup's A rows and B rows (output columns) within the tiles.
-  const unsigned a_u = mma_smem_addr(sa) + (BM == 128 ? wg * 64 * 128 : 0);
-  const unsigned ring_u = mma_smem_addr(ring) + (BM == 128 ? 0 : wg * 64 * 128);
+  // Their descriptors, built once: a descriptor's address field is the byte address / 16, so
+  // stepping to another k16 step, K slice or ring stage adds that offset / 16.
+  const unsigned long long a_desc = wgmma_desc_sw128(mma_smem_addr(sa) + (BM == 128 ? wg * 64 * 128 : 0));
+  const unsigned long long b_desc = wgmma_desc_sw128(mma_smem_addr(ring) + (BM == 128 ? 0 : wg * 64 * 128));
   int slice = 0;
   // A chunk's first k16 step overwrites the accumulators (scale-d 0), so they are not zeroed per
   // chunk: 32 register moves per thread and chunk fewer.
@@ -552,18 +581,18 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
       {
         const int next_ks = ks + 1 < l.nks ? ks + 1 : 0;
         const int next_chunk = ks + 1 < l.nks ? chunk : chunk + 1;
-        if (next_chunk < l.n_chunks) ip_load_b<true>(p, ring, (slice + 1) & 1, next_chunk, next_ks);
+        if (next_chunk < l.n_chunks) ip_load_b<true>(p, bl, (slice + 1) & 1, next_chunk, next_ks);
       }
-      const unsigned sb_u = ring_u + (slice & 1) * IP_BN * 128;
-      const unsigned sa_k = a_u + ks * BM * 128;
+      const unsigned long long sb = b_desc + (((slice & 1) * IP_BN * 128) >> 4);
+      const unsigned long long sa_k = a_desc + ((ks * BM * 128) >> 4);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {  // four k16 steps of 32 bytes inside the 128-byte rows
         const int accumulate = (ks | kk) != 0;
         if constexpr (BM == 128) {
-          wgmma_m64n128k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), accumulate);
+          wgmma_m64n128k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
         } else {
-          wgmma_m64n64k16(acc, wgmma_desc_sw128(sa_k + kk * 32), wgmma_desc_sw128(sb_u + kk * 32), accumulate);
+          wgmma_m64n64k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
         }
       }
       wgmma_commit();

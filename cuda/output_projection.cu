@@ -43,9 +43,12 @@
 // spends most of its instructions on (ncu, H100).
 __device__ __forceinline__ int op_div(int i, int d) { return (d & (d - 1)) == 0 ? i >> (__ffs(d) - 1) : i / d; }
 
-// Copy Wout rows [c0, c0 + 128) into sw (zeros past C); one cp.async group.
+// Copy Wout rows [c0, c0 + 128) into sw (zeros past C); one cp.async group. HC: H when it is
+// known at compile time (128), else 0.
+template <int HC>
 __device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, int c0) {
-  const int H = p.h, pieces_per_row = H / 8;
+  const int H = HC ? HC : p.h, pieces_per_row = H / 8;
+#pragma unroll
   for (int i = threadIdx.x; i < OP_BN * pieces_per_row; i += OP_THREADS) {
     const int row = op_div(i, pieces_per_row), col = (i - row * pieces_per_row) * 8;
     tm_half* dst = sw + row * OP_LD + col;
@@ -136,7 +139,10 @@ __device__ __forceinline__ void op_epilogue_io(const TrimulParams& p, const floa
   }
 }
 
-extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(const TrimulParams p) {
+// The kernel body; HC is H when known at compile time (the common H = 128: every index
+// division and copy loop then resolves at compile time), else 0.
+template <int HC>
+__device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
   extern __shared__ __align__(16) unsigned char op_smem[];
   tm_half* sa = (tm_half*)op_smem;          // [BM][OP_LD]
   tm_half* sw = sa + OP_BM * OP_LD;         // [BN][OP_LD]
@@ -146,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
   float* snb = snw + 128;                       // memory by the normalisation (not per element from L1)
   tm_half* sg = (tm_half*)(snb + 128);          // [BM][OP_LD] when op_uses_sg: af3 gate, 16-bit y
 
-  const int H = p.h, C = p.c, G = p.g;
+  const int H = HC ? HC : p.h, C = p.c, G = p.g;
   const tm_i64 first = p.row0 + (tm_i64)blockIdx.x * OP_BM;
   const tm_i64 end = p.row0 + p.rows;
   if (first >= end) return;
@@ -155,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
   const tm_i64 nn = (tm_i64)p.n * p.n;
 
   if (p.af3) op_load_gate(p, sg, first, np, 0);
-  op_load_w(p, sw, 0);
+  op_load_w<HC>(p, sw, 0);
   for (int h = tid; h < H; h += OP_THREADS) {  // read by step 3, after two barriers
     snw[h] = p.norm_out_w[h];
     snb[h] = p.norm_out_b[h];
@@ -292,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
       mma_warp_k16<4>(acc, sa_u, OP_LD, warp_m * 32, kk, sw_u, OP_LD, warp_n * 32, kk);
     }
     __syncthreads();  // every warp done with sw before the next chunk's copy
-    if (c0 + OP_BN < C) op_load_w(p, sw, c0 + OP_BN);
+    if (c0 + OP_BN < C) op_load_w<HC>(p, sw, c0 + OP_BN);
     // Specialised on the bias and the formulation: the branches and the per-element loads of
     // the general form were a fifth of this kernel's instructions (ncu, H100).
     const int cw = c0 + warp_n * 32 + 2 * tig, r0 = warp_m * 32 + g;
@@ -312,5 +318,13 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
         asm volatile("cp.async.commit_group;");
       }
     }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(const TrimulParams p) {
+  if (p.h == 128) {
+    output_projection_body<128>(p);
+  } else {
+    output_projection_body<0>(p);
   }
 }
