@@ -9,7 +9,8 @@
 // waiting on DRAM, ncu's long-scoreboard stall at 3.9 per issued instruction):
 //   1. t[b, :, positions] -> shared sa[BM][H + 8] (f16), transposed on the way in: each thread
 //      loads 32 bytes of one channel (16 positions, a full sector) and writes them down a column,
-//      consecutive threads taking consecutive channels so the shared stores do not conflict;
+//      consecutive threads taking consecutive channels so the shared stores do not conflict.
+//      These loads are issued before anything else, the rest of the set-up running under them;
 //   2. mean and rstd per position in f32, two passes, 4 threads per position;
 //   3. a = (t - mean)·rstd·w + b (⊙ gate for gpumode) in place in sa, 16 bytes at a time, the
 //      gate read 16 bytes at a time along h (coalesced) at the start of the kernel, so that its
@@ -160,6 +161,39 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
   const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const tm_i64 nn = (tm_i64)p.n * p.n;
 
+  // 1a. The t tile's loads go first: they are the block's critical DRAM latency, and the set-up
+  // below (the gate and Wout copies, LN_H weights) then runs while they are in flight. A thread
+  // loads all its pieces (32 bytes of one channel: 16 positions) before storing any; the tile
+  // has H·BM/16 <= 512 pieces, at most OP_T_INFLIGHT per thread.
+  const tm_i64 b0 = first / nn, rem0 = first - b0 * nn;
+  const int total = H * (OP_BM / 16);
+  uint4 v[OP_T_INFLIGHT][2];
+  {
+    const bool fast = np == OP_BM && nn % 8 == 0 && rem0 % 8 == 0 && rem0 + OP_BM <= nn;
+#pragma unroll
+    for (int u = 0; u < OP_T_INFLIGHT; ++u) {
+      const int i = tid + u * OP_THREADS;
+      const int h = i % H, seg = i / H;  // consecutive threads: consecutive channels
+      if (i >= total) continue;
+      if (fast) {
+        const uint4* src = (const uint4*)(p.t + (b0 * H + h) * nn + rem0 + seg * 16);
+        v[u][0] = src[0];
+        v[u][1] = src[1];
+      } else {
+        tm_half* e16 = (tm_half*)&v[u][0];
+        for (int e = 0; e < 16; ++e) {
+          const int r = seg * 16 + e;
+          e16[e] = 0;
+          if (r < np) {
+            const tm_i64 row = first + r;
+            const tm_i64 b = row / nn, rem = row - b * nn;
+            e16[e] = p.t[(b * H + h) * nn + rem];
+          }
+        }
+      }
+    }
+  }
+
   if (p.af3) op_load_gate(p, sg, first, np, 0);
   op_load_w<HC>(p, sw, 0);
   for (int h = tid; h < H; h += OP_THREADS) {  // read by step 3, after two barriers
@@ -179,46 +213,15 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
     }
   }
 
-  // 1. t tile, transposed into sa[position][h]; positions past the end are zero. Every piece a
-  // thread copies is loaded before any is stored, so their DRAM latencies overlap.
-  {
-    const tm_i64 b0 = first / nn, rem0 = first - b0 * nn;
-    const bool fast = np == OP_BM && nn % 8 == 0 && rem0 % 8 == 0 && rem0 + OP_BM <= nn;
-    const int total = H * (OP_BM / 16);
-    for (int i0 = tid; i0 < total; i0 += OP_T_INFLIGHT * OP_THREADS) {
-      uint4 v[OP_T_INFLIGHT][2];
+  // 1b. The t tile, transposed into sa[position][h]; positions past the end are zero.
 #pragma unroll
-      for (int u = 0; u < OP_T_INFLIGHT; ++u) {
-        const int i = i0 + u * OP_THREADS;
-        const int h = i % H, seg = i / H;  // consecutive threads: consecutive channels
-        if (i >= total) continue;
-        if (fast) {
-          const uint4* src = (const uint4*)(p.t + (b0 * H + h) * nn + rem0 + seg * 16);
-          v[u][0] = src[0];
-          v[u][1] = src[1];
-        } else {
-          tm_half* e16 = (tm_half*)&v[u][0];
-          for (int e = 0; e < 16; ++e) {
-            const int r = seg * 16 + e;
-            e16[e] = 0;
-            if (r < np) {
-              const tm_i64 row = first + r;
-              const tm_i64 b = row / nn, rem = row - b * nn;
-              e16[e] = p.t[(b * H + h) * nn + rem];
-            }
-          }
-        }
-      }
+  for (int u = 0; u < OP_T_INFLIGHT; ++u) {
+    const int i = tid + u * OP_THREADS;
+    if (i >= total) continue;
+    const int h = i % H, seg = i / H;
+    const tm_half* e16 = (const tm_half*)&v[u][0];
 #pragma unroll
-      for (int u = 0; u < OP_T_INFLIGHT; ++u) {
-        const int i = i0 + u * OP_THREADS;
-        if (i >= total) continue;
-        const int h = i % H, seg = i / H;
-        const tm_half* e16 = (const tm_half*)&v[u][0];
-#pragma unroll
-        for (int e = 0; e < 16; ++e) sa[(seg * 16 + e) * OP_LD + h] = e16[e];
-      }
-    }
+    for (int e = 0; e < 16; ++e) sa[(seg * 16 + e) * OP_LD + h] = e16[e];
   }
   __syncthreads();
 
