@@ -370,7 +370,20 @@ __device__ __forceinline__ float ip_bias(float x, float b) {
   return HAS_BIAS ? x + b : x;
 }
 
-// Epilogue of one column chunk, mma.sync build: a warp holds 32 rows x 64 columns as
+// Stores a column chunk's staged results (after a barrier that follows the staging): left and
+// right of a gating chunk, or the gate.
+template <int BM>
+__device__ __forceinline__ void ip_store_chunk(const TrimulParams& p, const IpLaunch& l, int chunk,
+                                               const tm_half* stage_buf) {
+  if (chunk < l.n_gating) {
+    ip_store_gating<BM>(p, stage_buf, stage_buf + 32 * (BM + 8), chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn,
+                        l.lr_h0, l.lr_h);
+  } else {
+    ip_store_gate<BM>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
+  }
+}
+
+// Epilogue of one column chunk, mma.sync build (staging only; ip_store_chunk stores): a warp holds 32 rows x 64 columns as
 // acc[m16 tile][n8 tile][4].
 template <bool HAS_BIAS>
 __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], const TrimulParams& p, const IpLaunch& l,
@@ -402,8 +415,6 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
         }
       }
     }
-    __syncthreads();
-    ip_store_gating<IP_BM>(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
   } else {
     // gate columns [gc0, gc0 + 128): staging [BM][BN+8]
 #pragma unroll
@@ -419,12 +430,10 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
           const float v1 = ip_bias<HAS_BIAS>(acc[mt][nt][2 * hf + 1], b.y);
           *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
         }
-    __syncthreads();
-    ip_store_gate<IP_BM>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
   }
 }
 
-// Epilogue of one column chunk, wgmma build. BM = 128: warpgroup wg owns rows 64·wg .. and all
+// Epilogue of one column chunk, wgmma build (staging only; ip_store_chunk stores). BM = 128: warpgroup wg owns rows 64·wg .. and all
 // 128 columns; BM = 64: both own the 64 rows and warpgroup wg the columns 64·wg ... A warp holds
 // 16 rows x NW columns, acc[4j + e] being n8 tile j.
 template <bool HAS_BIAS, int BM>
@@ -454,8 +463,6 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
         ip_stage_gating<BM>(sl, sr, r, q * 8 + 2 * tig, v, smask[r]);
       }
     }
-    __syncthreads();
-    ip_store_gating<BM>(p, sl, sr, chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn, l.lr_h0, l.lr_h);
   } else {
 #pragma unroll
     for (int nt = 0; nt < NW / 8; ++nt)
@@ -468,8 +475,6 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
         const float v1 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf + 1], b.y);
         *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
       }
-    __syncthreads();
-    ip_store_gate<BM>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
   }
 }
 
@@ -529,6 +534,8 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
     } else {
       ip_epilogue_mma<false>(acc, p, l, chunk, stage_buf, smask, warp_m, warp_n);
     }
+    __syncthreads();
+    ip_store_chunk<IP_BM>(p, l, chunk, stage_buf);
     __syncthreads();  // staging is reused by the next chunk's epilogue
   }
 }
@@ -572,6 +579,13 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
   float acc[BM == 128 ? 64 : 32];
 #pragma unroll
   for (int i = 0; i < (BM == 128 ? 64 : 32); ++i) acc[i] = 0.f;
+  // In the 64-position build a chunk's results leave shared memory while the next chunk's first
+  // MMAs run (C = 384: input stage −3%, H100). In the C = 128 build, capped at 128 registers, the
+  // stores' registers next to the 64 accumulators spill (88 bytes) and the stage lost 20%; the
+  // wide build (C > 448) is unmeasured. Those two store right after the staging.
+  constexpr bool overlap_stores = BM == 64;
+  // The chunk whose staged results still wait for their stores.
+  int pending = -1;
   for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
     for (int ks = 0; ks < l.nks; ++ks, ++slice) {
       wgmma_wait_all();  // the previous slice's MMAs are done reading the other stage
@@ -596,15 +610,33 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
         }
       }
       wgmma_commit();
+      if (overlap_stores && ks == 0 && pending >= 0) {
+        // The previous chunk's staging, complete since this slice's barrier, stored under the
+        // MMAs just issued (they read only z and the ring).
+        ip_store_chunk<BM>(p, l, pending, stage_buf);
+        pending = -1;
+      }
     }
     wgmma_wait_all();
+    // Every store above done reading the staging (with two or more K slices, slice 1's barrier).
+    if (overlap_stores && l.nks == 1) __syncthreads();
 
     if (p.w_in_bias) {
       ip_epilogue_sm90<true, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
     } else {
       ip_epilogue_sm90<false, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
     }
-    __syncthreads();  // staging is reused by the next chunk's epilogue
+    if (overlap_stores) {
+      pending = chunk;
+    } else {
+      __syncthreads();
+      ip_store_chunk<BM>(p, l, chunk, stage_buf);
+      __syncthreads();  // staging is reused by the next chunk's epilogue
+    }
+  }
+  if (pending >= 0) {
+    __syncthreads();  // the last chunk's staging complete
+    ip_store_chunk<BM>(p, l, pending, stage_buf);
   }
 #else
   // Built for another target: the host launches this entry only on sm_90 from sm_90a code.
