@@ -46,21 +46,29 @@
 // Row pitch of the weight ring in halves: 16 bytes of padding keep ldmatrix conflict-free.
 #define IP_LDB (IP_BK + 8)
 
-// σ of two values as packed f16: 0.5·tanh(x/2) + 0.5 with tanh.approx.f16x2, three instructions
-// for two sigmoids where the f32 form takes four per value. Its absolute error (≈ 2.5e-4, the
-// f16 resolution of tanh near ±1) is below the f16 rounding the result is stored with. The
-// epilogues' sigmoids were the largest block of this kernel's instructions (ncu, H100).
-__device__ __forceinline__ unsigned ip_sigmoid2(float lo, float hi) {
-  const unsigned x = mma_pack_h2(0.5f * lo, 0.5f * hi);
+// The prepare step stores HALF of every fused weight and bias (exact: a power of two), so the
+// MMA yields x/2 for each projection and gate x, which is what the tanh form of the sigmoid
+// takes: σ(x) = 0.5·tanh(x/2) + 0.5, and a gated projection p·σ(g) = (p/2)·(tanh(g/2) + 1) — a
+// tanh and one packed FMA per two values, with no scaling instructions (ncu, H100: the
+// epilogues were the largest block of this kernel's instructions). tanh.approx.f16x2's absolute
+// error (≈ 2.5e-4 after the halving, the f16 resolution of tanh near ±1) is below the f16
+// rounding the results are stored with.
+
+// σ(x) of two values from their halves h = x/2, packed f16.
+__device__ __forceinline__ unsigned ip_sigmoid2(float h_lo, float h_hi) {
+  const unsigned x = mma_pack_h2(h_lo, h_hi);
   unsigned t, r;
   asm("tanh.approx.f16x2 %0, %1;" : "=r"(t) : "r"(x));
   asm("fma.rn.f16x2 %0, %1, %2, %2;" : "=r"(r) : "r"(t), "r"(0x38003800u));  // t·0.5 + 0.5
   return r;
 }
 
-__device__ __forceinline__ unsigned ip_hmul2(unsigned a, unsigned b) {
-  unsigned r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+// p·m·σ(g) of two channels from the halves of p and g, packed f16: (p/2·m)·tanh(g/2) + p/2·m.
+__device__ __forceinline__ unsigned ip_gated2(float ph_lo, float ph_hi, float gh_lo, float gh_hi, float m) {
+  const unsigned pm = mma_pack_h2(ph_lo * m, ph_hi * m), g = mma_pack_h2(gh_lo, gh_hi);
+  unsigned t, r;
+  asm("tanh.approx.f16x2 %0, %1;" : "=r"(t) : "r"(g));
+  asm("fma.rn.f16x2 %0, %1, %2, %1;" : "=r"(r) : "r"(pm), "r"(t));
   return r;
 }
 
@@ -241,8 +249,8 @@ __device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned cha
 template <int BM>
 __device__ __forceinline__ void ip_stage_gating(tm_half* sl, tm_half* sr, int r, int ch, const float (&v)[4][2],
                                                 float m) {
-  const unsigned left = ip_hmul2(mma_pack_h2(v[0][0] * m, v[0][1] * m), ip_sigmoid2(v[1][0], v[1][1]));
-  const unsigned right = ip_hmul2(mma_pack_h2(v[2][0] * m, v[2][1] * m), ip_sigmoid2(v[3][0], v[3][1]));
+  const unsigned left = ip_gated2(v[0][0], v[0][1], v[1][0], v[1][1], m);
+  const unsigned right = ip_gated2(v[2][0], v[2][1], v[3][0], v[3][1], m);
   sl[ch * (BM + 8) + r] = (tm_half)(left & 0xFFFFu);
   sl[(ch + 1) * (BM + 8) + r] = (tm_half)(left >> 16);
   sr[ch * (BM + 8) + r] = (tm_half)(right & 0xFFFFu);
@@ -433,8 +441,8 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
   }
 }
 
-// Epilogue of one column chunk, wgmma build (staging only; ip_store_chunk stores). BM = 128: warpgroup wg owns rows 64·wg .. and all
-// 128 columns; BM = 64: both own the 64 rows and warpgroup wg the columns 64·wg ... A warp holds
+// Epilogue of one column chunk, wgmma build (staging only; ip_store_chunk stores). BM = 128:
+// warpgroup wg owns rows 64·wg .. and all 128 columns; BM = 64: both own the 64 rows and warpgroup wg the columns 64·wg ... A warp holds
 // 16 rows x NW columns, acc[4j + e] being n8 tile j.
 template <bool HAS_BIAS, int BM>
 __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 64 : 32], const TrimulParams& p,
@@ -444,15 +452,25 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
   const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int row0 = (BM == 128 ? wg * 64 : 0) + wq * 16 + g, col0 = BM == 128 ? 0 : wg * 64;
   const float* bias = p.w_in_bias + chunk * IP_BN;
+  // The stores into the staging are stmatrix (four 8 x 8 tiles of 16-bit values per
+  // instruction, the accumulator layout being stmatrix's fragment layout): lane L gives the
+  // address of row L % 8 of tile L / 8. (ncu, H100: the 16-bit stores one value at a time and the
+  // moves that split the pairs were a tenth of this kernel's instructions.)
+  const int tile = lane >> 3, trow = lane & 7;
+  const int wrow = (BM == 128 ? wg * 64 : 0) + wq * 16;  // the warp's first row
   if (chunk < l.n_gating) {
     tm_half* sl = stage_buf;
     tm_half* sr = stage_buf + 32 * (BM + 8);
+    // Tiles 0, 1: left at rows wrow + 0..7, + 8..15; tiles 2, 3: right. Transposed: the row
+    // this lane addresses is channel q·8 + trow, 8 positions along it.
+    const unsigned st_base = mma_smem_addr(tile < 2 ? sl : sr) + (trow * (BM + 8) + wrow + (tile & 1) * 8) * 2;
+    const float m0 = smask[row0], m1 = smask[row0 + 8];
 #pragma unroll
     for (int qq = 0; qq < NW / 32; ++qq) {  // the warpgroup's blocks of 8 channels [lp | lg | rp | rg]
       const int q = col0 / 32 + qq;
+      unsigned lr[2][2];  // [left, right][row g, row g + 8]
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int r = row0 + hf * 8;
         float v[4][2];
 #pragma unroll
         for (int sct = 0; sct < 4; ++sct) {
@@ -460,21 +478,29 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
           v[sct][0] = ip_bias<HAS_BIAS>(acc[(4 * qq + sct) * 4 + 2 * hf], b.x);
           v[sct][1] = ip_bias<HAS_BIAS>(acc[(4 * qq + sct) * 4 + 2 * hf + 1], b.y);
         }
-        ip_stage_gating<BM>(sl, sr, r, q * 8 + 2 * tig, v, smask[r]);
+        const float m = hf ? m1 : m0;
+        lr[0][hf] = ip_gated2(v[0][0], v[0][1], v[1][0], v[1][1], m);
+        lr[1][hf] = ip_gated2(v[2][0], v[2][1], v[3][0], v[3][1], m);
       }
+      stmatrix_x4_trans(st_base + q * 8 * (BM + 8) * 2, lr[0][0], lr[0][1], lr[1][0], lr[1][1]);
     }
   } else {
+    // Tiles: (n8 tile nt, rows + 0..7), (nt, + 8..15), (nt + 1, + 0..7), (nt + 1, + 8..15).
+    const unsigned st_base =
+        mma_smem_addr(stage_buf) + ((wrow + (tile & 1) * 8 + trow) * (IP_BN + 8) + col0 + (tile >> 1) * 8) * 2;
 #pragma unroll
-    for (int nt = 0; nt < NW / 8; ++nt)
+    for (int nt = 0; nt < NW / 8; nt += 2) {
+      unsigned sg[2][2];  // [n8 tile nt, nt + 1][row g, row g + 8]
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int r = row0 + hf * 8;
-        const int col = col0 + nt * 8 + 2 * tig;
-        const float2 b = ip_bias2<HAS_BIAS>(bias, col);
-        const float v0 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf], b.x);
-        const float v1 = ip_bias<HAS_BIAS>(acc[nt * 4 + 2 * hf + 1], b.y);
-        *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
-      }
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const float2 b = ip_bias2<HAS_BIAS>(bias, col0 + (nt + j) * 8 + 2 * tig);
+          sg[j][hf] = ip_sigmoid2(ip_bias<HAS_BIAS>(acc[(nt + j) * 4 + 2 * hf], b.x),
+                                  ip_bias<HAS_BIAS>(acc[(nt + j) * 4 + 2 * hf + 1], b.y));
+        }
+      stmatrix_x4(st_base + nt * 8 * 2, sg[0][0], sg[0][1], sg[1][0], sg[1][1]);
+    }
   }
 }
 

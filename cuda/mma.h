@@ -63,6 +63,23 @@ __device__ __forceinline__ void mma_warp_k16(float (&acc)[2][NT][4], unsigned a_
   }
 }
 
+// ---- sm_90: stmatrix, four 8 x 8 tiles of 16-bit values from the mma fragment layout (thread t
+// holds row t/4, columns 2(t%4) and 2(t%4) + 1 of each) to shared memory; lane L gives the
+// address of row L%8 of tile L/8. The .trans form stores each tile transposed: the row lane L
+// addresses receives column L%8.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+#endif
+
 // ---- Hopper warpgroup MMA (sm_90a only; callers guard with TM_HAS_WGMMA) ----
 // A warpgroup (4 consecutive warps, the first at a warp index divisible by 4) multiplies a
 // 64 x 16 A tile by a 16 x 128 B tile from shared memory into 64 f32 accumulators per thread.

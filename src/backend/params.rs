@@ -178,7 +178,10 @@ impl FusedInputLayout {
     }
 
     /// Reorders and pads the input-projection weights (`[out, C]` row-major each) and their
-    /// biases into the kernel's `[rows, k_pad]` matrix and `[rows]` bias (None when no bias).
+    /// biases into the kernel's `[rows, k_pad]` matrix and `[rows]` bias (None when no bias),
+    /// each value halved: the kernel's MMA then yields x/2 for every projection and gate, which
+    /// its tanh-form sigmoid takes directly (`cuda/input_projection.cu`). Halving is exact in f32
+    /// and in the f16 the matrix is uploaded as (barring values below f16's normal range).
     pub fn pack(&self, w: &crate::weights::Weights) -> (Vec<f32>, Option<Vec<f32>>) {
         let sources = w.input_linears();
         let any_bias = sources.iter().any(|l| l.bias.is_some());
@@ -187,10 +190,14 @@ impl FusedInputLayout {
         for row in 0..self.rows() {
             if let Some((section, idx)) = self.source(row) {
                 let lin = sources[section];
-                mat[row * self.k_pad..row * self.k_pad + self.c]
-                    .copy_from_slice(&lin.weight[idx * self.c..(idx + 1) * self.c]);
+                for (dst, &v) in mat[row * self.k_pad..row * self.k_pad + self.c]
+                    .iter_mut()
+                    .zip(&lin.weight[idx * self.c..(idx + 1) * self.c])
+                {
+                    *dst = 0.5 * v;
+                }
                 if let (Some(b), Some(src)) = (bias.as_mut(), lin.bias.as_ref()) {
-                    b[row] = src[idx];
+                    b[row] = 0.5 * src[idx];
                 }
             }
         }
@@ -203,6 +210,10 @@ mod fused_tests {
     use super::*;
     use crate::problem::{Config, Formulation};
     use crate::weights::Weights;
+
+    fn halved(v: &[f32]) -> Vec<f32> {
+        v.iter().map(|x| 0.5 * x).collect()
+    }
 
     /// Emulates the kernel's epilogue index math for every (chunk, warp_n, block q, section,
     /// column) and checks it reads back exactly the weights of the channel it writes.
@@ -230,10 +241,13 @@ mod fused_tests {
                             seen[hch] += 1;
                             for (s, src) in sources.iter().enumerate() {
                                 let row = chunk * 128 + base + s * 8 + col8;
-                                assert_eq!(&mat[row * l.k_pad..row * l.k_pad + c], &src.weight[hch * c..(hch + 1) * c]);
+                                assert_eq!(
+                                    &mat[row * l.k_pad..row * l.k_pad + c],
+                                    &halved(&src.weight[hch * c..(hch + 1) * c])
+                                );
                                 assert!(mat[row * l.k_pad + c..(row + 1) * l.k_pad].iter().all(|&v| v == 0.0));
                                 if let Some(b) = &bias {
-                                    assert_eq!(b[row], src.bias.as_ref().unwrap()[hch]);
+                                    assert_eq!(b[row], 0.5 * src.bias.as_ref().unwrap()[hch]);
                                 }
                             }
                         }
@@ -243,7 +257,7 @@ mod fused_tests {
             assert!(seen.iter().all(|&n| n == 1), "every channel exactly once");
             for gi in 0..cfg.gate_width() {
                 let row = 4 * l.h_pad + gi;
-                assert_eq!(&mat[row * l.k_pad..row * l.k_pad + c], &w.out_gate.weight[gi * c..(gi + 1) * c]);
+                assert_eq!(&mat[row * l.k_pad..row * l.k_pad + c], &halved(&w.out_gate.weight[gi * c..(gi + 1) * c]));
             }
         }
         assert!(FusedInputLayout::new(&Config::new(Formulation::GpuMode, 768, 128).unwrap()).is_none());
