@@ -315,7 +315,7 @@ impl CudaBackend {
         k.launch(
             ceil_div(kp.rows as usize, OUTPUT_PROJECTION_ROWS),
             STAGE_THREADS,
-            output_projection_smem(kp.af3 != 0, kp.io_dtype) as u32,
+            output_projection_smem(kp.af3 != 0, kp.io_dtype),
             stream,
             &kp,
         )
