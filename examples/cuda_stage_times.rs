@@ -30,18 +30,16 @@ fn main() -> trimul::Result<()> {
         };
         let mut y = b.alloc(inputs.x.len())?;
         // 16-bit I/O: the same inputs rounded to the I/O type, in 16-bit device buffers.
-        let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
-        let mut x16 = b.alloc_buffer::<u16>(bits.len())?;
-        let mut y16 = b.alloc_buffer::<u16>(bits.len())?;
+        let mut half = None;
         if io != Precision::F32Io {
+            let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
+            let mut x16 = b.alloc_buffer::<u16>(bits.len())?;
             b.upload_bits(&bits, &mut x16)?;
+            half = Some((x16, b.alloc_buffer::<u16>(bits.len())?));
         }
-        let mut forward = |layer: &mut Layer<CudaBackend>| {
-            if io == Precision::F32Io {
-                layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape())
-            } else {
-                layer.forward_buffers_half(&x16, mask.as_ref(), &mut y16, case.shape(), io)
-            }
+        let mut forward = |layer: &mut Layer<CudaBackend>| match half.as_mut() {
+            None => layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape()),
+            Some((x16, y16)) => layer.forward_buffers_half(x16, mask.as_ref(), y16, case.shape(), io),
         };
         for _ in 0..3 {
             forward(&mut layer)?;
