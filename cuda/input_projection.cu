@@ -366,16 +366,14 @@ __device__ __forceinline__ IpLaunch ip_launch(const TrimulParams& p) {
   return l;
 }
 
-// bias[i], bias[i + 1] (i even) in one 8-byte load, or zeros without a bias (specialised at
-// compile time: adding a zero is not free, since x + 0 is not x for x = -0).
+// (a0 + bias[i], a1 + bias[i + 1]) for an even i, the bias pair in one 8-byte load; without a
+// bias (a0, a1) itself, specialised at compile time: adding a zero is not free, since x + 0 is
+// not x for x = -0.
 template <bool HAS_BIAS>
-__device__ __forceinline__ float2 ip_bias2(const float* bias, int i) {
-  return HAS_BIAS ? *(const float2*)(bias + i) : make_float2(0.f, 0.f);
-}
-
-template <bool HAS_BIAS>
-__device__ __forceinline__ float ip_bias(float x, float b) {
-  return HAS_BIAS ? x + b : x;
+__device__ __forceinline__ float2 ip_add_bias2(const float* bias, int i, float a0, float a1) {
+  if (!HAS_BIAS) return make_float2(a0, a1);
+  const float2 b = *(const float2*)(bias + i);
+  return make_float2(a0 + b.x, a1 + b.y);
 }
 
 // Stores a column chunk's staged results (after a barrier that follows the staging): left and
@@ -391,8 +389,8 @@ __device__ __forceinline__ void ip_store_chunk(const TrimulParams& p, const IpLa
   }
 }
 
-// Epilogue of one column chunk, mma.sync build (staging only; ip_store_chunk stores): a warp holds 32 rows x 64 columns as
-// acc[m16 tile][n8 tile][4].
+// Epilogue of one column chunk, mma.sync build (staging only; ip_store_chunk stores): a warp
+// holds 32 rows x 64 columns as acc[m16 tile][n8 tile][4].
 template <bool HAS_BIAS>
 __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], const TrimulParams& p, const IpLaunch& l,
                                                 int chunk, tm_half* stage_buf, const float* smask, int warp_m,
@@ -415,9 +413,10 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
           float v[4][2];
 #pragma unroll
           for (int sct = 0; sct < 4; ++sct) {  // lp, lg, rp, rg
-            const float2 b = ip_bias2<HAS_BIAS>(bias, base + 8 * sct + 2 * tig);
-            v[sct][0] = ip_bias<HAS_BIAS>(acc[mt][4 * q + sct][2 * hf], b.x);
-            v[sct][1] = ip_bias<HAS_BIAS>(acc[mt][4 * q + sct][2 * hf + 1], b.y);
+            const float2 b = ip_add_bias2<HAS_BIAS>(bias, base + 8 * sct + 2 * tig, acc[mt][4 * q + sct][2 * hf],
+                                                    acc[mt][4 * q + sct][2 * hf + 1]);
+            v[sct][0] = b.x;
+            v[sct][1] = b.y;
           }
           ip_stage_gating<IP_BM>(sl, sr, r, (warp_n * 2 + q) * 8 + 2 * tig, v, smask[r]);
         }
@@ -433,17 +432,16 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
         for (int hf = 0; hf < 2; ++hf) {  // rows g and g + 8; two adjacent columns each
           const int r = warp_m * 32 + mt * 16 + g + hf * 8;
           const int col = warp_n * 64 + nt * 8 + 2 * tig;
-          const float2 b = ip_bias2<HAS_BIAS>(bias, col);
-          const float v0 = ip_bias<HAS_BIAS>(acc[mt][nt][2 * hf], b.x);
-          const float v1 = ip_bias<HAS_BIAS>(acc[mt][nt][2 * hf + 1], b.y);
-          *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v0, v1);
+          const float2 v = ip_add_bias2<HAS_BIAS>(bias, col, acc[mt][nt][2 * hf], acc[mt][nt][2 * hf + 1]);
+          *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v.x, v.y);
         }
   }
 }
 
 // Epilogue of one column chunk, wgmma build (staging only; ip_store_chunk stores). BM = 128:
-// warpgroup wg owns rows 64·wg .. and all 128 columns; BM = 64: both own the 64 rows and warpgroup wg the columns 64·wg ... A warp holds
-// 16 rows x NW columns, acc[4j + e] being n8 tile j.
+// warpgroup wg owns rows 64·wg .. and all 128 columns; BM = 64: both own the 64 rows and
+// warpgroup wg the columns 64·wg ... A warp holds 16 rows x NW columns, acc[4j + e] being n8
+// tile j.
 template <bool HAS_BIAS, int BM>
 __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 64 : 32], const TrimulParams& p,
                                                  const IpLaunch& l, int chunk, tm_half* stage_buf, const float* smask,
@@ -474,9 +472,10 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
         float v[4][2];
 #pragma unroll
         for (int sct = 0; sct < 4; ++sct) {
-          const float2 b = ip_bias2<HAS_BIAS>(bias, q * 32 + 8 * sct + 2 * tig);
-          v[sct][0] = ip_bias<HAS_BIAS>(acc[(4 * qq + sct) * 4 + 2 * hf], b.x);
-          v[sct][1] = ip_bias<HAS_BIAS>(acc[(4 * qq + sct) * 4 + 2 * hf + 1], b.y);
+          const float2 b = ip_add_bias2<HAS_BIAS>(bias, q * 32 + 8 * sct + 2 * tig, acc[(4 * qq + sct) * 4 + 2 * hf],
+                                                  acc[(4 * qq + sct) * 4 + 2 * hf + 1]);
+          v[sct][0] = b.x;
+          v[sct][1] = b.y;
         }
         const float m = hf ? m1 : m0;
         lr[0][hf] = ip_gated2(v[0][0], v[0][1], v[1][0], v[1][1], m);
@@ -495,9 +494,9 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
       for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const float2 b = ip_bias2<HAS_BIAS>(bias, col0 + (nt + j) * 8 + 2 * tig);
-          sg[j][hf] = ip_sigmoid2(ip_bias<HAS_BIAS>(acc[(nt + j) * 4 + 2 * hf], b.x),
-                                  ip_bias<HAS_BIAS>(acc[(nt + j) * 4 + 2 * hf + 1], b.y));
+          const float2 v = ip_add_bias2<HAS_BIAS>(bias, col0 + (nt + j) * 8 + 2 * tig, acc[(nt + j) * 4 + 2 * hf],
+                                                  acc[(nt + j) * 4 + 2 * hf + 1]);
+          sg[j][hf] = ip_sigmoid2(v.x, v.y);
         }
       stmatrix_x4(st_base + nt * 8 * 2, sg[0][0], sg[0][1], sg[1][0], sg[1][1]);
     }
