@@ -175,17 +175,18 @@ pub fn run(args: &BenchArgs) -> CliResult {
         progress.set_message(case.name());
         let (input_seed, weights_seed) = (seeds.next(), seeds.next());
         let before = progress.position();
-        let outcome = match &device {
-            Device::Cpu(b) => bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+        // Out-of-memory anywhere in a shape skips it; other errors abort the run.
+        let outcome = skip_if_out_of_memory(match &device {
+            Device::Cpu(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
             #[cfg(feature = "cuda")]
             Device::Cuda(b) if plan.precision != Precision::F32Io => {
-                half::bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress)
+                half::measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress)
             }
             #[cfg(feature = "cuda")]
-            Device::Cuda(b) => bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+            Device::Cuda(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
             #[cfg(feature = "rocm")]
-            Device::Hip(b) => bench_case(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
-        }?;
+            Device::Hip(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+        })?;
         // Skipped shapes advance the bar by the calls they did not make.
         progress.inc((before + steps_per_case).saturating_sub(progress.position()));
         match outcome {
@@ -260,20 +261,6 @@ pub fn run(args: &BenchArgs) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-/// One shape on one backend. Out-of-memory anywhere becomes [`Outcome::Skipped`]; other errors
-/// abort the run.
-fn bench_case<B: Backend>(
-    backend: &B,
-    case: &Case,
-    plan: &Plan,
-    input_seed: u64,
-    weights_seed: u64,
-    ceilings: &Ceilings,
-    progress: &Progress,
-) -> trimul::Result<Outcome> {
-    skip_if_out_of_memory(measure(backend, case, plan, input_seed, weights_seed, ceilings, progress))
-}
-
 /// An out-of-memory error becomes [`Outcome::Skipped`] naming the bytes.
 fn skip_if_out_of_memory(result: trimul::Result<Outcome>) -> trimul::Result<Outcome> {
     match result {
@@ -308,6 +295,7 @@ fn time_calls<B: Backend>(
     Ok(samples)
 }
 
+/// One shape on one backend with f32 x and y.
 fn measure<B: Backend>(
     backend: &B,
     case: &Case,
@@ -601,19 +589,7 @@ mod half {
 
     use super::*;
 
-    pub(super) fn bench_case(
-        backend: &CudaBackend,
-        case: &Case,
-        plan: &Plan,
-        input_seed: u64,
-        weights_seed: u64,
-        ceilings: &Ceilings,
-        progress: &Progress,
-    ) -> trimul::Result<Outcome> {
-        skip_if_out_of_memory(measure(backend, case, plan, input_seed, weights_seed, ceilings, progress))
-    }
-
-    fn measure(
+    pub(super) fn measure(
         backend: &CudaBackend,
         case: &Case,
         plan: &Plan,
