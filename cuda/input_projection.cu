@@ -568,7 +568,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
 // The sm_90a body: two warpgroups with wgmma, z and the weight ring in the 128-byte swizzle the
 // descriptors name. BM = 128: each warpgroup multiplies its 64 rows by all 128 columns of a chunk
 // (m64n128k16); BM = 64: both take the block's 64 rows and each warpgroup 64 of the columns
-// (m64n64k16), which halves z so that two blocks fit on an SM at C up to 448. The
+// (m64n64k16), which halves z so that two blocks fit on an SM at C up to 448 (three at C <= 128). The
 // shared-memory traffic of the MMA (ldmatrix of every A and B fragment, once per warp) becomes
 // the tensor cores' own reads, and a warpgroup issues one instruction per k16 step where the
 // mma.sync body issues 22 per warp. Same LayerNorm, epilogues and stores as the sm_80 body.
@@ -604,11 +604,12 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
   float acc[BM == 128 ? 64 : 32];
 #pragma unroll
   for (int i = 0; i < (BM == 128 ? 64 : 32); ++i) acc[i] = 0.f;
-  // In the 64-position build a chunk's results leave shared memory while the next chunk's first
-  // MMAs run (C = 384: input stage −3%, H100). In the C = 128 build, capped at 128 registers, the
-  // stores' registers next to the 64 accumulators spill (88 bytes) and the stage lost 20%; the
-  // wide build (C > 448) is unmeasured. Those two store right after the staging.
-  constexpr bool overlap_stores = BM == 64;
+  // In the 64-position build for wider C a chunk's results leave shared memory while the next
+  // chunk's first MMAs run (C = 384: input stage −3%, H100). In the C = 128 builds the stores'
+  // registers spill next to the accumulators (128 positions, 128 registers: 88 bytes, and the
+  // stage lost 20%; 64 positions, 80 registers: 64 bytes); the wide build (C > 448) is
+  // unmeasured. Those store right after the staging.
+  constexpr bool overlap_stores = BM == 64 && KMAX > 128;
   // The chunk whose staged results still wait for their stores.
   int pending = -1;
   for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
@@ -694,4 +695,11 @@ extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_sm9
 // LayerNorm (DRAM-bound) overlaps the other's MMAs and epilogues.
 extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection_sm90_mid(const TrimulParams p) {
   input_projection_sm90_body<IP_MAX_K, 64, 2>(p);
+}
+
+// ...and a fourth for k_pad <= 128 with f32 x: 64-position blocks, three per SM (80 registers).
+// The third block hides more of the DRAM latency of f32 x; with 16-bit x the 128-position build
+// stays faster (the host's FusedKernel::launch has the numbers).
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 3) input_projection_sm90_narrow64(const TrimulParams p) {
+  input_projection_sm90_body<128, 64, 4>(p);
 }

@@ -316,7 +316,9 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
       __syncthreads();  // the tile's 16-bit y complete, and every gate read
       if (p.io_dtype != TM_IO_F32) op_store_y16(p, sg, first, np, c0);
       if (p.af3 && c0 + OP_BN < C) {
-        __syncthreads();  // sg's y copied out before the next gate chunk lands on it
+        // 16-bit y copied out of sg before the next gate chunk lands on it (f32 y never enters
+        // sg, and the barrier above saw every gate read).
+        if (p.io_dtype != TM_IO_F32) __syncthreads();
         op_load_gate(p, sg, first, np, c0 + OP_BN);
         asm volatile("cp.async.commit_group;");
       }

@@ -35,6 +35,8 @@ pub(crate) struct Kernels {
     pub input_projection_sm90_wide: Option<Stage>,
     /// The wgmma build in 64-position blocks, two per SM, for 128 < padded C ≤ 448.
     pub input_projection_sm90_mid: Option<Stage>,
+    /// The wgmma build in 64-position blocks, three per SM, for padded C ≤ 128.
+    pub input_projection_sm90_narrow64: Option<Stage>,
     /// LN_H + gate + output projection in one kernel (`cuda/output_projection.cu`); sm_80+.
     pub output_projection: Option<Stage>,
     /// Largest dynamic shared memory a block may use (bytes).
@@ -123,6 +125,7 @@ impl Kernels {
             input_projection_sm90: None,
             input_projection_sm90_wide: None,
             input_projection_sm90_mid: None,
+            input_projection_sm90_narrow64: None,
             output_projection: None,
             max_smem: 48 * 1024,
             origin: String::new(),
@@ -149,23 +152,26 @@ impl Kernels {
         };
         let input_projection = big_smem("input_projection")?;
         let input_projection_wide = big_smem("input_projection:input_projection_wide")?;
-        // wgmma exists only in sm_90a code: the fatbin's sm_90a image, or NVRTC for sm_90a.
-        let (input_projection_sm90, input_projection_sm90_wide, input_projection_sm90_mid) = if cc == (9, 0) {
-            (
-                big_smem("input_projection:input_projection_sm90")?,
-                big_smem("input_projection:input_projection_sm90_wide")?,
-                big_smem("input_projection:input_projection_sm90_mid")?,
-            )
-        } else {
-            (None, None, None)
-        };
         let output_projection = big_smem("output_projection")?;
+        // wgmma exists only in sm_90a code: the fatbin's sm_90a image, or NVRTC for sm_90a.
+        let mut sm90 = |entry: &str| {
+            if cc == (9, 0) {
+                big_smem(&format!("input_projection:input_projection_sm90{entry}"))
+            } else {
+                Ok(None)
+            }
+        };
+        let input_projection_sm90 = sm90("")?;
+        let input_projection_sm90_wide = sm90("_wide")?;
+        let input_projection_sm90_mid = sm90("_mid")?;
+        let input_projection_sm90_narrow64 = sm90("_narrow64")?;
         let k = Kernels {
             input_projection,
             input_projection_wide,
             input_projection_sm90,
             input_projection_sm90_wide,
             input_projection_sm90_mid,
+            input_projection_sm90_narrow64,
             output_projection,
             max_smem: optin,
             ..k
