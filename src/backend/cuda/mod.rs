@@ -498,7 +498,13 @@ impl CudaBackend {
 
     /// Whether two blocks of the fused input kernel fit on one SM.
     fn two_blocks_fit(&self, f: &FusedInput) -> bool {
-        2 * (f.smem_bytes() + 1024) <= self.inner.smem_per_sm
+        self.blocks_fit(2, f.smem_bytes())
+    }
+
+    /// Whether `blocks` blocks with `smem` bytes of dynamic shared memory each fit on one SM (the
+    /// driver reserves 1 KB per block).
+    fn blocks_fit(&self, blocks: usize, smem: usize) -> bool {
+        blocks * (smem + 1024) <= self.inner.smem_per_sm
     }
 
     /// Stage 1 without the fused kernel (shapes it does not take, GPUs before sm_80): per chunk
@@ -560,29 +566,29 @@ impl CudaBackend {
         if self.inner.warpgroup_mma.load(Ordering::Relaxed) && tuning.warpgroup_mma.unwrap_or(true) {
             // Wider C: 64-position blocks, two per SM, where they fit (H100, C = 384: 1024,1,384
             // 3.967 → 3.736 ms, 768,1,384 2.241 → 2.100 ms against 128-position blocks, one per SM).
-            let mid_smem = f.smem_bytes_sm90_rows(64);
-            let mid_fits = 2 * (mid_smem + 1024) <= self.inner.smem_per_sm;
+            let smem64 = f.smem_bytes_sm90_rows(64);
             let (sm90, smem, rows) = if narrow {
                 (&k.input_projection_sm90, f.smem_bytes_sm90_rows(FUSED_INPUT_ROWS), FUSED_INPUT_ROWS)
-            } else if mid_fits && k.input_projection_sm90_mid.is_some() {
-                (&k.input_projection_sm90_mid, mid_smem, 64)
+            } else if self.blocks_fit(2, smem64) && k.input_projection_sm90_mid.is_some() {
+                (&k.input_projection_sm90_mid, smem64, 64)
             } else {
                 (&k.input_projection_sm90_wide, f.smem_bytes_sm90_rows(FUSED_INPUT_ROWS), FUSED_INPUT_ROWS)
             };
             if let Some(stage) = sm90 {
                 // Padded C ≤ 128 with f32 x: 64-position blocks, three per SM, where they fit.
-                let f32_smem = f.smem_bytes_sm90_rows(64);
                 let f32_x = match &k.input_projection_sm90_narrow64 {
-                    Some(s) if narrow && 3 * (f32_smem + 1024) <= self.inner.smem_per_sm => {
-                        Some(F32Build { stage: s, smem: f32_smem as u32, rows: 64 })
+                    Some(s) if narrow && self.blocks_fit(3, smem64) => {
+                        Some(InputBuild { stage: s, smem: smem64 as u32, rows: 64 })
                     }
                     _ => None,
                 };
-                return Some(FusedKernel { stage, smem: smem as u32, rows, wgmma: true, f32_x });
+                let build = InputBuild { stage, smem: smem as u32, rows };
+                return Some(FusedKernel { build, wgmma: true, f32_x });
             }
         }
         let stage = if narrow { k.input_projection.as_ref() } else { k.input_projection_wide.as_ref() }?;
-        Some(FusedKernel { stage, smem: f.smem_bytes() as u32, rows: FUSED_INPUT_ROWS, wgmma: false, f32_x: None })
+        let build = InputBuild { stage, smem: f.smem_bytes() as u32, rows: FUSED_INPUT_ROWS };
+        Some(FusedKernel { build, wgmma: false, f32_x: None })
     }
 
     fn chunked_workspace(&self, prepared: &CudaPrepared, problem: &Problem, plan: ChunkPlan) -> Result<CudaWorkspace> {
@@ -767,24 +773,23 @@ pub struct CudaPrepared {
     norm_out_b: DeviceBuffer<f32>,
 }
 
-/// The build of the fused input kernel a forward launches, with its dynamic shared memory.
+/// One build of the fused input kernel: its entry point, dynamic shared memory and positions
+/// per block.
 #[derive(Copy, Clone)]
-struct FusedKernel<'a> {
+struct InputBuild<'a> {
     stage: &'a kernels::Stage,
     smem: u32,
-    /// Positions per block.
     rows: usize,
-    /// The warpgroup-MMA (sm_90a) build.
-    wgmma: bool,
-    /// Another build for launches whose x is f32 (see [`FusedKernel::launch`]).
-    f32_x: Option<F32Build<'a>>,
 }
 
+/// The fused input kernel a forward launches.
 #[derive(Copy, Clone)]
-struct F32Build<'a> {
-    stage: &'a kernels::Stage,
-    smem: u32,
-    rows: usize,
+struct FusedKernel<'a> {
+    build: InputBuild<'a>,
+    /// The warpgroup-MMA (sm_90a) builds.
+    wgmma: bool,
+    /// Another build for launches whose x is f32 (see [`FusedKernel::launch`]).
+    f32_x: Option<InputBuild<'a>>,
 }
 
 impl FusedKernel<'_> {
@@ -798,11 +803,11 @@ impl FusedKernel<'_> {
     /// # Safety
     /// As [`kernels::Stage::launch`].
     unsafe fn launch(&self, rows: usize, stream: CUstream, kp: &KernelParams) -> Result<()> {
-        let (stage, smem, per_block) = match &self.f32_x {
-            Some(b) if kp.io_dtype == params::IO_F32 => (b.stage, b.smem, b.rows),
-            _ => (self.stage, self.smem, self.rows),
+        let b = match self.f32_x {
+            Some(b) if kp.io_dtype == params::IO_F32 => b,
+            _ => self.build,
         };
-        stage.launch(ceil_div(rows, per_block), STAGE_THREADS, smem, stream, kp)
+        b.stage.launch(ceil_div(rows, b.rows), STAGE_THREADS, b.smem, stream, kp)
     }
 }
 
