@@ -140,6 +140,122 @@ __device__ __forceinline__ void op_epilogue_io(const TrimulParams& p, const floa
   }
 }
 
+// Specialised on the bias and the formulation: the branches and the per-element loads of the
+// general form were a fifth of this kernel's instructions (ncu, H100).
+__device__ __forceinline__ void op_epilogue_any(const TrimulParams& p, const float (&acc)[2][4][4], tm_half* sg,
+                                                tm_i64 first, int np, int c0, int cw, int r0) {
+  if (p.out_bias) {
+    if (p.af3) op_epilogue_io<true, true>(p, acc, sg, first, np, c0, cw, r0);
+    else op_epilogue_io<true, false>(p, acc, sg, first, np, c0, cw, r0);
+  } else {
+    if (p.af3) op_epilogue_io<false, true>(p, acc, sg, first, np, c0, cw, r0);
+    else op_epilogue_io<false, false>(p, acc, sg, first, np, c0, cw, r0);
+  }
+}
+
+// gpumode's gate for this thread's step-3 items (8 channels of one position each), f16 ones for
+// af3 (its gate applies after the projection) and past the last position.
+template <int HC>
+__device__ __forceinline__ void op_load_gpre(const TrimulParams& p, uint4 (&gpre)[OP_ITEMS], tm_i64 first, int np) {
+  const int h8 = (HC ? HC : p.h) / 8;
+#pragma unroll
+  for (int k = 0; k < OP_ITEMS; ++k) {
+    const int i = threadIdx.x + k * OP_THREADS, r = op_div(i, h8);
+    gpre[k] = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);  // f16 ones
+    if (!p.af3 && i < OP_BM * h8 && r < np) {
+      gpre[k] = *(const uint4*)(p.gate + (first + r - p.buf_row0) * (tm_i64)p.g + (i - r * h8) * 8);
+    }
+  }
+}
+
+// One 32-byte piece of t (16 positions of channel h, from position 16·seg) down column h of sa.
+__device__ __forceinline__ void op_scatter_t(tm_half* sa, const uint4 (&piece)[2], int h, int seg) {
+  const tm_half* e16 = (const tm_half*)&piece[0];
+#pragma unroll
+  for (int e = 0; e < 16; ++e) sa[(seg * 16 + e) * OP_LD + h] = e16[e];
+}
+
+// 2. statistics, OP_TPP threads per position (adjacent lanes, 8 channels at a time in turn),
+// two passes in f32.
+template <int HC>
+__device__ __forceinline__ void op_stats(const TrimulParams& p, const tm_half* sa, float* smean, float* srstd) {
+  const int H = HC ? HC : p.h;
+  const int r = threadIdx.x / OP_TPP, part = threadIdx.x % OP_TPP;
+  const tm_half* row = sa + r * OP_LD;
+  float s = 0.f;
+  for (int h = part * 8; h < H; h += OP_TPP * 8) {
+    const uint4 w = *(const uint4*)(row + h);
+    const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s += tm_lo(u[e]) + tm_hi(u[e]);
+  }
+#pragma unroll
+  for (int o = 1; o < OP_TPP; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const float mean = s / (float)H;
+  float q = 0.f;
+  for (int h = part * 8; h < H; h += OP_TPP * 8) {
+    const uint4 w = *(const uint4*)(row + h);
+    const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float a = tm_lo(u[e]) - mean, b = tm_hi(u[e]) - mean;
+      q += a * a + b * b;
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < OP_TPP; o <<= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+  if (part == 0) {
+    smean[r] = mean;
+    srstd[r] = tm_rsqrt(q / (float)H + p.eps);
+  }
+}
+
+// 3. normalise (⊙ gate for gpumode) in place, 8 channels per thread; positions past np become 0.
+template <int HC>
+__device__ __forceinline__ void op_normalise(const TrimulParams& p, tm_half* sa, const float* smean,
+                                             const float* srstd, const float* snw, const float* snb,
+                                             const uint4 (&gpre)[OP_ITEMS], int np) {
+  const int h8 = (HC ? HC : p.h) / 8;
+#pragma unroll
+  for (int k = 0; k < OP_ITEMS; ++k) {
+    const int i = threadIdx.x + k * OP_THREADS;
+    if (i >= OP_BM * h8) break;
+    const int r = op_div(i, h8), h = (i - r * h8) * 8;
+    tm_half* a = sa + r * OP_LD + h;
+    const uint4 w = *(const uint4*)a;
+    const unsigned u[4] = {w.x, w.y, w.z, w.w};
+    const unsigned gv[4] = {gpre[k].x, gpre[k].y, gpre[k].z, gpre[k].w};
+    const float mean = smean[r], rstd = srstd[r];
+    unsigned o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = h + 2 * e;
+      const float2 w = *(const float2*)(snw + c), b = *(const float2*)(snb + c);
+      const float lo = ((tm_lo(u[e]) - mean) * rstd * w.x + b.x) * tm_lo(gv[e]);
+      const float hi = ((tm_hi(u[e]) - mean) * rstd * w.y + b.y) * tm_hi(gv[e]);
+      o[e] = r < np ? tm_pack2(lo, hi) : 0u;
+    }
+    *(uint4*)a = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+// 4. one 128-column chunk: the warp's 32 x 32 tile of sa · swᵀ over K = H, f32 accumulators.
+template <int HC>
+__device__ __forceinline__ void op_mma(const TrimulParams& p, float (&acc)[2][4][4], unsigned sa_u, unsigned sw_u,
+                                       int warp_m, int warp_n) {
+  const int H = HC ? HC : p.h;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+#pragma unroll 2
+  for (int kk = 0; kk < H; kk += 16) {
+    mma_warp_k16<4>(acc, sa_u, OP_LD, warp_m * 32, kk, sw_u, OP_LD, warp_n * 32, kk);
+  }
+}
+
 // The kernel body; HC is H when known at compile time (the common H = 128: every index
 // division and copy loop then resolves at compile time), else 0.
 template <int HC>
@@ -153,7 +269,7 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
   float* snb = snw + 128;                       // memory by the normalisation (not per element from L1)
   tm_half* sg = (tm_half*)(snb + 128);          // [BM][OP_LD] when op_uses_sg: af3 gate, 16-bit y
 
-  const int H = HC ? HC : p.h, C = p.c, G = p.g;
+  const int H = HC ? HC : p.h, C = p.c;
   const tm_i64 first = p.row0 + (tm_i64)blockIdx.x * OP_BM;
   const tm_i64 end = p.row0 + p.rows;
   if (first >= end) return;
@@ -202,85 +318,19 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
   }
 
   // The gpumode gate of this thread's step-3 items, loaded now so its latency overlaps steps 1–2.
-  const int h8 = H / 8;
   uint4 gpre[OP_ITEMS];
-#pragma unroll
-  for (int k = 0; k < OP_ITEMS; ++k) {
-    const int i = tid + k * OP_THREADS, r = op_div(i, h8);
-    gpre[k] = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);  // f16 ones
-    if (!p.af3 && i < OP_BM * h8 && r < np) {
-      gpre[k] = *(const uint4*)(p.gate + (first + r - p.buf_row0) * (tm_i64)G + (i - r * h8) * 8);
-    }
-  }
+  op_load_gpre<HC>(p, gpre, first, np);
 
   // 1b. The t tile, transposed into sa[position][h]; positions past the end are zero.
 #pragma unroll
   for (int u = 0; u < OP_T_INFLIGHT; ++u) {
     const int i = tid + u * OP_THREADS;
-    if (i >= total) continue;
-    const int h = i % H, seg = i / H;
-    const tm_half* e16 = (const tm_half*)&v[u][0];
-#pragma unroll
-    for (int e = 0; e < 16; ++e) sa[(seg * 16 + e) * OP_LD + h] = e16[e];
+    if (i < total) op_scatter_t(sa, v[u], i % H, i / H);
   }
   __syncthreads();
-
-  // 2. statistics, OP_TPP threads per position (adjacent lanes, 8 channels at a time in turn),
-  // two passes in f32.
-  {
-    const int r = tid / OP_TPP, part = tid % OP_TPP;
-    const tm_half* row = sa + r * OP_LD;
-    float s = 0.f;
-    for (int h = part * 8; h < H; h += OP_TPP * 8) {
-      const uint4 w = *(const uint4*)(row + h);
-      const unsigned u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s += tm_lo(u[e]) + tm_hi(u[e]);
-    }
-#pragma unroll
-    for (int o = 1; o < OP_TPP; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    const float mean = s / (float)H;
-    float q = 0.f;
-    for (int h = part * 8; h < H; h += OP_TPP * 8) {
-      const uint4 w = *(const uint4*)(row + h);
-      const unsigned u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float a = tm_lo(u[e]) - mean, b = tm_hi(u[e]) - mean;
-        q += a * a + b * b;
-      }
-    }
-#pragma unroll
-    for (int o = 1; o < OP_TPP; o <<= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
-    if (part == 0) {
-      smean[r] = mean;
-      srstd[r] = tm_rsqrt(q / (float)H + p.eps);
-    }
-  }
+  op_stats<HC>(p, sa, smean, srstd);
   __syncthreads();
-
-  // 3. normalise (⊙ gate for gpumode) in place, 8 channels per thread.
-#pragma unroll
-  for (int k = 0; k < OP_ITEMS; ++k) {
-    const int i = tid + k * OP_THREADS;
-    if (i >= OP_BM * h8) break;
-    const int r = op_div(i, h8), h = (i - r * h8) * 8;
-    tm_half* a = sa + r * OP_LD + h;
-    const uint4 w = *(const uint4*)a;
-    const unsigned u[4] = {w.x, w.y, w.z, w.w};
-    const unsigned gv[4] = {gpre[k].x, gpre[k].y, gpre[k].z, gpre[k].w};
-    const float mean = smean[r], rstd = srstd[r];
-    unsigned o[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = h + 2 * e;
-      const float2 w = *(const float2*)(snw + c), b = *(const float2*)(snb + c);
-      const float lo = ((tm_lo(u[e]) - mean) * rstd * w.x + b.x) * tm_lo(gv[e]);
-      const float hi = ((tm_hi(u[e]) - mean) * rstd * w.y + b.y) * tm_hi(gv[e]);
-      o[e] = r < np ? tm_pack2(lo, hi) : 0u;
-    }
-    *(uint4*)a = make_uint4(o[0], o[1], o[2], o[3]);
-  }
+  op_normalise<HC>(p, sa, smean, srstd, snw, snb, gpre, np);
 
   // 4–5. per 128-column chunk: MMA over K = H, then the epilogue from registers.
   const int warp_m = warp & 1, warp_n = warp >> 1;  // 2 x 4 warps of 32 rows x 32 columns
@@ -290,28 +340,11 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
     asm volatile("cp.async.wait_group 0;");
     __syncthreads();  // sw (and, on the first chunk, sa) complete
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
-#pragma unroll 2
-    for (int kk = 0; kk < H; kk += 16) {
-      mma_warp_k16<4>(acc, sa_u, OP_LD, warp_m * 32, kk, sw_u, OP_LD, warp_n * 32, kk);
-    }
+    op_mma<HC>(p, acc, sa_u, sw_u, warp_m, warp_n);
     __syncthreads();  // every warp done with sw before the next chunk's copy
     if (c0 + OP_BN < C) op_load_w<HC>(p, sw, c0 + OP_BN);
-    // Specialised on the bias and the formulation: the branches and the per-element loads of
-    // the general form were a fifth of this kernel's instructions (ncu, H100).
     const int cw = c0 + warp_n * 32 + 2 * tig, r0 = warp_m * 32 + g;
-    if (p.out_bias) {
-      if (p.af3) op_epilogue_io<true, true>(p, acc, sg, first, np, c0, cw, r0);
-      else op_epilogue_io<true, false>(p, acc, sg, first, np, c0, cw, r0);
-    } else {
-      if (p.af3) op_epilogue_io<false, true>(p, acc, sg, first, np, c0, cw, r0);
-      else op_epilogue_io<false, false>(p, acc, sg, first, np, c0, cw, r0);
-    }
+    op_epilogue_any(p, acc, sg, first, np, c0, cw, r0);
     if (op_uses_sg(p)) {
       __syncthreads();  // the tile's 16-bit y complete, and every gate read
       if (p.io_dtype != TM_IO_F32) op_store_y16(p, sg, first, np, c0);
@@ -331,5 +364,75 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
     output_projection_body<128>(p);
   } else {
     output_projection_body<0>(p);
+  }
+}
+
+// t rows of the resident kernel's prefetch buffer: 64 positions plus 16 bytes of padding, so that
+// the transposing reads (consecutive threads, consecutive channels) spread over the banks.
+#define OP_RAW_LD (OP_BM + 8)
+
+// The resident kernel's t tile [128 channels][64 positions] into sraw as one cp.async group:
+// 1024 pieces of 16 bytes, 8 consecutive threads per channel's 128-byte run.
+__device__ __forceinline__ void op_prefetch_t(const TrimulParams& p, tm_half* sraw, tm_i64 first) {
+  const tm_i64 nn = (tm_i64)p.n * p.n, b = first / nn, rem = first - b * nn;
+#pragma unroll
+  for (int k = 0; k < 128 * (OP_BM / 8) / OP_THREADS; ++k) {
+    const int i = threadIdx.x + k * OP_THREADS, h = i >> 3, q = i & 7;
+    mma_cp_async16(mma_smem_addr(sraw + h * OP_RAW_LD + q * 8), p.t + (b * 128 + h) * nn + rem + q * 8);
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+// The resident form for H = 128, C <= 128, gpumode with f32 y (no staging tile sg): a block
+// loads Wout once and walks tiles blockIdx.x, + gridDim.x, ...; each tile's t arrives by
+// cp.async while the block works on the tile before (the plain kernel waits on its t tile at
+// the start of every block: a quarter of its stall samples, ncu at 256,2,128). The host
+// guarantees whole tiles inside one batch: rows, row0 and N² multiples of 64.
+extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_resident(const TrimulParams p) {
+  extern __shared__ __align__(16) unsigned char op_smem[];
+  tm_half* sa = (tm_half*)op_smem;              // [BM][OP_LD]
+  tm_half* sw = sa + OP_BM * OP_LD;             // [BN][OP_LD]
+  float* smean = (float*)(sw + OP_BN * OP_LD);  // [BM]
+  float* srstd = smean + OP_BM;                 // [BM]
+  float* snw = srstd + OP_BM;                   // [128]
+  float* snb = snw + 128;                       // [128]
+  tm_half* sraw = (tm_half*)(snb + 128);        // [128][OP_RAW_LD] the next tile's t
+
+  const tm_i64 tiles = p.rows / OP_BM;
+  tm_i64 tile = blockIdx.x;
+  if (tile >= tiles) return;
+  const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  op_load_w<128>(p, sw, 0);
+  if (tid < 128) {
+    snw[tid] = p.norm_out_w[tid];
+    snb[tid] = p.norm_out_b[tid];
+  }
+  op_prefetch_t(p, sraw, p.row0 + tile * OP_BM);
+
+  const int warp_m = warp & 1, warp_n = warp >> 1;
+  const int g = lane >> 2, tig = lane & 3;
+  const unsigned sa_u = mma_smem_addr(sa), sw_u = mma_smem_addr(sw);
+  for (; tile < tiles; tile += gridDim.x) {
+    const tm_i64 first = p.row0 + tile * OP_BM;
+    uint4 gpre[OP_ITEMS];
+    op_load_gpre<128>(p, gpre, first, OP_BM);
+    asm volatile("cp.async.wait_group 0;");
+    __syncthreads();  // this tile's t (and Wout) landed; every warp done with the last tile's sa
+#pragma unroll
+    for (int u = 0; u < 128 * (OP_BM / 16) / OP_THREADS; ++u) {
+      const int i = tid + u * OP_THREADS, h = i & 127, seg = i >> 7;
+      const uint4* src = (const uint4*)(sraw + h * OP_RAW_LD + seg * 16);
+      const uint4 piece[2] = {src[0], src[1]};
+      op_scatter_t(sa, piece, h, seg);
+    }
+    __syncthreads();  // sa complete, sraw free for the next tile
+    if (tile + gridDim.x < tiles) op_prefetch_t(p, sraw, first + (tm_i64)gridDim.x * OP_BM);
+    op_stats<128>(p, sa, smean, srstd);
+    __syncthreads();
+    op_normalise<128>(p, sa, smean, srstd, snw, snb, gpre, OP_BM);
+    __syncthreads();
+    float acc[2][4][4];
+    op_mma<128>(p, acc, sa_u, sw_u, warp_m, warp_n);
+    op_epilogue_any(p, acc, nullptr, first, OP_BM, 0, warp_n * 32 + 2 * tig, warp_m * 32 + g);
   }
 }

@@ -39,6 +39,9 @@ pub(crate) struct Kernels {
     pub input_projection_sm90_narrow64: Option<Stage>,
     /// LN_H + gate + output projection in one kernel (`cuda/output_projection.cu`); sm_80+.
     pub output_projection: Option<Stage>,
+    /// Its resident form: Wout loaded once per block, blocks walking tiles with the next tile's
+    /// t prefetched (H = 128, C ≤ 128, gpumode with f32 y).
+    pub output_projection_resident: Option<Stage>,
     /// Largest dynamic shared memory a block may use (bytes).
     pub max_smem: usize,
     /// How each stage was obtained ("fatbin" or "nvrtc sm_XX"), for `trimul info`.
@@ -127,6 +130,7 @@ impl Kernels {
             input_projection_sm90_mid: None,
             input_projection_sm90_narrow64: None,
             output_projection: None,
+            output_projection_resident: None,
             max_smem: 48 * 1024,
             origin: String::new(),
         };
@@ -153,6 +157,7 @@ impl Kernels {
         let input_projection = big_smem("input_projection")?;
         let input_projection_wide = big_smem("input_projection:input_projection_wide")?;
         let output_projection = big_smem("output_projection")?;
+        let output_projection_resident = big_smem("output_projection:output_projection_resident")?;
         // wgmma exists only in sm_90a code: the fatbin's sm_90a image, or NVRTC for sm_90a.
         let mut sm90 = |entry: &str| {
             if cc == (9, 0) {
@@ -173,6 +178,7 @@ impl Kernels {
             input_projection_sm90_mid,
             input_projection_sm90_narrow64,
             output_projection,
+            output_projection_resident,
             max_smem: optin,
             ..k
         };

@@ -68,6 +68,7 @@ struct Inner {
     smem_per_sm: usize,
     /// When set, the next forward records an event after each stage (see `stage_times`).
     timeline: std::sync::Mutex<Option<Timeline>>,
+    resident_output: AtomicBool,
 }
 
 /// An NVIDIA GPU with its stream, cuBLASLt handle and loaded kernels. Cheap to clone.
@@ -176,6 +177,9 @@ impl CudaBackend {
                 tuning_override: std::sync::Mutex::new(None),
                 smem_per_sm,
                 timeline: std::sync::Mutex::new(None),
+                resident_output: AtomicBool::new(
+                    std::env::var("TRIMUL_CUDA_RESIDENT_OUTPUT").map_or(true, |v| v.trim() != "0"),
+                ),
             }),
         })
     }
@@ -312,6 +316,9 @@ impl CudaBackend {
     ) -> Result<()> {
         let kp =
             KernelParams { w_out: prep.w_out.ptr(), out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()), ..*kp };
+        if let Some((resident, grid)) = self.resident_output(&kp) {
+            return resident.launch(grid, STAGE_THREADS, OUTPUT_RESIDENT_SMEM, stream, &kp);
+        }
         k.launch(
             ceil_div(kp.rows as usize, OUTPUT_PROJECTION_ROWS),
             STAGE_THREADS,
@@ -319,6 +326,27 @@ impl CudaBackend {
             stream,
             &kp,
         )
+    }
+
+    /// The resident output kernel and its grid (two or three blocks per SM, as many as fit, each
+    /// walking tiles), when it takes `kp`'s launch: H = 128, C ≤ 128, gpumode with f32 y, and
+    /// whole 64-position tiles inside one batch.
+    fn resident_output(&self, kp: &KernelParams) -> Option<(&kernels::Stage, u32)> {
+        let k = self.inner.kernels.output_projection_resident.as_ref()?;
+        let rows = OUTPUT_PROJECTION_ROWS as i64;
+        let nn = kp.n as i64 * kp.n as i64;
+        let takes = kp.h == 128
+            && kp.c <= 128
+            && kp.af3 == 0
+            && kp.io_dtype == params::IO_F32
+            && kp.rows % rows == 0
+            && kp.row0 % rows == 0
+            && nn % rows == 0
+            && self.inner.resident_output.load(Ordering::Relaxed);
+        let smem = OUTPUT_RESIDENT_SMEM as usize;
+        let per_sm = [3, 2].into_iter().find(|&b| self.blocks_fit(b, smem))?;
+        let tiles = (kp.rows / rows) as usize;
+        takes.then(|| (k, ceil_div(tiles.min(per_sm * self.inner.info.compute_units as usize), 1)))
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<DeviceBuffer<f32>> {
@@ -754,6 +782,11 @@ fn output_projection_smem(af3: bool, io_dtype: i32) -> u32 {
     let staging = if af3 || io_dtype != params::IO_F32 { OUTPUT_PROJECTION_ROWS * 136 * 2 } else { 0 };
     (base + staging) as u32
 }
+
+/// Shared memory of the resident output kernel: sa, sw, the statistics and LN_H parameters as in
+/// [`output_projection_smem`], plus the next tile's t `[128][72]` (halves).
+const OUTPUT_RESIDENT_SMEM: u32 =
+    ((OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4 + 2 * 128 * 4 + 128 * 72 * 2) as u32;
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
