@@ -24,6 +24,8 @@
 //      kernel's stall samples). 16-bit y is packed into sg (over the gate it used) and leaves as
 //      16-byte runs along C; f32 y is stored from registers, 8 bytes per thread.
 // Requirements checked by the host: H % 16 == 0, H <= 128, C % 8 == 0.
+// output_projection_resident (end of the file) runs the same steps for H = 128, C <= 128 and
+// gpumode with f32 y as blocks that load Wout once and walk tiles, each tile's t prefetched.
 #include "common/compat.h"
 #include "common/params.h"
 #include "cuda/io.h"
