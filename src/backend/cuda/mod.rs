@@ -68,6 +68,8 @@ struct Inner {
     smem_per_sm: usize,
     /// When set, the next forward records an event after each stage (see `stage_times`).
     timeline: std::sync::Mutex<Option<Timeline>>,
+    /// Whether the resident output kernel runs where it applies (`TRIMUL_CUDA_RESIDENT_OUTPUT=0`
+    /// turns it off, to compare).
     resident_output: AtomicBool,
 }
 
@@ -328,9 +330,10 @@ impl CudaBackend {
         )
     }
 
-    /// The resident output kernel and its grid (two or three blocks per SM, as many as fit, each
-    /// walking tiles), when it takes `kp`'s launch: H = 128, C ≤ 128, gpumode with f32 y, and
-    /// whole 64-position tiles inside one batch.
+    /// The resident output kernel and its grid (three blocks per SM, each walking tiles), when it
+    /// takes `kp`'s launch: H = 128, C ≤ 128, gpumode with f32 y, whole 64-position tiles inside
+    /// one batch, and room for three blocks per SM. With two per SM the resident form lost to
+    /// the plain kernel (H100, NOTES.md), so GPUs with less shared memory keep the plain one.
     fn resident_output(&self, kp: &KernelParams) -> Option<(&kernels::Stage, u32)> {
         let k = self.inner.kernels.output_projection_resident.as_ref()?;
         let rows = OUTPUT_PROJECTION_ROWS as i64;
@@ -343,10 +346,11 @@ impl CudaBackend {
             && kp.row0 % rows == 0
             && nn % rows == 0
             && self.inner.resident_output.load(Ordering::Relaxed);
-        let smem = OUTPUT_RESIDENT_SMEM as usize;
-        let per_sm = [3, 2].into_iter().find(|&b| self.blocks_fit(b, smem))?;
-        let tiles = (kp.rows / rows) as usize;
-        takes.then(|| (k, ceil_div(tiles.min(per_sm * self.inner.info.compute_units as usize), 1)))
+        if !takes || !self.blocks_fit(3, OUTPUT_RESIDENT_SMEM as usize) {
+            return None;
+        }
+        let tiles = u32::try_from(kp.rows / rows).ok()?;
+        Some((k, tiles.min(3 * self.inner.info.compute_units)))
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<DeviceBuffer<f32>> {
