@@ -165,7 +165,8 @@ __device__ __forceinline__ void op_load_gpre(const TrimulParams& p, uint4 (&gpre
     const int i = threadIdx.x + k * OP_THREADS, r = op_div(i, h8);
     gpre[k] = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);  // f16 ones
     if (!p.af3 && i < OP_BM * h8 && r < np) {
-      gpre[k] = *(const uint4*)(p.gate + (first + r - p.buf_row0) * (tm_i64)p.g + (i - r * h8) * 8);
+      const tm_half* src = p.gate + (first + r - p.buf_row0) * (tm_i64)p.g + (i - r * h8) * 8;
+      gpre[k] = *(const uint4*)src;
     }
   }
 }
@@ -272,7 +273,9 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
   tm_half* sg = (tm_half*)(snb + 128);          // [BM][OP_LD] when op_uses_sg: af3 gate, 16-bit y
 
   const int H = HC ? HC : p.h, C = p.c;
-  const tm_i64 first = p.row0 + (tm_i64)blockIdx.x * OP_BM;
+  // Blocks take the tiles last to first: the contraction wrote the last batch's t last, so the
+  // L2 may still hold it when the first blocks start.
+  const tm_i64 first = p.row0 + (tm_i64)(gridDim.x - 1 - blockIdx.x) * OP_BM;
   const tm_i64 end = p.row0 + p.rows;
   if (first >= end) return;
   const int np = (int)((end - first) < OP_BM ? (end - first) : OP_BM);
@@ -386,13 +389,14 @@ __device__ __forceinline__ void op_prefetch_t(const TrimulParams& p, tm_half* sr
 }
 
 // The resident form for H = 128, C <= 128, gpumode with f32 y (no staging tile sg): a block
-// loads Wout once and walks tiles blockIdx.x, + gridDim.x, ...; each tile's t arrives by
+// loads Wout once and walks tiles (blockIdx.x, + gridDim.x, ... counted from the last tile, as
+// the plain kernel's blocks are); each tile's t arrives by
 // cp.async while the block works on the tile before (the plain kernel waits on its t tile at
 // the start of every block: a quarter of its stall samples, ncu at 256,2,128). The host
 // guarantees whole tiles inside one batch: rows, row0 and N² multiples of 64.
 extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_resident(const TrimulParams p) {
-  extern __shared__ __align__(16) unsigned char op_smem[];
-  tm_half* sa = (tm_half*)op_smem;              // [BM][OP_LD]
+  extern __shared__ __align__(16) unsigned char opr_smem[];
+  tm_half* sa = (tm_half*)opr_smem;              // [BM][OP_LD]
   tm_half* sw = sa + OP_BM * OP_LD;             // [BN][OP_LD]
   float* smean = (float*)(sw + OP_BN * OP_LD);  // [BM]
   float* srstd = smean + OP_BM;                 // [BM]
@@ -409,13 +413,14 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_re
     snw[tid] = p.norm_out_w[tid];
     snb[tid] = p.norm_out_b[tid];
   }
-  op_prefetch_t(p, sraw, p.row0 + tile * OP_BM);
+  // Tiles last to first, as in the plain kernel: the last batch's t is the freshest in L2.
+  op_prefetch_t(p, sraw, p.row0 + (tiles - 1 - tile) * OP_BM);
 
   const int warp_m = warp & 1, warp_n = warp >> 1;
   const int g = lane >> 2, tig = lane & 3;
   const unsigned sa_u = mma_smem_addr(sa), sw_u = mma_smem_addr(sw);
   for (; tile < tiles; tile += gridDim.x) {
-    const tm_i64 first = p.row0 + tile * OP_BM;
+    const tm_i64 first = p.row0 + (tiles - 1 - tile) * OP_BM;
     uint4 gpre[OP_ITEMS];
     op_load_gpre<128>(p, gpre, first, OP_BM);
     asm volatile("cp.async.wait_group 0;");
@@ -428,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_re
       op_scatter_t(sa, piece, h, seg);
     }
     __syncthreads();  // sa complete, sraw free for the next tile
-    if (tile + gridDim.x < tiles) op_prefetch_t(p, sraw, first + (tm_i64)gridDim.x * OP_BM);
+    if (tile + gridDim.x < tiles) op_prefetch_t(p, sraw, first - (tm_i64)gridDim.x * OP_BM);
     op_stats<128>(p, sa, smean, srstd);
     __syncthreads();
     op_normalise<128>(p, sa, smean, srstd, snw, snb, gpre, OP_BM);
