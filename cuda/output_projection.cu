@@ -259,18 +259,49 @@ __device__ __forceinline__ void op_mma(const TrimulParams& p, float (&acc)[2][4]
   }
 }
 
+// Both kernels' shared memory from its base: the a tile, one Wout chunk, mean and rstd per
+// position and the LN_H weight and bias (read from shared memory by the normalisation, not per
+// element from L1); `rest` is what follows (the plain kernel's sg, the resident one's sraw).
+struct OpSmem {
+  tm_half* sa;     // [BM][OP_LD]
+  tm_half* sw;     // [BN][OP_LD]
+  float* smean;    // [BM]
+  float* srstd;    // [BM]
+  float* snw;      // [128]
+  float* snb;      // [128]
+  tm_half* rest;
+};
+
+__device__ __forceinline__ OpSmem op_smem_layout(unsigned char* base) {
+  OpSmem s;
+  s.sa = (tm_half*)base;
+  s.sw = s.sa + OP_BM * OP_LD;
+  s.smean = (float*)(s.sw + OP_BN * OP_LD);
+  s.srstd = s.smean + OP_BM;
+  s.snw = s.srstd + OP_BM;
+  s.snb = s.snw + 128;
+  s.rest = (tm_half*)(s.snb + 128);
+  return s;
+}
+
+// LN_H's weight and bias into shared memory (read by step 3, after at least one barrier).
+template <int HC>
+__device__ __forceinline__ void op_load_ln(const TrimulParams& p, float* snw, float* snb) {
+  for (int h = threadIdx.x; h < (HC ? HC : p.h); h += OP_THREADS) {
+    snw[h] = p.norm_out_w[h];
+    snb[h] = p.norm_out_b[h];
+  }
+}
+
 // The kernel body; HC is H when known at compile time (the common H = 128: every index
 // division and copy loop then resolves at compile time), else 0.
 template <int HC>
 __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
   extern __shared__ __align__(16) unsigned char op_smem[];
-  tm_half* sa = (tm_half*)op_smem;          // [BM][OP_LD]
-  tm_half* sw = sa + OP_BM * OP_LD;         // [BN][OP_LD]
-  float* smean = (float*)(sw + OP_BN * OP_LD);  // [BM]
-  float* srstd = smean + OP_BM;                 // [BM]
-  float* snw = srstd + OP_BM;                   // [128] LN_H weight and bias, read from shared
-  float* snb = snw + 128;                       // memory by the normalisation (not per element from L1)
-  tm_half* sg = (tm_half*)(snb + 128);          // [BM][OP_LD] when op_uses_sg: af3 gate, 16-bit y
+  const OpSmem sm = op_smem_layout(op_smem);
+  tm_half *sa = sm.sa, *sw = sm.sw;
+  float *smean = sm.smean, *srstd = sm.srstd, *snw = sm.snw, *snb = sm.snb;
+  tm_half* sg = sm.rest;  // [BM][OP_LD] when op_uses_sg: af3 gate, 16-bit y
 
   const int H = HC ? HC : p.h, C = p.c;
   // Blocks take the tiles last to first: the contraction wrote the last batch's t last, so the
@@ -317,10 +348,7 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
 
   if (p.af3) op_load_gate(p, sg, first, np, 0);
   op_load_w<HC>(p, sw, 0);
-  for (int h = tid; h < H; h += OP_THREADS) {  // read by step 3, after two barriers
-    snw[h] = p.norm_out_w[h];
-    snb[h] = p.norm_out_b[h];
-  }
+  op_load_ln<HC>(p, snw, snb);
 
   // The gpumode gate of this thread's step-3 items, loaded now so its latency overlaps steps 1–2.
   uint4 gpre[OP_ITEMS];
@@ -390,29 +418,23 @@ __device__ __forceinline__ void op_prefetch_t(const TrimulParams& p, tm_half* sr
 
 // The resident form for H = 128, C <= 128, gpumode with f32 y (no staging tile sg): a block
 // loads Wout once and walks tiles (blockIdx.x, + gridDim.x, ... counted from the last tile, as
-// the plain kernel's blocks are); each tile's t arrives by
-// cp.async while the block works on the tile before (the plain kernel waits on its t tile at
-// the start of every block: a quarter of its stall samples, ncu at 256,2,128). The host
-// guarantees whole tiles inside one batch: rows, row0 and N² multiples of 64.
+// the plain kernel's blocks are); each tile's t arrives by cp.async while the block works on the
+// tile before (the plain kernel waits on its t tile at the start of every block: a quarter of
+// its stall samples, ncu at 256,2,128). The host guarantees whole tiles inside one batch: rows,
+// row0 and N² multiples of 64.
 extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_resident(const TrimulParams p) {
   extern __shared__ __align__(16) unsigned char opr_smem[];
-  tm_half* sa = (tm_half*)opr_smem;              // [BM][OP_LD]
-  tm_half* sw = sa + OP_BM * OP_LD;             // [BN][OP_LD]
-  float* smean = (float*)(sw + OP_BN * OP_LD);  // [BM]
-  float* srstd = smean + OP_BM;                 // [BM]
-  float* snw = srstd + OP_BM;                   // [128]
-  float* snb = snw + 128;                       // [128]
-  tm_half* sraw = (tm_half*)(snb + 128);        // [128][OP_RAW_LD] the next tile's t
+  const OpSmem sm = op_smem_layout(opr_smem);
+  tm_half *sa = sm.sa, *sw = sm.sw;
+  float *smean = sm.smean, *srstd = sm.srstd, *snw = sm.snw, *snb = sm.snb;
+  tm_half* sraw = sm.rest;  // [128][OP_RAW_LD] the next tile's t
 
   const tm_i64 tiles = p.rows / OP_BM;
   tm_i64 tile = blockIdx.x;
   if (tile >= tiles) return;
   const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   op_load_w<128>(p, sw, 0);
-  if (tid < 128) {
-    snw[tid] = p.norm_out_w[tid];
-    snb[tid] = p.norm_out_b[tid];
-  }
+  op_load_ln<128>(p, snw, snb);
   // Tiles last to first, as in the plain kernel: the last batch's t is the freshest in L2.
   op_prefetch_t(p, sraw, p.row0 + (tiles - 1 - tile) * OP_BM);
 

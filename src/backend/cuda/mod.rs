@@ -781,7 +781,7 @@ impl CudaBackend {
 const OUTPUT_PROJECTION_ROWS: usize = 64;
 /// sa [64][136] and sw [128][136] (halves), mean and rstd [64], LN_H weight and bias [128] (f32),
 /// and for af3 or 16-bit y the staging tile sg [64][136] (halves) of the gate and y.
-fn output_projection_smem(af3: bool, io_dtype: i32) -> u32 {
+const fn output_projection_smem(af3: bool, io_dtype: i32) -> u32 {
     let base = (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4 + 2 * 128 * 4;
     let staging = if af3 || io_dtype != params::IO_F32 { OUTPUT_PROJECTION_ROWS * 136 * 2 } else { 0 };
     (base + staging) as u32
@@ -789,8 +789,7 @@ fn output_projection_smem(af3: bool, io_dtype: i32) -> u32 {
 
 /// Shared memory of the resident output kernel: sa, sw, the statistics and LN_H parameters as in
 /// [`output_projection_smem`], plus the next tile's t `[128][72]` (halves).
-const OUTPUT_RESIDENT_SMEM: u32 =
-    ((OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4 + 2 * 128 * 4 + 128 * 72 * 2) as u32;
+const OUTPUT_RESIDENT_SMEM: u32 = output_projection_smem(false, params::IO_F32) + 128 * 72 * 2;
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
