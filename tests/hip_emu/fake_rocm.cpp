@@ -274,6 +274,10 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
   const size_t M = (size_t)p.batch * p.n * p.n, C = p.c, H = p.h, G = p.g, P = p.p;
   const size_t rows = (size_t)p.rows, row0 = (size_t)p.row0;
   if (p.row0 < 0 || p.rows < 0 || row0 + rows > M) fail(name + ": rows outside the problem");
+  // gate and a hold the positions buf_row0 .. (every position in a one-pass plan, one row chunk
+  // in a chunked plan): a launch touches its rows of them, counted from buf_row0.
+  if (p.buf_row0 < 0 || p.buf_row0 > p.row0) fail(name + ": buf_row0 after the launch's first row");
+  const size_t brow = row0 - (size_t)p.buf_row0;
   if (name == "input_norm") {
     need(p.x + row0 * C, rows * C * 4, "input_norm x");
     need(p.z, rows * C * 2, "input_norm z");
@@ -285,17 +289,17 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     if (p.proj_bias) need(p.proj_bias, P * 4, "input_gating bias");
     need(p.left, M * H * 2, "input_gating left");
     need(p.right, M * H * 2, "input_gating right");
-    need(p.gate, M * G * 2, "input_gating gate");
+    need(p.gate + brow * G, rows * G * 2, "input_gating gate");
   } else if (name == "output_norm" || name == "output_projection") {
     need(p.t, M * H * 2, "t");
-    need(p.gate, M * G * 2, "gate");
+    need(p.gate + brow * G, rows * G * 2, "gate");
     need(p.norm_out_w, H * 4, "LN_H weight");
     need(p.norm_out_b, H * 4, "LN_H bias");
-    if (name == "output_norm") need(p.a, M * H * 2, "output_norm a");
-    if (name == "output_projection") need(p.y, M * C * 4, "output_projection y");
+    if (name == "output_norm") need(p.a + brow * H, rows * H * 2, "output_norm a");
+    if (name == "output_projection") need(p.y + row0 * C, rows * C * 4, "output_projection y");
   } else if (name == "output_gate") {
-    need(p.y, M * C * 4, "output_gate y");
-    need(p.gate, M * C * 2, "output_gate gate");
+    need(p.y + row0 * C, rows * C * 4, "output_gate y");
+    need(p.gate + brow * C, rows * C * 2, "output_gate gate");
   }
   if (!violation.empty()) return status();
   bool lds_overrun = false;

@@ -17,6 +17,13 @@
 //!    MFMA (opt-in, `TRIMUL_HIP_MFMA=1`, CDNA only): `output_projection` does all of step 3 in
 //!    one kernel with `v_mfma_f32_32x32x8f16`. It has not run on hardware yet.
 //!
+//! When that plan's workspace does not fit the memory budget (or the free memory), the forward
+//! runs a [`ChunkedPlan`] instead: steps 1 and 2 in passes over hidden channels (each pass's
+//! rows of the gated projections packed into one weight block when the workspace is made, so
+//! `input_gating` runs unchanged with H = the pass width), then step 3 per row chunk with the
+//! gate recomputed from x (`input_gating` with H = 0 over the out-gate columns). The math of why
+//! this is exact, and of in-place mode, is in [`crate::memory`].
+//!
 //! The stage kernels (`hip/*.hip`) share their source with the CUDA backend (`common/`), the
 //! GEMMs share their layout math ([`GemmSpec`]); so both backends compute the same thing in the
 //! same order, and what the H100 tests prove about the shared parts holds here too. Nothing is
@@ -39,7 +46,7 @@ use std::sync::{Arc, Mutex};
 
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
 use self::kernels::{HipKernelOutput, KernelImage};
-use self::plan::{Plan, Staging};
+use self::plan::{ChunkedPlan, Plan, Staging};
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::gemm::GemmSpec;
 use super::params::{self as launch_params, KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
@@ -54,6 +61,8 @@ use crate::weights::Weights;
 const POISON_BYTE: u8 = 0xFF;
 /// Grid-stride blocks of `output_gate` (enough to fill an MI300X's 304 CUs many times over).
 const OUTPUT_GATE_MAX_GRID: usize = 65_535;
+/// Positions per block of `input_gating` when it computes only the gate (no shared memory).
+const GATE_TILE_ROWS: usize = 64;
 
 /// A HIP device with its stream, rocBLAS handle and loaded kernels. Cheap to clone (shared).
 #[derive(Clone)]
@@ -134,7 +143,7 @@ impl std::fmt::Debug for HipPrepared {
 
 impl std::fmt::Debug for HipWorkspace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HipWorkspace({:?}, {} bytes)", self.problem.shape, self.plan.total_bytes())
+        write!(f, "HipWorkspace({:?}, {} bytes)", self.problem.shape, self.layout.bytes())
     }
 }
 
@@ -154,6 +163,19 @@ impl HipPrepared {
 /// Device buffers for one problem shape (see [`plan`]).
 pub struct HipWorkspace {
     problem: Problem,
+    layout: Layout,
+    /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use.
+    host_io: Option<HostIo>,
+}
+
+/// Where the intermediates live: everything at once, or a plan within a memory limit.
+enum Layout {
+    OnePass(OnePass),
+    Chunked(Chunked),
+}
+
+/// The fastest plan ([`Plan`]): left, right, the gate and t for every position.
+struct OnePass {
     plan: Plan,
     left: DeviceMem,
     right: DeviceMem,
@@ -161,8 +183,25 @@ pub struct HipWorkspace {
     t: DeviceMem,
     staging: Option<DeviceMem>,
     ones: Option<DeviceMem>,
-    /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use.
-    host_io: Option<HostIo>,
+}
+
+/// Hidden passes and row chunks ([`ChunkedPlan`]).
+struct Chunked {
+    plan: ChunkedPlan,
+    t: DeviceMem,
+    scratch: DeviceMem,
+    /// Each pass's rows of the gated projections, packed `[lp; lg; rp; rg]` (and their biases).
+    pass_w: DeviceMem,
+    ones: Option<DeviceMem>,
+}
+
+impl Layout {
+    fn bytes(&self) -> u64 {
+        match self {
+            Layout::OnePass(o) => o.plan.total_bytes(),
+            Layout::Chunked(c) => c.plan.total_bytes(),
+        }
+    }
 }
 
 struct HostIo {
@@ -357,6 +396,74 @@ impl HipBackend {
         Ok(k)
     }
 
+    /// af3's vector of ones for the output-bias update of `rows` positions.
+    fn ones(&self, bytes: usize, rows: usize) -> Result<Option<DeviceMem>> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let mem = self.alloc_mem(bytes)?;
+        mem.upload(&self.ctx.stream, 0, &vec![1.0f32; rows])?;
+        Ok(Some(mem))
+    }
+
+    fn one_pass_buffers(&self, plan: Plan) -> Result<OnePass> {
+        let staging = match plan.staging {
+            Staging::Separate => Some(self.alloc_mem(plan.staging_bytes)?),
+            Staging::InT => None,
+        };
+        Ok(OnePass {
+            left: self.alloc_mem(plan.left_bytes)?,
+            right: self.alloc_mem(plan.left_bytes)?,
+            gate: self.alloc_mem(plan.gate_bytes)?,
+            t: self.alloc_mem(plan.t_bytes)?,
+            staging,
+            ones: self.ones(plan.ones_bytes, plan.rows)?,
+            plan,
+        })
+    }
+
+    /// The buffers of a chunked plan, with every pass's rows of the gated projections (and their
+    /// biases) copied from the prepared weights into one `[lp; lg; rp; rg]` block per pass, so a
+    /// pass's projection is one GEMM and `input_gating` sees the layout it expects with H = hc.
+    fn chunked_buffers(&self, prepared: &HipPrepared, plan: ChunkedPlan) -> Result<Chunked> {
+        let pass_w = self.alloc_mem(plan.pass_w_bytes)?;
+        let (c, h) = (plan.c, plan.h);
+        let stream = self.stream();
+        let bias = prepared.proj_bias.as_ref();
+        for (h0, hn) in plan.passes() {
+            for part in 0..4 {
+                let dst = (4 * h0 + part * hn) as u64;
+                let src = (part * h + h0) as u64;
+                // SAFETY: both ranges lie inside their allocations: the prepared [P, C] f16
+                // weights hold rows part·H + h0 .. + hn, pass_w holds 4H rows of C halves and then
+                // 4H f32 biases at pass_bias_off; the copies are waited for below.
+                unsafe {
+                    let (w, cb) = (c as u64 * 2, hn * c * 2);
+                    result::copy_dtod_async(
+                        self.ctx.api,
+                        pass_w.addr() + dst * w,
+                        prepared.w_in.addr() + src * w,
+                        cb,
+                        stream,
+                    )?;
+                    if let Some(b) = bias {
+                        let off = pass_w.addr() + plan.pass_bias_off as u64;
+                        result::copy_dtod_async(self.ctx.api, off + dst * 4, b.addr() + src * 4, hn * 4, stream)?;
+                    }
+                }
+            }
+        }
+        // Forwards may run on a caller's stream: the copies must be done before this returns.
+        self.ctx.stream.synchronize()?;
+        Ok(Chunked {
+            t: self.alloc_mem(plan.t_bytes)?,
+            scratch: self.alloc_mem(plan.scratch_bytes)?,
+            pass_w,
+            ones: self.ones(plan.ones_bytes, plan.chunk_rows)?,
+            plan,
+        })
+    }
+
     fn check_fits(&self, what: &str, needed: u64) -> Result<()> {
         let (free, _) = result::mem_get_info(self.ctx.api)?;
         if needed > free {
@@ -497,23 +604,11 @@ impl HipBackend {
         y: u64,
         stream: sys::hipStream_t,
     ) -> Result<()> {
-        let plan = &ws.plan;
-        let Config { c, h, formulation } = problem.config;
+        let Config { c, h, .. } = problem.config;
         let (b, n) = (problem.shape.batch, problem.shape.n);
-        let m = plan.rows;
-        let k = &self.ctx.kernels;
+        let m = problem.shape.rows();
         let api = self.ctx.api;
-        let staging = ws.staging.as_ref().unwrap_or(&ws.t);
-        if self.ctx.poison.load(Ordering::Relaxed) {
-            for buf in [&ws.left, &ws.right, &ws.gate, &ws.t].into_iter().chain(ws.staging.as_ref()) {
-                // SAFETY: a workspace allocation of this device; `stream` per the contract.
-                unsafe { buf.memset(stream, POISON_BYTE)? };
-            }
-            if !problem.in_place {
-                // SAFETY: y holds M·C f32 per the contract.
-                unsafe { result::memset_async(api, y, POISON_BYTE, m * c * 4, stream)? };
-            }
-        }
+        let poison = self.ctx.poison.load(Ordering::Relaxed);
         let int =
             |v: usize, what: &str| i32::try_from(v).map_err(|_| Error::Shape(format!("{what} = {v} exceeds i32")));
         let base = KernelParams {
@@ -524,13 +619,6 @@ impl HipBackend {
             proj_bias: prep.proj_bias.as_ref().map_or(0, DeviceMem::addr),
             norm_out_w: prep.norm_out_w.addr(),
             norm_out_b: prep.norm_out_b.addr(),
-            z: staging.addr(),
-            proj: staging.addr() + plan.proj_offset as u64,
-            left: ws.left.addr(),
-            right: ws.right.addr(),
-            gate: ws.gate.addr(),
-            t: ws.t.addr(),
-            a: ws.left.addr(),
             y,
             row0: 0,
             rows: m as i64,
@@ -538,13 +626,63 @@ impl HipBackend {
             n: int(n, "N")?,
             c: int(c, "C")?,
             h: int(h, "H")?,
-            g: int(plan.g, "G")?,
-            p: int(plan.p, "P")?,
-            af3: i32::from(formulation == Formulation::Af3),
+            g: int(problem.config.gate_width(), "G")?,
+            p: int(problem.config.fused_proj_width(), "P")?,
+            af3: i32::from(problem.config.formulation == Formulation::Af3),
             tile_rows: 0,
             eps: LN_EPS,
             // The fused-input fields belong to the CUDA input_projection kernel; unused here.
             ..KernelParams::default()
+        };
+        if poison && !problem.in_place {
+            // SAFETY: y holds M·C f32 per the contract.
+            unsafe { result::memset_async(api, y, POISON_BYTE, m * c * 4, stream)? };
+        }
+        // SAFETY: forwarded from this function's contract; the layouts' buffers are sized by
+        // their plans for this problem.
+        unsafe {
+            match &ws.layout {
+                Layout::OnePass(o) => self.enqueue_one_pass(blas, prep, o, problem, &base, poison, stream),
+                Layout::Chunked(ch) => self.enqueue_chunked(blas, prep, ch, problem, &base, poison, stream),
+            }
+        }
+    }
+
+    /// The fastest plan: the projection chunk by chunk into left, right and the gate for every
+    /// position, one contraction, one output stage.
+    ///
+    /// # Safety
+    /// As for [`HipBackend::enqueue_stages`]; `base` holds that call's pointers and shape.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_one_pass(
+        &self,
+        blas: &BlasHandle,
+        prep: &HipPrepared,
+        ws: &OnePass,
+        problem: &Problem,
+        base: &KernelParams,
+        poison: bool,
+        stream: sys::hipStream_t,
+    ) -> Result<()> {
+        let plan = &ws.plan;
+        let (c, h) = (plan.c, plan.h);
+        let k = &self.ctx.kernels;
+        let staging = ws.staging.as_ref().unwrap_or(&ws.t);
+        if poison {
+            for buf in [&ws.left, &ws.right, &ws.gate, &ws.t].into_iter().chain(ws.staging.as_ref()) {
+                // SAFETY: a workspace allocation of this device; `stream` per the contract.
+                unsafe { buf.memset(stream, POISON_BYTE)? };
+            }
+        }
+        let base = KernelParams {
+            z: staging.addr(),
+            proj: staging.addr() + plan.proj_offset as u64,
+            left: ws.left.addr(),
+            right: ws.right.addr(),
+            gate: ws.gate.addr(),
+            t: ws.t.addr(),
+            a: ws.left.addr(),
+            ..*base
         };
 
         // SAFETY (all launches and GEMMs below): every address in `base` is a prepared-weight or
@@ -558,52 +696,196 @@ impl HipBackend {
             let g = RocblasGemm::from_spec(&GemmSpec::projection(rows, c, plan.p), DataType::F16, DataType::F16)?;
             // SAFETY: the invariant stated at the top of this section holds for these addresses.
             unsafe {
-                launch(&k.input_norm, stream, rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize), 0, &p)?;
+                launch(&self.ctx.kernels.input_norm, stream, rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize), 0, &p)?;
                 gemm(blas, &g, 1.0, prep.w_in.addr(), base.z, 0.0, base.proj)?;
                 launch(&k.input_gating, stream, rows.div_ceil(tr), launch_params::gating_smem_bytes(h, tr), &p)?;
             }
         }
 
         // 2. Contraction: A = right, B = left, D = t, one N×N matrix per (b, h).
-        let spec = GemmSpec::contraction(problem.direction, b * h, n);
+        let spec = GemmSpec::contraction(problem.direction, problem.shape.batch * h, problem.shape.n);
         let g = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16)?;
         // SAFETY: the invariant stated at the top of this section holds for these addresses.
         unsafe { gemm(blas, &g, 1.0, ws.right.addr(), ws.left.addr(), 0.0, ws.t.addr())? };
 
-        // 3. Output stage.
+        // 3. Output stage of every position.
+        // SAFETY: as above; `a` (= left) holds M·H halves and the gate every position.
+        unsafe { self.enqueue_output(blas, prep, &base, ws.ones.as_ref(), stream) }
+    }
+
+    /// A plan within a memory limit ([`ChunkedPlan`]): the hidden passes, then the output stage
+    /// per row chunk with the gate recomputed from x.
+    ///
+    /// # Safety
+    /// As for [`HipBackend::enqueue_stages`]; `base` holds that call's pointers and shape.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_chunked(
+        &self,
+        blas: &BlasHandle,
+        prep: &HipPrepared,
+        ws: &Chunked,
+        problem: &Problem,
+        base: &KernelParams,
+        poison: bool,
+        stream: sys::hipStream_t,
+    ) -> Result<()> {
+        let plan = &ws.plan;
+        let (c, h, g) = (plan.c, plan.h, plan.g);
+        let (batch, nn) = (problem.shape.batch, problem.shape.n * problem.shape.n);
+        let k = &self.ctx.kernels;
+        if poison {
+            for buf in [&ws.t, &ws.scratch] {
+                // SAFETY: a workspace allocation of this device; `stream` per the contract.
+                unsafe { buf.memset(stream, POISON_BYTE)? };
+            }
+        }
+        let scratch = ws.scratch.addr();
+        let z = scratch;
+        let norm_grid = |rows: usize| rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize);
+        let has_bias = prep.proj_bias.is_some();
+
+        // SAFETY (all launches and GEMMs below): the scratch regions are laid out by `plan`
+        // (z, proj, left/right for a row chunk or a pass, within `scratch_bytes`), left/right sit
+        // in y only when `plan.lr_in_y` says they fit there, `pass_w` holds every pass's packed
+        // rows and `t` M·H halves; x, mask and y come from this function's contract.
+
+        // Phase A: per hidden pass, left/right of its channels for every position, then its
+        // channels of t (contiguous within a batch only: one strided-batched GEMM per batch).
+        let (left, right) = if plan.lr_in_y {
+            (base.y, base.y + plan.lr_bytes as u64)
+        } else {
+            (scratch + plan.lr_off as u64, scratch + (plan.lr_off + plan.lr_bytes) as u64)
+        };
+        let proj = scratch + plan.proj_a_off as u64;
+        for (h0, hn) in plan.passes() {
+            let w = ws.pass_w.addr() + (4 * h0 * c * 2) as u64;
+            let bias = if has_bias { ws.pass_w.addr() + (plan.pass_bias_off + 4 * h0 * 4) as u64 } else { 0 };
+            let tr = launch_params::gating_tile_rows(hn);
+            for (row0, rows) in plan.chunks() {
+                // input_gating with H = hn and no gate: proj is [rows, 4·hn] in this pass's
+                // order, left/right are [B, hn, N, N].
+                let p = KernelParams {
+                    z,
+                    proj,
+                    left,
+                    right,
+                    proj_bias: bias,
+                    h: hn as i32,
+                    g: 0,
+                    p: (4 * hn) as i32,
+                    row0: row0 as i64,
+                    rows: rows as i64,
+                    tile_rows: tr as i32,
+                    ..*base
+                };
+                let spec = GemmSpec::projection(rows, c, 4 * hn);
+                let gm = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16)?;
+                // SAFETY: the invariant stated at the top of this section holds for these addresses.
+                unsafe {
+                    launch(&k.input_norm, stream, norm_grid(rows), 0, &p)?;
+                    gemm(blas, &gm, 1.0, w, z, 0.0, proj)?;
+                    launch(&k.input_gating, stream, rows.div_ceil(tr), launch_params::gating_smem_bytes(hn, tr), &p)?;
+                }
+            }
+            let spec = GemmSpec::contraction(problem.direction, hn, problem.shape.n);
+            let gm = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16)?;
+            for bi in 0..batch {
+                let off = (bi * hn * nn * 2) as u64;
+                let t = ws.t.addr() + ((bi * h + h0) * nn * 2) as u64;
+                // SAFETY: as above; batch bi's hn matrices of the pass and its channels of t.
+                unsafe { gemm(blas, &gm, 1.0, right + off, left + off, 0.0, t)? };
+            }
+        }
+
+        // Phase B: per row chunk, the gate from x (input_gating with H = 0 over the out_gate
+        // columns), then the output stage of those rows.
+        let proj = scratch + plan.proj_b_off as u64;
+        let gate = scratch + plan.gate_off as u64;
+        let a = scratch + plan.a_off as u64;
+        let w_gate = prep.w_in.addr() + (4 * h * c * 2) as u64;
+        let gate_bias = prep.proj_bias.as_ref().map_or(0, |pb| pb.addr() + (4 * h * 4) as u64);
+        let spec_rows =
+            |rows: usize| RocblasGemm::from_spec(&GemmSpec::projection(rows, c, g), DataType::F16, DataType::F16);
+        for (r0, rows) in plan.chunks() {
+            let chunk = KernelParams {
+                z,
+                proj,
+                gate,
+                a,
+                t: ws.t.addr(),
+                row0: r0 as i64,
+                rows: rows as i64,
+                buf_row0: r0 as i64,
+                ..*base
+            };
+            let gp =
+                KernelParams { h: 0, p: g as i32, proj_bias: gate_bias, tile_rows: GATE_TILE_ROWS as i32, ..chunk };
+            let gm = spec_rows(rows)?;
+            // SAFETY: the invariant stated at the top of this section holds for these addresses.
+            unsafe {
+                launch(&k.input_norm, stream, norm_grid(rows), 0, &gp)?;
+                gemm(blas, &gm, 1.0, w_gate, z, 0.0, proj)?;
+                launch(&k.input_gating, stream, rows.div_ceil(GATE_TILE_ROWS), 0, &gp)?;
+                self.enqueue_output(blas, prep, &chunk, ws.ones.as_ref(), stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The output stage of positions `p.row0 .. p.row0 + p.rows`: the gate (and, on the rocBLAS
+    /// path, the operand `a`) in buffers holding positions from `p.buf_row0`, t whole, y written
+    /// at those rows.
+    ///
+    /// # Safety
+    /// As for [`HipBackend::enqueue_stages`]; `p.gate` and `p.a` hold `p.rows` positions, `ones`
+    /// at least `p.rows` f32 ones.
+    unsafe fn enqueue_output(
+        &self,
+        blas: &BlasHandle,
+        prep: &HipPrepared,
+        p: &KernelParams,
+        ones: Option<&DeviceMem>,
+        stream: sys::hipStream_t,
+    ) -> Result<()> {
+        let k = &self.ctx.kernels;
+        let (rows, c, h) = (p.rows as usize, p.c as usize, p.h as usize);
+        let y = p.y + (p.row0 as u64) * (c as u64) * 4;
+        // SAFETY (every launch and GEMM below): the addresses satisfy this function's contract.
         match prep.output {
             HipKernelOutput::Mfma => {
                 let kernel = prep.mfma.as_ref().ok_or_else(|| Error::NoKernels {
                     arch: self.ctx.arch.clone(),
                     reason: "MFMA output kernel selected but not loaded".into(),
                 })?;
-                let p = KernelParams { tile_rows: kernels::OUTPUT_PROJECTION_ROWS as i32, ..base };
+                let p = KernelParams { tile_rows: kernels::OUTPUT_PROJECTION_ROWS as i32, ..*p };
                 let bias = prep.out_bias.as_ref().map_or(0, DeviceMem::addr);
-                // SAFETY: the invariant stated at the top of this section holds for these addresses.
-                unsafe { launch_output_projection(kernel, stream, m, h, &p, prep.w_out.addr(), bias)? };
+                unsafe { launch_output_projection(kernel, stream, rows, h, &p, prep.w_out.addr(), bias)? };
             }
             HipKernelOutput::Blas => {
                 let tp = launch_params::output_norm_tile_rows(h);
-                let p = KernelParams { tile_rows: tp as i32, ..base };
-                let g = RocblasGemm::from_spec(&GemmSpec::output(m, c, h), DataType::F16, DataType::F32)?;
-                // SAFETY: the invariant stated at the top of this section holds for these addresses.
+                let np = KernelParams { tile_rows: tp as i32, ..*p };
+                let g = RocblasGemm::from_spec(&GemmSpec::output(rows, c, h), DataType::F16, DataType::F32)?;
                 unsafe {
-                    launch(&k.output_norm, stream, m.div_ceil(tp), launch_params::output_norm_smem_bytes(h, tp), &p)?;
-                    gemm(blas, &g, 1.0, prep.w_out.addr(), base.a, 0.0, y)?;
+                    launch(
+                        &k.output_norm,
+                        stream,
+                        rows.div_ceil(tp),
+                        launch_params::output_norm_smem_bytes(h, tp),
+                        &np,
+                    )?;
+                    gemm(blas, &g, 1.0, prep.w_out.addr(), p.a, 0.0, y)?;
                 }
                 if let Some(bias) = &prep.out_bias {
-                    let ones = ws.ones.as_ref().ok_or_else(|| {
+                    let ones = ones.ok_or_else(|| {
                         Error::InvalidArgument("workspace has no ones vector for the af3 bias".into())
                     })?;
-                    let g = RocblasGemm::from_spec(&bias_update_spec(m, c), DataType::F32, DataType::F32)?;
-                    // SAFETY: the invariant stated at the top of this section holds for these addresses.
+                    let g = RocblasGemm::from_spec(&bias_update_spec(rows, c), DataType::F32, DataType::F32)?;
                     unsafe { gemm(blas, &g, 1.0, bias.addr(), ones.addr(), 1.0, y)? };
                 }
-                if formulation == Formulation::Af3 {
-                    let grid = (m * c).div_ceil(STAGE_THREADS as usize * 8).clamp(1, OUTPUT_GATE_MAX_GRID);
-                    let p = KernelParams { tile_rows: grid as i32, ..base };
-                    // SAFETY: the invariant stated at the top of this section holds for these addresses.
-                    unsafe { launch(&k.output_gate, stream, grid, 0, &p)? };
+                if p.af3 != 0 {
+                    let grid = (rows * c).div_ceil(STAGE_THREADS as usize * 8).clamp(1, OUTPUT_GATE_MAX_GRID);
+                    let gp = KernelParams { tile_rows: grid as i32, ..*p };
+                    unsafe { launch(&k.output_gate, stream, grid, 0, &gp)? };
                 }
             }
         }
@@ -725,12 +1007,21 @@ impl Backend for HipBackend {
     }
 
     fn exec_plan(ws: &HipWorkspace) -> ExecPlan {
-        ExecPlan {
-            hidden_chunk: ws.problem.config.h,
-            hidden_passes: 1,
-            output_rows: ws.plan.rows,
-            gate_recomputed: false,
-            workspace_bytes: ws.plan.total_bytes(),
+        match &ws.layout {
+            Layout::OnePass(o) => ExecPlan {
+                hidden_chunk: ws.problem.config.h,
+                hidden_passes: 1,
+                output_rows: o.plan.rows,
+                gate_recomputed: false,
+                workspace_bytes: o.plan.total_bytes(),
+            },
+            Layout::Chunked(c) => ExecPlan {
+                hidden_chunk: c.plan.hc,
+                hidden_passes: c.plan.passes().count(),
+                output_rows: c.plan.chunk_rows,
+                gate_recomputed: true,
+                workspace_bytes: c.plan.total_bytes(),
+            },
         }
     }
 
@@ -738,50 +1029,50 @@ impl Backend for HipBackend {
         true
     }
 
-    fn workspace(&self, _prepared: &HipPrepared, problem: &Problem, limit: Option<u64>) -> Result<HipWorkspace> {
+    fn workspace(&self, prepared: &HipPrepared, problem: &Problem, limit: Option<u64>) -> Result<HipWorkspace> {
         self.bind()?;
         let plan = Plan::new(problem)?;
         let (b, n) = (problem.shape.batch, problem.shape.n);
-        if let Some(limit) = limit.filter(|&l| plan.total_bytes() > l) {
-            return Err(Error::OutOfMemory {
-                backend: BackendKind::Hip,
-                what: format!("the workspace for B={b} N={n} (the HIP backend has no chunked plan yet)"),
-                needed: plan.total_bytes(),
-                available: limit,
-            });
-        }
-        self.check_fits(&format!("the workspace for B={b} N={n}"), plan.total_bytes())?;
-        let staging = match plan.staging {
-            Staging::Separate => Some(self.alloc_mem(plan.staging_bytes)?),
-            Staging::InT => None,
-        };
-        let ones = if plan.ones_bytes > 0 {
-            let mem = self.alloc_mem(plan.ones_bytes)?;
-            mem.upload(&self.ctx.stream, 0, &vec![1.0f32; plan.rows])?;
-            Some(mem)
+        let what = format!("the workspace for B={b} N={n}");
+        let (free, _) = result::mem_get_info(self.ctx.api)?;
+        let cap = limit.unwrap_or(u64::MAX).min(free);
+        let layout = if plan.total_bytes() <= cap {
+            Layout::OnePass(self.one_pass_buffers(plan)?)
         } else {
-            None
+            match ChunkedPlan::choose(problem, cap)? {
+                Some(chunked) => Layout::Chunked(self.chunked_buffers(prepared, chunked)?),
+                None => {
+                    return Err(Error::OutOfMemory {
+                        backend: BackendKind::Hip,
+                        what: format!("{what} (narrowest chunked plan)"),
+                        needed: ChunkedPlan::narrowest(problem)?.total_bytes(),
+                        available: cap,
+                    })
+                }
+            }
         };
-        Ok(HipWorkspace {
-            problem: *problem,
-            left: self.alloc_mem(plan.left_bytes)?,
-            right: self.alloc_mem(plan.left_bytes)?,
-            gate: self.alloc_mem(plan.gate_bytes)?,
-            t: self.alloc_mem(plan.t_bytes)?,
-            staging,
-            ones,
-            host_io: None,
-            plan,
-        })
+        Ok(HipWorkspace { problem: *problem, layout, host_io: None })
     }
 
     fn workspace_fits(&self, ws: &HipWorkspace, problem: &Problem) -> bool {
-        // The mask and the direction change only kernel arguments and transposes, not buffers.
-        ws.problem.config == problem.config && ws.problem.shape == problem.shape && ws.plan.fits(problem)
+        // The mask and the direction change only kernel arguments and transposes, not buffers;
+        // in place moves a chunked plan's left/right out of y.
+        ws.problem.config == problem.config
+            && ws.problem.shape == problem.shape
+            && ws.problem.in_place == problem.in_place
+            && match &ws.layout {
+                Layout::OnePass(o) => o.plan.fits(problem),
+                Layout::Chunked(_) => true,
+            }
     }
 
     fn workspace_bytes(&self, _prepared: &HipPrepared, problem: &Problem) -> u64 {
         Plan::new(problem).map_or(u64::MAX, |p| p.total_bytes())
+    }
+
+    fn min_workspace_bytes(&self, prepared: &HipPrepared, problem: &Problem) -> u64 {
+        let one_pass = self.workspace_bytes(prepared, problem);
+        ChunkedPlan::narrowest(problem).map_or(one_pass, |c| c.total_bytes().min(one_pass))
     }
 
     fn alloc(&self, len: usize) -> Result<HipBuffer> {
