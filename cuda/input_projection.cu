@@ -532,6 +532,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
 
   // Start streaming the first weight slice while the LayerNorm runs.
   ip_load_b<false>(p, ip_b_loader<false>(p, ring), 0, l.chunk0, 0);
+  pdl_wait();  // x (and every buffer written below) only after the previous kernel is done
   ip_layernorm<KMAX, false, IP_BM, IP_LN_ROWS_MMA>(p, (unsigned char*)sa, lda, smask, l.tile0, l.m_total);
   __syncthreads();  // z complete before any warp reads it
   // Built again after the LayerNorm rather than held through it (held, it spills in this build).
@@ -606,6 +607,7 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
 
   const IpBLoader bl = ip_b_loader<true>(p, ring);
   ip_load_b<true>(p, bl, 0, l.chunk0, 0);
+  pdl_wait();  // x (and every buffer written below) only after the previous kernel is done
   ip_layernorm<KMAX, true, BM, LN_ROWS>(p, sa, 0, smask, l.tile0, l.m_total);
   fence_proxy_async();  // z was written by ordinary stores; the tensor cores read it next
   __syncthreads();

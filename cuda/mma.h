@@ -109,6 +109,22 @@ __device__ __forceinline__ void stmatrix_x4_trans(unsigned addr, unsigned r0, un
 }
 #endif
 
+// ---- Programmatic dependent launch (sm_90+) ----
+// The host launches the fused input and output kernels with the programmatic-stream-
+// serialization attribute on sm_90 (src/backend/cuda/kernels.rs, `Stage::launch_dependent`): such
+// a kernel's blocks may start while the kernel before it in the stream is still draining, and run
+// their set-up (weights into shared memory, descriptors) under its tail. Everything a kernel does
+// before pdl_wait() must therefore neither read what the previous kernel writes nor write what it
+// reads: only the prepared weights. pdl_wait() returns once that kernel has completed and its
+// writes are visible; for a kernel launched without the attribute, or built for an older GPU, it
+// does nothing. None of these kernels triggers its dependents early: the next kernel may start
+// only as this one's blocks exit.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---- Hopper warpgroup MMA (sm_90a only; callers guard with TM_HAS_WGMMA) ----
 // A warpgroup (4 consecutive warps, the first at a warp index divisible by 4) multiplies a
 // 64 x 16 A tile by a 16 x 128 B tile from shared memory into 64 f32 accumulators per thread.

@@ -68,7 +68,7 @@ __device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, in
 __device__ __forceinline__ bool op_uses_sg(const TrimulParams& p) { return p.af3 || p.io_dtype != TM_IO_F32; }
 
 // Copy af3's gate columns [c0, c0 + 128) of the block's rows into sg (zeros past C and past the
-// last position); cp.async without a commit: the Wout copy that follows commits both.
+// last position); cp.async without a commit: the caller commits.
 __device__ __forceinline__ void op_load_gate(const TrimulParams& p, tm_half* sg, tm_i64 first, int np, int c0) {
 #pragma unroll
   for (int k = 0; k < OP_BM * 16 / OP_THREADS; ++k) {
@@ -313,8 +313,14 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
   const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const tm_i64 nn = (tm_i64)p.n * p.n;
 
-  // 1a. The t tile's loads go first: they are the block's critical DRAM latency, and the set-up
-  // below (the gate and Wout copies, LN_H weights) then runs while they are in flight. A thread
+  // 0. The weights (Wout's first chunk by cp.async, LN_H's weight and bias) are the only reads
+  // before pdl_wait(): under programmatic launch they run while the contraction drains.
+  op_load_w<HC>(p, sw, 0);
+  op_load_ln<HC>(p, snw, snb);
+  pdl_wait();
+
+  // 1a. The t tile's loads go first among the dependent reads: they are the block's critical
+  // DRAM latency, and the gate's set-up below runs while they are in flight. A thread
   // loads all its pieces (32 bytes of one channel: 16 positions) before storing any; the tile
   // has H·BM/16 <= 512 pieces, at most OP_T_INFLIGHT per thread.
   const tm_i64 b0 = first / nn, rem0 = first - b0 * nn;
@@ -346,9 +352,10 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
     }
   }
 
-  if (p.af3) op_load_gate(p, sg, first, np, 0);
-  op_load_w<HC>(p, sw, 0);
-  op_load_ln<HC>(p, snw, snb);
+  if (p.af3) {
+    op_load_gate(p, sg, first, np, 0);
+    asm volatile("cp.async.commit_group;");
+  }
 
   // The gpumode gate of this thread's step-3 items, loaded now so its latency overlaps steps 1–2.
   uint4 gpre[OP_ITEMS];
@@ -435,6 +442,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_re
   const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   op_load_w<128>(p, sw, 0);
   op_load_ln<128>(p, snw, snb);
+  pdl_wait();  // the weights above are all this block reads before the contraction is done
   // Tiles last to first, as in the plain kernel: the last batch's t is the freshest in L2.
   op_prefetch_t(p, sraw, p.row0 + (tiles - 1 - tile) * OP_BM);
 

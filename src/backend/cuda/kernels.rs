@@ -9,7 +9,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::result as cu;
-use cudarc::driver::sys::{CUfunction, CUstream};
+use cudarc::driver::sys::{self, CUfunction, CUstream};
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
@@ -42,6 +42,9 @@ pub(crate) struct Kernels {
     /// Its resident form: Wout loaded once per block, blocks walking tiles with the next tile's
     /// t prefetched (H = 128, C ≤ 128, gpumode with f32 y).
     pub output_projection_resident: Option<Stage>,
+    /// Whether the fused kernels are launched as programmatic dependents of the kernel before
+    /// them ([`Stage::launch_dependent`]): sm_90, unless `TRIMUL_CUDA_PDL=0`.
+    pub pdl: bool,
     /// Largest dynamic shared memory a block may use (bytes).
     pub max_smem: usize,
     /// How each stage was obtained ("fatbin" or "nvrtc sm_XX"), for `trimul info`.
@@ -131,6 +134,7 @@ impl Kernels {
             input_projection_sm90_narrow64: None,
             output_projection: None,
             output_projection_resident: None,
+            pdl: false,
             max_smem: 48 * 1024,
             origin: String::new(),
         };
@@ -179,6 +183,11 @@ impl Kernels {
             input_projection_sm90_narrow64,
             output_projection,
             output_projection_resident,
+            // Hopper only: there the kernels come from the sm_90a image (or NVRTC for the device),
+            // both built with pdl_wait(). Newer GPUs would JIT the compute_80 PTX, which has no
+            // wait, so launching those early would race. `TRIMUL_CUDA_PDL=0` launches them as
+            // plain stream successors, to compare.
+            pdl: cc == (9, 0) && std::env::var("TRIMUL_CUDA_PDL").map_or(true, |v| v.trim() != "0"),
             max_smem: optin,
             ..k
         };
@@ -207,5 +216,53 @@ impl Stage {
         let mut p = *params;
         let mut args = [&mut p as *mut KernelParams as *mut c_void];
         cu::launch_kernel(self.raw, (grid, 1, 1), (block, 1, 1), smem, stream, &mut args).ctx("cuLaunchKernel")
+    }
+
+    /// [`Stage::launch`] as a programmatic dependent of the kernel before it in `stream` when
+    /// `pdl` is set (sm_90+): its blocks may start as that kernel's blocks exit, and run what
+    /// comes before `pdl_wait()` in the kernel (the weights' loads; `cuda/mma.h` says what is
+    /// allowed there) under that kernel's tail. Only for kernels that call `pdl_wait()` before
+    /// touching anything another kernel writes or reads.
+    ///
+    /// # Safety
+    /// As [`Stage::launch`].
+    pub(crate) unsafe fn launch_dependent(
+        &self,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        stream: CUstream,
+        params: &KernelParams,
+        pdl: bool,
+    ) -> Result<()> {
+        if !pdl || grid == 0 {
+            return self.launch(grid, block, smem, stream, params);
+        }
+        let _keep = &self.func;
+        let mut p = *params;
+        let mut args = [&mut p as *mut KernelParams as *mut c_void];
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: `config` and `attr` outlive the call, which copies them; the one argument is a
+        // KernelParams by value as every stage declares, its pointers valid per this function's
+        // contract; the function handle belongs to a module kept loaded by `self.func`.
+        unsafe { sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .ctx("cuLaunchKernelEx")
     }
 }

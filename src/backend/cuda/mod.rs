@@ -318,15 +318,19 @@ impl CudaBackend {
     ) -> Result<()> {
         let kp =
             KernelParams { w_out: prep.w_out.ptr(), out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()), ..*kp };
+        // Programmatic dependents of the contraction (or the gate pass): Wout and the LN_H
+        // parameters load under its tail.
+        let pdl = self.inner.kernels.pdl;
         if let Some((resident, grid)) = self.resident_output(&kp) {
-            return resident.launch(grid, STAGE_THREADS, OUTPUT_RESIDENT_SMEM, stream, &kp);
+            return resident.launch_dependent(grid, STAGE_THREADS, OUTPUT_RESIDENT_SMEM, stream, &kp, pdl);
         }
-        k.launch(
+        k.launch_dependent(
             ceil_div(kp.rows as usize, OUTPUT_PROJECTION_ROWS),
             STAGE_THREADS,
             output_projection_smem(kp.af3 != 0, kp.io_dtype),
             stream,
             &kp,
+            pdl,
         )
     }
 
@@ -615,12 +619,12 @@ impl CudaBackend {
                     _ => None,
                 };
                 let build = InputBuild { stage, smem: smem as u32, rows };
-                return Some(FusedKernel { build, wgmma: true, f32_x });
+                return Some(FusedKernel { build, wgmma: true, f32_x, pdl: k.pdl });
             }
         }
         let stage = if narrow { k.input_projection.as_ref() } else { k.input_projection_wide.as_ref() }?;
         let build = InputBuild { stage, smem: f.smem_bytes() as u32, rows: FUSED_INPUT_ROWS };
-        Some(FusedKernel { build, wgmma: false, f32_x: None })
+        Some(FusedKernel { build, wgmma: false, f32_x: None, pdl: k.pdl })
     }
 
     fn chunked_workspace(&self, prepared: &CudaPrepared, problem: &Problem, plan: ChunkPlan) -> Result<CudaWorkspace> {
@@ -826,6 +830,9 @@ struct FusedKernel<'a> {
     wgmma: bool,
     /// Another build for launches whose x is f32 (see [`FusedKernel::launch`]).
     f32_x: Option<InputBuild<'a>>,
+    /// Launched as a programmatic dependent of the kernel before it (sm_90+, see
+    /// `kernels::Stage::launch_dependent`): its weight set-up runs under that kernel's tail.
+    pdl: bool,
 }
 
 impl FusedKernel<'_> {
@@ -843,7 +850,7 @@ impl FusedKernel<'_> {
             Some(b) if kp.io_dtype == params::IO_F32 => b,
             _ => self.build,
         };
-        b.stage.launch(ceil_div(rows, b.rows), STAGE_THREADS, b.smem, stream, kp)
+        b.stage.launch_dependent(ceil_div(rows, b.rows), STAGE_THREADS, b.smem, stream, kp, self.pdl)
     }
 }
 
