@@ -2,7 +2,10 @@
 //! recorded after every stage (`CudaBackend::record_stages`), printed as milliseconds per stage.
 //! The numbers behind the stage columns of `docs/perf/NOTES.md`.
 //!
-//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io]`
+//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io] [NxB[xC],...]`
+//!
+//! The optional third argument replaces the benchmark shapes with others (C defaults to 128),
+//! e.g. `248x2,256x2,264x2` to see how a stage's time follows the number of positions.
 
 #[cfg(feature = "cuda")]
 fn main() -> trimul::Result<()> {
@@ -13,7 +16,21 @@ fn main() -> trimul::Result<()> {
     let io: Precision = std::env::args().nth(2).as_deref().unwrap_or("f32-io").parse()?;
     let b = CudaBackend::new(0)?;
     println!("{} ({}), {formulation}, {io}", b.info().name, b.info().arch);
-    for case in suite::bench_cases() {
+    let cases = match std::env::args().nth(3) {
+        None => suite::bench_cases(),
+        Some(list) => list
+            .split(',')
+            .map(|spec| {
+                let v: Vec<usize> = spec.split('x').map(|d| d.trim().parse().unwrap_or(0)).collect();
+                match v[..] {
+                    [n, b] if n > 0 && b > 0 => Ok(suite::Case::new(n, b, 128, false, suite::Dist::Normal)),
+                    [n, b, c] if n > 0 && b > 0 && c > 0 => Ok(suite::Case::new(n, b, c, false, suite::Dist::Normal)),
+                    _ => Err(trimul::Error::InvalidArgument(format!("{spec:?}: expected NxB or NxBxC"))),
+                }
+            })
+            .collect::<trimul::Result<Vec<_>>>()?,
+    };
+    for case in cases {
         let problem = case.problem(formulation, Direction::Outgoing)?;
         let weights = Weights::random(problem.config, false, 1)?;
         let inputs = suite::generate_inputs(&case, 2);
