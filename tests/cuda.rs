@@ -334,6 +334,61 @@ fn chunked_plans_and_in_place_match_one_pass() {
     }
 }
 
+/// Layers the fused input kernel does not take (here forced off, and C = 600 > 512) chunk with
+/// the stage kernels around cuBLASLt: at the tightest budget, out of place and in place, with the
+/// fused output kernel and with output_norm + cuBLASLt, they match the reference and their own
+/// one-pass result.
+#[test]
+fn staged_chunked_plans_match_one_pass() {
+    let Some(b) = cuda() else { return };
+    let s = seed();
+    let runs = [
+        (Case::new(60, 2, 64, true, Dist::Cauchy), Formulation::GpuMode, Direction::Outgoing, false),
+        (Case::new(48, 1, 96, true, Dist::Normal), Formulation::Af3, Direction::Incoming, true),
+        (Case::new(24, 1, 600, true, Dist::Normal), Formulation::Af3, Direction::Outgoing, true),
+    ];
+    for fused_output in [true, false] {
+        b.set_fused_input(false);
+        b.set_fused_output(fused_output);
+        for (k, (case, f, d, biases)) in runs.iter().enumerate() {
+            let problem = case.problem(*f, *d).unwrap();
+            let weights = Weights::random(problem.config, *biases, s ^ k as u64).unwrap();
+            let inputs = suite::generate_inputs(case, s ^ 0xC0DE ^ k as u64);
+            let mask = inputs.mask.as_deref();
+            let mut layer = Layer::new(&b, &weights, Options { direction: *d }).unwrap();
+            let mut one_pass = vec![f32::NAN; inputs.x.len()];
+            layer.forward_into(&inputs.x, mask, &mut one_pass, case.shape()).unwrap();
+            for in_place in [false, true] {
+                let needs = layer.memory_needs(case.shape(), true, in_place).unwrap();
+                assert!(needs.min_workspace < needs.one_pass_workspace, "{needs:?}");
+                layer.set_memory_budget(Some(needs.min_total()));
+                let y = if in_place {
+                    let mut xy = inputs.x.clone();
+                    layer.forward_in_place(&mut xy, mask, case.shape()).unwrap();
+                    xy
+                } else {
+                    let mut y = vec![f32::NAN; inputs.x.len()];
+                    layer.forward_into(&inputs.x, mask, &mut y, case.shape()).unwrap();
+                    y
+                };
+                let plan = layer.exec_plan().unwrap();
+                let what = format!("{} {f} {d} fused output {fused_output} in place {in_place}", case.name());
+                eprintln!("{what}: {}", plan.describe());
+                // Out of place left/right may sit in y, so one pass can be the narrowest there.
+                assert!(plan.gate_recomputed && plan.output_rows < case.shape().rows(), "{what}: {plan:?}");
+                assert!(plan.hidden_passes > 1 || !in_place, "{what}: {plan:?}");
+                assert!(plan.workspace_bytes <= needs.min_workspace, "{what}: {plan:?} {needs:?}");
+                let far = y.iter().zip(&one_pass).filter(|(a, o)| (**a - **o).abs() > 5e-3 * (1.0 + o.abs())).count();
+                assert_eq!(far, 0, "{what}: chunked differs from one pass");
+                let cmp = reference::check(&weights, &problem, &inputs.x, mask, &y, TOL, TOL).unwrap();
+                eprintln!("{what}: {cmp}");
+                assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what} seed {s}: {cmp}");
+                layer.set_memory_budget(None);
+            }
+        }
+    }
+}
+
 /// A budget below x + y, and an in-place device-buffer forward on a problem made for separate
 /// buffers: errors, nothing written.
 #[test]

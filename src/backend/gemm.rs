@@ -16,7 +16,7 @@
 use crate::problem::Direction;
 
 /// One (possibly strided-batched) column-major GEMM `D = op(A)·op(B)`, `D` of size `m × n`.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct GemmSpec {
     pub m: usize,
     pub n: usize,

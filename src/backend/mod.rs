@@ -22,6 +22,7 @@ pub mod hip;
 // The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
 pub(crate) mod host_gemm;
 pub mod params;
+pub mod staged_plan;
 
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;

@@ -46,7 +46,7 @@ impl Drop for BlasHandle {
 }
 
 /// Element types of a GEMM's operands.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Elem {
     F16,
     F32,

@@ -37,6 +37,7 @@ use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair, Timel
 use self::kernels::Kernels;
 use super::gemm::GemmSpec;
 use super::params::{self, FusedInputLayout, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
+use super::staged_plan::{ChunkedPlan, STAGING_ALIGN};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
@@ -46,6 +47,8 @@ use crate::weights::Weights;
 
 /// Largest cuBLASLt workspace a GEMM may borrow.
 const MAX_GEMM_WORKSPACE: usize = 32 << 20;
+/// Positions per block of `input_gating` when it computes only the gate (no shared memory).
+const GATE_TILE_ROWS: usize = 64;
 /// Byte bit pattern that makes every f16/f32 element a NaN: poisons buffers in checks.
 const POISON_BYTE: u8 = 0xFF;
 
@@ -422,6 +425,7 @@ impl CudaBackend {
                     }
                 }
                 Layout::Chunked { scratch, .. } => scratch.memset_async(POISON_BYTE, stream)?,
+                Layout::Staged(st) => st.scratch.memset_async(POISON_BYTE, stream)?,
             }
             if !problem.in_place {
                 cu::memset_d8_async(y, POISON_BYTE, m * c * problem.io.io_bytes(), stream).ctx("cuMemsetD8Async(y)")?;
@@ -457,6 +461,7 @@ impl CudaBackend {
                 let scratch = scratch.ptr();
                 return self.enqueue_chunked(prep, ws, plan, scratch, &base, m, stream);
             }
+            Layout::Staged(_) => return self.enqueue_staged(prep, ws, &base, stream),
         };
         let base = KernelParams { left, right, gate, a: left, ..base };
         // 1. LN_C, input projections and gating.
@@ -663,6 +668,226 @@ impl CudaBackend {
             half_staging: None,
             tuning,
         })
+    }
+
+    /// The workspace of a staged chunked plan: t, the scratch, every pass's rows of the gated
+    /// projections copied from the prepared `[P, C]` weights into one `[lp; lg; rp; rg]` block per
+    /// pass (and their biases), the cuBLASLt workspace and one plan per distinct GEMM.
+    fn staged_workspace(&self, prepared: &CudaPrepared, problem: &Problem, plan: ChunkedPlan) -> Result<CudaWorkspace> {
+        let tuning = self.tuning_for(problem);
+        let (c, h, g) = (plan.c, plan.h, plan.g);
+        let stream = self.stream();
+        let pass_w = self.alloc_buffer::<u8>(plan.pass_w_bytes)?;
+        for (h0, hn) in plan.passes() {
+            for part in 0..4 {
+                let (dst, src) = ((4 * h0 + part * hn) as u64, (part * h + h0) as u64);
+                let row = (c * 2) as u64;
+                // SAFETY: the prepared weights hold P = 4H + G rows of C halves and the biases P
+                // f32; pass_w holds 4H rows of C halves, then 4H f32 from pass_bias_off; every
+                // range below lies inside its allocation, and the stream is synchronised below.
+                unsafe {
+                    cu::memcpy_dtod_async(
+                        pass_w.ptr() + dst * row,
+                        prepared.w_in.ptr() + src * row,
+                        hn * c * 2,
+                        stream,
+                    )
+                    .ctx("cuMemcpyDtoDAsync(pass weights)")?;
+                    if let Some(b) = &prepared.proj_bias {
+                        let to = pass_w.ptr() + plan.pass_bias_off as u64 + dst * 4;
+                        cu::memcpy_dtod_async(to, b.ptr() + src * 4, hn * 4, stream)
+                            .ctx("cuMemcpyDtoDAsync(pass biases)")?;
+                    }
+                }
+            }
+        }
+        // Forwards may run on a caller's stream: the copies are done before this returns.
+        // SAFETY: our own stream.
+        unsafe { cu::stream::synchronize(stream) }.ctx("cuStreamSynchronize")?;
+        let ws_bytes = Staged::gemm_ws_bytes(&plan);
+        let blas = &self.inner.blas;
+        let out_bias = prepared.out_bias.is_some();
+        let mut gemms = std::collections::HashMap::new();
+        let mut add = |spec: GemmSpec, d: Elem, bias: bool| -> Result<()> {
+            if let std::collections::hash_map::Entry::Vacant(e) = gemms.entry((spec, d, bias)) {
+                e.insert(MatmulPlan::new(blas, spec, d, bias, ws_bytes)?);
+            }
+            Ok(())
+        };
+        for (_, hn) in plan.passes() {
+            add(GemmSpec::contraction(problem.direction, hn, problem.shape.n), Elem::F16, false)?;
+            for (_, rows) in plan.chunks() {
+                add(GemmSpec::projection(rows, c, 4 * hn), Elem::F16, false)?;
+            }
+        }
+        for (_, rows) in plan.chunks() {
+            add(GemmSpec::projection(rows, c, g), Elem::F16, false)?;
+            add(GemmSpec::output(rows, c, h), Elem::F32, out_bias)?;
+        }
+        // The workspace's contraction and output fields are unused by this layout; they hold the
+        // first pass's and first chunk's plans.
+        let contraction = MatmulPlan::new(
+            blas,
+            GemmSpec::contraction(problem.direction, plan.hc, problem.shape.n),
+            Elem::F16,
+            false,
+            ws_bytes,
+        )?;
+        let output = MatmulPlan::new(blas, GemmSpec::output(plan.chunk_rows, c, h), Elem::F32, out_bias, ws_bytes)?;
+        Ok(CudaWorkspace {
+            problem: *problem,
+            t: self.alloc_buffer(plan.t_bytes / 2)?,
+            layout: Layout::Staged(Staged {
+                scratch: self.alloc_buffer(plan.scratch_bytes)?,
+                gemm_ws: self.alloc_buffer(ws_bytes)?,
+                pass_w,
+                gemms,
+                plan,
+            }),
+            contraction,
+            contraction_tail: None,
+            output,
+            output_tail: None,
+            staging: None,
+            half_staging: None,
+            tuning,
+        })
+    }
+
+    /// The staged chunked plan ([`Staged`]): phase A, per hidden pass, left/right of its channels
+    /// for every position (in y out of place when they fit, else in scratch) and its channels of
+    /// t; phase B, per row chunk, the gate from x, then the output stage of those rows.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue`]; `base` holds that call's pointers and shape.
+    unsafe fn enqueue_staged(
+        &self,
+        prep: &CudaPrepared,
+        ws: &mut CudaWorkspace,
+        base: &KernelParams,
+        stream: CUstream,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let k = &inner.kernels;
+        let problem = ws.problem;
+        let t_ptr = ws.t.ptr();
+        let fused_output = self.fused_output_for(&problem, ws.tuning);
+        let Layout::Staged(st) = &mut ws.layout else {
+            return Err(Error::InvalidArgument("workspace has no staged chunked plan".into()));
+        };
+        let plan = st.plan.clone();
+        let (c, h, g) = (plan.c, plan.h, plan.g);
+        let (batch, nn) = (problem.shape.batch, problem.shape.n * problem.shape.n);
+        let (scratch, gws, gws_len) = (st.scratch.ptr(), st.gemm_ws.ptr(), st.gemm_ws.bytes() as usize);
+        let z = scratch;
+        let norm_grid = |rows: usize| ceil_div(rows, INPUT_NORM_ROWS_PER_BLOCK as usize);
+        let has_bias = prep.proj_bias.is_some();
+
+        // Phase A. SAFETY (every launch and GEMM below): the scratch regions are laid out by the
+        // plan for its row chunks and pass width; left/right sit in y only when the plan says
+        // they fit there; pass_w holds every pass's rows; t holds M·H halves.
+        let (left, right) = if plan.lr_in_y {
+            (base.y, base.y + plan.lr_bytes as u64)
+        } else {
+            (scratch + plan.lr_off as u64, scratch + (plan.lr_off + plan.lr_bytes) as u64)
+        };
+        let proj = scratch + plan.proj_a_off as u64;
+        for (h0, hn) in plan.passes() {
+            let w = st.pass_w.ptr() + (4 * h0 * c * 2) as u64;
+            let bias = if has_bias { st.pass_w.ptr() + (plan.pass_bias_off + 4 * h0 * 4) as u64 } else { 0 };
+            let tr = params::gating_tile_rows(hn);
+            for (row0, rows) in plan.chunks() {
+                // input_gating with H = hn and no gate: proj [rows, 4·hn] in the pass's order,
+                // left/right [B, hn, N, N].
+                let p = KernelParams {
+                    z,
+                    proj,
+                    left,
+                    right,
+                    proj_bias: bias,
+                    h: hn as i32,
+                    g: 0,
+                    p: (4 * hn) as i32,
+                    row0: row0 as i64,
+                    rows: rows as i64,
+                    tile_rows: tr as i32,
+                    ..*base
+                };
+                k.input_norm.launch(norm_grid(rows), STAGE_THREADS, 0, stream, &p)?;
+                let gm = st.gemm(GemmSpec::projection(rows, c, 4 * hn), Elem::F16, false)?;
+                gm.run(&inner.blas, w, z, proj, 0, gws, gws_len, stream)?;
+                let smem = params::gating_smem_bytes(hn, tr) as u32;
+                k.input_gating.launch(ceil_div(rows, tr), STAGE_THREADS, smem, stream, &p)?;
+            }
+            let gm = st.gemm(GemmSpec::contraction(problem.direction, hn, problem.shape.n), Elem::F16, false)?;
+            for b in 0..batch {
+                let off = (b * hn * nn * 2) as u64;
+                let t = t_ptr + ((b * h + h0) * nn * 2) as u64;
+                gm.run(&inner.blas, right + off, left + off, t, 0, gws, gws_len, stream)?;
+            }
+        }
+        self.mark("hidden passes (stage kernels, cuBLASLt)", stream)?;
+
+        // Phase B.
+        let proj = scratch + plan.proj_b_off as u64;
+        let (gate, a) = (scratch + plan.gate_off as u64, scratch + plan.a_off as u64);
+        let w_gate = prep.w_in.ptr() + (4 * h * c * 2) as u64;
+        let gate_bias = prep.proj_bias.as_ref().map_or(0, |b| b.ptr() + (4 * h * 4) as u64);
+        let out_bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
+        for (r0, rows) in plan.chunks() {
+            let chunk = KernelParams {
+                z,
+                proj,
+                gate,
+                a,
+                t: t_ptr,
+                row0: r0 as i64,
+                rows: rows as i64,
+                buf_row0: r0 as i64,
+                ..*base
+            };
+            // input_gating with H = 0: only σ(z·Wogᵀ + b) into the gate chunk.
+            let gp =
+                KernelParams { h: 0, p: g as i32, proj_bias: gate_bias, tile_rows: GATE_TILE_ROWS as i32, ..chunk };
+            k.input_norm.launch(norm_grid(rows), STAGE_THREADS, 0, stream, &gp)?;
+            st.gemm(GemmSpec::projection(rows, c, g), Elem::F16, false)?.run(
+                &inner.blas,
+                w_gate,
+                z,
+                proj,
+                0,
+                gws,
+                gws_len,
+                stream,
+            )?;
+            k.input_gating.launch(ceil_div(rows, GATE_TILE_ROWS), STAGE_THREADS, 0, stream, &gp)?;
+            if let Some(op) = fused_output {
+                self.launch_output(op, prep, &chunk, stream)?;
+                continue;
+            }
+            let tp = params::output_norm_tile_rows(h);
+            let np = KernelParams { tile_rows: tp as i32, ..chunk };
+            let norm_smem = params::output_norm_smem_bytes(h, tp) as u32;
+            k.output_norm.launch(ceil_div(rows, tp), STAGE_THREADS, norm_smem, stream, &np)?;
+            let y = base.y + (r0 * c * 4) as u64;
+            st.gemm(GemmSpec::output(rows, c, h), Elem::F32, prep.out_bias.is_some())?.run(
+                &inner.blas,
+                prep.w_out.ptr(),
+                a,
+                y,
+                out_bias,
+                gws,
+                gws_len,
+                stream,
+            )?;
+            if base.af3 != 0 {
+                let grid = ceil_div(rows * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
+                let gk = KernelParams { tile_rows: grid as i32, ..chunk };
+                k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &gk)?;
+            }
+        }
+        self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)?;
+        Ok(())
     }
 
     /// The chunked plan (see [`ChunkPlan`] and [`crate::memory`]): hidden passes of the fused
@@ -946,6 +1171,44 @@ enum Layout {
     },
     /// Hidden passes and row chunks within a memory limit (see [`crate::memory`]).
     Chunked { plan: ChunkPlan, scratch: DeviceBuffer<u8> },
+    /// The same for layers the fused input kernel does not take: the stage kernels around
+    /// cuBLASLt ([`Staged`]).
+    Staged(Staged),
+}
+
+/// A chunked plan of the staged pipeline ([`ChunkedPlan`], shared with the HIP backend):
+/// per hidden pass `input_norm`, a cuBLASLt projection with the pass's rows of the gated
+/// projections (packed per pass into `pass_w`) and `input_gating` with H = the pass width, then
+/// the pass's contraction; per row chunk the gate from x and the output stage. t lives in the
+/// workspace's `t`.
+struct Staged {
+    plan: ChunkedPlan,
+    scratch: DeviceBuffer<u8>,
+    pass_w: DeviceBuffer<u8>,
+    gemm_ws: DeviceBuffer<u8>,
+    /// One cuBLASLt plan per distinct GEMM of the forward (full and last pass, full and last row
+    /// chunk), made with the workspace.
+    gemms: std::collections::HashMap<(GemmSpec, Elem, bool), MatmulPlan>,
+}
+
+impl Staged {
+    /// cuBLASLt workspace of a plan: at most 4 MiB, and no more than one chunk of z, so that the
+    /// narrowest plans of small problems stay small.
+    fn gemm_ws_bytes(plan: &ChunkedPlan) -> usize {
+        round_up((plan.chunk_rows * plan.c * 2).min(4 << 20), STAGING_ALIGN)
+    }
+
+    /// What a plan allocates: the shared plan's bytes without af3's ones vector (cuBLASLt adds
+    /// the bias in an epilogue), plus the GEMM workspace. `t` is part of both.
+    fn bytes(plan: &ChunkedPlan) -> u64 {
+        plan.total_bytes() - plan.ones_bytes as u64 + Self::gemm_ws_bytes(plan) as u64
+    }
+
+    fn gemm(&mut self, spec: GemmSpec, d: Elem, bias: bool) -> Result<&mut MatmulPlan> {
+        self.gemms
+            .get_mut(&(spec, d, bias))
+            .ok_or_else(|| Error::InvalidArgument(format!("no cuBLASLt plan for {spec:?}")))
+    }
 }
 
 /// Bytes of one chunked plan: the `[B, H, N, N]` t and one scratch buffer shared by the two
@@ -1248,6 +1511,9 @@ impl Backend for CudaBackend {
         let one_pass = self.workspace_bytes(prepared, problem);
         match self.chunk_kernel(prepared, Tuning::default()) {
             Some(_) => one_pass.min(ChunkPlan::narrowest(problem).bytes()),
+            None if problem.io == Precision::F32Io => {
+                ChunkedPlan::narrowest(problem).map_or(one_pass, |p| one_pass.min(Staged::bytes(&p)))
+            }
             None => one_pass,
         }
     }
@@ -1268,6 +1534,13 @@ impl Backend for CudaBackend {
                 output_rows: plan.out_rows,
                 gate_recomputed: true,
                 workspace_bytes: plan.bytes(),
+            },
+            Layout::Staged(st) => ExecPlan {
+                hidden_chunk: st.plan.hc,
+                hidden_passes: st.plan.passes().count(),
+                output_rows: st.plan.chunk_rows,
+                gate_recomputed: true,
+                workspace_bytes: Staged::bytes(&st.plan),
             },
         }
     }
@@ -1294,15 +1567,16 @@ impl Backend for CudaBackend {
         }
         if one_pass > limit {
             let Some(_) = self.chunk_kernel(prepared, Tuning::default()) else {
-                return Err(Error::OutOfMemory {
-                    backend: BackendKind::Cuda,
-                    what: format!(
-                        "{} (chunked plans need the fused input kernel: sm_80 or newer, C a multiple of 4 and at most 512)",
-                        what()
-                    ),
-                    needed: one_pass,
-                    available: limit,
-                });
+                // No fused input kernel (C > 512, GPUs before sm_80): the staged chunked plan.
+                return match ChunkedPlan::choose_by(problem, limit, Staged::bytes)? {
+                    Some(plan) => self.staged_workspace(prepared, problem, plan),
+                    None => Err(Error::OutOfMemory {
+                        backend: BackendKind::Cuda,
+                        what: format!("{} (narrowest chunked plan of the stage kernels)", what()),
+                        needed: Staged::bytes(&ChunkedPlan::narrowest(problem)?),
+                        available: limit,
+                    }),
+                };
             };
             let Some(plan) = ChunkPlan::choose(problem, limit) else {
                 return Err(Error::OutOfMemory {

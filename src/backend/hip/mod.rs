@@ -46,10 +46,11 @@ use std::sync::{Arc, Mutex};
 
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
 use self::kernels::{HipKernelOutput, KernelImage};
-use self::plan::{ChunkedPlan, Plan, Staging};
+use self::plan::{Plan, Staging};
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::gemm::GemmSpec;
 use super::params::{self as launch_params, KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
+use super::staged_plan::ChunkedPlan;
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
