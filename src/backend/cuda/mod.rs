@@ -37,7 +37,7 @@ use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair, Timel
 use self::kernels::Kernels;
 use super::gemm::GemmSpec;
 use super::params::{self, FusedInputLayout, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
-use super::staged_plan::{ChunkedPlan, STAGING_ALIGN};
+use super::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep, STAGING_ALIGN};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
@@ -47,8 +47,6 @@ use crate::weights::Weights;
 
 /// Largest cuBLASLt workspace a GEMM may borrow.
 const MAX_GEMM_WORKSPACE: usize = 32 << 20;
-/// Positions per block of `input_gating` when it computes only the gate (no shared memory).
-const GATE_TILE_ROWS: usize = 64;
 /// Byte bit pattern that makes every f16/f32 element a NaN: poisons buffers in checks.
 const POISON_BYTE: u8 = 0xFF;
 
@@ -675,29 +673,21 @@ impl CudaBackend {
     /// pass (and their biases), the cuBLASLt workspace and one plan per distinct GEMM.
     fn staged_workspace(&self, prepared: &CudaPrepared, problem: &Problem, plan: ChunkedPlan) -> Result<CudaWorkspace> {
         let tuning = self.tuning_for(problem);
-        let (c, h, g) = (plan.c, plan.h, plan.g);
+        let (c, h) = (plan.c, plan.h);
         let stream = self.stream();
         let pass_w = self.alloc_buffer::<u8>(plan.pass_w_bytes)?;
-        for (h0, hn) in plan.passes() {
-            for part in 0..4 {
-                let (dst, src) = ((4 * h0 + part * hn) as u64, (part * h + h0) as u64);
-                let row = (c * 2) as u64;
-                // SAFETY: the prepared weights hold P = 4H + G rows of C halves and the biases P
-                // f32; pass_w holds 4H rows of C halves, then 4H f32 from pass_bias_off; every
-                // range below lies inside its allocation, and the stream is synchronised below.
-                unsafe {
-                    cu::memcpy_dtod_async(
-                        pass_w.ptr() + dst * row,
-                        prepared.w_in.ptr() + src * row,
-                        hn * c * 2,
-                        stream,
-                    )
+        for (dst, src, rows) in plan.pass_row_copies() {
+            let (dst, src, row) = (dst as u64, src as u64, (c * 2) as u64);
+            // SAFETY: the prepared weights hold P = 4H + G rows of C halves and the biases P f32;
+            // pass_w holds 4H rows of C halves, then 4H f32 from pass_bias_off; every range below
+            // lies inside its allocation, and the stream is synchronised below.
+            unsafe {
+                cu::memcpy_dtod_async(pass_w.ptr() + dst * row, prepared.w_in.ptr() + src * row, rows * c * 2, stream)
                     .ctx("cuMemcpyDtoDAsync(pass weights)")?;
-                    if let Some(b) = &prepared.proj_bias {
-                        let to = pass_w.ptr() + plan.pass_bias_off as u64 + dst * 4;
-                        cu::memcpy_dtod_async(to, b.ptr() + src * 4, hn * 4, stream)
-                            .ctx("cuMemcpyDtoDAsync(pass biases)")?;
-                    }
+                if let Some(b) = &prepared.proj_bias {
+                    let to = pass_w.ptr() + plan.pass_bias_off as u64 + dst * 4;
+                    cu::memcpy_dtod_async(to, b.ptr() + src * 4, rows * 4, stream)
+                        .ctx("cuMemcpyDtoDAsync(pass biases)")?;
                 }
             }
         }
@@ -714,15 +704,14 @@ impl CudaBackend {
             }
             Ok(())
         };
-        for (_, hn) in plan.passes() {
-            add(GemmSpec::contraction(problem.direction, hn, problem.shape.n), Elem::F16, false)?;
-            for (_, rows) in plan.chunks() {
-                add(GemmSpec::projection(rows, c, 4 * hn), Elem::F16, false)?;
+        // One plan per distinct GEMM the steps run (their addresses do not matter here).
+        let bufs = StagedBuffers { scratch: 0, pass_w: 0, t: 0, w_in: 0, proj_bias: 0 };
+        for step in plan.steps(problem, &KernelParams::default(), bufs) {
+            match step {
+                StagedStep::Gemm { spec, .. } => add(spec, Elem::F16, false)?,
+                StagedStep::Output(chunk) => add(GemmSpec::output(chunk.rows as usize, c, h), Elem::F32, out_bias)?,
+                _ => {}
             }
-        }
-        for (_, rows) in plan.chunks() {
-            add(GemmSpec::projection(rows, c, g), Elem::F16, false)?;
-            add(GemmSpec::output(rows, c, h), Elem::F32, out_bias)?;
         }
         // The workspace's contraction and output fields are unused by this layout; they hold the
         // first pass's and first chunk's plans.
@@ -754,9 +743,8 @@ impl CudaBackend {
         })
     }
 
-    /// The staged chunked plan ([`Staged`]): phase A, per hidden pass, left/right of its channels
-    /// for every position (in y out of place when they fit, else in scratch) and its channels of
-    /// t; phase B, per row chunk, the gate from x, then the output stage of those rows.
+    /// The staged chunked plan ([`Staged`]): the steps of [`ChunkedPlan::steps`] with our launches
+    /// and cuBLASLt plans.
     ///
     /// # Safety
     /// As [`CudaBackend::enqueue`]; `base` holds that call's pointers and shape.
@@ -770,124 +758,68 @@ impl CudaBackend {
         let inner = &self.inner;
         let k = &inner.kernels;
         let problem = ws.problem;
-        let t_ptr = ws.t.ptr();
+        let t = ws.t.ptr();
         let fused_output = self.fused_output_for(&problem, ws.tuning);
         let Layout::Staged(st) = &mut ws.layout else {
             return Err(Error::InvalidArgument("workspace has no staged chunked plan".into()));
         };
-        let plan = st.plan.clone();
-        let (c, h, g) = (plan.c, plan.h, plan.g);
-        let (batch, nn) = (problem.shape.batch, problem.shape.n * problem.shape.n);
-        let (scratch, gws, gws_len) = (st.scratch.ptr(), st.gemm_ws.ptr(), st.gemm_ws.bytes() as usize);
-        let z = scratch;
-        let norm_grid = |rows: usize| ceil_div(rows, INPUT_NORM_ROWS_PER_BLOCK as usize);
-        let has_bias = prep.proj_bias.is_some();
-
-        // Phase A. SAFETY (every launch and GEMM below): the scratch regions are laid out by the
-        // plan for its row chunks and pass width; left/right sit in y only when the plan says
-        // they fit there; pass_w holds every pass's rows; t holds M·H halves.
-        let (left, right) = if plan.lr_in_y {
-            (base.y, base.y + plan.lr_bytes as u64)
-        } else {
-            (scratch + plan.lr_off as u64, scratch + (plan.lr_off + plan.lr_bytes) as u64)
+        let bufs = StagedBuffers {
+            scratch: st.scratch.ptr(),
+            pass_w: st.pass_w.ptr(),
+            t,
+            w_in: prep.w_in.ptr(),
+            proj_bias: prep.proj_bias.as_ref().map_or(0, |b| b.ptr()),
         };
-        let proj = scratch + plan.proj_a_off as u64;
-        for (h0, hn) in plan.passes() {
-            let w = st.pass_w.ptr() + (4 * h0 * c * 2) as u64;
-            let bias = if has_bias { st.pass_w.ptr() + (plan.pass_bias_off + 4 * h0 * 4) as u64 } else { 0 };
-            let tr = params::gating_tile_rows(hn);
-            for (row0, rows) in plan.chunks() {
-                // input_gating with H = hn and no gate: proj [rows, 4·hn] in the pass's order,
-                // left/right [B, hn, N, N].
-                let p = KernelParams {
-                    z,
-                    proj,
-                    left,
-                    right,
-                    proj_bias: bias,
-                    h: hn as i32,
-                    g: 0,
-                    p: (4 * hn) as i32,
-                    row0: row0 as i64,
-                    rows: rows as i64,
-                    tile_rows: tr as i32,
-                    ..*base
-                };
-                k.input_norm.launch(norm_grid(rows), STAGE_THREADS, 0, stream, &p)?;
-                let gm = st.gemm(GemmSpec::projection(rows, c, 4 * hn), Elem::F16, false)?;
-                gm.run(&inner.blas, w, z, proj, 0, gws, gws_len, stream)?;
-                let smem = params::gating_smem_bytes(hn, tr) as u32;
-                k.input_gating.launch(ceil_div(rows, tr), STAGE_THREADS, smem, stream, &p)?;
-            }
-            let gm = st.gemm(GemmSpec::contraction(problem.direction, hn, problem.shape.n), Elem::F16, false)?;
-            for b in 0..batch {
-                let off = (b * hn * nn * 2) as u64;
-                let t = t_ptr + ((b * h + h0) * nn * 2) as u64;
-                gm.run(&inner.blas, right + off, left + off, t, 0, gws, gws_len, stream)?;
-            }
-        }
-        self.mark("hidden passes (stage kernels, cuBLASLt)", stream)?;
-
-        // Phase B.
-        let proj = scratch + plan.proj_b_off as u64;
-        let (gate, a) = (scratch + plan.gate_off as u64, scratch + plan.a_off as u64);
-        let w_gate = prep.w_in.ptr() + (4 * h * c * 2) as u64;
-        let gate_bias = prep.proj_bias.as_ref().map_or(0, |b| b.ptr() + (4 * h * 4) as u64);
+        let (gws, gws_len) = (st.gemm_ws.ptr(), st.gemm_ws.bytes() as usize);
+        let (c, h) = (st.plan.c, st.plan.h);
         let out_bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
-        for (r0, rows) in plan.chunks() {
-            let chunk = KernelParams {
-                z,
-                proj,
-                gate,
-                a,
-                t: t_ptr,
-                row0: r0 as i64,
-                rows: rows as i64,
-                buf_row0: r0 as i64,
-                ..*base
-            };
-            // input_gating with H = 0: only σ(z·Wogᵀ + b) into the gate chunk.
-            let gp =
-                KernelParams { h: 0, p: g as i32, proj_bias: gate_bias, tile_rows: GATE_TILE_ROWS as i32, ..chunk };
-            k.input_norm.launch(norm_grid(rows), STAGE_THREADS, 0, stream, &gp)?;
-            st.gemm(GemmSpec::projection(rows, c, g), Elem::F16, false)?.run(
-                &inner.blas,
-                w_gate,
-                z,
-                proj,
-                0,
-                gws,
-                gws_len,
-                stream,
-            )?;
-            k.input_gating.launch(ceil_div(rows, GATE_TILE_ROWS), STAGE_THREADS, 0, stream, &gp)?;
-            if let Some(op) = fused_output {
-                self.launch_output(op, prep, &chunk, stream)?;
-                continue;
-            }
-            let tp = params::output_norm_tile_rows(h);
-            let np = KernelParams { tile_rows: tp as i32, ..chunk };
-            let norm_smem = params::output_norm_smem_bytes(h, tp) as u32;
-            k.output_norm.launch(ceil_div(rows, tp), STAGE_THREADS, norm_smem, stream, &np)?;
-            let y = base.y + (r0 * c * 4) as u64;
-            st.gemm(GemmSpec::output(rows, c, h), Elem::F32, prep.out_bias.is_some())?.run(
-                &inner.blas,
-                prep.w_out.ptr(),
-                a,
-                y,
-                out_bias,
-                gws,
-                gws_len,
-                stream,
-            )?;
-            if base.af3 != 0 {
-                let grid = ceil_div(rows * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
-                let gk = KernelParams { tile_rows: grid as i32, ..chunk };
-                k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &gk)?;
+        // SAFETY (every launch and GEMM below): the steps' addresses lie inside the workspace's
+        // buffers, the prepared weights and the call's x, mask and y, as the plan lays them out
+        // (`staged_plan::tests::steps_stay_inside_their_buffers_and_cover_the_problem`).
+        for step in st.plan.steps(&problem, base, bufs) {
+            match step {
+                StagedStep::Norm(p) => {
+                    let grid = ceil_div(p.rows as usize, INPUT_NORM_ROWS_PER_BLOCK as usize);
+                    k.input_norm.launch(grid, STAGE_THREADS, 0, stream, &p)?;
+                }
+                StagedStep::Gemm { spec, a, b, d } => {
+                    st.gemm(spec, Elem::F16, false)?.run(&inner.blas, a, b, d, 0, gws, gws_len, stream)?;
+                }
+                StagedStep::Gating { params, tile_rows, smem } => {
+                    let grid = ceil_div(params.rows as usize, tile_rows);
+                    k.input_gating.launch(grid, STAGE_THREADS, smem as u32, stream, &params)?;
+                }
+                StagedStep::PassesDone => self.mark("hidden passes (stage kernels, cuBLASLt)", stream)?,
+                StagedStep::Output(chunk) => {
+                    if let Some(op) = fused_output {
+                        self.launch_output(op, prep, &chunk, stream)?;
+                        continue;
+                    }
+                    let rows = chunk.rows as usize;
+                    let tp = params::output_norm_tile_rows(h);
+                    let np = KernelParams { tile_rows: tp as i32, ..chunk };
+                    let norm_smem = params::output_norm_smem_bytes(h, tp) as u32;
+                    k.output_norm.launch(ceil_div(rows, tp), STAGE_THREADS, norm_smem, stream, &np)?;
+                    let y = chunk.y + (chunk.row0 as u64) * (c as u64) * 4;
+                    st.gemm(GemmSpec::output(rows, c, h), Elem::F32, prep.out_bias.is_some())?.run(
+                        &inner.blas,
+                        prep.w_out.ptr(),
+                        chunk.a,
+                        y,
+                        out_bias,
+                        gws,
+                        gws_len,
+                        stream,
+                    )?;
+                    if chunk.af3 != 0 {
+                        let grid = ceil_div(rows * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
+                        let gk = KernelParams { tile_rows: grid as i32, ..chunk };
+                        k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &gk)?;
+                    }
+                }
             }
         }
-        self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)?;
-        Ok(())
+        self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)
     }
 
     /// The chunked plan (see [`ChunkPlan`] and [`crate::memory`]): hidden passes of the fused

@@ -50,7 +50,7 @@ use self::plan::{Plan, Staging};
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::gemm::GemmSpec;
 use super::params::{self as launch_params, KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
-use super::staged_plan::ChunkedPlan;
+use super::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
@@ -62,8 +62,6 @@ use crate::weights::Weights;
 const POISON_BYTE: u8 = 0xFF;
 /// Grid-stride blocks of `output_gate` (enough to fill an MI300X's 304 CUs many times over).
 const OUTPUT_GATE_MAX_GRID: usize = 65_535;
-/// Positions per block of `input_gating` when it computes only the gate (no shared memory).
-const GATE_TILE_ROWS: usize = 64;
 
 /// A HIP device with its stream, rocBLAS handle and loaded kernels. Cheap to clone (shared).
 #[derive(Clone)]
@@ -428,29 +426,25 @@ impl HipBackend {
     /// pass's projection is one GEMM and `input_gating` sees the layout it expects with H = hc.
     fn chunked_buffers(&self, prepared: &HipPrepared, plan: ChunkedPlan) -> Result<Chunked> {
         let pass_w = self.alloc_mem(plan.pass_w_bytes)?;
-        let (c, h) = (plan.c, plan.h);
+        let c = plan.c;
         let stream = self.stream();
         let bias = prepared.proj_bias.as_ref();
-        for (h0, hn) in plan.passes() {
-            for part in 0..4 {
-                let dst = (4 * h0 + part * hn) as u64;
-                let src = (part * h + h0) as u64;
-                // SAFETY: both ranges lie inside their allocations: the prepared [P, C] f16
-                // weights hold rows part·H + h0 .. + hn, pass_w holds 4H rows of C halves and then
-                // 4H f32 biases at pass_bias_off; the copies are waited for below.
-                unsafe {
-                    let (w, cb) = (c as u64 * 2, hn * c * 2);
-                    result::copy_dtod_async(
-                        self.ctx.api,
-                        pass_w.addr() + dst * w,
-                        prepared.w_in.addr() + src * w,
-                        cb,
-                        stream,
-                    )?;
-                    if let Some(b) = bias {
-                        let off = pass_w.addr() + plan.pass_bias_off as u64;
-                        result::copy_dtod_async(self.ctx.api, off + dst * 4, b.addr() + src * 4, hn * 4, stream)?;
-                    }
+        for (dst, src, rows) in plan.pass_row_copies() {
+            let (dst, src, row) = (dst as u64, src as u64, (c * 2) as u64);
+            // SAFETY: both ranges lie inside their allocations: the prepared [P, C] f16 weights
+            // hold rows src .. src + rows, pass_w holds 4H rows of C halves and then 4H f32 biases
+            // at pass_bias_off; the copies are waited for below.
+            unsafe {
+                result::copy_dtod_async(
+                    self.ctx.api,
+                    pass_w.addr() + dst * row,
+                    prepared.w_in.addr() + src * row,
+                    rows * c * 2,
+                    stream,
+                )?;
+                if let Some(b) = bias {
+                    let off = pass_w.addr() + plan.pass_bias_off as u64;
+                    result::copy_dtod_async(self.ctx.api, off + dst * 4, b.addr() + src * 4, rows * 4, stream)?;
                 }
             }
         }
@@ -714,8 +708,8 @@ impl HipBackend {
         unsafe { self.enqueue_output(blas, prep, &base, ws.ones.as_ref(), stream) }
     }
 
-    /// A plan within a memory limit ([`ChunkedPlan`]): the hidden passes, then the output stage
-    /// per row chunk with the gate recomputed from x.
+    /// A plan within a memory limit: the steps of [`ChunkedPlan::steps`] with our launches and
+    /// rocBLAS.
     ///
     /// # Safety
     /// As for [`HipBackend::enqueue_stages`]; `base` holds that call's pointers and shape.
@@ -730,9 +724,6 @@ impl HipBackend {
         poison: bool,
         stream: sys::hipStream_t,
     ) -> Result<()> {
-        let plan = &ws.plan;
-        let (c, h, g) = (plan.c, plan.h, plan.g);
-        let (batch, nn) = (problem.shape.batch, problem.shape.n * problem.shape.n);
         let k = &self.ctx.kernels;
         if poison {
             for buf in [&ws.t, &ws.scratch] {
@@ -740,94 +731,35 @@ impl HipBackend {
                 unsafe { buf.memset(stream, POISON_BYTE)? };
             }
         }
-        let scratch = ws.scratch.addr();
-        let z = scratch;
-        let norm_grid = |rows: usize| rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize);
-        let has_bias = prep.proj_bias.is_some();
-
-        // SAFETY (all launches and GEMMs below): the scratch regions are laid out by `plan`
-        // (z, proj, left/right for a row chunk or a pass, within `scratch_bytes`), left/right sit
-        // in y only when `plan.lr_in_y` says they fit there, `pass_w` holds every pass's packed
-        // rows and `t` M·H halves; x, mask and y come from this function's contract.
-
-        // Phase A: per hidden pass, left/right of its channels for every position, then its
-        // channels of t (contiguous within a batch only: one strided-batched GEMM per batch).
-        let (left, right) = if plan.lr_in_y {
-            (base.y, base.y + plan.lr_bytes as u64)
-        } else {
-            (scratch + plan.lr_off as u64, scratch + (plan.lr_off + plan.lr_bytes) as u64)
+        let bufs = StagedBuffers {
+            scratch: ws.scratch.addr(),
+            pass_w: ws.pass_w.addr(),
+            t: ws.t.addr(),
+            w_in: prep.w_in.addr(),
+            proj_bias: prep.proj_bias.as_ref().map_or(0, DeviceMem::addr),
         };
-        let proj = scratch + plan.proj_a_off as u64;
-        for (h0, hn) in plan.passes() {
-            let w = ws.pass_w.addr() + (4 * h0 * c * 2) as u64;
-            let bias = if has_bias { ws.pass_w.addr() + (plan.pass_bias_off + 4 * h0 * 4) as u64 } else { 0 };
-            let tr = launch_params::gating_tile_rows(hn);
-            for (row0, rows) in plan.chunks() {
-                // input_gating with H = hn and no gate: proj is [rows, 4·hn] in this pass's
-                // order, left/right are [B, hn, N, N].
-                let p = KernelParams {
-                    z,
-                    proj,
-                    left,
-                    right,
-                    proj_bias: bias,
-                    h: hn as i32,
-                    g: 0,
-                    p: (4 * hn) as i32,
-                    row0: row0 as i64,
-                    rows: rows as i64,
-                    tile_rows: tr as i32,
-                    ..*base
-                };
-                let spec = GemmSpec::projection(rows, c, 4 * hn);
-                let gm = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16)?;
-                // SAFETY: the invariant stated at the top of this section holds for these addresses.
-                unsafe {
-                    launch(&k.input_norm, stream, norm_grid(rows), 0, &p)?;
-                    gemm(blas, &gm, 1.0, w, z, 0.0, proj)?;
-                    launch(&k.input_gating, stream, rows.div_ceil(tr), launch_params::gating_smem_bytes(hn, tr), &p)?;
+        // SAFETY (every launch and GEMM below): the steps' addresses lie inside the workspace's
+        // buffers, the prepared weights and the call's x, mask and y, as the plan lays them out
+        // (`staged_plan::tests::steps_stay_inside_their_buffers_and_cover_the_problem`); `blas` is
+        // bound to `stream`.
+        for step in ws.plan.steps(problem, base, bufs) {
+            match step {
+                StagedStep::Norm(p) => {
+                    let grid = (p.rows as usize).div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize);
+                    unsafe { launch(&k.input_norm, stream, grid, 0, &p)? };
                 }
-            }
-            let spec = GemmSpec::contraction(problem.direction, hn, problem.shape.n);
-            let gm = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16)?;
-            for bi in 0..batch {
-                let off = (bi * hn * nn * 2) as u64;
-                let t = ws.t.addr() + ((bi * h + h0) * nn * 2) as u64;
-                // SAFETY: as above; batch bi's hn matrices of the pass and its channels of t.
-                unsafe { gemm(blas, &gm, 1.0, right + off, left + off, 0.0, t)? };
-            }
-        }
-
-        // Phase B: per row chunk, the gate from x (input_gating with H = 0 over the out_gate
-        // columns), then the output stage of those rows.
-        let proj = scratch + plan.proj_b_off as u64;
-        let gate = scratch + plan.gate_off as u64;
-        let a = scratch + plan.a_off as u64;
-        let w_gate = prep.w_in.addr() + (4 * h * c * 2) as u64;
-        let gate_bias = prep.proj_bias.as_ref().map_or(0, |pb| pb.addr() + (4 * h * 4) as u64);
-        let spec_rows =
-            |rows: usize| RocblasGemm::from_spec(&GemmSpec::projection(rows, c, g), DataType::F16, DataType::F16);
-        for (r0, rows) in plan.chunks() {
-            let chunk = KernelParams {
-                z,
-                proj,
-                gate,
-                a,
-                t: ws.t.addr(),
-                row0: r0 as i64,
-                rows: rows as i64,
-                buf_row0: r0 as i64,
-                ..*base
-            };
-            let gp =
-                KernelParams { h: 0, p: g as i32, proj_bias: gate_bias, tile_rows: GATE_TILE_ROWS as i32, ..chunk };
-            let gm = spec_rows(rows)?;
-            // SAFETY: the invariant stated at the top of this section holds for these addresses.
-            unsafe {
-                launch(&k.input_norm, stream, norm_grid(rows), 0, &gp)?;
-                gemm(blas, &gm, 1.0, w_gate, z, 0.0, proj)?;
-                launch(&k.input_gating, stream, rows.div_ceil(GATE_TILE_ROWS), 0, &gp)?;
-                self.enqueue_output(blas, prep, &chunk, ws.ones.as_ref(), stream)?;
+                StagedStep::Gemm { spec, a, b, d } => {
+                    let g = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16)?;
+                    unsafe { gemm(blas, &g, 1.0, a, b, 0.0, d)? };
+                }
+                StagedStep::Gating { params, tile_rows, smem } => {
+                    let grid = (params.rows as usize).div_ceil(tile_rows);
+                    unsafe { launch(&k.input_gating, stream, grid, smem, &params)? };
+                }
+                StagedStep::PassesDone => {}
+                StagedStep::Output(chunk) => unsafe {
+                    self.enqueue_output(blas, prep, &chunk, ws.ones.as_ref(), stream)?
+                },
             }
         }
         Ok(())
