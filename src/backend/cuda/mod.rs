@@ -141,6 +141,10 @@ impl CudaBackend {
             ("CUDA driver API".to_string(), format!("{}.{}", driver_version / 1000, (driver_version % 1000) / 10)),
             ("cuBLASLt".to_string(), BlasHandle::version().to_string()),
             ("kernels".to_string(), format!("{} [{}]", crate::kernels::CUDA_BUILD, kernels.origin)),
+            (
+                "programmatic dependent launch".to_string(),
+                if kernels.pdl { "on (sm_90; TRIMUL_CUDA_PDL=0 turns it off)" } else { "off" }.to_string(),
+            ),
         ];
         if driver::nvrtc_present() {
             let (mut ma, mut mi) = (0, 0);
