@@ -209,20 +209,15 @@ impl Stage {
         stream: CUstream,
         params: &KernelParams,
     ) -> Result<()> {
-        if grid == 0 {
-            return Ok(());
-        }
-        let _keep = &self.func;
-        let mut p = *params;
-        let mut args = [&mut p as *mut KernelParams as *mut c_void];
-        cu::launch_kernel(self.raw, (grid, 1, 1), (block, 1, 1), smem, stream, &mut args).ctx("cuLaunchKernel")
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.launch_dependent(grid, block, smem, stream, params, false) }
     }
 
-    /// [`Stage::launch`] as a programmatic dependent of the kernel before it in `stream` when
+    /// [`Stage::launch`], as a programmatic dependent of the kernel before it in `stream` when
     /// `pdl` is set (sm_90+): its blocks may start as that kernel's blocks exit, and run what
     /// comes before `pdl_wait()` in the kernel (the weights' loads; `cuda/mma.h` says what is
-    /// allowed there) under that kernel's tail. Only for kernels that call `pdl_wait()` before
-    /// touching anything another kernel writes or reads.
+    /// allowed there) under that kernel's tail. `pdl` only for kernels that call `pdl_wait()`
+    /// before touching anything another kernel writes or reads.
     ///
     /// # Safety
     /// As [`Stage::launch`].
@@ -235,8 +230,8 @@ impl Stage {
         params: &KernelParams,
         pdl: bool,
     ) -> Result<()> {
-        if !pdl || grid == 0 {
-            return self.launch(grid, block, smem, stream, params);
+        if grid == 0 {
+            return Ok(());
         }
         let _keep = &self.func;
         let mut p = *params;
@@ -256,7 +251,8 @@ impl Stage {
             sharedMemBytes: smem,
             hStream: stream,
             attrs: &mut attr,
-            numAttrs: 1,
+            // Without the attribute this is a plain launch (cuLaunchKernel's semantics).
+            numAttrs: u32::from(pdl),
         };
         // SAFETY: `config` and `attr` outlive the call, which copies them; the one argument is a
         // KernelParams by value as every stage declares, its pointers valid per this function's

@@ -417,7 +417,6 @@ impl CudaBackend {
         let cfg = problem.config;
         let (c, h, g, p) = (cfg.c, cfg.h, cfg.gate_width(), cfg.fused_proj_width());
         let m = problem.shape.rows();
-        let k = &inner.kernels;
         if inner.poison.load(Ordering::Relaxed) {
             ws.t.memset_async(POISON_BYTE, stream)?;
             match &mut ws.layout {
@@ -499,25 +498,55 @@ impl CudaBackend {
         // 3. LN_H (+ gate) and the output projection (+ bias, af3 gate): one fused kernel, or
         // LN_H into `a` (= left), the cuBLASLt GEMM (+ bias) into y (right lends the workspace)
         // and af3's gate kernel.
-        if let Some(op) = self.fused_output_for(problem, ws.tuning) {
-            let kp = KernelParams { row0: 0, rows: m as i64, ..base };
-            self.launch_output(op, prep, &kp, stream)?;
-            self.mark("output stage (LayerNorm, gate, projection)", stream)?;
-            return Ok(());
+        let fused_output = self.fused_output_for(problem, ws.tuning);
+        let kp = KernelParams { row0: 0, rows: m as i64, ..base };
+        self.enqueue_output(prep, fused_output, &mut ws.output, &kp, right, m * h * 2, stream, true)
+    }
+
+    /// The output stage of positions `p.row0 .. p.row0 + p.rows` (`p.gate` and `p.a` hold them
+    /// from `p.buf_row0`, t is whole): the fused kernel `fused` when there is one, else LN_H into
+    /// `p.a`, the cuBLASLt GEMM `gemm` (+ bias, workspace `gemm_ws`) into y's rows and af3's gate
+    /// kernel. `marks`: record the one-pass plan's stage names on the timeline.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue`]; the buffers in `p` hold those rows, `gemm` is the output GEMM
+    /// of `p.rows` rows and `gemm_ws` holds `gemm_ws_len` bytes.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_output(
+        &self,
+        prep: &CudaPrepared,
+        fused: Option<&kernels::Stage>,
+        gemm: &mut MatmulPlan,
+        p: &KernelParams,
+        gemm_ws: CUdeviceptr,
+        gemm_ws_len: usize,
+        stream: CUstream,
+        marks: bool,
+    ) -> Result<()> {
+        let mark = |name| if marks { self.mark(name, stream) } else { Ok(()) };
+        if let Some(op) = fused {
+            self.launch_output(op, prep, p, stream)?;
+            return mark("output stage (LayerNorm, gate, projection)");
         }
+        let k = &self.inner.kernels;
+        let (rows, c, h) = (p.rows as usize, p.c as usize, p.h as usize);
         let tp = params::output_norm_tile_rows(h);
-        let kp = KernelParams { row0: 0, rows: m as i64, tile_rows: tp as i32, ..base };
+        let np = KernelParams { tile_rows: tp as i32, ..*p };
         let smem = params::output_norm_smem_bytes(h, tp) as u32;
-        k.output_norm.launch(ceil_div(m, tp), STAGE_THREADS, smem, stream, &kp)?;
-        self.mark("output LayerNorm", stream)?;
+        k.output_norm.launch(ceil_div(rows, tp), STAGE_THREADS, smem, stream, &np)?;
+        mark("output LayerNorm")?;
+        if gemm.spec().n != rows {
+            return Err(Error::InvalidArgument(format!("no output plan for a chunk of {rows} rows")));
+        }
         let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
-        ws.output.run(&inner.blas, prep.w_out.ptr(), left, y, bias, right, m * h * 2, stream)?;
-        self.mark("output GEMM", stream)?;
-        if cfg.formulation == Formulation::Af3 {
-            let grid = ceil_div(m * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
-            let kp = KernelParams { row0: 0, rows: m as i64, tile_rows: grid as i32, ..base };
-            k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &kp)?;
-            self.mark("output gate", stream)?;
+        let y = p.y + (p.row0 as u64) * (c as u64) * 4;
+        gemm.run(&self.inner.blas, prep.w_out.ptr(), p.a, y, bias, gemm_ws, gemm_ws_len, stream)?;
+        mark("output GEMM")?;
+        if p.af3 != 0 {
+            let grid = ceil_div(rows * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
+            let gp = KernelParams { tile_rows: grid as i32, ..*p };
+            k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &gp)?;
+            mark("output gate")?;
         }
         Ok(())
     }
@@ -776,7 +805,6 @@ impl CudaBackend {
         };
         let (gws, gws_len) = (st.gemm_ws.ptr(), st.gemm_ws.bytes() as usize);
         let (c, h) = (st.plan.c, st.plan.h);
-        let out_bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
         // SAFETY (every launch and GEMM below): the steps' addresses lie inside the workspace's
         // buffers, the prepared weights and the call's x, mask and y, as the plan lays them out
         // (`staged_plan::tests::steps_stay_inside_their_buffers_and_cover_the_problem`).
@@ -795,31 +823,9 @@ impl CudaBackend {
                 }
                 StagedStep::PassesDone => self.mark("hidden passes (stage kernels, cuBLASLt)", stream)?,
                 StagedStep::Output(chunk) => {
-                    if let Some(op) = fused_output {
-                        self.launch_output(op, prep, &chunk, stream)?;
-                        continue;
-                    }
-                    let rows = chunk.rows as usize;
-                    let tp = params::output_norm_tile_rows(h);
-                    let np = KernelParams { tile_rows: tp as i32, ..chunk };
-                    let norm_smem = params::output_norm_smem_bytes(h, tp) as u32;
-                    k.output_norm.launch(ceil_div(rows, tp), STAGE_THREADS, norm_smem, stream, &np)?;
-                    let y = chunk.y + (chunk.row0 as u64) * (c as u64) * 4;
-                    st.gemm(GemmSpec::output(rows, c, h), Elem::F32, prep.out_bias.is_some())?.run(
-                        &inner.blas,
-                        prep.w_out.ptr(),
-                        chunk.a,
-                        y,
-                        out_bias,
-                        gws,
-                        gws_len,
-                        stream,
-                    )?;
-                    if chunk.af3 != 0 {
-                        let grid = ceil_div(rows * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
-                        let gk = KernelParams { tile_rows: grid as i32, ..chunk };
-                        k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &gk)?;
-                    }
+                    let spec = GemmSpec::output(chunk.rows as usize, c, h);
+                    let gemm = st.gemm(spec, Elem::F32, prep.out_bias.is_some())?;
+                    self.enqueue_output(prep, fused_output, gemm, &chunk, gws, gws_len, stream, false)?;
                 }
             }
         }
@@ -849,7 +855,7 @@ impl CudaBackend {
         let (Some(f), Some(kernel)) = (prep.fused.as_ref(), self.chunk_kernel(prep, ws.tuning)) else {
             return Err(Error::InvalidArgument("a chunked plan needs the fused input kernel".into()));
         };
-        let (c, h) = (base.c as usize, base.h as usize);
+        let h = base.h as usize;
         let (batch, nn) = (ws.problem.shape.batch, ws.problem.shape.n * ws.problem.shape.n);
         let fused = KernelParams {
             w_in: f.w.ptr(),
@@ -900,9 +906,6 @@ impl CudaBackend {
         // y's rows, and af3's gate.
         let (gate, a, ows) =
             (scratch + plan.gate_off as u64, scratch + plan.a_off as u64, scratch + plan.ows_off as u64);
-        let k = &inner.kernels;
-        let tp = params::output_norm_tile_rows(h);
-        let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
         let fused_output = self.fused_output_for(&ws.problem, ws.tuning);
         let mut r0 = 0;
         while r0 < m {
@@ -914,25 +917,9 @@ impl CudaBackend {
                 ..chunk
             };
             kernel.launch(rows, stream, &kp)?;
-            if let Some(op) = fused_output {
-                self.launch_output(op, prep, &chunk, stream)?;
-                r0 += rows;
-                continue;
-            }
-            let kp = KernelParams { tile_rows: tp as i32, ..chunk };
-            let norm_smem = params::output_norm_smem_bytes(h, tp) as u32;
-            k.output_norm.launch(ceil_div(rows, tp), STAGE_THREADS, norm_smem, stream, &kp)?;
             let gemm =
                 if rows == plan.out_rows { &mut ws.output } else { ws.output_tail.as_mut().unwrap_or(&mut ws.output) };
-            if gemm.spec().n != rows {
-                return Err(Error::InvalidArgument(format!("no output plan for a chunk of {rows} rows")));
-            }
-            gemm.run(&inner.blas, prep.w_out.ptr(), a, base.y + (r0 * c * 4) as u64, bias, ows, plan.ows, stream)?;
-            if base.af3 != 0 {
-                let grid = ceil_div(rows * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
-                let kp = KernelParams { tile_rows: grid as i32, ..chunk };
-                k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &kp)?;
-            }
+            self.enqueue_output(prep, fused_output, gemm, &chunk, ows, plan.ows, stream, false)?;
             r0 += rows;
         }
         self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)?;
