@@ -4,31 +4,13 @@
 //! message when the build has no `cuda` feature or no device opens.
 #![cfg(feature = "cuda")]
 
-use std::io::Write;
+#[path = "support/cuda_device.rs"]
+mod cuda_device;
 
-use trimul::backend::cuda::CudaBackend;
+use cuda_device::{cuda, MAX_REL_L2, TOL};
 use trimul::reference;
 use trimul::suite::{self, Case, Dist};
 use trimul::{Backend, Direction, Formulation, Layer, Options, Weights};
-
-const TOL: f64 = 2e-2;
-const MAX_REL_L2: f64 = 5e-3;
-
-fn cuda() -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => {
-            b.set_poison(true);
-            Some(b)
-        }
-        Err(e) if std::env::var_os("TRIMUL_REQUIRE_DEVICE").is_some() => {
-            panic!("CUDA device required (TRIMUL_REQUIRE_DEVICE is set) but unavailable: {e}")
-        }
-        Err(e) => {
-            let _ = writeln!(std::io::stderr(), "SKIPPED: no CUDA device: {e}");
-            None
-        }
-    }
-}
 
 /// A forward on a caller's stream can be captured into a CUDA graph (as PyTorch and JAX do with
 /// the layers they run): no allocation, synchronisation or host-side decision happens inside it

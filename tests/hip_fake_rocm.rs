@@ -17,6 +17,8 @@
 
 #[path = "hip_emu/fake.rs"]
 mod fake;
+#[path = "support/forward.rs"]
+mod forward;
 
 use std::process::Command;
 
@@ -148,22 +150,12 @@ fn tight_budgets_run_chunked_plans_on_both_output_paths() {
             let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
             let mask = inputs.mask.as_deref();
             let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
-            let forward = |layer: &mut Layer<HipBackend>| {
-                let mut y = vec![f32::NAN; inputs.x.len()];
-                layer.forward_into(&inputs.x, mask, &mut y, case.shape()).map(|()| y)
-            };
-            let one_pass = forward(&mut layer).unwrap();
+            let one_pass = forward::forward(&mut layer, &inputs.x, mask, case.shape(), false).unwrap();
             for in_place in [false, true] {
                 let needs = layer.memory_needs(case.shape(), true, in_place).unwrap();
                 assert!(needs.min_workspace < needs.one_pass_workspace, "{needs:?}");
                 layer.set_memory_budget(Some(needs.min_total()));
-                let y = if in_place {
-                    let mut xy = inputs.x.clone();
-                    layer.forward_in_place(&mut xy, mask, case.shape()).unwrap();
-                    xy
-                } else {
-                    forward(&mut layer).unwrap()
-                };
+                let y = forward::forward(&mut layer, &inputs.x, mask, case.shape(), in_place).unwrap();
                 let plan = layer.exec_plan().unwrap();
                 let what = format!("{} {dir} mfma={mfma} in_place={in_place}: {}", cfg.formulation, plan.describe());
                 // In place left/right take scratch, so the narrowest pass is forced; out of place
@@ -184,7 +176,7 @@ fn tight_budgets_run_chunked_plans_on_both_output_paths() {
             // A byte under the smallest budget: refused before anything runs, naming both counts.
             let needs = layer.memory_needs(case.shape(), true, false).unwrap();
             layer.set_memory_budget(Some(needs.min_total() - 1));
-            match forward(&mut layer) {
+            match forward::forward(&mut layer, &inputs.x, mask, case.shape(), false) {
                 Err(Error::OutOfMemory { needed, available, .. }) => assert!(needed > available),
                 other => panic!("expected OutOfMemory under the smallest budget, got {other:?}"),
             }
