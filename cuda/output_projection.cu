@@ -93,13 +93,19 @@ __device__ __forceinline__ void op_store_y16(const TrimulParams& p, const tm_hal
   }
 }
 
+// af3's gate for a warp's 32 x 32 tile in the accumulators' layout, [mt][nt][half]: the two
+// columns of each accumulator pair as one packed f16 pair.
+typedef unsigned OpGateRegs[2][4][2];
+
 // Step 5 for a warp's 32 x 32 tile: acc[mt][nt] covers rows r0 + 16·mt (+ 8) and columns
 // cw + 8·nt (+ 1) of the chunk starting at c0, cw already including the lane's 2·(lane % 4).
+// af3's gate comes from sg, or from gr when GREG (the resident kernel, which has no sg).
 // Y16: y is 16-bit and goes into sg (each element where this thread read its gate); the caller
 // stores the tile after a barrier.
-template <bool HAS_BIAS, bool AF3, bool Y16>
+template <bool HAS_BIAS, bool AF3, bool Y16, bool GREG = false>
 __device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (&acc)[2][4][4], tm_half* sg,
-                                            tm_i64 first, int np, int c0, int cw, int r0) {
+                                            tm_i64 first, int np, int c0, int cw, int r0,
+                                            const OpGateRegs* gr = nullptr) {
   const int C = p.c;
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
@@ -119,7 +125,7 @@ __device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (
           v1 += bias.y;
         }
         if (AF3) {
-          const unsigned gg = *staged;
+          const unsigned gg = GREG ? (*gr)[mt][nt][half] : *staged;
           v0 *= tm_lo(gg);
           v1 *= tm_hi(gg);
         }
@@ -214,7 +220,8 @@ __device__ __forceinline__ void op_stats(const TrimulParams& p, const tm_half* s
 }
 
 // 3. normalise (⊙ gate for gpumode) in place, 8 channels per thread; positions past np become 0.
-template <int HC>
+// GATED: multiply by gpre (gpumode; the plain kernel's af3 path passes ones instead).
+template <int HC, bool GATED = true>
 __device__ __forceinline__ void op_normalise(const TrimulParams& p, tm_half* sa, const float* smean,
                                              const float* srstd, const float* snw, const float* snb,
                                              const uint4 (&gpre)[OP_ITEMS], int np) {
@@ -234,8 +241,11 @@ __device__ __forceinline__ void op_normalise(const TrimulParams& p, tm_half* sa,
     for (int e = 0; e < 4; ++e) {
       const int c = h + 2 * e;
       const float2 w = *(const float2*)(snw + c), b = *(const float2*)(snb + c);
-      const float lo = ((tm_lo(u[e]) - mean) * rstd * w.x + b.x) * tm_lo(gv[e]);
-      const float hi = ((tm_hi(u[e]) - mean) * rstd * w.y + b.y) * tm_hi(gv[e]);
+      float lo = (tm_lo(u[e]) - mean) * rstd * w.x + b.x, hi = (tm_hi(u[e]) - mean) * rstd * w.y + b.y;
+      if (GATED) {
+        lo *= tm_lo(gv[e]);
+        hi *= tm_hi(gv[e]);
+      }
       o[e] = r < np ? tm_pack2(lo, hi) : 0u;
     }
     *(uint4*)a = make_uint4(o[0], o[1], o[2], o[3]);
@@ -423,13 +433,34 @@ __device__ __forceinline__ void op_prefetch_t(const TrimulParams& p, tm_half* sr
   asm volatile("cp.async.commit_group;");
 }
 
-// The resident form for H = 128, C <= 128, gpumode with f32 y (no staging tile sg): a block
-// loads Wout once and walks tiles (blockIdx.x, + gridDim.x, ... counted from the last tile, as
-// the plain kernel's blocks are); each tile's t arrives by cp.async while the block works on the
-// tile before (the plain kernel waits on its t tile at the start of every block: a quarter of
-// its stall samples, ncu at 256,2,128). The host guarantees whole tiles inside one batch: rows,
-// row0 and N² multiples of 64.
-extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_resident(const TrimulParams p) {
+// af3's gate of this thread's accumulators (the resident kernel's epilogue, C <= 128: one
+// chunk), loaded at the top of a tile so its latency runs under the tile's other steps.
+__device__ __forceinline__ void op_load_gate_regs(const TrimulParams& p, OpGateRegs& gr, tm_i64 first, int cw,
+                                                  int r0) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const unsigned* row = (const unsigned*)(p.gate + (first + r0 + mt * 16 + half * 8 - p.buf_row0) * (tm_i64)p.g);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int c = cw + nt * 8;
+        gr[mt][nt][half] = c < p.c ? __ldg(row + c / 2) : 0u;
+      }
+    }
+}
+
+// The resident form for H = 128, C <= 128 (one column chunk), any formulation and y precision:
+// a block loads Wout once and walks tiles (blockIdx.x, + gridDim.x, ... counted from the last
+// tile, as the plain kernel's blocks are); each tile's t arrives by cp.async while the block
+// works on the tile before (the plain kernel waits on its t tile at the start of every block: a
+// quarter of its stall samples, ncu at 256,2,128). It has no staging tile sg, which would leave
+// room for only two blocks per SM (the form that lost, NOTES.md): af3's gate comes into registers
+// in the accumulators' layout (the registers gpumode's gate takes in step 3), and 16-bit y is
+// packed into sa once the MMA has read it. The host guarantees whole tiles inside one batch:
+// rows, row0 and N² multiples of 64.
+template <bool AF3, bool Y16>
+__device__ __forceinline__ void output_projection_resident_body(const TrimulParams& p) {
   extern __shared__ __align__(16) unsigned char opr_smem[];
   const OpSmem sm = op_smem_layout(opr_smem);
   tm_half *sa = sm.sa, *sw = sm.sw;
@@ -448,13 +479,21 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_re
 
   const int warp_m = warp & 1, warp_n = warp >> 1;
   const int g = lane >> 2, tig = lane & 3;
+  const int cw = warp_n * 32 + 2 * tig, r0 = warp_m * 32 + g;
   const unsigned sa_u = mma_smem_addr(sa), sw_u = mma_smem_addr(sw);
   for (; tile < tiles; tile += gridDim.x) {
     const tm_i64 first = p.row0 + (tiles - 1 - tile) * OP_BM;
     uint4 gpre[OP_ITEMS];
-    op_load_gpre<128>(p, gpre, first, OP_BM);
+    OpGateRegs gr;
+    if (AF3) {
+      op_load_gate_regs(p, gr, first, cw, r0);
+    } else {
+      op_load_gpre<128>(p, gpre, first, OP_BM);
+    }
     asm volatile("cp.async.wait_group 0;");
-    __syncthreads();  // this tile's t (and Wout) landed; every warp done with the last tile's sa
+    // This tile's t (and Wout) landed; every warp is done with the last tile's sa (its MMA
+    // operand, and for 16-bit y its staged output).
+    __syncthreads();
 #pragma unroll
     for (int u = 0; u < 128 * (OP_BM / 16) / OP_THREADS; ++u) {
       const int i = tid + u * OP_THREADS, h = i & 127, seg = i >> 7;
@@ -466,10 +505,30 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_re
     if (tile + gridDim.x < tiles) op_prefetch_t(p, sraw, first - (tm_i64)gridDim.x * OP_BM);
     op_stats<128>(p, sa, smean, srstd);
     __syncthreads();
-    op_normalise<128>(p, sa, smean, srstd, snw, snb, gpre, OP_BM);
+    op_normalise<128, !AF3>(p, sa, smean, srstd, snw, snb, gpre, OP_BM);
     __syncthreads();
     float acc[2][4][4];
     op_mma<128>(p, acc, sa_u, sw_u, warp_m, warp_n);
-    op_epilogue_any(p, acc, nullptr, first, OP_BM, 0, warp_n * 32 + 2 * tig, warp_m * 32 + g);
+    if (Y16) __syncthreads();  // every warp done reading sa before y is packed into it
+    if (p.out_bias) {
+      op_epilogue<true, AF3, Y16, AF3>(p, acc, sa, first, OP_BM, 0, cw, r0, &gr);
+    } else {
+      op_epilogue<false, AF3, Y16, AF3>(p, acc, sa, first, OP_BM, 0, cw, r0, &gr);
+    }
+    if (Y16) {
+      __syncthreads();  // the tile's y complete in sa
+      op_store_y16(p, sa, first, OP_BM, 0);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_resident(const TrimulParams p) {
+  const bool y16 = p.io_dtype != TM_IO_F32;
+  if (p.af3) {
+    if (y16) output_projection_resident_body<true, true>(p);
+    else output_projection_resident_body<true, false>(p);
+  } else {
+    if (y16) output_projection_resident_body<false, true>(p);
+    else output_projection_resident_body<false, false>(p);
   }
 }

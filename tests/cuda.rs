@@ -194,6 +194,93 @@ fn half_io_device_buffers_match_reference() {
     }
 }
 
+/// One host forward in `io`'s precision (x rounded to it first, y poisoned): the x the layer saw
+/// and y, as f32, and y's bits.
+fn forward_io(
+    layer: &mut Layer<CudaBackend>,
+    x: &[f32],
+    mask: Option<&[f32]>,
+    shape: Shape,
+    io: Precision,
+) -> (Vec<f32>, Vec<f32>, Vec<u32>) {
+    match io {
+        Precision::F32Io => {
+            let mut y = vec![f32::NAN; x.len()];
+            layer.forward_into(x, mask, &mut y, shape).unwrap();
+            let bits = y.iter().map(|v| v.to_bits()).collect();
+            (x.to_vec(), y, bits)
+        }
+        Precision::Bf16Io => {
+            let xh: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let mut yh = vec![half::bf16::NAN; x.len()];
+            layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
+            (
+                xh.iter().map(|v| v.to_f32()).collect(),
+                yh.iter().map(|v| v.to_f32()).collect(),
+                yh.iter().map(|v| v.to_bits() as u32).collect(),
+            )
+        }
+        Precision::F16Io => {
+            let xh: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
+            let mut yh = vec![half::f16::NAN; x.len()];
+            layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
+            (
+                xh.iter().map(|v| v.to_f32()).collect(),
+                yh.iter().map(|v| v.to_f32()).collect(),
+                yh.iter().map(|v| v.to_bits() as u32).collect(),
+            )
+        }
+        other => panic!("no host element type for {other}"),
+    }
+}
+
+/// The resident output kernel (H = 128, C <= 128, whole 64-position tiles) in both formulations,
+/// with and without af3's biases, and every y precision: it matches the reference and gives the
+/// plain kernel's bits exactly (the same arithmetic in the same order), at C = 128 and at C = 64
+/// (columns past C are neither read nor written).
+#[test]
+fn resident_output_kernel_matches_plain_kernel_bit_for_bit() {
+    let Some(b) = cuda() else { return };
+    let s = seed();
+    for (k, case) in
+        [Case::new(64, 2, 128, true, Dist::Cauchy), Case::new(40, 1, 64, false, Dist::Normal)].iter().enumerate()
+    {
+        for (f, dir, biases) in [
+            (Formulation::GpuMode, Direction::Outgoing, false),
+            (Formulation::Af3, Direction::Incoming, true),
+            (Formulation::Af3, Direction::Outgoing, false),
+        ] {
+            let problem = case.problem(f, dir).unwrap();
+            let weights = Weights::random(problem.config, biases, s ^ k as u64).unwrap();
+            let inputs = suite::generate_inputs(case, s ^ 0x7E57 ^ k as u64);
+            let mask = inputs.mask.as_deref();
+            for io in [Precision::F32Io, Precision::Bf16Io, Precision::F16Io] {
+                let mut bits = Vec::new();
+                for resident in [true, false] {
+                    b.set_resident_output(resident);
+                    let before = b.resident_output_launches();
+                    let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
+                    let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
+                    let launched = b.resident_output_launches() - before;
+                    assert_eq!(
+                        launched > 0,
+                        resident,
+                        "{} {f} {dir} {io}: resident kernel launches {launched}",
+                        case.name()
+                    );
+                    let cmp = reference::check(&weights, &problem, &x, mask, &y, TOL, TOL).unwrap();
+                    eprintln!("{} {f} {dir} biases {biases} {io} resident {resident}: {cmp}", case.name());
+                    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{} {f} {dir} {io} seed {s}: {cmp}", case.name());
+                    bits.push(y_bits);
+                }
+                let differ = bits[0].iter().zip(&bits[1]).filter(|(a, b)| a != b).count();
+                assert_eq!(differ, 0, "{} {f} {dir} {io} seed {s}: resident and plain kernels differ", case.name());
+            }
+        }
+    }
+    b.set_resident_output(true);
+}
+
 #[test]
 fn all_zero_mask_matches_reference() {
     let Some(b) = cuda() else { return };

@@ -72,6 +72,9 @@ struct Inner {
     /// Whether the resident output kernel runs where it applies (`TRIMUL_CUDA_RESIDENT_OUTPUT=0`
     /// turns it off, to compare).
     resident_output: AtomicBool,
+    /// Launches of the resident output kernel so far (tests check that a path they mean to
+    /// exercise ran).
+    resident_launches: std::sync::atomic::AtomicU64,
 }
 
 /// An NVIDIA GPU with its stream, cuBLASLt handle and loaded kernels. Cheap to clone.
@@ -187,6 +190,7 @@ impl CudaBackend {
                 resident_output: AtomicBool::new(
                     std::env::var("TRIMUL_CUDA_RESIDENT_OUTPUT").map_or(true, |v| v.trim() != "0"),
                 ),
+                resident_launches: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -270,6 +274,18 @@ impl CudaBackend {
         self.inner.fused_output.store(on, Ordering::Relaxed);
     }
 
+    /// Whether forwards take the resident form of the fused output kernel where it applies
+    /// (default on, unless `TRIMUL_CUDA_RESIDENT_OUTPUT=0`). Off runs the plain kernel there, to
+    /// test and compare the two on the same chip.
+    pub fn set_resident_output(&self, on: bool) {
+        self.inner.resident_output.store(on, Ordering::Relaxed);
+    }
+
+    /// How many times this backend has launched the resident output kernel.
+    pub fn resident_output_launches(&self) -> u64 {
+        self.inner.resident_launches.load(Ordering::Relaxed)
+    }
+
     /// The fused output kernel when it takes this configuration (H a multiple of 16 up to 128:
     /// the whole reduction in one shared-memory tile; C a multiple of 8: 8-byte stores) and
     /// measured faster. H100, against output_norm + cuBLASLt (+ the af3 gate pass): af3 gains
@@ -327,6 +343,7 @@ impl CudaBackend {
         // parameters load under its tail.
         let pdl = self.inner.kernels.pdl;
         if let Some((resident, grid)) = self.resident_output(&kp) {
+            self.inner.resident_launches.fetch_add(1, Ordering::Relaxed);
             return resident.launch_dependent(grid, STAGE_THREADS, OUTPUT_RESIDENT_SMEM, stream, &kp, pdl);
         }
         k.launch_dependent(
@@ -340,17 +357,16 @@ impl CudaBackend {
     }
 
     /// The resident output kernel and its grid (three blocks per SM, each walking tiles), when it
-    /// takes `kp`'s launch: H = 128, C ≤ 128, gpumode with f32 y, whole 64-position tiles inside
-    /// one batch, and room for three blocks per SM. With two per SM the resident form lost to
-    /// the plain kernel (H100, NOTES.md), so GPUs with less shared memory keep the plain one.
+    /// takes `kp`'s launch: H = 128, C ≤ 128 (one column chunk; either formulation, any y
+    /// precision), whole 64-position tiles inside one batch, and room for three blocks per SM.
+    /// With two per SM the resident form lost to the plain kernel (H100, NOTES.md), so GPUs with
+    /// less shared memory keep the plain one.
     fn resident_output(&self, kp: &KernelParams) -> Option<(&kernels::Stage, u32)> {
         let k = self.inner.kernels.output_projection_resident.as_ref()?;
         let rows = OUTPUT_PROJECTION_ROWS as i64;
         let nn = kp.n as i64 * kp.n as i64;
         let takes = kp.h == 128
             && kp.c <= 128
-            && kp.af3 == 0
-            && kp.io_dtype == params::IO_F32
             && kp.rows % rows == 0
             && kp.row0 % rows == 0
             && nn % rows == 0
