@@ -125,15 +125,17 @@ fn incoming_gpumode_and_odd_sizes() {
     check_case(&b, &Case::new(33, 3, 64, true, Dist::Cauchy), Formulation::Af3, Direction::Incoming, true, s);
 }
 
-/// bf16 and f16 x and y on device buffers (`forward_buffers_half`, y poisoned with NaN first):
-/// every build of the fused input kernel (C = 128, 256 and 384, ragged N), both formulations and
-/// directions, against the reference of the rounded x; the host-slice API gives the same bits.
+/// bf16 and f16 x and y on device buffers (`forward_buffers_half`, y poisoned with NaN first, and
+/// `forward_buffers_half_in_place`): every build of the fused input kernel (C = 128, 256 and 384,
+/// ragged N; N = 64 takes the resident output kernel), both formulations and directions, against
+/// the reference of the rounded x; the host-slice API gives the same bits.
 #[test]
 fn half_io_device_buffers_match_reference() {
     let Some(b) = cuda() else { return };
     let s = seed();
     for (k, case) in [
         Case::new(50, 2, 128, true, Dist::Cauchy),
+        Case::new(64, 1, 128, false, Dist::Normal),
         Case::new(37, 1, 256, false, Dist::Normal),
         Case::new(64, 1, 384, true, Dist::Normal),
     ]
@@ -178,6 +180,39 @@ fn half_io_device_buffers_match_reference() {
                     }
                 };
                 assert!(host == ybits, "{} {f} {dir} {io}: host-slice and device-buffer forwards differ", case.name());
+
+                // In place on the device buffer: y over x, checked against the reference, and the
+                // same bits as the host-slice in-place forward.
+                let mut xyd = b.alloc_buffer::<u16>(bits.len()).unwrap();
+                b.upload_bits(&bits, &mut xyd).unwrap();
+                layer.forward_buffers_half_in_place(&mut xyd, md.as_ref(), case.shape(), io).unwrap();
+                let mut xybits = vec![0u16; bits.len()];
+                b.download_bits(&xyd, &mut xybits).unwrap();
+                let y: Vec<f32> = xybits.iter().map(|&v| io.decode_half(v)).collect();
+                let cmp = reference::check(&weights, &problem, &x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
+                eprintln!("{} {f} {dir} {io} in place: {cmp}", case.name());
+                assert!(
+                    cmp.passed() && cmp.rel_l2 <= MAX_REL_L2,
+                    "{} {f} {dir} {io} in place seed {s}: {cmp}",
+                    case.name()
+                );
+                let host_in_place: Vec<u16> = match io {
+                    Precision::Bf16Io => {
+                        let mut xy: Vec<half::bf16> = bits.iter().map(|&v| half::bf16::from_bits(v)).collect();
+                        layer.forward_in_place(&mut xy, inputs.mask.as_deref(), case.shape()).unwrap();
+                        xy.iter().map(|v| v.to_bits()).collect()
+                    }
+                    _ => {
+                        let mut xy: Vec<half::f16> = bits.iter().map(|&v| half::f16::from_bits(v)).collect();
+                        layer.forward_in_place(&mut xy, inputs.mask.as_deref(), case.shape()).unwrap();
+                        xy.iter().map(|v| v.to_bits()).collect()
+                    }
+                };
+                assert!(
+                    host_in_place == xybits,
+                    "{} {f} {dir} {io}: host-slice and device-buffer in-place forwards differ",
+                    case.name()
+                );
             }
         }
     }

@@ -123,10 +123,8 @@ pub fn run(args: &BenchArgs) -> CliResult {
                 plan.precision
             )));
         }
-        if plan.fresh_weights || plan.in_place {
-            return Err(CliError::usage(
-                "--precision bf16-io/f16-io cannot be combined with --fresh-weights or --in-place",
-            ));
+        if plan.fresh_weights {
+            return Err(CliError::usage("--precision bf16-io/f16-io cannot be combined with --fresh-weights"));
         }
     }
     let seed = args.seed.unwrap_or_else(clock_seed);
@@ -605,7 +603,7 @@ mod half {
         backend.reset_peak_memory();
         let mut layer = Layer::new(backend, &weights, Options { direction: plan.direction })?;
         layer.set_memory_budget(plan.budget);
-        let needs = layer.memory_needs_io(shape, problem.masked, false, io)?;
+        let needs = layer.memory_needs_io(shape, problem.masked, plan.in_place, io)?;
 
         progress.set_message(format!("{}: generating inputs", case.name()));
         let inputs = suite::generate_inputs(case, input_seed);
@@ -625,15 +623,20 @@ mod half {
         };
         let mut xs = vec![upload_bits(&bits)?];
         let mut masks = vec![inputs.mask.as_deref().map(upload_mask).transpose()?];
-        let mut ys = vec![backend.alloc_buffer::<u16>(bits.len())?];
+        // In place, y is x: no separate output buffers.
+        let mut ys = if plan.in_place { Vec::new() } else { vec![backend.alloc_buffer::<u16>(bits.len())?] };
 
         progress.set_message(format!("{}: checked forward", case.name()));
-        layer.forward_buffers_half(&xs[0], masks[0].as_ref(), &mut ys[0], shape, io)?;
+        if plan.in_place {
+            layer.forward_buffers_half_in_place(&mut xs[0], masks[0].as_ref(), shape, io)?;
+        } else {
+            layer.forward_buffers_half(&xs[0], masks[0].as_ref(), &mut ys[0], shape, io)?;
+        }
         backend.synchronize()?;
         let peak = backend.peak_memory();
         let exec_plan = layer.exec_plan();
         let mut ybits = vec![0u16; bits.len()];
-        backend.download_bits(&ys[0], &mut ybits)?;
+        backend.download_bits(if plan.in_place { &xs[0] } else { &ys[0] }, &mut ybits)?;
         let y: Vec<f32> = ybits.iter().map(|&v| io.decode_half(v)).collect();
         drop(ybits);
         progress.set_message(format!("{}: reference check", case.name()));
@@ -643,8 +646,12 @@ mod half {
 
         let used_ws = exec_plan.map_or(needs.one_pass_workspace, |p| p.workspace_bytes);
         let device_free = backend.memory_info()?.map(|m| m.free);
-        let sets =
-            if plan.budget.is_some() { 1 } else { buffer_sets(bits.len() as u64 * 2, needs.io, device_free, used_ws) };
+        // Extra sets would break the budget's accounting: with one, the peak is the forward's.
+        let sets = if plan.budget.is_some() || plan.in_place {
+            1
+        } else {
+            buffer_sets(bits.len() as u64 * 2, needs.io, device_free, used_ws)
+        };
         for _ in 1..sets {
             xs.push(upload_bits(&bits)?);
             masks.push(inputs.mask.as_deref().map(upload_mask).transpose()?);
@@ -653,13 +660,18 @@ mod half {
         drop(bits);
 
         progress.set_message(format!("{}: timing", case.name()));
+        // In place, each call reads the previous call's y as its x (see `measure`).
         let samples = time_calls(backend, plan, sets, progress, |k| {
-            layer.forward_buffers_half(&xs[k], masks[k].as_ref(), &mut ys[k], shape, io)
+            if plan.in_place {
+                layer.forward_buffers_half_in_place(&mut xs[k], masks[k].as_ref(), shape, io)
+            } else {
+                layer.forward_buffers_half(&xs[k], masks[k].as_ref(), &mut ys[k], shape, io)
+            }
         })?;
         let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
             .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
             .with_memory(peak, Some(used_ws))
-            .with_plan(plan.budget, exec_plan, false);
+            .with_plan(plan.budget, exec_plan, plan.in_place);
         Ok(Outcome::Done(Box::new(Measured { result, sets })))
     }
 }
