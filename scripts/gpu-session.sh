@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One call of the lent GPU machine (the `device` tool): GPU tests, then A/B timings, everything
+# logged under $OUT. Build here first and copy the binaries into .device/ (see ../shared/DEVICE.md):
+#   cargo build --release --features cuda --bins --examples
+#   cargo test --release --features cuda --no-run      # prints the test executables
+#   cp target/release/trimul target/release/examples/cuda_stage_times .device/
+#   cp target/release/deps/{cuda,cuda_graph,cuda_conformance}-<hash> .device/{cuda,cuda_graph,cuda_conformance}
+# Steps (arguments, in order): tests, conformance, stages,
+# long-bf16, suites (gpumode f32 and af3 bf16, JSON under $OUT), other-suites, cueq-shapes, long,
+# sanitize, l2-probe.
+set -uo pipefail
+d=.device
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$out/gpu.txt"
+bench() { # label env... -- args...
+  local label=$1; shift
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" "$d/trimul" bench --backend cuda "$@" 2>>"$out/bench-stderr.txt" | tee -a "$out/$label.txt" | tail -12
+}
+for step in "$@"; do
+  echo "=== $step"
+  case $step in
+    tests)
+      "$d/trimul" info | tee "$out/info.txt"
+      TRIMUL_REQUIRE_DEVICE=1 "$d/cuda" --test-threads=2 2>&1 | tee "$out/tests.txt" | grep -E "^test |test result|panicked|SKIPPED"
+      TRIMUL_REQUIRE_DEVICE=1 "$d/cuda_graph" 2>&1 | tee -a "$out/tests.txt" | grep -E "^test |test result|panicked"
+      ;;
+    conformance)
+      TRIMUL_REQUIRE_DEVICE=1 "$d/cuda_conformance" --test-threads=2 2>&1 | tee "$out/conformance.txt" | grep -E "test result|panicked|FAILED"
+      ;;
+    stages)
+      "$d/cuda_stage_times" gpumode f32-io 2>&1 | tee -a "$out/stages.txt"
+      "$d/cuda_stage_times" af3 bf16-io 2>&1 | tee -a "$out/stages.txt"
+      ;;
+    long-bf16)
+      bench long-af3-bf16 X=1 -- --suite long --n 4096 --formulation af3 --precision bf16-io --json "$out/long-af3-bf16.json"
+      ;;
+    suites)
+      bench suite-gpumode-f32 X=1 -- --suite gpumode --json "$out/gpumode.json"
+      bench suite-af3-bf16 X=1 -- --suite gpumode --formulation af3 --precision bf16-io --json "$out/af3-bf16.json"
+      ;;
+    cueq-shapes)  # af3 bf16 at cuEquivariance's tuned shapes (B = 1, C = H = 128), three runs
+      for r in 1 2 3; do
+        bench cueq-shapes X=1 -- --suite gpumode --formulation af3 --precision bf16-io --n 512,768,1024
+      done
+      ;;
+    other-suites)  # the remaining two formulation/precision pairs, and af3 in f16 (text only)
+      bench suite-af3-f32 X=1 -- --suite gpumode --formulation af3 --json "$out/af3.json"
+      bench suite-gpumode-bf16 X=1 -- --suite gpumode --precision bf16-io --json "$out/gpumode-bf16.json"
+      bench suite-af3-f16 X=1 -- --suite gpumode --formulation af3 --precision f16-io
+      ;;
+    long)  # issue 6's N = 4096 bars: unchunked, and within a 24 GB budget
+      bench long X=1 -- --suite long --n 4096 --json "$out/long.json"
+      bench long X=1 -- --suite long --n 4096 --max-memory 24GB --json "$out/long-24gb.json"
+      ;;
+    sanitize)  # compute-sanitizer on the resident/plain output kernel test (N = 64 and 40, every y precision)
+      cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      for tool in memcheck synccheck racecheck; do
+        timeout 150 "$cs" --tool $tool "$d/cuda" resident_output_kernel_matches_plain_kernel_bit_for_bit \
+          > "$out/sanitize-$tool.txt" 2>&1
+        echo "$tool (rc $?): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitize-$tool.txt" | tr '\n' ' ')"
+        grep -E "Race reported|hazard" -A3 "$out/sanitize-$tool.txt" | grep -E "output_projection|input_projection" | head -3
+      done
+      ;;
+    l2-probe)
+      PYTHONUNBUFFERED=1 python3 scripts/probes/l2_setaside.py 2>&1 | tee "$out/l2-probe.txt"
+      ;;
+  esac
+done
