@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# One call of the lent GPU machine (the `device` tool): GPU tests, then A/B timings, everything
-# logged under $OUT. Build here first and copy the binaries into .device/ (see ../shared/DEVICE.md):
+# One call of the lent GPU machine (the `device` tool): the steps named as arguments, everything
+# logged under $OUT, e.g. `bash scripts/gpu-session.sh tests conformance suites`.
+# Build here first and copy the binaries into .device/ (see ../shared/DEVICE.md):
 #   cargo build --release --features cuda --bins --examples
 #   cargo test --release --features cuda --no-run      # prints the test executables
 #   cp target/release/trimul target/release/examples/cuda_stage_times .device/
 #   cp target/release/deps/{cuda,cuda_graph,cuda_conformance}-<hash> .device/{cuda,cuda_graph,cuda_conformance}
-# Steps (arguments, in order): tests, conformance, stages,
-# long-bf16, suites (gpumode f32 and af3 bf16, JSON under $OUT), other-suites, cueq-shapes, long,
-# sanitize, l2-probe.
+# Steps, run in the order given: tests (GPU tests and the graph test), conformance, stages (event
+# timelines), suites (gpumode f32 and af3 bf16, JSON), other-suites (af3 f32, gpumode bf16 JSON; af3
+# f16), cueq-shapes (af3 bf16 at N = 512/768/1024, three runs), long (N = 4096 unchunked and in
+# 24 GB), long-bf16 (N = 4096 af3 bf16), sanitize (compute-sanitizer on the output kernels' test),
+# l2-probe (scripts/probes/l2_setaside.py). The device returns at most 8 files from $OUT.
 set -uo pipefail
 d=.device
 out=${OUT:-/tmp/out}
