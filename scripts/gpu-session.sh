@@ -16,11 +16,9 @@ d=.device
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$out/gpu.txt"
-bench() { # label env... -- args...
+bench() { # label, then `trimul bench` arguments; output appended to $out/label.txt
   local label=$1; shift
-  local envs=()
-  while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
-  env "${envs[@]}" "$d/trimul" bench --backend cuda "$@" 2>>"$out/bench-stderr.txt" | tee -a "$out/$label.txt" | tail -12
+  "$d/trimul" bench --backend cuda "$@" 2>>"$out/bench-stderr.txt" | tee -a "$out/$label.txt" | tail -12
 }
 for step in "$@"; do
   echo "=== $step"
@@ -38,25 +36,25 @@ for step in "$@"; do
       "$d/cuda_stage_times" af3 bf16-io 2>&1 | tee -a "$out/stages.txt"
       ;;
     long-bf16)
-      bench long-af3-bf16 X=1 -- --suite long --n 4096 --formulation af3 --precision bf16-io --json "$out/long-af3-bf16.json"
+      bench long-af3-bf16 --suite long --n 4096 --formulation af3 --precision bf16-io --json "$out/long-af3-bf16.json"
       ;;
     suites)
-      bench suite-gpumode-f32 X=1 -- --suite gpumode --json "$out/gpumode.json"
-      bench suite-af3-bf16 X=1 -- --suite gpumode --formulation af3 --precision bf16-io --json "$out/af3-bf16.json"
+      bench suite-gpumode-f32 --suite gpumode --json "$out/gpumode.json"
+      bench suite-af3-bf16 --suite gpumode --formulation af3 --precision bf16-io --json "$out/af3-bf16.json"
       ;;
     cueq-shapes)  # af3 bf16 at cuEquivariance's tuned shapes (B = 1, C = H = 128), three runs
       for r in 1 2 3; do
-        bench cueq-shapes X=1 -- --suite gpumode --formulation af3 --precision bf16-io --n 512,768,1024
+        bench cueq-shapes --suite gpumode --formulation af3 --precision bf16-io --n 512,768,1024
       done
       ;;
     other-suites)  # the remaining two formulation/precision pairs, and af3 in f16 (text only)
-      bench suite-af3-f32 X=1 -- --suite gpumode --formulation af3 --json "$out/af3.json"
-      bench suite-gpumode-bf16 X=1 -- --suite gpumode --precision bf16-io --json "$out/gpumode-bf16.json"
-      bench suite-af3-f16 X=1 -- --suite gpumode --formulation af3 --precision f16-io
+      bench suite-af3-f32 --suite gpumode --formulation af3 --json "$out/af3.json"
+      bench suite-gpumode-bf16 --suite gpumode --precision bf16-io --json "$out/gpumode-bf16.json"
+      bench suite-af3-f16 --suite gpumode --formulation af3 --precision f16-io
       ;;
     long)  # issue 6's N = 4096 bars: unchunked, and within a 24 GB budget
-      bench long X=1 -- --suite long --n 4096 --json "$out/long.json"
-      bench long X=1 -- --suite long --n 4096 --max-memory 24GB --json "$out/long-24gb.json"
+      bench long --suite long --n 4096 --json "$out/long.json"
+      bench long --suite long --n 4096 --max-memory 24GB --json "$out/long-24gb.json"
       ;;
     sanitize)  # compute-sanitizer on the resident/plain output kernel test (N = 64 and 40, every y precision)
       cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
