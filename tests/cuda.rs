@@ -125,6 +125,40 @@ fn incoming_gpumode_and_odd_sizes() {
     check_case(&b, &Case::new(33, 3, 64, true, Dist::Cauchy), Formulation::Af3, Direction::Incoming, true, s);
 }
 
+/// The host-slice forward (`forward_into`, or `forward_in_place`) of 16-bit x given as `io` bit
+/// patterns, returning y's bits.
+fn host_half_forward(
+    layer: &mut Layer<CudaBackend>,
+    bits: &[u16],
+    mask: Option<&[f32]>,
+    shape: Shape,
+    io: Precision,
+    in_place: bool,
+) -> Vec<u16> {
+    fn run<T: trimul::IoElement>(
+        layer: &mut Layer<CudaBackend>,
+        bits: &[u16],
+        mask: Option<&[f32]>,
+        shape: Shape,
+        in_place: bool,
+        from_bits: fn(u16) -> T,
+        to_bits: fn(T) -> u16,
+    ) -> Vec<u16> {
+        let mut xh: Vec<T> = bits.iter().map(|&v| from_bits(v)).collect();
+        if in_place {
+            layer.forward_in_place(&mut xh, mask, shape).unwrap();
+            return xh.into_iter().map(to_bits).collect();
+        }
+        let mut yh = vec![T::default(); xh.len()];
+        layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
+        yh.into_iter().map(to_bits).collect()
+    }
+    match io {
+        Precision::Bf16Io => run(layer, bits, mask, shape, in_place, half::bf16::from_bits, half::bf16::to_bits),
+        _ => run(layer, bits, mask, shape, in_place, half::f16::from_bits, half::f16::to_bits),
+    }
+}
+
 /// bf16 and f16 x and y on device buffers (`forward_buffers_half`, y poisoned with NaN first, and
 /// `forward_buffers_half_in_place`): every build of the fused input kernel (C = 128, 256 and 384,
 /// ragged N; N = 64 takes the resident output kernel), both formulations and directions, against
@@ -161,24 +195,18 @@ fn half_io_device_buffers_match_reference() {
                 layer.forward_buffers_half(&xd, md.as_ref(), &mut yd, case.shape(), io).unwrap();
                 let mut ybits = vec![0u16; bits.len()];
                 b.download_bits(&yd, &mut ybits).unwrap();
-                let y: Vec<f32> = ybits.iter().map(|&v| io.decode_half(v)).collect();
-                let cmp = reference::check(&weights, &problem, &x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
-                eprintln!("{} {f} {dir} {io}: {cmp}", case.name());
-                assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{} {f} {dir} {io} seed {s}: {cmp}", case.name());
-                let host: Vec<u16> = match io {
-                    Precision::Bf16Io => {
-                        let xh: Vec<half::bf16> = bits.iter().map(|&v| half::bf16::from_bits(v)).collect();
-                        let mut yh = vec![half::bf16::ZERO; xh.len()];
-                        layer.forward_into(&xh, inputs.mask.as_deref(), &mut yh, case.shape()).unwrap();
-                        yh.iter().map(|v| v.to_bits()).collect()
-                    }
-                    _ => {
-                        let xh: Vec<half::f16> = bits.iter().map(|&v| half::f16::from_bits(v)).collect();
-                        let mut yh = vec![half::f16::ZERO; xh.len()];
-                        layer.forward_into(&xh, inputs.mask.as_deref(), &mut yh, case.shape()).unwrap();
-                        yh.iter().map(|v| v.to_bits()).collect()
-                    }
+                let check_y = |ybits: &[u16], what: &str| {
+                    let y: Vec<f32> = ybits.iter().map(|&v| io.decode_half(v)).collect();
+                    let cmp = reference::check(&weights, &problem, &x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
+                    eprintln!("{} {f} {dir} {io}{what}: {cmp}", case.name());
+                    assert!(
+                        cmp.passed() && cmp.rel_l2 <= MAX_REL_L2,
+                        "{} {f} {dir} {io}{what} seed {s}: {cmp}",
+                        case.name()
+                    );
                 };
+                check_y(&ybits, "");
+                let host = host_half_forward(&mut layer, &bits, inputs.mask.as_deref(), case.shape(), io, false);
                 assert!(host == ybits, "{} {f} {dir} {io}: host-slice and device-buffer forwards differ", case.name());
 
                 // In place on the device buffer: y over x, checked against the reference, and the
@@ -188,26 +216,9 @@ fn half_io_device_buffers_match_reference() {
                 layer.forward_buffers_half_in_place(&mut xyd, md.as_ref(), case.shape(), io).unwrap();
                 let mut xybits = vec![0u16; bits.len()];
                 b.download_bits(&xyd, &mut xybits).unwrap();
-                let y: Vec<f32> = xybits.iter().map(|&v| io.decode_half(v)).collect();
-                let cmp = reference::check(&weights, &problem, &x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
-                eprintln!("{} {f} {dir} {io} in place: {cmp}", case.name());
-                assert!(
-                    cmp.passed() && cmp.rel_l2 <= MAX_REL_L2,
-                    "{} {f} {dir} {io} in place seed {s}: {cmp}",
-                    case.name()
-                );
-                let host_in_place: Vec<u16> = match io {
-                    Precision::Bf16Io => {
-                        let mut xy: Vec<half::bf16> = bits.iter().map(|&v| half::bf16::from_bits(v)).collect();
-                        layer.forward_in_place(&mut xy, inputs.mask.as_deref(), case.shape()).unwrap();
-                        xy.iter().map(|v| v.to_bits()).collect()
-                    }
-                    _ => {
-                        let mut xy: Vec<half::f16> = bits.iter().map(|&v| half::f16::from_bits(v)).collect();
-                        layer.forward_in_place(&mut xy, inputs.mask.as_deref(), case.shape()).unwrap();
-                        xy.iter().map(|v| v.to_bits()).collect()
-                    }
-                };
+                check_y(&xybits, " in place");
+                let host_in_place =
+                    host_half_forward(&mut layer, &bits, inputs.mask.as_deref(), case.shape(), io, true);
                 assert!(
                     host_in_place == xybits,
                     "{} {f} {dir} {io}: host-slice and device-buffer in-place forwards differ",
