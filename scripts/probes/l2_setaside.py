@@ -9,6 +9,7 @@ which has PyTorch: python3 scripts/probes/l2_setaside.py
 import ctypes
 
 import torch
+from timing import median_ms
 
 CUDA_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
 
@@ -25,21 +26,6 @@ def cudart():
     for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libcudart.so*")):
         return ctypes.CDLL(path)
     raise OSError("no libcudart found")
-
-
-def median_ms(fn, reps=30):
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():

@@ -13,6 +13,7 @@ bandwidth, and this does not depend on S, the constant is inherited write-back.
 Run on the GPU machine: python3 scripts/probes/l2_writeback.py
 """
 import torch
+from timing import median_ms
 
 
 def main():
@@ -27,20 +28,14 @@ def main():
         src, dst = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")
         results = {}
         for name in ["after writes", "after writes then reads", "after reads"]:
-            times = []
-            for _ in range(25):
+
+            def before(name=name):
                 if name != "after reads":
                     dirty_dst.copy_(dirty_src)
                 if name != "after writes":
                     torch.sum(clean, dim=0, out=sink)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                dst.copy_(src)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1000)
-            times.sort()
-            results[name] = times[len(times) // 2]
+
+            results[name] = 1000 * median_ms(lambda: dst.copy_(src), reps=25, warmup=0, before=before)
         line = ", ".join(f"{k} {v:7.1f} µs" for k, v in results.items())
         extra = results["after writes"] - results["after writes then reads"]
         print(f"copy of {size_mib:3d} MiB (read + write {2 * size_mib} MiB): {line}; inherited {extra:+.1f} µs")

@@ -14,22 +14,9 @@ Overlap pays if "both" is well under "GEMM alone + copies alone". Run on the GPU
 python3 scripts/probes/sm_partition.py
 """
 import torch
+from timing import median_ms
 
 N, H = 4096, 128
-
-
-def timed(fn, reps=5):
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():
@@ -54,14 +41,14 @@ def main():
         y.copy_(xh)
 
     flops = 2.0 * H * N**3
-    t_copy = timed(copies)
+    t_copy = median_ms(copies, reps=5, warmup=1)
     print(f"copies alone: {t_copy:.2f} ms ({25.8e9 / t_copy / 1e9:.2f} TB/s)")
     for k in [0, 8, 16, 24, 32, 48]:
         if k and not carve:
             break
         if carve:
             carve(k if k else None)
-        t_gemm = timed(gemm)
+        t_gemm = median_ms(gemm, reps=5, warmup=1)
 
         def both():
             start = torch.cuda.Event()
@@ -75,7 +62,7 @@ def main():
             torch.cuda.current_stream().wait_stream(gemm_stream)
             torch.cuda.current_stream().wait_stream(copy_stream)
 
-        t_both = timed(both)
+        t_both = median_ms(both, reps=5, warmup=1)
         print(
             f"k = {k:2d} SMs left free: GEMM alone {t_gemm:6.2f} ms ({flops / t_gemm / 1e9:5.0f} TFLOP/s), "
             f"serial {t_gemm + t_copy:6.2f} ms, both at once {t_both:6.2f} ms "
