@@ -606,7 +606,10 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
   constexpr bool IP_HINT = KMAX > 128;
 
   const IpBLoader bl = ip_b_loader<true>(p, ring);
-  ip_load_b<true>(p, bl, 0, l.chunk0, 0);
+  // Padded C <= 128: a chunk's K slices (one or two) fill the ring, so each chunk's weights are
+  // loaded whole, under the previous chunk's epilogue and stores (below).
+  constexpr bool whole_chunks = KMAX == 128;
+  for (int ks = 0; ks < (whole_chunks ? l.nks : 1); ++ks) ip_load_b<true>(p, bl, ks, l.chunk0, ks);
   pdl_wait();  // x (and every buffer written below) only after the previous kernel is done
   ip_layernorm<KMAX, true, BM, LN_ROWS>(p, sa, 0, smask, l.tile0, l.m_total);
   fence_proxy_async();  // z was written by ordinary stores; the tensor cores read it next
@@ -632,6 +635,43 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
   constexpr bool overlap_stores = BM == 64 && KMAX > 128;
   // The chunk whose staged results still wait for their stores.
   int pending = -1;
+  if constexpr (whole_chunks) {
+    // Per chunk: its weights have landed (issued a chunk ahead) → all its MMAs at once → once
+    // every warpgroup is done with the ring, the next chunk's weights are issued, then the
+    // epilogue and the stores run while they arrive. Three barriers per chunk, and one MMA wait.
+    for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
+      asm volatile("cp.async.wait_group 0;");
+      fence_proxy_async();  // this thread's cp.async writes (and, the first time, z) for the tensor cores
+      __syncthreads();      // the chunk's weights (and z) complete; the previous chunk's stores done
+      wgmma_fence();
+      for (int ks = 0; ks < l.nks; ++ks) {
+        const unsigned long long sb = b_desc + ((ks * IP_BN * 128) >> 4);
+        const unsigned long long sa_k = a_desc + ((ks * BM * 128) >> 4);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const int accumulate = (ks | kk) != 0;
+          if constexpr (BM == 128) {
+            wgmma_m64n128k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
+          } else {
+            wgmma_m64n64k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
+          }
+        }
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      __syncthreads();  // every warpgroup done reading the ring
+      if (chunk + 1 < l.n_chunks)
+        for (int ks = 0; ks < l.nks; ++ks) ip_load_b<true>(p, bl, ks, chunk + 1, ks);
+      if (p.w_in_bias) {
+        ip_epilogue_sm90<true, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
+      } else {
+        ip_epilogue_sm90<false, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
+      }
+      __syncthreads();
+      ip_store_chunk<BM, IP_HINT>(p, l, chunk, stage_buf);
+    }
+    return;
+  }
   for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
     for (int ks = 0; ks < l.nks; ++ks, ++slice) {
       wgmma_wait_all();  // the previous slice's MMAs are done reading the other stage
