@@ -641,8 +641,8 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
     // epilogue and the stores run while they arrive. Three barriers per chunk, and one MMA wait.
     for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
       asm volatile("cp.async.wait_group 0;");
-      fence_proxy_async();  // this thread's cp.async writes (and, the first time, z) for the tensor cores
-      __syncthreads();      // the chunk's weights (and z) complete; the previous chunk's stores done
+      fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores
+      __syncthreads();      // the chunk's weights complete; the previous chunk's stores done reading the staging
       wgmma_fence();
       for (int ks = 0; ks < l.nks; ++ks) {
         const unsigned long long sb = b_desc + ((ks * IP_BN * 128) >> 4);
@@ -670,59 +670,59 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
       __syncthreads();
       ip_store_chunk<BM, IP_HINT>(p, l, chunk, stage_buf);
     }
-    return;
-  }
-  for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
-    for (int ks = 0; ks < l.nks; ++ks, ++slice) {
-      wgmma_wait_all();  // the previous slice's MMAs are done reading the other stage
-      asm volatile("cp.async.wait_group 0;");
-      fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores
-      __syncthreads();
-      {
-        const int next_ks = ks + 1 < l.nks ? ks + 1 : 0;
-        const int next_chunk = ks + 1 < l.nks ? chunk : chunk + 1;
-        if (next_chunk < l.n_chunks) ip_load_b<true>(p, bl, (slice + 1) & 1, next_chunk, next_ks);
-      }
-      const unsigned long long sb = b_desc + (((slice & 1) * IP_BN * 128) >> 4);
-      const unsigned long long sa_k = a_desc + ((ks * BM * 128) >> 4);
-      wgmma_fence();
+  } else {
+    for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
+      for (int ks = 0; ks < l.nks; ++ks, ++slice) {
+        wgmma_wait_all();  // the previous slice's MMAs are done reading the other stage
+        asm volatile("cp.async.wait_group 0;");
+        fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores
+        __syncthreads();
+        {
+          const int next_ks = ks + 1 < l.nks ? ks + 1 : 0;
+          const int next_chunk = ks + 1 < l.nks ? chunk : chunk + 1;
+          if (next_chunk < l.n_chunks) ip_load_b<true>(p, bl, (slice + 1) & 1, next_chunk, next_ks);
+        }
+        const unsigned long long sb = b_desc + (((slice & 1) * IP_BN * 128) >> 4);
+        const unsigned long long sa_k = a_desc + ((ks * BM * 128) >> 4);
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {  // four k16 steps of 32 bytes inside the 128-byte rows
-        const int accumulate = (ks | kk) != 0;
-        if constexpr (BM == 128) {
-          wgmma_m64n128k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
-        } else {
-          wgmma_m64n64k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
+        for (int kk = 0; kk < 4; ++kk) {  // four k16 steps of 32 bytes inside the 128-byte rows
+          const int accumulate = (ks | kk) != 0;
+          if constexpr (BM == 128) {
+            wgmma_m64n128k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
+          } else {
+            wgmma_m64n64k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
+          }
+        }
+        wgmma_commit();
+        if (overlap_stores && ks == 0 && pending >= 0) {
+          // The previous chunk's staging, complete since this slice's barrier, stored under the
+          // MMAs just issued (they read only z and the ring).
+          ip_store_chunk<BM, IP_HINT>(p, l, pending, stage_buf);
+          pending = -1;
         }
       }
-      wgmma_commit();
-      if (overlap_stores && ks == 0 && pending >= 0) {
-        // The previous chunk's staging, complete since this slice's barrier, stored under the
-        // MMAs just issued (they read only z and the ring).
-        ip_store_chunk<BM, IP_HINT>(p, l, pending, stage_buf);
-        pending = -1;
+      wgmma_wait_all();
+      // Every store above done reading the staging (with two or more K slices, slice 1's barrier).
+      if (overlap_stores && l.nks == 1) __syncthreads();
+
+      if (p.w_in_bias) {
+        ip_epilogue_sm90<true, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
+      } else {
+        ip_epilogue_sm90<false, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
+      }
+      if (overlap_stores) {
+        pending = chunk;
+      } else {
+        __syncthreads();
+        ip_store_chunk<BM, IP_HINT>(p, l, chunk, stage_buf);
+        __syncthreads();  // staging is reused by the next chunk's epilogue
       }
     }
-    wgmma_wait_all();
-    // Every store above done reading the staging (with two or more K slices, slice 1's barrier).
-    if (overlap_stores && l.nks == 1) __syncthreads();
-
-    if (p.w_in_bias) {
-      ip_epilogue_sm90<true, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
-    } else {
-      ip_epilogue_sm90<false, BM>(acc, p, l, chunk, stage_buf, smask, wg, wq);
+    if (pending >= 0) {
+      __syncthreads();  // the last chunk's staging complete
+      ip_store_chunk<BM, IP_HINT>(p, l, pending, stage_buf);
     }
-    if (overlap_stores) {
-      pending = chunk;
-    } else {
-      __syncthreads();
-      ip_store_chunk<BM, IP_HINT>(p, l, chunk, stage_buf);
-      __syncthreads();  // staging is reused by the next chunk's epilogue
-    }
-  }
-  if (pending >= 0) {
-    __syncthreads();  // the last chunk's staging complete
-    ip_store_chunk<BM, IP_HINT>(p, l, pending, stage_buf);
   }
 #else
   // Built for another target: the host launches this entry only on sm_90 from sm_90a code.
