@@ -580,6 +580,25 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   }
 }
 
+#if defined(TM_HAS_WGMMA)
+// The wgmmas of one 64-wide K slice: four k16 steps of 32 bytes inside the 128-byte rows, from
+// the descriptors of the slice's A and B tiles. A chunk's first slice (ks 0) overwrites the
+// accumulators with its first step (scale-d 0), so they are not zeroed per chunk.
+template <int BM>
+__device__ __forceinline__ void ip_mma_slice(float (&acc)[BM == 128 ? 64 : 32], unsigned long long sa_k,
+                                             unsigned long long sb, int ks) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int accumulate = (ks | kk) != 0;
+    if constexpr (BM == 128) {
+      wgmma_m64n128k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
+    } else {
+      wgmma_m64n64k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
+    }
+  }
+}
+#endif
+
 // The sm_90a body: two warpgroups with wgmma, z and the weight ring in the 128-byte swizzle the
 // descriptors name. BM = 128: each warpgroup multiplies its 64 rows by all 128 columns of a chunk
 // (m64n128k16); BM = 64: both take the block's 64 rows and each warpgroup 64 of the columns
@@ -647,15 +666,7 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
       for (int ks = 0; ks < l.nks; ++ks) {
         const unsigned long long sb = b_desc + ((ks * IP_BN * 128) >> 4);
         const unsigned long long sa_k = a_desc + ((ks * BM * 128) >> 4);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const int accumulate = (ks | kk) != 0;
-          if constexpr (BM == 128) {
-            wgmma_m64n128k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
-          } else {
-            wgmma_m64n64k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
-          }
-        }
+        ip_mma_slice<BM>(acc, sa_k, sb, ks);
       }
       wgmma_commit();
       wgmma_wait_all();
@@ -685,15 +696,7 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
         const unsigned long long sb = b_desc + (((slice & 1) * IP_BN * 128) >> 4);
         const unsigned long long sa_k = a_desc + ((ks * BM * 128) >> 4);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {  // four k16 steps of 32 bytes inside the 128-byte rows
-          const int accumulate = (ks | kk) != 0;
-          if constexpr (BM == 128) {
-            wgmma_m64n128k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
-          } else {
-            wgmma_m64n64k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
-          }
-        }
+        ip_mma_slice<BM>(acc, sa_k, sb, ks);
         wgmma_commit();
         if (overlap_stores && ks == 0 && pending >= 0) {
           // The previous chunk's staging, complete since this slice's barrier, stored under the
