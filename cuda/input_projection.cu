@@ -663,10 +663,14 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
       fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores
       __syncthreads();      // the chunk's weights complete; the previous chunk's stores done reading the staging
       wgmma_fence();
-      for (int ks = 0; ks < l.nks; ++ks) {
-        const unsigned long long sb = b_desc + ((ks * IP_BN * 128) >> 4);
-        const unsigned long long sa_k = a_desc + ((ks * BM * 128) >> 4);
-        ip_mma_slice<BM>(acc, sa_k, sb, ks);
+      // C = 128 (two K slices), unrolled: in the runtime loop ptxas inserted a warpgroup.arrive
+      // before each slice's wgmmas (its C7519 note), the accumulators being live across the back edge.
+      if (l.nks == 2) {
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks)
+          ip_mma_slice<BM>(acc, a_desc + ((ks * BM * 128) >> 4), b_desc + ((ks * IP_BN * 128) >> 4), ks);
+      } else {
+        ip_mma_slice<BM>(acc, a_desc, b_desc, 0);
       }
       wgmma_commit();
       wgmma_wait_all();
