@@ -271,8 +271,7 @@ __device__ __forceinline__ void ip_stage_gating(tm_half* sl, tm_half* sr, int r,
 template <int BM>
 __device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_half* sl, const tm_half* sr, int chunk,
                                                 tm_i64 tile0, tm_i64 m_total, tm_i64 tb0, tm_i64 trem0, tm_i64 nn,
-                                                int lr_h0, int lr_h) {
-  const unsigned tid = threadIdx.x;
+                                                int lr_h0, int lr_h, unsigned tid) {
   constexpr int runs = BM / 8;
   constexpr int ch_step = IP_THREADS / runs;  // channels a pass over the threads covers
   const int run = tid % runs, ch0 = tid / runs;
@@ -321,8 +320,7 @@ __device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_
 // gate [rows from buf_row0, G]: BM rows x 16 runs of 8 columns, BM/16 per thread.
 template <int BM, bool HINT>
 __device__ __forceinline__ void ip_store_gate(const TrimulParams& p, const tm_half* stage_buf, int gc0, tm_i64 tile0,
-                                              tm_i64 m_total) {
-  const unsigned tid = threadIdx.x;
+                                              tm_i64 m_total, unsigned tid) {
   const int G = p.g;
   const bool vec = (G % 8 == 0);
   const unsigned long long stream = l2_evict_first();  // read back only by the output stage
@@ -391,15 +389,16 @@ __device__ __forceinline__ float2 ip_add_bias2(const float* bias, int i, float a
 
 // Stores a column chunk's staged results (after a barrier that follows the staging): left and
 // right of a gating chunk, or the gate.
-// HINT: the gate's stores marked first to evict in L2 (see the builds' entry points).
+// HINT: the gate's stores marked first to evict in L2 (see the builds' entry points). `tid`: this
+// thread among the 256 that store (the block's, or a warp-specialised build's consumer pair).
 template <int BM, bool HINT>
 __device__ __forceinline__ void ip_store_chunk(const TrimulParams& p, const IpLaunch& l, int chunk,
-                                               const tm_half* stage_buf) {
+                                               const tm_half* stage_buf, unsigned tid = threadIdx.x) {
   if (chunk < l.n_gating) {
     ip_store_gating<BM>(p, stage_buf, stage_buf + 32 * (BM + 8), chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn,
-                        l.lr_h0, l.lr_h);
+                        l.lr_h0, l.lr_h, tid);
   } else {
-    ip_store_gate<BM, HINT>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
+    ip_store_gate<BM, HINT>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total, tid);
   }
 }
 
@@ -456,7 +455,12 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
 // warpgroup wg owns rows 64·wg .. and all 128 columns; BM = 64: both own the 64 rows and
 // warpgroup wg the columns 64·wg ... A warp holds 16 rows x NW columns, acc[4j + e] being n8
 // tile j.
-template <bool HAS_BIAS, int BM>
+// WG_STAGE (BM = 64, the warp-specialised build): each warpgroup stages into its own 8 KB at
+// stage_buf (rows of 128 bytes whose 16-byte pieces are permuted by XOR with row % 8, so that
+// stmatrix and the stores' reads stay conflict-free without padding): of a gating chunk its 16
+// channels of left (rows 0-15) and right (rows 16-31) along the 64 positions, of the gate chunk
+// its 64 columns for each position (row = position). ws_store_wg reads them back.
+template <bool HAS_BIAS, int BM, bool WG_STAGE = false>
 __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 64 : 32], const TrimulParams& p,
                                                  const IpLaunch& l, int chunk, tm_half* stage_buf, const float* smask,
                                                  int wg, int wq) {
@@ -475,7 +479,9 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
     tm_half* sr = stage_buf + 32 * (BM + 8);
     // Tiles 0, 1: left at rows wrow + 0..7, + 8..15; tiles 2, 3: right. Transposed: the row
     // this lane addresses is channel q·8 + trow, 8 positions along it.
-    const unsigned st_base = mma_smem_addr(tile < 2 ? sl : sr) + (trow * (BM + 8) + wrow + (tile & 1) * 8) * 2;
+    const unsigned st_base =
+        WG_STAGE ? mma_smem_addr(stage_buf) + ((tile < 2 ? 0 : 16) + trow) * 128 + (((wrow / 8 + (tile & 1)) ^ trow) << 4)
+                 : mma_smem_addr(tile < 2 ? sl : sr) + (trow * (BM + 8) + wrow + (tile & 1) * 8) * 2;
     const float m0 = smask[row0], m1 = smask[row0 + 8];
 #pragma unroll
     for (int qq = 0; qq < NW / 32; ++qq) {  // the warpgroup's blocks of 8 channels [lp | lg | rp | rg]
@@ -495,12 +501,14 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
         lr[0][hf] = ip_gated2(v[0][0], v[0][1], v[1][0], v[1][1], m);
         lr[1][hf] = ip_gated2(v[2][0], v[2][1], v[3][0], v[3][1], m);
       }
-      stmatrix_x4_trans(st_base + q * 8 * (BM + 8) * 2, lr[0][0], lr[0][1], lr[1][0], lr[1][1]);
+      stmatrix_x4_trans(st_base + (WG_STAGE ? qq * 8 * 128 : q * 8 * (BM + 8) * 2), lr[0][0], lr[0][1], lr[1][0],
+                        lr[1][1]);
     }
   } else {
     // Tiles: (n8 tile nt, rows + 0..7), (nt, + 8..15), (nt + 1, + 0..7), (nt + 1, + 8..15).
     const unsigned st_base =
-        mma_smem_addr(stage_buf) + ((wrow + (tile & 1) * 8 + trow) * (IP_BN + 8) + col0 + (tile >> 1) * 8) * 2;
+        WG_STAGE ? mma_smem_addr(stage_buf) + (wrow + (tile & 1) * 8 + trow) * 128
+                 : mma_smem_addr(stage_buf) + ((wrow + (tile & 1) * 8 + trow) * (IP_BN + 8) + col0 + (tile >> 1) * 8) * 2;
 #pragma unroll
     for (int nt = 0; nt < NW / 8; nt += 2) {
       unsigned sg[2][2];  // [n8 tile nt, nt + 1][row g, row g + 8]
@@ -512,7 +520,8 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
                                                   acc[(nt + j) * 4 + 2 * hf + 1]);
           sg[j][hf] = ip_sigmoid2(v.x, v.y);
         }
-      stmatrix_x4(st_base + nt * 8 * 2, sg[0][0], sg[0][1], sg[1][0], sg[1][1]);
+      stmatrix_x4(st_base + (WG_STAGE ? (((nt + (tile >> 1)) ^ trow) << 4) : nt * 8 * 2), sg[0][0], sg[0][1], sg[1][0],
+                  sg[1][1]);
     }
   }
 }
@@ -737,6 +746,248 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
 #endif
 }
 
+// ---- Warp-specialised persistent build (sm_90a; C = H = 128, one-pass plans) ----
+// One block of 768 threads per SM walks 64-position tiles with all 160 KB of weights resident in
+// shared memory, loaded once per block (under the previous kernel's tail, with PDL):
+//   - warps 0-7, the LayerNorm producers: each loads its 8 rows of the next tile into registers
+//     as soon as it has handed over the current one, so x's DRAM latency passes while the
+//     consumers work; once a z buffer is free it normalises those rows into it;
+//   - warps 8-15 and 16-23, two consumer pairs (two warpgroups each, the 64-position build's
+//     m64n64 split of the columns): pair P takes every other tile, through z buffer P and its own
+//     staging, running the five column chunks' MMAs, epilogues and stores.
+// The ablation of the two-and-three-blocks-per-SM builds (docs/perf/NOTES.md) found their phases
+// adding up: the weight loads, x's latency, the MMAs and the stores one after another. Here the
+// weights are loaded once, x arrives a tile ahead, and one pair's MMAs overlap the other pair's
+// epilogue and stores, at the 24 warps the three-blocks build has.
+// The hand-overs are named barriers: FULL[P] (the producers arrive once z of pair P's tile is
+// written; the pair waits), EMPTY[P] (the pair arrives once its last chunk's MMAs have read z;
+// the producers wait before writing z again), and one per consumer warpgroup around its part of the staging.
+#define WS_THREADS 768
+#define WS_BM 64
+#define WS_CHUNKS 5
+#define WS_SLICE_BYTES (IP_BN * IP_BK * 2)                   // one K slice of one chunk: 16 KB
+#define WS_W_BYTES (WS_CHUNKS * 2 * WS_SLICE_BYTES)          // 160 KB
+#define WS_Z_BYTES (WS_BM * 128 * 2)                         // 16 KB
+#define WS_STAGE_BYTES (2 * 8192)                            // a pair's staging: 8 KB per warpgroup
+#define WS_SMEM_BYTES (WS_W_BYTES + 2 * WS_Z_BYTES + 2 * WS_STAGE_BYTES + 2 * WS_BM * 4 + 1024)
+
+__device__ __forceinline__ void ws_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void ws_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+// Named barrier ids (0 is __syncthreads).
+__device__ __forceinline__ int ws_full(int pair) { return 1 + pair; }
+__device__ __forceinline__ int ws_empty(int pair) { return 3 + pair; }
+__device__ __forceinline__ int ws_group(int pair, int wg) { return 5 + 2 * pair + wg; }
+
+// The k-th tile this block takes (tiles last to first, as the other builds: what is written last
+// is read first by the contraction), and its launch description.
+__device__ __forceinline__ tm_i64 ws_tile0(const TrimulParams& p, int k) {
+  const tm_i64 tiles = p.rows / WS_BM;
+  return (tiles - 1 - ((tm_i64)blockIdx.x + (tm_i64)k * gridDim.x)) * WS_BM;
+}
+__device__ __forceinline__ IpLaunch ws_launch(const TrimulParams& p, tm_i64 tile0) {
+  IpLaunch l;
+  l.m_total = p.rows;
+  l.tile0 = tile0;
+  l.nks = 2;
+  l.n_gating = 4;
+  l.chunk0 = 0;
+  l.n_chunks = WS_CHUNKS;
+  l.lr_h0 = 0;
+  l.lr_h = p.h;
+  l.nn = (tm_i64)p.n * p.n;
+  l.tb0 = tile0 / l.nn;
+  l.trem0 = tile0 - l.tb0 * l.nn;
+  return l;
+}
+
+// A producer warp's 8 rows of x as loaded (f32, or the raw words of 16-bit x), and lane r < 8's
+// mask value of row r.
+template <int IO>
+struct WsRows {
+  float4 f[IO == TM_IO_F32 ? 8 : 1];
+  uint2 h[IO == TM_IO_F32 ? 1 : 8];
+  float mask;
+};
+
+template <int IO>
+__device__ __forceinline__ void ws_load(const TrimulParams& p, tm_i64 row0, WsRows<IO>& x) {
+  const unsigned lane = threadIdx.x & 31;
+#pragma unroll
+  for (int rr = 0; rr < 8; ++rr) {
+    if constexpr (IO == TM_IO_F32) {
+      x.f[rr] = *(const float4*)(p.x + (row0 + rr) * 128 + lane * 4);
+    } else {
+      x.h[rr] = *(const uint2*)((const unsigned short*)p.x + (row0 + rr) * 128 + lane * 4);
+    }
+  }
+  x.mask = (p.mask && lane < 8) ? p.mask[row0 + lane] : 1.f;
+}
+
+// LN_C of the warp's 8 rows (r0 .. r0 + 7 of the tile) into z (the 128-byte swizzle of the
+// 64-position build) and their mask into smask; the statistics as in ip_layernorm_io.
+template <int IO>
+__device__ __forceinline__ void ws_normalize(const TrimulParams& p, const WsRows<IO>& x, float4 w, float4 b,
+                                             unsigned char* z, float* smask, int r0) {
+  const unsigned lane = threadIdx.x & 31;
+  float4 v[8];
+#pragma unroll
+  for (int rr = 0; rr < 8; ++rr) {
+    if constexpr (IO == TM_IO_F32) {
+      v[rr] = x.f[rr];
+    } else {
+      v[rr] = io_widen4<IO>(x.h[rr]);
+    }
+  }
+  float mean[8], rstd[8];
+#pragma unroll
+  for (int rr = 0; rr < 8; ++rr) mean[rr] = (v[rr].x + v[rr].y) + (v[rr].z + v[rr].w);
+  ip_warp_sums(mean);
+#pragma unroll
+  for (int rr = 0; rr < 8; ++rr) {
+    mean[rr] *= (1.f / 128.f);
+    const float a = v[rr].x - mean[rr], bb = v[rr].y - mean[rr], c = v[rr].z - mean[rr], d = v[rr].w - mean[rr];
+    rstd[rr] = (a * a + bb * bb) + (c * c + d * d);
+  }
+  ip_warp_sums(rstd);
+#pragma unroll
+  for (int rr = 0; rr < 8; ++rr) {
+    const float m = mean[rr], rs = tm_rsqrt(rstd[rr] * (1.f / 128.f) + p.eps);
+    const unsigned lo = mma_pack_h2((v[rr].x - m) * rs * w.x + b.x, (v[rr].y - m) * rs * w.y + b.y);
+    const unsigned hi = mma_pack_h2((v[rr].z - m) * rs * w.z + b.z, (v[rr].w - m) * rs * w.w + b.w);
+    *(uint2*)(z + ip_z_offset<true, WS_BM>(r0 + rr, lane * 4, 0)) = make_uint2(lo, hi);
+  }
+  if (lane < 8) smask[r0 + lane] = x.mask;
+}
+
+// The producers' loop: tile k goes to z buffer k % 2 (pair k % 2).
+template <int IO>
+__device__ __forceinline__ void ws_produce(const TrimulParams& p, unsigned char* zbuf, float* smask, int n_k) {
+  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float4 w = *(const float4*)(p.norm_in_w + lane * 4), b = *(const float4*)(p.norm_in_b + lane * 4);
+  const int r0 = warp * 8;
+  WsRows<IO> x;
+  if (n_k > 0) ws_load<IO>(p, ws_tile0(p, 0) + r0, x);
+  for (int k = 0; k < n_k; ++k) {
+    const int buf = k & 1;
+    if (k >= 2) ws_bar_sync(ws_empty(buf), 512);  // pair `buf` done reading its previous tile's z
+    ws_normalize<IO>(p, x, w, b, zbuf + buf * WS_Z_BYTES, smask + buf * WS_BM, r0);
+    fence_proxy_async();  // z written by ordinary stores; the pair's tensor cores read it next
+    ws_bar_arrive(ws_full(buf), 512);
+    if (k + 1 < n_k) ws_load<IO>(p, ws_tile0(p, k + 1) + r0, x);
+  }
+  // Match each pair's last hand-back, so that no barrier is left part-way.
+  for (int k = n_k < 2 ? 2 : n_k; k < n_k + 2; ++k) ws_bar_sync(ws_empty(k & 1), 512);
+}
+
+// Stores warpgroup wg's part of a chunk's staging, by its 128 threads (t): of a gating chunk its
+// 16 channels (16·wg ..) of left and right, one 16-byte run of 8 positions per thread and side; of
+// the gate chunk its 64 columns, four runs per thread. Each warpgroup stages into and stores from
+// its own 8 KB, so the two warpgroups of a pair synchronise only among their own 128 threads.
+__device__ __forceinline__ void ws_store_wg(const TrimulParams& p, const IpLaunch& l, int chunk,
+                                            const tm_half* stage_buf, int wg, unsigned t) {
+  const unsigned char* st = (const unsigned char*)stage_buf;  // this warpgroup's 8 KB (ip_epilogue_sm90)
+  if (chunk < l.n_gating) {
+    const int run = t & 7, ch = t >> 3;  // 16-byte run of positions, channel among the 16
+    const tm_i64 off = l.tb0 * l.lr_h * l.nn + l.trem0 + run * 8 + (tm_i64)(chunk * 32 + 16 * wg + ch) * l.nn;
+    *(uint4*)(p.left + off) = *(const uint4*)(st + ch * 128 + ((run ^ (ch & 7)) << 4));
+    *(uint4*)(p.right + off) = *(const uint4*)(st + (16 + ch) * 128 + ((run ^ (ch & 7)) << 4));
+  } else {
+    const int gc0 = (chunk - l.n_gating) * IP_BN;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int piece = t + 128 * i, r = piece >> 3, run = piece & 7;
+      *(uint4*)(p.gate + (l.tile0 + r) * p.g + gc0 + 64 * wg + run * 8) =
+          *(const uint4*)(st + r * 128 + ((run ^ (r & 7)) << 4));
+    }
+  }
+}
+
+#if defined(TM_HAS_WGMMA)
+// A consumer pair's loop over its tiles (every other one, from `pair`).
+__device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned char* wts, const unsigned char* zbuf,
+                                           const float* smask_all, tm_half* stage_all, int n_k, int pair) {
+  const unsigned pt = threadIdx.x - 256 - 256 * pair;  // thread within the pair
+  const int wg = pt >> 7, wq = (pt >> 5) & 3;
+  const unsigned char* z = zbuf + pair * WS_Z_BYTES;
+  const float* smask = smask_all + pair * WS_BM;
+  tm_half* stage_buf = stage_all + (pair * WS_STAGE_BYTES + wg * (WS_STAGE_BYTES / 2)) / 2;
+  // Both warpgroups read all 64 rows of z; warpgroup wg the output columns 64·wg .. of a chunk.
+  const unsigned long long a_desc = wgmma_desc_sw128(mma_smem_addr(z));
+  const unsigned long long b_desc = wgmma_desc_sw128(mma_smem_addr(wts) + wg * 64 * 128);
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  for (int k = pair; k < n_k; k += 2) {
+    const IpLaunch l = ws_launch(p, ws_tile0(p, k));
+    ws_bar_sync(ws_full(pair), 512);
+    for (int chunk = 0; chunk < WS_CHUNKS; ++chunk) {
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+        ip_mma_slice<WS_BM>(acc, a_desc + ((ks * WS_BM * 128) >> 4),
+                            b_desc + (((chunk * 2 + ks) * WS_SLICE_BYTES) >> 4), ks);
+      wgmma_commit();
+      wgmma_wait_all();
+      // The gate chunk (last) reads neither z nor the mask: hand the buffer back before its epilogue.
+      if (chunk == WS_CHUNKS - 1) ws_bar_arrive(ws_empty(pair), 512);
+      if (p.w_in_bias) {
+        ip_epilogue_sm90<true, WS_BM, true>(acc, p, l, chunk, stage_buf, smask, wg, wq);
+      } else {
+        ip_epilogue_sm90<false, WS_BM, true>(acc, p, l, chunk, stage_buf, smask, wg, wq);
+      }
+      ws_bar_sync(ws_group(pair, wg), 128);
+      ws_store_wg(p, l, chunk, stage_buf, wg, pt & 127);
+      ws_bar_sync(ws_group(pair, wg), 128);  // the staging is reused by the next chunk's epilogue
+    }
+  }
+}
+#endif
+
+// Shapes (the host checks): C = k_pad = H = G = 128, one-pass plan (row0 0, every chunk and
+// channel), rows and N² multiples of 64, so that every tile is full and inside one batch.
+template <int IO>
+__device__ __forceinline__ void input_projection_ws_body(const TrimulParams& p) {
+#if defined(TM_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char ws_smem[];
+  // The swizzle atoms must sit on 1024-byte boundaries; the host adds 1024 bytes of slack.
+  unsigned char* wts = ws_smem + ((1024u - (mma_smem_addr(ws_smem) & 1023u)) & 1023u);  // [5][2][128][128 B]
+  unsigned char* zbuf = wts + WS_W_BYTES;                             // [2][2 atoms][64][128 B]
+  tm_half* stage_all = (tm_half*)(zbuf + 2 * WS_Z_BYTES);             // [2 pairs][2 warpgroups][8 KB]
+  float* smask = (float*)((unsigned char*)stage_all + 2 * WS_STAGE_BYTES);  // [2][64]
+
+  // All weights, once: piece i (16 bytes) of slice s = i / 1024 at row (i % 1024) / 8, column
+  // i % 8, into the 128-byte swizzle. Before pdl_wait: the weights are no other kernel's output.
+  for (int i = threadIdx.x; i < WS_CHUNKS * 2 * 1024; i += WS_THREADS) {
+    const int s = i >> 10, row = (i >> 3) & 127, c16 = i & 7, chunk = s >> 1, ks = s & 1;
+    const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * 128 + ks * IP_BK + c16 * 8;
+    mma_cp_async16(mma_smem_addr(wts) + s * WS_SLICE_BYTES + row * 128 + ((c16 ^ (row & 7)) << 4), src);
+  }
+  asm volatile("cp.async.commit_group;");
+  const int tiles = (int)(p.rows / WS_BM);
+  const int n_k = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+  pdl_wait();
+  asm volatile("cp.async.wait_group 0;");
+  fence_proxy_async();  // the weights, visible to the tensor cores
+  __syncthreads();
+  const unsigned warp = threadIdx.x >> 5;
+  // The block starts at 80 registers per thread (768 x 80 of the SM's 64 K); the producers give
+  // back what the consumers take: 256 x (80 - 64) = 512 x (88 - 80).
+  if (warp < 8) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
+    ws_produce<IO>(p, zbuf, smask, n_k);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 88;");
+    ws_consume(p, wts, zbuf, smask, stage_all, n_k, (warp - 8) >> 3);
+  }
+#else
+  __trap();
+#endif
+}
+
 // k_pad <= 128: two blocks per SM (registers capped at 128, which the small LN prologue allows
 // without spilling)...
 extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(const TrimulParams p) {
@@ -769,4 +1020,15 @@ extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection_sm9
 // stays faster (the host's FusedKernel::launch has the numbers).
 extern "C" __global__ void __launch_bounds__(IP_THREADS, 3) input_projection_sm90_narrow64(const TrimulParams p) {
   input_projection_sm90_body<128, 64, 4>(p);
+}
+
+// ...and the warp-specialised persistent build for C = H = 128 (above), one block per SM.
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) input_projection_sm90_ws(const TrimulParams p) {
+  if (p.io_dtype == TM_IO_BF16) {
+    input_projection_ws_body<TM_IO_BF16>(p);
+  } else if (p.io_dtype == TM_IO_F16) {
+    input_projection_ws_body<TM_IO_F16>(p);
+  } else {
+    input_projection_ws_body<TM_IO_F32>(p);
+  }
 }

@@ -284,6 +284,58 @@ fn forward_io(
 /// with and without af3's biases, and every y precision: it matches the reference and gives the
 /// plain kernel's bits exactly (the same arithmetic in the same order), at C = 128 and at C = 64
 /// (columns past C are neither read nor written).
+/// The warp-specialised persistent input build (sm_90a, C = H = 128, N² a multiple of 64) and
+/// the two- and three-blocks-per-SM builds it replaces there: both checked against the f64
+/// reference, in every I/O precision, and against each other bit for bit (same LayerNorm
+/// arithmetic, same MMA k-order, same epilogue). Shapes it does not take (N = 36: N² = 1296) must
+/// not launch it. On GPUs without the build (not sm_90a) it only checks the other builds.
+#[test]
+fn warp_specialised_input_build_matches_reference_and_other_builds() {
+    let Some(b) = cuda() else { return };
+    let s = seed();
+    let has_ws = b.info().arch == "sm_90";
+    for (k, (case, takes)) in [
+        (Case::new(64, 2, 128, true, Dist::Cauchy), true),
+        (Case::new(48, 1, 128, false, Dist::Normal), true),
+        (Case::new(36, 1, 128, true, Dist::Normal), false),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for (f, dir, biases) in
+            [(Formulation::GpuMode, Direction::Outgoing, false), (Formulation::Af3, Direction::Incoming, true)]
+        {
+            let problem = case.problem(f, dir).unwrap();
+            let weights = Weights::random(problem.config, biases, s ^ 0x3A ^ k as u64).unwrap();
+            let inputs = suite::generate_inputs(case, s ^ 0x5EED ^ k as u64);
+            let mask = inputs.mask.as_deref();
+            for io in [Precision::F32Io, Precision::Bf16Io, Precision::F16Io] {
+                let mut bits = Vec::new();
+                for ws in [true, false] {
+                    b.set_warp_specialised(ws);
+                    let before = b.warp_specialised_launches();
+                    let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
+                    let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
+                    let launched = b.warp_specialised_launches() - before;
+                    assert_eq!(
+                        launched > 0,
+                        ws && *takes && has_ws,
+                        "{} {f} {dir} {io}: warp-specialised launches {launched}",
+                        case.name()
+                    );
+                    let cmp = reference::check(&weights, &problem, &x, mask, &y, TOL, TOL).unwrap();
+                    eprintln!("{} {f} {dir} {io} warp-specialised {ws}: {cmp}", case.name());
+                    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{} {f} {dir} {io} seed {s}: {cmp}", case.name());
+                    bits.push(y_bits);
+                }
+                let differ = bits[0].iter().zip(&bits[1]).filter(|(a, b)| a != b).count();
+                assert_eq!(differ, 0, "{} {f} {dir} {io} seed {s}: the builds differ in {differ} values", case.name());
+            }
+        }
+    }
+    b.set_warp_specialised(true);
+}
+
 #[test]
 fn resident_output_kernel_matches_plain_kernel_bit_for_bit() {
     let Some(b) = cuda() else { return };

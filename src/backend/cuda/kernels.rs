@@ -37,6 +37,9 @@ pub(crate) struct Kernels {
     pub input_projection_sm90_mid: Option<Stage>,
     /// The wgmma build in 64-position blocks, three per SM, for padded C ≤ 128.
     pub input_projection_sm90_narrow64: Option<Stage>,
+    /// The warp-specialised persistent wgmma build (C = H = 128, one block of 768 threads per
+    /// SM, weights resident).
+    pub input_projection_sm90_ws: Option<Stage>,
     /// LN_H + gate + output projection in one kernel (`cuda/output_projection.cu`); sm_80+.
     pub output_projection: Option<Stage>,
     /// Its resident form: Wout loaded once per block, blocks walking tiles with the next tile's
@@ -132,6 +135,7 @@ impl Kernels {
             input_projection_sm90_wide: None,
             input_projection_sm90_mid: None,
             input_projection_sm90_narrow64: None,
+            input_projection_sm90_ws: None,
             output_projection: None,
             output_projection_resident: None,
             pdl: false,
@@ -174,6 +178,7 @@ impl Kernels {
         let input_projection_sm90_wide = sm90("_wide")?;
         let input_projection_sm90_mid = sm90("_mid")?;
         let input_projection_sm90_narrow64 = sm90("_narrow64")?;
+        let input_projection_sm90_ws = sm90("_ws")?;
         let k = Kernels {
             input_projection,
             input_projection_wide,
@@ -181,6 +186,7 @@ impl Kernels {
             input_projection_sm90_wide,
             input_projection_sm90_mid,
             input_projection_sm90_narrow64,
+            input_projection_sm90_ws,
             output_projection,
             output_projection_resident,
             // Hopper only: there the kernels come from the sm_90a image (or NVRTC for the device),

@@ -59,6 +59,8 @@ struct Inner {
     tracker: Arc<AllocTracker>,
     poison: AtomicBool,
     fused_input: AtomicBool,
+    /// Whether the warp-specialised input build runs where it applies (`set_warp_specialised`).
+    warp_specialised: AtomicBool,
     fused_output: AtomicBool,
     warpgroup_mma: AtomicBool,
     /// Measured per-shape choices (`trimul tune`) for this GPU's architecture.
@@ -75,6 +77,8 @@ struct Inner {
     /// Launches of the resident output kernel so far (tests check that a path they mean to
     /// exercise ran).
     resident_launches: std::sync::atomic::AtomicU64,
+    /// Launches of the warp-specialised input build so far (as `resident_launches`).
+    ws_launches: std::sync::atomic::AtomicU64,
 }
 
 /// An NVIDIA GPU with its stream, cuBLASLt handle and loaded kernels. Cheap to clone.
@@ -180,6 +184,7 @@ impl CudaBackend {
                 tracker: Arc::new(AllocTracker::default()),
                 poison: AtomicBool::new(false),
                 fused_input: AtomicBool::new(true),
+                warp_specialised: AtomicBool::new(std::env::var("TRIMUL_CUDA_WS").map_or(true, |v| v.trim() != "0")),
                 fused_output: AtomicBool::new(true),
                 // `TRIMUL_CUDA_WGMMA=0` starts with the mma.sync input kernel, to compare the two.
                 warpgroup_mma: AtomicBool::new(std::env::var("TRIMUL_CUDA_WGMMA").map_or(true, |v| v.trim() != "0")),
@@ -191,6 +196,7 @@ impl CudaBackend {
                     std::env::var("TRIMUL_CUDA_RESIDENT_OUTPUT").map_or(true, |v| v.trim() != "0"),
                 ),
                 resident_launches: std::sync::atomic::AtomicU64::new(0),
+                ws_launches: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -241,6 +247,14 @@ impl CudaBackend {
         self.inner.fused_input.store(on, Ordering::Relaxed);
     }
 
+    /// Whether forwards from now on may take the warp-specialised persistent input build where
+    /// it applies (sm_90a, C = H = 128; see `WsBuild::takes`). Default on, or off when the
+    /// environment has `TRIMUL_CUDA_WS=0`; off, those launches take the two- and
+    /// three-blocks-per-SM builds, to test and compare them.
+    pub fn set_warp_specialised(&self, on: bool) {
+        self.inner.warp_specialised.store(on, Ordering::Relaxed);
+    }
+
     /// The per-shape choices (see [`tuning`]) forwards of `problem` use: the override, else the
     /// table's entry, else the built-in rules.
     pub fn tuning_for(&self, problem: &Problem) -> Tuning {
@@ -284,6 +298,11 @@ impl CudaBackend {
     /// How many times this backend has launched the resident output kernel.
     pub fn resident_output_launches(&self) -> u64 {
         self.inner.resident_launches.load(Ordering::Relaxed)
+    }
+
+    /// How many times this backend has launched the warp-specialised input build.
+    pub fn warp_specialised_launches(&self) -> u64 {
+        self.inner.ws_launches.load(Ordering::Relaxed)
     }
 
     /// The fused output kernel when it takes this configuration (H a multiple of 16 up to 128:
@@ -671,12 +690,24 @@ impl CudaBackend {
                     _ => None,
                 };
                 let build = InputBuild { stage, smem: smem as u32, rows };
-                return Some(FusedKernel { build, wgmma: true, f32_x, pdl: k.pdl });
+                let ws = k.input_projection_sm90_ws.as_ref().filter(|_| {
+                    self.inner.warp_specialised.load(Ordering::Relaxed)
+                        && f.layout.k_pad == 128
+                        && f.layout.h_pad == 128
+                        && f.layout.g_pad == 128
+                        && self.blocks_fit(1, WS_SMEM_BYTES as usize)
+                });
+                let ws = ws.map(|stage| WsBuild {
+                    stage,
+                    sms: self.inner.info.compute_units,
+                    launches: &self.inner.ws_launches,
+                });
+                return Some(FusedKernel { build, wgmma: true, f32_x, ws, pdl: k.pdl });
             }
         }
         let stage = if narrow { k.input_projection.as_ref() } else { k.input_projection_wide.as_ref() }?;
         let build = InputBuild { stage, smem: f.smem_bytes() as u32, rows: FUSED_INPUT_ROWS };
-        Some(FusedKernel { build, wgmma: false, f32_x: None, pdl: k.pdl })
+        Some(FusedKernel { build, wgmma: false, f32_x: None, ws: None, pdl: k.pdl })
     }
 
     fn chunked_workspace(&self, prepared: &CudaPrepared, problem: &Problem, plan: ChunkPlan) -> Result<CudaWorkspace> {
@@ -994,6 +1025,8 @@ struct FusedKernel<'a> {
     wgmma: bool,
     /// Another build for launches whose x is f32 (see [`FusedKernel::launch`]).
     f32_x: Option<InputBuild<'a>>,
+    /// The warp-specialised persistent build, for the launches it takes ([`WsBuild::takes`]).
+    ws: Option<WsBuild<'a>>,
     /// Launched as a programmatic dependent of the kernel before it (sm_90+, see
     /// `kernels::Stage::launch_dependent`): its weight set-up runs under that kernel's tail.
     pdl: bool,
@@ -1010,11 +1043,61 @@ impl FusedKernel<'_> {
     /// # Safety
     /// As [`kernels::Stage::launch`].
     unsafe fn launch(&self, rows: usize, stream: CUstream, kp: &KernelParams) -> Result<()> {
+        if let Some(ws) = self.ws.filter(|ws| ws.takes(rows, kp)) {
+            let grid = (rows / WS_ROWS).min(ws.sms as usize) as u32;
+            ws.launches.fetch_add(1, Ordering::Relaxed);
+            return ws.stage.launch_dependent(grid, WS_THREADS, WS_SMEM_BYTES, stream, kp, self.pdl);
+        }
         let b = match self.f32_x {
             Some(b) if kp.io_dtype == params::IO_F32 => b,
             _ => self.build,
         };
         b.stage.launch_dependent(ceil_div(rows, b.rows), STAGE_THREADS, b.smem, stream, kp, self.pdl)
+    }
+}
+
+/// The warp-specialised persistent input build (`input_projection_sm90_ws` in
+/// `cuda/input_projection.cu`): one block of [`WS_THREADS`] per SM, all weights resident, tiles of
+/// [`WS_ROWS`] positions; its shared-memory layout is the kernel's `WS_SMEM_BYTES`.
+#[derive(Copy, Clone)]
+struct WsBuild<'a> {
+    stage: &'a kernels::Stage,
+    sms: u32,
+    launches: &'a std::sync::atomic::AtomicU64,
+}
+
+const WS_THREADS: u32 = 768;
+/// Largest launch with f32 x that takes the warp-specialised build (see [`WsBuild::takes`]).
+const WS_F32_MAX_ROWS: usize = 1 << 18;
+const WS_ROWS: usize = 64;
+/// Weights 5 × 32 KB, z 2 × 16 KB, staging 4 × 8 KB, masks 2 × 256 bytes, and 1024 bytes to
+/// align the swizzled tiles.
+const WS_SMEM_BYTES: u32 = 5 * 32768 + 2 * 16384 + 4 * 8192 + 2 * 256 + 1024;
+
+impl WsBuild<'_> {
+    /// Whether the build takes this launch: C = H = G = 128 (checked with the layout), the
+    /// one-pass plan (every position from 0, every column chunk and channel), and full tiles
+    /// inside one batch (rows and N² multiples of 64). With 16-bit x it is the fastest build at
+    /// every size measured; with f32 x only up to [`WS_F32_MAX_ROWS`] positions (H100, input
+    /// stage against the three-blocks-per-SM build: af3 bf16 1024,1,128 0.575 → 0.515 ms,
+    /// 256,2,128 0.090 → 0.076 ms; gpumode f32 256,2,128 0.092 → 0.089 ms, 1024,1,128 0.617 →
+    /// 0.626 ms).
+    fn takes(&self, rows: usize, kp: &KernelParams) -> bool {
+        let nn = kp.n as usize * kp.n as usize;
+        (kp.io_dtype != params::IO_F32 || rows <= WS_F32_MAX_ROWS)
+            && kp.c == 128
+            && kp.h == 128
+            && kp.g == 128
+            && kp.row0 == 0
+            && kp.buf_row0 == 0
+            && kp.rows as usize == rows
+            && kp.chunk_begin == 0
+            && (kp.chunk_end == 0 || kp.chunk_end == 5)
+            && kp.lr_h0 == 0
+            && (kp.lr_h == 0 || kp.lr_h == kp.h)
+            && rows > 0
+            && rows % WS_ROWS == 0
+            && nn % WS_ROWS == 0
     }
 }
 
