@@ -17,7 +17,9 @@
 // Two builds of the MMA: mma.sync m16n8k16 (sm_80+: 8 warps of 32 x 64, operands through
 // ldmatrix), and on sm_90a the warpgroup MMA (2 warpgroups of 64 x 128, wgmma.m64n128k16 with both
 // operands read by the tensor cores from 128-byte-swizzled shared memory). Everything else is
-// shared: the LayerNorm prologue, the epilogues and the stores.
+// shared: the LayerNorm prologue, the epilogues and the stores. At C = H = 128 on sm_90a a third
+// form, warp-specialised and persistent (input_projection_sm90_ws, below), keeps all weights
+// resident and splits each SM's 24 warps into LayerNorm producers and MMA/epilogue consumers.
 // Chunked plans (src/memory.rs) launch it on a subset: a hidden pass runs the gating chunks of
 // its channels over every position, writing [B, lr_h, N, N] chunk buffers; the output stage's
 // gate pass runs the gate chunks over one row chunk (row0, rows) into a gate buffer that starts

@@ -1038,7 +1038,8 @@ impl FusedKernel<'_> {
     /// 128-position blocks two per SM: the third block hides more of the DRAM latency of f32 x,
     /// while with 16-bit x the weight slices each block re-reads from L2 (twice as many per
     /// position in 64-position blocks) cost more than it hides (input stage, H100, 1024,1,128:
-    /// f32 0.70 → 0.66 ms, bf16 0.60 → 0.64 ms with the 64-position build).
+    /// f32 0.70 → 0.66 ms, bf16 0.60 → 0.64 ms with the 64-position build). Launches the
+    /// warp-specialised build instead where it takes them ([`WsBuild::takes`]).
     ///
     /// # Safety
     /// As [`kernels::Stage::launch`].
