@@ -280,10 +280,58 @@ fn forward_io(
     }
 }
 
-/// The resident output kernel (H = 128, C <= 128, whole 64-position tiles) in both formulations,
-/// with and without af3's biases, and every y precision: it matches the reference and gives the
-/// plain kernel's bits exactly (the same arithmetic in the same order), at C = 128 and at C = 64
-/// (columns past C are neither read nor written).
+/// A kernel path switched on and off, for [`path_on_and_off_agree`]: what it is called, how to
+/// switch it, how many times it has launched, and whether it should launch when on.
+struct Path<'a> {
+    name: &'a str,
+    switch: &'a dyn Fn(bool),
+    launches: &'a dyn Fn() -> u64,
+    takes: bool,
+}
+
+/// Runs `case` twice through the CUDA layer in I/O precision `io`, with `path` on and then off:
+/// each run is checked against the f64 reference and for whether the path launched, and the two
+/// must give the same y bit for bit. Leaves the path on.
+#[allow(clippy::too_many_arguments)]
+fn path_on_and_off_agree(
+    b: &CudaBackend,
+    case: &Case,
+    f: Formulation,
+    dir: Direction,
+    biases: bool,
+    io: Precision,
+    seed: u64,
+    path: &Path,
+) {
+    let problem = case.problem(f, dir).unwrap();
+    let weights = Weights::random(problem.config, biases, seed ^ 0x3A).unwrap();
+    let inputs = suite::generate_inputs(case, seed ^ 0x5EED);
+    let mask = inputs.mask.as_deref();
+    let mut bits = Vec::new();
+    for on in [true, false] {
+        (path.switch)(on);
+        let before = (path.launches)();
+        let mut layer = Layer::new(b, &weights, Options { direction: dir }).unwrap();
+        let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
+        let launched = (path.launches)() - before;
+        let name = path.name;
+        assert_eq!(launched > 0, on && path.takes, "{} {f} {dir} {io}: {name} launches {launched}", case.name());
+        let cmp = reference::check(&weights, &problem, &x, mask, &y, TOL, TOL).unwrap();
+        eprintln!("{} {f} {dir} biases {biases} {io} {name} {on}: {cmp}", case.name());
+        assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{} {f} {dir} {io} seed {seed}: {cmp}", case.name());
+        bits.push(y_bits);
+    }
+    (path.switch)(true);
+    let differ = bits[0].iter().zip(&bits[1]).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        differ,
+        0,
+        "{} {f} {dir} {io} seed {seed}: {} on and off differ in {differ} values",
+        case.name(),
+        path.name
+    );
+}
+
 /// The warp-specialised persistent input build (sm_90a, C = H = 128, N² a multiple of 64) and
 /// the two- and three-blocks-per-SM builds it replaces there: both checked against the f64
 /// reference, in every I/O precision, and against each other bit for bit (same LayerNorm
@@ -302,40 +350,26 @@ fn warp_specialised_input_build_matches_reference_and_other_builds() {
     .iter()
     .enumerate()
     {
+        let path = Path {
+            name: "warp-specialised input build",
+            switch: &|on| b.set_warp_specialised(on),
+            launches: &|| b.warp_specialised_launches(),
+            takes: *takes && has_ws,
+        };
         for (f, dir, biases) in
             [(Formulation::GpuMode, Direction::Outgoing, false), (Formulation::Af3, Direction::Incoming, true)]
         {
-            let problem = case.problem(f, dir).unwrap();
-            let weights = Weights::random(problem.config, biases, s ^ 0x3A ^ k as u64).unwrap();
-            let inputs = suite::generate_inputs(case, s ^ 0x5EED ^ k as u64);
-            let mask = inputs.mask.as_deref();
             for io in [Precision::F32Io, Precision::Bf16Io, Precision::F16Io] {
-                let mut bits = Vec::new();
-                for ws in [true, false] {
-                    b.set_warp_specialised(ws);
-                    let before = b.warp_specialised_launches();
-                    let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
-                    let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
-                    let launched = b.warp_specialised_launches() - before;
-                    assert_eq!(
-                        launched > 0,
-                        ws && *takes && has_ws,
-                        "{} {f} {dir} {io}: warp-specialised launches {launched}",
-                        case.name()
-                    );
-                    let cmp = reference::check(&weights, &problem, &x, mask, &y, TOL, TOL).unwrap();
-                    eprintln!("{} {f} {dir} {io} warp-specialised {ws}: {cmp}", case.name());
-                    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{} {f} {dir} {io} seed {s}: {cmp}", case.name());
-                    bits.push(y_bits);
-                }
-                let differ = bits[0].iter().zip(&bits[1]).filter(|(a, b)| a != b).count();
-                assert_eq!(differ, 0, "{} {f} {dir} {io} seed {s}: the builds differ in {differ} values", case.name());
+                path_on_and_off_agree(&b, case, f, dir, biases, io, s ^ k as u64, &path);
             }
         }
     }
-    b.set_warp_specialised(true);
 }
 
+/// The resident output kernel (H = 128, C <= 128, whole 64-position tiles) in both formulations,
+/// with and without af3's biases, and every y precision: it matches the reference and gives the
+/// plain kernel's bits exactly (the same arithmetic in the same order), at C = 128 and at C = 64
+/// (columns past C are neither read nor written).
 #[test]
 fn resident_output_kernel_matches_plain_kernel_bit_for_bit() {
     let Some(b) = cuda() else { return };
@@ -343,40 +377,22 @@ fn resident_output_kernel_matches_plain_kernel_bit_for_bit() {
     for (k, case) in
         [Case::new(64, 2, 128, true, Dist::Cauchy), Case::new(40, 1, 64, false, Dist::Normal)].iter().enumerate()
     {
+        let path = Path {
+            name: "resident output kernel",
+            switch: &|on| b.set_resident_output(on),
+            launches: &|| b.resident_output_launches(),
+            takes: true,
+        };
         for (f, dir, biases) in [
             (Formulation::GpuMode, Direction::Outgoing, false),
             (Formulation::Af3, Direction::Incoming, true),
             (Formulation::Af3, Direction::Outgoing, false),
         ] {
-            let problem = case.problem(f, dir).unwrap();
-            let weights = Weights::random(problem.config, biases, s ^ k as u64).unwrap();
-            let inputs = suite::generate_inputs(case, s ^ 0x7E57 ^ k as u64);
-            let mask = inputs.mask.as_deref();
             for io in [Precision::F32Io, Precision::Bf16Io, Precision::F16Io] {
-                let mut bits = Vec::new();
-                for resident in [true, false] {
-                    b.set_resident_output(resident);
-                    let before = b.resident_output_launches();
-                    let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
-                    let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
-                    let launched = b.resident_output_launches() - before;
-                    assert_eq!(
-                        launched > 0,
-                        resident,
-                        "{} {f} {dir} {io}: resident kernel launches {launched}",
-                        case.name()
-                    );
-                    let cmp = reference::check(&weights, &problem, &x, mask, &y, TOL, TOL).unwrap();
-                    eprintln!("{} {f} {dir} biases {biases} {io} resident {resident}: {cmp}", case.name());
-                    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{} {f} {dir} {io} seed {s}: {cmp}", case.name());
-                    bits.push(y_bits);
-                }
-                let differ = bits[0].iter().zip(&bits[1]).filter(|(a, b)| a != b).count();
-                assert_eq!(differ, 0, "{} {f} {dir} {io} seed {s}: resident and plain kernels differ", case.name());
+                path_on_and_off_agree(&b, case, f, dir, biases, io, s ^ k as u64, &path);
             }
         }
     }
-    b.set_resident_output(true);
 }
 
 #[test]
