@@ -482,7 +482,8 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
     // Tiles 0, 1: left at rows wrow + 0..7, + 8..15; tiles 2, 3: right. Transposed: the row
     // this lane addresses is channel q·8 + trow, 8 positions along it.
     const unsigned st_base =
-        WG_STAGE ? mma_smem_addr(stage_buf) + ((tile < 2 ? 0 : 16) + trow) * 128 + (((wrow / 8 + (tile & 1)) ^ trow) << 4)
+        WG_STAGE ? mma_smem_addr(stage_buf) + ((tile < 2 ? 0 : 16) + trow) * 128 +
+                       (((wrow / 8 + (tile & 1)) ^ trow) << 4)
                  : mma_smem_addr(tile < 2 ? sl : sr) + (trow * (BM + 8) + wrow + (tile & 1) * 8) * 2;
     const float m0 = smask[row0], m1 = smask[row0 + 8];
 #pragma unroll
@@ -510,7 +511,8 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
     // Tiles: (n8 tile nt, rows + 0..7), (nt, + 8..15), (nt + 1, + 0..7), (nt + 1, + 8..15).
     const unsigned st_base =
         WG_STAGE ? mma_smem_addr(stage_buf) + (wrow + (tile & 1) * 8 + trow) * 128
-                 : mma_smem_addr(stage_buf) + ((wrow + (tile & 1) * 8 + trow) * (IP_BN + 8) + col0 + (tile >> 1) * 8) * 2;
+                 : mma_smem_addr(stage_buf) +
+                       ((wrow + (tile & 1) * 8 + trow) * (IP_BN + 8) + col0 + (tile >> 1) * 8) * 2;
 #pragma unroll
     for (int nt = 0; nt < NW / 8; nt += 2) {
       unsigned sg[2][2];  // [n8 tile nt, nt + 1][row g, row g + 8]
@@ -763,7 +765,8 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
 // epilogue and stores, at the 24 warps the three-blocks build has.
 // The hand-overs are named barriers: FULL[P] (the producers arrive once z of pair P's tile is
 // written; the pair waits), EMPTY[P] (the pair arrives once its last chunk's MMAs have read z;
-// the producers wait before writing z again), and one per consumer warpgroup around its part of the staging.
+// the producers wait before writing z again), and one per consumer warpgroup around its part of
+// the staging.
 #define WS_THREADS 768
 #define WS_BM 64
 #define WS_CHUNKS 5
