@@ -751,23 +751,28 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
 }
 
 // ---- Warp-specialised persistent build (sm_90a; C = H = 128, one-pass plans) ----
-// One block of 768 threads per SM walks 64-position tiles with all 160 KB of weights resident in
+// One block of 1024 threads per SM walks 64-position tiles with all 160 KB of weights resident in
 // shared memory, loaded once per block (under the previous kernel's tail, with PDL):
-//   - warps 0-7, the LayerNorm producers: each loads its 8 rows of the next tile into registers
+//   - warps 0-15, the LayerNorm producers: each loads its 4 rows of the next tile into registers
 //     as soon as it has handed over the current one, so x's DRAM latency passes while the
-//     consumers work; once a z buffer is free it normalises those rows into it;
-//   - warps 8-15 and 16-23, two consumer pairs (two warpgroups each, the 64-position build's
+//     consumers work; once a z buffer is free it normalises those rows into it. (With 8 warps of
+//     8 rows the consumers waited for z a quarter to a third of the time: a row's statistics are
+//     two chains of 5 dependent shuffles, and 16 warps run twice as many chains at once.)
+//   - warps 16-23 and 24-31, two consumer pairs (two warpgroups each, the 64-position build's
 //     m64n64 split of the columns): pair P takes every other tile, through z buffer P and its own
 //     staging, running the five column chunks' MMAs, epilogues and stores.
 // The ablation of the two-and-three-blocks-per-SM builds (docs/perf/NOTES.md) found their phases
 // adding up: the weight loads, x's latency, the MMAs and the stores one after another. Here the
 // weights are loaded once, x arrives a tile ahead, and one pair's MMAs overlap the other pair's
-// epilogue and stores, at the 24 warps the three-blocks build has.
+// epilogue and stores, with 32 warps where the three-blocks build has 24.
 // The hand-overs are named barriers: FULL[P] (the producers arrive once z of pair P's tile is
 // written; the pair waits), EMPTY[P] (the pair arrives once its last chunk's MMAs have read z;
 // the producers wait before writing z again), and one per consumer warpgroup around its part of
 // the staging.
-#define WS_THREADS 768
+#define WS_THREADS 1024
+#define WS_PRODUCERS 16   // LayerNorm producer warps, WS_LN_ROWS rows of a tile each
+#define WS_LN_ROWS 4
+#define WS_HAND 768       // threads at a FULL or EMPTY hand-over: the producers and one pair
 #define WS_BM 64
 #define WS_CHUNKS 5
 #define WS_SLICE_BYTES (IP_BN * IP_BK * 2)                   // one K slice of one chunk: 16 KB
@@ -813,8 +818,8 @@ __device__ __forceinline__ IpLaunch ws_launch(const TrimulParams& p, tm_i64 tile
 // mask value of row r.
 template <int IO>
 struct WsRows {
-  float4 f[IO == TM_IO_F32 ? 8 : 1];
-  uint2 h[IO == TM_IO_F32 ? 1 : 8];
+  float4 f[IO == TM_IO_F32 ? WS_LN_ROWS : 1];
+  uint2 h[IO == TM_IO_F32 ? 1 : WS_LN_ROWS];
   float mask;
 };
 
@@ -822,14 +827,14 @@ template <int IO>
 __device__ __forceinline__ void ws_load(const TrimulParams& p, tm_i64 row0, WsRows<IO>& x) {
   const unsigned lane = threadIdx.x & 31;
 #pragma unroll
-  for (int rr = 0; rr < 8; ++rr) {
+  for (int rr = 0; rr < WS_LN_ROWS; ++rr) {
     if constexpr (IO == TM_IO_F32) {
       x.f[rr] = *(const float4*)(p.x + (row0 + rr) * 128 + lane * 4);
     } else {
       x.h[rr] = *(const uint2*)((const unsigned short*)p.x + (row0 + rr) * 128 + lane * 4);
     }
   }
-  x.mask = (p.mask && lane < 8) ? p.mask[row0 + lane] : 1.f;
+  x.mask = (p.mask && lane < WS_LN_ROWS) ? p.mask[row0 + lane] : 1.f;
 }
 
 // LN_C of the warp's 8 rows (r0 .. r0 + 7 of the tile) into z (the 128-byte swizzle of the
@@ -838,34 +843,34 @@ template <int IO>
 __device__ __forceinline__ void ws_normalize(const TrimulParams& p, const WsRows<IO>& x, float4 w, float4 b,
                                              unsigned char* z, float* smask, int r0) {
   const unsigned lane = threadIdx.x & 31;
-  float4 v[8];
+  float4 v[WS_LN_ROWS];
 #pragma unroll
-  for (int rr = 0; rr < 8; ++rr) {
+  for (int rr = 0; rr < WS_LN_ROWS; ++rr) {
     if constexpr (IO == TM_IO_F32) {
       v[rr] = x.f[rr];
     } else {
       v[rr] = io_widen4<IO>(x.h[rr]);
     }
   }
-  float mean[8], rstd[8];
+  float mean[WS_LN_ROWS], rstd[WS_LN_ROWS];
 #pragma unroll
-  for (int rr = 0; rr < 8; ++rr) mean[rr] = (v[rr].x + v[rr].y) + (v[rr].z + v[rr].w);
+  for (int rr = 0; rr < WS_LN_ROWS; ++rr) mean[rr] = (v[rr].x + v[rr].y) + (v[rr].z + v[rr].w);
   ip_warp_sums(mean);
 #pragma unroll
-  for (int rr = 0; rr < 8; ++rr) {
+  for (int rr = 0; rr < WS_LN_ROWS; ++rr) {
     mean[rr] *= (1.f / 128.f);
     const float a = v[rr].x - mean[rr], bb = v[rr].y - mean[rr], c = v[rr].z - mean[rr], d = v[rr].w - mean[rr];
     rstd[rr] = (a * a + bb * bb) + (c * c + d * d);
   }
   ip_warp_sums(rstd);
 #pragma unroll
-  for (int rr = 0; rr < 8; ++rr) {
+  for (int rr = 0; rr < WS_LN_ROWS; ++rr) {
     const float m = mean[rr], rs = tm_rsqrt(rstd[rr] * (1.f / 128.f) + p.eps);
     const unsigned lo = mma_pack_h2((v[rr].x - m) * rs * w.x + b.x, (v[rr].y - m) * rs * w.y + b.y);
     const unsigned hi = mma_pack_h2((v[rr].z - m) * rs * w.z + b.z, (v[rr].w - m) * rs * w.w + b.w);
     *(uint2*)(z + ip_z_offset<true, WS_BM>(r0 + rr, lane * 4, 0)) = make_uint2(lo, hi);
   }
-  if (lane < 8) smask[r0 + lane] = x.mask;
+  if (lane < WS_LN_ROWS) smask[r0 + lane] = x.mask;
 }
 
 // The producers' loop: tile k goes to z buffer k % 2 (pair k % 2).
@@ -873,19 +878,19 @@ template <int IO>
 __device__ __forceinline__ void ws_produce(const TrimulParams& p, unsigned char* zbuf, float* smask, int n_k) {
   const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float4 w = *(const float4*)(p.norm_in_w + lane * 4), b = *(const float4*)(p.norm_in_b + lane * 4);
-  const int r0 = warp * 8;
+  const int r0 = warp * WS_LN_ROWS;
   WsRows<IO> x;
   if (n_k > 0) ws_load<IO>(p, ws_tile0(p, 0) + r0, x);
   for (int k = 0; k < n_k; ++k) {
     const int buf = k & 1;
-    if (k >= 2) ws_bar_sync(ws_empty(buf), 512);  // pair `buf` done reading its previous tile's z
+    if (k >= 2) ws_bar_sync(ws_empty(buf), WS_HAND);  // pair `buf` done reading its previous tile's z
     ws_normalize<IO>(p, x, w, b, zbuf + buf * WS_Z_BYTES, smask + buf * WS_BM, r0);
     fence_proxy_async();  // z written by ordinary stores; the pair's tensor cores read it next
-    ws_bar_arrive(ws_full(buf), 512);
+    ws_bar_arrive(ws_full(buf), WS_HAND);
     if (k + 1 < n_k) ws_load<IO>(p, ws_tile0(p, k + 1) + r0, x);
   }
   // Match each pair's last hand-back, so that no barrier is left part-way.
-  for (int k = n_k < 2 ? 2 : n_k; k < n_k + 2; ++k) ws_bar_sync(ws_empty(k & 1), 512);
+  for (int k = n_k < 2 ? 2 : n_k; k < n_k + 2; ++k) ws_bar_sync(ws_empty(k & 1), WS_HAND);
 }
 
 // Stores warpgroup wg's part of a chunk's staging, by its 128 threads (t): of a gating chunk its
@@ -915,7 +920,7 @@ __device__ __forceinline__ void ws_store_wg(const TrimulParams& p, const IpLaunc
 // A consumer pair's loop over its tiles (every other one, from `pair`).
 __device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned char* wts, const unsigned char* zbuf,
                                            const float* smask_all, tm_half* stage_all, int n_k, int pair) {
-  const unsigned pt = threadIdx.x - 256 - 256 * pair;  // thread within the pair
+  const unsigned pt = threadIdx.x - 32 * WS_PRODUCERS - 256 * pair;  // thread within the pair
   const int wg = pt >> 7, wq = (pt >> 5) & 3;
   const unsigned char* z = zbuf + pair * WS_Z_BYTES;
   const float* smask = smask_all + pair * WS_BM;
@@ -928,7 +933,7 @@ __device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
   for (int k = pair; k < n_k; k += 2) {
     const IpLaunch l = ws_launch(p, ws_tile0(p, k));
-    ws_bar_sync(ws_full(pair), 512);
+    ws_bar_sync(ws_full(pair), WS_HAND);
     for (int chunk = 0; chunk < WS_CHUNKS; ++chunk) {
       wgmma_fence();
 #pragma unroll
@@ -938,7 +943,7 @@ __device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned
       wgmma_commit();
       wgmma_wait_all();
       // The gate chunk (last) reads neither z nor the mask: hand the buffer back before its epilogue.
-      if (chunk == WS_CHUNKS - 1) ws_bar_arrive(ws_empty(pair), 512);
+      if (chunk == WS_CHUNKS - 1) ws_bar_arrive(ws_empty(pair), WS_HAND);
       if (p.w_in_bias) {
         ip_epilogue_sm90<true, WS_BM, true>(acc, p, l, chunk, stage_buf, smask, wg, wq);
       } else {
@@ -979,14 +984,14 @@ __device__ __forceinline__ void input_projection_ws_body(const TrimulParams& p) 
   fence_proxy_async();  // the weights, visible to the tensor cores
   __syncthreads();
   const unsigned warp = threadIdx.x >> 5;
-  // The block starts at 80 registers per thread (768 x 80 of the SM's 64 K); the producers give
-  // back what the consumers take: 256 x (80 - 64) = 512 x (88 - 80).
-  if (warp < 8) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
+  // The block starts at 64 registers per thread (1024 x 64, the SM's 64 K); the producers give
+  // back what the consumers take: 512 x (64 - 48) = 512 x (80 - 64).
+  if (warp < WS_PRODUCERS) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
     ws_produce<IO>(p, zbuf, smask, n_k);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 88;");
-    ws_consume(p, wts, zbuf, smask, stage_all, n_k, (warp - 8) >> 3);
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 80;");
+    ws_consume(p, wts, zbuf, smask, stage_all, n_k, (warp - WS_PRODUCERS) >> 3);
   }
 #else
   __trap();

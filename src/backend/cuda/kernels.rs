@@ -37,7 +37,7 @@ pub(crate) struct Kernels {
     pub input_projection_sm90_mid: Option<Stage>,
     /// The wgmma build in 64-position blocks, three per SM, for padded C ≤ 128.
     pub input_projection_sm90_narrow64: Option<Stage>,
-    /// The warp-specialised persistent wgmma build (C = H = 128, one block of 768 threads per
+    /// The warp-specialised persistent wgmma build (C = H = 128, one block of 1024 threads per
     /// SM, weights resident).
     pub input_projection_sm90_ws: Option<Stage>,
     /// LN_H + gate + output projection in one kernel (`cuda/output_projection.cu`); sm_80+.

@@ -1067,7 +1067,7 @@ struct WsBuild<'a> {
     launches: &'a std::sync::atomic::AtomicU64,
 }
 
-const WS_THREADS: u32 = 768;
+const WS_THREADS: u32 = 1024;
 /// Largest launch with f32 x that takes the warp-specialised build (see [`WsBuild::takes`]).
 const WS_F32_MAX_ROWS: usize = 1 << 18;
 const WS_ROWS: usize = 64;
