@@ -19,7 +19,7 @@
 // operands read by the tensor cores from 128-byte-swizzled shared memory). Everything else is
 // shared: the LayerNorm prologue, the epilogues and the stores. At C = H = 128 on sm_90a a third
 // form, warp-specialised and persistent (input_projection_sm90_ws, below), keeps all weights
-// resident and splits each SM's 24 warps into LayerNorm producers and MMA/epilogue consumers.
+// resident and splits each SM's 32 warps into LayerNorm producers and MMA/epilogue consumers.
 // Chunked plans (src/memory.rs) launch it on a subset: a hidden pass runs the gating chunks of
 // its channels over every position, writing [B, lr_h, N, N] chunk buffers; the output stage's
 // gate pass runs the gate chunks over one row chunk (row0, rows) into a gate buffer that starts
@@ -814,8 +814,8 @@ __device__ __forceinline__ IpLaunch ws_launch(const TrimulParams& p, tm_i64 tile
   return l;
 }
 
-// A producer warp's 8 rows of x as loaded (f32, or the raw words of 16-bit x), and lane r < 8's
-// mask value of row r.
+// A producer warp's WS_LN_ROWS rows of x as loaded (f32, or the raw words of 16-bit x), and lane
+// r < WS_LN_ROWS's mask value of row r.
 template <int IO>
 struct WsRows {
   float4 f[IO == TM_IO_F32 ? WS_LN_ROWS : 1];
@@ -837,8 +837,9 @@ __device__ __forceinline__ void ws_load(const TrimulParams& p, tm_i64 row0, WsRo
   x.mask = (p.mask && lane < WS_LN_ROWS) ? p.mask[row0 + lane] : 1.f;
 }
 
-// LN_C of the warp's 8 rows (r0 .. r0 + 7 of the tile) into z (the 128-byte swizzle of the
-// 64-position build) and their mask into smask; the statistics as in ip_layernorm_io.
+// LN_C of the warp's WS_LN_ROWS rows (from r0 of the tile) into z (the 128-byte swizzle of the
+// 64-position build) and their mask into smask; the arithmetic of ip_layernorm_io's full-tile path
+// in the same order, so the builds agree bit for bit (tests/cuda.rs).
 template <int IO>
 __device__ __forceinline__ void ws_normalize(const TrimulParams& p, const WsRows<IO>& x, float4 w, float4 b,
                                              unsigned char* z, float* smask, int r0) {
