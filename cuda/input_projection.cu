@@ -755,9 +755,10 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
 // shared memory, loaded once per block (under the previous kernel's tail, with PDL):
 //   - warps 0-15, the LayerNorm producers: each loads its 4 rows of the next tile into registers
 //     as soon as it has handed over the current one, so x's DRAM latency passes while the
-//     consumers work; once a z buffer is free it normalises those rows into it. (With 8 warps of
-//     8 rows the consumers waited for z a quarter to a third of the time: a row's statistics are
-//     two chains of 5 dependent shuffles, and 16 warps run twice as many chains at once.)
+//     consumers work; once a z buffer is free it normalises those rows into it, a row over 8
+//     lanes (WsRows). (With 8 warps of 8 rows, a row over 32 lanes, the consumers waited for z a
+//     quarter to a third of the time on the statistics' chains of 5 dependent shuffles; 16 warps
+//     and 3 shuffles per statistic leave the producers waiting for the consumers instead.)
 //   - warps 16-23 and 24-31, two consumer pairs (two warpgroups each, the 64-position build's
 //     m64n64 split of the columns): pair P takes every other tile, through z buffer P and its own
 //     staging, running the five column chunks' MMAs, epilogues and stores.
@@ -779,7 +780,7 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
 #define WS_W_BYTES (WS_CHUNKS * 2 * WS_SLICE_BYTES)          // 160 KB
 #define WS_Z_BYTES (WS_BM * 128 * 2)                         // 16 KB
 #define WS_STAGE_BYTES (2 * 8192)                            // a pair's staging: 8 KB per warpgroup
-#define WS_SMEM_BYTES (WS_W_BYTES + 2 * WS_Z_BYTES + 2 * WS_STAGE_BYTES + 2 * WS_BM * 4 + 1024)
+#define WS_SMEM_BYTES (WS_W_BYTES + 2 * WS_Z_BYTES + 2 * WS_STAGE_BYTES + 2 * WS_BM * 4 + 2 * 128 * 4 + 1024)
 
 __device__ __forceinline__ void ws_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
@@ -815,80 +816,103 @@ __device__ __forceinline__ IpLaunch ws_launch(const TrimulParams& p, tm_i64 tile
 }
 
 // A producer warp's WS_LN_ROWS rows of x as loaded (f32, or the raw words of 16-bit x), and lane
-// r < WS_LN_ROWS's mask value of row r.
+// r < WS_LN_ROWS's mask value of row r. A row is spread over 8 lanes (lane = 8·r + j): lane j
+// holds the 4-channel groups 32·g + 4·j, g = 0..3, f[i] / h[i] being g = i ^ (r & 1). Each load
+// instruction reads 128 contiguous bytes (16-bit x: 64) of each of the 4 rows, and the row's
+// statistics need 3 shuffle steps instead of 5 (the 32-lanes-per-row layout of the other builds
+// ran 4 rows' chains of 5 per statistic). The rotation by r & 1 puts rows r and r + 1 in different
+// halves of the z tile's 128-byte rows, so a warp's z stores take two wavefronts, not four.
 template <int IO>
 struct WsRows {
-  float4 f[IO == TM_IO_F32 ? WS_LN_ROWS : 1];
-  uint2 h[IO == TM_IO_F32 ? 1 : WS_LN_ROWS];
+  float4 f[IO == TM_IO_F32 ? 4 : 1];
+  uint2 h[IO == TM_IO_F32 ? 1 : 4];
   float mask;
 };
+
+__device__ __forceinline__ int ws_group_channel(int i) {
+  const unsigned lane = threadIdx.x & 31;
+  return 32 * (i ^ (int)((lane >> 3) & 1)) + 4 * (int)(lane & 7);
+}
 
 template <int IO>
 __device__ __forceinline__ void ws_load(const TrimulParams& p, tm_i64 row0, WsRows<IO>& x) {
   const unsigned lane = threadIdx.x & 31;
+  const tm_i64 row = row0 + (lane >> 3);
 #pragma unroll
-  for (int rr = 0; rr < WS_LN_ROWS; ++rr) {
+  for (int i = 0; i < 4; ++i) {
     if constexpr (IO == TM_IO_F32) {
-      x.f[rr] = *(const float4*)(p.x + (row0 + rr) * 128 + lane * 4);
+      x.f[i] = *(const float4*)(p.x + row * 128 + ws_group_channel(i));
     } else {
-      x.h[rr] = *(const uint2*)((const unsigned short*)p.x + (row0 + rr) * 128 + lane * 4);
+      x.h[i] = *(const uint2*)((const unsigned short*)p.x + row * 128 + ws_group_channel(i));
     }
   }
   x.mask = (p.mask && lane < WS_LN_ROWS) ? p.mask[row0 + lane] : 1.f;
 }
 
 // LN_C of the warp's WS_LN_ROWS rows (from r0 of the tile) into z (the 128-byte swizzle of the
-// 64-position build) and their mask into smask; the arithmetic of ip_layernorm_io's full-tile path
-// in the same order, so the builds agree bit for bit (tests/cuda.rs).
+// 64-position build) and their mask into smask; ln_wb holds LN_C's weight and bias (2 × 128 f32).
+// Bit for bit the result of ip_layernorm_io's full-tile path (tests/cuda.rs): there lane L = 8·g + j
+// holds group g and a statistic is summed by butterflies over L ^ 16, ^ 8, ^ 4, ^ 2, ^ 1. The
+// first two combine g with g ^ 2, then with g ^ 1, which here are sums within the lane, in the
+// same pairs ((s0 + s2) + (s1 + s3), each pair in either order: a float sum is commutative); the
+// last three are this layout's shuffles over j.
 template <int IO>
-__device__ __forceinline__ void ws_normalize(const TrimulParams& p, const WsRows<IO>& x, float4 w, float4 b,
+__device__ __forceinline__ void ws_normalize(const TrimulParams& p, const WsRows<IO>& x, const float* ln_wb,
                                              unsigned char* z, float* smask, int r0) {
   const unsigned lane = threadIdx.x & 31;
-  float4 v[WS_LN_ROWS];
+  const int r = r0 + (int)(lane >> 3);
+  float4 v[4];
 #pragma unroll
-  for (int rr = 0; rr < WS_LN_ROWS; ++rr) {
+  for (int i = 0; i < 4; ++i) {
     if constexpr (IO == TM_IO_F32) {
-      v[rr] = x.f[rr];
+      v[i] = x.f[i];
     } else {
-      v[rr] = io_widen4<IO>(x.h[rr]);
+      v[i] = io_widen4<IO>(x.h[i]);
     }
   }
-  float mean[WS_LN_ROWS], rstd[WS_LN_ROWS];
+  float s[4];
 #pragma unroll
-  for (int rr = 0; rr < WS_LN_ROWS; ++rr) mean[rr] = (v[rr].x + v[rr].y) + (v[rr].z + v[rr].w);
-  ip_warp_sums(mean);
+  for (int i = 0; i < 4; ++i) s[i] = (v[i].x + v[i].y) + (v[i].z + v[i].w);
+  float mean = (s[0] + s[2]) + (s[1] + s[3]);
 #pragma unroll
-  for (int rr = 0; rr < WS_LN_ROWS; ++rr) {
-    mean[rr] *= (1.f / 128.f);
-    const float a = v[rr].x - mean[rr], bb = v[rr].y - mean[rr], c = v[rr].z - mean[rr], d = v[rr].w - mean[rr];
-    rstd[rr] = (a * a + bb * bb) + (c * c + d * d);
+  for (int o = 4; o > 0; o >>= 1) mean += __shfl_xor_sync(0xffffffffu, mean, o);
+  mean *= (1.f / 128.f);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float a = v[i].x - mean, bb = v[i].y - mean, c = v[i].z - mean, d = v[i].w - mean;
+    s[i] = (a * a + bb * bb) + (c * c + d * d);
   }
-  ip_warp_sums(rstd);
+  float var = (s[0] + s[2]) + (s[1] + s[3]);
 #pragma unroll
-  for (int rr = 0; rr < WS_LN_ROWS; ++rr) {
-    const float m = mean[rr], rs = tm_rsqrt(rstd[rr] * (1.f / 128.f) + p.eps);
-    const unsigned lo = mma_pack_h2((v[rr].x - m) * rs * w.x + b.x, (v[rr].y - m) * rs * w.y + b.y);
-    const unsigned hi = mma_pack_h2((v[rr].z - m) * rs * w.z + b.z, (v[rr].w - m) * rs * w.w + b.w);
-    *(uint2*)(z + ip_z_offset<true, WS_BM>(r0 + rr, lane * 4, 0)) = make_uint2(lo, hi);
+  for (int o = 4; o > 0; o >>= 1) var += __shfl_xor_sync(0xffffffffu, var, o);
+  const float rs = tm_rsqrt(var * (1.f / 128.f) + p.eps);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = ws_group_channel(i);
+    const float4 w = *(const float4*)(ln_wb + c), b = *(const float4*)(ln_wb + 128 + c);
+    const unsigned lo = mma_pack_h2((v[i].x - mean) * rs * w.x + b.x, (v[i].y - mean) * rs * w.y + b.y);
+    const unsigned hi = mma_pack_h2((v[i].z - mean) * rs * w.z + b.z, (v[i].w - mean) * rs * w.w + b.w);
+    *(uint2*)(z + ip_z_offset<true, WS_BM>(r, c, 0)) = make_uint2(lo, hi);
   }
   if (lane < WS_LN_ROWS) smask[r0 + lane] = x.mask;
 }
 
-// The producers' loop: tile k goes to z buffer k % 2 (pair k % 2).
+// The producers' loop: tile k goes to z buffer k % 2 (pair k % 2). x holds the warp's rows of
+// tile 0, loaded while the weights were still arriving.
 template <int IO>
-__device__ __forceinline__ void ws_produce(const TrimulParams& p, unsigned char* zbuf, float* smask, int n_k) {
-  const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float4 w = *(const float4*)(p.norm_in_w + lane * 4), b = *(const float4*)(p.norm_in_b + lane * 4);
+__device__ __forceinline__ void ws_produce(const TrimulParams& p, unsigned char* zbuf, float* smask,
+                                           const float* ln_wb, int n_k, WsRows<IO>& x) {
+  const unsigned warp = threadIdx.x >> 5;
   const int r0 = warp * WS_LN_ROWS;
-  WsRows<IO> x;
-  if (n_k > 0) ws_load<IO>(p, ws_tile0(p, 0) + r0, x);
   for (int k = 0; k < n_k; ++k) {
     const int buf = k & 1;
     if (k >= 2) ws_bar_sync(ws_empty(buf), WS_HAND);  // pair `buf` done reading its previous tile's z
-    ws_normalize<IO>(p, x, w, b, zbuf + buf * WS_Z_BYTES, smask + buf * WS_BM, r0);
+    ws_normalize<IO>(p, x, ln_wb, zbuf + buf * WS_Z_BYTES, smask + buf * WS_BM, r0);
     fence_proxy_async();  // z written by ordinary stores; the pair's tensor cores read it next
     ws_bar_arrive(ws_full(buf), WS_HAND);
-    if (k + 1 < n_k) ws_load<IO>(p, ws_tile0(p, k + 1) + r0, x);
+    // The last tile's rows again after the last tile, rather than a conditional load: with one,
+    // x would have to survive the iteration for the case that skips it (12 bytes of spills).
+    ws_load<IO>(p, ws_tile0(p, k + 1 < n_k ? k + 1 : k) + r0, x);
   }
   // Match each pair's last hand-back, so that no barrier is left part-way.
   for (int k = n_k < 2 ? 2 : n_k; k < n_k + 2; ++k) ws_bar_sync(ws_empty(k & 1), WS_HAND);
@@ -907,12 +931,16 @@ __device__ __forceinline__ void ws_store_wg(const TrimulParams& p, const IpLaunc
     *(uint4*)(p.left + off) = *(const uint4*)(st + ch * 128 + ((run ^ (ch & 7)) << 4));
     *(uint4*)(p.right + off) = *(const uint4*)(st + (16 + ch) * 128 + ((run ^ (ch & 7)) << 4));
   } else {
+    // The gate is read back only by the output stage, after the contraction has streamed left and
+    // right through L2; marked first to evict, its lines leave room for the left and right the
+    // contraction reads first (H100: 256,2,128 −1 to −2 µs, 768,1,128 −0.5%, 1024 unchanged).
+    const unsigned long long gate_policy = l2_evict_first();
     const int gc0 = (chunk - l.n_gating) * IP_BN;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int piece = t + 128 * i, r = piece >> 3, run = piece & 7;
-      *(uint4*)(p.gate + (l.tile0 + r) * p.g + gc0 + 64 * wg + run * 8) =
-          *(const uint4*)(st + r * 128 + ((run ^ (r & 7)) << 4));
+      st_stream_u4(p.gate + (l.tile0 + r) * p.g + gc0 + 64 * wg + run * 8,
+                   *(const uint4*)(st + r * 128 + ((run ^ (r & 7)) << 4)), gate_policy);
     }
   }
 }
@@ -922,7 +950,12 @@ __device__ __forceinline__ void ws_store_wg(const TrimulParams& p, const IpLaunc
 __device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned char* wts, const unsigned char* zbuf,
                                            const float* smask_all, tm_half* stage_all, int n_k, int pair) {
   const unsigned pt = threadIdx.x - 32 * WS_PRODUCERS - 256 * pair;  // thread within the pair
-  const int wg = pt >> 7, wq = (pt >> 5) & 3;
+  const int wq = (pt >> 5) & 3;
+  // Warp-uniform as far as the compiler can tell (a value broadcast from lane 0), so that the
+  // descriptors below and their per-step offsets live in uniform registers: computed per thread,
+  // each wgmma took four R2UR moves and a 64-bit add of ten instructions (ncu, v31).
+  const int wg = __shfl_sync(0xffffffffu, (int)(pt >> 7), 0);
+  pair = __shfl_sync(0xffffffffu, pair, 0);
   const unsigned char* z = zbuf + pair * WS_Z_BYTES;
   const float* smask = smask_all + pair * WS_BM;
   tm_half* stage_buf = stage_all + (pair * WS_STAGE_BYTES + wg * (WS_STAGE_BYTES / 2)) / 2;
@@ -969,6 +1002,7 @@ __device__ __forceinline__ void input_projection_ws_body(const TrimulParams& p) 
   unsigned char* zbuf = wts + WS_W_BYTES;                             // [2][2 atoms][64][128 B]
   tm_half* stage_all = (tm_half*)(zbuf + 2 * WS_Z_BYTES);             // [2 pairs][2 warpgroups][8 KB]
   float* smask = (float*)((unsigned char*)stage_all + 2 * WS_STAGE_BYTES);  // [2][64]
+  float* ln_wb = smask + 2 * WS_BM;                                   // LN_C weight [128], bias [128]
 
   // All weights, once: piece i (16 bytes) of slice s = i / 1024 at row (i % 1024) / 8, column
   // i % 8, into the 128-byte swizzle. Before pdl_wait: the weights are no other kernel's output.
@@ -978,18 +1012,24 @@ __device__ __forceinline__ void input_projection_ws_body(const TrimulParams& p) 
     mma_cp_async16(mma_smem_addr(wts) + s * WS_SLICE_BYTES + row * 128 + ((c16 ^ (row & 7)) << 4), src);
   }
   asm volatile("cp.async.commit_group;");
+  if (threadIdx.x < 256) {
+    ln_wb[threadIdx.x] = threadIdx.x < 128 ? p.norm_in_w[threadIdx.x] : p.norm_in_b[threadIdx.x - 128];
+  }
   const int tiles = (int)(p.rows / WS_BM);
   const int n_k = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
   pdl_wait();
+  const unsigned warp = threadIdx.x >> 5;
+  // The producers' first rows of x, in flight while the weights land.
+  WsRows<IO> x;
+  if (warp < WS_PRODUCERS && n_k > 0) ws_load<IO>(p, ws_tile0(p, 0) + warp * WS_LN_ROWS, x);
   asm volatile("cp.async.wait_group 0;");
   fence_proxy_async();  // the weights, visible to the tensor cores
   __syncthreads();
-  const unsigned warp = threadIdx.x >> 5;
   // The block starts at 64 registers per thread (1024 x 64, the SM's 64 K); the producers give
   // back what the consumers take: 512 x (64 - 48) = 512 x (80 - 64).
   if (warp < WS_PRODUCERS) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 48;");
-    ws_produce<IO>(p, zbuf, smask, n_k);
+    ws_produce<IO>(p, zbuf, smask, ln_wb, n_k, x);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 80;");
     ws_consume(p, wts, zbuf, smask, stage_all, n_k, (warp - WS_PRODUCERS) >> 3);

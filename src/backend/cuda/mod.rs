@@ -1069,9 +1069,9 @@ struct WsBuild<'a> {
 
 const WS_THREADS: u32 = 1024;
 const WS_ROWS: usize = 64;
-/// Weights 5 × 32 KB, z 2 × 16 KB, staging 4 × 8 KB, masks 2 × 256 bytes, and 1024 bytes to
-/// align the swizzled tiles.
-const WS_SMEM_BYTES: u32 = 5 * 32768 + 2 * 16384 + 4 * 8192 + 2 * 256 + 1024;
+/// Weights 5 × 32 KB, z 2 × 16 KB, staging 4 × 8 KB, masks 2 × 256 bytes, LN_C's weight and bias
+/// 1024 bytes, and 1024 bytes to align the swizzled tiles: 226.5 KB of the SM's 227.
+const WS_SMEM_BYTES: u32 = 5 * 32768 + 2 * 16384 + 4 * 8192 + 2 * 256 + 1024 + 1024;
 
 impl WsBuild<'_> {
     /// Whether the build takes this launch: C = H = G = 128 (checked with the layout), the
