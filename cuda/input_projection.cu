@@ -822,6 +822,7 @@ __device__ __forceinline__ IpLaunch ws_launch(const TrimulParams& p, tm_i64 tile
 // statistics need 3 shuffle steps instead of 5 (the 32-lanes-per-row layout of the other builds
 // ran 4 rows' chains of 5 per statistic). The rotation by r & 1 puts rows r and r + 1 in different
 // halves of the z tile's 128-byte rows, so a warp's z stores take two wavefronts, not four.
+static_assert(WS_LN_ROWS * 8 == 32, "a producer warp holds WS_LN_ROWS rows of 8 lanes each");
 template <int IO>
 struct WsRows {
   float4 f[IO == TM_IO_F32 ? 4 : 1];
