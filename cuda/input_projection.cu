@@ -273,7 +273,8 @@ __device__ __forceinline__ void ip_stage_gating(tm_half* sl, tm_half* sr, int r,
 template <int BM>
 __device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_half* sl, const tm_half* sr, int chunk,
                                                 tm_i64 tile0, tm_i64 m_total, tm_i64 tb0, tm_i64 trem0, tm_i64 nn,
-                                                int lr_h0, int lr_h, unsigned tid) {
+                                                int lr_h0, int lr_h) {
+  const unsigned tid = threadIdx.x;
   constexpr int runs = BM / 8;
   constexpr int ch_step = IP_THREADS / runs;  // channels a pass over the threads covers
   const int run = tid % runs, ch0 = tid / runs;
@@ -322,7 +323,8 @@ __device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_
 // gate [rows from buf_row0, G]: BM rows x 16 runs of 8 columns, BM/16 per thread.
 template <int BM, bool HINT>
 __device__ __forceinline__ void ip_store_gate(const TrimulParams& p, const tm_half* stage_buf, int gc0, tm_i64 tile0,
-                                              tm_i64 m_total, unsigned tid) {
+                                              tm_i64 m_total) {
+  const unsigned tid = threadIdx.x;
   const int G = p.g;
   const bool vec = (G % 8 == 0);
   const unsigned long long stream = l2_evict_first();  // read back only by the output stage
@@ -391,16 +393,15 @@ __device__ __forceinline__ float2 ip_add_bias2(const float* bias, int i, float a
 
 // Stores a column chunk's staged results (after a barrier that follows the staging): left and
 // right of a gating chunk, or the gate.
-// HINT: the gate's stores marked first to evict in L2 (see the builds' entry points). `tid`: this
-// thread among the 256 that store (the block's, or a warp-specialised build's consumer pair).
+// HINT: the gate's stores marked first to evict in L2 (see the builds' entry points).
 template <int BM, bool HINT>
 __device__ __forceinline__ void ip_store_chunk(const TrimulParams& p, const IpLaunch& l, int chunk,
-                                               const tm_half* stage_buf, unsigned tid = threadIdx.x) {
+                                               const tm_half* stage_buf) {
   if (chunk < l.n_gating) {
     ip_store_gating<BM>(p, stage_buf, stage_buf + 32 * (BM + 8), chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn,
-                        l.lr_h0, l.lr_h, tid);
+                        l.lr_h0, l.lr_h);
   } else {
-    ip_store_gate<BM, HINT>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total, tid);
+    ip_store_gate<BM, HINT>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
   }
 }
 
