@@ -24,8 +24,9 @@
 //      kernel's stall samples). 16-bit y is packed into sg (over the gate it used) and leaves as
 //      16-byte runs along C; f32 y is stored from registers, 8 bytes per thread.
 // Requirements checked by the host: H % 16 == 0, H <= 128, C % 8 == 0.
-// output_projection_resident (end of the file) runs the same steps for H = 128, C <= 128 and
-// gpumode with f32 y as blocks that load Wout once and walk tiles, each tile's t prefetched.
+// output_projection_resident (end of the file) runs the same steps for H = 128, C <= 128 as
+// blocks that load Wout once and walk tiles, each tile's t prefetched, with the output columns
+// permuted so that the epilogue reads and writes 16 bytes at a time from registers.
 #include "common/compat.h"
 #include "common/params.h"
 #include "cuda/io.h"
@@ -93,19 +94,13 @@ __device__ __forceinline__ void op_store_y16(const TrimulParams& p, const tm_hal
   }
 }
 
-// af3's gate for a warp's 32 x 32 tile in the accumulators' layout, [mt][nt][half]: the two
-// columns of each accumulator pair as one packed f16 pair.
-typedef unsigned OpGateRegs[2][4][2];
-
 // Step 5 for a warp's 32 x 32 tile: acc[mt][nt] covers rows r0 + 16·mt (+ 8) and columns
 // cw + 8·nt (+ 1) of the chunk starting at c0, cw already including the lane's 2·(lane % 4).
-// af3's gate comes from sg, or from gr when GREG (the resident kernel, which has no sg).
-// Y16: y is 16-bit and goes into sg (each element where this thread read its gate); the caller
-// stores the tile after a barrier.
-template <bool HAS_BIAS, bool AF3, bool Y16, bool GREG = false>
+// af3's gate comes from sg. Y16: y is 16-bit and goes into sg (each element where this thread
+// read its gate); the caller stores the tile after a barrier.
+template <bool HAS_BIAS, bool AF3, bool Y16>
 __device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (&acc)[2][4][4], tm_half* sg,
-                                            tm_i64 first, int np, int c0, int cw, int r0,
-                                            const OpGateRegs* gr = nullptr) {
+                                            tm_i64 first, int np, int c0, int cw, int r0) {
   const int C = p.c;
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
@@ -125,7 +120,7 @@ __device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (
           v1 += bias.y;
         }
         if (AF3) {
-          const unsigned gg = GREG ? (*gr)[mt][nt][half] : *staged;
+          const unsigned gg = *staged;
           v0 *= tm_lo(gg);
           v1 *= tm_hi(gg);
         }
@@ -433,19 +428,79 @@ __device__ __forceinline__ void op_prefetch_t(const TrimulParams& p, tm_half* sr
   asm volatile("cp.async.commit_group;");
 }
 
-// af3's gate of this thread's accumulators (the resident kernel's epilogue, C <= 128: one
-// chunk), loaded at the top of a tile so its latency runs under the tile's other steps.
-__device__ __forceinline__ void op_load_gate_regs(const TrimulParams& p, OpGateRegs& gr, tm_i64 first, int cw,
-                                                  int r0) {
+// The resident kernel's column order. A thread's accumulators of one row hold GEMM columns
+// 32·wn + 8·nt + 2·tig + e (nt = 0..3, e = 0..1: the m16n8 fragment layout); the kernel gives
+// sw's row j Wout's row opr_perm(j), which swaps the 2-bit fields nt and tig, so that those 8
+// columns are the 8 consecutive channels cb = 32·wn + 8·tig, .., cb + 7 of y. Then the
+// epilogue reads af3's gate and the bias 16 bytes at a time and writes y 16 or 32 contiguous
+// bytes per row straight from registers (the fragment order took 4-byte gate loads and 4- or
+// 8-byte y stores, and staged 16-bit y through shared memory). An involution: also the channel
+// that sw row j feeds.
+__device__ __forceinline__ int opr_perm(int j) { return (j & ~0x1e) | ((j & 0x6) << 2) | ((j >> 2) & 0x6); }
+
+// Copy Wout into sw in the resident kernel's column order (rows past C zero); one cp.async group.
+__device__ __forceinline__ void opr_load_w(const TrimulParams& p, tm_half* sw) {
+#pragma unroll
+  for (int i = threadIdx.x; i < OP_BN * 16; i += OP_THREADS) {
+    const int row = i >> 4, col = (i & 15) * 8, c = opr_perm(row);
+    tm_half* dst = sw + row * OP_LD + col;
+    if (c < p.c) {
+      mma_cp_async16(mma_smem_addr(dst), p.w_out + (tm_i64)c * 128 + col);
+    } else {
+      *(uint4*)dst = make_uint4(0, 0, 0, 0);
+    }
+  }
+  asm volatile("cp.async.commit_group;");
+}
+
+// af3's gate for this thread's rows r0 + 16·mt + 8·half, channels cb .. cb + 7 (one 16-byte
+// load each), loaded at the top of a tile so that its latency runs under the tile's other steps.
+__device__ __forceinline__ void opr_load_gate(const TrimulParams& p, uint4 (&gq)[2][2], tm_i64 first, int cb, int r0) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const unsigned* row = (const unsigned*)(p.gate + (first + r0 + mt * 16 + half * 8 - p.buf_row0) * (tm_i64)p.g);
+      const tm_i64 row = first + r0 + mt * 16 + half * 8 - p.buf_row0;
+      gq[mt][half] = cb < p.c ? __ldg((const uint4*)(p.gate + row * (tm_i64)p.g + cb)) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// Step 5 of the resident kernel: + bout, ⊙ af3's gate, and the 8 consecutive channels of each of
+// the thread's four rows out from registers (C <= 128, whole tiles: no row or column beyond
+// the layer's but the channels past C, which the whole group of 8 is).
+template <bool AF3, bool Y16, bool HAS_BIAS>
+__device__ __forceinline__ void opr_epilogue(const TrimulParams& p, const float (&acc)[2][4][4],
+                                             const uint4 (&gq)[2][2], tm_i64 first, int cb, int r0) {
+  if (cb >= p.c) return;
+  float bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (HAS_BIAS) {
+    const float4 b0 = __ldg((const float4*)(p.out_bias + cb)), b1 = __ldg((const float4*)(p.out_bias + cb + 4));
+    bias[0] = b0.x, bias[1] = b0.y, bias[2] = b0.z, bias[3] = b0.w;
+    bias[4] = b1.x, bias[5] = b1.y, bias[6] = b1.z, bias[7] = b1.w;
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float v[8];
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        const int c = cw + nt * 8;
-        gr[mt][nt][half] = c < p.c ? __ldg(row + c / 2) : 0u;
+        v[2 * nt] = acc[mt][nt][2 * half] + bias[2 * nt];
+        v[2 * nt + 1] = acc[mt][nt][2 * half + 1] + bias[2 * nt + 1];
+        if (AF3) {
+          const unsigned gg = (&gq[mt][half].x)[nt];  // channels cb + 2·nt, + 1
+          v[2 * nt] *= tm_lo(gg);
+          v[2 * nt + 1] *= tm_hi(gg);
+        }
+      }
+      const tm_i64 at = (first + r0 + mt * 16 + half * 8) * p.c + cb;
+      if (Y16) {
+        *(uint4*)((unsigned short*)p.y + at) = make_uint4(io_pack_y2(p, v[0], v[1]), io_pack_y2(p, v[2], v[3]),
+                                                          io_pack_y2(p, v[4], v[5]), io_pack_y2(p, v[6], v[7]));
+      } else {
+        float4* dst = (float4*)(p.y + at);
+        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
       }
     }
 }
@@ -455,10 +510,10 @@ __device__ __forceinline__ void op_load_gate_regs(const TrimulParams& p, OpGateR
 // tile, as the plain kernel's blocks are); each tile's t arrives by cp.async while the block
 // works on the tile before (the plain kernel waits on its t tile at the start of every block: a
 // quarter of its stall samples, ncu at 256,2,128). It has no staging tile sg, which would leave
-// room for only two blocks per SM (the form that lost, NOTES.md): af3's gate comes into registers
-// in the accumulators' layout (the registers gpumode's gate takes in step 3), and 16-bit y is
-// packed into sa once the MMA has read it. The host guarantees whole tiles inside one batch:
-// rows, row0 and N² multiples of 64.
+// room for only two blocks per SM (the form that lost, NOTES.md): with sw's rows in opr_perm's
+// order, af3's gate comes into registers (the ones gpumode's gate takes in step 3) as one
+// 16-byte load per row and y leaves from registers. The host guarantees whole tiles inside one
+// batch: rows, row0 and N² multiples of 64.
 template <bool AF3, bool Y16>
 __device__ __forceinline__ void output_projection_resident_body(const TrimulParams& p) {
   extern __shared__ __align__(16) unsigned char opr_smem[];
@@ -471,7 +526,7 @@ __device__ __forceinline__ void output_projection_resident_body(const TrimulPara
   tm_i64 tile = blockIdx.x;
   if (tile >= tiles) return;
   const unsigned tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  op_load_w<128>(p, sw, 0);
+  opr_load_w(p, sw);
   op_load_ln<128>(p, snw, snb);
   pdl_wait();  // the weights above are all this block reads before the contraction is done
   // Tiles last to first, as in the plain kernel: the last batch's t is the freshest in L2.
@@ -479,20 +534,20 @@ __device__ __forceinline__ void output_projection_resident_body(const TrimulPara
 
   const int warp_m = warp & 1, warp_n = warp >> 1;
   const int g = lane >> 2, tig = lane & 3;
-  const int cw = warp_n * 32 + 2 * tig, r0 = warp_m * 32 + g;
+  const int cb = warp_n * 32 + 8 * tig, r0 = warp_m * 32 + g;  // channels cb .. cb + 7 (opr_perm)
   const unsigned sa_u = mma_smem_addr(sa), sw_u = mma_smem_addr(sw);
   for (; tile < tiles; tile += gridDim.x) {
     const tm_i64 first = p.row0 + (tiles - 1 - tile) * OP_BM;
     uint4 gpre[OP_ITEMS];
-    OpGateRegs gr;
+    uint4 gq[2][2];  // read only for af3
     if (AF3) {
-      op_load_gate_regs(p, gr, first, cw, r0);
+      opr_load_gate(p, gq, first, cb, r0);
     } else {
       op_load_gpre<128>(p, gpre, first, OP_BM);
     }
     asm volatile("cp.async.wait_group 0;");
     // This tile's t (and Wout) landed; every warp is done with the last tile's sa (its MMA
-    // operand, and for 16-bit y its staged output).
+    // operand).
     __syncthreads();
 #pragma unroll
     for (int u = 0; u < 128 * (OP_BM / 16) / OP_THREADS; ++u) {
@@ -509,15 +564,10 @@ __device__ __forceinline__ void output_projection_resident_body(const TrimulPara
     __syncthreads();
     float acc[2][4][4];
     op_mma<128>(p, acc, sa_u, sw_u, warp_m, warp_n);
-    if (Y16) __syncthreads();  // every warp done reading sa before y is packed into it
     if (p.out_bias) {
-      op_epilogue<true, AF3, Y16, AF3>(p, acc, sa, first, OP_BM, 0, cw, r0, &gr);
+      opr_epilogue<AF3, Y16, true>(p, acc, gq, first, cb, r0);
     } else {
-      op_epilogue<false, AF3, Y16, AF3>(p, acc, sa, first, OP_BM, 0, cw, r0, &gr);
-    }
-    if (Y16) {
-      __syncthreads();  // the tile's y complete in sa
-      op_store_y16(p, sa, first, OP_BM, 0);
+      opr_epilogue<AF3, Y16, false>(p, acc, gq, first, cb, r0);
     }
   }
 }

@@ -2,10 +2,12 @@
 //! recorded after every stage (`CudaBackend::record_stages`), printed as milliseconds per stage.
 //! The numbers behind the stage columns of `docs/perf/NOTES.md`.
 //!
-//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io] [NxB[xC],...]`
+//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io] [NxB[xC],...] [samples]`
 //!
 //! The optional third argument replaces the benchmark shapes with others (C defaults to 128),
-//! e.g. `248x2,256x2,264x2` to see how a stage's time follows the number of positions.
+//! e.g. `248x2,256x2,264x2` to see how a stage's time follows the number of positions. The
+//! fourth is how many recorded forwards to print per shape (default 1): one forward of a long
+//! shape varies by a few percent with the GPU's clock, so `4096x1 5` shows the spread.
 
 #[cfg(feature = "cuda")]
 fn main() -> trimul::Result<()> {
@@ -29,6 +31,10 @@ fn main() -> trimul::Result<()> {
                 }
             })
             .collect::<trimul::Result<Vec<_>>>()?,
+    };
+    let samples: usize = match std::env::args().nth(4) {
+        None => 1,
+        Some(s) => s.parse().map_err(|_| trimul::Error::InvalidArgument(format!("{s:?}: expected a count")))?,
     };
     for case in cases {
         let problem = case.problem(formulation, Direction::Outgoing)?;
@@ -61,12 +67,14 @@ fn main() -> trimul::Result<()> {
         for _ in 0..3 {
             forward(&mut layer)?;
         }
-        b.record_stages();
-        forward(&mut layer)?;
-        let stages = b.stage_times()?;
-        let total: f64 = stages.iter().map(|(_, ms)| ms).sum();
-        let parts: Vec<String> = stages.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();
-        println!("{:<28} {total:7.3} ms = {}", case.name(), parts.join(" + "));
+        for _ in 0..samples {
+            b.record_stages();
+            forward(&mut layer)?;
+            let stages = b.stage_times()?;
+            let total: f64 = stages.iter().map(|(_, ms)| ms).sum();
+            let parts: Vec<String> = stages.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();
+            println!("{:<28} {total:7.3} ms = {}", case.name(), parts.join(" + "));
+        }
     }
     Ok(())
 }
