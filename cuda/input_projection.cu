@@ -56,15 +56,6 @@
 // error (≈ 2.5e-4 after the halving, the f16 resolution of tanh near ±1) is below the f16
 // rounding the results are stored with.
 
-// σ(x) of two values from their halves h = x/2, packed f16.
-__device__ __forceinline__ unsigned ip_sigmoid2(float h_lo, float h_hi) {
-  const unsigned x = mma_pack_h2(h_lo, h_hi);
-  unsigned t, r;
-  asm("tanh.approx.f16x2 %0, %1;" : "=r"(t) : "r"(x));
-  asm("fma.rn.f16x2 %0, %1, %2, %2;" : "=r"(r) : "r"(t), "r"(0x38003800u));  // t·0.5 + 0.5
-  return r;
-}
-
 // p·m·σ(g) of two channels from the halves of p and g, packed f16: (p/2·m)·tanh(g/2) + p/2·m.
 __device__ __forceinline__ unsigned ip_gated2(float ph_lo, float ph_hi, float gh_lo, float gh_hi, float m) {
   const unsigned pm = mma_pack_h2(ph_lo * m, ph_hi * m), g = mma_pack_h2(gh_lo, gh_hi);
@@ -112,7 +103,7 @@ __device__ __forceinline__ void ip_load_b(const TrimulParams& p, const IpBLoader
 // otherwise row-major with a pitch of `lda` halves.
 template <bool SW128, int BM>
 __device__ __forceinline__ unsigned ip_z_offset(int r, int c, int lda) {
-  if (SW128) return (c >> 6) * (BM * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+  if (SW128) return wgmma_sw128_offset<BM>(r, c);
   return (r * lda + c) * 2;
 }
 
@@ -449,7 +440,7 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
           const int r = warp_m * 32 + mt * 16 + g + hf * 8;
           const int col = warp_n * 64 + nt * 8 + 2 * tig;
           const float2 v = ip_add_bias2<HAS_BIAS>(bias, col, acc[mt][nt][2 * hf], acc[mt][nt][2 * hf + 1]);
-          *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = ip_sigmoid2(v.x, v.y);
+          *(unsigned*)(stage_buf + r * (IP_BN + 8) + col) = mma_sigmoid2_halves(v.x, v.y);
         }
   }
 }
@@ -523,7 +514,7 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
         for (int hf = 0; hf < 2; ++hf) {
           const float2 v = ip_add_bias2<HAS_BIAS>(bias, col0 + (nt + j) * 8 + 2 * tig, acc[(nt + j) * 4 + 2 * hf],
                                                   acc[(nt + j) * 4 + 2 * hf + 1]);
-          sg[j][hf] = ip_sigmoid2(v.x, v.y);
+          sg[j][hf] = mma_sigmoid2_halves(v.x, v.y);
         }
       stmatrix_x4(st_base + (WG_STAGE ? (((nt + (tile >> 1)) ^ trow) << 4) : nt * 8 * 2), sg[0][0], sg[0][1], sg[1][0],
                   sg[1][1]);
@@ -594,24 +585,6 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   }
 }
 
-#if defined(TM_HAS_WGMMA)
-// The wgmmas of one 64-wide K slice: four k16 steps of 32 bytes inside the 128-byte rows, from
-// the descriptors of the slice's A and B tiles. A chunk's first slice (ks 0) overwrites the
-// accumulators with its first step (scale-d 0), so they are not zeroed per chunk.
-template <int BM>
-__device__ __forceinline__ void ip_mma_slice(float (&acc)[BM == 128 ? 64 : 32], unsigned long long sa_k,
-                                             unsigned long long sb, int ks) {
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const int accumulate = (ks | kk) != 0;
-    if constexpr (BM == 128) {
-      wgmma_m64n128k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
-    } else {
-      wgmma_m64n64k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
-    }
-  }
-}
-#endif
 
 // The sm_90a body: two warpgroups with wgmma, z and the weight ring in the 128-byte swizzle the
 // descriptors name. BM = 128: each warpgroup multiplies its 64 rows by all 128 columns of a chunk
@@ -682,9 +655,9 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
       if (l.nks == 2) {
 #pragma unroll
         for (int ks = 0; ks < 2; ++ks)
-          ip_mma_slice<BM>(acc, a_desc + ((ks * BM * 128) >> 4), b_desc + ((ks * IP_BN * 128) >> 4), ks);
+          wgmma_slice<BM>(acc, a_desc + ((ks * BM * 128) >> 4), b_desc + ((ks * IP_BN * 128) >> 4), ks);
       } else {
-        ip_mma_slice<BM>(acc, a_desc, b_desc, 0);
+        wgmma_slice<BM>(acc, a_desc, b_desc, 0);
       }
       wgmma_commit();
       wgmma_wait_all();
@@ -714,7 +687,7 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
         const unsigned long long sb = b_desc + (((slice & 1) * IP_BN * 128) >> 4);
         const unsigned long long sa_k = a_desc + ((ks * BM * 128) >> 4);
         wgmma_fence();
-        ip_mma_slice<BM>(acc, sa_k, sb, ks);
+        wgmma_slice<BM>(acc, sa_k, sb, ks);
         wgmma_commit();
         if (overlap_stores && ks == 0 && pending >= 0) {
           // The previous chunk's staging, complete since this slice's barrier, stored under the
@@ -807,7 +780,7 @@ __device__ __forceinline__ IpLaunch ws_launch(const TrimulParams& p, tm_i64 tile
   l.nks = 2;
   l.n_gating = 4;
   l.chunk0 = 0;
-  l.n_chunks = WS_CHUNKS;
+  l.n_chunks = p.chunk_end > 0 ? p.chunk_end : WS_CHUNKS;  // 4: no gate (the output stage makes it from x)
   l.lr_h0 = 0;
   l.lr_h = p.h;
   l.nn = (tm_i64)p.n * p.n;
@@ -970,21 +943,24 @@ __device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned
   for (int k = pair; k < n_k; k += 2) {
     const IpLaunch l = ws_launch(p, ws_tile0(p, k));
     ws_bar_sync(ws_full(pair), WS_HAND);
-    for (int chunk = 0; chunk < WS_CHUNKS; ++chunk) {
+    for (int chunk = 0; chunk < l.n_chunks; ++chunk) {
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks)
-        ip_mma_slice<WS_BM>(acc, a_desc + ((ks * WS_BM * 128) >> 4),
+        wgmma_slice<WS_BM>(acc, a_desc + ((ks * WS_BM * 128) >> 4),
                             b_desc + (((chunk * 2 + ks) * WS_SLICE_BYTES) >> 4), ks);
       wgmma_commit();
       wgmma_wait_all();
-      // The gate chunk (last) reads neither z nor the mask: hand the buffer back before its epilogue.
-      if (chunk == WS_CHUNKS - 1) ws_bar_arrive(ws_empty(pair), WS_HAND);
+      // The gate chunk reads neither z nor the mask: hand the buffer back before its epilogue.
+      // Without it (chunk_end 4) the last chunk is a gating one, whose epilogue reads the mask.
+      const bool last = chunk == l.n_chunks - 1;
+      if (last && chunk >= l.n_gating) ws_bar_arrive(ws_empty(pair), WS_HAND);
       if (p.w_in_bias) {
         ip_epilogue_sm90<true, WS_BM, true>(acc, p, l, chunk, stage_buf, smask, wg, wq);
       } else {
         ip_epilogue_sm90<false, WS_BM, true>(acc, p, l, chunk, stage_buf, smask, wg, wq);
       }
+      if (last && chunk < l.n_gating) ws_bar_arrive(ws_empty(pair), WS_HAND);
       ws_bar_sync(ws_group(pair, wg), 128);
       ws_store_wg(p, l, chunk, stage_buf, wg, pt & 127);
       ws_bar_sync(ws_group(pair, wg), 128);  // the staging is reused by the next chunk's epilogue

@@ -64,6 +64,17 @@ __device__ __forceinline__ unsigned mma_pack_h2(float lo, float hi) {
   return r;
 }
 
+// σ(x) of two values from their halves h = x/2, packed f16: 0.5·tanh(x/2) + 0.5, one tanh and
+// one packed FMA per two values (the fused kernels' weights and biases are stored halved for it:
+// cuda/input_projection.cu says why).
+__device__ __forceinline__ unsigned mma_sigmoid2_halves(float h_lo, float h_hi) {
+  const unsigned x = mma_pack_h2(h_lo, h_hi);
+  unsigned t, r;
+  asm("tanh.approx.f16x2 %0, %1;" : "=r"(t) : "r"(x));
+  asm("fma.rn.f16x2 %0, %1, %2, %2;" : "=r"(r) : "r"(t), "r"(0x38003800u));  // t·0.5 + 0.5
+  return r;
+}
+
 // One k16 step of a warp's 32 x (8·NT) tile: acc[mt][nt] += A[rows a_row0 + 16·mt ..][k] ·
 // B[rows b_row0 + 8·nt ..][k]ᵀ for the 16 k from a_col (A) and b_col (B). A and B are f16 in
 // shared memory, row-major with pitches lda and ldb halves, at shared-window addresses a_u and
@@ -125,6 +136,14 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Byte offset of element [r][c] of a K-major tile of `ROWS` rows in the 128-byte swizzle (the
+// layout wgmma_desc_sw128 describes): 64-column atoms of [ROWS][128 bytes] one after another, the
+// 16-byte pieces of row r permuted by XOR with r % 8. Pieces of 8 aligned columns stay contiguous.
+template <int ROWS>
+__device__ __forceinline__ unsigned wgmma_sw128_offset(int r, int c) {
+  return (c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+}
+
 // ---- Hopper warpgroup MMA (sm_90a only; callers guard with TM_HAS_WGMMA) ----
 // A warpgroup (4 consecutive warps, the first at a warp index divisible by 4) multiplies a
 // 64 x 16 A tile by a 16 x 128 B tile from shared memory into 64 f32 accumulators per thread.
@@ -176,5 +195,23 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long lo
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+
+// The wgmmas of one 64-wide K slice: four k16 steps of 32 bytes inside the 128-byte rows, from
+// the descriptors of the slice's A and B tiles. BM = 128: m64n128 (a warpgroup's 64 rows, all
+// 128 columns); BM = 64: m64n64. A chunk's first slice (ks 0) overwrites the accumulators with
+// its first step (scale-d 0), so they are not zeroed per chunk.
+template <int BM>
+__device__ __forceinline__ void wgmma_slice(float (&acc)[BM == 128 ? 64 : 32], unsigned long long sa_k,
+                                            unsigned long long sb, int ks) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int accumulate = (ks | kk) != 0;
+    if constexpr (BM == 128) {
+      wgmma_m64n128k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
+    } else {
+      wgmma_m64n64k16(acc, sa_k + kk * 2, sb + kk * 2, accumulate);
+    }
+  }
 }
 #endif

@@ -582,3 +582,305 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_re
     else output_projection_resident_body<false, false>(p);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// output_projection_sm90_xgate: af3's output stage making the output gate itself, from x, for
+// 16-bit x at C = H = 128 (sm_90a). The input stage then writes no gate: with 16-bit x, reading
+// x here (2·C bytes a position) costs what reading the stored gate cost, and the input stage
+// saves writing it, a quarter of its bytes. Per tile of 64 positions:
+//   z = LN_C(x)                          from registers (16 lanes a position) into sz
+//   g = σ(z · Wgᵀ + bg)                  wgmma, Wg = w_in's gate rows (stored halved)
+//   a = LN_H(t)                          t's tile [h][position] from registers into sraw, its
+//                                        statistics, then ldmatrix → normalise → stmatrix.trans
+//                                        into sz (z is dead by then) as the second A, K-major
+//   y = g ⊙ (a · Woutᵀ + bout)           wgmma, the epilogue from registers
+// Two warpgroups, each taking 64 of the 128 output columns of both GEMMs (m64n64k16), so the
+// tensor cores read each weight once per tile and A twice: 64 KB of shared-memory reads per
+// GEMM where the mma.sync kernels' ldmatrix read 128 KB (an mma.sync form of this kernel was
+// shared-memory bound and lost: NOTES.md, v33). Both weights sit in shared memory with their
+// rows in opr_xg_perm's order, so that a thread's accumulators of a row are 16 consecutive
+// channels: the gate multiplies y in registers and y leaves as two 16-byte stores per row.
+// The next tile's x comes into registers while the block works on this one, and its t into
+// sraw by cp.async (op_prefetch_t) once this tile's is consumed, under the output GEMM (the
+// weights leave no room for a second staging tile at two blocks per SM).
+#define OPX_X_PIECES (OP_BM * 16 / OP_THREADS)  // 16-byte pieces of x per thread: 4
+static_assert(OP_RAW_LD == OP_BM + 8, "sraw's pitch: ldmatrix's 8 rows land in distinct banks");
+
+// The kernel's column order: GEMM column J (warpgroup J / 64, n8 tile j, lane quad tig, e) feeds
+// channel 64·(J / 64) + 16·tig + 2·j + e, so lane quad tig holds channels 16·tig .. + 15 of its
+// warpgroup's 64. Sw's and swg's row J is that channel's weight row.
+__device__ __forceinline__ int opr_xg_perm(int J) {
+  return (J & 64) | (((J >> 1) & 3) << 4) | (((J >> 3) & 7) << 1) | (J & 1);
+}
+
+// The shared-memory layout (base 1024-byte aligned for the swizzled tiles).
+struct OpxSmem {
+  unsigned char* sw;   // [2 K atoms][128 rows][128 B] Wout, rows in opr_xg_perm order, 128-byte swizzle
+  unsigned char* swg;  // the same for the gate weights
+  unsigned char* sz;   // [2 K atoms][64 rows][128 B] z, then LN_H(t): the GEMMs' A
+  tm_half* sraw;       // [128][OP_RAW_LD] the tile's t as loaded, [h][position]
+  float* sred;         // [8 warps][64][2] partial sums of t's statistics
+  float* smean;        // [64]
+  float* srstd;        // [64]
+  float* snw;          // [128] LN_H weight, bias
+  float* snb;
+  float* scw;          // [128] LN_C weight, bias
+  float* scb;
+  float* sgb;          // [128] the gate's bias (halved) in GEMM-column order, zeros without one
+};
+
+__device__ __forceinline__ OpxSmem opx_smem_layout(unsigned char* base) {
+  OpxSmem s;
+  s.sw = base;
+  s.swg = s.sw + 32768;
+  s.sz = s.swg + 32768;
+  s.sraw = (tm_half*)(s.sz + 16384);
+  s.sred = (float*)(s.sraw + 128 * OP_RAW_LD);
+  s.smean = s.sred + 8 * OP_BM * 2;
+  s.srstd = s.smean + OP_BM;
+  s.snw = s.srstd + OP_BM;
+  s.snb = s.snw + 128;
+  s.scw = s.snb + 128;
+  s.scb = s.scw + 128;
+  s.sgb = s.scb + 128;
+  return s;
+}
+
+// A [128][128] f16 weight (rows `row0 + opr_xg_perm(J)` of `w`, `ld` halves apart) into the
+// 128-byte swizzle: one cp.async per 16-byte piece, no commit.
+__device__ __forceinline__ void opx_load_weight(unsigned char* dst, const tm_half* w, tm_i64 ld) {
+  for (int i = threadIdx.x; i < 2 * 128 * 8; i += OP_THREADS) {
+    const int atom = i >> 10, row = (i >> 3) & 127, c16 = i & 7;
+    mma_cp_async16(mma_smem_addr(dst) + atom * 16384 + row * 128 + ((c16 ^ (row & 7)) << 4),
+                   w + opr_xg_perm(row) * ld + atom * 64 + c16 * 8);
+  }
+}
+
+// This thread's pieces of a tile's x: rows tid/16 + 16·u, channels 8·(tid % 16) .. + 7.
+__device__ __forceinline__ void opx_load_x(const TrimulParams& p, uint4 (&xr)[OPX_X_PIECES], tm_i64 first) {
+  const unsigned short* x = (const unsigned short*)p.x;
+#pragma unroll
+  for (int u = 0; u < OPX_X_PIECES; ++u) {
+    const int i = threadIdx.x + u * OP_THREADS;
+    xr[u] = __ldg((const uint4*)(x + (first + (i >> 4)) * 128 + (i & 15) * 8));
+  }
+}
+
+// LN_C of this thread's pieces of x into sz (swizzled): a position's 128 channels are 16 lanes'
+// pieces, so each statistic takes 4 shuffles (two passes in f32, as every LayerNorm here).
+template <int IO>
+__device__ __forceinline__ void opx_store_z(const uint4 (&xr)[OPX_X_PIECES], unsigned char* sz, const float* scw,
+                                            const float* scb, float eps) {
+  const int c = (threadIdx.x & 15) * 8;
+  float w[8], b[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    w[e] = scw[c + e];
+    b[e] = scb[c + e];
+  }
+#pragma unroll
+  for (int u = 0; u < OPX_X_PIECES; ++u) {
+    const float4 lo = io_widen4<IO>(make_uint2(xr[u].x, xr[u].y)), hi = io_widen4<IO>(make_uint2(xr[u].z, xr[u].w));
+    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float s = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const float mean = s * (1.f / 128.f);
+    float q = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q += (v[e] - mean) * (v[e] - mean);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+    const float rs = tm_rsqrt(q * (1.f / 128.f) + eps);
+    unsigned z[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      z[e] = mma_pack_h2((v[2 * e] - mean) * rs * w[2 * e] + b[2 * e],
+                         (v[2 * e + 1] - mean) * rs * w[2 * e + 1] + b[2 * e + 1]);
+    const int r = (threadIdx.x + u * OP_THREADS) >> 4;
+    *(uint4*)(sz + wgmma_sw128_offset<OP_BM>(r, c)) = make_uint4(z[0], z[1], z[2], z[3]);
+  }
+}
+
+// LN_H's statistics of the tile in sraw, one pass shifted by each position's first channel
+// (robust where the mean is large against the spread): thread (h octet hq = tid / 16, positions
+// 4·(tid % 16) ..) sums 8 channels, the warp's two octets of a position are added by a shuffle,
+// and each warp's sums go to sred; opx_stats_final adds the warps' sums after a barrier. (It runs
+// under the gate's MMAs, whose accumulators hold 32 registers: 4 positions a thread keep it
+// within the 128 of two blocks per SM.)
+__device__ __forceinline__ void opx_stats_partial(const tm_half* sraw, float* sred) {
+  const int pg = threadIdx.x & 15, hq = threadIdx.x >> 4, warp = threadIdx.x >> 5;
+  const uint2 k2 = *(const uint2*)(sraw + pg * 4);
+  const unsigned k[2] = {k2.x, k2.y};
+  float s[4] = {0.f, 0.f, 0.f, 0.f}, q[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int hh = 0; hh < 8; ++hh) {
+    const uint2 v2 = *(const uint2*)(sraw + (8 * hq + hh) * OP_RAW_LD + pg * 4);
+    const unsigned v[2] = {v2.x, v2.y};
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float d0 = tm_lo(v[e]) - tm_lo(k[e]), d1 = tm_hi(v[e]) - tm_hi(k[e]);
+      s[2 * e] += d0;
+      q[2 * e] += d0 * d0;
+      s[2 * e + 1] += d1;
+      q[2 * e + 1] += d1 * d1;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    s[e] += __shfl_xor_sync(0xffffffffu, s[e], 16);
+    q[e] += __shfl_xor_sync(0xffffffffu, q[e], 16);
+  }
+  if ((threadIdx.x & 31) < 16) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) *(float2*)(sred + (warp * OP_BM + pg * 4 + e) * 2) = make_float2(s[e], q[e]);
+  }
+}
+
+__device__ __forceinline__ void opx_stats_final(const tm_half* sraw, const float* sred, float* smean, float* srstd,
+                                                float eps) {
+  const int r = threadIdx.x;
+  if (r >= OP_BM) return;
+  float s = 0.f, q = 0.f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    const float2 v = *(const float2*)(sred + (w * OP_BM + r) * 2);
+    s += v.x;
+    q += v.y;
+  }
+  const float d = s * (1.f / 128.f);  // mean - shift
+  smean[r] = tm_h2f(*(const unsigned short*)(sraw + r)) + d;
+  srstd[r] = tm_rsqrt(fmaxf(q * (1.f / 128.f) - d * d, 0.f) + eps);
+}
+
+#if defined(TM_HAS_WGMMA)
+// sraw [h][position] → LN_H → sz [position][h] (K-major, swizzled): warp w takes positions
+// 8w .. 8w + 7; each ldmatrix.x4 brings four 8 x 8 blocks (h blocks 4k + q, q = 0..3, lane L
+// holding h = 8(4k + q) + L/4 at positions 8w + 2(L % 4), + 1), which are normalised in
+// registers and stored transposed by stmatrix.trans (lane L addressing position 8w + L % 8 of
+// block L / 8).
+__device__ __forceinline__ void opx_transpose_normalise(const tm_half* sraw, unsigned char* sa, const float* smean,
+                                                        const float* srstd, const float* snw, const float* snb) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int p0 = 8 * w + 2 * (lane & 3);
+  const float m0 = smean[p0], m1 = smean[p0 + 1], r0 = srstd[p0], r1 = srstd[p0 + 1];
+  const unsigned raw_u = mma_smem_addr(sraw), sa_u = mma_smem_addr(sa);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    unsigned v[4];
+    mma_ldmatrix_x4(raw_u + ((8 * (4 * k + (lane >> 3)) + (lane & 7)) * OP_RAW_LD + 8 * w) * 2, v[0], v[1], v[2],
+                    v[3]);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int h = 8 * (4 * k + q) + (lane >> 2);
+      const float wh = snw[h], bh = snb[h];
+      v[q] = mma_pack_h2((tm_lo(v[q]) - m0) * r0 * wh + bh, (tm_hi(v[q]) - m1) * r1 * wh + bh);
+    }
+    stmatrix_x4_trans(sa_u + wgmma_sw128_offset<OP_BM>(8 * w + (lane & 7), 8 * (4 * k + (lane >> 3))), v[0], v[1],
+                      v[2], v[3]);
+  }
+}
+#endif
+
+template <int IO>
+__device__ __forceinline__ void output_projection_sm90_xgate_body(const TrimulParams& p) {
+#if defined(TM_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char opx_smem[];
+  // The swizzle atoms must sit on 1024-byte boundaries; the host adds 1024 bytes of slack.
+  const OpxSmem sm = opx_smem_layout(opx_smem + ((1024u - (mma_smem_addr(opx_smem) & 1023u)) & 1023u));
+  const tm_i64 tiles = p.rows / OP_BM;
+  tm_i64 tile = blockIdx.x;
+  if (tile >= tiles) return;
+  const unsigned tid = threadIdx.x, lane = tid & 31;
+  // The weights and the LayerNorms' parameters: no other kernel's output, so before pdl_wait().
+  opx_load_weight(sm.sw, p.w_out, 128);
+  opx_load_weight(sm.swg, p.w_in + (tm_i64)4 * p.h_pad * p.k_pad, p.k_pad);
+  asm volatile("cp.async.commit_group;");
+  if (tid < 128) {
+    sm.snw[tid] = p.norm_out_w[tid];
+    sm.snb[tid] = p.norm_out_b[tid];
+    sm.scw[tid] = p.norm_in_w[tid];
+    sm.scb[tid] = p.norm_in_b[tid];
+    sm.sgb[tid] = p.w_in_bias ? p.w_in_bias[4 * p.h_pad + opr_xg_perm(tid)] : 0.f;
+  }
+  pdl_wait();
+  uint4 xr[OPX_X_PIECES];
+  // Tiles last to first, as the other output kernels: the last batch's t is the freshest in L2.
+  opx_load_x(p, xr, p.row0 + (tiles - 1 - tile) * OP_BM);
+  op_prefetch_t(p, sm.sraw, p.row0 + (tiles - 1 - tile) * OP_BM);
+
+  // Warpgroup wg takes GEMM columns 64·wg .. + 63 of both GEMMs; its thread (warp wq, lane g/tig)
+  // holds rows 16·wq + g (+ 8) of them, channels 64·wg + 16·tig .. + 15 (opr_xg_perm).
+  const int wg = __shfl_sync(0xffffffffu, (int)(tid >> 7), 0), wq = (tid >> 5) & 3;
+  const int g = lane >> 2, tig = lane & 3;
+  const unsigned long long a_desc = wgmma_desc_sw128(mma_smem_addr(sm.sz));
+  const unsigned long long bg_desc = wgmma_desc_sw128(mma_smem_addr(sm.swg) + wg * 64 * 128);
+  const unsigned long long bw_desc = wgmma_desc_sw128(mma_smem_addr(sm.sw) + wg * 64 * 128);
+  const int ch = 64 * wg + 16 * tig;  // this thread's first channel
+  for (; tile < tiles; tile += gridDim.x) {
+    const tm_i64 first = p.row0 + (tiles - 1 - tile) * OP_BM;
+    const bool more = tile + gridDim.x < tiles;
+    asm volatile("cp.async.wait_group 0;");  // this tile's t (the first time, the weights too)
+    fence_proxy_async();                     // the weights, visible to the tensor cores
+    __syncthreads();  // t landed; every warpgroup done with the last tile's sz and statistics
+    opx_store_z<IO>(xr, sm.sz, sm.scw, sm.scb, p.eps);
+    if (more) opx_load_x(p, xr, first - (tm_i64)gridDim.x * OP_BM);
+    fence_proxy_async();  // z, written by ordinary stores, is read by the tensor cores next
+    __syncthreads();
+    float acc[32];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) wgmma_slice<OP_BM>(acc, a_desc + ((ks * OP_BM * 128) >> 4), bg_desc + ((ks * 16384) >> 4), ks);
+    wgmma_commit();
+    opx_stats_partial(sm.sraw, sm.sred);  // under the gate's MMAs
+    wgmma_wait_all();
+    unsigned gq[2][8];  // σ(gate) of rows g, g + 8 (half), n8 tiles j: channels ch + 2j, + 1
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 gb = *(const float2*)(sm.sgb + 64 * wg + 8 * j + 2 * tig);
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        gq[half][j] = mma_sigmoid2_halves(acc[4 * j + 2 * half] + gb.x, acc[4 * j + 2 * half + 1] + gb.y);
+    }
+    __syncthreads();  // the partial sums; both warpgroups done reading z
+    opx_stats_final(sm.sraw, sm.sred, sm.smean, sm.srstd, p.eps);
+    __syncthreads();
+    opx_transpose_normalise(sm.sraw, sm.sz, sm.smean, sm.srstd, sm.snw, sm.snb);
+    fence_proxy_async();
+    __syncthreads();  // LN_H(t) complete in sz; sraw free
+    if (more) op_prefetch_t(p, sm.sraw, first - (tm_i64)gridDim.x * OP_BM);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) wgmma_slice<OP_BM>(acc, a_desc + ((ks * OP_BM * 128) >> 4), bw_desc + ((ks * 16384) >> 4), ks);
+    wgmma_commit();
+    wgmma_wait_all();
+    // y = σ(gate) ⊙ (acc + bout), 16 consecutive channels of each of the thread's two rows.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      unsigned o[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 b = p.out_bias ? __ldg((const float2*)(p.out_bias + ch + 2 * j)) : make_float2(0.f, 0.f);
+        const float v0 = (acc[4 * j + 2 * half] + b.x) * tm_lo(gq[half][j]);
+        const float v1 = (acc[4 * j + 2 * half + 1] + b.y) * tm_hi(gq[half][j]);
+        o[j] = io_pack_y2(p, v0, v1);
+      }
+      uint4* dst = (uint4*)((unsigned short*)p.y + (first + 16 * wq + g + 8 * half) * 128 + ch);
+      dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+      dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// Two blocks per SM: 106 KB of shared memory each (with the alignment slack), 128 registers a
+// thread. af3 only (its gate multiplies y; gpumode's would have to enter LN_H's tile).
+extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection_sm90_xgate(const TrimulParams p) {
+  if (p.io_dtype == TM_IO_BF16) {
+    output_projection_sm90_xgate_body<TM_IO_BF16>(p);
+  } else {
+    output_projection_sm90_xgate_body<TM_IO_F16>(p);
+  }
+}

@@ -2,16 +2,19 @@
 //! recorded after every stage (`CudaBackend::record_stages`), printed as milliseconds per stage.
 //! The numbers behind the stage columns of `docs/perf/NOTES.md`.
 //!
-//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io] [NxB[xC],...] [samples]`
+//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io] [NxB[xC],...] [samples] [ranks]`
 //!
 //! The optional third argument replaces the benchmark shapes with others (C defaults to 128),
 //! e.g. `248x2,256x2,264x2` to see how a stage's time follows the number of positions. The
 //! fourth is how many recorded forwards to print per shape (default 1): one forward of a long
-//! shape varies by a few percent with the GPU's clock, so `4096x1 5` shows the spread.
+//! shape varies by a few percent with the GPU's clock, so `4096x1 5` shows the spread. The fifth,
+//! a comma-separated list of cuBLASLt candidate ranks for the contraction (`Tuning::contraction_rank`),
+//! records each sample once per rank, the ranks interleaved so that the GPU's temperature drifts
+//! alike for all of them (each switch plans a new workspace, outside the timed forward).
 
 #[cfg(feature = "cuda")]
 fn main() -> trimul::Result<()> {
-    use trimul::backend::cuda::CudaBackend;
+    use trimul::backend::cuda::{CudaBackend, Tuning};
     use trimul::{suite, Backend, Direction, Formulation, Layer, Options, Precision, Weights};
 
     let formulation: Formulation = std::env::args().nth(1).as_deref().unwrap_or("gpumode").parse()?;
@@ -35,6 +38,16 @@ fn main() -> trimul::Result<()> {
     let samples: usize = match std::env::args().nth(4) {
         None => 1,
         Some(s) => s.parse().map_err(|_| trimul::Error::InvalidArgument(format!("{s:?}: expected a count")))?,
+    };
+    let ranks: Option<Vec<u8>> = match std::env::args().nth(5) {
+        None => None,
+        Some(list) => Some(
+            list.split(',')
+                .map(|r| {
+                    r.trim().parse().map_err(|_| trimul::Error::InvalidArgument(format!("{r:?}: expected a rank")))
+                })
+                .collect::<trimul::Result<Vec<u8>>>()?,
+        ),
     };
     for case in cases {
         let problem = case.problem(formulation, Direction::Outgoing)?;
@@ -68,12 +81,20 @@ fn main() -> trimul::Result<()> {
             forward(&mut layer)?;
         }
         for _ in 0..samples {
-            b.record_stages();
-            forward(&mut layer)?;
-            let stages = b.stage_times()?;
-            let total: f64 = stages.iter().map(|(_, ms)| ms).sum();
-            let parts: Vec<String> = stages.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();
-            println!("{:<28} {total:7.3} ms = {}", case.name(), parts.join(" + "));
+            for rank in ranks.as_deref().map_or(vec![None], |r| r.iter().map(|&r| Some(r)).collect()) {
+                let mut label = case.name();
+                if let Some(rank) = rank {
+                    b.set_tuning(Some(Tuning { contraction_rank: rank, ..Tuning::default() }));
+                    forward(&mut layer)?; // plans the workspace for this rank, untimed
+                    label = format!("{label} rank {rank}");
+                }
+                b.record_stages();
+                forward(&mut layer)?;
+                let stages = b.stage_times()?;
+                let total: f64 = stages.iter().map(|(_, ms)| ms).sum();
+                let parts: Vec<String> = stages.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();
+                println!("{label:<28} {total:7.3} ms = {}", parts.join(" + "));
+            }
         }
     }
     Ok(())

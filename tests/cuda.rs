@@ -376,6 +376,8 @@ fn warp_specialised_input_build_matches_reference_and_other_builds() {
 #[test]
 fn resident_output_kernel_matches_plain_kernel_bit_for_bit() {
     let Some(b) = cuda() else { return };
+    // With 16-bit x at C = 128 the output stage would make the gate from x (its own kernel).
+    b.set_gate_from_x(false);
     let s = seed();
     for (k, case) in
         [Case::new(64, 2, 128, true, Dist::Cauchy), Case::new(40, 1, 64, false, Dist::Normal)].iter().enumerate()
@@ -550,6 +552,70 @@ fn staged_chunked_plans_match_one_pass() {
                 eprintln!("{what}: {cmp}");
                 assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what} seed {s}: {cmp}");
                 layer.set_memory_budget(None);
+            }
+        }
+    }
+}
+
+/// af3's output stage making the output gate from x (sm_90a; 16-bit x, C = H = 128, whole
+/// 64-position tiles), against the f64 reference of the rounded x and against the stored-gate path
+/// of the same layer, with and without biases, both directions, both 16-bit types, with masks and
+/// Cauchy inputs. The two paths compute the same arithmetic in a different order (z's statistics
+/// over 16 lanes here, over 8 in the input kernel; LN_H's in one shifted pass here), so they agree
+/// to a unit or two of y's last place, not bit for bit. N = 96, B = 2 (288 tiles) has blocks take
+/// two or three tiles, prefetching the next one's x and t; N = 36 (N² = 1296) is not whole tiles
+/// and gpumode has its gate before LN_H's GEMM: both keep the stored gate. The one-pass workspace
+/// without the gate is M·128·2 bytes smaller, and says the gate is made from x. On GPUs without
+/// the kernel (not sm_90a) every run takes the stored gate.
+#[test]
+fn output_gate_from_x_matches_reference_and_stored_gate() {
+    let Some(b) = cuda() else { return };
+    let s = seed();
+    let has_kernel = b.info().arch == "sm_90";
+    for (k, (case, takes)) in [
+        (Case::new(96, 2, 128, true, Dist::Normal), true),
+        (Case::new(64, 2, 128, true, Dist::Cauchy), true),
+        (Case::new(48, 1, 128, false, Dist::Normal), true),
+        (Case::new(36, 1, 128, true, Dist::Normal), false),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for (f, dir, biases) in [
+            (Formulation::GpuMode, Direction::Outgoing, false),
+            (Formulation::Af3, Direction::Incoming, true),
+            (Formulation::Af3, Direction::Outgoing, false),
+        ] {
+            let takes = *takes && has_kernel && f == Formulation::Af3;
+            for io in [Precision::Bf16Io, Precision::F16Io] {
+                let what = format!("{} {f} {dir} biases {biases} {io}", case.name());
+                let problem = case.problem(f, dir).unwrap();
+                let weights = Weights::random(problem.config, biases, s ^ k as u64).unwrap();
+                let inputs = suite::generate_inputs(case, s ^ 0x6A7E ^ k as u64);
+                let mask = inputs.mask.as_deref();
+                let mut ys = Vec::new();
+                let mut workspace = Vec::new();
+                for on in [true, false] {
+                    b.set_gate_from_x(on);
+                    let before = b.gate_from_x_launches();
+                    let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
+                    let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
+                    let launched = b.gate_from_x_launches() - before;
+                    assert_eq!(launched > 0, on && takes, "{what} gate from x {on}: launches {launched}");
+                    let plan = layer.exec_plan().unwrap();
+                    assert_eq!(plan.gate_recomputed, on && takes, "{what} gate from x {on}: {plan:?}");
+                    workspace.push(plan.workspace_bytes);
+                    let cmp = reference::check(&weights, &problem, &x, mask, &y, TOL, TOL).unwrap();
+                    eprintln!("{what} gate from x {on}: {cmp}");
+                    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what} gate from x {on} seed {s}: {cmp}");
+                    ys.push(y);
+                }
+                b.set_gate_from_x(true);
+                let saved = if takes { problem.shape.rows() as u64 * 128 * 2 } else { 0 };
+                assert_eq!(workspace[1] - workspace[0], saved, "{what}: workspace {workspace:?}");
+                // Two units of y's last place (bf16: 2^-7 relative) and a little for values near 0.
+                let far = ys[0].iter().zip(&ys[1]).filter(|(a, b)| (**a - **b).abs() > 1.6e-2 * b.abs() + 1e-3).count();
+                assert_eq!(far, 0, "{what} seed {s}: the gate made from x and the stored gate differ in {far} values");
             }
         }
     }

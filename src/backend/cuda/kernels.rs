@@ -43,8 +43,11 @@ pub(crate) struct Kernels {
     /// LN_H + gate + output projection in one kernel (`cuda/output_projection.cu`); sm_80+.
     pub output_projection: Option<Stage>,
     /// Its resident form: Wout loaded once per block, blocks walking tiles with the next tile's
-    /// t prefetched (H = 128, C ≤ 128, gpumode with f32 y).
+    /// t prefetched (H = 128, C ≤ 128, either formulation, any y precision).
     pub output_projection_resident: Option<Stage>,
+    /// af3's output stage making the output gate from x (wgmma, sm_90a; 16-bit x, C = H = 128):
+    /// the input stage then writes no gate.
+    pub output_projection_sm90_xgate: Option<Stage>,
     /// Whether the fused kernels are launched as programmatic dependents of the kernel before
     /// them ([`Stage::launch_dependent`]): sm_90, unless `TRIMUL_CUDA_PDL=0`.
     pub pdl: bool,
@@ -138,6 +141,7 @@ impl Kernels {
             input_projection_sm90_ws: None,
             output_projection: None,
             output_projection_resident: None,
+            output_projection_sm90_xgate: None,
             pdl: false,
             max_smem: 48 * 1024,
             origin: String::new(),
@@ -166,6 +170,8 @@ impl Kernels {
         let input_projection_wide = big_smem("input_projection:input_projection_wide")?;
         let output_projection = big_smem("output_projection")?;
         let output_projection_resident = big_smem("output_projection:output_projection_resident")?;
+        let output_projection_sm90_xgate =
+            if cc == (9, 0) { big_smem("output_projection:output_projection_sm90_xgate")? } else { None };
         // wgmma exists only in sm_90a code: the fatbin's sm_90a image, or NVRTC for sm_90a.
         let mut sm90 = |entry: &str| {
             if cc == (9, 0) {
@@ -189,6 +195,7 @@ impl Kernels {
             input_projection_sm90_ws,
             output_projection,
             output_projection_resident,
+            output_projection_sm90_xgate,
             // Hopper only: there the kernels come from the sm_90a image (or NVRTC for the device),
             // both built with pdl_wait(). Newer GPUs would JIT the compute_80 PTX, which has no
             // wait, so launching those early would race. `TRIMUL_CUDA_PDL=0` launches them as

@@ -79,6 +79,11 @@ struct Inner {
     resident_launches: std::sync::atomic::AtomicU64,
     /// Launches of the warp-specialised input build so far (as `resident_launches`).
     ws_launches: std::sync::atomic::AtomicU64,
+    /// Whether one-pass forwards with 16-bit x make the output gate from x in the output stage
+    /// where that kernel applies (`TRIMUL_CUDA_GATE_FROM_X=0` turns it off, to compare).
+    gate_from_x: AtomicBool,
+    /// Launches of that output kernel so far (as `resident_launches`).
+    xgate_launches: std::sync::atomic::AtomicU64,
 }
 
 /// An NVIDIA GPU with its stream, cuBLASLt handle and loaded kernels. Cheap to clone.
@@ -197,6 +202,10 @@ impl CudaBackend {
                 ),
                 resident_launches: std::sync::atomic::AtomicU64::new(0),
                 ws_launches: std::sync::atomic::AtomicU64::new(0),
+                gate_from_x: AtomicBool::new(
+                    std::env::var("TRIMUL_CUDA_GATE_FROM_X").map_or(true, |v| v.trim() != "0"),
+                ),
+                xgate_launches: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -298,6 +307,41 @@ impl CudaBackend {
     /// How many times this backend has launched the resident output kernel.
     pub fn resident_output_launches(&self) -> u64 {
         self.inner.resident_launches.load(Ordering::Relaxed)
+    }
+
+    /// Whether one-pass forwards with 16-bit x make the output gate from x in the output stage
+    /// where that kernel applies (default on, unless `TRIMUL_CUDA_GATE_FROM_X=0`). Off, the input
+    /// stage stores the gate and the output stage reads it back, as for f32 x. Layers plan new
+    /// workspaces on their next forward (the stored gate needs a buffer of its own).
+    pub fn set_gate_from_x(&self, on: bool) {
+        self.inner.gate_from_x.store(on, Ordering::Relaxed);
+    }
+
+    /// How many times this backend has launched the output kernel that makes the gate from x.
+    pub fn gate_from_x_launches(&self) -> u64 {
+        self.inner.xgate_launches.load(Ordering::Relaxed)
+    }
+
+    /// Whether a one-pass forward of `problem` makes the output gate from x in the output stage
+    /// (`output_projection_sm90_xgate`) instead of storing it in the input stage and reading it
+    /// back: af3 (whose gate multiplies y; gpumode's would have to enter LN_H's tile) with 16-bit
+    /// x (whose bytes are the stored gate's, so the output stage reads as much as before while
+    /// the input stage writes a quarter less), C = H = 128, out of place (in place the contraction
+    /// borrows x's bytes for its workspace), the fused input kernel and whole 64-position tiles
+    /// inside a batch, on an H100 (sm_90a: wgmma) with room for two blocks per SM.
+    fn gate_from_x_for(&self, prep: &CudaPrepared, problem: &Problem, tuning: Tuning) -> bool {
+        let cfg = &problem.config;
+        let nn = problem.shape.n * problem.shape.n;
+        self.inner.kernels.output_projection_sm90_xgate.is_some()
+            && self.inner.gate_from_x.load(Ordering::Relaxed)
+            && cfg.formulation == Formulation::Af3
+            && problem.io != Precision::F32Io
+            && !problem.in_place
+            && (cfg.c, cfg.h, cfg.gate_width()) == (128, 128, 128)
+            && prep.fused.as_ref().is_some_and(|f| (f.layout.k_pad, f.layout.h_pad) == (128, 128))
+            && nn % OUTPUT_PROJECTION_ROWS == 0
+            && self.blocks_fit(2, OUTPUT_XGATE_SMEM as usize)
+            && self.fused_kernel_for(prep, problem, tuning).is_some()
     }
 
     /// How many times this backend has launched the warp-specialised input build.
@@ -456,7 +500,7 @@ impl CudaBackend {
             ws.t.memset_async(POISON_BYTE, stream)?;
             match &mut ws.layout {
                 Layout::OnePass { left, right, gate, .. } => {
-                    for b in [left, right, gate] {
+                    for b in [Some(left), Some(right), gate.as_mut()].into_iter().flatten() {
                         b.memset_async(POISON_BYTE, stream)?;
                     }
                 }
@@ -491,7 +535,9 @@ impl CudaBackend {
 
         self.mark("start", stream)?;
         let (left, right, gate) = match &ws.layout {
-            Layout::OnePass { left, right, gate, .. } => (left.ptr(), right.ptr(), gate.ptr()),
+            Layout::OnePass { left, right, gate, .. } => {
+                (left.ptr(), right.ptr(), gate.as_ref().map_or(0, |g| g.ptr()))
+            }
             Layout::Chunked { plan, scratch } => {
                 let plan = *plan;
                 let scratch = scratch.ptr();
@@ -507,8 +553,10 @@ impl CudaBackend {
             }
             _ => None,
         };
+        let gate_from_x = gate == 0;
         if let Some((f, kernel)) = fused {
-            // One pass: x read once, left/right/gate written once.
+            // One pass: x read once, left/right (and the gate, unless the output stage makes it
+            // from x: then only the gating column chunks run) written once.
             let kp = KernelParams {
                 row0: 0,
                 rows: m as i64,
@@ -517,9 +565,43 @@ impl CudaBackend {
                 k_pad: f.layout.k_pad as i32,
                 h_pad: f.layout.h_pad as i32,
                 g_pad: f.layout.g_pad as i32,
+                // The gating column chunks alone (32 channels of left and right each), no gate.
+                chunk_end: if gate_from_x { (f.layout.h_pad / 32) as i32 } else { 0 },
                 ..base
             };
             kernel.launch(m, stream, &kp)?;
+            if gate_from_x {
+                self.mark("input (LN, projections, gating)", stream)?;
+                ws.contraction.run(
+                    &inner.blas,
+                    right,
+                    left,
+                    ws.t.ptr(),
+                    0,
+                    y,
+                    m * c * problem.io.io_bytes(),
+                    stream,
+                )?;
+                self.mark("contraction", stream)?;
+                let k = inner.kernels.output_projection_sm90_xgate.as_ref().ok_or_else(|| {
+                    Error::InvalidArgument("this workspace needs the output kernel that makes the gate from x".into())
+                })?;
+                let kp = KernelParams {
+                    rows: m as i64,
+                    w_out: prep.w_out.ptr(),
+                    out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()),
+                    ..kp
+                };
+                let grid =
+                    u32::try_from(m / OUTPUT_PROJECTION_ROWS).unwrap_or(u32::MAX).min(2 * inner.info.compute_units);
+                inner.xgate_launches.fetch_add(1, Ordering::Relaxed);
+                k.launch_dependent(grid, STAGE_THREADS, OUTPUT_XGATE_SMEM, stream, &kp, inner.kernels.pdl)?;
+                return self.mark("output stage (LayerNorm, gate from x, projection)", stream);
+            }
+        } else if gate_from_x {
+            return Err(Error::InvalidArgument(
+                "this workspace was planned for the fused input kernel, which is off now".into(),
+            ));
         } else {
             self.enqueue_blas_input(prep, ws, &base, m, stream)?;
         }
@@ -745,6 +827,7 @@ impl CudaBackend {
             staging: None,
             half_staging: None,
             tuning,
+            gate_from_x_allowed: self.inner.gate_from_x.load(Ordering::Relaxed),
         })
     }
 
@@ -820,6 +903,7 @@ impl CudaBackend {
             staging: None,
             half_staging: None,
             tuning,
+            gate_from_x_allowed: self.inner.gate_from_x.load(Ordering::Relaxed),
         })
     }
 
@@ -986,6 +1070,16 @@ const fn output_projection_smem(af3: bool, io_dtype: i32) -> u32 {
     (base + staging) as u32
 }
 
+/// Shared memory of `output_projection_sm90_xgate` (`OpxSmem` in `cuda/output_projection.cu`):
+/// Wout and the gate weights (2 × 32 KB, swizzled), z / LN_H(t) (16 KB), the t tile `[128][72]`
+/// halves, the statistics' partial sums `[8][64][2]`, mean and rstd `[64]` and five `[128]` f32
+/// vectors, plus 1024 bytes to align the swizzled tiles.
+const OUTPUT_XGATE_SMEM: u32 = (2 * 32768
+    + 16384
+    + 128 * 72 * 2
+    + (8 * OUTPUT_PROJECTION_ROWS * 2 + 2 * OUTPUT_PROJECTION_ROWS + 5 * 128) * 4
+    + 1024) as u32;
+
 /// Shared memory of the resident output kernel: sa, sw, the statistics and LN_H parameters as in
 /// [`output_projection_smem`], plus the next tile's t `[128][72]` (halves).
 const OUTPUT_RESIDENT_SMEM: u32 = output_projection_smem(false, params::IO_F32) + 128 * 72 * 2;
@@ -1075,7 +1169,8 @@ const WS_SMEM_BYTES: u32 = 5 * 32768 + 2 * 16384 + 4 * 8192 + 2 * 256 + 1024 + 1
 
 impl WsBuild<'_> {
     /// Whether the build takes this launch: C = H = G = 128 (checked with the layout), the
-    /// one-pass plan (every position from 0, every column chunk and channel), and full tiles
+    /// one-pass plan (every position from 0, every channel, every column chunk or all but the
+    /// gate's), and full tiles
     /// inside one batch (rows and N² multiples of 64). Where it applies it is the fastest build
     /// at every size measured, in every I/O precision (H100, 16 producer warps, against the two-
     /// and three-blocks-per-SM builds: gpumode f32 256,2,128 0.194 → 0.183 ms, 1024,1,128 1.428 →
@@ -1089,7 +1184,8 @@ impl WsBuild<'_> {
             && kp.buf_row0 == 0
             && kp.rows as usize == rows
             && kp.chunk_begin == 0
-            && (kp.chunk_end == 0 || kp.chunk_end == 5)
+            // Every column chunk, or the four gating ones (the output stage makes the gate).
+            && matches!(kp.chunk_end, 0 | 4 | 5)
             && kp.lr_h0 == 0
             && (kp.lr_h == 0 || kp.lr_h == kp.h)
             && rows > 0
@@ -1175,6 +1271,9 @@ pub struct CudaWorkspace {
     half_staging: Option<Staging<u16>>,
     /// The choices this workspace was planned and is run with.
     tuning: Tuning,
+    /// [`CudaBackend::set_gate_from_x`] when it was planned (a one-pass workspace has a gate
+    /// buffer or not by it).
+    gate_from_x_allowed: bool,
 }
 
 /// Where the intermediates live. One per workspace, so the variants' sizes do not matter.
@@ -1184,7 +1283,8 @@ enum Layout {
     OnePass {
         left: DeviceBuffer<u16>,
         right: DeviceBuffer<u16>,
-        gate: DeviceBuffer<u16>,
+        /// None when the output stage makes the gate from x ([`CudaBackend::gate_from_x_for`]).
+        gate: Option<DeviceBuffer<u16>>,
         /// The cuBLASLt stage-1 path's scratch plan and projection GEMMs (None with the fused kernel).
         blas_input: Option<BlasInput>,
     },
@@ -1547,7 +1647,8 @@ impl Backend for CudaBackend {
         let cfg = problem.config;
         let t_bytes =
             if prepared.fused.is_some() { m * cfg.h as u64 * 2 } else { Scratch::plan(problem).t_bytes as u64 };
-        2 * (2 * m * cfg.h as u64 + m * cfg.gate_width() as u64) + t_bytes
+        let gate = if self.gate_from_x_for(prepared, problem, self.tuning_for(problem)) { 0 } else { cfg.gate_width() };
+        2 * (2 * m * cfg.h as u64 + m * gate as u64) + t_bytes
     }
 
     fn min_workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {
@@ -1568,8 +1669,8 @@ impl Backend for CudaBackend {
                 hidden_chunk: h,
                 hidden_passes: 1,
                 output_rows: ws.problem.shape.rows(),
-                gate_recomputed: false,
-                workspace_bytes: left.bytes() + right.bytes() + gate.bytes() + ws.t.bytes(),
+                gate_recomputed: gate.is_none(),
+                workspace_bytes: left.bytes() + right.bytes() + gate.as_ref().map_or(0, |g| g.bytes()) + ws.t.bytes(),
             },
             Layout::Chunked { plan, .. } => ExecPlan {
                 hidden_chunk: plan.hc,
@@ -1666,12 +1767,13 @@ impl Backend for CudaBackend {
         };
         let t_len = blas_input.as_ref().map_or(m * cfg.h, |c| c.scratch.t_bytes / 2);
         let bh = problem.shape.batch * cfg.h;
+        let gate_from_x = self.gate_from_x_for(prepared, problem, tuning);
         Ok(CudaWorkspace {
             problem: *problem,
             layout: Layout::OnePass {
                 left: self.alloc_buffer(m * cfg.h)?,
                 right: self.alloc_buffer(m * cfg.h)?,
-                gate: self.alloc_buffer(m * cfg.gate_width())?,
+                gate: if gate_from_x { None } else { Some(self.alloc_buffer(m * cfg.gate_width())?) },
                 blas_input,
             },
             t: self.alloc_buffer(t_len)?,
@@ -1695,6 +1797,7 @@ impl Backend for CudaBackend {
             staging: None,
             half_staging: None,
             tuning,
+            gate_from_x_allowed: self.inner.gate_from_x.load(Ordering::Relaxed),
         })
     }
 
@@ -1706,6 +1809,7 @@ impl Backend for CudaBackend {
             && ws.problem.in_place == problem.in_place
             && ws.problem.io == problem.io
             && ws.tuning == self.tuning_for(problem)
+            && ws.gate_from_x_allowed == self.inner.gate_from_x.load(Ordering::Relaxed)
     }
 
     fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {
