@@ -2,7 +2,7 @@
 //! visible message when the build has no `cuda` feature or no device opens.
 #![cfg(feature = "cuda")]
 
-use trimul::backend::cuda::CudaBackend;
+use trimul::backend::cuda::{CudaBackend, OutputGate};
 use trimul::reference;
 use trimul::suite::{self, Case, Dist};
 use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Shape, TriMul, Weights};
@@ -376,8 +376,8 @@ fn warp_specialised_input_build_matches_reference_and_other_builds() {
 #[test]
 fn resident_output_kernel_matches_plain_kernel_bit_for_bit() {
     let Some(b) = cuda() else { return };
-    // With 16-bit x at C = 128 the output stage would make the gate from x (its own kernel).
-    b.set_gate_from_x(false);
+    // With 16-bit x at C = 128 the output stage may make af3's gate from x (its own kernel).
+    b.set_output_gate(OutputGate::Stored);
     let s = seed();
     for (k, case) in
         [Case::new(64, 2, 128, true, Dist::Cauchy), Case::new(40, 1, 64, false, Dist::Normal)].iter().enumerate()
@@ -596,7 +596,7 @@ fn output_gate_from_x_matches_reference_and_stored_gate() {
                 let mut ys = Vec::new();
                 let mut workspace = Vec::new();
                 for on in [true, false] {
-                    b.set_gate_from_x(on);
+                    b.set_output_gate(if on { OutputGate::FromX } else { OutputGate::Stored });
                     let before = b.gate_from_x_launches();
                     let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
                     let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
@@ -610,7 +610,7 @@ fn output_gate_from_x_matches_reference_and_stored_gate() {
                     assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what} gate from x {on} seed {s}: {cmp}");
                     ys.push(y);
                 }
-                b.set_gate_from_x(true);
+                b.set_output_gate(OutputGate::Auto);
                 let saved = if takes { problem.shape.rows() as u64 * 128 * 2 } else { 0 };
                 assert_eq!(workspace[1] - workspace[0], saved, "{what}: workspace {workspace:?}");
                 // Two units of y's last place (bf16: 2^-7 relative) and a little for values near 0.
@@ -618,6 +618,42 @@ fn output_gate_from_x_matches_reference_and_stored_gate() {
                 assert_eq!(far, 0, "{what} seed {s}: the gate made from x and the stored gate differ in {far} values");
             }
         }
+    }
+}
+
+/// `OutputGate::Auto` stores af3's gate while the one-pass plan fits with it, and makes it from x
+/// in the output stage (sm_90a, 16-bit x, C = H = 128) when the budget leaves room for the
+/// one-pass plan only without the gate buffer, instead of chunking; below that it chunks.
+#[test]
+fn auto_output_gate_keeps_one_pass_under_a_tighter_budget() {
+    let Some(b) = cuda() else { return };
+    if b.info().arch != "sm_90" {
+        eprintln!("SKIPPED: the output kernel that makes the gate from x needs sm_90a");
+        return;
+    }
+    let s = seed();
+    let case = Case::new(96, 2, 128, true, Dist::Cauchy);
+    let problem = case.problem(Formulation::Af3, Direction::Outgoing).unwrap();
+    let weights = Weights::random(problem.config, true, s).unwrap();
+    let inputs = suite::generate_inputs(&case, s ^ 0xB0D6);
+    let mask = inputs.mask.as_deref();
+    let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
+    let needs = layer.memory_needs_io(case.shape(), true, false, Precision::Bf16Io).unwrap();
+    let gate_bytes = problem.shape.rows() as u64 * 128 * 2;
+    let lean = needs.weights + needs.io + needs.one_pass_workspace - gate_bytes;
+    for (budget, from_x, chunked) in
+        [(None, false, false), (Some(lean + (1 << 20)), true, false), (Some(lean - (1 << 20)), false, true)]
+    {
+        layer.set_memory_budget(budget);
+        let before = b.gate_from_x_launches();
+        let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), Precision::Bf16Io);
+        let plan = layer.exec_plan().unwrap();
+        eprintln!("budget {budget:?}: {}", plan.describe());
+        assert_eq!(b.gate_from_x_launches() > before, from_x, "budget {budget:?}: {plan:?}");
+        assert_eq!(plan.hidden_passes > 1 || plan.output_rows < problem.shape.rows(), chunked, "{plan:?}");
+        assert_eq!(plan.gate_recomputed, from_x || chunked, "{plan:?}");
+        let cmp = reference::check(&weights, &problem, &x, mask, &y, TOL, TOL).unwrap();
+        assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "budget {budget:?} seed {s}: {cmp}");
     }
 }
 

@@ -50,6 +50,44 @@ const MAX_GEMM_WORKSPACE: usize = 32 << 20;
 /// Byte bit pattern that makes every f16/f32 element a NaN: poisons buffers in checks.
 const POISON_BYTE: u8 = 0xFF;
 
+/// Where a one-pass forward gets af3's output gate σ(z·Wgᵀ + bg) when x is 16-bit (C = H = 128,
+/// out of place, on an H100; elsewhere the gate is always stored).
+///
+/// - `Stored`: the input stage writes it (`M × C` halves of workspace) and the output stage reads
+///   it back.
+/// - `FromX`: the output stage makes it from x (`output_projection_sm90_xgate`): no gate buffer,
+///   a quarter fewer bytes written by the input stage, the same bytes read by the output stage.
+///   On the H100 it measured 2% slower on the GPU MODE shapes (N ≤ 1024) and as fast at N = 2048
+///   to 4096 (`docs/perf/NOTES.md`, v33), with 4 GiB less workspace at N = 4096.
+/// - `Auto` (the default): `Stored`, unless the one-pass plan fits the memory limit only without
+///   the gate buffer; then `FromX` rather than a chunked plan.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum OutputGate {
+    Auto = 0,
+    Stored = 1,
+    FromX = 2,
+}
+
+impl OutputGate {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => OutputGate::Stored,
+            2 => OutputGate::FromX,
+            _ => OutputGate::Auto,
+        }
+    }
+
+    /// `TRIMUL_CUDA_OUTPUT_GATE` = `auto`, `stored` or `from-x` (anything else: auto).
+    fn from_env() -> Self {
+        match std::env::var("TRIMUL_CUDA_OUTPUT_GATE").as_deref().map(str::trim) {
+            Ok("stored") => OutputGate::Stored,
+            Ok("from-x") => OutputGate::FromX,
+            _ => OutputGate::Auto,
+        }
+    }
+}
+
 struct Inner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -79,9 +117,9 @@ struct Inner {
     resident_launches: std::sync::atomic::AtomicU64,
     /// Launches of the warp-specialised input build so far (as `resident_launches`).
     ws_launches: std::sync::atomic::AtomicU64,
-    /// Whether one-pass forwards with 16-bit x make the output gate from x in the output stage
-    /// where that kernel applies (`TRIMUL_CUDA_GATE_FROM_X=0` turns it off, to compare).
-    gate_from_x: AtomicBool,
+    /// Where one-pass forwards get af3's output gate ([`OutputGate`] as a u8; the environment's
+    /// `TRIMUL_CUDA_OUTPUT_GATE` sets the first value).
+    output_gate: std::sync::atomic::AtomicU8,
     /// Launches of that output kernel so far (as `resident_launches`).
     xgate_launches: std::sync::atomic::AtomicU64,
 }
@@ -202,9 +240,7 @@ impl CudaBackend {
                 ),
                 resident_launches: std::sync::atomic::AtomicU64::new(0),
                 ws_launches: std::sync::atomic::AtomicU64::new(0),
-                gate_from_x: AtomicBool::new(
-                    std::env::var("TRIMUL_CUDA_GATE_FROM_X").map_or(true, |v| v.trim() != "0"),
-                ),
+                output_gate: std::sync::atomic::AtomicU8::new(OutputGate::from_env() as u8),
                 xgate_launches: std::sync::atomic::AtomicU64::new(0),
             }),
         })
@@ -309,12 +345,16 @@ impl CudaBackend {
         self.inner.resident_launches.load(Ordering::Relaxed)
     }
 
-    /// Whether one-pass forwards with 16-bit x make the output gate from x in the output stage
-    /// where that kernel applies (default on, unless `TRIMUL_CUDA_GATE_FROM_X=0`). Off, the input
-    /// stage stores the gate and the output stage reads it back, as for f32 x. Layers plan new
-    /// workspaces on their next forward (the stored gate needs a buffer of its own).
-    pub fn set_gate_from_x(&self, on: bool) {
-        self.inner.gate_from_x.store(on, Ordering::Relaxed);
+    /// Where one-pass forwards get af3's output gate where the kernel that makes it from x
+    /// applies ([`OutputGate`]; default [`OutputGate::Auto`], or `TRIMUL_CUDA_OUTPUT_GATE=auto`,
+    /// `stored` or `from-x`). Layers plan new workspaces on their next forward.
+    pub fn set_output_gate(&self, mode: OutputGate) {
+        self.inner.output_gate.store(mode as u8, Ordering::Relaxed);
+    }
+
+    /// The [`OutputGate`] mode forwards are planned with.
+    pub fn output_gate(&self) -> OutputGate {
+        OutputGate::from_u8(self.inner.output_gate.load(Ordering::Relaxed))
     }
 
     /// How many times this backend has launched the output kernel that makes the gate from x.
@@ -322,7 +362,7 @@ impl CudaBackend {
         self.inner.xgate_launches.load(Ordering::Relaxed)
     }
 
-    /// Whether a one-pass forward of `problem` makes the output gate from x in the output stage
+    /// Whether a one-pass forward of `problem` can make the output gate from x in the output stage
     /// (`output_projection_sm90_xgate`) instead of storing it in the input stage and reading it
     /// back: af3 (whose gate multiplies y; gpumode's would have to enter LN_H's tile) with 16-bit
     /// x (whose bytes are the stored gate's, so the output stage reads as much as before while
@@ -333,7 +373,7 @@ impl CudaBackend {
         let cfg = &problem.config;
         let nn = problem.shape.n * problem.shape.n;
         self.inner.kernels.output_projection_sm90_xgate.is_some()
-            && self.inner.gate_from_x.load(Ordering::Relaxed)
+            && self.output_gate() != OutputGate::Stored
             && cfg.formulation == Formulation::Af3
             && problem.io != Precision::F32Io
             && !problem.in_place
@@ -342,6 +382,16 @@ impl CudaBackend {
             && nn % OUTPUT_PROJECTION_ROWS == 0
             && self.blocks_fit(2, OUTPUT_XGATE_SMEM as usize)
             && self.fused_kernel_for(prep, problem, tuning).is_some()
+    }
+
+    /// Workspace bytes of the one-pass plan, with the gate buffer or (`from_x`) without.
+    fn one_pass_bytes(&self, prepared: &CudaPrepared, problem: &Problem, from_x: bool) -> u64 {
+        let m = problem.shape.rows() as u64;
+        let cfg = problem.config;
+        let t_bytes =
+            if prepared.fused.is_some() { m * cfg.h as u64 * 2 } else { Scratch::plan(problem).t_bytes as u64 };
+        let gate = if from_x { 0 } else { cfg.gate_width() };
+        2 * (2 * m * cfg.h as u64 + m * gate as u64) + t_bytes
     }
 
     /// How many times this backend has launched the warp-specialised input build.
@@ -827,7 +877,7 @@ impl CudaBackend {
             staging: None,
             half_staging: None,
             tuning,
-            gate_from_x_allowed: self.inner.gate_from_x.load(Ordering::Relaxed),
+            output_gate: self.output_gate(),
         })
     }
 
@@ -903,7 +953,7 @@ impl CudaBackend {
             staging: None,
             half_staging: None,
             tuning,
-            gate_from_x_allowed: self.inner.gate_from_x.load(Ordering::Relaxed),
+            output_gate: self.output_gate(),
         })
     }
 
@@ -1271,9 +1321,9 @@ pub struct CudaWorkspace {
     half_staging: Option<Staging<u16>>,
     /// The choices this workspace was planned and is run with.
     tuning: Tuning,
-    /// [`CudaBackend::set_gate_from_x`] when it was planned (a one-pass workspace has a gate
+    /// [`CudaBackend::set_output_gate`] when it was planned (a one-pass workspace has a gate
     /// buffer or not by it).
-    gate_from_x_allowed: bool,
+    output_gate: OutputGate,
 }
 
 /// Where the intermediates live. One per workspace, so the variants' sizes do not matter.
@@ -1643,16 +1693,14 @@ impl Backend for CudaBackend {
     }
 
     fn workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {
-        let m = problem.shape.rows() as u64;
-        let cfg = problem.config;
-        let t_bytes =
-            if prepared.fused.is_some() { m * cfg.h as u64 * 2 } else { Scratch::plan(problem).t_bytes as u64 };
-        let gate = if self.gate_from_x_for(prepared, problem, self.tuning_for(problem)) { 0 } else { cfg.gate_width() };
-        2 * (2 * m * cfg.h as u64 + m * gate as u64) + t_bytes
+        let from_x = self.output_gate() == OutputGate::FromX
+            && self.gate_from_x_for(prepared, problem, self.tuning_for(problem));
+        self.one_pass_bytes(prepared, problem, from_x)
     }
 
     fn min_workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {
-        let one_pass = self.workspace_bytes(prepared, problem);
+        let from_x = self.gate_from_x_for(prepared, problem, self.tuning_for(problem));
+        let one_pass = self.one_pass_bytes(prepared, problem, from_x);
         match self.chunk_kernel(prepared, Tuning::default()) {
             Some(_) => one_pass.min(ChunkPlan::narrowest(problem).bytes()),
             None if problem.io == Precision::F32Io => {
@@ -1694,11 +1742,19 @@ impl Backend for CudaBackend {
     }
 
     fn workspace(&self, prepared: &CudaPrepared, problem: &Problem, limit: Option<u64>) -> Result<CudaWorkspace> {
-        let one_pass = self.workspace_bytes(prepared, problem);
         let free = self.memory_info()?.map(|m| m.free);
         // No limit given: the device's free memory is one (callers of the trait directly get a
         // chunked plan rather than an out-of-memory error when the one-pass plan cannot fit).
         let limit = limit.unwrap_or(u64::MAX).min(free.unwrap_or(u64::MAX));
+        // The gate made from x where it applies and is asked for, or (auto) where the one-pass
+        // plan fits only without the stored gate.
+        let gate_from_x = self.gate_from_x_for(prepared, problem, self.tuning_for(problem))
+            && match self.output_gate() {
+                OutputGate::FromX => true,
+                OutputGate::Stored => false,
+                OutputGate::Auto => self.one_pass_bytes(prepared, problem, false) > limit,
+            };
+        let one_pass = self.one_pass_bytes(prepared, problem, gate_from_x);
         let what = || {
             format!(
                 "the workspace for B={} N={} C={} H={}",
@@ -1767,7 +1823,6 @@ impl Backend for CudaBackend {
         };
         let t_len = blas_input.as_ref().map_or(m * cfg.h, |c| c.scratch.t_bytes / 2);
         let bh = problem.shape.batch * cfg.h;
-        let gate_from_x = self.gate_from_x_for(prepared, problem, tuning);
         Ok(CudaWorkspace {
             problem: *problem,
             layout: Layout::OnePass {
@@ -1797,7 +1852,7 @@ impl Backend for CudaBackend {
             staging: None,
             half_staging: None,
             tuning,
-            gate_from_x_allowed: self.inner.gate_from_x.load(Ordering::Relaxed),
+            output_gate: self.output_gate(),
         })
     }
 
@@ -1809,7 +1864,7 @@ impl Backend for CudaBackend {
             && ws.problem.in_place == problem.in_place
             && ws.problem.io == problem.io
             && ws.tuning == self.tuning_for(problem)
-            && ws.gate_from_x_allowed == self.inner.gate_from_x.load(Ordering::Relaxed)
+            && ws.output_gate == self.output_gate()
     }
 
     fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {
