@@ -952,7 +952,10 @@ __device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned
       wgmma_commit();
       wgmma_wait_all();
       // The gate chunk reads neither z nor the mask: hand the buffer back before its epilogue.
-      // Without it (chunk_end 4) the last chunk is a gating one, whose epilogue reads the mask.
+      // Without it (chunk_end 4) the last chunk is a gating one, whose epilogue reads the mask:
+      // the hand-back then follows the barrier after that epilogue. (Placed right after the
+      // epilogue, the compiler merged it with the arrive above, ahead of the mask reads, and
+      // racecheck saw the producers' next mask race with them.)
       const bool last = chunk == l.n_chunks - 1;
       if (last && chunk >= l.n_gating) ws_bar_arrive(ws_empty(pair), WS_HAND);
       if (p.w_in_bias) {
@@ -960,8 +963,8 @@ __device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned
       } else {
         ip_epilogue_sm90<false, WS_BM, true>(acc, p, l, chunk, stage_buf, smask, wg, wq);
       }
-      if (last && chunk < l.n_gating) ws_bar_arrive(ws_empty(pair), WS_HAND);
       ws_bar_sync(ws_group(pair, wg), 128);
+      if (last && chunk < l.n_gating) ws_bar_arrive(ws_empty(pair), WS_HAND);
       ws_store_wg(p, l, chunk, stage_buf, wg, pt & 127);
       ws_bar_sync(ws_group(pair, wg), 128);  // the staging is reused by the next chunk's epilogue
     }
