@@ -56,13 +56,15 @@ for step in "$@"; do
       bench long --suite long --n 4096 --json "$out/long.json"
       bench long --suite long --n 4096 --max-memory 24GB --json "$out/long-24gb.json"
       ;;
-    sanitize)  # compute-sanitizer on the resident/plain output kernel test (N = 64 and 40, every y precision)
+    sanitize)  # compute-sanitizer on the output kernels' tests: resident/plain (N = 64 and 40, every y
+      # precision) and the gate made from x (N up to 96, B = 2: the WS input build with chunk_end 4)
       cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-      for tool in memcheck synccheck racecheck; do
-        timeout 150 "$cs" --tool $tool "$d/cuda" resident_output_kernel_matches_plain_kernel_bit_for_bit \
-          > "$out/sanitize-$tool.txt" 2>&1
-        echo "$tool (rc $?): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitize-$tool.txt" | tr '\n' ' ')"
-        grep -E "Race reported|hazard" -A3 "$out/sanitize-$tool.txt" | grep -E "output_projection|input_projection" | head -3
+      for test in resident_output_kernel output_gate_from_x; do
+        for tool in memcheck synccheck racecheck; do
+          timeout 170 "$cs" --tool $tool "$d/cuda" $test > "$out/sanitize-$tool-$test.txt" 2>&1
+          echo "$test $tool (rc $?): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$out/sanitize-$tool-$test.txt" | tr '\n' ' ')"
+          grep -E "Race reported|hazard" -A3 "$out/sanitize-$tool-$test.txt" | grep -E "output_projection|input_projection" | head -3
+        done
       done
       ;;
     l2-probe)

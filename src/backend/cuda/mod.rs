@@ -9,6 +9,10 @@
 //! 3. `output_norm`: a = LN_H(t) (⊙ gate for gpumode) `[M, H]` f16, written over `left` (dead by
 //!    then) · output GEMM: y = a·Woutᵀ (+ bias epilogue) f32 · af3 only `output_gate`: y ⊙= σ(g).
 //!
+//! The fused kernels (`cuda/input_projection.cu`, `cuda/output_projection.cu`) replace steps 1 and
+//! 3 where they apply. For af3 with 16-bit x on an H100 step 1 may skip the gate and step 3 make it
+//! from x instead ([`OutputGate`]), which drops the gate buffer from the workspace.
+//!
 //! Device memory: left, right, gate and t, each `M × (H or G)` halves — within
 //! `4·M·max(C, H)·2` bytes — plus the caller's x and y. The chunk scratch (z, proj and the
 //! projection GEMM's workspace) lives inside the t buffer, which is unused until the contraction;
