@@ -332,6 +332,18 @@ fn path_on_and_off_agree(
     );
 }
 
+/// C = H = 128 shapes for the kernels that take only whole 64-position tiles inside a batch, and
+/// whether they do: N = 96, B = 2 (288 tiles, two or three per block on an H100), N = 64 with
+/// Cauchy inputs, N = 48 unmasked, and N = 36 (N² = 1296, not whole tiles).
+fn whole_tile_cases() -> [(Case, bool); 4] {
+    [
+        (Case::new(96, 2, 128, true, Dist::Normal), true),
+        (Case::new(64, 2, 128, true, Dist::Cauchy), true),
+        (Case::new(48, 1, 128, false, Dist::Normal), true),
+        (Case::new(36, 1, 128, true, Dist::Normal), false),
+    ]
+}
+
 /// The warp-specialised persistent input build (sm_90a, C = H = 128, N² a multiple of 64) and
 /// the two- and three-blocks-per-SM builds it replaces there: both checked against the f64
 /// reference, in every I/O precision, and against each other bit for bit (same LayerNorm
@@ -344,15 +356,7 @@ fn warp_specialised_input_build_matches_reference_and_other_builds() {
     let Some(b) = cuda() else { return };
     let s = seed();
     let has_ws = b.info().arch == "sm_90";
-    for (k, (case, takes)) in [
-        (Case::new(96, 2, 128, true, Dist::Normal), true),
-        (Case::new(64, 2, 128, true, Dist::Cauchy), true),
-        (Case::new(48, 1, 128, false, Dist::Normal), true),
-        (Case::new(36, 1, 128, true, Dist::Normal), false),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (k, (case, takes)) in whole_tile_cases().iter().enumerate() {
         let path = Path {
             name: "warp-specialised input build",
             switch: &|on| b.set_warp_specialised(on),
@@ -572,15 +576,7 @@ fn output_gate_from_x_matches_reference_and_stored_gate() {
     let Some(b) = cuda() else { return };
     let s = seed();
     let has_kernel = b.info().arch == "sm_90";
-    for (k, (case, takes)) in [
-        (Case::new(96, 2, 128, true, Dist::Normal), true),
-        (Case::new(64, 2, 128, true, Dist::Cauchy), true),
-        (Case::new(48, 1, 128, false, Dist::Normal), true),
-        (Case::new(36, 1, 128, true, Dist::Normal), false),
-    ]
-    .iter()
-    .enumerate()
-    {
+    for (k, (case, takes)) in whole_tile_cases().iter().enumerate() {
         for (f, dir, biases) in [
             (Formulation::GpuMode, Direction::Outgoing, false),
             (Formulation::Af3, Direction::Incoming, true),
