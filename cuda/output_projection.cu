@@ -590,7 +590,7 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_re
 // saves writing it, a quarter of its bytes. Per tile of 64 positions:
 //   z = LN_C(x)                          from registers (16 lanes a position) into sz
 //   g = σ(z · Wgᵀ + bg)                  wgmma, Wg = w_in's gate rows (stored halved)
-//   a = LN_H(t)                          t's tile [h][position] from registers into sraw, its
+//   a = LN_H(t)                          t's tile [h][position] in sraw (cp.async), its
 //                                        statistics, then ldmatrix → normalise → stmatrix.trans
 //                                        into sz (z is dead by then) as the second A, K-major
 //   y = g ⊙ (a · Woutᵀ + bout)           wgmma, the epilogue from registers
@@ -876,7 +876,8 @@ __device__ __forceinline__ void output_projection_sm90_xgate_body(const TrimulPa
 }
 
 // Two blocks per SM: 106 KB of shared memory each (with the alignment slack), 128 registers a
-// thread. af3 only (its gate multiplies y; gpumode's would have to enter LN_H's tile).
+// thread (ptxas keeps a few loop-invariant addresses in 72 bytes of local memory, reloaded once
+// per tile). af3 only (its gate multiplies y; gpumode's would have to enter LN_H's tile).
 extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection_sm90_xgate(const TrimulParams p) {
   if (p.io_dtype == TM_IO_BF16) {
     output_projection_sm90_xgate_body<TM_IO_BF16>(p);
