@@ -585,7 +585,6 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
   }
 }
 
-
 // The sm_90a body: two warpgroups with wgmma, z and the weight ring in the 128-byte swizzle the
 // descriptors name. BM = 128: each warpgroup multiplies its 64 rows by all 128 columns of a chunk
 // (m64n128k16); BM = 64: both take the block's 64 rows and each warpgroup 64 of the columns

@@ -646,8 +646,8 @@ __device__ __forceinline__ OpxSmem opx_smem_layout(unsigned char* base) {
   return s;
 }
 
-// A [128][128] f16 weight (rows `row0 + opr_xg_perm(J)` of `w`, `ld` halves apart) into the
-// 128-byte swizzle: one cp.async per 16-byte piece, no commit.
+// A [128][128] f16 weight (row J of the tile is row opr_xg_perm(J) of `w`, rows `ld` halves
+// apart) into the 128-byte swizzle: one cp.async per 16-byte piece, no commit.
 __device__ __forceinline__ void opx_load_weight(unsigned char* dst, const tm_half* w, tm_i64 ld) {
   for (int i = threadIdx.x; i < 2 * 128 * 8; i += OP_THREADS) {
     const int atom = i >> 10, row = (i >> 3) & 127, c16 = i & 7;
