@@ -473,6 +473,27 @@ impl CudaBackend {
         )
     }
 
+    /// Enqueues af3's output stage that makes the gate from x (`output_projection_sm90_xgate`,
+    /// [`CudaBackend::gate_from_x_for`]) for all `kp.rows` positions; `kp` is the fused input
+    /// kernel's launch, whose w_in, bias and pads name the gate's weights.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue`]: every pointer in `kp` is live and sized for the rows.
+    unsafe fn launch_output_from_x(&self, prep: &CudaPrepared, kp: &KernelParams, stream: CUstream) -> Result<()> {
+        let inner = &self.inner;
+        let k = inner.kernels.output_projection_sm90_xgate.as_ref().ok_or_else(|| {
+            Error::InvalidArgument("this workspace needs the output kernel that makes the gate from x".into())
+        })?;
+        let kp =
+            KernelParams { w_out: prep.w_out.ptr(), out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()), ..*kp };
+        let grid = u32::try_from(kp.rows as usize / OUTPUT_PROJECTION_ROWS)
+            .unwrap_or(u32::MAX)
+            .min(2 * inner.info.compute_units);
+        inner.xgate_launches.fetch_add(1, Ordering::Relaxed);
+        k.launch_dependent(grid, STAGE_THREADS, OUTPUT_XGATE_SMEM, stream, &kp, inner.kernels.pdl)?;
+        self.mark("output stage (LayerNorm, gate from x, projection)", stream)
+    }
+
     /// The resident output kernel and its grid (three blocks per SM, each walking tiles), when it
     /// takes `kp`'s launch: H = 128, C ≤ 128 (one column chunk; either formulation, any y
     /// precision), whole 64-position tiles inside one batch, and room for three blocks per SM.
@@ -608,6 +629,9 @@ impl CudaBackend {
             _ => None,
         };
         let gate_from_x = gate == 0;
+        // With the gate made from x, the input kernel's launch: the output stage reads w_in's gate
+        // rows, their bias and the pads from it.
+        let mut from_x_launch = None;
         if let Some((f, kernel)) = fused {
             // One pass: x read once, left/right (and the gate, unless the output stage makes it
             // from x: then only the gating column chunks run) written once.
@@ -624,34 +648,7 @@ impl CudaBackend {
                 ..base
             };
             kernel.launch(m, stream, &kp)?;
-            if gate_from_x {
-                self.mark("input (LN, projections, gating)", stream)?;
-                ws.contraction.run(
-                    &inner.blas,
-                    right,
-                    left,
-                    ws.t.ptr(),
-                    0,
-                    y,
-                    m * c * problem.io.io_bytes(),
-                    stream,
-                )?;
-                self.mark("contraction", stream)?;
-                let k = inner.kernels.output_projection_sm90_xgate.as_ref().ok_or_else(|| {
-                    Error::InvalidArgument("this workspace needs the output kernel that makes the gate from x".into())
-                })?;
-                let kp = KernelParams {
-                    rows: m as i64,
-                    w_out: prep.w_out.ptr(),
-                    out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()),
-                    ..kp
-                };
-                let grid =
-                    u32::try_from(m / OUTPUT_PROJECTION_ROWS).unwrap_or(u32::MAX).min(2 * inner.info.compute_units);
-                inner.xgate_launches.fetch_add(1, Ordering::Relaxed);
-                k.launch_dependent(grid, STAGE_THREADS, OUTPUT_XGATE_SMEM, stream, &kp, inner.kernels.pdl)?;
-                return self.mark("output stage (LayerNorm, gate from x, projection)", stream);
-            }
+            from_x_launch = gate_from_x.then_some(kp);
         } else if gate_from_x {
             return Err(Error::InvalidArgument(
                 "this workspace was planned for the fused input kernel, which is off now".into(),
@@ -666,6 +663,9 @@ impl CudaBackend {
         ws.contraction.run(&inner.blas, right, left, ws.t.ptr(), 0, y, m * c * problem.io.io_bytes(), stream)?;
         self.mark("contraction", stream)?;
 
+        if let Some(kp) = from_x_launch {
+            return self.launch_output_from_x(prep, &kp, stream);
+        }
         // 3. LN_H (+ gate) and the output projection (+ bias, af3 gate): one fused kernel, or
         // LN_H into `a` (= left), the cuBLASLt GEMM (+ bias) into y (right lends the workspace)
         // and af3's gate kernel.
