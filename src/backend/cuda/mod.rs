@@ -1752,7 +1752,8 @@ impl Backend for CudaBackend {
         let limit = limit.unwrap_or(u64::MAX).min(free.unwrap_or(u64::MAX));
         // The gate made from x where it applies and is asked for, or (auto) where the one-pass
         // plan fits only without the stored gate.
-        let gate_from_x = self.gate_from_x_for(prepared, problem, self.tuning_for(problem))
+        let tuning = self.tuning_for(problem);
+        let gate_from_x = self.gate_from_x_for(prepared, problem, tuning)
             && match self.output_gate() {
                 OutputGate::FromX => true,
                 OutputGate::Stored => false,
@@ -1803,7 +1804,6 @@ impl Backend for CudaBackend {
         let cfg = problem.config;
         let m = problem.shape.rows();
         let blas = &self.inner.blas;
-        let tuning = self.tuning_for(problem);
         let blas_input = if self.fused_kernel_for(prepared, problem, tuning).is_some() {
             None
         } else {
