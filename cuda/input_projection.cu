@@ -989,7 +989,8 @@ __device__ __forceinline__ void input_projection_ws_body(const TrimulParams& p) 
   for (int i = threadIdx.x; i < WS_CHUNKS * 2 * 1024; i += WS_THREADS) {
     const int s = i >> 10, row = (i >> 3) & 127, c16 = i & 7, chunk = s >> 1, ks = s & 1;
     const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * 128 + ks * IP_BK + c16 * 8;
-    mma_cp_async16(mma_smem_addr(wts) + s * WS_SLICE_BYTES + row * 128 + ((c16 ^ (row & 7)) << 4), src);
+    // Slice s is the s-th 64-column atom of a [128]-row tile: WS_SLICE_BYTES = 128 x 128 bytes apart.
+    mma_cp_async16(mma_smem_addr(wts) + wgmma_sw128_offset<128>(row, s * 64 + c16 * 8), src);
   }
   asm volatile("cp.async.commit_group;");
   if (threadIdx.x < 256) {

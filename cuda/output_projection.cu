@@ -651,7 +651,7 @@ __device__ __forceinline__ OpxSmem opx_smem_layout(unsigned char* base) {
 __device__ __forceinline__ void opx_load_weight(unsigned char* dst, const tm_half* w, tm_i64 ld) {
   for (int i = threadIdx.x; i < 2 * 128 * 8; i += OP_THREADS) {
     const int atom = i >> 10, row = (i >> 3) & 127, c16 = i & 7;
-    mma_cp_async16(mma_smem_addr(dst) + atom * 16384 + row * 128 + ((c16 ^ (row & 7)) << 4),
+    mma_cp_async16(mma_smem_addr(dst) + wgmma_sw128_offset<128>(row, atom * 64 + c16 * 8),
                    w + opr_xg_perm(row) * ld + atom * 64 + c16 * 8);
   }
 }
