@@ -18,7 +18,7 @@
 //!
 //! Layers: [`problem`] holds the rules, [`weights`] the canonical parameters, [`io`] the
 //! safetensors naming schemes, [`backend`] the trait and the three implementations,
-//! [`reference`] the f64 oracle used only by tests and `trimul check`, [`suite`] the GPU MODE
+//! [`reference`](mod@reference) the f64 oracle used only by tests and `trimul check`, [`suite`] the GPU MODE
 //! cases. See `SPEC.md` (in the repository's shared docs) for the math.
 
 pub mod backend;

@@ -1,0 +1,293 @@
+//! The plans for forwards whose one-pass workspace does not fit the memory budget: hidden passes
+//! of the fused input kernel and the contraction, then the output stage per row chunk with the
+//! gate made again from x (`enqueue_chunked`), or the same plan on the portable stage kernels
+//! (`enqueue_staged`, [`crate::backend::staged_plan`]); and the workspaces they run in.
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+
+use super::blas::{Elem, MatmulPlan};
+use super::driver::DriverResult;
+use super::{ceil_div, ChunkPlan, CudaBackend, CudaPrepared, CudaWorkspace, Layout, Staged};
+use crate::backend::gemm::GemmSpec;
+use crate::backend::params::{KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
+use crate::backend::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+
+impl CudaBackend {
+    pub(super) fn chunked_workspace(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        plan: ChunkPlan,
+    ) -> Result<CudaWorkspace> {
+        let tuning = self.tuning_for(problem);
+        let cfg = problem.config;
+        let m = problem.shape.rows();
+        let blas = &self.inner.blas;
+        let contraction = |hc: usize| {
+            MatmulPlan::new(
+                blas,
+                GemmSpec::contraction(problem.direction, hc, problem.shape.n),
+                Elem::F16,
+                false,
+                plan.cws,
+            )
+        };
+        let output = |rows: usize| {
+            MatmulPlan::new(
+                blas,
+                GemmSpec::output(rows, cfg.c, cfg.h),
+                Elem::F32,
+                prepared.out_bias.is_some(),
+                plan.ows,
+            )
+        };
+        let (h_tail, m_tail) = (cfg.h % plan.hc, m % plan.out_rows);
+        Ok(CudaWorkspace {
+            problem: *problem,
+            layout: Layout::Chunked { plan, scratch: self.alloc_buffer(plan.scratch_bytes)? },
+            t: self.alloc_buffer(m * cfg.h)?,
+            contraction: contraction(plan.hc)?,
+            contraction_tail: if h_tail > 0 { Some(contraction(h_tail)?) } else { None },
+            output: output(plan.out_rows)?,
+            output_tail: if m_tail > 0 { Some(output(m_tail)?) } else { None },
+            staging: None,
+            half_staging: None,
+            tuning,
+            output_gate: self.output_gate(),
+        })
+    }
+
+    /// The workspace of a staged chunked plan: t, the scratch, every pass's rows of the gated
+    /// projections copied from the prepared `[P, C]` weights into one `[lp; lg; rp; rg]` block per
+    /// pass (and their biases), the cuBLASLt workspace and one plan per distinct GEMM.
+    pub(super) fn staged_workspace(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        plan: ChunkedPlan,
+    ) -> Result<CudaWorkspace> {
+        let tuning = self.tuning_for(problem);
+        let (c, h) = (plan.c, plan.h);
+        let stream = self.stream();
+        let pass_w = self.alloc_buffer::<u8>(plan.pass_w_bytes)?;
+        for (dst, src, rows) in plan.pass_row_copies() {
+            let (dst, src, row) = (dst as u64, src as u64, (c * 2) as u64);
+            // SAFETY: the prepared weights hold P = 4H + G rows of C halves and the biases P f32;
+            // pass_w holds 4H rows of C halves, then 4H f32 from pass_bias_off; every range below
+            // lies inside its allocation, and the stream is synchronised below.
+            unsafe {
+                cu::memcpy_dtod_async(pass_w.ptr() + dst * row, prepared.w_in.ptr() + src * row, rows * c * 2, stream)
+                    .ctx("cuMemcpyDtoDAsync(pass weights)")?;
+                if let Some(b) = &prepared.proj_bias {
+                    let to = pass_w.ptr() + plan.pass_bias_off as u64 + dst * 4;
+                    cu::memcpy_dtod_async(to, b.ptr() + src * 4, rows * 4, stream)
+                        .ctx("cuMemcpyDtoDAsync(pass biases)")?;
+                }
+            }
+        }
+        // Forwards may run on a caller's stream: the copies are done before this returns.
+        // SAFETY: our own stream.
+        unsafe { cu::stream::synchronize(stream) }.ctx("cuStreamSynchronize")?;
+        let ws_bytes = Staged::gemm_ws_bytes(&plan);
+        let blas = &self.inner.blas;
+        let out_bias = prepared.out_bias.is_some();
+        let mut gemms = std::collections::HashMap::new();
+        let mut add = |spec: GemmSpec, d: Elem, bias: bool| -> Result<()> {
+            if let std::collections::hash_map::Entry::Vacant(e) = gemms.entry((spec, d, bias)) {
+                e.insert(MatmulPlan::new(blas, spec, d, bias, ws_bytes)?);
+            }
+            Ok(())
+        };
+        // One plan per distinct GEMM the steps run (their addresses do not matter here).
+        let bufs = StagedBuffers { scratch: 0, pass_w: 0, t: 0, w_in: 0, proj_bias: 0 };
+        for step in plan.steps(problem, &KernelParams::default(), bufs) {
+            match step {
+                StagedStep::Gemm { spec, .. } => add(spec, Elem::F16, false)?,
+                StagedStep::Output(chunk) => add(GemmSpec::output(chunk.rows as usize, c, h), Elem::F32, out_bias)?,
+                _ => {}
+            }
+        }
+        // The workspace's contraction and output fields are unused by this layout; they hold the
+        // first pass's and first chunk's plans.
+        let contraction = MatmulPlan::new(
+            blas,
+            GemmSpec::contraction(problem.direction, plan.hc, problem.shape.n),
+            Elem::F16,
+            false,
+            ws_bytes,
+        )?;
+        let output = MatmulPlan::new(blas, GemmSpec::output(plan.chunk_rows, c, h), Elem::F32, out_bias, ws_bytes)?;
+        Ok(CudaWorkspace {
+            problem: *problem,
+            t: self.alloc_buffer(plan.t_bytes / 2)?,
+            layout: Layout::Staged(Staged {
+                scratch: self.alloc_buffer(plan.scratch_bytes)?,
+                gemm_ws: self.alloc_buffer(ws_bytes)?,
+                pass_w,
+                gemms,
+                plan,
+            }),
+            contraction,
+            contraction_tail: None,
+            output,
+            output_tail: None,
+            staging: None,
+            half_staging: None,
+            tuning,
+            output_gate: self.output_gate(),
+        })
+    }
+
+    /// The staged chunked plan ([`Staged`]): the steps of [`ChunkedPlan::steps`] with our launches
+    /// and cuBLASLt plans.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue`]; `base` holds that call's pointers and shape.
+    pub(super) unsafe fn enqueue_staged(
+        &self,
+        prep: &CudaPrepared,
+        ws: &mut CudaWorkspace,
+        base: &KernelParams,
+        stream: CUstream,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let k = &inner.kernels;
+        let problem = ws.problem;
+        let t = ws.t.ptr();
+        let fused_output = self.fused_output_for(&problem, ws.tuning);
+        let Layout::Staged(st) = &mut ws.layout else {
+            return Err(Error::InvalidArgument("workspace has no staged chunked plan".into()));
+        };
+        let bufs = StagedBuffers {
+            scratch: st.scratch.ptr(),
+            pass_w: st.pass_w.ptr(),
+            t,
+            w_in: prep.w_in.ptr(),
+            proj_bias: prep.proj_bias.as_ref().map_or(0, |b| b.ptr()),
+        };
+        let (gws, gws_len) = (st.gemm_ws.ptr(), st.gemm_ws.bytes() as usize);
+        let (c, h) = (st.plan.c, st.plan.h);
+        // SAFETY (every launch and GEMM below): the steps' addresses lie inside the workspace's
+        // buffers, the prepared weights and the call's x, mask and y, as the plan lays them out
+        // (`staged_plan::tests::steps_stay_inside_their_buffers_and_cover_the_problem`).
+        for step in st.plan.steps(&problem, base, bufs) {
+            match step {
+                StagedStep::Norm(p) => {
+                    let grid = ceil_div(p.rows as usize, INPUT_NORM_ROWS_PER_BLOCK as usize);
+                    k.input_norm.launch(grid, STAGE_THREADS, 0, stream, &p)?;
+                }
+                StagedStep::Gemm { spec, a, b, d } => {
+                    st.gemm(spec, Elem::F16, false)?.run(&inner.blas, a, b, d, 0, gws, gws_len, stream)?;
+                }
+                StagedStep::Gating { params, tile_rows, smem } => {
+                    let grid = ceil_div(params.rows as usize, tile_rows);
+                    k.input_gating.launch(grid, STAGE_THREADS, smem as u32, stream, &params)?;
+                }
+                StagedStep::PassesDone => self.mark("hidden passes (stage kernels, cuBLASLt)", stream)?,
+                StagedStep::Output(chunk) => {
+                    let spec = GemmSpec::output(chunk.rows as usize, c, h);
+                    let gemm = st.gemm(spec, Elem::F32, prep.out_bias.is_some())?;
+                    self.enqueue_output(prep, fused_output, gemm, &chunk, gws, gws_len, stream, false)?;
+                }
+            }
+        }
+        self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)
+    }
+
+    /// The chunked plan (see [`ChunkPlan`] and [`crate::memory`]): hidden passes of the fused
+    /// input kernel and the contraction, then the output stage per row chunk with the gate
+    /// recomputed from x. In place, each row chunk reads its rows of x (the gate) before the
+    /// output GEMM writes them.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue`]; `scratch` is the workspace's scratch buffer of
+    /// `plan.scratch_bytes` bytes and `base` holds the call's pointers.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn enqueue_chunked(
+        &self,
+        prep: &CudaPrepared,
+        ws: &mut CudaWorkspace,
+        plan: ChunkPlan,
+        scratch: CUdeviceptr,
+        base: &KernelParams,
+        m: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let (Some(f), Some(kernel)) = (prep.fused.as_ref(), self.chunk_kernel(prep, ws.tuning)) else {
+            return Err(Error::InvalidArgument("a chunked plan needs the fused input kernel".into()));
+        };
+        let h = base.h as usize;
+        let (batch, nn) = (ws.problem.shape.batch, ws.problem.shape.n * ws.problem.shape.n);
+        let fused = KernelParams {
+            w_in: f.w.ptr(),
+            w_in_bias: f.bias.as_ref().map_or(0, |b| b.ptr()),
+            k_pad: f.layout.k_pad as i32,
+            h_pad: f.layout.h_pad as i32,
+            g_pad: f.layout.g_pad as i32,
+            ..*base
+        };
+        let n_gating = f.layout.h_pad / 32;
+
+        // Phase A: per hidden pass, left/right of its channels for every position, then its
+        // channels of t, one strided-batched GEMM per batch (t's channels of a pass are
+        // contiguous within a batch only).
+        let (lr, cws) = if plan.lr_in_y { (base.y, scratch) } else { (scratch, scratch + plan.cws_off as u64) };
+        let (left, right) = (lr, lr + plan.lr_bytes as u64);
+        for h0 in (0..h).step_by(plan.hc) {
+            let n = plan.hc.min(h - h0);
+            let kp = KernelParams {
+                row0: 0,
+                rows: m as i64,
+                left,
+                right,
+                chunk_begin: (h0 / 32) as i32,
+                chunk_end: (h0 + n).div_ceil(32) as i32,
+                lr_h0: h0 as i32,
+                lr_h: n as i32,
+                ..fused
+            };
+            kernel.launch(m, stream, &kp)?;
+            let gemm = if n == plan.hc {
+                &mut ws.contraction
+            } else {
+                ws.contraction_tail.as_mut().unwrap_or(&mut ws.contraction)
+            };
+            if gemm.spec().batch != n {
+                return Err(Error::InvalidArgument(format!("no contraction plan for a pass of {n} channels")));
+            }
+            for b in 0..batch {
+                let off = (b * n * nn * 2) as u64;
+                let t = ws.t.ptr() + ((b * h + h0) * nn * 2) as u64;
+                gemm.run(&inner.blas, right + off, left + off, t, 0, cws, plan.cws, stream)?;
+            }
+        }
+        self.mark("hidden passes (input projections, contraction)", stream)?;
+
+        // Phase B: per row chunk, the gate from x, LN_H (⊙ gate), the output GEMM (+ bias) into
+        // y's rows, and af3's gate.
+        let (gate, a, ows) =
+            (scratch + plan.gate_off as u64, scratch + plan.a_off as u64, scratch + plan.ows_off as u64);
+        let fused_output = self.fused_output_for(&ws.problem, ws.tuning);
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = plan.out_rows.min(m - r0);
+            let chunk = KernelParams { row0: r0 as i64, rows: rows as i64, gate, a, buf_row0: r0 as i64, ..fused };
+            let kp = KernelParams {
+                chunk_begin: n_gating as i32,
+                chunk_end: (n_gating + f.layout.g_pad / 128) as i32,
+                ..chunk
+            };
+            kernel.launch(rows, stream, &kp)?;
+            let gemm =
+                if rows == plan.out_rows { &mut ws.output } else { ws.output_tail.as_mut().unwrap_or(&mut ws.output) };
+            self.enqueue_output(prep, fused_output, gemm, &chunk, ows, plan.ows, stream, false)?;
+            r0 += rows;
+        }
+        self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)?;
+        Ok(())
+    }
+}
