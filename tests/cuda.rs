@@ -465,6 +465,26 @@ fn bad_inputs_are_errors_not_panics() {
     bad.left_proj.weight[0] = 1e6;
     let e = TriMul::new(&device, &bad, Options::default()).unwrap_err();
     assert!(e.to_string().contains("f16 range"), "{e}");
+    // A tensor that disagrees with the config: refused by prepare, before any packing or upload.
+    let mut short = weights.clone();
+    short.left_proj.weight.truncate(10);
+    let e = TriMul::new(&device, &short, Options::default()).unwrap_err();
+    assert!(e.to_string().contains("left_proj"), "{e}");
+    // Weights of one layer with another layer's problem, through the backend API directly: the
+    // workspace and the forward both name the mismatch instead of running kernels on wrong sizes.
+    let Device::Cuda(b) = &device else { unreachable!() };
+    let prepared = b.prepare(&weights).unwrap();
+    let other = trimul::Config::new(Formulation::GpuMode, 128, 32).unwrap();
+    let problem = trimul::Problem::new(other, Shape::new(1, 8), Direction::Outgoing, false).unwrap();
+    let Err(e) = b.workspace(&prepared, &problem, None) else { panic!("a workspace for another layer's problem") };
+    assert!(e.to_string().contains("weights prepared for"), "{e}");
+    let other_weights = Weights::random(other, false, 2).unwrap();
+    let other_prepared = b.prepare(&other_weights).unwrap();
+    let mut ws = b.workspace(&other_prepared, &problem, None).unwrap();
+    let x = b.alloc(8 * 8 * 128).unwrap();
+    let mut y = b.alloc(8 * 8 * 128).unwrap();
+    let e = b.forward(&prepared, &mut ws, &problem, &x, None, &mut y).unwrap_err();
+    assert!(e.to_string().contains("weights prepared for"), "{e}");
 }
 
 /// Chunked plans on the GPU with poisoned buffers: a tight budget out of place (left/right in

@@ -26,7 +26,7 @@ pub mod staged_plan;
 
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;
-use crate::problem::{Precision, Problem};
+use crate::problem::{Config, Precision, Problem};
 use crate::weights::Weights;
 
 /// Bytes currently and at most allocated on one GPU backend's device (weights, workspaces and
@@ -105,6 +105,40 @@ pub(crate) fn half_io(problem: &Problem) -> Result<Precision> {
         p @ (Precision::Bf16Io | Precision::F16Io) => Ok(p),
         other => Err(Error::Dtype(format!("a 16-bit forward was given a problem in {other}"))),
     }
+}
+
+/// Weights prepared for the layer `prepared` serve only problems of that layer.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+pub(crate) fn check_prepared_for(prepared: &Config, problem: &Problem) -> Result<()> {
+    if *prepared != problem.config {
+        return Err(Error::InvalidArgument(format!(
+            "weights prepared for {prepared:?} used with a problem of {:?}",
+            problem.config
+        )));
+    }
+    Ok(())
+}
+
+/// The checks a device forward makes before it launches anything: the weights were prepared for
+/// this problem's layer (their sizes are the kernels' loop bounds), `y` is `x` exactly when the
+/// problem is in place, and every device pointer is 16-byte aligned (the stage kernels load and
+/// store 16 bytes at a time). `mask` 0 means no mask.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+pub(crate) fn check_device_forward(prepared: &Config, problem: &Problem, x: u64, mask: u64, y: u64) -> Result<()> {
+    check_prepared_for(prepared, problem)?;
+    if (x == y) != problem.in_place {
+        return Err(Error::InvalidArgument(if problem.in_place {
+            "an in-place forward needs y = x".into()
+        } else {
+            "y must not alias x (use the in-place forward to overwrite x)".into()
+        }));
+    }
+    for (name, ptr) in [("x", x), ("mask", mask), ("y", y)] {
+        if ptr % 16 != 0 {
+            return Err(Error::InvalidArgument(format!("{name} must be 16-byte aligned on the device (got {ptr:#x})")));
+        }
+    }
+    Ok(())
 }
 
 /// One compute backend. See the module docs for the life cycle.
@@ -447,5 +481,35 @@ impl Device {
             #[cfg(feature = "rocm")]
             Device::Hip(b) => b.set_poison(on),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::{Direction, Formulation, Shape};
+
+    fn problem(c: usize, in_place: bool) -> Problem {
+        let config = Config::new(Formulation::GpuMode, c, 128).unwrap();
+        let mut p = Problem::new(config, Shape::new(1, 32), Direction::Outgoing, false).unwrap();
+        p.in_place = in_place;
+        p
+    }
+
+    #[test]
+    fn device_forward_checks_name_what_is_wrong() {
+        let p = problem(128, false);
+        assert!(check_device_forward(&p.config, &p, 0x1000, 0, 0x2000).is_ok());
+        let other = problem(256, false).config;
+        let e = check_device_forward(&other, &p, 0x1000, 0, 0x2000).unwrap_err().to_string();
+        assert!(e.contains("weights prepared for"), "{e}");
+        let e = check_device_forward(&p.config, &p, 0x1000, 0, 0x1000).unwrap_err().to_string();
+        assert!(e.contains("must not alias x"), "{e}");
+        let e = check_device_forward(&p.config, &p, 0x1000, 0x3008, 0x2000).unwrap_err().to_string();
+        assert!(e.contains("mask must be 16-byte aligned"), "{e}");
+        let q = problem(128, true);
+        assert!(check_device_forward(&q.config, &q, 0x1000, 0, 0x1000).is_ok());
+        let e = check_device_forward(&q.config, &q, 0x1000, 0, 0x2000).unwrap_err().to_string();
+        assert!(e.contains("needs y = x"), "{e}");
     }
 }

@@ -18,7 +18,7 @@ use super::{
     POISON_BYTE, WS_SMEM_BYTES,
 };
 use crate::backend::params::{self, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
-use crate::backend::Backend;
+use crate::backend::{check_device_forward, Backend};
 use crate::error::{Error, Result};
 use crate::problem::{Formulation, Precision, Problem, LN_EPS};
 
@@ -172,22 +172,9 @@ impl CudaBackend {
         y: CUdeviceptr,
         stream: CUstream,
     ) -> Result<()> {
+        check_device_forward(&prep.config, problem, x, mask, y)?;
         if !self.workspace_fits(ws, problem) {
             return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
-        }
-        if (x == y) != problem.in_place {
-            return Err(Error::InvalidArgument(if problem.in_place {
-                "an in-place forward needs y = x".into()
-            } else {
-                "y must not alias x (use the in-place forward to overwrite x)".into()
-            }));
-        }
-        for (name, ptr) in [("x", x), ("mask", mask), ("y", y)] {
-            if ptr % 16 != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "{name} must be 16-byte aligned on the device (got {ptr:#x})"
-                )));
-            }
         }
         let inner = &self.inner;
         inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;

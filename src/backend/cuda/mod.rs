@@ -50,11 +50,11 @@ use self::kernels::Kernels;
 use super::gemm::GemmSpec;
 use super::params::{self, FusedInputLayout, KernelParams, FUSED_INPUT_ROWS, STAGE_THREADS};
 use super::staged_plan::{ChunkedPlan, STAGING_ALIGN};
-use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
+use super::{check_prepared_for, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
 use crate::memory::ExecPlan;
-use crate::problem::{Precision, Problem, Shape};
+use crate::problem::{Config, Precision, Problem, Shape};
 use crate::weights::Weights;
 
 /// Largest cuBLASLt workspace a GEMM may borrow.
@@ -442,6 +442,8 @@ const OUTPUT_RESIDENT_SMEM: u32 = output_projection_smem(false, params::IO_F32) 
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
+    /// The layer these weights belong to; a forward of another layer's problem is refused.
+    config: Config,
     /// Weights in the fused input kernel's order, when that kernel takes this shape.
     fused: Option<FusedInput>,
     /// `[P, C]` f16, rows `[left_proj; left_gate; right_proj; right_gate; out_gate]`.
@@ -948,6 +950,9 @@ impl Backend for CudaBackend {
     }
 
     fn prepare(&self, w: &Weights) -> Result<CudaPrepared> {
+        // Weights whose tensors disagree with their config are an error here, not a panic in the
+        // packing below or out-of-bounds reads in a kernel.
+        w.validate()?;
         let cfg = w.config();
         let inputs = w.input_linears();
         let fused: Vec<f32> = inputs.iter().flat_map(|l| l.weight.iter().copied()).collect();
@@ -973,6 +978,7 @@ impl Backend for CudaBackend {
             _ => None,
         };
         Ok(CudaPrepared {
+            config: cfg,
             fused: fused_input,
             w_in: self.upload_f16("the input projections", &fused)?,
             w_out: self.upload_f16("the output projection", &w.out_proj.weight)?,
@@ -1048,6 +1054,7 @@ impl Backend for CudaBackend {
     }
 
     fn workspace(&self, prepared: &CudaPrepared, problem: &Problem, limit: Option<u64>) -> Result<CudaWorkspace> {
+        check_prepared_for(&prepared.config, problem)?;
         let free = self.memory_info()?.map(|m| m.free);
         // No limit given: the device's free memory is one (callers of the trait directly get a
         // chunked plan rather than an out-of-memory error when the one-pass plan cannot fit).

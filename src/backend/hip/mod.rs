@@ -51,7 +51,7 @@ use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::gemm::GemmSpec;
 use super::params::{self as launch_params, KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
 use super::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
-use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
+use super::{check_device_forward, check_prepared_for, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
 use crate::memory::ExecPlan;
@@ -541,30 +541,11 @@ impl HipBackend {
         y: u64,
         stream: sys::hipStream_t,
     ) -> Result<()> {
-        if prep.config != problem.config {
-            return Err(Error::InvalidArgument(format!(
-                "weights prepared for {:?} used with a problem of {:?}",
-                prep.config, problem.config
-            )));
-        }
+        // In place, x is read only by stage 1 and y written only by stage 3, so one buffer serves;
+        // the stage kernels use 16-byte vector loads and stores (common/compat.h's tm_f4, tm_u128).
+        check_device_forward(&prep.config, problem, x, mask, y)?;
         if !self.workspace_fits(ws, problem) {
             return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
-        }
-        // In place, x is read only by stage 1 and y written only by stage 3, so one buffer serves.
-        if (x == y) != problem.in_place {
-            return Err(Error::InvalidArgument(if problem.in_place {
-                "an in-place forward needs y = x".into()
-            } else {
-                "y must not alias x (use the in-place forward to overwrite x)".into()
-            }));
-        }
-        // The stage kernels use 16-byte vector loads and stores (common/compat.h's tm_f4, tm_u128).
-        for (name, ptr) in [("x", x), ("mask", mask), ("y", y)] {
-            if ptr % 16 != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "{name} must be 16-byte aligned on the device (got {ptr:#x})"
-                )));
-            }
         }
         self.bind()?;
         let blas = self.ctx.blas.lock().map_err(poisoned)?;
@@ -963,6 +944,7 @@ impl Backend for HipBackend {
     }
 
     fn workspace(&self, prepared: &HipPrepared, problem: &Problem, limit: Option<u64>) -> Result<HipWorkspace> {
+        check_prepared_for(&prepared.config, problem)?;
         self.bind()?;
         let plan = Plan::new(problem)?;
         let (b, n) = (problem.shape.batch, problem.shape.n);
