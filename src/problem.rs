@@ -252,6 +252,16 @@ pub struct Problem {
 
 impl Problem {
     pub fn new(config: Config, shape: Shape, direction: Direction, masked: bool) -> Result<Self> {
+        let p = Problem { config, shape, direction, masked, in_place: false, io: Precision::F32Io };
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// What [`Problem::new`] checks, for a problem built or changed through its public fields
+    /// (backends check it again before planning): a valid config, B and N at least 1, and every
+    /// tensor's element count well inside `i64` (GPU index math) and `usize`.
+    pub fn validate(&self) -> Result<()> {
+        let (config, shape) = (self.config, self.shape);
         config.validate()?;
         if shape.batch == 0 {
             return Err(Error::Shape("batch size B must be at least 1".into()));
@@ -267,7 +277,7 @@ impl Problem {
                 shape.batch, shape.n, config.c, config.h
             )));
         }
-        Ok(Problem { config, shape, direction, masked, in_place: false, io: Precision::F32Io })
+        Ok(())
     }
 
     /// The same call with `y` written over `x` (`on = true`) or into its own buffer.
@@ -298,7 +308,8 @@ impl Problem {
         self.shape.rows()
     }
 
-    /// Checks host or device slice lengths against the problem; the message names the tensor.
+    /// Checks host or device slice lengths against the problem, and that a mask is given exactly
+    /// when the problem is masked; the message names the tensor.
     pub fn check_lengths(&self, x: usize, mask: Option<usize>, y: usize) -> Result<()> {
         let Shape { batch: b, n } = self.shape;
         let c = self.config.c;
@@ -320,6 +331,13 @@ impl Problem {
             return Err(Error::Shape(format!(
                 "y has {y} elements, expected B·N·N·C = {b}·{n}·{n}·{c} = {}",
                 self.x_len()
+            )));
+        }
+        if self.masked != mask.is_some() {
+            return Err(Error::Shape(format!(
+                "the problem says masked = {}, but a mask was {}given",
+                self.masked,
+                if mask.is_some() { "" } else { "not " }
             )));
         }
         Ok(())
@@ -379,5 +397,11 @@ mod tests {
         assert!(e.contains("mask has 8"), "{e}");
         let e = p.check_lengths(72, None, 70).unwrap_err().to_string();
         assert!(e.contains("y has 70"), "{e}");
+        let e = p.check_lengths(72, None, 72).unwrap_err().to_string();
+        assert!(e.contains("masked = true, but a mask was not given"), "{e}");
+        let unmasked = Problem { masked: false, ..p };
+        let e = unmasked.check_lengths(72, Some(9), 72).unwrap_err().to_string();
+        assert!(e.contains("masked = false, but a mask was given"), "{e}");
+        assert!(unmasked.check_lengths(72, None, 72).is_ok() && p.check_lengths(72, Some(9), 72).is_ok());
     }
 }

@@ -498,13 +498,6 @@ fn check_call(
 ) -> Result<()> {
     check_config(prepared, problem)?;
     problem.check_lengths(x_len, mask.map(<[f32]>::len), x_len)?;
-    if problem.masked != mask.is_some() {
-        return Err(Error::InvalidArgument(format!(
-            "problem says masked = {}, but a mask was {}given",
-            problem.masked,
-            if mask.is_some() { "" } else { "not " }
-        )));
-    }
     if !be.workspace_fits(workspace, problem) {
         return Err(Error::InvalidArgument(format!(
             "workspace was made for B={} N={} and {:?}, not for this problem",
@@ -526,13 +519,7 @@ fn run(prep: &CpuPrepared, ws: &mut CpuWorkspace, problem: &Problem, x: &[f32], 
 }
 
 fn check_config(prepared: &CpuPrepared, problem: &Problem) -> Result<()> {
-    if prepared.config != problem.config {
-        return Err(Error::InvalidArgument(format!(
-            "weights were prepared for {:?}, the problem is {:?}",
-            prepared.config, problem.config
-        )));
-    }
-    Ok(())
+    super::check_prepared_for(&prepared.config, problem)
 }
 
 fn copy_checked(src: &[f32], dst: &mut [f32]) -> Result<()> {

@@ -107,9 +107,10 @@ pub(crate) fn half_io(problem: &Problem) -> Result<Precision> {
     }
 }
 
-/// Weights prepared for the layer `prepared` serve only problems of that layer.
-#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+/// Weights prepared for the layer `prepared` serve only problems of that layer, and only valid
+/// ones ([`Problem::validate`]: its fields are public, so it may not have come from `new`).
 pub(crate) fn check_prepared_for(prepared: &Config, problem: &Problem) -> Result<()> {
+    problem.validate()?;
     if *prepared != problem.config {
         return Err(Error::InvalidArgument(format!(
             "weights prepared for {prepared:?} used with a problem of {:?}",

@@ -85,10 +85,16 @@ fn layout(
     batch: usize,
     stride: usize,
 ) -> Result<sys::cublasLtMatrixLayout_t> {
+    // cuBLASLt counts batches in 32 bits; a wrapped count would multiply only some matrices.
+    let count = i32::try_from(batch).map_err(|_| {
+        Error::Shape(format!(
+            "{batch} matrices in one batched GEMM (B·H for the contraction); cuBLASLt takes at most {}",
+            i32::MAX
+        ))
+    })?;
     let l = lt::create_matrix_layout(ty.cuda(), rows as u64, cols as u64, ld as i64)
         .map_err(|e| blas_err("cublasLtMatrixLayoutCreate", e))?;
     if batch > 1 {
-        let count = batch as i32;
         let stride = stride as i64;
         // SAFETY: `l` is a live layout; the attribute values are plain integers of the sizes
         // the attributes are documented with (int32 batch count, int64 stride).

@@ -57,6 +57,7 @@ impl CudaBackend {
             half_staging: None,
             tuning,
             output_gate: self.output_gate(),
+            switches: self.switches(),
         })
     }
 
@@ -138,6 +139,7 @@ impl CudaBackend {
             half_staging: None,
             tuning,
             output_gate: self.output_gate(),
+            switches: self.switches(),
         })
     }
 

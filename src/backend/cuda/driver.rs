@@ -104,7 +104,10 @@ impl<T> DeviceBuffer<T> {
         tracker: &Arc<AllocTracker>,
         len: usize,
     ) -> Result<Self> {
-        let bytes = (len.max(1) * std::mem::size_of::<T>()) as u64;
+        let bytes =
+            len.max(1).checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+                Error::Shape(format!("a device buffer of {len} elements is more bytes than memory holds"))
+            })? as u64;
         ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         // SAFETY: the context is current on this thread; the size is non-zero.
         let ptr = unsafe { cu::malloc_sync(bytes as usize) }.map_err(|e| {

@@ -374,6 +374,16 @@ impl CudaBackend {
         self.inner.xgate_launches.load(Ordering::Relaxed)
     }
 
+    /// The `set_*` kernel switches as bits, recorded in each workspace: a workspace planned under
+    /// other switches is planned again rather than run with kernels it has no buffers for.
+    fn switches(&self) -> u8 {
+        let i = &self.inner;
+        [&i.fused_input, &i.warp_specialised, &i.fused_output, &i.warpgroup_mma, &i.resident_output]
+            .iter()
+            .enumerate()
+            .fold(0, |bits, (k, flag)| bits | (u8::from(flag.load(Ordering::Relaxed)) << k))
+    }
+
     /// How many times this backend has launched the warp-specialised input build.
     pub fn warp_specialised_launches(&self) -> u64 {
         self.inner.ws_launches.load(Ordering::Relaxed)
@@ -597,7 +607,7 @@ impl Scratch {
         let natural = m * cfg.h * 2;
         let ws = ((natural / 8).min(8 << 20) / 256) * 256;
         let row_bytes = (cfg.c + cfg.fused_proj_width()) * 2;
-        let mut chunk_rows = ((natural - ws) / row_bytes).clamp(1, m);
+        let mut chunk_rows = ((natural - ws) / row_bytes).min(m).max(1);
         if chunk_rows >= 64 && chunk_rows < m {
             // Chunks start 64-aligned so the gating kernel's tiles keep their 16-byte stores.
             chunk_rows -= chunk_rows % 64;
@@ -632,6 +642,9 @@ pub struct CudaWorkspace {
     /// [`CudaBackend::set_output_gate`] when it was planned (a one-pass workspace has a gate
     /// buffer or not by it).
     output_gate: OutputGate,
+    /// The kernel switches when it was planned ([`CudaBackend::switches`]): which input build
+    /// runs decides whether the plan holds the cuBLASLt projection's scratch.
+    switches: u8,
 }
 
 /// Where the intermediates live. One per workspace, so the variants' sizes do not matter.
@@ -831,10 +844,16 @@ impl CudaBackend {
             HostIo::OutOfPlace { x, .. } => (x.len(), false),
             HostIo::InPlace(xy) => (xy.len(), true),
         };
+        // Checked before any staging is made or kept: a workspace of another shape would leave
+        // staging of the wrong size behind for the calls that fit it.
+        check_prepared_for(&prepared.config, problem)?;
+        if !self.workspace_fits(workspace, problem) {
+            return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
+        }
         // In place, one device tensor for x and y: the reason to run in place.
         let mut staging = match slot(workspace).take() {
-            Some(s) => s,
-            None => Staging { x: self.alloc_buffer(len)?, mask: None, y: None },
+            Some(s) if s.x.len() == len => s,
+            _ => Staging { x: self.alloc_buffer(len)?, mask: None, y: None },
         };
         if !in_place && staging.y.is_none() {
             staging.y = Some(self.alloc_buffer(len)?);
@@ -868,6 +887,12 @@ impl CudaBackend {
                 HostIo::InPlace(xy) => staging.x.download(xy, stream),
             }
         })();
+        if result.is_err() {
+            // Copies from the host slices may still be queued behind the failed step; they must
+            // not outlive this call's borrows.
+            // SAFETY: a plain wait on this backend's own live stream.
+            let _ = unsafe { cu::stream::synchronize(stream) };
+        }
         *slot(workspace) = Some(staging);
         result
     }
@@ -1166,6 +1191,7 @@ impl Backend for CudaBackend {
             half_staging: None,
             tuning,
             output_gate: self.output_gate(),
+            switches: self.switches(),
         })
     }
 
@@ -1178,6 +1204,7 @@ impl Backend for CudaBackend {
             && ws.problem.io == problem.io
             && ws.tuning == self.tuning_for(problem)
             && ws.output_gate == self.output_gate()
+            && ws.switches == self.switches()
     }
 
     fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {
@@ -1368,7 +1395,10 @@ impl Layer<CudaBackend> {
     /// # Safety
     /// `x` and `y` must be device allocations (of this layer's device and context) of `B·N·N·C`
     /// f32, `mask` of `B·N·N` f32, not aliasing each other, alive until `stream` has run the
-    /// work; `stream` must belong to the same context.
+    /// work; `stream` must belong to the same context. The layer's workspace (left, right, t and
+    /// the scratch) is one set of buffers: a forward of this layer on another stream, including
+    /// the layer's own safe forwards on the backend's stream, must not start before this one has
+    /// run (order the streams with an event, or use one layer per stream).
     pub unsafe fn forward_on_stream(
         &mut self,
         x: CUdeviceptr,
