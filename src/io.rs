@@ -941,7 +941,18 @@ impl TensorFile {
         let elem = float_size(info.dtype).ok_or_else(|| {
             Error::Dtype(format!("{}: tensor `{name}` is {}; expected {FLOAT_DTYPES}", self.path, info.dtype))
         })?;
-        let mut out = Vec::with_capacity(info.shape.iter().product());
+        // The file's shape decides the size: a failed reservation is an error, not an abort.
+        let len: usize = info.shape.iter().product();
+        let mut out = Vec::new();
+        out.try_reserve_exact(len).map_err(|_| {
+            file_err(
+                &self.path,
+                format!(
+                    "tensor `{name}` has {len} values ({} bytes as f32), more than this machine can allocate",
+                    len as u128 * 4
+                ),
+            )
+        })?;
         self.stream(info, elem, |bytes| {
             decode_floats(info.dtype, bytes, &mut out);
             Ok(())
@@ -950,22 +961,52 @@ impl TensorFile {
     }
 }
 
-/// Writes `path` through a sibling temporary file renamed into place on success.
+/// Writes `path` through a sibling temporary file renamed into place on success. A symbolic link
+/// stays a link (its target gets the file); a device or pipe (`/dev/null`) is written straight,
+/// never replaced; a directory is an error.
 fn write_atomically(path: &Path, fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>) -> Result<()> {
     let p = path.display().to_string();
-    let name = path.file_name().ok_or_else(|| file_err(&p, "not a file path"))?;
-    let tmp = path.with_file_name(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
+    let target = follow_links(path);
+    match std::fs::metadata(&target) {
+        Ok(m) if m.is_dir() => return Err(file_err(&p, "is a directory")),
+        Ok(m) if !m.is_file() => {
+            let result = (|| {
+                let mut w =
+                    BufWriter::with_capacity(CHUNK_BYTES, std::fs::OpenOptions::new().write(true).open(&target)?);
+                fill(&mut w)?;
+                w.flush()
+            })();
+            return result.map_err(|e| file_err(&p, format!("cannot write: {e}")));
+        }
+        _ => {}
+    }
+    let name = target.file_name().ok_or_else(|| file_err(&p, "not a file path"))?;
+    let tmp = target.with_file_name(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
     let result = (|| {
         let mut w = BufWriter::with_capacity(CHUNK_BYTES, File::create(&tmp)?);
         fill(&mut w)?;
         w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&tmp, path)
+        std::fs::rename(&tmp, &target)
     })();
     result.map_err(|e| {
         // Best effort: the temporary file is ours and useless after a failure.
         let _ = std::fs::remove_file(&tmp);
         file_err(&p, format!("cannot write: {e}"))
     })
+}
+
+/// The file a path finally names: symbolic links followed (relative ones from their own
+/// folder), at most 40 deep as the kernel allows; a dangling link names its missing target.
+fn follow_links(path: &Path) -> std::path::PathBuf {
+    let mut t = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::read_link(&t) {
+            Ok(next) if next.is_relative() => t = t.parent().unwrap_or(Path::new("")).join(next),
+            Ok(next) => t = next,
+            Err(_) => break,
+        }
+    }
+    t
 }
 
 /// Writes f32 tensors, streaming their bytes. The header is the safetensors crate's own

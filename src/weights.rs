@@ -43,7 +43,16 @@ impl Linear {
                 return Err(Error::Weights(format!("{name}.bias has {} values, expected {out_features}", b.len())));
             }
         }
-        Ok(())
+        finite(&format!("{name}.weight"), &self.weight)?;
+        self.bias.as_deref().map_or(Ok(()), |b| finite(&format!("{name}.bias"), b))
+    }
+}
+
+/// A NaN or infinite parameter would turn every output into NaN without a word; refuse it.
+fn finite(name: &str, v: &[f32]) -> Result<()> {
+    match v.iter().position(|w| !w.is_finite()) {
+        Some(i) => Err(Error::Weights(format!("{name}[{i}] is {}, not a finite number", v[i]))),
+        None => Ok(()),
     }
 }
 
@@ -62,7 +71,8 @@ impl Norm {
         if self.bias.len() != width {
             return Err(Error::Weights(format!("{name}.bias has {} values, expected {width}", self.bias.len())));
         }
-        Ok(())
+        finite(&format!("{name}.weight"), &self.weight)?;
+        finite(&format!("{name}.bias"), &self.bias)
     }
 }
 
@@ -215,5 +225,14 @@ mod tests {
         bad.out_proj.bias = Some(vec![0.0; 16]);
         assert!(bad.validate().unwrap_err().to_string().contains("out_proj has a bias"));
         assert!(Weights::random(g.config(), true, 3).is_err());
+
+        let mut nan = g.clone();
+        nan.right_gate.weight[5] = f32::NAN;
+        let e = nan.validate().unwrap_err().to_string();
+        assert!(e.contains("right_gate.weight[5] is NaN"), "{e}");
+        let mut inf = w;
+        inf.norm_out.bias[0] = f32::INFINITY;
+        let e = inf.validate().unwrap_err().to_string();
+        assert!(e.contains("norm_out.bias[0] is inf"), "{e}");
     }
 }

@@ -151,6 +151,26 @@ fn usage_errors_exit_2() {
     assert_usage_error(&o, "TRIMUL_BACKEND");
 }
 
+/// Counts and paths that could only fail after the work, or exhaust memory, are refused first;
+/// a bench that measures nothing is a failure, not a success.
+#[test]
+fn bad_counts_and_output_paths_fail_before_the_work() {
+    for flag in ["--repeats", "--warmup"] {
+        let o = trimul(&["bench", "--backend", "cpu", flag, "4294967295"]);
+        assert_eq!(o.status.code(), Some(2), "{flag}: {}", stderr(&o));
+    }
+    let dir = TempDir::new("paths");
+    let d = dir.0.to_str().unwrap();
+    let o = trimul(&["bench", "--backend", "cpu", "--json", d]);
+    assert_usage_error(&o, "is a directory");
+    assert!(stdout(&o).is_empty(), "refused before measuring: {}", stdout(&o));
+    let o = trimul(&["run", "--weights", "w.st", "--input", "x.st", "--output", "/nonexistent-dir-for-trimul/y.st"]);
+    assert_usage_error(&o, "does not exist");
+    let o = trimul(&["bench", "--backend", "cpu", "--n", "256", "--max-memory", "1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no shape was measured"), "{}", stderr(&o));
+}
+
 /// Writes the tensors of several layer files into one safetensors file, each layer's names under
 /// its prefix, as in a checkpoint that holds many layers.
 fn merged_checkpoint(layers: &[(&Path, &str)], dst: &Path) {

@@ -680,3 +680,30 @@ fn writers_check_lengths() {
     assert!(matches!(PairInput::new(vec![0.0; 8], Some(vec![1.0; 3]), 1, 2, 2), Err(Error::Shape(_))));
     assert!(matches!(PairInput::new(vec![], None, 0, 2, 2), Err(Error::Shape(_))));
 }
+
+/// Writing through a symbolic link keeps the link and fills its target; a directory is refused
+/// by name; `/dev/null` (a device) is written into, never replaced by a regular file.
+#[cfg(unix)]
+#[test]
+fn outputs_keep_links_and_devices() {
+    let y: Vec<f32> = (0..2 * 4 * 4 * 6).map(|i| i as f32 * 0.5).collect();
+    let target = tmp("link-target.safetensors");
+    let link = tmp("link.safetensors");
+    let _ = std::fs::remove_file(&target);
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink("link-target.safetensors", &link).unwrap();
+    write_output(&link, &y, 2, 4, 6).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link was replaced");
+    assert_eq!(read_output(&target).unwrap(), (y.clone(), [2, 4, 4, 6]));
+
+    let dir = tmp("an-output-dir");
+    std::fs::create_dir_all(&dir).unwrap();
+    let e = write_output(&dir, &y, 2, 4, 6).unwrap_err().to_string();
+    assert!(e.contains("is a directory"), "{e}");
+
+    let null = std::path::Path::new("/dev/null");
+    if std::fs::metadata(null).is_ok_and(|m| !m.is_file()) {
+        write_output(null, &y, 2, 4, 6).unwrap();
+        assert!(!std::fs::metadata(null).unwrap().is_file(), "/dev/null was replaced by a file");
+    }
+}

@@ -81,13 +81,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
     let started = trimul::report::now_utc();
     // A run can take minutes; learn about a JSON path that cannot be written before it, not after.
     if let Some(path) = &args.json {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
-            return Err(CliError::usage(format!(
-                "--json {}: directory {} does not exist",
-                path.display(),
-                dir.display()
-            )));
-        }
+        super::check_output_path("--json", path)?;
     }
     let device = open_device(args.backend)?;
     let kind = device.kind();
@@ -211,6 +205,12 @@ pub fn run(args: &BenchArgs) -> CliResult {
     progress.finish();
 
     summarise(&shapes, skipped, cases.len());
+    if shapes.is_empty() {
+        return Err(CliError {
+            code: EXIT_FAILED,
+            message: format!("no shape was measured: all {skipped} were skipped (see the reasons above)"),
+        });
+    }
     if let Some((got, gemm)) = speed_bar {
         let ratio = got / gemm;
         super::emit(&format!(

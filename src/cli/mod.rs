@@ -69,9 +69,9 @@ pub struct TuneArgs {
     /// Also sweep the mma.sync build of the fused input kernel against the wgmma one (sm_90).
     #[arg(long)]
     pub sweep_input_kernel: bool,
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..=MAX_CALLS))]
     pub warmup: u32,
-    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u32).range(1..=MAX_CALLS))]
     pub repeats: u32,
     /// Keep a choice only when it beats the built-in rules by more than this fraction.
     #[arg(long, default_value_t = 0.01)]
@@ -135,11 +135,11 @@ pub struct BenchArgs {
     pub formulation: FormulationArg,
     #[arg(long, value_enum, default_value_t = DirectionArg::Outgoing)]
     pub direction: DirectionArg,
-    /// Timed calls per shape (default: 15 on a GPU, 5 on the CPU).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Timed calls per shape (default: 15 on a GPU, 5 on the CPU; at most 100000).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_CALLS))]
     pub repeats: Option<u32>,
-    /// Untimed calls per shape before timing (default: 3 on a GPU, 1 on the CPU).
-    #[arg(long)]
+    /// Untimed calls per shape before timing (default: 3 on a GPU, 1 on the CPU; at most 100000).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=MAX_CALLS))]
     pub warmup: Option<u32>,
     /// Re-prepare (fuse, cast, upload) the weights inside every timed call, as the GPU MODE
     /// leaderboard does.
@@ -294,6 +294,22 @@ pub fn main() -> ExitCode {
         }
     }
 }
+
+/// A file the command will write at its end, checked at its start: its folder exists and it is
+/// not a folder itself.
+pub fn check_output_path(flag: &str, path: &std::path::Path) -> Result<(), CliError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+        return Err(CliError::usage(format!("{flag} {}: directory {} does not exist", path.display(), dir.display())));
+    }
+    if path.is_dir() {
+        return Err(CliError::usage(format!("{flag} {}: is a directory, not a file", path.display())));
+    }
+    Ok(())
+}
+
+/// The most warm-up or timed calls `bench` and `tune` take per shape: more is no measurement
+/// anyone waits for, and the bound keeps the sample buffers and the call counts small.
+const MAX_CALLS: i64 = 100_000;
 
 /// Exit code of a failed check, or of a computation the device could not finish.
 pub const EXIT_FAILED: u8 = 1;

@@ -8,6 +8,8 @@ use trimul::{io, Direction, Options, TriMul, Weights};
 use super::{device_summary, open_device, CliError, CliResult, Progress, RunArgs};
 
 pub fn run(args: &RunArgs) -> CliResult {
+    // Before reading and computing: a forward can take minutes.
+    super::check_output_path("--output", &args.output)?;
     let progress = Progress::spinner();
     progress.set_message(format!("reading weights {}", args.weights.display()));
     let weights = match &args.prefix {

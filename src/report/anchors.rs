@@ -15,6 +15,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::schema::{short, MAX_MS, MIN_ANCHOR_MS};
 use crate::error::{Error, Result};
 
 /// One reference series of per-shape times.
@@ -96,10 +97,11 @@ impl Anchor {
             )));
         }
         for (key, v) in &self.shapes {
-            if !v.is_finite() || *v <= 0.0 {
+            if !(MIN_ANCHOR_MS..=MAX_MS).contains(v) {
                 return Err(Error::InvalidArgument(format!(
-                    "anchor {:?}: {key} = {v} ms is not a positive time",
-                    self.name
+                    "anchor {:?}: {key} = {} ms is not a positive time ({MIN_ANCHOR_MS:e} to {MAX_MS:e} ms)",
+                    self.name,
+                    short(*v)
                 )));
             }
         }

@@ -147,8 +147,10 @@ fn plot_err(e: impl std::fmt::Display) -> Error {
     Error::InvalidArgument(format!("drawing a report plot failed: {e}"))
 }
 
+/// A value's place on a log axis: positive and finite, held within 1e-9 .. 1e9 so that the axis
+/// spans a bounded number of decades whatever a file holds.
 fn on_log_axis(v: Option<f64>) -> Option<f64> {
-    v.filter(|v| v.is_finite() && *v > 0.0)
+    v.filter(|v| v.is_finite() && *v > 0.0).map(|v| v.clamp(1e-9, 1e9))
 }
 
 /// The y range: whole decades around the data, so the axis has a labelled decade at each end.
@@ -238,7 +240,7 @@ fn draw_chart<DB: DrawingBackend>(
     // plotters labels the decades (its label count for a log axis is one per decade here);
     // the minor 2–9 ticks and their 2 and 5 labels are drawn below, by hand, because its own
     // minor ticks repeat the next decade's label.
-    let decades = (hi / lo).log10().floor().max(1.0) as usize;
+    let decades = (hi / lo).log10().floor().clamp(1.0, 40.0) as usize;
     chart
         .configure_mesh()
         .disable_x_mesh()

@@ -353,11 +353,43 @@ impl ShapeResult {
         for (field, v) in
             [("median_ms", self.median_ms), ("p10_ms", self.p10_ms), ("p90_ms", self.p90_ms), ("min_ms", self.min_ms)]
         {
-            if !v.is_finite() || v < 0.0 {
-                return Err(Error::InvalidArgument(format!("shape {key}: {field} = {v} is not a duration")));
+            if !(0.0..=MAX_MS).contains(&v) {
+                return Err(Error::InvalidArgument(format!(
+                    "shape {key}: {field} = {} is not a duration (0 to {MAX_MS:e} ms)",
+                    short(v)
+                )));
+            }
+        }
+        // Derived numbers the report prints beside the times. An unmeasured ceiling (0) makes the
+        // floor infinite and its ratio 0, which the report shows as such.
+        for (field, v) in
+            [("floor_ms", self.floor_ms), ("floor_ratio", self.floor_ratio), ("tflops", self.tflops), ("gbs", self.gbs)]
+        {
+            let infinite_floor = field == "floor_ms" && v == f64::INFINITY;
+            if !(0.0..=MAX_MS).contains(&v) && !infinite_floor {
+                return Err(Error::InvalidArgument(format!(
+                    "shape {key}: {field} = {} is out of range (0 to {MAX_MS:e})",
+                    short(v)
+                )));
             }
         }
         Ok(())
+    }
+}
+
+/// The longest time a run or an anchor may record, in ms (about eleven days): beyond it a value is
+/// a broken file, and the plots' log axes would need more decades than they can draw.
+pub const MAX_MS: f64 = 1e9;
+
+/// The shortest positive time an anchor may record, in ms (a picosecond).
+pub const MIN_ANCHOR_MS: f64 = 1e-9;
+
+/// A number for an error message: exponent notation where the plain form would run long.
+pub(crate) fn short(v: f64) -> String {
+    if v != 0.0 && (v.abs() >= 1e6 || v.abs() < 1e-4) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
     }
 }
 
@@ -636,6 +668,26 @@ mod tests {
         assert_eq!(format_utc(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(format_utc(1_709_251_199), "2024-02-29T23:59:59Z");
         assert_eq!(format_utc(4_107_542_400), "2100-03-01T00:00:00Z");
+    }
+
+    #[test]
+    fn implausible_numbers_are_refused() {
+        let p = problem(32, 1, 128, false);
+        let ok = ShapeResult::from_samples("s", &p, "normal", &[1.0], &h100_ceilings()).unwrap();
+        assert!(ok.validate().is_ok());
+        for (what, r) in [
+            ("median_ms", ShapeResult { median_ms: 1.7e308, ..ok.clone() }),
+            ("floor_ms", ShapeResult { floor_ms: -1.0, ..ok.clone() }),
+            ("floor_ratio", ShapeResult { floor_ratio: f64::NAN, ..ok.clone() }),
+            ("tflops", ShapeResult { tflops: f64::INFINITY, ..ok.clone() }),
+        ] {
+            let e = r.validate().unwrap_err().to_string();
+            assert!(e.contains(what), "{e}");
+        }
+        let zero = Ceilings { gemm_tflops: 0.0, gemm_desc: String::new(), copy_gbs: 0.0 };
+        assert!(ShapeResult::from_samples("s", &p, "normal", &[1.0], &zero).unwrap().validate().is_ok());
+        assert_eq!(short(1.7e308), "1.7e308");
+        assert_eq!(short(-1.0), "-1");
     }
 
     #[test]
