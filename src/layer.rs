@@ -293,8 +293,9 @@ impl<B: Backend> Layer<B> {
     }
 
     /// One forward whose output overwrites its input: on return `xy` holds `y`. The largest
-    /// tensor exists once instead of twice, which is what lets the longest sequences fit. If the
-    /// forward fails after it started writing, `xy` holds neither `x` nor `y`: the error says so.
+    /// tensor exists once instead of twice, which is what lets the longest sequences fit. Errors
+    /// found before any work (shapes, dtypes, weights, memory budget) leave `xy` untouched; after
+    /// a failure during the work, treat `xy` as undefined (it may hold `x`, or part of `y`).
     pub fn forward_in_place<T: IoElement>(&mut self, xy: &mut [T], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?.in_place(true).with_io(T::PRECISION);
         problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
