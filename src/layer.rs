@@ -127,6 +127,10 @@ pub struct Layer<B: Backend> {
     options: Options,
     prepared: B::Prepared,
     workspace: Option<B::Workspace>,
+    /// What the workspace's memory limit was computed for: the caller's tensors on the device
+    /// (masked, in place, I/O precision) and whether the host-copy staging was counted. A call
+    /// that changes any of them needs another limit, even where the workspace itself would fit.
+    planned_for: Option<(bool, bool, Precision, bool)>,
     /// Bytes a forward may hold on the device (weights, x, mask, y, workspace); `None`: what
     /// the device has free, less [`memory::margin`].
     budget: Option<u64>,
@@ -143,6 +147,7 @@ impl<B: Backend> Layer<B> {
             options,
             prepared,
             workspace: None,
+            planned_for: None,
             budget: None,
         })
     }
@@ -197,7 +202,7 @@ impl<B: Backend> Layer<B> {
         let p = self.problem(shape, masked)?.in_place(in_place).with_io(io);
         Ok(MemoryNeeds {
             weights: self.backend.prepared_bytes(&self.prepared),
-            io: p.io_device_bytes(),
+            io: self.io_bytes(&p),
             one_pass_workspace: self.backend.workspace_bytes(&self.prepared, &p),
             min_workspace: self.backend.min_workspace_bytes(&self.prepared, &p),
         })
@@ -208,12 +213,22 @@ impl<B: Backend> Layer<B> {
         self.workspace.as_ref().map(B::exec_plan)
     }
 
+    /// Bytes of the caller's tensors in the backend's memory: 16-bit x and y count as f32 where
+    /// the backend widens them ([`Backend::half_io_native`]).
+    fn io_bytes(&self, problem: &Problem) -> u64 {
+        if problem.io != Precision::F32Io && !self.backend.half_io_native() {
+            problem.with_io(Precision::F32Io).io_device_bytes()
+        } else {
+            problem.io_device_bytes()
+        }
+    }
+
     /// Bytes the workspace of `problem` may take under the budget and the device's free memory,
     /// or the error naming what does not fit. `host_io` says the forward is on host slices, so
     /// a GPU backend will stage x, mask and y on the device (counted in the budget anyway).
     fn workspace_limit(&self, problem: &Problem, host_io: bool) -> Result<Option<u64>> {
         let backend = &self.backend;
-        let io = problem.io_device_bytes();
+        let io = self.io_bytes(problem);
         let fixed = io + backend.prepared_bytes(&self.prepared);
         let min_ws = backend.min_workspace_bytes(&self.prepared, problem);
         let what = |available: &str| {
@@ -264,12 +279,16 @@ impl<B: Backend> Layer<B> {
     }
 
     fn parts_for(&mut self, problem: &Problem, host_io: bool) -> Result<(&B, &B::Prepared, &mut B::Workspace)> {
-        let fits = matches!(&self.workspace, Some(ws) if self.backend.workspace_fits(ws, problem));
+        let planned_for = Some((problem.masked, problem.in_place, problem.io, host_io));
+        let fits = self.planned_for == planned_for
+            && matches!(&self.workspace, Some(ws) if self.backend.workspace_fits(ws, problem));
         if !fits {
             // Free the old workspace before planning and allocating the new one.
             self.workspace = None;
+            self.planned_for = None;
             let limit = self.workspace_limit(problem, host_io)?;
             self.workspace = Some(self.backend.workspace(&self.prepared, problem, limit)?);
+            self.planned_for = planned_for;
         }
         let Layer { backend, prepared, workspace, .. } = self;
         let ws = workspace.as_mut().ok_or_else(|| Error::InvalidArgument("workspace missing".into()))?;

@@ -77,12 +77,12 @@ pub struct MemoryNeeds {
 impl MemoryNeeds {
     /// Total with the one-pass plan.
     pub fn one_pass_total(&self) -> u64 {
-        self.weights + self.io + self.one_pass_workspace
+        self.weights.saturating_add(self.io).saturating_add(self.one_pass_workspace)
     }
 
     /// The smallest budget this forward can run in.
     pub fn min_total(&self) -> u64 {
-        self.weights + self.io + self.min_workspace
+        self.weights.saturating_add(self.io).saturating_add(self.min_workspace)
     }
 }
 

@@ -227,9 +227,10 @@ impl Shape {
         Shape { batch, n }
     }
 
-    /// Pair positions `M = B·N²`: the row count of every per-position matrix.
+    /// Pair positions `M = B·N²`: the row count of every per-position matrix. Saturates instead
+    /// of wrapping for a shape no problem accepts ([`Problem::validate`] refuses it).
     pub fn rows(&self) -> usize {
-        self.batch * self.n * self.n
+        self.batch.saturating_mul(self.n).saturating_mul(self.n)
     }
 }
 
@@ -300,7 +301,7 @@ impl Problem {
 
     /// Elements of `x` and `y`: `B·N·N·C`.
     pub fn x_len(&self) -> usize {
-        self.shape.rows() * self.config.c
+        self.shape.rows().saturating_mul(self.config.c)
     }
 
     /// Elements of the mask: `B·N·N`.
@@ -311,6 +312,7 @@ impl Problem {
     /// Checks host or device slice lengths against the problem, and that a mask is given exactly
     /// when the problem is masked; the message names the tensor.
     pub fn check_lengths(&self, x: usize, mask: Option<usize>, y: usize) -> Result<()> {
+        self.validate()?;
         let Shape { batch: b, n } = self.shape;
         let c = self.config.c;
         if x != self.x_len() {

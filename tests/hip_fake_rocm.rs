@@ -184,6 +184,34 @@ fn tight_budgets_run_chunked_plans_on_both_output_paths() {
     }
 }
 
+/// A chunked workspace holds copies of the pass rows of the weights it was planned with, so a
+/// forward with other prepared weights of the same shape is refused instead of computed with the
+/// copies (it returned Ok with wrong values before).
+#[test]
+fn chunked_workspaces_refuse_other_weights() {
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = backend(false);
+    let cfg = Config::new(Formulation::GpuMode, 32, 24).unwrap();
+    let case = Case::new(10, 2, cfg.c, false, Dist::Normal);
+    let problem = Problem::new(cfg, case.shape(), Direction::Outgoing, false).unwrap();
+    let (wa, wb) = (Weights::random(cfg, false, 31).unwrap(), Weights::random(cfg, false, 32).unwrap());
+    let (pa, pb) = (b.prepare(&wa).unwrap(), b.prepare(&wb).unwrap());
+    let narrow = b.min_workspace_bytes(&pa, &problem);
+    assert!(narrow < b.workspace_bytes(&pa, &problem));
+    let mut ws = b.workspace(&pa, &problem, Some(narrow)).unwrap();
+    let inputs = suite::generate_inputs(&case, 33);
+    let mut y = vec![f32::NAN; inputs.x.len()];
+    let e = b.forward_host(&pb, &mut ws, &problem, &inputs.x, None, &mut y).unwrap_err().to_string();
+    assert!(e.contains("other prepared weights"), "{e}");
+    // With its own weights the same workspace computes the reference.
+    b.forward_host(&pa, &mut ws, &problem, &inputs.x, None, &mut y).unwrap();
+    let cmp = reference::check(&wa, &problem, &inputs.x, None, &y, TOL, TOL).unwrap();
+    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{cmp}");
+}
+
 #[test]
 fn device_buffers_caller_stream_and_workspace_reuse() {
     let Some(_g) = fake() else { return };

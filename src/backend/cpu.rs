@@ -321,10 +321,16 @@ impl Backend for CpuBackend {
     }
 
     fn workspace_bytes(&self, _prepared: &CpuPrepared, problem: &Problem) -> u64 {
+        if problem.validate().is_err() {
+            return u64::MAX; // no plan for a problem Problem::new refuses
+        }
         plan_bytes(problem, problem.config.h)
     }
 
     fn min_workspace_bytes(&self, _prepared: &CpuPrepared, problem: &Problem) -> u64 {
+        if problem.validate().is_err() {
+            return u64::MAX;
+        }
         plan_bytes(problem, 1)
     }
 

@@ -120,6 +120,29 @@ pub(crate) fn check_prepared_for(prepared: &Config, problem: &Problem) -> Result
     Ok(())
 }
 
+/// A fresh identity for a set of prepared weights. Chunked workspaces copy the pass rows of the
+/// weights they were planned with, so they remember whose they are ([`check_same_weights`]).
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+pub(crate) fn next_weights_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A workspace that holds copies of some prepared weights (`holds`, the id of
+/// [`next_weights_id`]) serves only forwards with those weights: with another layer's weights
+/// of the same shape it would compute with the wrong ones and return Ok.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+pub(crate) fn check_same_weights(holds: Option<u64>, prepared: u64) -> Result<()> {
+    match holds {
+        Some(id) if id != prepared => Err(Error::InvalidArgument(
+            "this workspace was planned in chunks for other prepared weights and holds copies of them; \
+             make a workspace with these weights"
+                .into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The checks a device forward makes before it launches anything: the weights were prepared for
 /// this problem's layer (their sizes are the kernels' loop bounds), `y` is `x` exactly when the
 /// problem is in place, and every device pointer is 16-byte aligned (the stage kernels load and
@@ -186,6 +209,13 @@ pub trait Backend: Clone + Send + Sync {
     /// Whether [`Backend::forward_host`] copies `x`, the mask and `y` into device buffers of its
     /// own (GPU backends), which a memory plan made for a host forward must leave room for.
     fn host_io_staged(&self) -> bool {
+        false
+    }
+
+    /// Whether 16-bit `x` and `y` stay 16-bit in this backend's memory (CUDA's fused kernels read
+    /// and write them), or are widened to f32 copies first, as the default
+    /// [`Backend::forward_host_half`] does; memory budgets count the f32 bytes then.
+    fn half_io_native(&self) -> bool {
         false
     }
 

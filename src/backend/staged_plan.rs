@@ -83,7 +83,7 @@ impl ChunkedPlan {
         let cfg = problem.config;
         let (c, h, g) = (cfg.c, cfg.h, cfg.gate_width());
         let rows = problem.shape.rows();
-        let hc = hc.clamp(1, h);
+        let hc = hc.min(h).max(1);
         let chunk_rows = chunk_rows.clamp(1, rows.max(1));
         let a16 = |elems: usize| -> Result<usize> { Ok(align_up(mul(&[elems, 2])?, STAGING_ALIGN)) };
         let lr_bytes = align_up(mul(&[rows, hc, 2])?, STAGING_ALIGN);

@@ -695,6 +695,18 @@ pub fn budget_below_the_minimum_is_out_of_memory(device: &Device, _p: &Profile) 
     // The same layer still runs once the budget allows it.
     l.set_memory_budget(Some(needs.min_total()));
     l.forward(&inputs.x, inputs.mask.as_deref(), case.shape()).expect("forward within the minimum budget");
+    // A budget that fits the in-place forward only: after an in-place forward has planned its
+    // workspace, an out-of-place call (y on the device too) must not reuse it past the budget.
+    let in_place = l.memory_needs(case.shape(), true, true).expect("needs in place");
+    assert!(in_place.min_total() < needs.min_total(), "{in_place:?} {needs:?}");
+    l.set_memory_budget(Some(in_place.min_total()));
+    let mut xy = inputs.x.clone();
+    l.forward_in_place(&mut xy, inputs.mask.as_deref(), case.shape()).expect("in place within its minimum");
+    let mut y = vec![f32::NAN; inputs.x.len()];
+    match l.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()) {
+        Err(Error::OutOfMemory { available, .. }) => assert_eq!(available, in_place.min_total()),
+        other => panic!("out of place under the in-place minimum budget: expected OutOfMemory, got {other:?}"),
+    }
 }
 
 /// One forward of `l` with x (already rounded to `io`) passed as `io` elements, out of place or

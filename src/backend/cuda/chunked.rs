@@ -58,6 +58,7 @@ impl CudaBackend {
             tuning,
             output_gate: self.output_gate(),
             switches: self.switches(),
+            weights_of: Some(prepared.id),
         })
     }
 
@@ -140,6 +141,7 @@ impl CudaBackend {
             tuning,
             output_gate: self.output_gate(),
             switches: self.switches(),
+            weights_of: Some(prepared.id),
         })
     }
 

@@ -18,7 +18,7 @@ use super::{
     POISON_BYTE, WS_SMEM_BYTES,
 };
 use crate::backend::params::{self, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
-use crate::backend::{check_device_forward, Backend};
+use crate::backend::{check_device_forward, check_same_weights, Backend};
 use crate::error::{Error, Result};
 use crate::problem::{Formulation, Precision, Problem, LN_EPS};
 
@@ -173,6 +173,7 @@ impl CudaBackend {
         stream: CUstream,
     ) -> Result<()> {
         check_device_forward(&prep.config, problem, x, mask, y)?;
+        check_same_weights(ws.weights_of, prep.id)?;
         if !self.workspace_fits(ws, problem) {
             return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
         }

@@ -454,6 +454,8 @@ const OUTPUT_RESIDENT_SMEM: u32 = output_projection_smem(false, params::IO_F32) 
 pub struct CudaPrepared {
     /// The layer these weights belong to; a forward of another layer's problem is refused.
     config: Config,
+    /// Which prepared weights these are ([`super::next_weights_id`]).
+    id: u64,
     /// Weights in the fused input kernel's order, when that kernel takes this shape.
     fused: Option<FusedInput>,
     /// `[P, C]` f16, rows `[left_proj; left_gate; right_proj; right_gate; out_gate]`.
@@ -642,6 +644,9 @@ pub struct CudaWorkspace {
     /// [`CudaBackend::set_output_gate`] when it was planned (a one-pass workspace has a gate
     /// buffer or not by it).
     output_gate: OutputGate,
+    /// The prepared weights a chunked workspace holds copies of (`None` for one pass, which
+    /// reads the prepared weights themselves).
+    weights_of: Option<u64>,
     /// The kernel switches when it was planned ([`CudaBackend::switches`]): which input build
     /// runs decides whether the plan holds the cuBLASLt projection's scratch.
     switches: u8,
@@ -1004,6 +1009,7 @@ impl Backend for CudaBackend {
         };
         Ok(CudaPrepared {
             config: cfg,
+            id: super::next_weights_id(),
             fused: fused_input,
             w_in: self.upload_f16("the input projections", &fused)?,
             w_out: self.upload_f16("the output projection", &w.out_proj.weight)?,
@@ -1030,12 +1036,18 @@ impl Backend for CudaBackend {
     }
 
     fn workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {
+        if problem.validate().is_err() {
+            return u64::MAX; // no plan for a problem Problem::new refuses
+        }
         let from_x = self.output_gate() == OutputGate::FromX
             && self.gate_from_x_for(prepared, problem, self.tuning_for(problem));
         self.one_pass_bytes(prepared, problem, from_x)
     }
 
     fn min_workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {
+        if problem.validate().is_err() {
+            return u64::MAX;
+        }
         let from_x = self.gate_from_x_for(prepared, problem, self.tuning_for(problem));
         let one_pass = self.one_pass_bytes(prepared, problem, from_x);
         match self.chunk_kernel(prepared, Tuning::default()) {
@@ -1075,6 +1087,10 @@ impl Backend for CudaBackend {
     }
 
     fn host_io_staged(&self) -> bool {
+        true
+    }
+
+    fn half_io_native(&self) -> bool {
         true
     }
 
@@ -1192,6 +1208,7 @@ impl Backend for CudaBackend {
             tuning,
             output_gate: self.output_gate(),
             switches: self.switches(),
+            weights_of: None,
         })
     }
 

@@ -51,7 +51,7 @@ use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::gemm::GemmSpec;
 use super::params::{self as launch_params, KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
 use super::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
-use super::{check_device_forward, check_prepared_for, Backend, Ceilings, DeviceInfo, MemoryInfo};
+use super::{check_device_forward, check_prepared_for, check_same_weights, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
 use crate::memory::ExecPlan;
@@ -118,6 +118,8 @@ struct Kernels {
 /// Weights fused, cast and uploaded for this device.
 pub struct HipPrepared {
     config: Config,
+    /// Which prepared weights these are ([`super::next_weights_id`]).
+    id: u64,
     /// f16 `[P, C]`: [left_proj; left_gate; right_proj; right_gate; out_gate].
     w_in: DeviceMem,
     /// f16 `[C, H]`.
@@ -165,6 +167,8 @@ pub struct HipWorkspace {
     layout: Layout,
     /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use.
     host_io: Option<HostIo>,
+    /// The prepared weights a chunked workspace holds copies of (`None` for one pass).
+    weights_of: Option<u64>,
 }
 
 /// Where the intermediates live: everything at once, or a plan within a memory limit.
@@ -544,6 +548,7 @@ impl HipBackend {
         // In place, x is read only by stage 1 and y written only by stage 3, so one buffer serves;
         // the stage kernels use 16-byte vector loads and stores (common/compat.h's tm_f4, tm_u128).
         check_device_forward(&prep.config, problem, x, mask, y)?;
+        check_same_weights(ws.weights_of, prep.id)?;
         if !self.workspace_fits(ws, problem) {
             return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
         }
@@ -897,6 +902,7 @@ impl Backend for HipBackend {
         };
         Ok(HipPrepared {
             config,
+            id: super::next_weights_id(),
             w_in: self.upload_f16("the input projections", &fused)?,
             w_out: self.upload_f16("the output projection", &w.out_proj.weight)?,
             proj_bias,
@@ -966,7 +972,8 @@ impl Backend for HipBackend {
                 }
             }
         };
-        Ok(HipWorkspace { problem: *problem, layout, host_io: None })
+        let weights_of = matches!(layout, Layout::Chunked(_)).then_some(prepared.id);
+        Ok(HipWorkspace { problem: *problem, layout, host_io: None, weights_of })
     }
 
     fn workspace_fits(&self, ws: &HipWorkspace, problem: &Problem) -> bool {
@@ -982,10 +989,16 @@ impl Backend for HipBackend {
     }
 
     fn workspace_bytes(&self, _prepared: &HipPrepared, problem: &Problem) -> u64 {
+        if problem.validate().is_err() {
+            return u64::MAX; // no plan for a problem Problem::new refuses
+        }
         Plan::new(problem).map_or(u64::MAX, |p| p.total_bytes())
     }
 
     fn min_workspace_bytes(&self, prepared: &HipPrepared, problem: &Problem) -> u64 {
+        if problem.validate().is_err() {
+            return u64::MAX;
+        }
         let one_pass = self.workspace_bytes(prepared, problem);
         ChunkedPlan::narrowest(problem).map_or(one_pass, |c| c.total_bytes().min(one_pass))
     }
