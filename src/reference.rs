@@ -981,7 +981,7 @@ mod tests {
     /// sample is the one promised and `forward_at` reproduces itself. Ignored by default (it runs
     /// the reference twice, about 10 s on 2 cores); `cargo test --release -- --ignored`.
     #[test]
-    #[ignore]
+    #[ignore = "runs the reference twice at N = 1024, C = 768 (about 10 s on 2 cores); cargo test --release -- --ignored"]
     fn sampled_check_at_n1024_c768() {
         for f in [Formulation::GpuMode, Formulation::Af3] {
             let cfg = Config::new(f, 768, 128).unwrap();

@@ -55,7 +55,12 @@ impl Profile {
 /// `TRIMUL_REQUIRE_DEVICE` set a missing device is a failure instead, for machines that have one.
 pub fn device_or_skip(name: &str, device: trimul::Result<Device>) -> Option<Device> {
     match device {
-        Ok(d) => Some(d),
+        Ok(d) => {
+            // Every intermediate and y filled with NaN before each forward: an element a backend
+            // fails to write cannot pass as a stale correct value from an earlier call.
+            d.set_poison(true);
+            Some(d)
+        }
         Err(e) if std::env::var_os("TRIMUL_REQUIRE_DEVICE").is_some() => {
             panic!("{name} device required (TRIMUL_REQUIRE_DEVICE is set) but unavailable: {e}")
         }
@@ -296,6 +301,9 @@ pub fn odd_channel_widths(device: &Device, p: &Profile) {
     let cases = [
         Case { h: 19, ..Case::new(20, 2, 37, true, Dist::Normal) },
         Case { h: 1, ..Case::new(9, 1, 1, false, Dist::Normal) },
+        // C = H = 1 makes both LayerNorms constant (y ignores x); C = H = 2 is the narrowest
+        // layer whose output depends on the contraction.
+        Case { h: 2, ..Case::new(9, 1, 2, true, Dist::Normal) },
     ];
     check_all_combinations(device, p, "odd_channel_widths", &cases);
 }
@@ -426,23 +434,33 @@ pub fn incoming_is_outgoing_of_the_transpose(device: &Device, p: &Profile) {
 /// tiles or batches) and no fewer (a NaN silently dropped).
 pub fn nan_in_x_poisons_what_the_reference_poisons(device: &Device, p: &Profile) {
     let s = seed("nan_in_x_poisons_what_the_reference_poisons");
-    let case = Case::new(24, 2, 128, false, Dist::Normal);
-    let (n, c) = (case.n, case.c);
     let mut failures = Vec::new();
-    for (k, (f, d)) in FORMULATIONS.iter().flat_map(|&f| DIRECTIONS.map(|d| (f, d))).enumerate() {
-        let w = weights(&case, f, false, mix(s, k as u64));
-        let mut inputs = suite::generate_inputs(&case, mix(s, 10 + k as u64));
-        let (b, i, kk) = (1, 5, 17);
-        inputs.x[((b * n + i) * n + kk) * c + 7] = f32::NAN;
-        let y = forward(device, &w, d, &inputs, case.shape());
-        let want = reference::forward(&w, &problem(&case, f, d), &inputs.x, None).expect("reference");
-        let poisoned = want.iter().filter(|v| v.is_nan()).count();
-        assert!(poisoned >= (2 * n - 1) * c, "{f} {d}: the reference poisons only {poisoned} values");
-        assert!(want[..n * n * c].iter().all(|v| v.is_finite()), "{f} {d}: the reference poisons batch 0");
-        let cmp = reference::compare(&y, &want, p.rtol, p.atol);
-        let nans = y.iter().filter(|v| v.is_nan()).count();
-        if let Err(e) = judge(&format!("{f} {d} ({nans} NaN, reference {poisoned})"), &cmp, p) {
-            failures.push(e);
+    // Unmasked, and masked with the NaN at a position whose mask is 0: NaN·0 is NaN in the
+    // reference (as in PyTorch), so a backend that skips masked positions would differ.
+    for masked in [false, true] {
+        let case = Case::new(24, 2, 128, masked, Dist::Normal);
+        let (n, c) = (case.n, case.c);
+        for (k, (f, d)) in FORMULATIONS.iter().flat_map(|&f| DIRECTIONS.map(|d| (f, d))).enumerate() {
+            let k = k as u64 + if masked { 100 } else { 0 };
+            let w = weights(&case, f, false, mix(s, k));
+            let mut inputs = suite::generate_inputs(&case, mix(s, 10 + k));
+            let (b, i, kk) = (1, 5, 17);
+            inputs.x[((b * n + i) * n + kk) * c + 7] = f32::NAN;
+            if let Some(m) = inputs.mask.as_mut() {
+                m[(b * n + i) * n + kk] = 0.0;
+            }
+            let y = forward(device, &w, d, &inputs, case.shape());
+            let want =
+                reference::forward(&w, &problem(&case, f, d), &inputs.x, inputs.mask.as_deref()).expect("reference");
+            let poisoned = want.iter().filter(|v| v.is_nan()).count();
+            assert!(poisoned >= (2 * n - 1) * c, "{f} {d}: the reference poisons only {poisoned} values");
+            assert!(want[..n * n * c].iter().all(|v| v.is_finite()), "{f} {d}: the reference poisons batch 0");
+            let cmp = reference::compare(&y, &want, p.rtol, p.atol);
+            let nans = y.iter().filter(|v| v.is_nan()).count();
+            let what = format!("{f} {d} masked={masked} ({nans} NaN, reference {poisoned})");
+            if let Err(e) = judge(&what, &cmp, p) {
+                failures.push(e);
+            }
         }
     }
     finish("nan_in_x_poisons_what_the_reference_poisons", failures);
