@@ -42,6 +42,19 @@ fn built_with_clang() -> bool {
     true
 }
 
+/// This process's fresh seed (the clock, or `TRIMUL_TEST_SEED` to replay a run), printed once;
+/// each test mixes its own constants into it so its cases differ from one another.
+fn base_seed() -> u64 {
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| {
+        let s = std::env::var("TRIMUL_TEST_SEED").ok().and_then(|s| s.trim().parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+        });
+        eprintln!("seed {s} (TRIMUL_TEST_SEED={s} replays it)");
+        s
+    })
+}
+
 fn backend(mfma: bool) -> HipBackend {
     let b = HipBackend::new(0).unwrap();
     b.set_poison(true);
@@ -51,6 +64,7 @@ fn backend(mfma: bool) -> HipBackend {
 
 /// One forward through a layer on `b`, checked against the f64 reference.
 fn check(b: &HipBackend, cfg: Config, case: &Case, dir: Direction, biases: bool, seed: u64) -> HipKernelOutput {
+    let seed = seed ^ base_seed();
     let problem = Problem::new(cfg, case.shape(), dir, case.masked).unwrap();
     let weights = Weights::random(cfg, biases, seed).unwrap();
     let inputs = suite::generate_inputs(case, seed ^ 0x5EED);
@@ -145,6 +159,7 @@ fn tight_budgets_run_chunked_plans_on_both_output_paths() {
             (Config::new(Formulation::Af3, 16, 24).unwrap(), Direction::Incoming, true, 22),
         ];
         for (cfg, dir, biases, seed) in runs {
+            let seed = seed ^ base_seed();
             let case = Case::new(10, 2, cfg.c, true, Dist::Cauchy);
             let weights = Weights::random(cfg, biases, seed).unwrap();
             let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
@@ -197,12 +212,13 @@ fn chunked_workspaces_refuse_other_weights() {
     let cfg = Config::new(Formulation::GpuMode, 32, 24).unwrap();
     let case = Case::new(10, 2, cfg.c, false, Dist::Normal);
     let problem = Problem::new(cfg, case.shape(), Direction::Outgoing, false).unwrap();
-    let (wa, wb) = (Weights::random(cfg, false, 31).unwrap(), Weights::random(cfg, false, 32).unwrap());
+    let s = base_seed();
+    let (wa, wb) = (Weights::random(cfg, false, s ^ 31).unwrap(), Weights::random(cfg, false, s ^ 32).unwrap());
     let (pa, pb) = (b.prepare(&wa).unwrap(), b.prepare(&wb).unwrap());
     let narrow = b.min_workspace_bytes(&pa, &problem);
     assert!(narrow < b.workspace_bytes(&pa, &problem));
     let mut ws = b.workspace(&pa, &problem, Some(narrow)).unwrap();
-    let inputs = suite::generate_inputs(&case, 33);
+    let inputs = suite::generate_inputs(&case, s ^ 33);
     let mut y = vec![f32::NAN; inputs.x.len()];
     let e = b.forward_host(&pb, &mut ws, &problem, &inputs.x, None, &mut y).unwrap_err().to_string();
     assert!(e.contains("other prepared weights"), "{e}");
@@ -222,8 +238,9 @@ fn device_buffers_caller_stream_and_workspace_reuse() {
     let cfg = Config::new(Formulation::Af3, 16, 16).unwrap();
     let case = Case::new(6, 2, 16, true, Dist::Normal);
     let problem = Problem::new(cfg, case.shape(), Direction::Incoming, true).unwrap();
-    let weights = Weights::random(cfg, true, 11).unwrap();
-    let inputs = suite::generate_inputs(&case, 12);
+    let s = base_seed();
+    let weights = Weights::random(cfg, true, s ^ 11).unwrap();
+    let inputs = suite::generate_inputs(&case, s ^ 12);
     let mask = inputs.mask.as_ref().unwrap();
     let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming }).unwrap();
     let mut xd = b.alloc(inputs.x.len()).unwrap();
@@ -251,7 +268,7 @@ fn device_buffers_caller_stream_and_workspace_reuse() {
 
     // Another shape on the same layer: a new workspace, still right.
     let case2 = Case::new(5, 1, 16, false, Dist::Normal);
-    let inputs2 = suite::generate_inputs(&case2, 13);
+    let inputs2 = suite::generate_inputs(&case2, s ^ 13);
     let mut y3 = vec![f32::NAN; inputs2.x.len()];
     layer.forward_into(&inputs2.x, None, &mut y3, case2.shape()).unwrap();
     let problem2 = Problem::new(cfg, case2.shape(), Direction::Incoming, false).unwrap();
