@@ -4,7 +4,7 @@
 
 use trimul::backend::cuda::{CudaBackend, OutputGate};
 use trimul::reference;
-use trimul::suite::{self, Case, Dist};
+use trimul::suite::{self, this_test_seed as seed, Case, Dist};
 use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Shape, TriMul, Weights};
 
 #[path = "support/cuda_device.rs"]
@@ -14,14 +14,6 @@ mod forward;
 
 use cuda_device::{cuda, MAX_REL_L2, TOL};
 use forward::forward;
-
-fn seed() -> u64 {
-    let s = std::env::var("TRIMUL_TEST_SEED").ok().and_then(|s| s.trim().parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
-    });
-    eprintln!("seed {s} (TRIMUL_TEST_SEED={s} replays it)");
-    s
-}
 
 /// Runs `case` through the CUDA layer (host slices, NaN-poisoned y) and checks it.
 fn check_case(b: &CudaBackend, case: &Case, formulation: Formulation, direction: Direction, biases: bool, seed: u64) {

@@ -21,10 +21,7 @@ fn caller_stream_forward_captures_into_a_cuda_graph() {
     let Some(b) = cuda() else { return };
     let case = Case::new(64, 2, 128, true, Dist::Cauchy);
     let problem = case.problem(Formulation::GpuMode, Direction::Outgoing).unwrap();
-    let s = std::env::var("TRIMUL_TEST_SEED").ok().and_then(|s| s.trim().parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
-    });
-    eprintln!("seed {s} (TRIMUL_TEST_SEED={s} replays it)");
+    let s = suite::test_seed("caller_stream_forward_captures_into_a_cuda_graph");
     let weights = Weights::random(problem.config, false, s).unwrap();
     let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
     let first = suite::generate_inputs(&case, s ^ 0x22);

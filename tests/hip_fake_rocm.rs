@@ -25,7 +25,7 @@ use std::process::Command;
 use trimul::backend::hip::kernels::HipKernelOutput;
 use trimul::backend::hip::HipBackend;
 use trimul::reference;
-use trimul::suite::{self, Case, Dist};
+use trimul::suite::{self, this_test_seed as base_seed, Case, Dist};
 use trimul::Weights;
 use trimul::{Backend, BackendKind, Config, Device, Direction, Error, Formulation, Layer, Options, Problem, Shape};
 
@@ -40,19 +40,6 @@ fn built_with_clang() -> bool {
         return false;
     }
     true
-}
-
-/// This process's fresh seed (the clock, or `TRIMUL_TEST_SEED` to replay a run), printed once;
-/// each test mixes its own constants into it so its cases differ from one another.
-fn base_seed() -> u64 {
-    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *SEED.get_or_init(|| {
-        let s = std::env::var("TRIMUL_TEST_SEED").ok().and_then(|s| s.trim().parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
-        });
-        eprintln!("seed {s} (TRIMUL_TEST_SEED={s} replays it)");
-        s
-    })
 }
 
 fn backend(mfma: bool) -> HipBackend {

@@ -18,7 +18,7 @@ use std::io::Write;
 use trimul::backend::hip::kernels::HipKernelOutput;
 use trimul::backend::hip::HipBackend;
 use trimul::reference;
-use trimul::suite::{self, Case, Dist};
+use trimul::suite::{self, this_test_seed as seed, Case, Dist};
 use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Shape, TriMul, Weights};
 
 const TOL: f64 = 2e-2;
@@ -43,14 +43,6 @@ fn hip(mfma: bool) -> Option<HipBackend> {
             None
         }
     }
-}
-
-fn seed() -> u64 {
-    let s = std::env::var("TRIMUL_TEST_SEED").ok().and_then(|s| s.trim().parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
-    });
-    eprintln!("seed {s} (TRIMUL_TEST_SEED={s} replays it)");
-    s
 }
 
 /// Runs `case` through a layer on `b` (host slices, NaN-poisoned y) and checks it.

@@ -978,21 +978,9 @@ mod tests {
         Case { f, dir, b, n, c, h, masked: false, biases: false, cauchy: false }
     }
 
-    /// This process's fresh seed (the clock, or `TRIMUL_TEST_SEED` to replay), printed once.
-    fn base_seed() -> u64 {
-        static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-        *SEED.get_or_init(|| {
-            let s = std::env::var("TRIMUL_TEST_SEED").ok().and_then(|s| s.trim().parse().ok()).unwrap_or_else(|| {
-                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
-            });
-            eprintln!("seed {s} (TRIMUL_TEST_SEED={s} replays it)");
-            s
-        })
-    }
-
     /// Weights, problem, x and mask of `cs`: fresh each run, `seed` keeps a test's cases apart.
     fn inputs(cs: &Case, seed: u64) -> (Weights, Problem, Vec<f32>, Option<Vec<f32>>) {
-        let seed = seed ^ base_seed();
+        let seed = seed ^ crate::suite::this_test_seed();
         let cfg = Config::new(cs.f, cs.c, cs.h).unwrap();
         let w = Weights::random(cfg, cs.biases, seed).unwrap();
         let pr = Problem::new(cfg, Shape::new(cs.b, cs.n), cs.dir, cs.masked).unwrap();

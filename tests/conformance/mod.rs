@@ -16,10 +16,9 @@
 //! and every test prints the value that replays it.
 
 use std::io::Write;
-use std::sync::OnceLock;
 
 use trimul::reference::{self, Comparison};
-use trimul::suite::{self, Case, Dist, Inputs};
+use trimul::suite::{self, test_seed as seed, Case, Dist, Inputs};
 use trimul::{Device, Direction, Error, Formulation, Linear, Options, Precision, Problem, Shape, TriMul, Weights};
 
 /// What one backend promises.
@@ -115,28 +114,6 @@ macro_rules! conformance_suite {
 
 // ---------------------------------------------------------------------------------------------
 // Seeds, inputs, runs
-
-fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
-fn base_seed() -> u64 {
-    static SEED: OnceLock<u64> = OnceLock::new();
-    *SEED.get_or_init(|| match std::env::var("TRIMUL_TEST_SEED") {
-        Ok(s) => s.trim().parse().unwrap_or_else(|_| panic!("TRIMUL_TEST_SEED={s:?} is not a u64")),
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64 ^ (d.as_secs() << 32)),
-    })
-}
-
-/// This test's seed: the run's base seed mixed with the test's name, printed so that a failure
-/// (whose output the harness shows) can be replayed.
-fn seed(test: &str) -> u64 {
-    let base = base_seed();
-    eprintln!("{test}: replay with TRIMUL_TEST_SEED={base}");
-    base ^ fnv(test)
-}
 
 fn mix(seed: u64, k: u64) -> u64 {
     trimul::rand::Rng::new(seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
