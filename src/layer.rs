@@ -9,9 +9,43 @@ use crate::problem::{Config, Direction, Problem, Shape};
 use crate::weights::Weights;
 
 /// Per-layer options. The precision of `x` and `y` is their element type (see [`IoElement`]).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+///
+/// ```
+/// use trimul::{Direction, Options};
+/// let opts = Options::new(Direction::Incoming).with_eps(1e-6);
+/// assert_eq!((opts.direction, opts.eps), (Direction::Incoming, 1e-6));
+/// ```
+#[derive(Copy, Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Options {
+    /// Which contraction the layer computes.
     pub direction: Direction,
+    /// Epsilon of both LayerNorms ([`crate::problem::LN_EPS`] by default).
+    pub eps: f32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { direction: Direction::default(), eps: crate::problem::LN_EPS }
+    }
+}
+
+impl Options {
+    /// Options for `direction` with the other fields at their defaults.
+    pub fn new(direction: Direction) -> Self {
+        Options { direction, ..Options::default() }
+    }
+
+    /// The same options with the contraction `direction`.
+    pub fn with_direction(self, direction: Direction) -> Self {
+        Options { direction, ..self }
+    }
+
+    /// The same options with LayerNorm epsilon `eps` (a finite value ≥ 0; checked when the
+    /// layer is made).
+    pub fn with_eps(self, eps: f32) -> Self {
+        Options { eps, ..self }
+    }
 }
 
 mod sealed {
@@ -140,6 +174,7 @@ impl<B: Backend> Layer<B> {
     /// Prepares (fuses, casts, uploads) the weights once.
     pub fn new(backend: &B, weights: &Weights, options: Options) -> Result<Self> {
         weights.validate()?;
+        crate::problem::check_eps(options.eps)?;
         let prepared = backend.prepare(weights)?;
         Ok(Layer {
             backend: backend.clone(),
@@ -166,7 +201,7 @@ impl<B: Backend> Layer<B> {
 
     /// The validated problem for one call of this layer.
     pub fn problem(&self, shape: Shape, masked: bool) -> Result<Problem> {
-        Problem::new(self.config, shape, self.options.direction, masked)
+        Ok(Problem::new(self.config, shape, self.options.direction, masked)?.with_eps(self.options.eps))
     }
 
     /// Bytes of device workspace a call of this shape needs.

@@ -93,8 +93,23 @@ impl std::str::FromStr for Precision {
     }
 }
 
-/// LayerNorm epsilon used by both LayerNorms in both formulations.
+/// Default LayerNorm epsilon of both LayerNorms in both formulations (PyTorch's and
+/// cuEquivariance's default); a problem carries its own ([`Problem::with_eps`]).
 pub const LN_EPS: f32 = 1e-5;
+
+fn default_eps() -> f32 {
+    LN_EPS
+}
+
+/// The error for a LayerNorm epsilon no computation can use: NaN, infinite or negative (a
+/// negative one can make `var + eps` negative and its square root NaN).
+pub fn check_eps(eps: f32) -> Result<()> {
+    if eps.is_finite() && eps >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!("LayerNorm eps = {eps}: expected a finite value >= 0")))
+    }
+}
 
 /// Which of the two published formulations a layer computes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -234,9 +249,10 @@ impl Shape {
     }
 }
 
-/// A fully specified, validated call: configuration, shape, direction, whether a mask is given
-/// and whether `y` overwrites `x` (in-place mode).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+/// A fully specified, validated call: configuration, shape, direction, whether a mask is given,
+/// whether `y` overwrites `x` (in-place mode), the element type of `x` and `y` and the LayerNorm
+/// epsilon.
+#[derive(Copy, Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Problem {
     pub config: Config,
     pub shape: Shape,
@@ -249,21 +265,27 @@ pub struct Problem {
     /// Element type of `x` and `y` (see [`Problem::with_io`]).
     #[serde(default)]
     pub io: Precision,
+    /// Epsilon of both LayerNorms (LN_C and LN_H), added to the variance: [`LN_EPS`] unless
+    /// [`Problem::with_eps`] says otherwise.
+    #[serde(default = "default_eps")]
+    pub eps: f32,
 }
 
 impl Problem {
     pub fn new(config: Config, shape: Shape, direction: Direction, masked: bool) -> Result<Self> {
-        let p = Problem { config, shape, direction, masked, in_place: false, io: Precision::F32Io };
+        let p = Problem { config, shape, direction, masked, in_place: false, io: Precision::F32Io, eps: LN_EPS };
         p.validate()?;
         Ok(p)
     }
 
     /// What [`Problem::new`] checks, for a problem built or changed through its public fields
     /// (backends check it again before planning): a valid config, B and N at least 1, and every
-    /// tensor's element count well inside `i64` (GPU index math) and `usize`.
+    /// tensor's element count well inside `i64` (GPU index math) and `usize`, and a finite,
+    /// non-negative epsilon.
     pub fn validate(&self) -> Result<()> {
         let (config, shape) = (self.config, self.shape);
         config.validate()?;
+        check_eps(self.eps)?;
         if shape.batch == 0 {
             return Err(Error::Shape("batch size B must be at least 1".into()));
         }
@@ -289,6 +311,11 @@ impl Problem {
     /// The same problem with `x` and `y` held in `io` precision.
     pub fn with_io(self, io: Precision) -> Problem {
         Problem { io, ..self }
+    }
+
+    /// The same problem with LayerNorm epsilon `eps` (checked by [`Problem::validate`]).
+    pub fn with_eps(self, eps: f32) -> Problem {
+        Problem { eps, ..self }
     }
 
     /// Bytes of the caller's tensors on the device: `x` and `y` in the I/O precision, the mask
@@ -387,6 +414,18 @@ mod tests {
         let cfg = Config::new(Formulation::Af3, 128, 128).unwrap();
         assert!(Problem::new(cfg, Shape::new(0, 4), Direction::Outgoing, false).is_err());
         assert!(Problem::new(cfg, Shape::new(1, 0), Direction::Outgoing, false).is_err());
+    }
+
+    #[test]
+    fn eps_is_checked() {
+        let cfg = Config::new(Formulation::Af3, 8, 8).unwrap();
+        let p = Problem::new(cfg, Shape::new(1, 4), Direction::Outgoing, false).unwrap();
+        assert_eq!(p.eps, LN_EPS);
+        assert!(p.with_eps(0.0).validate().is_ok() && p.with_eps(1e-3).validate().is_ok());
+        for bad in [f32::NAN, f32::INFINITY, -1e-5] {
+            let e = p.with_eps(bad).validate().unwrap_err().to_string();
+            assert!(e.contains("LayerNorm eps"), "{e}");
+        }
     }
 
     #[test]

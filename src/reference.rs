@@ -34,7 +34,7 @@ use std::fmt;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::problem::{Direction, Formulation, Problem, Shape, LN_EPS};
+use crate::problem::{Direction, Formulation, Problem, Shape};
 use crate::rand::Rng;
 use crate::weights::{Linear, Norm, Weights};
 
@@ -125,11 +125,13 @@ impl Lin {
 struct Ln {
     w: Vec<f64>,
     b: Vec<f64>,
+    eps: f64,
 }
 
 impl Ln {
-    fn new(n: &Norm) -> Ln {
-        Ln { w: n.weight.iter().map(|&v| v as f64).collect(), b: n.bias.iter().map(|&v| v as f64).collect() }
+    fn new(n: &Norm, eps: f32) -> Ln {
+        let w = n.weight.iter().map(|&v| v as f64).collect();
+        Ln { w, b: n.bias.iter().map(|&v| v as f64).collect(), eps: f64::from(eps) }
     }
 
     fn apply(&self, v: &[f64], out: &mut [f64]) {
@@ -137,7 +139,7 @@ impl Ln {
         for (vr, or) in v.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
             let mean = vr.iter().sum::<f64>() / width as f64;
             let var = vr.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / width as f64;
-            let inv = 1.0 / (var + LN_EPS as f64).sqrt();
+            let inv = 1.0 / (var + self.eps).sqrt();
             for k in 0..width {
                 or[k] = (vr[k] - mean) * inv * self.w[k] + self.b[k];
             }
@@ -190,13 +192,13 @@ impl<'a> Model<'a> {
             problem: *problem,
             x,
             mask,
-            norm_in: Ln::new(&weights.norm_in),
+            norm_in: Ln::new(&weights.norm_in, problem.eps),
             left_proj: Lin::new(&weights.left_proj),
             left_gate: Lin::new(&weights.left_gate),
             right_proj: Lin::new(&weights.right_proj),
             right_gate: Lin::new(&weights.right_gate),
             out_gate: Lin::new(&weights.out_gate),
-            norm_out: Ln::new(&weights.norm_out),
+            norm_out: Ln::new(&weights.norm_out, problem.eps),
             out_proj: Lin::new(&weights.out_proj),
         })
     }
@@ -598,7 +600,7 @@ pub fn check(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::Config;
+    use crate::problem::{Config, LN_EPS};
 
     fn lin(out: usize, inp: usize, w: &[f32], b: Option<&[f32]>) -> Linear {
         Linear::new(w.to_vec(), b.map(<[f32]>::to_vec), out, inp)

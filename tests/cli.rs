@@ -228,7 +228,7 @@ fn run_round_trip_matches_the_library() {
 
     let (y, dims) = io::read_output(dir.path("y.safetensors")).unwrap();
     assert_eq!(dims, [batch, n, n, c]);
-    let mut layer = TriMul::new(&Device::cpu(), &weights, Options { direction: Direction::Incoming }).unwrap();
+    let mut layer = TriMul::new(&Device::cpu(), &weights, Options::new(Direction::Incoming)).unwrap();
     let want = layer.forward(&x, Some(&mask), Shape::new(batch, n)).unwrap();
     assert_eq!(y.len(), want.len());
     let worst = y.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);

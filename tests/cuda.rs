@@ -20,7 +20,7 @@ fn check_case(b: &CudaBackend, case: &Case, formulation: Formulation, direction:
     let problem = case.problem(formulation, direction).unwrap();
     let weights = Weights::random(problem.config, biases, seed).unwrap();
     let inputs = suite::generate_inputs(case, seed ^ 0xABCD);
-    let mut layer = Layer::new(b, &weights, Options { direction }).unwrap();
+    let mut layer = Layer::new(b, &weights, Options::new(direction)).unwrap();
     let mut y = vec![f32::NAN; inputs.x.len()];
     layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
     let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
@@ -176,7 +176,7 @@ fn half_io_device_buffers_match_reference() {
                 let inputs = suite::generate_inputs(case, s ^ 0xABCD ^ k as u64);
                 let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
                 let x: Vec<f32> = bits.iter().map(|&v| io.decode_half(v)).collect();
-                let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
+                let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
                 let mut xd = b.alloc_buffer::<u16>(bits.len()).unwrap();
                 b.upload_bits(&bits, &mut xd).unwrap();
                 let md = inputs.mask.as_ref().map(|m| {
@@ -304,7 +304,7 @@ fn path_on_and_off_agree(
     for on in [true, false] {
         (path.switch)(on);
         let before = (path.launches)();
-        let mut layer = Layer::new(b, &weights, Options { direction: dir }).unwrap();
+        let mut layer = Layer::new(b, &weights, Options::new(dir)).unwrap();
         let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
         let launched = (path.launches)() - before;
         let name = path.name;
@@ -424,7 +424,7 @@ fn device_buffer_forward_and_caller_stream_forward_agree_with_reference() {
     let weights = Weights::random(problem.config, true, s).unwrap();
     let inputs = suite::generate_inputs(&case, s ^ 0x5EED);
     let mask = inputs.mask.as_ref().unwrap();
-    let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming }).unwrap();
+    let mut layer = Layer::new(&b, &weights, Options::new(Direction::Incoming)).unwrap();
     let mut xd = b.alloc(inputs.x.len()).unwrap();
     let mut md = b.alloc(mask.len()).unwrap();
     let mut yd = b.alloc(inputs.x.len()).unwrap();
@@ -505,7 +505,7 @@ fn chunked_plans_and_in_place_match_one_pass() {
         let problem = case.problem(f, d).unwrap();
         let weights = Weights::random(problem.config, f == Formulation::Af3, s ^ k as u64).unwrap();
         let inputs = suite::generate_inputs(&case, s ^ 0x5EED ^ k as u64);
-        let mut layer = Layer::new(&b, &weights, Options { direction: d }).unwrap();
+        let mut layer = Layer::new(&b, &weights, Options::new(d)).unwrap();
         let one_pass = forward(&mut layer, &inputs.x, inputs.mask.as_deref(), case.shape(), false).unwrap();
         assert!(!layer.exec_plan().unwrap().gate_recomputed);
         for in_place in [false, true] {
@@ -553,7 +553,7 @@ fn staged_chunked_plans_match_one_pass() {
             let weights = Weights::random(problem.config, *biases, s ^ k as u64).unwrap();
             let inputs = suite::generate_inputs(case, s ^ 0xC0DE ^ k as u64);
             let mask = inputs.mask.as_deref();
-            let mut layer = Layer::new(&b, &weights, Options { direction: *d }).unwrap();
+            let mut layer = Layer::new(&b, &weights, Options::new(*d)).unwrap();
             let one_pass = forward(&mut layer, &inputs.x, mask, case.shape(), false).unwrap();
             for in_place in [false, true] {
                 let needs = layer.memory_needs(case.shape(), true, in_place).unwrap();
@@ -611,7 +611,7 @@ fn output_gate_from_x_matches_reference_and_stored_gate() {
                 for on in [true, false] {
                     b.set_output_gate(if on { OutputGate::FromX } else { OutputGate::Stored });
                     let before = b.gate_from_x_launches();
-                    let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
+                    let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
                     let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
                     let launched = b.gate_from_x_launches() - before;
                     assert_eq!(launched > 0, on && takes, "{what} gate from x {on}: launches {launched}");

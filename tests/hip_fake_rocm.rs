@@ -55,7 +55,7 @@ fn check(b: &HipBackend, cfg: Config, case: &Case, dir: Direction, biases: bool,
     let problem = Problem::new(cfg, case.shape(), dir, case.masked).unwrap();
     let weights = Weights::random(cfg, biases, seed).unwrap();
     let inputs = suite::generate_inputs(case, seed ^ 0x5EED);
-    let mut layer = Layer::new(b, &weights, Options { direction: dir }).unwrap();
+    let mut layer = Layer::new(b, &weights, Options::new(dir)).unwrap();
     let mut y = vec![f32::NAN; inputs.x.len()];
     layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
     let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
@@ -151,7 +151,7 @@ fn tight_budgets_run_chunked_plans_on_both_output_paths() {
             let weights = Weights::random(cfg, biases, seed).unwrap();
             let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
             let mask = inputs.mask.as_deref();
-            let mut layer = Layer::new(&b, &weights, Options { direction: dir }).unwrap();
+            let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
             let one_pass = forward::forward(&mut layer, &inputs.x, mask, case.shape(), false).unwrap();
             for in_place in [false, true] {
                 let needs = layer.memory_needs(case.shape(), true, in_place).unwrap();
@@ -229,7 +229,7 @@ fn device_buffers_caller_stream_and_workspace_reuse() {
     let weights = Weights::random(cfg, true, s ^ 11).unwrap();
     let inputs = suite::generate_inputs(&case, s ^ 12);
     let mask = inputs.mask.as_ref().unwrap();
-    let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming }).unwrap();
+    let mut layer = Layer::new(&b, &weights, Options::new(Direction::Incoming)).unwrap();
     let mut xd = b.alloc(inputs.x.len()).unwrap();
     let mut md = b.alloc(mask.len()).unwrap();
     let mut yd = b.alloc(inputs.x.len()).unwrap();

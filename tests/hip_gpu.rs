@@ -50,7 +50,7 @@ fn check_case(b: &HipBackend, case: &Case, formulation: Formulation, direction: 
     let problem = case.problem(formulation, direction).unwrap();
     let weights = Weights::random(problem.config, biases, seed).unwrap();
     let inputs = suite::generate_inputs(case, seed ^ 0xABCD);
-    let mut layer = Layer::new(b, &weights, Options { direction }).unwrap();
+    let mut layer = Layer::new(b, &weights, Options::new(direction)).unwrap();
     let mut y = vec![f32::NAN; inputs.x.len()];
     layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
     let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
@@ -136,7 +136,7 @@ fn incoming_and_odd_sizes_both_output_paths() {
         let problem = trimul::Problem::new(cfg, case.shape(), Direction::Incoming, true).unwrap();
         let weights = Weights::random(cfg, true, s).unwrap();
         let inputs = suite::generate_inputs(&case, s ^ 1);
-        let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming }).unwrap();
+        let mut layer = Layer::new(&b, &weights, Options::new(Direction::Incoming)).unwrap();
         let mut y = vec![f32::NAN; inputs.x.len()];
         layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
         let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
@@ -185,7 +185,7 @@ fn device_buffer_forward_and_caller_stream_forward_agree_with_reference() {
     let weights = Weights::random(problem.config, true, 11).unwrap();
     let inputs = suite::generate_inputs(&case, 12);
     let mask = inputs.mask.as_ref().unwrap();
-    let mut layer = Layer::new(&b, &weights, Options { direction: Direction::Incoming }).unwrap();
+    let mut layer = Layer::new(&b, &weights, Options::new(Direction::Incoming)).unwrap();
     let mut xd = b.alloc(inputs.x.len()).unwrap();
     let mut md = b.alloc(mask.len()).unwrap();
     let mut yd = b.alloc(inputs.x.len()).unwrap();

@@ -73,7 +73,7 @@ use super::host_gemm::{matmul, MatMut, MatRef, Parallelism};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;
-use crate::problem::{Config, Direction, Formulation, Problem, Shape, LN_EPS};
+use crate::problem::{Config, Direction, Formulation, Problem, Shape};
 use crate::weights::Weights;
 
 /// Positions per sub-block: the row count of one projection GEMM and one output GEMM.
@@ -159,6 +159,8 @@ pub struct CpuWorkspace {
     /// `[B, H, N²]`: the contraction, every channel.
     t: Vec<f32>,
     scratch: Vec<f32>,
+    /// LayerNorm epsilon of the forward running in this workspace (set from its problem).
+    eps: f64,
 }
 
 /// Element counts of the workspace tensors: left, right, t, scratch.
@@ -313,6 +315,7 @@ impl Backend for CpuBackend {
             right: try_zeroed(r, "right projection chunk [B,hc,N,N]", avail)?,
             t: try_zeroed(t, "contraction [B,H,N,N]", avail)?,
             scratch: try_zeroed(s, "block scratch", avail)?,
+            eps: f64::from(problem.eps),
         })
     }
 
@@ -497,7 +500,7 @@ pub fn gemm_ceiling_gflops(n: usize, repeats: usize) -> f64 {
 fn check_call(
     be: &CpuBackend,
     prepared: &CpuPrepared,
-    workspace: &CpuWorkspace,
+    workspace: &mut CpuWorkspace,
     problem: &Problem,
     x_len: usize,
     mask: Option<&[f32]>,
@@ -510,6 +513,7 @@ fn check_call(
             workspace.shape.batch, workspace.shape.n, workspace.config
         )));
     }
+    workspace.eps = f64::from(problem.eps);
     Ok(())
 }
 
@@ -635,12 +639,12 @@ fn sum_sq_dev_f64(v: &[f32], mean: f64) -> f64 {
 /// two-pass in f64: Cauchy inputs put values of 1e4 next to values of 1e-2 in one row, where a
 /// one-pass f32 `E[x²] − E[x]²` loses every digit.
 #[inline(always)]
-fn layer_norm_rows(x: &[f32], out: &mut [f32], w: &[f32], b: &[f32]) {
+fn layer_norm_rows(x: &[f32], out: &mut [f32], w: &[f32], b: &[f32], eps: f64) {
     let width = w.len();
     for (xr, zr) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
         let mean = sum_f64(xr) / width as f64;
         let var = sum_sq_dev_f64(xr, mean) / width as f64;
-        let rstd = 1.0 / (var + LN_EPS as f64).sqrt();
+        let rstd = 1.0 / (var + eps).sqrt();
         for (((z, &v), &wi), &bi) in zr.iter_mut().zip(xr).zip(w).zip(b) {
             *z = ((v as f64 - mean) * rstd) as f32 * wi + bi;
         }
@@ -709,6 +713,7 @@ fn project(
     let m_total = ws.shape.rows();
     let Plan { rows, chunk, .. } = ws.plan;
     let super_rows = ws.plan.super_rows();
+    let eps = ws.eps;
     let CpuWorkspace { left, right, scratch, .. } = ws;
 
     // Pass A for one sub-block: LN_C, then P = z·Wᵀ for the chunk's rows of the four left/right
@@ -720,7 +725,7 @@ fn project(
         let z = &mut z[..q * c];
         simd(
             #[inline(always)]
-            || layer_norm_rows(xb, z, &prep.norm_in_w, &prep.norm_in_b),
+            || layer_norm_rows(xb, z, &prep.norm_in_w, &prep.norm_in_b, eps),
         );
         let zv = || MatRef::new(z, q, c, c, 1);
         if n == h {
@@ -830,6 +835,7 @@ fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: Option<&[f32]>, y: &mut 
     let m_total = ws.shape.rows();
     let Plan { rows, chunk, .. } = ws.plan;
     let super_rows = ws.plan.super_rows();
+    let eps = ws.eps;
     let CpuWorkspace { t, scratch, .. } = ws;
     let t = t.as_slice();
 
@@ -848,7 +854,7 @@ fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: Option<&[f32]>, y: &mut 
             let z = &mut z[..q * c];
             simd(
                 #[inline(always)]
-                || layer_norm_rows(xb, z, &prep.norm_in_w, &prep.norm_in_b),
+                || layer_norm_rows(xb, z, &prep.norm_in_w, &prep.norm_in_b, eps),
             );
             matmul(
                 MatMut::new(og, q, g, 1, rows)?,
@@ -871,7 +877,7 @@ fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: Option<&[f32]>, y: &mut 
         simd(
             #[inline(always)]
             || {
-                norm_out_block(prep, t, u, r0, q, np, rows);
+                norm_out_block(prep, t, u, r0, q, np, rows, eps);
                 if formulation == Formulation::GpuMode {
                     for (urow, orow) in u.chunks_exact_mut(rows).zip(og.chunks_exact(rows)) {
                         for (v, &gv) in urow[..q].iter_mut().zip(&orow[..q]) {
@@ -919,7 +925,8 @@ fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: Option<&[f32]>, y: &mut 
 /// across the H rows so every loop runs over positions and vectorises. Two passes in f64, as
 /// for LN_C.
 #[inline(always)]
-fn norm_out_block(prep: &CpuPrepared, t: &[f32], u: &mut [f32], r0: usize, q: usize, np: usize, rows: usize) {
+#[allow(clippy::too_many_arguments)]
+fn norm_out_block(prep: &CpuPrepared, t: &[f32], u: &mut [f32], r0: usize, q: usize, np: usize, rows: usize, eps: f64) {
     let h = prep.config.h;
     let mut mean = [0.0f64; SUB_ROWS];
     let mut rstd = [0.0f64; SUB_ROWS];
@@ -941,7 +948,7 @@ fn norm_out_block(prep: &CpuPrepared, t: &[f32], u: &mut [f32], r0: usize, q: us
             *s += d * d;
         }
     }
-    rstd.iter_mut().for_each(|s| *s = 1.0 / (*s * inv_h + LN_EPS as f64).sqrt());
+    rstd.iter_mut().for_each(|s| *s = 1.0 / (*s * inv_h + eps).sqrt());
     for (hh, urow) in u.chunks_exact_mut(rows).enumerate() {
         let (wi, bi) = (prep.norm_out_w[hh], prep.norm_out_b[hh]);
         for ((v, &m), &s) in urow.iter_mut().zip(mean.iter()).zip(rstd.iter()) {
@@ -1020,6 +1027,23 @@ mod tests {
                     check(Case { masked, ..case(f, dir, 2, 9, 16, 12) }, 1);
                 }
             }
+        }
+    }
+
+    /// The epsilon reaches both LayerNorms: with x scaled so that its variance (about 1e-4) is
+    /// below eps = 1e-2, the result moves far from the default eps's, and it matches the f64
+    /// reference computed with the same eps.
+    #[test]
+    fn layer_norm_eps_is_the_problems() {
+        for f in [Formulation::GpuMode, Formulation::Af3] {
+            let (w, pr, x, _) = inputs(&case(f, Direction::Outgoing, 1, 8, 16, 8), 11);
+            let x: Vec<f32> = x.iter().map(|v| v * 1e-2).collect();
+            let wide = pr.with_eps(1e-2);
+            let y = run_cpu(&w, &wide, &x, None).unwrap();
+            let cmp = reference::compare(&y, &oracle(&w, &wide, &x, None), 1e-3, 1e-5);
+            assert!(cmp.passed() && cmp.rel_l2 < 2e-6, "{wide:?}: {cmp}");
+            let default = oracle(&w, &pr, &x, None);
+            assert!(rel_l2(&y, &default) > 1e-2, "eps 1e-2 should change y: {}", rel_l2(&y, &default));
         }
     }
 

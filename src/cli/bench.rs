@@ -308,7 +308,7 @@ fn measure<B: Backend>(
     let weights = Weights::random(problem.config, false, weights_seed)?;
     // From here on, the peak counts this shape's weights, buffers and workspace only.
     backend.reset_peak_memory();
-    let options = Options { direction: plan.direction };
+    let options = Options::new(plan.direction);
     let mut layer = Layer::new(backend, &weights, options)?;
     layer.set_memory_budget(plan.budget);
     let needs = layer.memory_needs(shape, problem.masked, plan.in_place)?;
@@ -601,7 +601,7 @@ mod half {
         let shape = problem.shape;
         let weights = Weights::random(problem.config, false, weights_seed)?;
         backend.reset_peak_memory();
-        let mut layer = Layer::new(backend, &weights, Options { direction: plan.direction })?;
+        let mut layer = Layer::new(backend, &weights, Options::new(plan.direction))?;
         layer.set_memory_budget(plan.budget);
         let needs = layer.memory_needs_io(shape, problem.masked, plan.in_place, io)?;
 

@@ -176,7 +176,7 @@ fn run_case(
         // af3 weights carry biases here so the bias paths are checked too.
         let weights = Weights::random(problem.config, formulation == Formulation::Af3, weights_seed)?;
         let inputs = suite::generate_inputs(case, input_seed);
-        let mut layer = TriMul::new(device, &weights, Options { direction })?;
+        let mut layer = TriMul::new(device, &weights, Options::new(direction))?;
         // NaN, so an element the backend never writes fails the comparison.
         let mut y = vec![f32::NAN; problem.x_len()];
         let start = Instant::now();

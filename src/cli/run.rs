@@ -33,7 +33,7 @@ pub fn run(args: &RunArgs) -> CliResult {
     let direction = Direction::from(args.direction);
     progress.set_message(format!("forward on {}", device.kind()));
     let start = Instant::now();
-    let mut layer = TriMul::new(&device, &weights, Options { direction })?;
+    let mut layer = TriMul::new(&device, &weights, Options::new(direction))?;
     layer.set_memory_budget(args.max_memory);
     let shape = input.shape();
     let masked = input.mask.is_some();

@@ -79,7 +79,7 @@ pub fn run(args: &TuneArgs) -> CliResult {
         let masks =
             (0..sets).map(|_| inputs.mask.as_deref().map(upload).transpose()).collect::<trimul::Result<Vec<_>>>()?;
         let mut ys = (0..sets).map(|_| backend.alloc(inputs.x.len())).collect::<trimul::Result<Vec<_>>>()?;
-        let mut layer = Layer::new(&backend, &weights, Options { direction })?;
+        let mut layer = Layer::new(&backend, &weights, Options::new(direction))?;
         let mut y = vec![0f32; inputs.x.len()];
 
         let mut results: Vec<(Option<Tuning>, f64)> = Vec::new();

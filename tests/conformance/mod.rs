@@ -120,7 +120,7 @@ fn mix(seed: u64, k: u64) -> u64 {
 }
 
 fn layer(device: &Device, weights: &Weights, direction: Direction) -> TriMul {
-    TriMul::new(device, weights, Options { direction })
+    TriMul::new(device, weights, Options::new(direction))
         .unwrap_or_else(|e| panic!("TriMul::new failed for valid weights: {e}"))
 }
 

@@ -20,7 +20,7 @@ use super::{
 use crate::backend::params::{self, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
 use crate::backend::{check_device_forward, check_same_weights, Backend};
 use crate::error::{Error, Result};
-use crate::problem::{Formulation, Precision, Problem, LN_EPS};
+use crate::problem::{Formulation, Precision, Problem};
 
 impl CudaBackend {
     /// Whether a one-pass forward of `problem` can make the output gate from x in the output stage
@@ -214,7 +214,7 @@ impl CudaBackend {
             g: g as i32,
             p: p as i32,
             af3: i32::from(cfg.formulation == Formulation::Af3),
-            eps: LN_EPS,
+            eps: problem.eps,
             io_dtype: params::io_dtype(problem.io),
             ..KernelParams::default()
         };

@@ -55,7 +55,7 @@ use super::{check_device_forward, check_prepared_for, check_same_weights, Backen
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
 use crate::memory::ExecPlan;
-use crate::problem::{Config, Formulation, Problem, Shape, LN_EPS};
+use crate::problem::{Config, Formulation, Problem, Shape};
 use crate::weights::Weights;
 
 /// Byte that makes every f16 and f32 element a NaN: poisons buffers in checks.
@@ -611,7 +611,7 @@ impl HipBackend {
             p: int(problem.config.fused_proj_width(), "P")?,
             af3: i32::from(problem.config.formulation == Formulation::Af3),
             tile_rows: 0,
-            eps: LN_EPS,
+            eps: problem.eps,
             // The fused-input fields belong to the CUDA input_projection kernel; unused here.
             ..KernelParams::default()
         };
