@@ -42,6 +42,8 @@ TM_INLINE unsigned short tm_f2h(float f) { return __builtin_bit_cast(unsigned sh
 TM_INLINE float tm_exp(float x) { return __builtin_expf(x); }
 TM_INLINE float tm_rsqrt(float x) { return __builtin_amdgcn_rsqf(x); }
 TM_INLINE float tm_rcp(float x) { return __builtin_amdgcn_rcpf(x); }
+// bf16 is the top half of an f32.
+TM_INLINE float tm_bf2f(unsigned short b) { return __builtin_bit_cast(float, (unsigned)b << 16); }
 typedef long long tm_i64;
 
 #else
@@ -75,6 +77,8 @@ TM_INLINE float tm_rcp(float x) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
+// bf16 is the top half of an f32.
+TM_INLINE float tm_bf2f(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
 typedef long long tm_i64;
 #endif
 

@@ -109,6 +109,10 @@ pub enum Error {
     #[error("out of memory on {backend}: {what} needs {needed} bytes, {available} bytes available")]
     OutOfMemory { backend: BackendKind, what: String, needed: u64, available: u64 },
 
+    /// A broken internal invariant of the library: a bug to report, not something the caller did.
+    #[error("internal error (please report): {0}")]
+    Internal(String),
+
     /// File or tensor-container problems.
     #[error("{path}: {reason}")]
     File { path: String, reason: String },

@@ -2,6 +2,7 @@
 //! backend buffers, workspaces reused across calls of the same shape.
 
 use crate::backend::{cpu::CpuBackend, Backend, Device};
+use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::{self, ExecPlan, MemoryNeeds};
 pub use crate::problem::Precision;
@@ -168,6 +169,10 @@ pub struct Layer<B: Backend> {
     /// Bytes a forward may hold on the device (weights, x, mask, y, workspace); `None`: what
     /// the device has free, less [`memory::margin`].
     budget: Option<u64>,
+    /// The workspace planned for caller memory ([`Layer::forward_device`] with a workspace
+    /// span) and the bytes it needs; kept apart from `workspace` so that the two kinds of call
+    /// do not replan each other's.
+    caller_ws: Option<(B::Workspace, u64)>,
 }
 
 impl<B: Backend> Layer<B> {
@@ -184,7 +189,117 @@ impl<B: Backend> Layer<B> {
             workspace: None,
             planned_for: None,
             budget: None,
+            caller_ws: None,
         })
+    }
+
+    /// Device bytes [`Layer::from_device_weights`] needs as storage for a layer of `config`
+    /// (`biases`: whether any linear layer has one).
+    pub fn prepared_device_bytes(backend: &B, config: &Config, biases: bool) -> Result<u64> {
+        backend.prepared_device_bytes(config, biases)
+    }
+
+    /// Prepares weights the caller holds on the device: one kernel enqueued on `stream` converts
+    /// and reorders them into `storage` (at least [`Layer::prepared_device_bytes`]); nothing is
+    /// copied from the host, allocated or waited for. See [`crate::device_io`].
+    ///
+    /// # Safety
+    /// As [`Backend::prepare_device`]: the weight tensors stay unchanged until `stream` has run
+    /// the preparation, and `storage` stays alive and untouched by others while the layer is used.
+    pub unsafe fn from_device_weights(
+        backend: &B,
+        weights: &DeviceWeights,
+        options: Options,
+        storage: DeviceSpan,
+        stream: u64,
+    ) -> Result<Self> {
+        weights.validate()?;
+        crate::problem::check_eps(options.eps)?;
+        // SAFETY: forwarded from this function's contract.
+        let prepared = unsafe { backend.prepare_device(weights, storage, stream)? };
+        Ok(Layer {
+            backend: backend.clone(),
+            config: weights.config,
+            options,
+            prepared,
+            workspace: None,
+            planned_for: None,
+            budget: None,
+            caller_ws: None,
+        })
+    }
+
+    /// Replaces this layer's weights with `weights` prepared on the device into `storage` (as
+    /// [`Layer::from_device_weights`]), keeping the workspaces' plans: a caller that receives new
+    /// weights with every call (GPU MODE's harness does) pays one preparation kernel, not a new
+    /// plan. The weights must have this layer's configuration.
+    ///
+    /// # Safety
+    /// As [`Layer::from_device_weights`]; the storage of the weights replaced is no longer read.
+    pub unsafe fn prepare_device_weights(
+        &mut self,
+        weights: &DeviceWeights,
+        storage: DeviceSpan,
+        stream: u64,
+    ) -> Result<()> {
+        weights.validate()?;
+        if weights.config != self.config {
+            return Err(Error::Weights(format!(
+                "weights of {:?} given to a layer of {:?}",
+                weights.config, self.config
+            )));
+        }
+        // SAFETY: forwarded from this function's contract.
+        self.prepared = unsafe { self.backend.prepare_device(weights, storage, stream)? };
+        // A chunked workspace of the layer's own holds copies of the old weights.
+        self.workspace = None;
+        self.planned_for = None;
+        Ok(())
+    }
+
+    /// Bytes of the workspace a [`Layer::forward_device`] of this shape needs when the caller
+    /// provides it; plans that workspace (kept for the calls that follow).
+    pub fn device_workspace_bytes(&mut self, shape: Shape, masked: bool, io: Precision) -> Result<u64> {
+        let problem = self.problem(shape, masked)?.with_io(io);
+        Ok(self.caller_parts(&problem)?.3)
+    }
+
+    fn caller_parts(&mut self, problem: &Problem) -> Result<(&B, &B::Prepared, &mut B::Workspace, u64)> {
+        let fits = matches!(&self.caller_ws, Some((ws, _)) if self.backend.workspace_fits(ws, problem));
+        if !fits {
+            self.caller_ws = None;
+            self.caller_ws = Some(self.backend.caller_workspace(&self.prepared, problem, self.budget)?);
+        }
+        let Layer { backend, prepared, caller_ws, .. } = self;
+        let (ws, bytes) = caller_ws.as_mut().ok_or_else(|| Error::Internal("caller workspace missing".into()))?;
+        Ok((backend, prepared, ws, *bytes))
+    }
+
+    /// Enqueues one forward on caller device memory ([`DeviceIo`]) on `io.stream`: x, the mask
+    /// and y where the caller keeps them, in `io.io` precision, the intermediates in
+    /// `io.workspace` (at least [`Layer::device_workspace_bytes`]) or, without one, in a
+    /// workspace the layer allocates and keeps. Returns once the work is enqueued.
+    ///
+    /// # Safety
+    /// As [`Backend::forward_device`]: the addresses are live device allocations of this layer's
+    /// context with the element counts of `io.shape` (x and y in `io.io`, the mask f32), `y`
+    /// aliasing neither, all alive until `io.stream` has run the work. A forward of this layer
+    /// on another stream must not run concurrently when the layer's own workspace is used.
+    pub unsafe fn forward_device(&mut self, io: &DeviceIo) -> Result<()> {
+        let problem = self.problem(io.shape, io.mask.is_some())?.with_io(io.io);
+        match io.workspace {
+            Some(span) => {
+                let (backend, prepared, ws, bytes) = self.caller_parts(&problem)?;
+                span.check("the workspace", bytes)?;
+                // SAFETY: forwarded from this function's contract.
+                unsafe { backend.forward_device(prepared, ws, &problem, io) }
+            }
+            None => {
+                let (backend, prepared, ws) = self.parts(&problem)?;
+                // SAFETY: forwarded from this function's contract.
+                unsafe { backend.forward_device(prepared, ws, &problem, io) }
+            }
+        }
     }
 
     pub fn backend(&self) -> &B {
@@ -219,6 +334,7 @@ impl<B: Backend> Layer<B> {
         if self.budget != bytes {
             self.budget = bytes;
             self.workspace = None;
+            self.caller_ws = None;
         }
     }
 

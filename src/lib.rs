@@ -22,6 +22,7 @@
 //! cases. See `SPEC.md` (in the repository's shared docs) for the math.
 
 pub mod backend;
+pub mod device_io;
 pub mod error;
 pub mod io;
 pub mod kernels;
@@ -35,6 +36,7 @@ pub mod suite;
 pub mod weights;
 
 pub use backend::{Backend, Ceilings, Device, DeviceInfo, MemoryInfo};
+pub use device_io::{DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights};
 pub use error::{BackendKind, Error, Result};
 pub use io::{NamingScheme, PairInput};
 pub use layer::{IoElement, Layer, Options, Precision, TriMul};

@@ -24,6 +24,7 @@ pub(crate) mod host_gemm;
 pub mod params;
 pub mod staged_plan;
 
+use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;
 use crate::problem::{Config, Precision, Problem};
@@ -163,6 +164,14 @@ pub(crate) fn check_device_forward(prepared: &Config, problem: &Problem, x: u64,
         }
     }
     Ok(())
+}
+
+/// The error of a backend without forwards on caller device memory.
+fn no_device_io(kind: BackendKind) -> Error {
+    Error::InvalidArgument(match kind {
+        BackendKind::Cpu => "the CPU backend works on host slices: it has no device memory to be given".into(),
+        other => format!("forwards on caller device memory are not built for the {other} backend yet"),
+    })
 }
 
 /// One compute backend. See the module docs for the life cycle.
@@ -322,6 +331,65 @@ pub trait Backend: Clone + Send + Sync {
             *d = io.encode_half(v);
         }
         Ok(())
+    }
+
+    /// Device bytes [`Backend::prepare_device`] needs for a layer of `config` (`biases`: whether
+    /// any linear layer has one).
+    fn prepared_device_bytes(&self, config: &Config, biases: bool) -> Result<u64> {
+        let _ = (config, biases);
+        Err(no_device_io(self.kind()))
+    }
+
+    /// Prepares weights the caller holds on the device into `storage` (at least
+    /// [`Backend::prepared_device_bytes`] bytes) with one kernel enqueued on `stream`: no host
+    /// copy, no allocation, no wait. The result reads `storage` in every forward.
+    ///
+    /// # Safety
+    /// Every tensor of `weights` is a live device allocation of its length in this backend's
+    /// context, unchanged until `stream` has run the preparation; `storage` is a live allocation
+    /// of its size, used by nothing else, alive and unchanged for as long as the result is used;
+    /// `stream` is a stream of this context (0: the legacy default stream).
+    unsafe fn prepare_device(
+        &self,
+        weights: &DeviceWeights,
+        storage: DeviceSpan,
+        stream: u64,
+    ) -> Result<Self::Prepared> {
+        let _ = (weights, storage, stream);
+        Err(no_device_io(self.kind()))
+    }
+
+    /// A workspace for `problem` whose buffers will live in caller memory, and the bytes that
+    /// memory must hold. Planned once (buffers and GEMM plans); each
+    /// [`Backend::forward_device`] binds it to the span it is given. `limit` caps its bytes.
+    fn caller_workspace(
+        &self,
+        prepared: &Self::Prepared,
+        problem: &Problem,
+        limit: Option<u64>,
+    ) -> Result<(Self::Workspace, u64)> {
+        let _ = (prepared, problem, limit);
+        Err(no_device_io(self.kind()))
+    }
+
+    /// Enqueues one forward on caller device memory (see [`DeviceIo`]) on `io.stream`. With
+    /// `io.workspace`, `workspace` must come from [`Backend::caller_workspace`] and is bound to
+    /// that span; without, it is one of [`Backend::workspace`]'s.
+    ///
+    /// # Safety
+    /// `io.x`, `io.y` (and the mask) are live device allocations of this context holding the
+    /// problem's element counts in `io.io` (the mask f32), `y` aliasing neither; the workspace
+    /// span, if any, is a live allocation of its size used by nothing else; all stay alive until
+    /// `io.stream` has run the work, and `io.stream` belongs to this context.
+    unsafe fn forward_device(
+        &self,
+        prepared: &Self::Prepared,
+        workspace: &mut Self::Workspace,
+        problem: &Problem,
+        io: &DeviceIo,
+    ) -> Result<()> {
+        let _ = (prepared, workspace, problem, io);
+        Err(no_device_io(self.kind()))
     }
 
     /// Block until all enqueued work has finished, surfacing any deferred device error.

@@ -264,3 +264,49 @@ mod fused_tests {
         assert!(FusedInputLayout::new(&Config::new(Formulation::GpuMode, 66, 128).unwrap()).is_none());
     }
 }
+
+/// Segments of one `prepare_weights` launch (`TM_PREP_MAX_SEGMENTS` in
+/// `common/prepare_weights.h`).
+pub const PREP_MAX_SEGMENTS: usize = 24;
+/// Threads per block of `prepare_weights`.
+pub const PREP_THREADS: u32 = 256;
+/// Segment kinds (`TM_SEG_*`): a plain converted copy, the fused input kernel's weight matrix,
+/// its bias.
+pub const SEG_PLAIN: i32 = 0;
+pub const SEG_FUSED_W: i32 = 1;
+pub const SEG_FUSED_B: i32 = 2;
+
+/// Mirror of `TmPrepSegment` in `common/prepare_weights.h`.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct PrepSegment {
+    pub src: u64,
+    pub dst: u64,
+    pub count: i64,
+    pub kind: i32,
+    pub src_dtype: i32,
+    pub dst_f16: i32,
+    pub scale: f32,
+}
+
+/// Mirror of `TmPrepareParams` in `common/prepare_weights.h`: one launch of the device-side
+/// weight preparation.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct PrepareParams {
+    pub seg: [PrepSegment; PREP_MAX_SEGMENTS],
+    pub fused_src: [u64; 5],
+    pub fused_bias: [u64; 5],
+    pub fused_dtype: [i32; 5],
+    pub fused_bias_dtype: [i32; 5],
+    pub segments: i32,
+    pub grid: i32,
+    pub c: i32,
+    pub h: i32,
+    pub g: i32,
+    pub k_pad: i32,
+    pub h_pad: i32,
+    pub g_pad: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<PrepareParams>() == 1112);

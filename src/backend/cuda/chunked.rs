@@ -59,6 +59,7 @@ impl CudaBackend {
             output_gate: self.output_gate(),
             switches: self.switches(),
             weights_of: Some(prepared.id),
+            caller_base: None,
         })
     }
 
@@ -142,6 +143,7 @@ impl CudaBackend {
             output_gate: self.output_gate(),
             switches: self.switches(),
             weights_of: Some(prepared.id),
+            caller_base: None,
         })
     }
 

@@ -83,12 +83,14 @@ pub(crate) fn nvrtc_missing() -> Error {
     }
 }
 
-/// Device memory owned by the backend: `len` elements of `T`, freed on drop.
+/// Device memory of `len` elements of `T`: owned by the backend and freed on drop, or (made by
+/// [`DeviceBuffer::borrowed`]) a view of memory the caller owns, which is never freed here.
 pub struct DeviceBuffer<T> {
     ptr: CUdeviceptr,
     len: usize,
     ctx: Arc<cudarc::driver::CudaContext>,
     tracker: Arc<AllocTracker>,
+    owned: bool,
     _t: PhantomData<T>,
 }
 
@@ -124,7 +126,29 @@ impl<T> DeviceBuffer<T> {
             }
         })?;
         tracker.add(bytes);
-        Ok(DeviceBuffer { ptr, len, ctx: ctx.clone(), tracker: tracker.clone(), _t: PhantomData })
+        Ok(DeviceBuffer { ptr, len, ctx: ctx.clone(), tracker: tracker.clone(), owned: true, _t: PhantomData })
+    }
+
+    /// A view of `len` elements at `ptr` in memory the caller owns (a PyTorch tensor, a caller's
+    /// workspace): not counted in the tracker, never freed here. Whoever makes one keeps the
+    /// memory alive while the view is used; the view itself dereferences nothing.
+    pub(crate) fn borrowed(
+        ctx: &Arc<cudarc::driver::CudaContext>,
+        tracker: &Arc<AllocTracker>,
+        ptr: CUdeviceptr,
+        len: usize,
+    ) -> Self {
+        DeviceBuffer { ptr, len, ctx: ctx.clone(), tracker: tracker.clone(), owned: false, _t: PhantomData }
+    }
+
+    /// Moves a borrowed view by the same distance its caller memory moved (`from` → `to`);
+    /// owned buffers never move.
+    pub(crate) fn rebase(&mut self, from: u64, to: u64) -> Result<()> {
+        if self.owned {
+            return Err(Error::InvalidArgument("an owned device buffer cannot be rebased".into()));
+        }
+        self.ptr = self.ptr - from + to;
+        Ok(())
     }
 
     /// Device address.
@@ -187,6 +211,9 @@ impl<T> DeviceBuffer<T> {
 
 impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once.
             // cuMemFree waits for work using it to finish.

@@ -18,12 +18,14 @@ use crate::backend::params::KernelParams;
 use crate::error::{Error, Result};
 use crate::kernels::{find, EmbeddedStage, CUDA_STAGES};
 
-/// The four portable stages, loaded.
+/// The portable stages, loaded, and the fused kernels where the GPU has them.
 pub(crate) struct Kernels {
     pub input_norm: Stage,
     pub input_gating: Stage,
     pub output_norm: Stage,
     pub output_gate: Stage,
+    /// Weight preparation from device tensors (`common/prepare_weights.h`).
+    pub prepare_weights: Stage,
     /// The fused LN + projection + gating kernel (sm_80+), with the dynamic shared memory
     /// limit raised to the device's opt-in maximum; `None` on older GPUs.
     pub input_projection: Option<Stage>,
@@ -132,6 +134,7 @@ impl Kernels {
             input_gating: get("input_gating")?,
             output_norm: get("output_norm")?,
             output_gate: get("output_gate")?,
+            prepare_weights: get("prepare_weights")?,
             input_projection: None,
             input_projection_wide: None,
             input_projection_sm90: None,
@@ -243,12 +246,31 @@ impl Stage {
         params: &KernelParams,
         pdl: bool,
     ) -> Result<()> {
+        // SAFETY: forwarded from this function's contract; every stage but prepare_weights
+        // takes one KernelParams by value.
+        unsafe { self.launch_with(grid, block, smem, stream, params, pdl) }
+    }
+
+    /// [`Stage::launch_dependent`] for a kernel whose one argument is a `P` by value (a
+    /// `#[repr(C)]` mirror of the kernel's parameter struct, e.g. `PrepareParams`).
+    ///
+    /// # Safety
+    /// As [`Stage::launch`], and `P` is the struct the kernel declares.
+    pub(crate) unsafe fn launch_with<P: Copy>(
+        &self,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        stream: CUstream,
+        params: &P,
+        pdl: bool,
+    ) -> Result<()> {
         if grid == 0 {
             return Ok(());
         }
         let _keep = &self.func;
         let mut p = *params;
-        let mut args = [&mut p as *mut KernelParams as *mut c_void];
+        let mut args = [&mut p as *mut P as *mut c_void];
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
@@ -268,8 +290,8 @@ impl Stage {
             numAttrs: u32::from(pdl),
         };
         // SAFETY: `config` and `attr` outlive the call, which copies them; the one argument is a
-        // KernelParams by value as every stage declares, its pointers valid per this function's
-        // contract; the function handle belongs to a module kept loaded by `self.func`.
+        // `P` by value as the kernel declares (this function's contract), its pointers valid per
+        // that contract; the function handle belongs to a module kept loaded by `self.func`.
         unsafe { sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .ctx("cuLaunchKernelEx")

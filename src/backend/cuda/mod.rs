@@ -31,6 +31,7 @@ mod chunked;
 mod driver;
 mod forward;
 mod kernels;
+mod prepare;
 mod tuning;
 
 pub use tuning::{Tuning, TuningEntry, TuningTable};
@@ -51,6 +52,7 @@ use super::gemm::GemmSpec;
 use super::params::{self, FusedInputLayout, KernelParams, FUSED_INPUT_ROWS, STAGE_THREADS};
 use super::staged_plan::{ChunkedPlan, STAGING_ALIGN};
 use super::{check_prepared_for, Backend, Ceilings, DeviceInfo, MemoryInfo};
+use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
 use crate::memory::ExecPlan;
@@ -407,6 +409,16 @@ impl CudaBackend {
         })
     }
 
+    /// The fused input kernel's weight layout for a layer of `config`, when that kernel takes the
+    /// shape on this GPU (and is switched on): weights are then prepared in its order too.
+    fn fused_layout(&self, config: &Config) -> Option<FusedInputLayout> {
+        let layout = FusedInputLayout::new(config)?;
+        (self.inner.kernels.input_projection.is_some()
+            && self.inner.fused_input.load(Ordering::Relaxed)
+            && FusedInput::smem_bytes_of(&layout) <= self.inner.kernels.max_smem)
+            .then_some(layout)
+    }
+
     fn upload_f32(&self, v: &[f32]) -> Result<DeviceBuffer<f32>> {
         let mut b = self.alloc_buffer::<f32>(v.len())?;
         b.upload(v, self.stream())?;
@@ -574,8 +586,12 @@ impl FusedInput {
     /// Dynamic shared memory of one block of the mma.sync build (see the layout comment in
     /// `cuda/input_projection.cu`).
     fn smem_bytes(&self) -> usize {
+        Self::smem_bytes_of(&self.layout)
+    }
+
+    fn smem_bytes_of(layout: &FusedInputLayout) -> usize {
         let rows = FUSED_INPUT_ROWS;
-        let a = rows * (self.layout.k_pad + 8) * 2;
+        let a = rows * (layout.k_pad + 8) * 2;
         let ring = 2 * 128 * (64 + 8) * 2;
         a + ring + Self::staging_bytes(rows) + rows * 4
     }
@@ -650,6 +666,10 @@ pub struct CudaWorkspace {
     /// The kernel switches when it was planned ([`CudaBackend::switches`]): which input build
     /// runs decides whether the plan holds the cuBLASLt projection's scratch.
     switches: u8,
+    /// For a workspace in caller memory ([`CudaBackend::plan_caller_workspace`]), the address
+    /// its buffers are laid out from now (0 until the first bind) and the bytes they span;
+    /// `None`: the backend owns it.
+    caller_base: Option<(u64, u64)>,
 }
 
 /// Where the intermediates live. One per workspace, so the variants' sizes do not matter.
@@ -914,6 +934,16 @@ impl CudaBackend {
     pub fn download_bits(&self, src: &DeviceBuffer<u16>, dst: &mut [u16]) -> Result<()> {
         src.download(dst, self.stream())
     }
+
+    /// Copies raw bytes into a device buffer of the same length; waits for the copy.
+    pub fn upload_bytes(&self, src: &[u8], dst: &mut DeviceBuffer<u8>) -> Result<()> {
+        dst.upload(src, self.stream())
+    }
+
+    /// Copies a byte buffer to host memory of the same length after pending work.
+    pub fn download_bytes(&self, src: &DeviceBuffer<u8>, dst: &mut [u8]) -> Result<()> {
+        src.download(dst, self.stream())
+    }
 }
 
 impl crate::layer::Layer<CudaBackend> {
@@ -966,6 +996,151 @@ impl crate::layer::Layer<CudaBackend> {
     }
 }
 
+impl CudaBackend {
+    /// The one-pass workspace of `problem` (left, right, the gate unless made from x, and t,
+    /// each from `alloc`, in halves) with its cuBLASLt plans.
+    fn one_pass_workspace(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        tuning: Tuning,
+        gate_from_x: bool,
+        alloc: &mut dyn FnMut(usize) -> Result<DeviceBuffer<u16>>,
+    ) -> Result<CudaWorkspace> {
+        let cfg = problem.config;
+        let m = problem.shape.rows();
+        let blas = &self.inner.blas;
+        let blas_input = if self.fused_kernel_for(prepared, problem, tuning).is_some() {
+            None
+        } else {
+            let s = Scratch::plan(problem);
+            let ws_proj = s.t_bytes - s.ws_offset;
+            let proj = |rows| {
+                MatmulPlan::new(
+                    blas,
+                    GemmSpec::projection(rows, cfg.c, cfg.fused_proj_width()),
+                    Elem::F16,
+                    false,
+                    ws_proj,
+                )
+            };
+            let tail = m % s.chunk_rows;
+            Some(BlasInput {
+                scratch: s,
+                proj_full: proj(s.chunk_rows)?,
+                proj_tail: if tail > 0 { Some(proj(tail)?) } else { None },
+            })
+        };
+        let t_len = blas_input.as_ref().map_or(m * cfg.h, |c| c.scratch.t_bytes / 2);
+        let bh = problem.shape.batch * cfg.h;
+        Ok(CudaWorkspace {
+            problem: *problem,
+            layout: Layout::OnePass {
+                left: alloc(m * cfg.h)?,
+                right: alloc(m * cfg.h)?,
+                gate: if gate_from_x { None } else { Some(alloc(m * cfg.gate_width())?) },
+                blas_input,
+            },
+            t: alloc(t_len)?,
+            contraction: MatmulPlan::new_ranked(
+                blas,
+                GemmSpec::contraction(problem.direction, bh, problem.shape.n),
+                Elem::F16,
+                false,
+                MAX_GEMM_WORKSPACE.min(m * cfg.c * problem.io.io_bytes()),
+                tuning.contraction_rank as usize,
+            )?,
+            contraction_tail: None,
+            output: MatmulPlan::new(
+                blas,
+                GemmSpec::output(m, cfg.c, cfg.h),
+                Elem::F32,
+                prepared.out_bias.is_some(),
+                MAX_GEMM_WORKSPACE.min(m * cfg.h * 2),
+            )?,
+            output_tail: None,
+            staging: None,
+            half_staging: None,
+            tuning,
+            output_gate: self.output_gate(),
+            switches: self.switches(),
+            weights_of: None,
+            caller_base: None,
+        })
+    }
+
+    /// A one-pass workspace whose buffers are views into caller memory, laid out from address
+    /// 0 (so their addresses are offsets) until [`CudaWorkspace::bind`] moves them to the span
+    /// of a call; and the bytes that span needs. The gate is made from x where the stored one
+    /// would not fit `limit` and the kernel applies, as in [`Backend::workspace`].
+    fn plan_caller_workspace(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        limit: Option<u64>,
+    ) -> Result<(CudaWorkspace, u64)> {
+        check_prepared_for(&prepared.config, problem)?;
+        if let Some(why) = self.half_io_unsupported(prepared, problem) {
+            return Err(Error::Dtype(why));
+        }
+        let tuning = self.tuning_for(problem);
+        let limit = limit.unwrap_or(u64::MAX);
+        let gate_from_x = self.gate_from_x_for(prepared, problem, tuning)
+            && match self.output_gate() {
+                OutputGate::FromX => true,
+                OutputGate::Stored => false,
+                OutputGate::Auto => self.one_pass_bytes(prepared, problem, false) > limit,
+            };
+        let inner = &self.inner;
+        let mut end = 0u64;
+        let mut carve = |len: usize| -> Result<DeviceBuffer<u16>> {
+            let at = end;
+            let bytes = (len.max(1) as u64).checked_mul(2).ok_or_else(|| Error::Shape("workspace too large".into()))?;
+            end = (at + bytes).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
+            Ok(DeviceBuffer::borrowed(&inner.ctx, &inner.tracker, at, len))
+        };
+        let mut ws = self.one_pass_workspace(prepared, problem, tuning, gate_from_x, &mut carve)?;
+        if end > limit {
+            return Err(Error::OutOfMemory {
+                backend: BackendKind::Cuda,
+                what: format!(
+                    "the one-pass workspace for B={} N={} C={} H={} (workspaces in caller memory are one-pass only)",
+                    problem.shape.batch, problem.shape.n, problem.config.c, problem.config.h
+                ),
+                needed: end,
+                available: limit,
+            });
+        }
+        ws.caller_base = Some((0, end));
+        Ok((ws, end))
+    }
+}
+
+impl CudaWorkspace {
+    /// Moves a caller-memory workspace's buffers into `span` (checked: aligned, large enough).
+    fn bind(&mut self, span: DeviceSpan) -> Result<()> {
+        let Some((base, bytes)) = self.caller_base else {
+            return Err(Error::InvalidArgument("a workspace span was given to a workspace the layer owns".into()));
+        };
+        span.check("the workspace", bytes)?;
+        if base == span.ptr {
+            return Ok(());
+        }
+        let to = span.ptr;
+        self.t.rebase(base, to)?;
+        match &mut self.layout {
+            Layout::OnePass { left, right, gate, .. } => {
+                for b in [Some(left), Some(right), gate.as_mut()].into_iter().flatten() {
+                    b.rebase(base, to)?;
+                }
+            }
+            _ => return Err(Error::Internal("a caller-memory workspace must be one-pass".into())),
+        }
+        self.caller_base = Some((to, bytes));
+        Ok(())
+    }
+}
+
 impl Backend for CudaBackend {
     type Buffer = DeviceBuffer<f32>;
     type Prepared = CudaPrepared;
@@ -995,17 +1170,16 @@ impl Backend for CudaBackend {
             None
         };
         debug_assert_eq!(fused.len(), cfg.fused_proj_width() * cfg.c);
-        let fused_input = match (FusedInputLayout::new(&cfg), &self.inner.kernels.input_projection) {
-            (Some(layout), Some(_)) if self.inner.fused_input.load(Ordering::Relaxed) => {
+        let fused_input = match self.fused_layout(&cfg) {
+            Some(layout) => {
                 let (mat, bias) = layout.pack(w);
-                let f = FusedInput {
+                Some(FusedInput {
                     layout,
                     w: self.upload_f16("the input projections", &mat)?,
                     bias: bias.map(|b| self.upload_f32(&b)).transpose()?,
-                };
-                (f.smem_bytes() <= self.inner.kernels.max_smem).then_some(f)
+                })
             }
-            _ => None,
+            None => None,
         };
         Ok(CudaPrepared {
             config: cfg,
@@ -1151,65 +1325,7 @@ impl Backend for CudaBackend {
                 available: free,
             });
         }
-        let cfg = problem.config;
-        let m = problem.shape.rows();
-        let blas = &self.inner.blas;
-        let blas_input = if self.fused_kernel_for(prepared, problem, tuning).is_some() {
-            None
-        } else {
-            let s = Scratch::plan(problem);
-            let ws_proj = s.t_bytes - s.ws_offset;
-            let proj = |rows| {
-                MatmulPlan::new(
-                    blas,
-                    GemmSpec::projection(rows, cfg.c, cfg.fused_proj_width()),
-                    Elem::F16,
-                    false,
-                    ws_proj,
-                )
-            };
-            let tail = m % s.chunk_rows;
-            Some(BlasInput {
-                scratch: s,
-                proj_full: proj(s.chunk_rows)?,
-                proj_tail: if tail > 0 { Some(proj(tail)?) } else { None },
-            })
-        };
-        let t_len = blas_input.as_ref().map_or(m * cfg.h, |c| c.scratch.t_bytes / 2);
-        let bh = problem.shape.batch * cfg.h;
-        Ok(CudaWorkspace {
-            problem: *problem,
-            layout: Layout::OnePass {
-                left: self.alloc_buffer(m * cfg.h)?,
-                right: self.alloc_buffer(m * cfg.h)?,
-                gate: if gate_from_x { None } else { Some(self.alloc_buffer(m * cfg.gate_width())?) },
-                blas_input,
-            },
-            t: self.alloc_buffer(t_len)?,
-            contraction: MatmulPlan::new_ranked(
-                blas,
-                GemmSpec::contraction(problem.direction, bh, problem.shape.n),
-                Elem::F16,
-                false,
-                MAX_GEMM_WORKSPACE.min(m * cfg.c * problem.io.io_bytes()),
-                tuning.contraction_rank as usize,
-            )?,
-            contraction_tail: None,
-            output: MatmulPlan::new(
-                blas,
-                GemmSpec::output(m, cfg.c, cfg.h),
-                Elem::F32,
-                prepared.out_bias.is_some(),
-                MAX_GEMM_WORKSPACE.min(m * cfg.h * 2),
-            )?,
-            output_tail: None,
-            staging: None,
-            half_staging: None,
-            tuning,
-            output_gate: self.output_gate(),
-            switches: self.switches(),
-            weights_of: None,
-        })
+        self.one_pass_workspace(prepared, problem, tuning, gate_from_x, &mut |len| self.alloc_buffer(len))
     }
 
     fn workspace_fits(&self, ws: &CudaWorkspace, problem: &Problem) -> bool {
@@ -1333,6 +1449,49 @@ impl Backend for CudaBackend {
         require_in_place(problem)?;
         crate::backend::half_io(problem)?;
         self.staged_forward(prepared, workspace, problem, HostIo::InPlace(xy), mask, |w| &mut w.half_staging)
+    }
+
+    fn prepared_device_bytes(&self, config: &Config, biases: bool) -> Result<u64> {
+        config.validate()?;
+        Ok(self.prepared_layout(config, biases, biases).bytes)
+    }
+
+    unsafe fn prepare_device(&self, weights: &DeviceWeights, storage: DeviceSpan, stream: u64) -> Result<CudaPrepared> {
+        // SAFETY: forwarded from this method's contract.
+        unsafe { self.prepare_on_device(weights, storage, stream as CUstream) }
+    }
+
+    fn caller_workspace(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        limit: Option<u64>,
+    ) -> Result<(CudaWorkspace, u64)> {
+        self.plan_caller_workspace(prepared, problem, limit)
+    }
+
+    unsafe fn forward_device(
+        &self,
+        prepared: &CudaPrepared,
+        workspace: &mut CudaWorkspace,
+        problem: &Problem,
+        io: &DeviceIo,
+    ) -> Result<()> {
+        if io.io != problem.io || io.shape != problem.shape || io.mask.is_some() != problem.masked {
+            return Err(Error::InvalidArgument(format!("device I/O {io:?} does not describe {problem:?}")));
+        }
+        match io.workspace {
+            Some(span) => workspace.bind(span)?,
+            None if workspace.caller_base.is_some() => {
+                return Err(Error::InvalidArgument("this workspace lives in caller memory: pass its span".into()))
+            }
+            None => {}
+        }
+        // SAFETY: the addresses are live allocations of this context with the problem's lengths,
+        // alive until the stream has run the work (this method's contract); the workspace's
+        // buffers are its own allocations or views into the span just bound, which the contract
+        // keeps alive and unshared.
+        unsafe { self.enqueue(prepared, workspace, problem, io.x, io.mask.unwrap_or(0), io.y, io.stream as CUstream) }
     }
 
     fn synchronize(&self) -> Result<()> {

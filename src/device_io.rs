@@ -1,0 +1,235 @@
+//! Forwards on device memory the caller owns: descriptors of tensors, weights, workspace and
+//! stream by address, for programs that allocate and schedule device work themselves (PyTorch,
+//! JAX, a cudarc program).
+//!
+//! With these a forward runs entirely in the caller's world: weights prepared by a kernel from
+//! the caller's own weight tensors into storage the caller allocated
+//! ([`Layer::from_device_weights`](crate::Layer::from_device_weights)), the intermediates in a
+//! workspace the caller allocated ([`Layer::device_workspace_bytes`](crate::Layer::device_workspace_bytes)
+//! says how large), every launch on the caller's stream, nothing allocated by the library and
+//! nothing waiting on the host ([`Layer::forward_device`](crate::Layer::forward_device)).
+//!
+//! Addresses are plain integers (`CUdeviceptr` on CUDA, a device pointer on HIP); tensors are
+//! contiguous and row-major. A caller holding cudarc memory passes `CudaSlice`'s device pointer.
+
+use crate::error::{Error, Result};
+use crate::problem::{Config, Formulation, Precision, Shape};
+
+/// Element type of a tensor the caller holds.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    /// IEEE single precision.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl DType {
+    /// Bytes of one element.
+    pub fn bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 | DType::F16 => 2,
+        }
+    }
+
+    /// The I/O precision of `x` and `y` held in this type.
+    pub fn precision(self) -> Precision {
+        match self {
+            DType::F32 => Precision::F32Io,
+            DType::Bf16 => Precision::Bf16Io,
+            DType::F16 => Precision::F16Io,
+        }
+    }
+
+    /// The kernels' element-type code (`TM_IO_*` in `common/params.h`).
+    pub(crate) fn code(self) -> i32 {
+        crate::backend::params::io_dtype(self.precision())
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+        })
+    }
+}
+
+/// A contiguous row-major tensor on the device: its address, element type and element count.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DeviceTensor {
+    /// Device address of the first element.
+    pub ptr: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Number of elements.
+    pub len: usize,
+}
+
+impl DeviceTensor {
+    /// A tensor of `len` elements of `dtype` at `ptr`.
+    pub fn new(ptr: u64, dtype: DType, len: usize) -> Self {
+        DeviceTensor { ptr, dtype, len }
+    }
+
+    fn check(&self, name: &str, len: usize) -> Result<()> {
+        if self.ptr == 0 {
+            return Err(Error::Weights(format!("{name} is a null device address")));
+        }
+        if self.len != len {
+            return Err(Error::Weights(format!("{name} has {} elements, expected {len}", self.len)));
+        }
+        if self.ptr % self.dtype.bytes() as u64 != 0 {
+            return Err(Error::Weights(format!(
+                "{name} at {:#x} is not aligned to its {} elements",
+                self.ptr, self.dtype
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A linear layer's weight `[out, in]` and optional bias `[out]` on the device.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DeviceLinear {
+    /// `[out, in]`, row-major.
+    pub weight: DeviceTensor,
+    /// `[out]`, or none.
+    pub bias: Option<DeviceTensor>,
+}
+
+/// LayerNorm affine parameters on the device.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DeviceNorm {
+    /// `[width]`.
+    pub weight: DeviceTensor,
+    /// `[width]`.
+    pub bias: DeviceTensor,
+}
+
+/// A layer's weights on the device, named as in [`Weights`](crate::Weights) (af3's packed
+/// `p_in`/`g_in` are two tensors each: the `a` rows are `left_*`, the `b` rows `right_*`; a
+/// caller passes addresses inside the packed tensor).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DeviceWeights {
+    /// Formulation, C and H.
+    pub config: Config,
+    /// LN_C, `[C]`.
+    pub norm_in: DeviceNorm,
+    /// `[H, C]`.
+    pub left_proj: DeviceLinear,
+    /// `[H, C]`.
+    pub left_gate: DeviceLinear,
+    /// `[H, C]`.
+    pub right_proj: DeviceLinear,
+    /// `[H, C]`.
+    pub right_gate: DeviceLinear,
+    /// gpumode `[H, C]`, af3 `[C, C]`.
+    pub out_gate: DeviceLinear,
+    /// LN_H, `[H]`.
+    pub norm_out: DeviceNorm,
+    /// `[C, H]`.
+    pub out_proj: DeviceLinear,
+}
+
+impl DeviceWeights {
+    /// The five linear layers applied to `z`, in the order of the fused input projection.
+    pub fn input_linears(&self) -> [&DeviceLinear; 5] {
+        [&self.left_proj, &self.left_gate, &self.right_proj, &self.right_gate, &self.out_gate]
+    }
+
+    /// Whether any linear layer has a bias.
+    pub fn has_biases(&self) -> bool {
+        self.input_linears().iter().any(|l| l.bias.is_some()) || self.out_proj.bias.is_some()
+    }
+
+    /// Checks every tensor against the config: non-null, aligned to its element type, the
+    /// element count its shape implies, and no linear biases in the gpumode formulation. The
+    /// message names the tensor. (Values are on the device and are not read here.)
+    pub fn validate(&self) -> Result<()> {
+        let Config { c, h, formulation } = self.config;
+        self.config.validate()?;
+        let g = self.config.gate_width();
+        let linears = [
+            ("left_proj", &self.left_proj, h, c),
+            ("left_gate", &self.left_gate, h, c),
+            ("right_proj", &self.right_proj, h, c),
+            ("right_gate", &self.right_gate, h, c),
+            ("out_gate", &self.out_gate, g, c),
+            ("out_proj", &self.out_proj, c, h),
+        ];
+        for (name, l, out, inp) in linears {
+            l.weight.check(&format!("{name}.weight"), out * inp)?;
+            if let Some(b) = &l.bias {
+                if formulation == Formulation::GpuMode {
+                    return Err(Error::Weights(format!(
+                        "{name} has a bias, but the gpumode formulation has no linear biases"
+                    )));
+                }
+                b.check(&format!("{name}.bias"), out)?;
+            }
+        }
+        for (name, n, width) in [("norm_in", &self.norm_in, c), ("norm_out", &self.norm_out, h)] {
+            n.weight.check(&format!("{name}.weight"), width)?;
+            n.bias.check(&format!("{name}.bias"), width)?;
+        }
+        Ok(())
+    }
+}
+
+/// A range of device memory the caller owns: a workspace, or storage for prepared weights.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSpan {
+    /// Device address of the first byte (256-byte aligned: every allocator's blocks are).
+    pub ptr: u64,
+    /// Size in bytes.
+    pub bytes: u64,
+}
+
+/// Alignment [`DeviceSpan`]s must have: the sub-buffers carved from them keep 256-byte
+/// alignment, which the GEMM libraries and the stage kernels' vector accesses want.
+pub const SPAN_ALIGN: u64 = 256;
+
+impl DeviceSpan {
+    /// Checks that the span is aligned and holds at least `needed` bytes; `what` names it.
+    pub fn check(&self, what: &str, needed: u64) -> Result<()> {
+        if self.ptr == 0 || self.ptr % SPAN_ALIGN != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{what} at {:#x} must be a non-null address aligned to {SPAN_ALIGN} bytes",
+                self.ptr
+            )));
+        }
+        if self.bytes < needed {
+            return Err(Error::InvalidArgument(format!("{what} holds {} bytes, {needed} needed", self.bytes)));
+        }
+        Ok(())
+    }
+}
+
+/// One forward on caller-owned device memory ([`Layer::forward_device`](crate::Layer::forward_device)).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DeviceIo {
+    /// `x`, `[B, N, N, C]` in the element type `io` says.
+    pub x: u64,
+    /// The mask, `[B, N, N]` f32 of 0/1 values, or none.
+    pub mask: Option<u64>,
+    /// `y`, `[B, N, N, C]` in the element type of `x`; must not alias `x`.
+    pub y: u64,
+    /// B and N.
+    pub shape: Shape,
+    /// Element type of `x` and `y`.
+    pub io: Precision,
+    /// The stream every launch is enqueued on (`CUstream` / `hipStream_t` as an integer; 0 is
+    /// the legacy default stream).
+    pub stream: u64,
+    /// Workspace for the intermediates, at least
+    /// [`Layer::device_workspace_bytes`](crate::Layer::device_workspace_bytes) bytes; `None`:
+    /// the layer allocates and keeps its own.
+    pub workspace: Option<DeviceSpan>,
+}
