@@ -1,0 +1,439 @@
+//! `trimul._trimul`: the compiled half of the Python package. A thin layer over the `trimul`
+//! crate's public API that takes tensors by address (PyTorch's `data_ptr()`, NumPy's
+//! `ctypes.data`), so one abi3 module serves NumPy and PyTorch with no compile-time dependency
+//! on either. Argument handling in cuEquivariance's signature, `torch.library` registration and
+//! autograd live in the pure-Python package (`trimul/`).
+//!
+//! Two kinds of layer:
+//! - [`HostLayer`]: weights and tensors in host memory (NumPy arrays, CPU tensors), run by a
+//!   backend through its host-slice API (the CPU, or a GPU backend that stages the copies).
+//! - [`CudaLayer`]: weights, tensors and workspace in CUDA device memory owned by the caller
+//!   (PyTorch's caching allocator), every launch on the caller's stream, nothing allocated or
+//!   synchronised here.
+//!
+//! Weights arrive as 16 entries in the canonical order of [`WEIGHT_NAMES`], each `None` or
+//! `(address, elements, dtype)` with dtype 0 = f32, 1 = bf16, 2 = f16.
+//!
+//! The `unsafe` here is the FFI boundary: addresses handed over by Python become slices or device
+//! descriptors. The Python layer guarantees what each `// SAFETY:` comment relies on: every
+//! address is the start of a contiguous tensor of at least the stated elements and dtype, kept
+//! alive (and, for inputs, unchanged) until the call returns or, on the GPU, until the caller's
+//! stream has run the work.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use trimul::backend::cuda::CudaBackend;
+use trimul::{
+    BackendKind, Config, DType, Device, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights,
+    Direction, Error, Formulation, Layer, Linear, Norm, Options, Precision, Shape, TriMul, Weights,
+};
+
+/// The canonical order of the weight entries every constructor takes.
+const WEIGHT_NAMES: [&str; 16] = [
+    "norm_in.weight",
+    "norm_in.bias",
+    "left_proj.weight",
+    "left_proj.bias",
+    "left_gate.weight",
+    "left_gate.bias",
+    "right_proj.weight",
+    "right_proj.bias",
+    "right_gate.weight",
+    "right_gate.bias",
+    "out_gate.weight",
+    "out_gate.bias",
+    "norm_out.weight",
+    "norm_out.bias",
+    "out_proj.weight",
+    "out_proj.bias",
+];
+
+/// One weight entry: address, element count, dtype code.
+type Entry = Option<(u64, usize, i32)>;
+
+/// The library's error as the Python exception of the right class, with its message.
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::Shape(_) | Error::Weights(_) | Error::InvalidArgument(_) => PyValueError::new_err(msg),
+        Error::Dtype(_) => PyTypeError::new_err(msg),
+        Error::OutOfMemory { backend: BackendKind::Cpu, .. } => PyMemoryError::new_err(msg),
+        _ => PyRuntimeError::new_err(msg),
+    }
+}
+
+fn dtype(code: i32, what: &str) -> PyResult<DType> {
+    match code {
+        0 => Ok(DType::F32),
+        1 => Ok(DType::Bf16),
+        2 => Ok(DType::F16),
+        other => Err(PyTypeError::new_err(format!("{what}: unknown dtype code {other} (0 f32, 1 bf16, 2 f16)"))),
+    }
+}
+
+fn precision(code: i32) -> PyResult<Precision> {
+    Ok(dtype(code, "x")?.precision())
+}
+
+fn config(formulation: &str, c: usize, h: usize) -> PyResult<Config> {
+    let f: Formulation = formulation.parse().map_err(to_py)?;
+    Config::new(f, c, h).map_err(to_py)
+}
+
+fn options(direction: &str, eps: f32) -> PyResult<Options> {
+    let d: Direction = direction.parse().map_err(to_py)?;
+    Ok(Options::new(d).with_eps(eps))
+}
+
+fn entries(weights: Vec<Entry>) -> PyResult<[Entry; 16]> {
+    let n = weights.len();
+    weights
+        .try_into()
+        .map_err(|_| PyValueError::new_err(format!("{n} weight entries given, expected 16 ({})", WEIGHT_NAMES.join(", "))))
+}
+
+fn required(e: &[Entry; 16], i: usize) -> PyResult<(u64, usize, i32)> {
+    e[i].ok_or_else(|| PyValueError::new_err(format!("{} is required", WEIGHT_NAMES[i])))
+}
+
+/// A host tensor's values as f32.
+///
+/// # Safety
+/// `ptr` is the start of `len` contiguous elements of `code`'s type in host memory, alive and
+/// unchanged for the call.
+unsafe fn host_values(ptr: u64, len: usize, code: i32, what: &str) -> PyResult<Vec<f32>> {
+    if len > 0 && ptr == 0 {
+        return Err(PyValueError::new_err(format!("{what} is a null address")));
+    }
+    Ok(match dtype(code, what)? {
+        // SAFETY: this function's contract.
+        DType::F32 => unsafe { std::slice::from_raw_parts(ptr as *const f32, len) }.to_vec(),
+        DType::Bf16 => {
+            // SAFETY: as above.
+            let s = unsafe { std::slice::from_raw_parts(ptr as *const u16, len) };
+            s.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect()
+        }
+        _ => {
+            // SAFETY: as above.
+            let s = unsafe { std::slice::from_raw_parts(ptr as *const u16, len) };
+            s.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect()
+        }
+    })
+}
+
+/// Host weights from the 16 entries.
+///
+/// # Safety
+/// Every entry is a host tensor as [`host_values`] requires.
+unsafe fn host_weights(cfg: Config, e: &[Entry; 16]) -> PyResult<Weights> {
+    let get = |i: usize| -> PyResult<Option<Vec<f32>>> {
+        // SAFETY: this function's contract.
+        e[i].map(|(p, n, d)| unsafe { host_values(p, n, d, WEIGHT_NAMES[i]) }).transpose()
+    };
+    let need = |i: usize| -> PyResult<Vec<f32>> { get(i)?.ok_or_else(|| required(e, i).unwrap_err()) };
+    let (c, h, g) = (cfg.c, cfg.h, cfg.gate_width());
+    let lin = |i: usize, out: usize, inp: usize| -> PyResult<Linear> { Ok(Linear::new(need(i)?, get(i + 1)?, out, inp)) };
+    let norm = |i: usize| -> PyResult<Norm> { Ok(Norm { weight: need(i)?, bias: need(i + 1)? }) };
+    Weights::new(
+        cfg,
+        norm(0)?,
+        lin(2, h, c)?,
+        lin(4, h, c)?,
+        lin(6, h, c)?,
+        lin(8, h, c)?,
+        lin(10, g, c)?,
+        norm(12)?,
+        lin(14, c, h)?,
+    )
+    .map_err(to_py)
+}
+
+/// Device weight descriptors from the 16 entries (nothing is read).
+fn device_weights(cfg: Config, e: &[Entry; 16]) -> PyResult<DeviceWeights> {
+    let t = |i: usize| -> PyResult<Option<DeviceTensor>> {
+        e[i].map(|(p, n, d)| Ok(DeviceTensor::new(p, dtype(d, WEIGHT_NAMES[i])?, n))).transpose()
+    };
+    let need = |i: usize| -> PyResult<DeviceTensor> { t(i)?.ok_or_else(|| required(e, i).unwrap_err()) };
+    let lin = |i: usize| -> PyResult<DeviceLinear> { Ok(DeviceLinear { weight: need(i)?, bias: t(i + 1)? }) };
+    let norm = |i: usize| -> PyResult<DeviceNorm> { Ok(DeviceNorm { weight: need(i)?, bias: need(i + 1)? }) };
+    let w = DeviceWeights {
+        config: cfg,
+        norm_in: norm(0)?,
+        left_proj: lin(2)?,
+        left_gate: lin(4)?,
+        right_proj: lin(6)?,
+        right_gate: lin(8)?,
+        out_gate: lin(10)?,
+        norm_out: norm(12)?,
+        out_proj: lin(14)?,
+    };
+    w.validate().map_err(to_py)?;
+    Ok(w)
+}
+
+/// A layer on host memory: NumPy arrays or CPU tensors.
+#[pyclass(module = "trimul._trimul")]
+struct HostLayer {
+    layer: Mutex<TriMul>,
+    c: usize,
+}
+
+#[pymethods]
+impl HostLayer {
+    /// Prepares the weights (host addresses) on `backend` ("cpu", "cuda", "hip"; `None`: the
+    /// `TRIMUL_BACKEND` environment variable if set, else the CPU).
+    #[new]
+    #[pyo3(signature = (formulation, c, h, direction, eps, weights, backend=None))]
+    fn new(
+        py: Python<'_>,
+        formulation: &str,
+        c: usize,
+        h: usize,
+        direction: &str,
+        eps: f32,
+        weights: Vec<Entry>,
+        backend: Option<&str>,
+    ) -> PyResult<Self> {
+        let cfg = config(formulation, c, h)?;
+        let opts = options(direction, eps)?;
+        let e = entries(weights)?;
+        // SAFETY: the Python layer passes host tensors as the module docs state.
+        let w = unsafe { host_weights(cfg, &e)? };
+        let backend = backend.map(str::to_owned);
+        let layer = py.detach(move || TriMul::new(&host_device(backend.as_deref())?, &w, opts));
+        Ok(HostLayer { layer: Mutex::new(layer.map_err(to_py)?), c })
+    }
+
+    /// The backend the layer runs on ("cpu", "cuda" or "hip").
+    #[getter]
+    fn backend(&self) -> PyResult<String> {
+        Ok(self.lock()?.kind().to_string())
+    }
+
+    /// y = TriMul(x) for host tensors: x and y `[b, n, n, C]` in `io` (0 f32, 1 bf16, 2 f16),
+    /// the mask `[b, n, n]` f32 (address 0: none). Returns when y holds the result.
+    #[pyo3(signature = (x, mask, y, b, n, io))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(&self, py: Python<'_>, x: u64, mask: u64, y: u64, b: usize, n: usize, io: i32) -> PyResult<()> {
+        let p = precision(io)?;
+        let len = b.checked_mul(n).and_then(|v| v.checked_mul(n)).ok_or_else(|| PyValueError::new_err("B·N·N overflows"))?;
+        let xlen = len.checked_mul(self.c).ok_or_else(|| PyValueError::new_err("B·N·N·C overflows"))?;
+        if x == 0 || y == 0 {
+            return Err(PyValueError::new_err("x and y must be non-null addresses"));
+        }
+        let shape = Shape::new(b, n);
+        let (xb, mb) = (xlen as u64 * p.io_bytes() as u64, len as u64 * 4);
+        let overlap = |a: u64, an: u64, b: u64, bn: u64| a < b + bn && b < a + an;
+        if overlap(x, xb, y, xb) || (mask != 0 && overlap(mask, mb, y, xb)) {
+            return Err(PyValueError::new_err("y must not overlap x or the mask"));
+        }
+        py.detach(|| -> PyResult<()> {
+            let mut layer = self.lock()?;
+            // SAFETY: the mask is a host tensor of B·N·N f32 (module docs), alive for this call.
+            let mask = (mask != 0).then(|| unsafe { std::slice::from_raw_parts(mask as *const f32, len) });
+            // SAFETY (all three): x and y are host tensors of B·N·N·C elements of `io`'s type,
+            // alive for this call (module docs), and do not overlap (checked above).
+            match p {
+                Precision::F32Io => unsafe { host_forward::<f32>(&mut layer, x, mask, y, xlen, shape) },
+                Precision::Bf16Io => unsafe { host_forward::<half::bf16>(&mut layer, x, mask, y, xlen, shape) },
+                _ => unsafe { host_forward::<half::f16>(&mut layer, x, mask, y, xlen, shape) },
+            }
+            .map_err(to_py)
+        })
+    }
+}
+
+/// One host forward on tensors by address.
+///
+/// # Safety
+/// `x` and `y` are the starts of `len` elements of `T` each in host memory, alive for the call,
+/// not overlapping; nothing else reads or writes `y` meanwhile.
+unsafe fn host_forward<T: trimul::IoElement>(
+    layer: &mut TriMul,
+    x: u64,
+    mask: Option<&[f32]>,
+    y: u64,
+    len: usize,
+    shape: Shape,
+) -> trimul::Result<()> {
+    // SAFETY: this function's contract.
+    let (xs, ys) = unsafe {
+        (std::slice::from_raw_parts(x as *const T, len), std::slice::from_raw_parts_mut(y as *mut T, len))
+    };
+    layer.forward_into(xs, mask, ys, shape)
+}
+
+impl HostLayer {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, TriMul>> {
+        self.layer.lock().map_err(|_| PyRuntimeError::new_err("a previous call on this layer panicked"))
+    }
+}
+
+/// One CUDA backend per device ordinal, opened on first use in the device's primary context
+/// (the one PyTorch uses).
+fn cuda_backend(device: usize) -> PyResult<CudaBackend> {
+    static BACKENDS: OnceLock<Mutex<HashMap<usize, CudaBackend>>> = OnceLock::new();
+    let map = BACKENDS.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = map.lock().map_err(|_| PyRuntimeError::new_err("CUDA backend table poisoned"))?;
+    if let Some(b) = map.get(&device) {
+        return Ok(b.clone());
+    }
+    let b = CudaBackend::new(device).map_err(to_py)?;
+    map.insert(device, b.clone());
+    Ok(b)
+}
+
+/// A layer whose weights, tensors and workspace live in caller-owned CUDA memory.
+#[pyclass(module = "trimul._trimul")]
+struct CudaLayer {
+    layer: Mutex<Layer<CudaBackend>>,
+}
+
+impl CudaLayer {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Layer<CudaBackend>>> {
+        self.layer.lock().map_err(|_| PyRuntimeError::new_err("a previous call on this layer panicked"))
+    }
+}
+
+#[pymethods]
+impl CudaLayer {
+    /// Prepares device weights (16 entries of device addresses) into `storage` (at least
+    /// `cuda_prepared_bytes` bytes) with one kernel on `stream`.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        device: usize,
+        formulation: &str,
+        c: usize,
+        h: usize,
+        direction: &str,
+        eps: f32,
+        weights: Vec<Entry>,
+        storage: u64,
+        storage_bytes: u64,
+        stream: u64,
+    ) -> PyResult<Self> {
+        let b = cuda_backend(device)?;
+        let cfg = config(formulation, c, h)?;
+        let w = device_weights(cfg, &entries(weights)?)?;
+        let span = DeviceSpan { ptr: storage, bytes: storage_bytes };
+        // SAFETY: the weights are live device tensors of the stated lengths on this device, and
+        // `storage` a live allocation of `storage_bytes` that the Python object keeps alive
+        // beside this layer (module docs); the stream is the caller's on this device.
+        let layer = unsafe { Layer::from_device_weights(&b, &w, options(direction, eps)?, span, stream) };
+        Ok(CudaLayer { layer: Mutex::new(layer.map_err(to_py)?) })
+    }
+
+    /// Replaces the weights with new device weights prepared into new storage, keeping the plans.
+    fn reprepare(&self, weights: Vec<Entry>, storage: u64, storage_bytes: u64, stream: u64) -> PyResult<()> {
+        let mut layer = self.lock()?;
+        let w = device_weights(layer.config(), &entries(weights)?)?;
+        let span = DeviceSpan { ptr: storage, bytes: storage_bytes };
+        // SAFETY: as in `new`.
+        unsafe { layer.prepare_device_weights(&w, span, stream) }.map_err(to_py)
+    }
+
+    /// Bytes of workspace a forward of this shape needs (plans it on first use).
+    fn workspace_bytes(&self, b: usize, n: usize, masked: bool, io: i32) -> PyResult<u64> {
+        let p = precision(io)?;
+        self.lock()?.device_workspace_bytes(Shape::new(b, n), masked, p).map_err(to_py)
+    }
+
+    /// Enqueues y = TriMul(x) on `stream`: x and y `[b, n, n, C]` in `io`, the mask `[b, n, n]`
+    /// f32 (0: none), the workspace at `ws` (`ws_bytes` ≥ `workspace_bytes`).
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        x: u64,
+        mask: u64,
+        y: u64,
+        b: usize,
+        n: usize,
+        io: i32,
+        ws: u64,
+        ws_bytes: u64,
+        stream: u64,
+    ) -> PyResult<()> {
+        let io = DeviceIo {
+            x,
+            mask: (mask != 0).then_some(mask),
+            y,
+            shape: Shape::new(b, n),
+            io: precision(io)?,
+            stream,
+            workspace: Some(DeviceSpan { ptr: ws, bytes: ws_bytes }),
+        };
+        py.detach(|| {
+            let mut layer = self.lock()?;
+            // SAFETY: x, mask, y and the workspace are live device tensors of this device with the
+            // element counts of the shape, kept alive by the caller's stream-ordered allocator
+            // until the stream has run the work (module docs).
+            unsafe { layer.forward_device(&io) }.map_err(to_py)
+        })
+    }
+}
+
+/// Bytes of device storage a `CudaLayer` of this configuration prepares its weights into.
+#[pyfunction]
+fn cuda_prepared_bytes(device: usize, formulation: &str, c: usize, h: usize, biases: bool) -> PyResult<u64> {
+    let b = cuda_backend(device)?;
+    Layer::prepared_device_bytes(&b, &config(formulation, c, h)?, biases).map_err(to_py)
+}
+
+/// Fill outputs and intermediates with NaN before each forward on this CUDA device (tests).
+#[pyfunction]
+fn cuda_set_poison(device: usize, on: bool) -> PyResult<()> {
+    cuda_backend(device)?.set_poison(on);
+    Ok(())
+}
+
+/// What the CUDA backend found on device `device`: its description, or the error saying why not.
+#[pyfunction]
+fn cuda_info(device: usize) -> PyResult<String> {
+    let b = cuda_backend(device)?;
+    let i = trimul::Backend::info(&b);
+    let versions: Vec<String> = i.versions.iter().map(|(k, v)| format!("{k} {v}")).collect();
+    Ok(format!("{} ({}, {} SMs): {}", i.name, i.arch, i.compute_units, versions.join(", ")))
+}
+
+/// The backend a `HostLayer` made with `backend` (None: the environment, else the CPU) runs on,
+/// or the error saying why it cannot open.
+#[pyfunction]
+#[pyo3(signature = (backend=None))]
+fn host_backend(py: Python<'_>, backend: Option<&str>) -> PyResult<String> {
+    let backend = backend.map(str::to_owned);
+    py.detach(move || host_device(backend.as_deref())).map(|d| d.kind().to_string()).map_err(to_py)
+}
+
+fn host_device(backend: Option<&str>) -> trimul::Result<Device> {
+    match backend {
+        Some(k) => Device::of_kind(k.parse()?),
+        None if std::env::var_os(trimul::backend::BACKEND_ENV).is_some() => Device::detect(),
+        None => Ok(Device::cpu()),
+    }
+}
+
+/// The backends compiled into this module.
+#[pyfunction]
+fn compiled_backends() -> Vec<String> {
+    Device::compiled().iter().map(|k| k.to_string()).collect()
+}
+
+#[pymodule]
+fn _trimul(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("WEIGHT_NAMES", WEIGHT_NAMES.to_vec())?;
+    m.add_class::<HostLayer>()?;
+    m.add_class::<CudaLayer>()?;
+    m.add_function(wrap_pyfunction!(cuda_prepared_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_set_poison, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
+    m.add_function(wrap_pyfunction!(compiled_backends, m)?)?;
+    m.add_function(wrap_pyfunction!(host_backend, m)?)?;
+    Ok(())
+}

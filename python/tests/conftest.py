@@ -1,0 +1,104 @@
+"""Shared helpers: devices to test on, fresh random inputs, the f64 reference."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import trimul
+from trimul import reference
+from trimul._args import AF3_WEIGHTS
+
+
+def _seed() -> int:
+    """A fresh seed per run, printed; TRIMUL_TEST_SEED replays one."""
+    s = os.environ.get("TRIMUL_TEST_SEED")
+    return int(s) if s else time.time_ns() % (1 << 31)
+
+
+SEED = _seed()
+print(f"trimul python tests: seed {SEED} (replay with TRIMUL_TEST_SEED={SEED})")
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and torch.version.hip is None
+
+
+DEVICES = ["cpu"] + (["cuda"] if cuda_available() else [])
+if not cuda_available():
+    print("SKIPPED: no CUDA device: the CUDA cases of the Python suite do not run here")
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    if request.param == "cuda":
+        trimul._trimul.cuda_set_poison(0, True)
+    return torch.device(request.param)
+
+
+def generator(salt: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((SEED * 1000003 + salt) % (1 << 62))
+    return g
+
+
+def af3_weights(c: int, h: int, biases: bool, salt: int, dtype=torch.float32, device="cpu") -> dict:
+    """SPEC.md's distributions: norms ~ N(0,1), projections ~ N(0,1)/sqrt(H), output ~ N(0,1)/sqrt(C)."""
+    g = generator(salt)
+
+    def n(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    sh, sc = h**-0.5, c**-0.5
+    w = {
+        "norm_in_weight": n(c),
+        "norm_in_bias": n(c),
+        "p_in_weight": n(2 * h, c, scale=sh),
+        "g_in_weight": n(2 * h, c, scale=sh),
+        "norm_out_weight": n(h),
+        "norm_out_bias": n(h),
+        "p_out_weight": n(c, h, scale=sc),
+        "g_out_weight": n(c, c, scale=sh),
+    }
+    if biases:
+        w.update(
+            p_in_bias=n(2 * h, scale=sh),
+            g_in_bias=n(2 * h, scale=sh),
+            p_out_bias=n(c, scale=sh),
+            g_out_bias=n(c, scale=sh),
+        )
+    return w
+
+
+def pair(shape, salt: int, dist: str = "normal", dtype=torch.float32, device="cpu") -> torch.Tensor:
+    g = generator(salt)
+    if dist == "cauchy":
+        x = torch.empty(*shape).cauchy_(0.0, 2.0, generator=g)
+    else:
+        x = torch.randn(*shape, generator=g)
+    return x.to(dtype).to(device)
+
+
+def random_mask(shape, salt: int, device="cpu") -> torch.Tensor:
+    return torch.randint(0, 2, shape, generator=generator(salt)).to(torch.float32).to(device)
+
+
+def f64_reference(x, direction="outgoing", mask=None, eps=1e-5, **w) -> torch.Tensor:
+    """cuEquivariance's formula in float64 on the CPU, from the tensors as given (already rounded)."""
+    d = lambda t: None if t is None else t.detach().to("cpu", torch.float64)  # noqa: E731
+    return reference.af3(d(x), d(mask), *[d(w.get(k)) for k in AF3_WEIGHTS], direction, eps)
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2):
+    """GPU MODE's rule (every element within tol + tol*|ref|, no NaN where the reference has none)
+    and the relative L2 error."""
+    g = got.detach().to("cpu", torch.float64)
+    w = want.to(torch.float64)
+    assert g.shape == w.shape, (g.shape, w.shape)
+    bad = ~((g - w).abs() <= tol + tol * w.abs())
+    bad |= torch.isnan(g) & ~torch.isnan(w)
+    rel = ((g - w).norm() / w.norm()).item()
+    return int(bad.sum()), rel

@@ -1,0 +1,107 @@
+"""Bad input is a Python exception with a message naming what is wrong, never a crash or a
+silent wrong answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import af3_weights, cuda_available, pair
+
+from trimul import triangle_multiplicative_update as tmu
+
+
+def setup(device="cpu", c=16, h=8, n=6):
+    return pair((1, n, n, c), salt=40, device=device), af3_weights(c, h, True, salt=41, device=device)
+
+
+@pytest.mark.parametrize(
+    "change, exc, message",
+    [
+        (lambda x, w: (x[..., :5, :], w), ValueError, "must be \\[..., N, N, C\\]"),
+        (lambda x, w: (x[:, :0, :0], w), ValueError, "at least 1"),
+        (lambda x, w: (x, {**w, "p_in_weight": w["p_in_weight"][:-1]}), ValueError, "p_in_weight has shape"),
+        (
+            lambda x, w: (x, {**w, "g_in_weight": w["g_in_weight"][:, :-1]}),
+            ValueError,
+            "g_in_weight has shape",
+        ),
+        (
+            lambda x, w: (x, {**w, "p_out_weight": w["p_out_weight"].t()}),
+            ValueError,
+            "p_out_weight has shape",
+        ),
+        (lambda x, w: (x, {**w, "g_out_bias": w["g_out_bias"][:-1]}), ValueError, "g_out_bias has shape"),
+        (
+            lambda x, w: (x, {**w, "norm_out_weight": w["norm_in_weight"]}),
+            ValueError,
+            "norm_out_weight has shape",
+        ),
+        (
+            lambda x, w: (x, {k: v for k, v in w.items() if k != "g_out_weight"}),
+            ValueError,
+            "g_out_weight is required",
+        ),
+        (lambda x, w: (x.double(), w), TypeError, "float64"),
+        (lambda x, w: (x.int(), w), TypeError, "dtype"),
+        (
+            lambda x, w: (x, {**w, "p_in_weight": w["p_in_weight"].double()}),
+            TypeError,
+            "p_in_weight has dtype",
+        ),
+        (
+            lambda x, w: (x, {**w, "p_in_weight": w["p_in_weight"].numpy()}),
+            TypeError,
+            "must be a torch.Tensor",
+        ),
+    ],
+)
+def test_bad_arguments(change, exc, message):
+    x, w = change(*setup())
+    with pytest.raises(exc, match=message):
+        tmu(x, "outgoing", None, **w)
+
+
+def test_bad_direction_eps_and_mask():
+    x, w = setup()
+    with pytest.raises(ValueError, match="direction"):
+        tmu(x, "sideways", **w)
+    with pytest.raises(ValueError, match="eps"):
+        tmu(x, eps=-1.0, **w)
+    with pytest.raises(ValueError, match="eps"):
+        tmu(x, eps=float("nan"), **w)
+    with pytest.raises(ValueError, match="mask has shape"):
+        tmu(x, mask=torch.ones(1, 6, 5), **w)
+    with pytest.raises(TypeError, match="mask must be a torch.Tensor"):
+        tmu(x, mask=[[1.0]], **w)
+
+
+def test_numpy_bad_arguments():
+    x, w = setup()
+    wn = {k: v.numpy() for k, v in w.items()}
+    with pytest.raises(TypeError, match="dtype"):
+        tmu(x.numpy().astype(np.int32), **wn)
+    with pytest.raises(ValueError, match="p_in_weight has shape"):
+        tmu(x.numpy(), **{**wn, "p_in_weight": wn["p_in_weight"][:-1]})
+    with pytest.raises(ValueError, match="bfloat16"):
+        tmu(x.numpy(), precision="bfloat16", **wn)
+    with pytest.raises(TypeError, match="numpy"):
+        tmu([[1.0]], **wn)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+def test_tensors_on_different_devices():
+    x, w = setup("cuda")
+    with pytest.raises(ValueError, match="p_out_weight is on cpu but x is on cuda"):
+        tmu(x, **{**w, "p_out_weight": w["p_out_weight"].cpu()})
+    with pytest.raises(ValueError, match="mask is on cpu"):
+        tmu(x, mask=torch.ones(1, 6, 6), **w)
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="cuda:1"):
+            tmu(x, **{**w, "g_in_weight": w["g_in_weight"].to("cuda:1")})
+
+
+def test_weights_on_cpu_with_x_on_meta_device_is_an_error():
+    x, w = setup()
+    with pytest.raises(ValueError, match="every tensor must be on x's device"):
+        tmu(x.to("meta"), **w)

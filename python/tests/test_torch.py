@@ -1,0 +1,224 @@
+"""PyTorch integration: autograd against f64 autograd, opcheck, torch.compile without graph
+breaks, CUDA graphs on new inputs, the prepared-weight cache under in-place updates, memory
+seen by PyTorch's allocator, no host synchronisation, and an AF3 module calling the function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import af3_weights, compare, cuda_available, pair, random_mask
+
+import trimul
+from trimul import reference
+from trimul import triangle_multiplicative_update as tmu
+from trimul._args import AF3_WEIGHTS
+
+needs_cuda = pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+def test_gradients_match_f64_autograd(device, dtype, bound, direction):
+    """Gradients for x and every weight against PyTorch autograd of the same formula in f64."""
+    b, n, c, h = 1, 16, 32, 16
+    w = af3_weights(c, h, True, salt=50, dtype=dtype, device=device)
+    x = pair((b, n, n, c), salt=51, dtype=dtype, device=device)
+    mask = random_mask((b, n, n), salt=52, device=device)
+    g = pair((b, n, n, c), salt=53, dtype=dtype, device=device)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in w.items()}
+    xl = x.detach().clone().requires_grad_(True)
+    (tmu(xl, direction, mask, **leaves).float() * g.float()).sum().backward()
+    ref = {k: v.detach().cpu().double().requires_grad_(True) for k, v in w.items()}
+    xr = x.detach().cpu().double().requires_grad_(True)
+    y = reference.af3(xr, mask.cpu().double(), *[ref.get(k) for k in AF3_WEIGHTS], direction, 1e-5)
+    (y * g.cpu().double()).sum().backward()
+    assert xl.grad.dtype == dtype and xl.grad.shape == x.shape
+    errors = {"x": rel(xl.grad, xr.grad)} | {k: rel(leaves[k].grad, ref[k].grad) for k in w}
+    print(f"{device} {dtype} {direction}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    assert max(errors.values()) <= bound, errors
+
+
+def test_gradient_only_for_what_requires_it(device):
+    c, h, n = 16, 16, 8
+    w = af3_weights(c, h, False, salt=54, device=device)
+    w["p_out_weight"].requires_grad_(True)
+    x = pair((1, n, n, c), salt=55, device=device)
+    tmu(x, **w).sum().backward()
+    assert w["p_out_weight"].grad is not None and w["p_in_weight"].grad is None and x.grad is None
+
+
+def test_opcheck(device):
+    c, h, n = 16, 16, 8
+    w = af3_weights(c, h, True, salt=56, device=device)
+    x = pair((1, n, n, c), salt=57, device=device).requires_grad_(True)
+    mask = random_mask((1, n, n), salt=58, device=device)
+    args = (x, mask, *[w.get(k) for k in AF3_WEIGHTS], "outgoing", 1e-5)
+    torch.library.opcheck(torch.ops.trimul.triangle_multiplicative_update.default, args)
+
+
+def test_torch_compile_fullgraph(device):
+    c, h, n = 16, 16, 8
+    w = af3_weights(c, h, True, salt=59, device=device)
+    x = pair((1, n, n, c), salt=60, device=device)
+    mask = random_mask((1, n, n), salt=61, device=device)
+
+    def f(x, mask):
+        return x + tmu(x, "incoming", mask, **w)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    got = compiled(x, mask)
+    assert torch.allclose(got, f(x, mask), rtol=1e-5, atol=1e-5)
+
+
+class TriangleMultiplication(nn.Module):
+    """AF3 Algorithm 12/13 as models write it (Boltz-style packed projections)."""
+
+    def __init__(self, c: int, h: int, direction: str):
+        super().__init__()
+        self.direction = direction
+        self.norm_in = nn.LayerNorm(c)
+        self.p_in = nn.Linear(c, 2 * h, bias=False)
+        self.g_in = nn.Linear(c, 2 * h, bias=False)
+        self.norm_out = nn.LayerNorm(h)
+        self.p_out = nn.Linear(h, c, bias=False)
+        self.g_out = nn.Linear(c, c, bias=False)
+        self.h = h
+
+    def torch_forward(self, x, mask):
+        x = self.norm_in(x)
+        ab = self.p_in(x) * self.g_in(x).sigmoid() * mask.unsqueeze(-1)
+        a, b = ab[..., : self.h], ab[..., self.h :]
+        t = reference.contract(a, b, self.direction)
+        return self.p_out(self.norm_out(t)) * self.g_out(x).sigmoid()
+
+    def forward(self, x, mask):
+        return tmu(
+            x,
+            self.direction,
+            mask,
+            self.norm_in.weight,
+            self.norm_in.bias,
+            self.p_in.weight,
+            None,
+            self.g_in.weight,
+            None,
+            self.norm_out.weight,
+            self.norm_out.bias,
+            self.p_out.weight,
+            None,
+            self.g_out.weight,
+            None,
+        )
+
+
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+def test_module_matches_its_own_pytorch_path_and_sees_optimizer_steps(device, direction):
+    torch.manual_seed(7)
+    c, h, n = 32, 32, 16
+    m = TriangleMultiplication(c, h, direction).to(device)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x = pair((2, n, n, c), salt=62, device=device)
+    mask = random_mask((2, n, n), salt=63, device=device)
+    tol = 1e-5 if device.type == "cpu" else 5e-3
+    first = m(x, mask)
+    assert rel(first, m.torch_forward(x, mask)) <= tol
+    # An optimizer step updates the parameters in place: the cache must not serve the old ones.
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    m(x, mask).square().mean().backward()
+    opt.step()
+    second = m(x, mask)
+    assert rel(second, m.torch_forward(x, mask)) <= tol
+    assert rel(second, first) > 1e-3, "the step should have changed y"
+    # Writes through .data are not seen by the version counter; clear_cache() is the documented remedy.
+    with torch.no_grad():
+        m.p_out.weight.data.mul_(2.0)
+    trimul.clear_cache()
+    assert rel(m(x, mask), m.torch_forward(x, mask)) <= tol
+
+
+def test_inference_mode_and_no_grad(device):
+    c, h, n = 16, 16, 8
+    w = af3_weights(c, h, True, salt=64, device=device)
+    x = pair((1, n, n, c), salt=65, device=device)
+    with torch.no_grad():
+        a = tmu(x, **w)
+    with torch.inference_mode():
+        b = tmu(x, **w)
+    assert torch.equal(a, b)
+
+
+@needs_cuda
+def test_cuda_graph_capture_and_replay_on_new_inputs():
+    c, h, n = 128, 128, 64
+    w = af3_weights(c, h, True, salt=66, dtype=torch.bfloat16, device="cuda")
+    static_x = pair((1, n, n, c), salt=67, dtype=torch.bfloat16, device="cuda")
+    static_m = random_mask((1, n, n), salt=68, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tmu(static_x, "outgoing", static_m, **w)  # warm-up: kernels loaded, plans made
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tmu(static_x, "outgoing", static_m, **w)
+    for salt in (69, 70):
+        new_x = pair((1, n, n, c), salt=salt, dtype=torch.bfloat16, device="cuda")
+        new_m = random_mask((1, n, n), salt=salt + 100, device="cuda")
+        static_x.copy_(new_x)
+        static_m.copy_(new_m)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = tmu(new_x, "outgoing", new_m, **w)
+        assert torch.equal(out, eager), "replay differs from eager on the same inputs"
+    # Weights updated in place after capture: the replay prepares from their current values.
+    with torch.no_grad():
+        w["p_out_weight"].mul_(-1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, tmu(static_x, "outgoing", static_m, **w))
+
+
+@needs_cuda
+def test_no_host_synchronisation_and_memory_from_pytorch():
+    c, h, n = 128, 128, 256
+    w = af3_weights(c, h, True, salt=71, dtype=torch.bfloat16, device="cuda")
+    x = pair((1, n, n, c), salt=72, dtype=torch.bfloat16, device="cuda")
+    tmu(x, **w)  # prepares and caches the weights
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = tmu(x, **w)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    peak = torch.cuda.max_memory_allocated() - base
+    # y plus the workspace (left, right, gate, t: 4·M·128 halves) came from PyTorch's allocator.
+    m = n * n
+    assert peak >= y.numel() * 2 + 4 * m * 128 * 2, peak
+    assert torch.isfinite(y.float()).all()
+
+
+@needs_cuda
+def test_other_stream_and_device_index():
+    c, h, n = 64, 64, 32
+    w = af3_weights(c, h, False, salt=73, device="cuda")
+    x = pair((1, n, n, c), salt=74, device="cuda")
+    want = tmu(x, **w)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        got = tmu(x, **w)
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(got, want)
+    ref = reference.af3(x.double(), None, *[None if w.get(k) is None else w[k].double() for k in AF3_WEIGHTS])
+    assert compare(got, ref)[1] < 5e-3

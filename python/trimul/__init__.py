@@ -1,0 +1,116 @@
+"""trimul: the triangle multiplicative update of AlphaFold3-style models (Boltz, OpenFold3,
+Protenix, Chai), on NVIDIA GPUs, AMD GPUs and the CPU.
+
+Switching from cuEquivariance is an import change::
+
+    from trimul import triangle_multiplicative_update   # was: from cuequivariance_torch import ...
+
+`triangle_multiplicative_update` takes cuEquivariance 0.13's arguments and returns what it
+returns; `trimul.gpumode.custom_kernel` takes GPU MODE's `trimul` task data. See the README for
+what runs where and what each `precision` value computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import _args, _trimul
+
+__version__ = _trimul.__version__
+
+__all__ = ["triangle_multiplicative_update", "clear_cache", "info", "__version__"]
+
+
+def triangle_multiplicative_update(
+    x,
+    direction: str = "outgoing",
+    mask=None,
+    norm_in_weight=None,
+    norm_in_bias=None,
+    p_in_weight=None,
+    p_in_bias=None,
+    g_in_weight=None,
+    g_in_bias=None,
+    norm_out_weight=None,
+    norm_out_bias=None,
+    p_out_weight=None,
+    p_out_bias=None,
+    g_out_weight=None,
+    g_out_bias=None,
+    eps: float = 1e-5,
+    precision: Optional[Any] = None,
+):
+    """The triangle multiplicative update (AF3 Algorithm 12/13), cuEquivariance's signature.
+
+    ``x`` is ``[..., N, N, C]`` (any number of leading dims, including none), ``mask``
+    ``[..., N, N]`` of any dtype (0/1 values), ``p_in_weight``/``g_in_weight`` ``[2H, C]`` with
+    the ``a`` (left) rows first, ``p_out_weight`` ``[C, H]``, ``g_out_weight`` ``[C, C]``, biases
+    optional. Missing LayerNorm parameters default to weight 1, bias 0, as in cuEquivariance; a
+    missing projection weight is a ``ValueError`` (cuEquivariance draws one at random).
+
+    Returns the update (no residual) with the shape of ``x``, in ``x``'s dtype (bfloat16 with
+    ``precision="bfloat16"``). Torch tensors on CUDA run in-process on the current stream; CPU
+    tensors and NumPy arrays on the CPU backend (or the one ``TRIMUL_BACKEND`` names).
+    """
+    weights = {
+        "norm_in_weight": norm_in_weight,
+        "norm_in_bias": norm_in_bias,
+        "p_in_weight": p_in_weight,
+        "p_in_bias": p_in_bias,
+        "g_in_weight": g_in_weight,
+        "g_in_bias": g_in_bias,
+        "norm_out_weight": norm_out_weight,
+        "norm_out_bias": norm_out_bias,
+        "p_out_weight": p_out_weight,
+        "p_out_bias": p_out_bias,
+        "g_out_weight": g_out_weight,
+        "g_out_bias": g_out_bias,
+    }
+    if _is_numpy(x):
+        from . import _numpy
+
+        return _numpy.update(x, direction, mask, weights, eps, precision)
+    try:
+        from . import _torch
+    except ImportError as e:
+        raise TypeError(f"x is a {type(x).__name__}; without PyTorch trimul takes numpy arrays ({e})") from None
+    return _torch.update(x, direction, mask, weights, eps, precision)
+
+
+def _is_numpy(x) -> bool:
+    try:
+        import numpy as np
+    except ImportError:
+        return False
+    return isinstance(x, np.ndarray)
+
+
+def clear_cache() -> None:
+    """Forgets every weight set prepared for PyTorch calls (they are prepared again on next use).
+
+    Needed only after writing weights in a way PyTorch's version counter does not see (through
+    ``.data``, DLPack or raw pointers); ordinary in-place updates such as optimizer steps are seen.
+    """
+    try:
+        from . import _torch
+    except ImportError:
+        return
+    _torch.clear_cache()
+    _torch._host_cache.clear()
+
+
+def info() -> str:
+    """What this build has: backends compiled in, the host backend, and the CUDA device if any."""
+    lines = [f"trimul {__version__}; backends compiled in: {', '.join(_trimul.compiled_backends())}"]
+    try:
+        lines.append(f"host arrays run on: {_trimul.host_backend()}")
+    except Exception as e:  # noqa: BLE001 - report, do not fail
+        lines.append(f"host arrays: {e}")
+    try:
+        lines.append(f"CUDA device 0: {_trimul.cuda_info(0)}")
+    except Exception as e:  # noqa: BLE001
+        lines.append(f"CUDA: {e}")
+    return "\n".join(lines)
+
+
+del _args

@@ -1,0 +1,388 @@
+"""The PyTorch path: `torch.ops.trimul.triangle_multiplicative_update`, a `torch.library` custom
+op with a fake (meta) implementation and autograd, and the cuEquivariance-signature wrapper.
+
+On CUDA the op runs in-process on `torch.cuda.current_stream()`: weights are prepared on the
+device by one kernel into a tensor from PyTorch's caching allocator (cached, see `_PreparedCache`),
+the workspace and the output come from the same allocator, and nothing waits on the host. On the
+CPU, and for tensors of a ROCm build of PyTorch until the HIP device path lands, it runs through
+the library's host-memory API.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Optional
+
+import torch
+
+from . import _args, _trimul, reference
+
+Tensor = torch.Tensor
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _code(t: Tensor, name: str) -> int:
+    try:
+        return _DTYPE_CODE[t.dtype]
+    except KeyError:
+        raise TypeError(f"{name} has dtype {t.dtype}; trimul takes float32, bfloat16 or float16") from None
+
+
+def _whole(t: Optional[Tensor], name: str):
+    return None if t is None else (t.data_ptr(), t.numel(), _code(t, name))
+
+
+def _half(t: Optional[Tensor], i: int, name: str):
+    """Rows [i*H, (i+1)*H) of a packed [2H, ...] tensor, by address."""
+    if t is None:
+        return None
+    n = t.numel() // 2
+    return (t.data_ptr() + i * n * t.element_size(), n, _code(t, name))
+
+
+def _entries(w: list) -> list:
+    """The 16 canonical entries (see `trimul._trimul`) from the twelve af3 weights, contiguous."""
+    niw, nib, piw, pib, giw, gib, now, nob, pow_, pob, gow, gob = w
+    return [
+        _whole(niw, "norm_in_weight"),
+        _whole(nib, "norm_in_bias"),
+        _half(piw, 0, "p_in_weight"),
+        _half(pib, 0, "p_in_bias"),
+        _half(giw, 0, "g_in_weight"),
+        _half(gib, 0, "g_in_bias"),
+        _half(piw, 1, "p_in_weight"),
+        _half(pib, 1, "p_in_bias"),
+        _half(giw, 1, "g_in_weight"),
+        _half(gib, 1, "g_in_bias"),
+        _whole(gow, "g_out_weight"),
+        _whole(gob, "g_out_bias"),
+        _whole(now, "norm_out_weight"),
+        _whole(nob, "norm_out_bias"),
+        _whole(pow_, "p_out_weight"),
+        _whole(pob, "p_out_bias"),
+    ]
+
+
+_constants: dict = {}
+
+
+def _constant(n: int, value: float, device: torch.device) -> Tensor:
+    """A cached [n] float32 tensor of `value` (LayerNorm defaults: weight 1, bias 0)."""
+    key = (n, value, device)
+    t = _constants.get(key)
+    if t is None:
+        t = torch.full((n,), value, dtype=torch.float32, device=device)
+        _constants[key] = t
+    return t
+
+
+def _with_norm_defaults(w: list, c: int, h: int, device: torch.device) -> list:
+    w = list(w)
+    for i, (n, v) in {0: (c, 1.0), 1: (c, 0.0), 6: (h, 1.0), 7: (h, 0.0)}.items():
+        if w[i] is None:
+            w[i] = _constant(n, v, device)
+    return w
+
+
+def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Contiguous and 16-byte aligned (the kernels load 16 bytes at a time)."""
+    if t is None:
+        return None
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
+
+
+class _Entry:
+    __slots__ = ("layer", "storage", "refs", "versions", "ptrs", "ws_bytes")
+
+
+class _PreparedCache:
+    """Prepared layers keyed on the weight tensors themselves.
+
+    An entry is found by the tensors' ids and is used only while each tensor is the same object
+    (weak reference), at the same `_version` (in-place writes bump it: an optimizer step
+    re-prepares) and the same data pointer (so a reused address cannot hit). Writes through
+    `.data` or from outside PyTorch (DLPack, raw pointers) do not bump `_version` and are not
+    seen: call `trimul.clear_cache()` after them. Entries die with their tensors; at most
+    `capacity` are kept.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self.entries: dict = {}
+        self.lock = threading.Lock()
+
+    def get(self, key: tuple, tensors: list) -> Optional[_Entry]:
+        e = self.entries.get(key)
+        if e is None:
+            return None
+        for t, r, v, p in zip(tensors, e.refs, e.versions, e.ptrs):
+            if t is not None and (r() is not t or t._version != v or t.data_ptr() != p):
+                return None
+        return e
+
+    def put(self, key: tuple, tensors: list, entry: _Entry) -> None:
+        cache = weakref.ref(self)
+
+        def drop(_ref, key=key):
+            c = cache()
+            if c is not None:
+                with c.lock:
+                    c.entries.pop(key, None)
+
+        entry.refs = [None if t is None else weakref.ref(t, drop) for t in tensors]
+        entry.versions = [None if t is None else t._version for t in tensors]
+        entry.ptrs = [None if t is None else t.data_ptr() for t in tensors]
+        with self.lock:
+            while len(self.entries) >= self.capacity:
+                self.entries.pop(next(iter(self.entries)))
+            self.entries[key] = entry
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+
+
+_cache = _PreparedCache()
+_prepared_bytes: dict = {}
+
+
+def clear_cache() -> None:
+    """Forgets every prepared weight set (they are prepared again on next use)."""
+    _cache.clear()
+
+
+def _cacheable(tensors: list) -> bool:
+    # Inference tensors have no version counter: an in-place write to one would go unseen.
+    return not any(t is not None and t.is_inference() for t in tensors)
+
+
+def _cuda_layer(x: Tensor, originals: list, w: list, direction: str, eps: float, stream: int):
+    """The prepared CUDA layer for these weights: cached, or prepared now on `stream`."""
+    c, h = x.shape[-1], w[2].shape[0] // 2
+    device = x.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capturing = torch.cuda.is_current_stream_capturing()
+    key = (index, direction, eps) + tuple(id(t) for t in originals)
+    if not capturing:
+        e = _cache.get(key, originals)
+        if e is not None:
+            return e
+    biases = any(w[i] is not None for i in (3, 5, 9, 11))
+    nb_key = (index, c, h, biases)
+    nbytes = _prepared_bytes.get(nb_key)
+    if nbytes is None:
+        nbytes = _prepared_bytes[nb_key] = _trimul.cuda_prepared_bytes(index, "af3", c, h, biases)
+    storage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    entry = _Entry()
+    entry.layer = _trimul.CudaLayer(index, "af3", c, h, direction, eps, _entries(w), storage.data_ptr(), nbytes, stream)
+    entry.storage = storage
+    entry.ws_bytes = {}
+    # Inside a CUDA-graph capture the preparation is captured with the forward (every replay
+    # prepares from the parameters' current values); nothing captured enters the cache.
+    if not capturing and _cacheable(originals):
+        _cache.put(key, originals, entry)
+    return entry
+
+
+def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, w: list, direction: str, eps: float) -> Tensor:
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    e = _cuda_layer(x, originals, w, direction, eps, stream)
+    b, n = x.shape[0], x.shape[1]
+    io = _DTYPE_CODE[x.dtype]
+    wkey = (b, n, mask is not None, io)
+    nbytes = e.ws_bytes.get(wkey)
+    if nbytes is None:
+        nbytes = e.ws_bytes[wkey] = e.layer.workspace_bytes(b, n, mask is not None, io)
+    ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    y = torch.empty_like(x)
+    e.layer.forward(
+        x.data_ptr(),
+        0 if mask is None else mask.data_ptr(),
+        y.data_ptr(),
+        b,
+        n,
+        io,
+        ws.data_ptr(),
+        nbytes,
+        stream,
+    )
+    return y
+
+
+_host_cache = _PreparedCache()
+_rocm_warned = False
+
+
+def _host_forward(x: Tensor, mask: Optional[Tensor], originals: list, w: list, direction: str, eps: float, backend):
+    """Through the library's host API: CPU tensors, or (copied through the host) ROCm tensors."""
+    c, h = x.shape[-1], w[2].shape[0] // 2
+    key = (backend, direction, eps) + tuple(id(t) for t in originals)
+    e = _host_cache.get(key, originals)
+    if e is None:
+        host_w = [None if t is None else t.detach().cpu().contiguous() for t in w]
+        e = _Entry()
+        e.layer = _trimul.HostLayer("af3", c, h, direction, eps, _entries(host_w), backend)
+        if _cacheable(originals):
+            _host_cache.put(key, originals, e)
+    xh = x.detach().cpu().contiguous()
+    mh = None if mask is None else mask.detach().cpu().contiguous()
+    y = torch.empty_like(xh)
+    e.layer.forward(
+        xh.data_ptr(),
+        0 if mh is None else mh.data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        _DTYPE_CODE[x.dtype],
+    )
+    return y.to(x.device)
+
+
+@torch.library.custom_op("trimul::triangle_multiplicative_update", mutates_args=())
+def _op(
+    x: Tensor,
+    mask: Optional[Tensor],
+    norm_in_weight: Optional[Tensor],
+    norm_in_bias: Optional[Tensor],
+    p_in_weight: Tensor,
+    p_in_bias: Optional[Tensor],
+    g_in_weight: Tensor,
+    g_in_bias: Optional[Tensor],
+    norm_out_weight: Optional[Tensor],
+    norm_out_bias: Optional[Tensor],
+    p_out_weight: Tensor,
+    p_out_bias: Optional[Tensor],
+    g_out_weight: Tensor,
+    g_out_bias: Optional[Tensor],
+    direction: str,
+    eps: float,
+) -> Tensor:
+    """y = TriMul(x) in the af3 form. x `[B, N, N, C]`, mask `[B, N, N]` float32 or None; the
+    weights as cuEquivariance names them; y in x's dtype. Checked by the Python wrapper."""
+    originals = [
+        norm_in_weight,
+        norm_in_bias,
+        p_in_weight,
+        p_in_bias,
+        g_in_weight,
+        g_in_bias,
+        norm_out_weight,
+        norm_out_bias,
+        p_out_weight,
+        p_out_bias,
+        g_out_weight,
+        g_out_bias,
+    ]
+    c, h = x.shape[-1], p_in_weight.shape[0] // 2
+    w = [_contiguous(t) for t in _with_norm_defaults(originals, c, h, x.device)]
+    x = _contiguous(x)
+    mask = _contiguous(mask)
+    if x.device.type == "cuda" and torch.version.hip is None:
+        return _cuda_forward(x, mask, originals, w, direction, eps)
+    if x.device.type == "cuda":
+        global _rocm_warned
+        if not _rocm_warned:
+            _rocm_warned = True
+            warnings.warn(
+                "trimul: ROCm tensors run on the HIP backend through host copies for now (the HIP device "
+                "path is not built yet); this path has not run on AMD hardware",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return _host_forward(x, mask, originals, w, direction, eps, "hip")
+    if x.device.type == "cpu":
+        return _host_forward(x, mask, originals, w, direction, eps, None)
+    raise ValueError(f"x is on {x.device}; trimul runs on CUDA, ROCm and CPU tensors")
+
+
+@_op.register_fake
+def _(x, mask, *rest):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_WEIGHT_SLOTS = range(2, 14)
+
+
+def _setup_context(ctx, inputs, output):
+    x, mask, *w = inputs[:14]
+    ctx.direction, ctx.eps = inputs[14], inputs[15]
+    ctx.save_for_backward(x, mask, *w)
+
+
+def _backward(ctx, grad):
+    """Recomputes the forward with PyTorch operations in float32 and differentiates it."""
+    x, mask, *w = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    with torch.enable_grad():
+
+        def leaf(t, slot):
+            if t is None:
+                return None
+            return t.detach().to(torch.float32).requires_grad_(bool(need[slot]))
+
+        xs = leaf(x, 0)
+        ws = [leaf(t, i) for t, i in zip(w, _WEIGHT_SLOTS)]
+        m = None if mask is None else mask.detach().to(torch.float32)
+        y = reference.af3(xs, m, *ws, ctx.direction, ctx.eps)
+        slots = [(0, x, xs)] + [(i, t, s) for i, t, s in zip(_WEIGHT_SLOTS, w, ws)]
+        wanted = [(i, t, s) for i, t, s in slots if t is not None and need[i]]
+        grads = torch.autograd.grad(y, [s for _, _, s in wanted], grad.to(torch.float32)) if wanted else ()
+    out = [None] * 16
+    for (i, t, _), g in zip(wanted, grads):
+        out[i] = g.to(t.dtype)
+    return tuple(out)
+
+
+_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_devices(x: Tensor, tensors: dict) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; every tensor must be on x's device")
+
+
+def update(x, direction, mask, weights: dict, eps, precision) -> Tensor:
+    """cuEquivariance's `triangle_multiplicative_update` for torch tensors (see `trimul`)."""
+    direction = _args.check_direction(direction)
+    eps = _args.check_eps(eps)
+    mode = _args.parse_precision(precision)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor or a numpy.ndarray, got {type(x).__name__}")
+    for name, t in weights.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor like x, got {type(t).__name__}")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor like x, got {type(mask).__name__}")
+    _check_devices(x, {"mask": mask, **weights})
+    if x.dtype not in _DTYPE_CODE:
+        raise TypeError(f"x has dtype {x.dtype}; trimul takes float32, bfloat16 or float16")
+    for name, t in weights.items():
+        if t is not None and t.dtype not in _DTYPE_CODE:
+            raise TypeError(f"{name} has dtype {t.dtype}; trimul takes float32, bfloat16 or float16 weights")
+    if mode == _args.FP32 and x.device.type != "cpu":
+        raise ValueError(
+            f"precision={precision!r} asks for f32 accuracy, which trimul computes on the CPU only; "
+            "its GPU path keeps f16 intermediates (use precision=None or 1 (TF32))"
+        )
+    original_shape = x.shape
+    x4 = x.reshape(_args.fold_leading(tuple(x.shape), 4))
+    m3 = None
+    if mask is not None:
+        m3 = mask.reshape(_args.fold_leading(tuple(mask.shape), 3))
+        if m3.dtype != torch.float32:
+            m3 = m3.to(torch.float32)
+    _args.check_af3_shapes(tuple(x4.shape), None if m3 is None else tuple(m3.shape), {k: v for k, v in weights.items()})
+    w = [weights[n] for n in _args.AF3_WEIGHTS]
+    if mode == _args.BFLOAT16:
+        x4 = x4.to(torch.bfloat16)
+        if m3 is not None:
+            m3 = m3.to(torch.bfloat16).to(torch.float32)
+        w = [None if t is None else t.to(torch.bfloat16) for t in w]
+    y = torch.ops.trimul.triangle_multiplicative_update(x4, m3, *w, direction, eps)
+    return y.view(original_shape)
