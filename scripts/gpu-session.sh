@@ -10,7 +10,11 @@
 # timelines), suites (gpumode f32 and af3 bf16, JSON), other-suites (af3 f32, gpumode bf16 JSON; af3
 # f16), cueq-shapes (af3 bf16 at N = 512/768/1024, three runs), long (N = 4096 unchunked and in
 # 24 GB), long-bf16 (N = 4096 af3 bf16), sanitize (compute-sanitizer on the output kernels' test),
-# l2-probe (scripts/probes/l2_setaside.py). The device returns at most 8 files from $OUT.
+# l2-probe (scripts/probes/l2_setaside.py), device-io (tests/cuda_device_io.rs), python (the
+# wheel in .device/ and pytest from .device/pywheels: python/tests on CUDA), python-bench (the op
+# inside PyTorch against `trimul bench`, PyTorch and cuEquivariance from .device/cueq-site.tar.xz,
+# alternated three times), fresh (GPU MODE's protocol: `trimul bench --fresh-weights` and
+# custom_kernel, host time per call). The device returns at most 8 files from $OUT.
 set -uo pipefail
 d=.device
 out=${OUT:-/tmp/out}
@@ -66,6 +70,27 @@ for step in "$@"; do
           grep -E "Race reported|hazard" -A3 "$out/sanitize-$tool-$test.txt" | grep -E "output_projection|input_projection" | head -3
         done
       done
+      ;;
+    device-io)
+      TRIMUL_REQUIRE_DEVICE=1 "$d/cuda_device_io" --test-threads=1 2>&1 | tee "$out/device-io.txt" | grep -E "^test |test result|panicked|rel L2|SKIPPED" | tail -40
+      ;;
+    python)
+      rm -rf /tmp/tp && python3 -m pip install -q --no-deps --target /tmp/tp "$d"/trimul-*.whl "$d"/pywheels/*.whl
+      PYTHONPATH=/tmp/tp python3 -c "import trimul; print(trimul.info())" | tee "$out/python-info.txt"
+      PYTHONPATH=/tmp/tp TRIMUL_REQUIRE_DEVICE=1 python3 -m pytest -q -rs -p no:cacheprovider python/tests 2>&1 | tee "$out/python-tests.txt" | tail -40
+      ;;
+    python-bench)  # af3 bf16, B = 1, C = H = 128: `trimul bench` and the op inside PyTorch, alternated
+      mkdir -p /tmp/cueq && tar xJf "$d/cueq-site.tar.xz" -C /tmp/cueq
+      for r in 1 2 3; do
+        bench cli-af3 --suite gpumode --formulation af3 --precision bf16-io --n 512,1024
+        bench cli-af3 --suite long --formulation af3 --precision bf16-io --n 2048
+        peers=none; [ $r = 1 ] && peers=torch,cueq
+        PYTHONPATH=/tmp/tp:/tmp/cueq python3 -m trimul.bench --sizes 512,1024,2048 --peers $peers --json "$out/python-bench-$r.json" 2>&1 | tee -a "$out/python-bench.txt" | grep -v Warning
+      done
+      ;;
+    fresh)  # GPU MODE's protocol: weights handed over on the device, prepared in every call
+      bench fresh --suite gpumode --fresh-weights --json "$out/fresh.json"
+      PYTHONPATH=/tmp/tp python3 -m trimul.bench --no-af3 --gpumode --host-time --json "$out/python-fresh.json" 2>&1 | tee -a "$out/python-fresh.txt" | grep -v Warning
       ;;
     l2-probe)
       PYTHONUNBUFFERED=1 python3 scripts/probes/l2_setaside.py 2>&1 | tee "$out/l2-probe.txt"

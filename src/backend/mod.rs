@@ -16,6 +16,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device_weights;
 pub mod gemm;
 #[cfg(feature = "rocm")]
 pub mod hip;
@@ -233,6 +234,19 @@ pub trait Backend: Clone + Send + Sync {
 
     /// Number of f32 values a buffer holds.
     fn buffer_len(buffer: &Self::Buffer) -> usize;
+
+    /// The device address of a buffer, for the [`crate::device_io`] descriptors (`None` on the
+    /// CPU, whose buffers are host memory).
+    fn buffer_addr(buffer: &Self::Buffer) -> Option<u64> {
+        let _ = buffer;
+        None
+    }
+
+    /// The backend's own stream as an integer handle (what [`Backend::forward`] enqueues on), for
+    /// calls that take a stream; 0 on the CPU.
+    fn stream_handle(&self) -> u64 {
+        0
+    }
 
     /// Copy host data into a buffer of the same length.
     fn upload(&self, src: &[f32], dst: &mut Self::Buffer) -> Result<()>;

@@ -1348,6 +1348,14 @@ impl Backend for CudaBackend {
         buffer.len()
     }
 
+    fn buffer_addr(buffer: &DeviceBuffer<f32>) -> Option<u64> {
+        Some(buffer.ptr())
+    }
+
+    fn stream_handle(&self) -> u64 {
+        self.stream() as u64
+    }
+
     fn upload(&self, src: &[f32], dst: &mut DeviceBuffer<f32>) -> Result<()> {
         dst.upload(src, self.stream())
     }

@@ -1,0 +1,247 @@
+"""Timing inside PyTorch: ``python -m trimul.bench``.
+
+Times, in one process on one GPU, with CUDA events around each call (median of the timed calls
+after warm-up):
+
+- the op (``trimul.triangle_multiplicative_update``, weights cached) against PyTorch's own
+  formula (``trimul.reference.af3`` in eager mode) and cuEquivariance's function where it is
+  installed, af3 form, B = 1, C = H = 128, for each ``--sizes`` N;
+- ``trimul.gpumode.custom_kernel`` on GPU MODE's 7 benchmark shapes with new weights handed over
+  in every call, as its harness does (``--gpumode``);
+- the host time per call at N = 256 against a no-op ``torch.library.custom_op`` taking the same
+  arguments (``--host-time``).
+
+Results print as a table and, with ``--json FILE``, are written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+from . import gpumode, reference
+from . import triangle_multiplicative_update as tmu
+from ._args import AF3_WEIGHTS
+
+GPUMODE_SHAPES = [  # (N, B, C, masked, dist), SPEC.md's benchmark
+    (256, 2, 128, False, "normal"),
+    (768, 1, 128, False, "cauchy"),
+    (256, 2, 384, True, "normal"),
+    (512, 1, 128, False, "normal"),
+    (1024, 1, 128, False, "cauchy"),
+    (768, 1, 384, True, "normal"),
+    (1024, 1, 384, False, "normal"),
+]
+
+
+def timed(fn, repeats: int, warmup: int) -> list:
+    """Milliseconds of each timed call, CUDA events around each."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def af3_weights(c: int, h: int, dtype, device, g) -> dict:
+    def n(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    return {
+        "norm_in_weight": n(c),
+        "norm_in_bias": n(c),
+        "p_in_weight": n(2 * h, c, scale=h**-0.5),
+        "g_in_weight": n(2 * h, c, scale=h**-0.5),
+        "norm_out_weight": n(h),
+        "norm_out_bias": n(h),
+        "p_out_weight": n(c, h, scale=c**-0.5),
+        "g_out_weight": n(c, c, scale=h**-0.5),
+    }
+
+
+def bench_af3_one(n, dtype, masked, repeats, warmup, peers, cueq, g) -> dict:
+    c = h = 128
+    w = af3_weights(c, h, dtype, "cuda", g)
+    x = torch.randn(1, n, n, c, generator=g).to(dtype).cuda()
+    mask = torch.randint(0, 2, (1, n, n), generator=g).to(dtype).cuda() if masked else None
+    row = {"n": n, "dtype": str(dtype).replace("torch.", ""), "masked": masked}
+    row["trimul_ms"] = statistics.median(timed(lambda: tmu(x, "outgoing", mask, **w), repeats, warmup))
+    if "torch" in peers and n <= 2048:
+        args = [w.get(k) for k in AF3_WEIGHTS]
+        row["pytorch_ms"] = statistics.median(
+            timed(lambda: reference.af3(x, mask, *args, "outgoing", 1e-5), max(3, repeats // 3), 1)
+        )
+    if cueq is not None:
+        try:
+            row["cueq_ms"] = statistics.median(timed(lambda: cueq(x, "outgoing", mask, **w), repeats, warmup))
+        except Exception as e:  # noqa: BLE001 - a peer failing is reported, not fatal
+            row["cueq_error"] = str(e)[:200]
+    return row
+
+
+def bench_af3(sizes, dtype, masked, repeats, warmup, peers, g) -> list:
+    rows = []
+    cueq = None
+    if "cueq" in peers:
+        try:
+            from cuequivariance_torch import triangle_multiplicative_update as cueq
+        except ImportError as e:
+            print(f"cuEquivariance not importable ({e}); timing trimul and PyTorch only")
+    for n in sizes:
+        row = bench_af3_one(n, dtype, masked, repeats, warmup, peers, cueq, g)
+        rows.append(row)
+        print(
+            f"N={n:5d} {row['dtype']}: trimul {row['trimul_ms']:.3f} ms"
+            + (f", PyTorch {row['pytorch_ms']:.3f} ms" if "pytorch_ms" in row else "")
+            + (f", cuEquivariance {row['cueq_ms']:.3f} ms" if "cueq_ms" in row else "")
+        )
+        torch.cuda.empty_cache()
+    return rows
+
+
+def gpumode_data(n, b, c, masked, dist, g):
+    h = 128
+    x = torch.empty(b, n, n, c).cauchy_(0, 2, generator=g) if dist == "cauchy" else torch.randn(b, n, n, c, generator=g)
+    mask = torch.randint(0, 2, (b, n, n), generator=g).float() if masked else torch.ones(b, n, n)
+    w = {
+        "norm.weight": torch.randn(c, generator=g),
+        "norm.bias": torch.randn(c, generator=g),
+        "to_out_norm.weight": torch.randn(h, generator=g),
+        "to_out_norm.bias": torch.randn(h, generator=g),
+        "to_out.weight": torch.randn(c, h, generator=g) / c**0.5,
+    }
+    for k in ("left_proj", "right_proj", "left_gate", "right_gate", "out_gate"):
+        w[f"{k}.weight"] = torch.randn(h, c, generator=g) / h**0.5
+    return x.cuda(), mask.cuda(), {k: v.cuda() for k, v in w.items()}, {"dim": c, "hidden_dim": h}
+
+
+def bench_gpumode(repeats, warmup, g) -> dict:
+    """custom_kernel on the 7 shapes; each call gets weights it has not seen (two sets alternate,
+    so no call can reuse the previous one's preparation)."""
+    rows = []
+    for shape in GPUMODE_SHAPES:
+        x, mask, w1, config = gpumode_data(*shape, g)
+        w2 = {k: v.clone().mul_(1.0001) for k, v in w1.items()}
+        sets = [w1, w2]
+        i = [0]
+
+        def call(x=x, mask=mask, config=config, sets=sets, i=i):
+            i[0] += 1
+            return gpumode.custom_kernel((x, mask, sets[i[0] % 2], config))
+
+        ms = statistics.median(timed(call, repeats, warmup))
+        rows.append({"shape": list(shape), "ms": ms})
+        print(f"custom_kernel {shape}: {ms:.3f} ms")
+        del x, mask, w1, w2, sets
+    geomean = math.exp(sum(math.log(r["ms"]) for r in rows) / len(rows))
+    print(f"custom_kernel geomean over the 7 GPU MODE shapes: {geomean:.3f} ms")
+    return {"shapes": rows, "geomean_ms": geomean}
+
+
+@torch.library.custom_op("trimul_bench::noop", mutates_args=())
+def _noop(
+    x: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    a: Optional[torch.Tensor],
+    b: Optional[torch.Tensor],
+    c: torch.Tensor,
+    d: Optional[torch.Tensor],
+    e: torch.Tensor,
+    f: Optional[torch.Tensor],
+    g: Optional[torch.Tensor],
+    h: Optional[torch.Tensor],
+    i: torch.Tensor,
+    j: Optional[torch.Tensor],
+    k: torch.Tensor,
+    l: Optional[torch.Tensor],  # noqa: E741
+    direction: str,
+    eps: float,
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def bench_host_time(dtype, g, calls: int = 50, rounds: int = 200) -> dict:
+    """Host microseconds per call at N = 256: bursts of `calls` calls after a synchronize (short
+    enough that no launch queue fills), best-of-rounds median."""
+    n, c, h = 256, 128, 128
+    w = af3_weights(c, h, dtype, "cuda", g)
+    x = torch.randn(1, n, n, c, generator=g).to(dtype).cuda()
+    args = [w.get(k) for k in AF3_WEIGHTS]
+
+    def per_call(fn):
+        samples = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+        return statistics.median(samples)
+
+    op = torch.ops.trimul.triangle_multiplicative_update.default
+    for _ in range(20):
+        op(x, None, *args, "outgoing", 1e-5)
+        _noop(x, None, *args, "outgoing", 1e-5)
+    out = {
+        "noop_custom_op_us": per_call(lambda: _noop(x, None, *args, "outgoing", 1e-5)),
+        "trimul_op_us": per_call(lambda: op(x, None, *args, "outgoing", 1e-5)),
+        "trimul_function_us": per_call(lambda: tmu(x, "outgoing", None, **w)),
+    }
+    print(
+        f"host time per call at N=256: no-op custom op {out['noop_custom_op_us']:.1f} us, "
+        f"trimul op {out['trimul_op_us']:.1f} us, trimul function {out['trimul_function_us']:.1f} us"
+    )
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trimul.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="512,1024,2048", help="N values for the af3 timing (comma-separated)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p.add_argument("--mask", action="store_true", help="pass a random mask")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peers", default="torch,cueq", help="peers to time beside trimul: torch, cueq (or 'none')")
+    p.add_argument("--gpumode", action="store_true", help="also time custom_kernel on GPU MODE's 7 shapes")
+    p.add_argument("--host-time", action="store_true", help="also measure host time per call at N = 256")
+    p.add_argument("--no-af3", action="store_true", help="skip the af3 timing")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results to this file")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m trimul.bench: no CUDA device")
+        return 2
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[a.dtype]
+    g = torch.Generator().manual_seed(a.seed)
+    import trimul
+
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "trimul": trimul.__version__}
+    result["timing"] = f"CUDA events around each call, median of {a.repeats} after {a.warmup} warm-up calls"
+    if not a.no_af3:
+        sizes = [int(s) for s in a.sizes.split(",") if s]
+        result["af3"] = bench_af3(sizes, dtype, a.mask, a.repeats, a.warmup, a.peers.split(","), g)
+    if a.gpumode:
+        result["gpumode"] = bench_gpumode(a.repeats, a.warmup, g)
+    if a.host_time:
+        result["host_time"] = bench_host_time(dtype, g)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
