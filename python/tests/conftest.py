@@ -96,7 +96,7 @@ def compare(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2):
     """GPU MODE's rule (every element within tol + tol*|ref|, no NaN where the reference has none)
     and the relative L2 error."""
     g = got.detach().to("cpu", torch.float64)
-    w = want.to(torch.float64)
+    w = want.detach().to("cpu", torch.float64)
     assert g.shape == w.shape, (g.shape, w.shape)
     bad = ~((g - w).abs() <= tol + tol * w.abs())
     bad |= torch.isnan(g) & ~torch.isnan(w)

@@ -183,3 +183,14 @@ def test_numpy_arrays_run_on_the_cpu():
     assert y16.dtype == np.float16
     want = f64_reference(x.half(), "outgoing", None, **w)
     check(torch.from_numpy(y16), want, torch.device("cpu"), torch.float16, "numpy f16")
+
+
+def test_16_bit_io_at_widths_the_fused_kernels_do_not_take(device):
+    """bf16 x with H = 24 (not a multiple of 16): the GPU runs it in f32 I/O, converted around the
+    call; the result is still bf16 and right."""
+    b, n, c, h = 1, 16, 40, 24
+    w = af3_weights(c, h, True, salt=32, dtype=torch.bfloat16, device=device)
+    x = pair((b, n, n, c), salt=33, dtype=torch.bfloat16, device=device)
+    y = tmu(x, "outgoing", None, **w)
+    assert y.dtype == torch.bfloat16
+    check(y, f64_reference(x, "outgoing", None, **w), device, torch.bfloat16, f"{device} bf16 H=24")

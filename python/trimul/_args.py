@@ -93,8 +93,12 @@ def check_af3_shapes(x_shape: tuple, mask_shape: Optional[tuple], w: dict) -> tu
     """Checks the pair tensor, the mask and cuEquivariance's weights; returns (C, H).
 
     `x_shape` is `[B, N, N, C]` (leading dims already folded), `mask_shape` `[B, N, N]` or None,
-    `w` the twelve weight arguments by name (None where not given).
+    `w` the twelve weight arguments by name (None where not given). Shapes are tuples of ints
+    (torch.Size is one).
     """
+    x_shape = tuple(x_shape)
+    if mask_shape is not None:
+        mask_shape = tuple(mask_shape)
     if len(x_shape) != 4 or x_shape[1] != x_shape[2]:
         raise ValueError(f"x must be [..., N, N, C], got shape {x_shape}")
     b, n, _, c = x_shape
@@ -107,11 +111,27 @@ def check_af3_shapes(x_shape: tuple, mask_shape: Optional[tuple], w: dict) -> tu
             raise ValueError(
                 f"{name} is required (cuEquivariance initialises missing projection weights at random; trimul does not)"
             )
-    p_in = shape_of(w["p_in_weight"])
+    p_in = tuple(w["p_in_weight"].shape)
     if len(p_in) != 2 or p_in[0] % 2 != 0 or p_in[0] == 0 or p_in[1] != c:
         raise ValueError(f"p_in_weight has shape {p_in}, expected [2H, {c}] with H >= 1")
     h = p_in[0] // 2
-    expected = {
+    expected = _expected(c, h)
+    for name, want in expected.items():
+        t = w[name]
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(f"{name} has shape {shape_of(t)}, expected {list(want)} (C = {c}, H = {h})")
+    return c, h
+
+
+_expected_cache: dict = {}
+
+
+def _expected(c: int, h: int) -> dict:
+    """The shape each weight argument must have for pair width C and hidden width H."""
+    e = _expected_cache.get((c, h))
+    if e is not None:
+        return e
+    e = _expected_cache[(c, h)] = {
         "norm_in_weight": (c,),
         "norm_in_bias": (c,),
         "p_in_bias": (2 * h,),
@@ -124,10 +144,7 @@ def check_af3_shapes(x_shape: tuple, mask_shape: Optional[tuple], w: dict) -> tu
         "g_out_weight": (c, c),
         "g_out_bias": (c,),
     }
-    for name, want in expected.items():
-        if w[name] is not None and shape_of(w[name]) != want:
-            raise ValueError(f"{name} has shape {shape_of(w[name])}, expected {list(want)} (C = {c}, H = {h})")
-    return c, h
+    return e
 
 
 def fold_leading(shape: tuple, dims: int) -> tuple:

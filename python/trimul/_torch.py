@@ -161,12 +161,19 @@ def _cacheable(tensors: list) -> bool:
     return not any(t is not None and t.is_inference() for t in tensors)
 
 
-def _cuda_layer(x: Tensor, originals: list, w: list, direction: str, eps: float, stream: int):
+# What torch.cuda.current_stream(i).cuda_stream and is_current_stream_capturing() return, without
+# building Stream objects (the public calls cost microseconds per op call).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda i: torch.cuda.current_stream(i).cuda_stream
+)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
+def _cuda_layer(x: Tensor, originals: list, w: list, direction: str, eps: float, index: int, stream: int):
     """The prepared CUDA layer for these weights: cached, or prepared now on `stream`."""
     c, h = x.shape[-1], w[2].shape[0] // 2
     device = x.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    capturing = torch.cuda.is_current_stream_capturing()
+    capturing = _capturing()
     key = (index, direction, eps) + tuple(id(t) for t in originals)
     if not capturing:
         e = _cache.get(key, originals)
@@ -190,14 +197,24 @@ def _cuda_layer(x: Tensor, originals: list, w: list, direction: str, eps: float,
 
 
 def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, w: list, direction: str, eps: float) -> Tensor:
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    e = _cuda_layer(x, originals, w, direction, eps, stream)
+    index = x.get_device()
+    stream = _raw_stream(index)
+    e = _cuda_layer(x, originals, w, direction, eps, index, stream)
     b, n = x.shape[0], x.shape[1]
     io = _DTYPE_CODE[x.dtype]
     wkey = (b, n, mask is not None, io)
     nbytes = e.ws_bytes.get(wkey)
     if nbytes is None:
-        nbytes = e.ws_bytes[wkey] = e.layer.workspace_bytes(b, n, mask is not None, io)
+        try:
+            nbytes = e.ws_bytes[wkey] = e.layer.workspace_bytes(b, n, mask is not None, io)
+        except TypeError:
+            if io == 0:
+                raise
+            # 16-bit x and y are read and written by the fused kernels only (C a multiple of 8 up
+            # to 512, H a multiple of 16 up to 128); other widths run in f32 I/O, converted here.
+            nbytes = e.ws_bytes[wkey] = -1
+    if nbytes < 0:
+        return _cuda_forward(x.float(), mask, originals, w, direction, eps).to(x.dtype)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     y = torch.empty_like(x)
     e.layer.forward(
@@ -278,8 +295,12 @@ def _op(
         g_out_weight,
         g_out_bias,
     ]
-    c, h = x.shape[-1], p_in_weight.shape[0] // 2
-    w = [_contiguous(t) for t in _with_norm_defaults(originals, c, h, x.device)]
+    if norm_in_weight is None or norm_in_bias is None or norm_out_weight is None or norm_out_bias is None:
+        w = _with_norm_defaults(originals, x.shape[-1], p_in_weight.shape[0] // 2, x.device)
+    else:
+        w = originals
+    if not all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in w):
+        w = [_contiguous(t) for t in w]
     x = _contiguous(x)
     mask = _contiguous(mask)
     if x.device.type == "cuda" and torch.version.hip is None:
@@ -341,43 +362,50 @@ def _backward(ctx, grad):
 _op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_devices(x: Tensor, tensors: dict) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; every tensor must be on x's device")
+def _check_tensor(name: str, t, x: Tensor) -> None:
+    """Type, dtype and device of one argument beside x (the shapes are checked by _args)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor like x, got {type(t).__name__}")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}; every tensor must be on x's device")
+    if name != "mask" and t.dtype not in _DTYPE_CODE:
+        raise TypeError(f"{name} has dtype {t.dtype}; trimul takes float32, bfloat16 or float16 weights")
 
 
 def update(x, direction, mask, weights: dict, eps, precision) -> Tensor:
     """cuEquivariance's `triangle_multiplicative_update` for torch tensors (see `trimul`)."""
-    direction = _args.check_direction(direction)
-    eps = _args.check_eps(eps)
-    mode = _args.parse_precision(precision)
+    if direction != "outgoing" and direction != "incoming":
+        _args.check_direction(direction)
+    if eps.__class__ is not float or not 0.0 <= eps < float("inf"):
+        eps = _args.check_eps(eps)
+    mode = _args.DEFAULT if precision is None else _args.parse_precision(precision)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor or a numpy.ndarray, got {type(x).__name__}")
-    for name, t in weights.items():
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor like x, got {type(t).__name__}")
-    if mask is not None and not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor like x, got {type(mask).__name__}")
-    _check_devices(x, {"mask": mask, **weights})
     if x.dtype not in _DTYPE_CODE:
         raise TypeError(f"x has dtype {x.dtype}; trimul takes float32, bfloat16 or float16")
+    device = x.device
+    # The common case in one cheap pass: every given tensor a torch.Tensor on x's device with a
+    # supported dtype; anything else gets the check that names it.
     for name, t in weights.items():
-        if t is not None and t.dtype not in _DTYPE_CODE:
-            raise TypeError(f"{name} has dtype {t.dtype}; trimul takes float32, bfloat16 or float16 weights")
-    if mode == _args.FP32 and x.device.type != "cpu":
+        if t is not None and (t.__class__ is not torch.Tensor and not isinstance(t, torch.Tensor)):
+            _check_tensor(name, t, x)
+        if t is not None and (t.device != device or t.dtype not in _DTYPE_CODE):
+            _check_tensor(name, t, x)
+    if mask is not None:
+        _check_tensor("mask", mask, x)
+    if mode == _args.FP32 and device.type != "cpu":
         raise ValueError(
             f"precision={precision!r} asks for f32 accuracy, which trimul computes on the CPU only; "
             "its GPU path keeps f16 intermediates (use precision=None or 1 (TF32))"
         )
     original_shape = x.shape
-    x4 = x.reshape(_args.fold_leading(tuple(x.shape), 4))
+    x4 = x if x.dim() == 4 else x.reshape(_args.fold_leading(tuple(x.shape), 4))
     m3 = None
     if mask is not None:
-        m3 = mask.reshape(_args.fold_leading(tuple(mask.shape), 3))
+        m3 = mask if mask.dim() == 3 else mask.reshape(_args.fold_leading(tuple(mask.shape), 3))
         if m3.dtype != torch.float32:
             m3 = m3.to(torch.float32)
-    _args.check_af3_shapes(tuple(x4.shape), None if m3 is None else tuple(m3.shape), {k: v for k, v in weights.items()})
+    _args.check_af3_shapes(x4.shape, None if m3 is None else m3.shape, weights)
     w = [weights[n] for n in _args.AF3_WEIGHTS]
     if mode == _args.BFLOAT16:
         x4 = x4.to(torch.bfloat16)
@@ -385,4 +413,4 @@ def update(x, direction, mask, weights: dict, eps, precision) -> Tensor:
             m3 = m3.to(torch.bfloat16).to(torch.float32)
         w = [None if t is None else t.to(torch.bfloat16) for t in w]
     y = torch.ops.trimul.triangle_multiplicative_update(x4, m3, *w, direction, eps)
-    return y.view(original_shape)
+    return y if y.shape == original_shape else y.view(original_shape)

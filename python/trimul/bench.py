@@ -55,6 +55,24 @@ def timed(fn, repeats: int, warmup: int) -> list:
     return out
 
 
+def timed_batch(fn, calls: int, rounds: int = 5, warmup: int = 3) -> list:
+    """Milliseconds per call over `calls` back-to-back calls between two events (the GPU stays
+    busy, so host time per call hides under device time when it is shorter), `rounds` times."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / calls)
+    return out
+
+
 def af3_weights(c: int, h: int, dtype, device, g) -> dict:
     def n(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
@@ -78,6 +96,7 @@ def bench_af3_one(n, dtype, masked, repeats, warmup, peers, cueq, g) -> dict:
     mask = torch.randint(0, 2, (1, n, n), generator=g).to(dtype).cuda() if masked else None
     row = {"n": n, "dtype": str(dtype).replace("torch.", ""), "masked": masked}
     row["trimul_ms"] = statistics.median(timed(lambda: tmu(x, "outgoing", mask, **w), repeats, warmup))
+    row["trimul_back_to_back_ms"] = statistics.median(timed_batch(lambda: tmu(x, "outgoing", mask, **w), repeats))
     if "torch" in peers and n <= 2048:
         args = [w.get(k) for k in AF3_WEIGHTS]
         row["pytorch_ms"] = statistics.median(
@@ -104,6 +123,7 @@ def bench_af3(sizes, dtype, masked, repeats, warmup, peers, g) -> list:
         rows.append(row)
         print(
             f"N={n:5d} {row['dtype']}: trimul {row['trimul_ms']:.3f} ms"
+            + f" ({row['trimul_back_to_back_ms']:.3f} back to back)"
             + (f", PyTorch {row['pytorch_ms']:.3f} ms" if "pytorch_ms" in row else "")
             + (f", cuEquivariance {row['cueq_ms']:.3f} ms" if "cueq_ms" in row else "")
         )
@@ -195,15 +215,29 @@ def bench_host_time(dtype, g, calls: int = 50, rounds: int = 200) -> dict:
     for _ in range(20):
         op(x, None, *args, "outgoing", 1e-5)
         _noop(x, None, *args, "outgoing", 1e-5)
+    # The library call alone, on buffers allocated once (what the op adds around it is PyTorch's).
+    from . import _torch
+
+    entry = next(iter(_torch._cache.entries.values()))
+    nbytes = entry.layer.workspace_bytes(1, n, False, _torch._DTYPE_CODE[dtype])
+    ws = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    stream = torch.cuda.current_stream().cuda_stream
+    code = _torch._DTYPE_CODE[dtype]
+
+    def raw():
+        entry.layer.forward(x.data_ptr(), 0, y.data_ptr(), 1, n, code, ws.data_ptr(), nbytes, stream)
+
     out = {
         "noop_custom_op_us": per_call(lambda: _noop(x, None, *args, "outgoing", 1e-5)),
         "trimul_op_us": per_call(lambda: op(x, None, *args, "outgoing", 1e-5)),
         "trimul_function_us": per_call(lambda: tmu(x, "outgoing", None, **w)),
+        "library_call_us": per_call(raw),
+        "two_empties_us": per_call(
+            lambda: (torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty_like(x))
+        ),
     }
-    print(
-        f"host time per call at N=256: no-op custom op {out['noop_custom_op_us']:.1f} us, "
-        f"trimul op {out['trimul_op_us']:.1f} us, trimul function {out['trimul_function_us']:.1f} us"
-    )
+    print("host time per call at N=256: " + ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in out.items()))
     return out
 
 
