@@ -222,3 +222,23 @@ def test_other_stream_and_device_index():
     assert torch.equal(got, want)
     ref = reference.af3(x.double(), None, *[None if w.get(k) is None else w[k].double() for k in AF3_WEIGHTS])
     assert compare(got, ref)[1] < 5e-3
+
+
+def test_eager_calls_without_gradients_skip_the_dispatcher_with_the_same_result(device):
+    """Inference calls run the op's implementation directly; the registered op gives the same bits,
+    and a dispatch mode (here FakeTensorMode's tracing, via torch.compile in another test) or a
+    gradient to record sends the call through the op."""
+    import trimul._torch as impl
+
+    c, h, n = 32, 32, 16
+    w = af3_weights(c, h, True, salt=75, device=device)
+    x = pair((1, n, n, c), salt=76, device=device)
+    direct = tmu(x, **w)
+    via_op = torch.ops.trimul.triangle_multiplicative_update(
+        x, None, *[w.get(k) for k in AF3_WEIGHTS], "outgoing", 1e-5
+    )
+    assert torch.equal(direct, via_op)
+    p = w["p_out_weight"].clone().requires_grad_(True)
+    assert not impl._direct(x, [p]) and impl._direct(x, [w["p_out_weight"]])
+    with torch.no_grad():
+        assert impl._direct(x, [p])

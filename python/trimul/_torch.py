@@ -97,7 +97,7 @@ def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 class _Entry:
-    __slots__ = ("layer", "storage", "refs", "versions", "ptrs", "ws_bytes")
+    __slots__ = ("layer", "storage", "checks", "ws_bytes")
 
 
 class _PreparedCache:
@@ -120,8 +120,9 @@ class _PreparedCache:
         e = self.entries.get(key)
         if e is None:
             return None
-        for t, r, v, p in zip(tensors, e.refs, e.versions, e.ptrs):
-            if t is not None and (r() is not t or t._version != v or t.data_ptr() != p):
+        for i, r, v, p in e.checks:
+            t = tensors[i]
+            if r() is not t or t._version != v or t.data_ptr() != p:
                 return None
         return e
 
@@ -134,9 +135,9 @@ class _PreparedCache:
                 with c.lock:
                     c.entries.pop(key, None)
 
-        entry.refs = [None if t is None else weakref.ref(t, drop) for t in tensors]
-        entry.versions = [None if t is None else t._version for t in tensors]
-        entry.ptrs = [None if t is None else t.data_ptr() for t in tensors]
+        entry.checks = [
+            (i, weakref.ref(t, drop), t._version, t.data_ptr()) for i, t in enumerate(tensors) if t is not None
+        ]
         with self.lock:
             while len(self.entries) >= self.capacity:
                 self.entries.pop(next(iter(self.entries)))
@@ -169,37 +170,49 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
-def _cuda_layer(x: Tensor, originals: list, w: list, direction: str, eps: float, index: int, stream: int):
-    """The prepared CUDA layer for these weights: cached, or prepared now on `stream`."""
-    c, h = x.shape[-1], w[2].shape[0] // 2
-    device = x.device
-    capturing = _capturing()
-    key = (index, direction, eps) + tuple(id(t) for t in originals)
-    if not capturing:
-        e = _cache.get(key, originals)
-        if e is not None:
-            return e
+def _prepared_weights(originals: list, c: int, h: int, device: torch.device) -> list:
+    """The weights as preparation reads them: LayerNorm defaults filled in, each contiguous."""
+    w = originals
+    if w[0] is None or w[1] is None or w[6] is None or w[7] is None:
+        w = _with_norm_defaults(w, c, h, device)
+    return [_contiguous(t) for t in w]
+
+
+def _cuda_prepare(x: Tensor, originals: list, direction: str, eps: float, index: int, stream: int) -> _Entry:
+    """Prepares the weights on `stream` into storage from PyTorch's allocator."""
+    c, h = x.shape[-1], originals[2].shape[0] // 2
+    w = _prepared_weights(originals, c, h, x.device)
     biases = any(w[i] is not None for i in (3, 5, 9, 11))
     nb_key = (index, c, h, biases)
     nbytes = _prepared_bytes.get(nb_key)
     if nbytes is None:
         nbytes = _prepared_bytes[nb_key] = _trimul.cuda_prepared_bytes(index, "af3", c, h, biases)
-    storage = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    storage = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     entry = _Entry()
     entry.layer = _trimul.CudaLayer(index, "af3", c, h, direction, eps, _entries(w), storage.data_ptr(), nbytes, stream)
     entry.storage = storage
     entry.ws_bytes = {}
-    # Inside a CUDA-graph capture the preparation is captured with the forward (every replay
-    # prepares from the parameters' current values); nothing captured enters the cache.
-    if not capturing and _cacheable(originals):
-        _cache.put(key, originals, entry)
     return entry
 
 
-def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, w: list, direction: str, eps: float) -> Tensor:
+def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float) -> Tensor:
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = _contiguous(x)
+    if mask is not None and (not mask.is_contiguous() or mask.data_ptr() % 16):
+        mask = _contiguous(mask)
     index = x.get_device()
     stream = _raw_stream(index)
-    e = _cuda_layer(x, originals, w, direction, eps, index, stream)
+    # Inside a CUDA-graph capture the preparation is captured with the forward (every replay
+    # prepares from the parameters' current values); nothing captured enters the cache.
+    if _capturing():
+        e = _cuda_prepare(x, originals, direction, eps, index, stream)
+    else:
+        key = (index, direction, eps, *map(id, originals))
+        e = _cache.get(key, originals)
+        if e is None:
+            e = _cuda_prepare(x, originals, direction, eps, index, stream)
+            if _cacheable(originals):
+                _cache.put(key, originals, e)
     b, n = x.shape[0], x.shape[1]
     io = _DTYPE_CODE[x.dtype]
     wkey = (b, n, mask is not None, io)
@@ -214,19 +227,11 @@ def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, w: list, d
             # to 512, H a multiple of 16 up to 128); other widths run in f32 I/O, converted here.
             nbytes = e.ws_bytes[wkey] = -1
     if nbytes < 0:
-        return _cuda_forward(x.float(), mask, originals, w, direction, eps).to(x.dtype)
+        return _cuda_forward(x.float(), mask, originals, direction, eps).to(x.dtype)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     y = torch.empty_like(x)
     e.layer.forward(
-        x.data_ptr(),
-        0 if mask is None else mask.data_ptr(),
-        y.data_ptr(),
-        b,
-        n,
-        io,
-        ws.data_ptr(),
-        nbytes,
-        stream,
+        x.data_ptr(), 0 if mask is None else mask.data_ptr(), y.data_ptr(), b, n, io, ws.data_ptr(), nbytes, stream
     )
     return y
 
@@ -235,12 +240,13 @@ _host_cache = _PreparedCache()
 _rocm_warned = False
 
 
-def _host_forward(x: Tensor, mask: Optional[Tensor], originals: list, w: list, direction: str, eps: float, backend):
+def _host_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float, backend):
     """Through the library's host API: CPU tensors, or (copied through the host) ROCm tensors."""
-    c, h = x.shape[-1], w[2].shape[0] // 2
+    c, h = x.shape[-1], originals[2].shape[0] // 2
     key = (backend, direction, eps) + tuple(id(t) for t in originals)
     e = _host_cache.get(key, originals)
     if e is None:
+        w = _prepared_weights(originals, c, h, x.device)
         host_w = [None if t is None else t.detach().cpu().contiguous() for t in w]
         e = _Entry()
         e.layer = _trimul.HostLayer("af3", c, h, direction, eps, _entries(host_w), backend)
@@ -295,17 +301,19 @@ def _op(
         g_out_weight,
         g_out_bias,
     ]
-    if norm_in_weight is None or norm_in_bias is None or norm_out_weight is None or norm_out_bias is None:
-        w = _with_norm_defaults(originals, x.shape[-1], p_in_weight.shape[0] // 2, x.device)
-    else:
-        w = originals
-    if not all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in w):
-        w = [_contiguous(t) for t in w]
+    return _forward(x, mask, originals, direction, eps)
+
+
+_HIP = torch.version.hip is not None
+
+
+def _forward(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float) -> Tensor:
+    """The op's implementation on real tensors (the checks are the wrapper's)."""
+    if x.is_cuda and not _HIP:
+        return _cuda_forward(x, mask, originals, direction, eps)
     x = _contiguous(x)
     mask = _contiguous(mask)
-    if x.device.type == "cuda" and torch.version.hip is None:
-        return _cuda_forward(x, mask, originals, w, direction, eps)
-    if x.device.type == "cuda":
+    if x.is_cuda:
         global _rocm_warned
         if not _rocm_warned:
             _rocm_warned = True
@@ -315,9 +323,9 @@ def _op(
                 RuntimeWarning,
                 stacklevel=3,
             )
-        return _host_forward(x, mask, originals, w, direction, eps, "hip")
+        return _host_forward(x, mask, originals, direction, eps, "hip")
     if x.device.type == "cpu":
-        return _host_forward(x, mask, originals, w, direction, eps, None)
+        return _host_forward(x, mask, originals, direction, eps, None)
     raise ValueError(f"x is on {x.device}; trimul runs on CUDA, ROCm and CPU tensors")
 
 
@@ -412,5 +420,31 @@ def update(x, direction, mask, weights: dict, eps, precision) -> Tensor:
         if m3 is not None:
             m3 = m3.to(torch.bfloat16).to(torch.float32)
         w = [None if t is None else t.to(torch.bfloat16) for t in w]
-    y = torch.ops.trimul.triangle_multiplicative_update(x4, m3, *w, direction, eps)
+    if _direct(x4, w):
+        y = _forward(x4, m3, w, direction, eps)
+    else:
+        y = torch.ops.trimul.triangle_multiplicative_update(x4, m3, *w, direction, eps)
     return y if y.shape == original_shape else y.view(original_shape)
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._len_torch_function_stack
+
+
+def _direct(x: Tensor, w: list) -> bool:
+    """Whether an eager call may run the op's implementation without PyTorch's dispatcher: plain
+    tensors, no gradient to record, no compiler tracing and no dispatch or function mode active
+    (fake tensors, functionalization, profilers' modes). Then the dispatcher would only forward
+    the call; going around it saves its cost on every call of an inference run. Everything else
+    goes through the registered op."""
+    if x.__class__ is not torch.Tensor or torch.compiler.is_compiling():
+        return False
+    if _dispatch_modes() or _function_modes():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in w)):
+        return False
+    return all(t is None or t.__class__ in _PLAIN for t in w)
+
+
+# Tensor classes that add no behaviour of their own (nn.Parameter only marks a module's weight).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
