@@ -46,7 +46,7 @@ impl DType {
     }
 
     /// The kernels' element-type code (`TM_IO_*` in `common/params.h`).
-    #[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn code(self) -> i32 {
         crate::backend::params::io_dtype(self.precision())
     }

@@ -91,9 +91,9 @@ fn options(direction: &str, eps: f32) -> PyResult<Options> {
 
 fn entries(weights: Vec<Entry>) -> PyResult<[Entry; 16]> {
     let n = weights.len();
-    weights
-        .try_into()
-        .map_err(|_| PyValueError::new_err(format!("{n} weight entries given, expected 16 ({})", WEIGHT_NAMES.join(", "))))
+    weights.try_into().map_err(|_| {
+        PyValueError::new_err(format!("{n} weight entries given, expected 16 ({})", WEIGHT_NAMES.join(", ")))
+    })
 }
 
 fn required(e: &[Entry; 16], i: usize) -> PyResult<(u64, usize, i32)> {
@@ -136,7 +136,8 @@ unsafe fn host_weights(cfg: Config, e: &[Entry; 16]) -> PyResult<Weights> {
     };
     let need = |i: usize| -> PyResult<Vec<f32>> { get(i)?.ok_or_else(|| required(e, i).unwrap_err()) };
     let (c, h, g) = (cfg.c, cfg.h, cfg.gate_width());
-    let lin = |i: usize, out: usize, inp: usize| -> PyResult<Linear> { Ok(Linear::new(need(i)?, get(i + 1)?, out, inp)) };
+    let lin =
+        |i: usize, out: usize, inp: usize| -> PyResult<Linear> { Ok(Linear::new(need(i)?, get(i + 1)?, out, inp)) };
     let norm = |i: usize| -> PyResult<Norm> { Ok(Norm { weight: need(i)?, bias: need(i + 1)? }) };
     Weights::new(
         cfg,
@@ -188,6 +189,7 @@ impl HostLayer {
     /// `TRIMUL_BACKEND` environment variable if set, else the CPU).
     #[new]
     #[pyo3(signature = (formulation, c, h, direction, eps, weights, backend=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         formulation: &str,
@@ -220,7 +222,8 @@ impl HostLayer {
     #[allow(clippy::too_many_arguments)]
     fn forward(&self, py: Python<'_>, x: u64, mask: u64, y: u64, b: usize, n: usize, io: i32) -> PyResult<()> {
         let p = precision(io)?;
-        let len = b.checked_mul(n).and_then(|v| v.checked_mul(n)).ok_or_else(|| PyValueError::new_err("B·N·N overflows"))?;
+        let len =
+            b.checked_mul(n).and_then(|v| v.checked_mul(n)).ok_or_else(|| PyValueError::new_err("B·N·N overflows"))?;
         let xlen = len.checked_mul(self.c).ok_or_else(|| PyValueError::new_err("B·N·N·C overflows"))?;
         if x == 0 || y == 0 {
             return Err(PyValueError::new_err("x and y must be non-null addresses"));
@@ -261,9 +264,8 @@ unsafe fn host_forward<T: trimul::IoElement>(
     shape: Shape,
 ) -> trimul::Result<()> {
     // SAFETY: this function's contract.
-    let (xs, ys) = unsafe {
-        (std::slice::from_raw_parts(x as *const T, len), std::slice::from_raw_parts_mut(y as *mut T, len))
-    };
+    let (xs, ys) =
+        unsafe { (std::slice::from_raw_parts(x as *const T, len), std::slice::from_raw_parts_mut(y as *mut T, len)) };
     layer.forward_into(xs, mask, ys, shape)
 }
 

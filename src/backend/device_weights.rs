@@ -53,7 +53,8 @@ impl<B: Backend> DeviceWeightSet<B> {
         };
         let (lp, lg, rp, rg) = (lin(&w.left_proj)?, lin(&w.left_gate)?, lin(&w.right_proj)?, lin(&w.right_gate)?);
         let (og, op) = (lin(&w.out_gate)?, lin(&w.out_proj)?);
-        let mut norm = |n: &Norm| -> Result<DeviceNorm> { Ok(DeviceNorm { weight: put(&n.weight)?, bias: put(&n.bias)? }) };
+        let mut norm =
+            |n: &Norm| -> Result<DeviceNorm> { Ok(DeviceNorm { weight: put(&n.weight)?, bias: put(&n.bias)? }) };
         let (ni, no) = (norm(&w.norm_in)?, norm(&w.norm_out)?);
         let weights = DeviceWeights {
             config: w.config(),

@@ -21,9 +21,9 @@
 use std::process::ExitCode;
 
 use trimul::backend::cpu::{gemm_ceiling_gflops, CpuBackend};
+use trimul::backend::device_weights::DeviceWeightSet;
 use trimul::report::{BenchRun, Ceilings, MachineInfo, ShapeResult, TimingMethod, ToolInfo, SCHEMA_VERSION};
 use trimul::suite::{self, Case, Dist};
-use trimul::backend::device_weights::DeviceWeightSet;
 use trimul::{
     reference, Backend, BackendKind, Device, Direction, Error, Formulation, Layer, Options, Precision, Weights,
 };
