@@ -5,7 +5,8 @@
 // layouts on the CPU (src/backend/params.rs, FusedInputLayout::pack).
 //
 // Segments, processed one after another by the whole grid (grid-stride over each):
-//   TM_SEG_PLAIN    dst[i] = scale * src[i] for i < count (src null: 0)
+//   TM_SEG_PLAIN    dst[i] = scale * src[i] for i < count (src null: the constant scale, e.g. 0
+//                   for an absent bias, 1 for a vector of ones)
 //   TM_SEG_FUSED_W  the fused input kernel's weight matrix [4*h_pad + g_pad, k_pad]:
 //                   dst[row][k] = 1/2 * W_s[j][k] for k < C, where (s, j) = the section and
 //                   channel of `row` (FusedInputLayout::source), else 0
@@ -30,7 +31,7 @@ typedef struct TmPrepSegment {
   int kind;       // TM_SEG_*
   int src_dtype;  // TM_IO_F32, TM_IO_BF16 or TM_IO_F16 (plain segments)
   int dst_f16;    // 1: f16 destination, 0: f32
-  float scale;    // plain segments
+  float scale;    // plain segments: the factor, or the value itself without a source
 } TmPrepSegment;
 
 // Mirrored by `PrepareParams` in src/backend/params.rs (#[repr(C)], size-asserted on both sides).
@@ -49,13 +50,13 @@ typedef struct TmPrepareParams {
 static_assert(sizeof(TmPrepareParams) == 1112, "TmPrepareParams layout must match src/backend/params.rs");
 #endif
 
-TM_INLINE float tm_prep_load(const void* src, tm_i64 i, int dtype) {
+TM_INLINE float prep_load(const void* src, tm_i64 i, int dtype) {
   if (dtype == TM_IO_F32) return ((const float*)src)[i];
   const unsigned short b = ((const unsigned short*)src)[i];
   return dtype == TM_IO_BF16 ? tm_bf2f(b) : tm_h2f(b);
 }
 
-TM_INLINE void tm_prep_store(void* dst, tm_i64 i, int dst_f16, float v) {
+TM_INLINE void prep_store(void* dst, tm_i64 i, int dst_f16, float v) {
   if (dst_f16) {
     // NaN stays NaN; anything beyond f16's largest finite value becomes NaN too.
     if (!(v <= 65504.f && v >= -65504.f)) v = tm_bf2f(0x7FC0);  // a quiet NaN
@@ -66,7 +67,7 @@ TM_INLINE void tm_prep_store(void* dst, tm_i64 i, int dst_f16, float v) {
 }
 
 // Section and channel of fused row `row` (FusedInputLayout::source): -1 for a padding row.
-TM_INLINE int tm_prep_fused_source(const TmPrepareParams& p, int row, int* index) {
+TM_INLINE int prep_fused_source(const TmPrepareParams& p, int row, int* index) {
   if (row < 4 * p.h_pad) {
     const int within = row % 32;
     const int channel = (row / 32) * 8 + within % 8;
@@ -86,22 +87,22 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_PREP_THREADS) prepare_weights(con
     for (tm_i64 i = first; i < sg.count; i += stride) {
       float v = 0.f;
       if (sg.kind == TM_SEG_PLAIN) {
-        if (sg.src) v = sg.scale * tm_prep_load(sg.src, i, sg.src_dtype);
+        v = sg.src ? sg.scale * prep_load(sg.src, i, sg.src_dtype) : sg.scale;
       } else if (sg.kind == TM_SEG_FUSED_W) {
         const int row = (int)(i / p.k_pad), k = (int)(i % p.k_pad);
         int index = 0;
-        const int section = tm_prep_fused_source(p, row, &index);
+        const int section = prep_fused_source(p, row, &index);
         if (section >= 0 && k < p.c) {
-          v = 0.5f * tm_prep_load(p.fused_src[section], (tm_i64)index * p.c + k, p.fused_dtype[section]);
+          v = 0.5f * prep_load(p.fused_src[section], (tm_i64)index * p.c + k, p.fused_dtype[section]);
         }
       } else {
         int index = 0;
-        const int section = tm_prep_fused_source(p, (int)i, &index);
+        const int section = prep_fused_source(p, (int)i, &index);
         if (section >= 0 && p.fused_bias[section]) {
-          v = 0.5f * tm_prep_load(p.fused_bias[section], index, p.fused_bias_dtype[section]);
+          v = 0.5f * prep_load(p.fused_bias[section], index, p.fused_bias_dtype[section]);
         }
       }
-      tm_prep_store(sg.dst, i, sg.dst_f16, v);
+      prep_store(sg.dst, i, sg.dst_f16, v);
     }
   }
 }

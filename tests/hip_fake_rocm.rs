@@ -79,7 +79,7 @@ fn device_opens_on_the_fake_runtime() {
     assert_eq!(v("HIP runtime"), "6.3.42134");
     assert_eq!(v("rocBLAS"), "4.3.0-fake");
     assert_eq!(v("target id"), "gfx942:sramecc+:xnack-");
-    for stage in ["input_norm", "input_gating", "output_norm", "output_gate"] {
+    for stage in ["input_norm", "input_gating", "output_norm", "output_gate", "prepare_weights"] {
         assert!(v("kernels").contains(&format!("{stage}: code object gfx942")), "{}", v("kernels"));
     }
     assert!(v("output stage (H=128)").contains("rocBLAS"), "default output path: {}", v("output stage (H=128)"));
@@ -381,4 +381,115 @@ fn each_arch_gets_its_own_code_objects_and_unknown_archs_fail_clearly() {
         check(&b, af3, &Case::new(6, 1, 32, true, Dist::Normal), Direction::Outgoing, true, 5),
         HipKernelOutput::Mfma
     );
+}
+
+/// `f32` values whose bits hold `v` as bf16 pairs (for uploading a bf16 tensor into an f32 buffer).
+fn bf16_words(v: &[f32]) -> Vec<f32> {
+    let h: Vec<u16> = v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect();
+    h.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(*p.get(1).unwrap_or(&0)) << 16))).collect()
+}
+
+/// Forwards on caller device memory (`trimul::device_io`) through the HIP backend on the fake:
+/// weights prepared by `prepare_weights` from f32 device tensors (and af3's `p_in` as a bf16
+/// tensor, addressed in two halves), the workspace in caller memory (moved between calls, af3's
+/// ones vector refilled there), both output paths. y equals the host-prepared layer's bit for bit.
+#[test]
+fn device_prepared_weights_and_caller_workspace_match_the_host_layer() {
+    use trimul::{DType, DeviceIo, DeviceSpan, DeviceTensor};
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let gm = |c, h| Config::new(Formulation::GpuMode, c, h).unwrap();
+    let af = |c, h| Config::new(Formulation::Af3, c, h).unwrap();
+    for mfma in [false, true] {
+        let b = backend(mfma);
+        let runs = [
+            (gm(32, 16), Case::new(8, 2, 32, true, Dist::Normal), Direction::Outgoing, false, false),
+            (af(24, 32), Case::new(10, 1, 24, true, Dist::Normal), Direction::Incoming, true, true),
+            (af(48, 16), Case::new(7, 2, 48, false, Dist::Cauchy), Direction::Outgoing, true, false),
+        ];
+        for (i, (cfg, case, dir, biases, bf16_p_in)) in runs.into_iter().enumerate() {
+            let seed = base_seed() ^ (700 + i as u64);
+            let mut weights = Weights::random(cfg, biases, seed).unwrap();
+            if bf16_p_in {
+                for v in weights.left_proj.weight.iter_mut().chain(weights.right_proj.weight.iter_mut()) {
+                    *v = half::bf16::from_f32(*v).to_f32();
+                }
+            }
+            let set = trimul::backend::device_weights::DeviceWeightSet::upload(&b, &weights).unwrap().unwrap();
+            let mut dw = *set.weights();
+            let mut keep = Vec::new();
+            if bf16_p_in {
+                // p_in = [left_proj; right_proj] as one bf16 tensor; the descriptor points inside it.
+                let packed: Vec<f32> =
+                    weights.left_proj.weight.iter().chain(&weights.right_proj.weight).copied().collect();
+                let words = bf16_words(&packed);
+                let mut buf = b.alloc(words.len()).unwrap();
+                b.upload(&words, &mut buf).unwrap();
+                let n = weights.left_proj.weight.len();
+                dw.left_proj.weight = DeviceTensor::new(buf.device_ptr(), DType::Bf16, n);
+                dw.right_proj.weight = DeviceTensor::new(buf.device_ptr() + 2 * n as u64, DType::Bf16, n);
+                keep.push(buf);
+            }
+            let storage =
+                b.alloc((Layer::prepared_device_bytes(&b, &cfg, biases).unwrap() as usize).div_ceil(4)).unwrap();
+            let span = |buf: &trimul::backend::hip::HipBuffer| DeviceSpan {
+                ptr: buf.device_ptr(),
+                bytes: 4 * buf.len() as u64,
+            };
+            let stream = b.stream() as u64;
+            // SAFETY: the weight copies and the storage live until the end of this iteration,
+            // after the downloads that wait for the stream.
+            let mut dev =
+                unsafe { Layer::from_device_weights(&b, &dw, Options::new(dir), span(&storage), stream).unwrap() };
+            let mut host = Layer::new(&b, &weights, Options::new(dir)).unwrap();
+            let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
+            let mask = inputs.mask.as_deref();
+            let mut want = vec![f32::NAN; inputs.x.len()];
+            host.forward_into(&inputs.x, mask, &mut want, case.shape()).unwrap();
+            let need = dev.device_workspace_bytes(case.shape(), mask.is_some(), trimul::Precision::F32Io).unwrap();
+            let upload = |v: &[f32]| {
+                let mut d = b.alloc(v.len()).unwrap();
+                b.upload(v, &mut d).unwrap();
+                d
+            };
+            let xd = upload(&inputs.x);
+            let md = mask.map(upload);
+            for extra in [0usize, 4096] {
+                let ws = b.alloc((need as usize + extra).div_ceil(4)).unwrap();
+                let yd = upload(&vec![f32::NAN; inputs.x.len()]);
+                let io = DeviceIo {
+                    x: xd.device_ptr(),
+                    mask: md.as_ref().map(|m| m.device_ptr()),
+                    y: yd.device_ptr(),
+                    shape: case.shape(),
+                    io: trimul::Precision::F32Io,
+                    stream,
+                    workspace: Some(span(&ws)),
+                };
+                // SAFETY: every buffer is a live allocation sized for the case; the download below
+                // waits for the stream.
+                unsafe { dev.forward_device(&io).unwrap() };
+                let mut y = vec![0f32; inputs.x.len()];
+                b.download(&yd, &mut y).unwrap();
+                let same = y.iter().zip(&want).all(|(a, w)| a.to_bits() == w.to_bits());
+                assert!(same, "{cfg:?} mfma={mfma} ws+{extra}: device-prepared y differs from the host layer's");
+            }
+            // 16-bit x and y: the HIP kernels read f32 only; a clear error, not a wrong answer.
+            let io16 = DeviceIo {
+                x: xd.device_ptr(),
+                mask: None,
+                y: xd.device_ptr() + 4,
+                shape: case.shape(),
+                io: trimul::Precision::Bf16Io,
+                stream,
+                workspace: None,
+            };
+            // SAFETY: refused before anything is enqueued.
+            let e = unsafe { dev.forward_device(&io16) }.unwrap_err().to_string();
+            assert!(e.contains("f32"), "{e}");
+            drop(keep);
+        }
+    }
 }

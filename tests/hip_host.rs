@@ -33,7 +33,8 @@ use trimul::{suite, BackendKind, Device, Direction, Error, Formulation};
 
 const REQUIRE: &str = "TRIMUL_REQUIRE_HIP_CLANG";
 const ARCHS: [&str; 2] = ["gfx942", "gfx90a"];
-const STAGES: [&str; 5] = ["input_gating", "input_norm", "output_gate", "output_norm", "output_projection"];
+const STAGES: [&str; 6] =
+    ["input_gating", "input_norm", "output_gate", "output_norm", "output_projection", "prepare_weights"];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -89,7 +90,9 @@ fn every_stage_is_embedded_with_a_self_contained_source() {
     for s in HIP_STAGES {
         assert!(!s.source.contains("#include \""), "{}: unexpanded include left for hipRTC", s.name);
         assert!(s.source.contains("__global__ void TM_LAUNCH_BOUNDS"), "{}", s.name);
-        assert!(s.source.contains(&format!("{}(const TrimulParams p", s.name)), "{}: kernel name", s.name);
+        // Every stage takes the one params struct, but weight preparation, which takes its own.
+        let params = if s.name == "prepare_weights" { "TmPrepareParams" } else { "TrimulParams" };
+        assert!(s.source.contains(&format!("{}(const {params} p", s.name)), "{}: kernel name", s.name);
     }
 }
 
@@ -175,9 +178,15 @@ fn code_object_metadata_matches_the_launches() {
             assert_eq!(field(".private_segment_fixed_size"), "0", "{s} {a}");
             assert_eq!(field(".vgpr_spill_count"), "0", "{s} {a}");
             assert_eq!(field(".max_flat_workgroup_size"), "256", "{s} {a}: launches use 256 threads");
-            // The first kernel argument is TrimulParams by value, at the size of the Rust mirror.
+            // The first kernel argument is its params struct by value, at the size of the Rust
+            // mirror (TrimulParams, or TmPrepareParams for weight preparation).
             let first_arg = notes.split(".args:").nth(1).unwrap_or_default();
-            let size = format!(".size:           {}", std::mem::size_of::<KernelParams>());
+            let bytes = if s == "prepare_weights" {
+                std::mem::size_of::<trimul::backend::params::PrepareParams>()
+            } else {
+                std::mem::size_of::<KernelParams>()
+            };
+            let size = format!(".size:           {bytes}");
             assert!(first_arg.contains(&size), "{s} {a}: params size\n{first_arg}");
         }
     }

@@ -7,9 +7,9 @@
 //! Two kinds of layer:
 //! - [`HostLayer`]: weights and tensors in host memory (NumPy arrays, CPU tensors), run by a
 //!   backend through its host-slice API (the CPU, or a GPU backend that stages the copies).
-//! - [`CudaLayer`]: weights, tensors and workspace in CUDA device memory owned by the caller
-//!   (PyTorch's caching allocator), every launch on the caller's stream, nothing allocated or
-//!   synchronised here.
+//! - `CudaLayer` and `HipLayer`: weights, tensors and workspace in device memory owned by the
+//!   caller (PyTorch's caching allocator), every launch on the caller's stream, nothing allocated
+//!   or synchronised here.
 //!
 //! Weights arrive as 16 entries in the canonical order of [`WEIGHT_NAMES`], each `None` or
 //! `(address, elements, dtype)` with dtype 0 = f32, 1 = bf16, 2 = f16.
@@ -27,6 +27,7 @@ use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError}
 use pyo3::prelude::*;
 
 use trimul::backend::cuda::CudaBackend;
+use trimul::backend::hip::HipBackend;
 use trimul::{
     BackendKind, Config, DType, Device, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights,
     Direction, Error, Formulation, Layer, Linear, Norm, Options, Precision, Shape, TriMul, Weights,
@@ -275,115 +276,155 @@ impl HostLayer {
     }
 }
 
-/// One CUDA backend per device ordinal, opened on first use in the device's primary context
-/// (the one PyTorch uses).
-fn cuda_backend(device: usize) -> PyResult<CudaBackend> {
-    static BACKENDS: OnceLock<Mutex<HashMap<usize, CudaBackend>>> = OnceLock::new();
-    let map = BACKENDS.get_or_init(|| Mutex::new(HashMap::new()));
-    let mut map = map.lock().map_err(|_| PyRuntimeError::new_err("CUDA backend table poisoned"))?;
+/// One backend per device ordinal, opened on first use: CUDA in the device's primary context (the
+/// one PyTorch uses), HIP on the runtime the process already loaded (see `trimul._torch`).
+fn backend_for<B: Clone + Send + 'static>(
+    table: &'static OnceLock<Mutex<HashMap<usize, B>>>,
+    device: usize,
+    open: impl FnOnce(usize) -> trimul::Result<B>,
+) -> PyResult<B> {
+    let map = table.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = map.lock().map_err(|_| PyRuntimeError::new_err("backend table poisoned"))?;
     if let Some(b) = map.get(&device) {
         return Ok(b.clone());
     }
-    let b = CudaBackend::new(device).map_err(to_py)?;
+    let b = open(device).map_err(to_py)?;
     map.insert(device, b.clone());
     Ok(b)
 }
 
-/// A layer whose weights, tensors and workspace live in caller-owned CUDA memory.
-#[pyclass(module = "trimul._trimul")]
-struct CudaLayer {
-    layer: Mutex<Layer<CudaBackend>>,
+fn cuda_backend(device: usize) -> PyResult<CudaBackend> {
+    static TABLE: OnceLock<Mutex<HashMap<usize, CudaBackend>>> = OnceLock::new();
+    backend_for(&TABLE, device, CudaBackend::new)
 }
 
-impl CudaLayer {
-    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Layer<CudaBackend>>> {
-        self.layer.lock().map_err(|_| PyRuntimeError::new_err("a previous call on this layer panicked"))
-    }
+fn hip_backend(device: usize) -> PyResult<HipBackend> {
+    static TABLE: OnceLock<Mutex<HashMap<usize, HipBackend>>> = OnceLock::new();
+    backend_for(&TABLE, device, HipBackend::new)
 }
 
-#[pymethods]
-impl CudaLayer {
-    /// Prepares device weights (16 entries of device addresses) into `storage` (at least
-    /// `cuda_prepared_bytes` bytes) with one kernel on `stream`.
-    #[new]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        device: usize,
-        formulation: &str,
-        c: usize,
-        h: usize,
-        direction: &str,
-        eps: f32,
-        weights: Vec<Entry>,
-        storage: u64,
-        storage_bytes: u64,
-        stream: u64,
-    ) -> PyResult<Self> {
-        let b = cuda_backend(device)?;
-        let cfg = config(formulation, c, h)?;
-        let w = device_weights(cfg, &entries(weights)?)?;
-        let span = DeviceSpan { ptr: storage, bytes: storage_bytes };
-        // SAFETY: the weights are live device tensors of the stated lengths on this device, and
-        // `storage` a live allocation of `storage_bytes` that the Python object keeps alive
-        // beside this layer (module docs); the stream is the caller's on this device.
-        let layer = unsafe { Layer::from_device_weights(&b, &w, options(direction, eps)?, span, stream) };
-        Ok(CudaLayer { layer: Mutex::new(layer.map_err(to_py)?) })
-    }
+/// A layer whose weights, tensors and workspace live in caller-owned device memory, every launch
+/// on the caller's stream: `CudaLayer` on NVIDIA GPUs, `HipLayer` on AMD GPUs (same methods).
+macro_rules! device_layer {
+    ($name:ident, $backend:ty, $open:ident, $what:literal) => {
+        #[doc = concat!("A layer on caller-owned ", $what, " memory (see the module docs).")]
+        #[pyclass(module = "trimul._trimul")]
+        struct $name {
+            layer: Mutex<Layer<$backend>>,
+        }
 
-    /// Replaces the weights with new device weights prepared into new storage, keeping the plans.
-    fn reprepare(&self, weights: Vec<Entry>, storage: u64, storage_bytes: u64, stream: u64) -> PyResult<()> {
-        let mut layer = self.lock()?;
-        let w = device_weights(layer.config(), &entries(weights)?)?;
-        let span = DeviceSpan { ptr: storage, bytes: storage_bytes };
-        // SAFETY: as in `new`.
-        unsafe { layer.prepare_device_weights(&w, span, stream) }.map_err(to_py)
-    }
+        impl $name {
+            fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Layer<$backend>>> {
+                self.layer.lock().map_err(|_| PyRuntimeError::new_err("a previous call on this layer panicked"))
+            }
+        }
 
-    /// Bytes of workspace a forward of this shape needs (plans it on first use).
-    fn workspace_bytes(&self, b: usize, n: usize, masked: bool, io: i32) -> PyResult<u64> {
-        let p = precision(io)?;
-        self.lock()?.device_workspace_bytes(Shape::new(b, n), masked, p).map_err(to_py)
-    }
+        #[pymethods]
+        impl $name {
+            /// Prepares device weights (16 entries of device addresses) into `storage` (at least
+            /// `prepared_bytes` bytes) with one kernel on `stream`.
+            #[new]
+            #[allow(clippy::too_many_arguments)]
+            fn new(
+                device: usize,
+                formulation: &str,
+                c: usize,
+                h: usize,
+                direction: &str,
+                eps: f32,
+                weights: Vec<Entry>,
+                storage: u64,
+                storage_bytes: u64,
+                stream: u64,
+            ) -> PyResult<Self> {
+                let b = $open(device)?;
+                let cfg = config(formulation, c, h)?;
+                let w = device_weights(cfg, &entries(weights)?)?;
+                let span = DeviceSpan { ptr: storage, bytes: storage_bytes };
+                // SAFETY: the weights are live device tensors of the stated lengths on this
+                // device, and `storage` a live allocation of `storage_bytes` that the Python
+                // object keeps alive beside this layer (module docs); the stream is the caller's
+                // on this device.
+                let layer = unsafe { Layer::from_device_weights(&b, &w, options(direction, eps)?, span, stream) };
+                Ok($name { layer: Mutex::new(layer.map_err(to_py)?) })
+            }
 
-    /// Enqueues y = TriMul(x) on `stream`: x and y `[b, n, n, C]` in `io`, the mask `[b, n, n]`
-    /// f32 (0: none), the workspace at `ws` (`ws_bytes` ≥ `workspace_bytes`).
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &self,
-        py: Python<'_>,
-        x: u64,
-        mask: u64,
-        y: u64,
-        b: usize,
-        n: usize,
-        io: i32,
-        ws: u64,
-        ws_bytes: u64,
-        stream: u64,
-    ) -> PyResult<()> {
-        let io = DeviceIo {
-            x,
-            mask: (mask != 0).then_some(mask),
-            y,
-            shape: Shape::new(b, n),
-            io: precision(io)?,
-            stream,
-            workspace: Some(DeviceSpan { ptr: ws, bytes: ws_bytes }),
-        };
-        py.detach(|| {
-            let mut layer = self.lock()?;
-            // SAFETY: x, mask, y and the workspace are live device tensors of this device with the
-            // element counts of the shape, kept alive by the caller's stream-ordered allocator
-            // until the stream has run the work (module docs).
-            unsafe { layer.forward_device(&io) }.map_err(to_py)
-        })
-    }
+            /// Replaces the weights with new device weights prepared into new storage, keeping
+            /// the plans.
+            fn reprepare(&self, weights: Vec<Entry>, storage: u64, storage_bytes: u64, stream: u64) -> PyResult<()> {
+                let mut layer = self.lock()?;
+                let w = device_weights(layer.config(), &entries(weights)?)?;
+                let span = DeviceSpan { ptr: storage, bytes: storage_bytes };
+                // SAFETY: as in `new`.
+                unsafe { layer.prepare_device_weights(&w, span, stream) }.map_err(to_py)
+            }
+
+            /// Bytes of workspace a forward of this shape needs (plans it on first use). A
+            /// `TypeError` says the I/O precision is not read and written on this device (the
+            /// caller converts x to f32 then).
+            fn workspace_bytes(&self, b: usize, n: usize, masked: bool, io: i32) -> PyResult<u64> {
+                let p = precision(io)?;
+                let layer = &mut *self.lock()?;
+                if p != Precision::F32Io && !trimul::Backend::half_io_native(layer.backend()) {
+                    return Err(PyTypeError::new_err(format!(
+                        "{p} x and y are converted to f32 for {} (its kernels read and write f32)",
+                        trimul::Backend::kind(layer.backend())
+                    )));
+                }
+                layer.device_workspace_bytes(Shape::new(b, n), masked, p).map_err(to_py)
+            }
+
+            /// Enqueues y = TriMul(x) on `stream`: x and y `[b, n, n, C]` in `io`, the mask
+            /// `[b, n, n]` f32 (0: none), the workspace at `ws` (`ws_bytes` ≥ `workspace_bytes`).
+            #[allow(clippy::too_many_arguments)]
+            fn forward(
+                &self,
+                py: Python<'_>,
+                x: u64,
+                mask: u64,
+                y: u64,
+                b: usize,
+                n: usize,
+                io: i32,
+                ws: u64,
+                ws_bytes: u64,
+                stream: u64,
+            ) -> PyResult<()> {
+                let io = DeviceIo {
+                    x,
+                    mask: (mask != 0).then_some(mask),
+                    y,
+                    shape: Shape::new(b, n),
+                    io: precision(io)?,
+                    stream,
+                    workspace: Some(DeviceSpan { ptr: ws, bytes: ws_bytes }),
+                };
+                py.detach(|| {
+                    let mut layer = self.lock()?;
+                    // SAFETY: x, mask, y and the workspace are live device tensors of this device
+                    // with the element counts of the shape, kept alive by the caller's
+                    // stream-ordered allocator until the stream has run the work (module docs).
+                    unsafe { layer.forward_device(&io) }.map_err(to_py)
+                })
+            }
+        }
+    };
 }
+
+device_layer!(CudaLayer, CudaBackend, cuda_backend, "CUDA");
+device_layer!(HipLayer, HipBackend, hip_backend, "HIP");
 
 /// Bytes of device storage a `CudaLayer` of this configuration prepares its weights into.
 #[pyfunction]
 fn cuda_prepared_bytes(device: usize, formulation: &str, c: usize, h: usize, biases: bool) -> PyResult<u64> {
     let b = cuda_backend(device)?;
+    Layer::prepared_device_bytes(&b, &config(formulation, c, h)?, biases).map_err(to_py)
+}
+
+/// Bytes of device storage a `HipLayer` of this configuration prepares its weights into.
+#[pyfunction]
+fn hip_prepared_bytes(device: usize, formulation: &str, c: usize, h: usize, biases: bool) -> PyResult<u64> {
+    let b = hip_backend(device)?;
     Layer::prepared_device_bytes(&b, &config(formulation, c, h)?, biases).map_err(to_py)
 }
 
@@ -432,7 +473,9 @@ fn _trimul(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("WEIGHT_NAMES", WEIGHT_NAMES.to_vec())?;
     m.add_class::<HostLayer>()?;
     m.add_class::<CudaLayer>()?;
+    m.add_class::<HipLayer>()?;
     m.add_function(wrap_pyfunction!(cuda_prepared_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(hip_prepared_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_set_poison, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_backends, m)?)?;

@@ -71,9 +71,88 @@ SCRIPT = textwrap.dedent(
     rel = ((y.double() - want).norm() / want.norm()).item()
     print(f"hip gpumode: rel L2 {rel:.2e}")
     assert rel < 5e-3, rel
+
+    # The device path the ROCm build of PyTorch takes (HipLayer: weights prepared on the device
+    # into caller storage, the workspace in caller memory, the caller's stream), driven here with
+    # "device" memory from the fake runtime itself.
+    import ctypes, os
+    hip = ctypes.CDLL(os.environ["TRIMUL_HIP_LIBRARY"])
+    held = []
+
+    def dev(a):
+        a = np.ascontiguousarray(a)
+        p = ctypes.c_void_p()
+        assert hip.hipMalloc(ctypes.byref(p), ctypes.c_size_t(max(a.nbytes, 1))) == 0
+        assert hip.hipMemcpyHtoDAsync(p, ctypes.c_void_p(a.ctypes.data), ctypes.c_size_t(a.nbytes), None) == 0
+        held.append(p)
+        return p.value
+
+    def empty(nbytes):
+        return dev(np.zeros(nbytes, np.uint8))
+
+    def host(ptr, like):
+        out = np.empty_like(like)
+        dst, src = ctypes.c_void_p(out.ctypes.data), ctypes.c_void_p(ptr)
+        assert hip.hipMemcpyDtoHAsync(dst, src, ctypes.c_size_t(out.nbytes), None) == 0
+        return out
+
+    x = rng.standard_normal((1, n, n, c)).astype(np.float32)
+    mask = rng.integers(0, 2, (1, n, n)).astype(np.float32)
+    wd = {k: (dev(v), v.size) for k, v in w.items()}
+    def half(k, i):
+        p, size = wd[k]
+        return (p + i * (size // 2) * 4, size // 2, 0)
+    whole = lambda k: (wd[k][0], wd[k][1], 0)
+    entries = [whole("norm_in_weight"), whole("norm_in_bias"), half("p_in_weight", 0), half("p_in_bias", 0),
+               half("g_in_weight", 0), half("g_in_bias", 0), half("p_in_weight", 1), half("p_in_bias", 1),
+               half("g_in_weight", 1), half("g_in_bias", 1), whole("g_out_weight"), whole("g_out_bias"),
+               whole("norm_out_weight"), whole("norm_out_bias"), whole("p_out_weight"), whole("p_out_bias")]
+    nbytes = _trimul.hip_prepared_bytes(0, "af3", c, h, True)
+    storage = empty(nbytes)
+    layer = _trimul.HipLayer(0, "af3", c, h, "incoming", 1e-5, entries, storage, nbytes, 0)
+    try:
+        layer.workspace_bytes(1, n, True, 1)
+        raise AssertionError("bf16 I/O on HIP should be refused (converted by the caller)")
+    except TypeError as e:
+        assert "f32" in str(e), e
+    wbytes = layer.workspace_bytes(1, n, True, 0)
+    ws = empty(wbytes + 256)
+    y = empty(x.nbytes)
+    layer.forward(dev(x), dev(mask), y, 1, n, 0, ws, wbytes, 0)
+    got = host(y, x)
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float64))
+    want = reference.af3(t(x), t(mask), *[t(w[k]) for k in AF3_WEIGHTS], "incoming", 1e-5).numpy()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f"hip device path: rel L2 {rel:.2e}")
+    assert rel < 5e-3, rel
+    # The same through the host path of the same weights: the same bits.
+    host_y = trimul.triangle_multiplicative_update(x, "incoming", mask, **w)
+    assert np.array_equal(host_y, got), "HipLayer and the host path differ"
     print("FAKE ROCM OK")
     """
 )
+
+
+def test_the_loaded_hip_runtime_is_the_one_used(fake_rocm, tmp_path):
+    """On ROCm PyTorch the library opens the HIP runtime, rocBLAS and hipRTC the process already
+    loaded (found in /proc/self/maps) instead of a second copy; a variable the user set wins."""
+    lib = tmp_path / "libamdhip64.so.6"
+    shutil.copy(fake_rocm, lib)
+    script = textwrap.dedent(
+        f"""
+        import ctypes, os
+        ctypes.CDLL({str(lib)!r})
+        from trimul import _torch
+        os.environ.pop("TRIMUL_HIP_LIBRARY", None)
+        os.environ["TRIMUL_ROCBLAS_LIBRARY"] = "/user/choice.so"
+        _torch._use_the_loaded_hip_runtime()
+        assert os.environ["TRIMUL_HIP_LIBRARY"] == {str(lib)!r}, os.environ.get("TRIMUL_HIP_LIBRARY")
+        assert os.environ["TRIMUL_ROCBLAS_LIBRARY"] == "/user/choice.so"
+        print("OK")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
 def test_python_entry_points_through_the_hip_backend(fake_rocm):

@@ -1,17 +1,17 @@
 """The PyTorch path: `torch.ops.trimul.triangle_multiplicative_update`, a `torch.library` custom
 op with a fake (meta) implementation and autograd, and the cuEquivariance-signature wrapper.
 
-On CUDA the op runs in-process on `torch.cuda.current_stream()`: weights are prepared on the
-device by one kernel into a tensor from PyTorch's caching allocator (cached, see `_PreparedCache`),
-the workspace and the output come from the same allocator, and nothing waits on the host. On the
-CPU, and for tensors of a ROCm build of PyTorch until the HIP device path lands, it runs through
-the library's host-memory API.
+On the GPU (CUDA, or ROCm with a ROCm build of PyTorch) the op runs in-process on
+`torch.cuda.current_stream()`: weights are prepared on the device by one kernel into a tensor
+from PyTorch's caching allocator (cached, see `_PreparedCache`), the workspace and the output
+come from the same allocator, and nothing waits on the host. On the CPU it runs through the
+library's host-memory API.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-import warnings
 import weakref
 from typing import Optional
 
@@ -178,6 +178,37 @@ def _prepared_weights(originals: list, c: int, h: int, device: torch.device) -> 
     return [_contiguous(t) for t in w]
 
 
+_HIP = torch.version.hip is not None
+
+
+def _use_the_loaded_hip_runtime() -> None:
+    """Points the library's HIP loaders at the runtime, rocBLAS and hipRTC this process already
+    loaded (PyTorch's own copies), so that one HIP runtime serves both: a second copy of the
+    runtime would see other streams and allocations. Variables the user set are kept."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if ".so" in line and line.rstrip().split()[-1].startswith("/")}
+    except OSError:
+        return
+    for env, lib in (
+        ("TRIMUL_HIP_LIBRARY", "libamdhip64.so"),
+        ("TRIMUL_ROCBLAS_LIBRARY", "librocblas.so"),
+        ("TRIMUL_HIPRTC_LIBRARY", "libhiprtc.so"),
+    ):
+        found = sorted(p for p in paths if os.path.basename(p).startswith(lib))
+        if found and not os.environ.get(env):
+            os.environ[env] = found[0]
+
+
+if _HIP:
+    _use_the_loaded_hip_runtime()
+    _DeviceLayer = _trimul.HipLayer
+    _device_prepared_bytes = _trimul.hip_prepared_bytes
+else:
+    _DeviceLayer = _trimul.CudaLayer
+    _device_prepared_bytes = _trimul.cuda_prepared_bytes
+
+
 def _cuda_prepare(x: Tensor, originals: list, direction: str, eps: float, index: int, stream: int) -> _Entry:
     """Prepares the weights on `stream` into storage from PyTorch's allocator."""
     c, h = x.shape[-1], originals[2].shape[0] // 2
@@ -186,10 +217,10 @@ def _cuda_prepare(x: Tensor, originals: list, direction: str, eps: float, index:
     nb_key = (index, c, h, biases)
     nbytes = _prepared_bytes.get(nb_key)
     if nbytes is None:
-        nbytes = _prepared_bytes[nb_key] = _trimul.cuda_prepared_bytes(index, "af3", c, h, biases)
+        nbytes = _prepared_bytes[nb_key] = _device_prepared_bytes(index, "af3", c, h, biases)
     storage = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     entry = _Entry()
-    entry.layer = _trimul.CudaLayer(index, "af3", c, h, direction, eps, _entries(w), storage.data_ptr(), nbytes, stream)
+    entry.layer = _DeviceLayer(index, "af3", c, h, direction, eps, _entries(w), storage.data_ptr(), nbytes, stream)
     entry.storage = storage
     entry.ws_bytes = {}
     return entry
@@ -223,8 +254,9 @@ def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction:
         except TypeError:
             if io == 0:
                 raise
-            # 16-bit x and y are read and written by the fused kernels only (C a multiple of 8 up
-            # to 512, H a multiple of 16 up to 128); other widths run in f32 I/O, converted here.
+            # 16-bit x and y are read and written by the fused CUDA kernels only (C a multiple of
+            # 8 up to 512, H a multiple of 16 up to 128); other widths, and HIP, run in f32 I/O,
+            # converted here on the device.
             nbytes = e.ws_bytes[wkey] = -1
     if nbytes < 0:
         return _cuda_forward(x.float(), mask, originals, direction, eps).to(x.dtype)
@@ -237,11 +269,10 @@ def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction:
 
 
 _host_cache = _PreparedCache()
-_rocm_warned = False
 
 
 def _host_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float, backend):
-    """Through the library's host API: CPU tensors, or (copied through the host) ROCm tensors."""
+    """Through the library's host API: CPU tensors."""
     c, h = x.shape[-1], originals[2].shape[0] // 2
     key = (backend, direction, eps) + tuple(id(t) for t in originals)
     e = _host_cache.get(key, originals)
@@ -304,26 +335,12 @@ def _op(
     return _forward(x, mask, originals, direction, eps)
 
 
-_HIP = torch.version.hip is not None
-
-
 def _forward(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float) -> Tensor:
     """The op's implementation on real tensors (the checks are the wrapper's)."""
-    if x.is_cuda and not _HIP:
+    if x.is_cuda:  # CUDA, or ROCm on a ROCm build of PyTorch
         return _cuda_forward(x, mask, originals, direction, eps)
     x = _contiguous(x)
     mask = _contiguous(mask)
-    if x.is_cuda:
-        global _rocm_warned
-        if not _rocm_warned:
-            _rocm_warned = True
-            warnings.warn(
-                "trimul: ROCm tensors run on the HIP backend through host copies for now (the HIP device "
-                "path is not built yet); this path has not run on AMD hardware",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return _host_forward(x, mask, originals, direction, eps, "hip")
     if x.device.type == "cpu":
         return _host_forward(x, mask, originals, direction, eps, None)
     raise ValueError(f"x is on {x.device}; trimul runs on CUDA, ROCm and CPU tensors")

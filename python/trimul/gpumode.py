@@ -13,7 +13,7 @@ import threading
 import torch
 
 from . import _trimul
-from ._torch import _DTYPE_CODE, _code, _contiguous
+from ._torch import _DTYPE_CODE, _HIP, _code, _contiguous, _device_prepared_bytes, _DeviceLayer, _raw_stream
 
 _NAMES = (
     ("norm.weight", True),
@@ -102,7 +102,7 @@ def custom_kernel(data):
         if mask.device != x.device:
             raise ValueError(f"mask is on {mask.device} but the input is on {x.device}")
         mask = _contiguous(mask.to(torch.float32))
-    if x.device.type != "cuda" or torch.version.hip is not None:
+    if not x.is_cuda:
         layer = _trimul.HostLayer(
             "gpumode",
             c,
@@ -110,27 +110,30 @@ def custom_kernel(data):
             "outgoing",
             1e-5,
             [_entry(None if t is None else t.detach().cpu().contiguous()) for t in w],
-            None if x.device.type == "cpu" else "hip",
+            None,
         )
         xh = x.detach().cpu().contiguous()
         mh = None if mask is None else mask.detach().cpu().contiguous()
         y = torch.empty_like(xh)
         layer.forward(xh.data_ptr(), 0 if mh is None else mh.data_ptr(), y.data_ptr(), b, n, _DTYPE_CODE[x.dtype])
         return y.to(x.device)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    index = x.get_device()
+    stream = _raw_stream(index)
     nkey = (index, c, h)
     nbytes = _bytes.get(nkey)
     if nbytes is None:
-        nbytes = _bytes[nkey] = _trimul.cuda_prepared_bytes(index, "gpumode", c, h, False)
+        nbytes = _bytes[nkey] = _device_prepared_bytes(index, "gpumode", c, h, False)
     storage = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     entries = [_entry(t) for t in w]
+    out_dtype = x.dtype
+    if _HIP and x.dtype != torch.float32:
+        x = x.float()  # the HIP kernels read and write f32: converted on the device
     io = _DTYPE_CODE[x.dtype]
     y = torch.empty_like(x)
     with _lock:
         layer = _layers.get(nkey)
         if layer is None:
-            layer = _layers[nkey] = _trimul.CudaLayer(
+            layer = _layers[nkey] = _DeviceLayer(
                 index, "gpumode", c, h, "outgoing", 1e-5, entries, storage.data_ptr(), nbytes, stream
             )
         else:
@@ -148,4 +151,4 @@ def custom_kernel(data):
             wbytes,
             stream,
         )
-    return y
+    return y if y.dtype == out_dtype else y.to(out_dtype)

@@ -16,6 +16,8 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) mod device_prepare;
 pub mod device_weights;
 pub mod gemm;
 #[cfg(feature = "rocm")]

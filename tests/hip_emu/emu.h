@@ -100,6 +100,13 @@ typedef struct __attribute__((aligned(16))) {
 typedef struct __attribute__((aligned(8))) {
   unsigned v[2];
 } tm_u64h;
+// bf16 is the top half of an f32.
+inline float tm_bf2f(unsigned short b) {
+  unsigned u = (unsigned)b << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 inline float tm_lo(unsigned w) { return tm_h2f((unsigned short)(w & 0xFFFFu)); }
 inline float tm_hi(unsigned w) { return tm_h2f((unsigned short)(w >> 16)); }
 inline unsigned tm_pack2(float lo, float hi) { return (unsigned)tm_f2h(lo) | ((unsigned)tm_f2h(hi) << 16); }

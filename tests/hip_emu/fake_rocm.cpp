@@ -23,6 +23,7 @@
 #include "common/input_gating.h"
 #include "common/output_norm.h"
 #include "common/output_gate.h"
+#include "common/prepare_weights.h"
 #include "hip/output_projection.h"
 
 #include <algorithm>
@@ -267,6 +268,30 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
   if (smem > 65536) {
     fail(name + ": more than 64 KiB of LDS");
     return kFail;
+  }
+  if (name == "prepare_weights") {
+    // Every segment's destination, and every source it reads, must lie in device memory.
+    const TmPrepareParams q = *(const TmPrepareParams*)args[0];
+    if (q.segments < 0 || q.segments > TM_PREP_MAX_SEGMENTS || q.grid != (int)gx) fail(name + ": bad segment count or grid");
+    const size_t c = (size_t)q.c, h = (size_t)q.h, g = (size_t)q.g;
+    auto elem = [](int dtype) -> size_t { return dtype == TM_IO_F32 ? 4 : 2; };
+    for (int s = 0; s < q.segments && violation.empty(); ++s) {
+      const TmPrepSegment& sg = q.seg[s];
+      const size_t count = (size_t)sg.count;
+      need(sg.dst, count * (sg.dst_f16 ? 2 : 4), "prepare_weights destination");
+      if (sg.kind == TM_SEG_PLAIN && sg.src) need(sg.src, count * elem(sg.src_dtype), "prepare_weights source");
+      if (sg.kind != TM_SEG_PLAIN) {
+        for (int k = 0; k < 5; ++k) {
+          const size_t out = k < 4 ? h : g;
+          if (sg.kind == TM_SEG_FUSED_W) need(q.fused_src[k], out * c * elem(q.fused_dtype[k]), "fused weight source");
+          if (sg.kind == TM_SEG_FUSED_B && q.fused_bias[k]) need(q.fused_bias[k], out * elem(q.fused_bias_dtype[k]), "fused bias source");
+        }
+      }
+    }
+    if (!violation.empty()) return status();
+    emu::launch(gx, bx, [&] { prepare_weights(q); }, [](unsigned) {});
+    check_guards(name.c_str());
+    return status();
   }
   const TrimulParams p = *(const TrimulParams*)args[0];
   // Every buffer the kernel will touch must lie in device memory *before* it runs: the emulated

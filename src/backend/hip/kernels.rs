@@ -19,6 +19,8 @@ pub const INPUT_NORM: &str = "input_norm";
 pub const INPUT_GATING: &str = "input_gating";
 pub const OUTPUT_NORM: &str = "output_norm";
 pub const OUTPUT_GATE: &str = "output_gate";
+/// Weight preparation from device tensors (`common/prepare_weights.h`).
+pub const PREPARE_WEIGHTS: &str = "prepare_weights";
 /// The fused MFMA output stage (CDNA only).
 pub const OUTPUT_PROJECTION: &str = "output_projection";
 

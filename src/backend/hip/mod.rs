@@ -48,10 +48,14 @@ use self::blas::{bias_update_spec, DataType, RocblasGemm};
 use self::kernels::{HipKernelOutput, KernelImage};
 use self::plan::{Plan, Staging};
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
+use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
 use super::gemm::GemmSpec;
-use super::params::{self as launch_params, KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
+use super::params::{
+    self as launch_params, KernelParams, PrepareParams, INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
+};
 use super::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
 use super::{check_device_forward, check_prepared_for, check_same_weights, Backend, Ceilings, DeviceInfo, MemoryInfo};
+use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
 use crate::memory::ExecPlan;
@@ -111,6 +115,7 @@ struct Kernels {
     input_gating: Kernel,
     output_norm: Kernel,
     output_gate: Kernel,
+    prepare_weights: Kernel,
     /// Where each came from, for `trimul info`.
     origin: String,
 }
@@ -169,6 +174,9 @@ pub struct HipWorkspace {
     host_io: Option<HostIo>,
     /// The prepared weights a chunked workspace holds copies of (`None` for one pass).
     weights_of: Option<u64>,
+    /// For a workspace in caller memory ([`HipBackend::plan_caller_workspace`]), the address its
+    /// buffers are laid out from now (0 until the first bind) and the bytes they span.
+    caller_base: Option<(u64, u64)>,
 }
 
 /// Where the intermediates live: everything at once, or a plan within a memory limit.
@@ -474,6 +482,109 @@ impl HipBackend {
             });
         }
         Ok(())
+    }
+
+    /// Blocks of a `prepare_weights` launch over `elements` elements: a grid stride of two
+    /// blocks per compute unit at most.
+    fn prepare_grid(&self, elements: u64) -> u32 {
+        elements.div_ceil(u64::from(PREP_THREADS)).clamp(1, 2 * u64::from(self.ctx.info.compute_units.max(1))) as u32
+    }
+
+    /// See [`Backend::prepare_device`]: the buffers of [`HipPrepared`] as views into `storage`,
+    /// laid out by [`PreparedLayout`] (no fused-kernel layout on HIP) and filled by one
+    /// `prepare_weights` launch on `stream`.
+    ///
+    /// # Safety
+    /// As [`Backend::prepare_device`].
+    unsafe fn prepare_on_device(
+        &self,
+        w: &DeviceWeights,
+        storage: DeviceSpan,
+        stream: sys::hipStream_t,
+    ) -> Result<HipPrepared> {
+        w.validate()?;
+        self.bind()?;
+        let config = w.config;
+        let input_bias = w.input_linears().iter().any(|l| l.bias.is_some());
+        let layout = PreparedLayout::new(&config, None, input_bias, w.out_proj.bias.is_some());
+        storage.check("the prepared-weight storage", layout.bytes)?;
+        let kp = prepare_params(w, &layout, storage.ptr, self.prepare_grid(layout.bytes / 2))?;
+        // SAFETY: every source is a weight tensor of the length `validate` checked, alive until the
+        // stream runs the launch, and every destination lies inside `storage` (checked above): this
+        // function's contract.
+        unsafe { launch_prepare(&self.ctx.kernels.prepare_weights, stream, &kp)? };
+        let (output, _) = kernels::select_output(&self.ctx.arch, config.h, self.mfma_setting().as_deref());
+        let mfma = match output {
+            HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
+            HipKernelOutput::Blas => None,
+        };
+        let (c, h, p) = (config.c, config.h, config.fused_proj_width());
+        let view =
+            |off: u64, bytes: usize| DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, storage.ptr + off, bytes);
+        Ok(HipPrepared {
+            config,
+            id: super::next_weights_id(),
+            w_in: view(layout.w_in, p * c * 2),
+            w_out: view(layout.w_out, c * h * 2),
+            proj_bias: layout.proj_bias.map(|off| view(off, p * 4)),
+            out_bias: layout.out_bias.map(|off| view(off, c * 4)),
+            norm_in_w: view(layout.norms[0], c * 4),
+            norm_in_b: view(layout.norms[1], c * 4),
+            norm_out_w: view(layout.norms[2], h * 4),
+            norm_out_b: view(layout.norms[3], h * 4),
+            output,
+            mfma,
+        })
+    }
+
+    /// A one-pass workspace whose buffers are views into caller memory, laid out from address 0
+    /// until [`HipWorkspace::bind`] moves them to a call's span, and the bytes that span needs.
+    fn plan_caller_workspace(
+        &self,
+        prepared: &HipPrepared,
+        problem: &Problem,
+        limit: Option<u64>,
+    ) -> Result<(HipWorkspace, u64)> {
+        check_prepared_for(&prepared.config, problem)?;
+        let plan = Plan::new(problem)?;
+        let mut end = 0u64;
+        let mut carve = |bytes: usize| {
+            let at = end;
+            end = (at + bytes.max(1) as u64).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
+            DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, at, bytes)
+        };
+        let staging = match plan.staging {
+            Staging::Separate => Some(carve(plan.staging_bytes)),
+            Staging::InT => None,
+        };
+        let one = OnePass {
+            left: carve(plan.left_bytes),
+            right: carve(plan.left_bytes),
+            gate: carve(plan.gate_bytes),
+            t: carve(plan.t_bytes),
+            staging,
+            ones: (plan.ones_bytes > 0).then(|| carve(plan.ones_bytes)),
+            plan,
+        };
+        if let Some(limit) = limit.filter(|&l| end > l) {
+            return Err(Error::OutOfMemory {
+                backend: BackendKind::Hip,
+                what: format!(
+                    "the one-pass workspace for B={} N={} (workspaces in caller memory are one-pass only)",
+                    problem.shape.batch, problem.shape.n
+                ),
+                needed: end,
+                available: limit,
+            });
+        }
+        let ws = HipWorkspace {
+            problem: *problem,
+            layout: Layout::OnePass(one),
+            host_io: None,
+            weights_of: None,
+            caller_base: Some((0, end)),
+        };
+        Ok((ws, end))
     }
 
     /// A forward on host slices through device copies kept in the workspace; `y: None` runs in
@@ -863,9 +974,41 @@ fn load_kernels(api: &'static sys::HipApi, target_id: &str, force_rtc: bool) -> 
         input_gating: get(kernels::INPUT_GATING)?,
         output_norm: get(kernels::OUTPUT_NORM)?,
         output_gate: get(kernels::OUTPUT_GATE)?,
+        prepare_weights: get(kernels::PREPARE_WEIGHTS)?,
         origin: String::new(),
     };
     Ok(Kernels { origin: origin.join(", "), ..k })
+}
+
+impl HipWorkspace {
+    /// Moves a caller-memory workspace's buffers into `span` (checked: aligned, large enough).
+    fn bind(&mut self, span: DeviceSpan) -> Result<()> {
+        let Some((base, bytes)) = self.caller_base else {
+            return Err(Error::InvalidArgument("a workspace span was given to a workspace the layer owns".into()));
+        };
+        span.check("the workspace", bytes)?;
+        if base == span.ptr {
+            return Ok(());
+        }
+        let Layout::OnePass(o) = &mut self.layout else {
+            return Err(Error::Internal("a caller-memory workspace must be one-pass".into()));
+        };
+        for m in [
+            Some(&mut o.left),
+            Some(&mut o.right),
+            Some(&mut o.gate),
+            Some(&mut o.t),
+            o.staging.as_mut(),
+            o.ones.as_mut(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            m.rebase(base, span.ptr)?;
+        }
+        self.caller_base = Some((span.ptr, bytes));
+        Ok(())
+    }
 }
 
 impl Backend for HipBackend {
@@ -973,7 +1116,7 @@ impl Backend for HipBackend {
             }
         };
         let weights_of = matches!(layout, Layout::Chunked(_)).then_some(prepared.id);
-        Ok(HipWorkspace { problem: *problem, layout, host_io: None, weights_of })
+        Ok(HipWorkspace { problem: *problem, layout, host_io: None, weights_of, caller_base: None })
     }
 
     fn workspace_fits(&self, ws: &HipWorkspace, problem: &Problem) -> bool {
@@ -1102,6 +1245,74 @@ impl Backend for HipBackend {
         })
     }
 
+    fn buffer_addr(buffer: &HipBuffer) -> Option<u64> {
+        Some(buffer.mem.addr())
+    }
+
+    fn stream_handle(&self) -> u64 {
+        self.stream() as u64
+    }
+
+    fn prepared_device_bytes(&self, config: &Config, biases: bool) -> Result<u64> {
+        config.validate()?;
+        Ok(PreparedLayout::new(config, None, biases, biases).bytes)
+    }
+
+    unsafe fn prepare_device(&self, weights: &DeviceWeights, storage: DeviceSpan, stream: u64) -> Result<HipPrepared> {
+        // SAFETY: forwarded from this method's contract.
+        unsafe { self.prepare_on_device(weights, storage, stream as sys::hipStream_t) }
+    }
+
+    fn caller_workspace(
+        &self,
+        prepared: &HipPrepared,
+        problem: &Problem,
+        limit: Option<u64>,
+    ) -> Result<(HipWorkspace, u64)> {
+        self.plan_caller_workspace(prepared, problem, limit)
+    }
+
+    unsafe fn forward_device(
+        &self,
+        prepared: &HipPrepared,
+        workspace: &mut HipWorkspace,
+        problem: &Problem,
+        io: &DeviceIo,
+    ) -> Result<()> {
+        if io.io != problem.io || io.shape != problem.shape || io.mask.is_some() != problem.masked {
+            return Err(Error::InvalidArgument(format!("device I/O {io:?} does not describe {problem:?}")));
+        }
+        if io.io != crate::problem::Precision::F32Io {
+            return Err(Error::Dtype(format!(
+                "{} x and y on HIP: the HIP kernels read and write f32 (convert on the device first)",
+                io.io
+            )));
+        }
+        let stream = io.stream as sys::hipStream_t;
+        match io.workspace {
+            Some(span) => {
+                workspace.bind(span)?;
+                // The ones vector of af3's bias update lives in the caller's memory too: written
+                // on the call's stream before the stages read it.
+                if let Layout::OnePass(OnePass { ones: Some(ones), plan, .. }) = &workspace.layout {
+                    self.bind()?;
+                    let kp = fill_params(ones.addr(), plan.rows, 1.0, self.prepare_grid(plan.rows as u64));
+                    // SAFETY: `ones` lies in the span just bound (this method's contract keeps it
+                    // alive and unshared) and holds `rows` f32 values.
+                    unsafe { launch_prepare(&self.ctx.kernels.prepare_weights, stream, &kp)? };
+                }
+            }
+            None if workspace.caller_base.is_some() => {
+                return Err(Error::InvalidArgument("this workspace lives in caller memory: pass its span".into()))
+            }
+            None => {}
+        }
+        // SAFETY: the addresses are live allocations of this device with the problem's lengths,
+        // alive until the stream has run the work (this method's contract); the workspace's
+        // buffers are its own allocations or views into the span just bound.
+        unsafe { self.enqueue(prepared, workspace, problem, io.x, io.mask.unwrap_or(0), io.y, stream) }
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
         self.ctx.stream.synchronize()
@@ -1221,6 +1432,20 @@ unsafe fn launch(
     // SAFETY: one argument, a TrimulParams by value, as the stage is declared; the addresses in it
     // satisfy the invariant stated above this section.
     unsafe { kernel.launch(stream, grid, STAGE_THREADS, smem, &mut args) }
+}
+
+/// Launches `prepare_weights(TmPrepareParams)` over `p.grid` blocks.
+///
+/// # Safety
+/// Every source and destination in `p` is device memory of this device with the element counts
+/// its segments say, alive until `stream` has run the launch; `stream` is live.
+unsafe fn launch_prepare(kernel: &Kernel, stream: sys::hipStream_t, p: &PrepareParams) -> Result<()> {
+    let mut p = *p;
+    let grid = p.grid.max(1) as u32;
+    let mut args = [(&mut p as *mut PrepareParams).cast::<c_void>()];
+    // SAFETY: one argument, a TmPrepareParams by value (mirrored by PrepareParams), as the kernel
+    // is declared; the addresses in it are this function's contract.
+    unsafe { kernel.launch(stream, grid, PREP_THREADS, 0, &mut args) }
 }
 
 /// Launches `output_projection(TrimulParams, const half* wout, const float* out_bias)`.

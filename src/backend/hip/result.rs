@@ -204,6 +204,8 @@ pub struct DeviceMem {
     tracker: Arc<AllocTracker>,
     ptr: *mut c_void,
     bytes: usize,
+    /// False for a view of memory the caller owns ([`DeviceMem::borrowed`]): never freed here.
+    owned: bool,
 }
 
 // SAFETY: a device allocation is a plain address valid in every thread of the process (HIP has
@@ -229,7 +231,23 @@ impl DeviceMem {
         }
         check(api, code, "hipMalloc")?;
         tracker.add(bytes as u64);
-        Ok(DeviceMem { api, tracker: tracker.clone(), ptr, bytes })
+        Ok(DeviceMem { api, tracker: tracker.clone(), ptr, bytes, owned: true })
+    }
+
+    /// A view of `bytes` at device address `addr` in memory the caller owns (a PyTorch tensor, a
+    /// caller's workspace): not counted in the tracker, never freed here. Whoever makes one keeps
+    /// the memory alive while the view is used; the view itself dereferences nothing.
+    pub(crate) fn borrowed(api: &'static HipApi, tracker: &Arc<AllocTracker>, addr: u64, bytes: usize) -> DeviceMem {
+        DeviceMem { api, tracker: tracker.clone(), ptr: addr as *mut c_void, bytes, owned: false }
+    }
+
+    /// Moves a borrowed view by the distance its caller memory moved (`from` → `to`).
+    pub(crate) fn rebase(&mut self, from: u64, to: u64) -> Result<()> {
+        if self.owned {
+            return Err(Error::InvalidArgument("an owned device buffer cannot be rebased".into()));
+        }
+        self.ptr = (self.ptr as u64 - from + to) as *mut c_void;
+        Ok(())
     }
 
     /// The device address, for kernel parameters and BLAS calls.
@@ -331,6 +349,9 @@ pub unsafe fn copy_dtod_async(api: &HipApi, dst: u64, src: u64, bytes: usize, st
 
 impl Drop for DeviceMem {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         // SAFETY: we own the allocation; hipFree waits for work that may still use it. An error
         // here cannot be reported from drop and leaks at worst.
         let _ = unsafe { (self.api.hipFree)(self.ptr) };
