@@ -141,8 +141,8 @@ pub struct BenchArgs {
     /// Untimed calls per shape before timing (default: 3 on a GPU, 1 on the CPU; at most 100000).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=MAX_CALLS))]
     pub warmup: Option<u32>,
-    /// Re-prepare (fuse, cast, upload) the weights inside every timed call, as the GPU MODE
-    /// leaderboard does.
+    /// Prepare the weights inside every timed call, as the GPU MODE leaderboard does: on a GPU
+    /// from f32 weight tensors already on the device (one kernel), on the CPU from host weights.
     #[arg(long)]
     pub fresh_weights: bool,
     /// Seed of the inputs and weights (default: from the clock).
