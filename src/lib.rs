@@ -23,6 +23,8 @@
 
 pub mod backend;
 pub mod error;
+pub mod finite;
+pub mod hostmem;
 pub mod io;
 pub mod kernels;
 pub mod layer;
