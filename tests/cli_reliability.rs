@@ -31,9 +31,10 @@ fn fixtures(dir: &TempDir, n: usize, c: usize) -> (String, String) {
 const LIMIT_2G: &str = "ulimit -v 2000000";
 
 /// Reads are bounded by their format. Before: `--weights /dev/zero` went through `fs::read` and
-/// `report` inputs, `--anchors` through `read_to_string`, which read until memory ran out (under
-/// this 2 GB address-space limit: "memory allocation of ... bytes failed", exit 134); an 8 GiB
-/// (sparse) bench JSON was read whole the same way.
+/// `report` inputs and `--anchors` through `read_to_string`, which read until memory ran out
+/// (without a limit, until the OOM killer; under this 2 GB address-space limit they stopped at
+/// "/dev/zero: cannot read: out of memory"); an 8 GiB (sparse) bench JSON was read whole the same
+/// way; `--input /dev/zero` was opened and read as a file.
 #[test]
 fn reads_are_bounded() {
     let dir = TempDir::new("bounded");
@@ -60,8 +61,8 @@ fn reads_are_bounded() {
 }
 
 /// A layer taken out of a checkpoint reads only its own tensors. Before: the whole file was read
-/// with `fs::read`, so a checkpoint holding a 16 GiB tensor beside the layer aborted under this
-/// 2 GB limit ("memory allocation of 17179869... bytes failed", exit 134).
+/// with `fs::read`, so a checkpoint holding a 16 GiB tensor beside the layer failed under this
+/// 2 GB limit ("ckpt.safetensors: cannot read: out of memory") and, without one, needed 16 GiB.
 #[test]
 fn a_layer_is_read_out_of_a_checkpoint_larger_than_memory() {
     let dir = TempDir::new("checkpoint");
@@ -207,7 +208,8 @@ fn stdout_write_errors_are_reported() {
 }
 
 /// Host memory limits. Before: under a 150 MB address-space limit `trimul run` aborted with
-/// "memory allocation of 75497472 bytes failed" (exit 134) when allocating y with `vec!`, and
+/// "memory allocation of 75497472 bytes failed" (SIGABRT, 134 in a shell) when allocating y with
+/// `vec!`, and
 /// out-of-memory errors counted MemAvailable only ("24039206912 bytes available" under a
 /// 250 MB limit).
 #[test]
