@@ -1016,17 +1016,10 @@ impl<R: Read + Seek> TensorFile<R> {
     }
 }
 
-/// Reserves room for `len` f32 values of tensor `name`, or says the machine cannot hold them.
+/// Reserves room for `len` f32 values of tensor `name`, or returns the out-of-memory error that
+/// names them and what the host has available ([`crate::hostmem`]).
 fn reserve_values(out: &mut Vec<f32>, len: usize, name: &str, path: &str) -> Result<()> {
-    out.try_reserve_exact(len).map_err(|_| {
-        file_err(
-            path,
-            format!(
-                "tensor `{name}` has {len} values ({} bytes as f32), more than this machine can allocate",
-                len as u128 * 4
-            ),
-        )
-    })
+    crate::hostmem::try_reserve(out, len, &format!("{path}: tensor `{name}` ({len} values as f32)"))
 }
 
 /// Refuses a header that names a tensor twice. The safetensors crate's map keeps the last of two

@@ -360,3 +360,17 @@ fn another_users_file_is_refused() {
     assert_eq!(std::fs::read_to_string(&out).unwrap(), "root's");
     assert_eq!(std::fs::metadata(&out).unwrap().uid(), 0);
 }
+
+/// `--output /dev/stdout` into a pipe is written into the pipe. Before: the path's links were
+/// followed by hand to /proc/self/fd/1's target "pipe:[…]", which is no path, so the write tried
+/// to create a temporary file in /proc/self/fd and failed after the forward ("cannot write: No
+/// such file or directory").
+#[test]
+fn output_to_dev_stdout_goes_into_the_pipe() {
+    let dir = TempDir::new("stdout");
+    let (w, x) = fixtures(&dir, 4, 16);
+    let o = trimul(&["run", "--backend", "cpu", "--weights", &w, "--input", &x, "--output", "/dev/stdout"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let st = safetensors::SafeTensors::deserialize(&o.stdout).expect("stdout holds the safetensors file");
+    assert_eq!(st.tensor("y").unwrap().shape(), &[1, 4, 4, 16]);
+}

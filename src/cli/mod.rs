@@ -3,9 +3,11 @@
 //!
 //! Conventions: results go to stdout, progress bars and log lines to stderr (bars only when
 //! stderr is a terminal); `--json` switches `info` and `check` to one JSON document on stdout.
-//! Exit codes: 0 success; 1 a check failed or the device failed while computing; 2 a usage or
-//! input error (bad arguments, unreadable or inconsistent files, a backend that is not compiled
-//! in or cannot be opened). Errors are one line on stderr: `trimul: error: ...`.
+//! Exit codes: 0 success; 1 a check failed, the device or host memory failed while computing, a
+//! `run` whose intermediates overflowed, or a failed write to stdout; 2 a usage or input error (bad
+//! arguments, unreadable or inconsistent files, an output that cannot be written, a backend that
+//! is not compiled in or cannot be opened); 141 stdout was closed by its reader (`| head`): the
+//! command stops quietly. Errors are one line on stderr: `trimul: error: ...`.
 
 mod bench;
 mod check;
@@ -29,7 +31,7 @@ use trimul::{BackendKind, Device, DeviceInfo, Direction, Formulation};
     version,
     about = "Triangle multiplicative update (AlphaFold3-style TriMul) on CPU, CUDA and HIP",
     after_help = "Exit codes: 0 success, 1 a check failed or the device failed while computing, \
-                  2 usage or input error.\nWithout --backend, TRIMUL_BACKEND=cpu|cuda|hip picks the \
+                  2 usage or input error, 141 stdout closed by its reader.\nWithout --backend, TRIMUL_BACKEND=cpu|cuda|hip picks the \
                   backend; otherwise the first usable of hip, cuda, cpu."
 )]
 pub struct Cli {

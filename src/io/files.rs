@@ -179,6 +179,13 @@ fn resolve(path: &Path) -> Result<Target> {
     if path.file_name().is_none() {
         return Err(file_err(path, "names no file (it ends in '.' or '..'); give a file name"));
     }
+    // The kernel's view first: it follows the magic links of /proc (`/dev/stdout` ->
+    // /proc/self/fd/1 -> "pipe:[…]"), which read_link cannot, so a pipe is written into as such.
+    if let Ok(m) = std::fs::metadata(path) {
+        if !m.is_file() && !m.is_dir() {
+            return Ok(Target::Special(path.to_path_buf()));
+        }
+    }
     let target = follow_links(path)?;
     let via =
         |t: &Path| if t == path { String::new() } else { format!(" (the symbolic link's target {})", t.display()) };
