@@ -44,9 +44,16 @@ pub fn try_vec<T: Clone>(len: usize, value: T, what: &str) -> Result<Vec<T>> {
     Ok(v)
 }
 
-/// Reserves room for `additional` more elements of `v`, or returns [`Error::OutOfMemory`].
+/// Reserves room for `additional` more elements of `v`, or returns [`Error::OutOfMemory`]. Sizes
+/// of a megabyte or more are first compared with [`available`]: the allocator reserves address
+/// space, which a cgroup limit does not count, so an allocation beyond the cgroup's headroom
+/// would succeed here and the process be killed when the pages are touched.
 pub fn try_reserve<T>(v: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
-    v.try_reserve_exact(additional).map_err(|_| out_of_memory(what, additional as u128 * size_of::<T>() as u128))
+    let bytes = additional as u128 * size_of::<T>() as u128;
+    if bytes >= 1 << 20 && available().is_some_and(|a| bytes > u128::from(a)) {
+        return Err(out_of_memory(what, bytes));
+    }
+    v.try_reserve_exact(additional).map_err(|_| out_of_memory(what, bytes))
 }
 
 /// The error for a host allocation of `bytes` that failed.

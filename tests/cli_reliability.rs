@@ -3,6 +3,8 @@
 //! silent non-finite output and misleading messages. Each test's doc says what the code before
 //! the fix did. Library-level cases (symbolic links, file modes) are in tests/io.rs.
 
+#![cfg(unix)]
+
 use std::path::Path;
 use std::process::Command;
 
@@ -373,4 +375,63 @@ fn output_to_dev_stdout_goes_into_the_pipe() {
     assert!(o.status.success(), "{}", stderr(&o));
     let st = safetensors::SafeTensors::deserialize(&o.stdout).expect("stdout holds the safetensors file");
     assert_eq!(st.tensor("y").unwrap().shape(), &[1, 4, 4, 16]);
+}
+
+/// A memory cgroup (v1 `memory.limit_in_bytes`, v2 `memory.max`) made for one child process, or
+/// `None` where this process may not make one (not root, no writable memory controller).
+fn memory_cgroup(limit: u64) -> Option<std::path::PathBuf> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let name = format!("trimul-test-{}", std::process::id());
+    for line in own.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (id, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let (dir, file) = if id == "0" && controllers.is_empty() {
+            (Path::new("/sys/fs/cgroup").join(path.trim_start_matches('/')), "memory.max")
+        } else if controllers.split(',').any(|c| c == "memory") {
+            (Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/')), "memory.limit_in_bytes")
+        } else {
+            continue;
+        };
+        let cg = dir.join(&name);
+        if std::fs::create_dir(&cg).is_ok() {
+            if std::fs::write(cg.join(file), limit.to_string()).is_ok() {
+                return Some(cg);
+            }
+            let _ = std::fs::remove_dir(&cg);
+        }
+    }
+    None
+}
+
+/// A cgroup memory limit. Before: budgets and allocations knew only MemAvailable, so under a
+/// 120 MB cgroup y's 72 MiB were allocated (address space, which the cgroup does not count) and
+/// the kernel's OOM killer ended the process when the pages were written (SIGKILL, no message).
+/// Skipped, visibly, where no memory cgroup can be made.
+#[test]
+fn cgroup_memory_limits_give_errors_not_kills() {
+    let dir = TempDir::new("cgroup");
+    let (w, x) = fixtures(&dir, 384, 128);
+    let limit = 120u64 << 20;
+    let Some(cg) = memory_cgroup(limit) else {
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            b"SKIPPED: cgroup_memory_limits_give_errors_not_kills cannot make a memory cgroup here\n",
+        );
+        return;
+    };
+    let y = dir.path("y.safetensors");
+    let o = trimul_after(
+        &format!("echo $$ > {}/cgroup.procs", s(&cg)),
+        &["run", "--backend", "cpu", "--weights", &w, "--input", &x, "--output", s(&y)],
+    );
+    let _ = std::fs::remove_dir(&cg);
+    let err = stderr(&o);
+    assert_error(&o, 1, "out of memory on cpu");
+    let available: u64 = err
+        .split(" bytes available")
+        .next()
+        .and_then(|head| head.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no available bytes in {err}"));
+    assert!(available < limit, "{available} bytes available under a {limit}-byte cgroup: {err}");
 }

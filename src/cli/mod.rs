@@ -276,18 +276,39 @@ pub enum BenchSuite {
     Long,
 }
 
+/// Starts rayon's worker threads now, while the process is small. Started lazily, at the first
+/// parallel loop, they would be spawned after the inputs are loaded, and under an address-space
+/// or memory limit that the inputs nearly fill, rayon panics when it cannot spawn them ("The
+/// global thread pool has not been initialized"). If even now they cannot start, the error says
+/// so (exit 1) instead.
+fn start_worker_threads() -> Result<(), CliError> {
+    rayon::ThreadPoolBuilder::new()
+        .build_global()
+        .or_else(|e| {
+            // Already built (a second call), or too many threads for the limit: try one.
+            if rayon::current_num_threads() >= 1 && e.to_string().contains("already") {
+                return Ok(());
+            }
+            rayon::ThreadPoolBuilder::new().num_threads(1).build_global()
+        })
+        .map_err(|e| CliError {
+            code: EXIT_FAILED,
+            message: format!("cannot start worker threads (memory or thread limit?): {e}"),
+        })
+}
+
 /// Parses the arguments, runs the command, and turns its outcome into an exit code.
 pub fn main() -> ExitCode {
     // clap prints its own usage errors and exits with code 2, which is our usage code too.
     let cli = Cli::parse();
-    let outcome = match &cli.command {
+    let outcome = start_worker_threads().and_then(|()| match &cli.command {
         Command::Info(a) => info::run(a),
         Command::Check(a) => check::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Run(a) => run::run(a),
         Command::Report(a) => report::run(a),
         Command::Tune(a) => tune::run(a),
-    };
+    });
     match outcome {
         Ok(code) => code,
         Err(e) => {
