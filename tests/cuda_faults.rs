@@ -29,11 +29,19 @@ use trimul::{reference, Backend, BackendKind, Device, Direction, Error, Formulat
 /// Set in the child process that runs the sticky-fault part.
 const CHILD: &str = "TRIMUL_CUDA_FAULT_CHILD";
 
+/// One test at a time: one holds nearly all device memory, another starts a process that needs
+/// some.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 #[test]
 fn an_illegal_address_fails_the_forward_and_every_later_call() {
     if std::env::var_os(CHILD).is_some() {
         return;
     }
+    let _serial = serial();
     let Some(b) = cuda() else { return };
     drop(b);
     let exe = std::env::current_exe().unwrap();
@@ -98,6 +106,7 @@ fn sticky_fault_in_a_process_of_its_own() {
 /// before any work (y untouched), and the same layer computes exactly once memory is free.
 #[test]
 fn a_forward_refused_for_memory_leaves_the_layer_usable() {
+    let _serial = serial();
     let Some(b) = cuda() else { return };
     let small = Case::new(64, 1, 128, true, Dist::Normal);
     let big = Case::new(1024, 1, 128, false, Dist::Normal);
@@ -131,6 +140,7 @@ fn a_forward_refused_for_memory_leaves_the_layer_usable() {
 /// and matches the f32 CPU result, or the separate output check reports the overflow.
 #[test]
 fn f16_overflow_never_gives_a_silently_wrong_y() {
+    let _serial = serial();
     let Some(b) = cuda() else { return };
     let gpu = Device::Cuda(b);
     let case = Case::new(256, 1, 128, false, Dist::Normal);
