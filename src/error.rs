@@ -113,6 +113,12 @@ pub enum Error {
     #[error("internal error (please report): {0}")]
     Internal(String),
 
+    /// A forward on finite inputs gave NaN or infinite outputs: an intermediate overflowed the
+    /// precision it is held in (see [`crate::finite`]). Raised by [`crate::finite::check_output`],
+    /// never by a forward itself.
+    #[error("{count} of {len} outputs are NaN or infinite although x is finite: {reason}")]
+    NonFinite { count: usize, len: usize, reason: String },
+
     /// File or tensor-container problems.
     #[error("{path}: {reason}")]
     File { path: String, reason: String },

@@ -40,15 +40,19 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::fs::File;
-use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
 use safetensors::tensor::{Metadata, TensorInfo};
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::{Dtype, View};
 
 use crate::error::{Error, Result};
 use crate::problem::{Config, Formulation, Shape};
 use crate::weights::{Linear, Norm, Weights};
+
+mod files;
+use files::write_atomically;
+pub use files::{check_output, check_output_dir, read_text, write_file, MAX_JSON_BYTES};
 
 // ---------------------------------------------------------------------------------------------
 // Naming schemes
@@ -495,54 +499,65 @@ impl Dims {
     }
 }
 
-/// The tensors of one layer in a deserialized file.
-struct LayerReader<'a> {
-    st: SafeTensors<'a>,
+/// The tensors of one layer, decoded to f32 by local name.
+struct LayerReader {
     layout: Layout,
+    tensors: BTreeMap<&'static str, Tensor>,
 }
 
-impl LayerReader<'_> {
+/// Elements of the largest layer any scheme describes (`C = H =` [`MAX_CHANNELS`](crate::problem::MAX_CHANNELS):
+/// five `[H, C]`-sized projections and gates, `[C, C]` or `[C, H]` outputs, norms and biases), with
+/// room to spare. Tensors declaring more cannot be one layer's weights and are refused before
+/// they are read.
+const MAX_LAYER_VALUES: u64 = {
+    let m = crate::problem::MAX_CHANNELS as u64;
+    8 * m * m + 32 * m
+};
+
+impl LayerReader {
+    /// Checks the layer is complete, then decodes every tensor it has (refusing non-float dtypes
+    /// and sizes no layer has before reading any data).
+    fn load<R: Read + Seek>(layout: Layout, source: &mut TensorFile<R>) -> Result<LayerReader> {
+        check_complete(&layout)?;
+        let mut described = Vec::with_capacity(layout.present.len());
+        let mut total: u64 = 0;
+        for &local in &layout.present {
+            let name = layout.full(local);
+            let TensorInfo { dtype, shape, .. } = source.require(&name)?;
+            if float_size(dtype).is_none() {
+                return Err(Error::Dtype(format!("weight `{name}` is {dtype}; weights must be {FLOAT_DTYPES}")));
+            }
+            let values = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64)).unwrap_or(u64::MAX);
+            total = total.saturating_add(values);
+            described.push((local, name, shape));
+        }
+        if total > MAX_LAYER_VALUES {
+            return Err(Error::Weights(format!(
+                "the layer's tensors declare {total} values, more than any TriMul layer has (C and H are at most \
+                 {}); not read",
+                crate::problem::MAX_CHANNELS
+            )));
+        }
+        let mut tensors = BTreeMap::new();
+        for (local, name, shape) in described {
+            let info = source.require(&name)?;
+            let data = source.read_floats(&name, &info)?;
+            tensors.insert(local, Tensor { name, shape, data });
+        }
+        Ok(LayerReader { layout, tensors })
+    }
+
     fn get(&self, local: &str) -> Result<Option<Tensor>> {
-        if !self.layout.present.contains(local) {
-            return Ok(None);
-        }
-        let name = self.layout.full(local);
-        let view = self
-            .st
-            .tensor(&name)
-            .map_err(|e| Error::Weights(format!("`{name}` is listed in the header but cannot be read: {e}")))?;
-        if float_size(view.dtype()).is_none() {
-            return Err(Error::Dtype(format!("weight `{name}` is {}; weights must be {FLOAT_DTYPES}", view.dtype())));
-        }
-        let mut data = Vec::with_capacity(view.shape().iter().product());
-        decode_floats(view.dtype(), view.data(), &mut data);
-        Ok(Some(Tensor { name, shape: view.shape().to_vec(), data }))
+        Ok(self.tensors.get(local).map(|t| Tensor {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            data: t.data.clone(),
+        }))
     }
 
     fn req(&self, local: &str) -> Result<Tensor> {
         // Presence of every required name was checked up front; this guards the invariant.
         self.get(local)?.ok_or_else(|| Error::Weights(format!("missing tensor `{}`", self.layout.full(local))))
-    }
-
-    fn check_complete(&self) -> Result<()> {
-        let names = self.layout.scheme.names();
-        let missing: Vec<String> =
-            names.required.iter().filter(|n| !self.layout.present.contains(*n)).map(|n| self.layout.full(n)).collect();
-        if !missing.is_empty() {
-            return Err(Error::Weights(format!(
-                "missing tensor(s) {} of the {} naming scheme (it needs {})",
-                list(&missing, 16),
-                self.layout.scheme,
-                list(names.required, 16)
-            )));
-        }
-        if let Some(bias) = names.forbidden.iter().find(|n| self.layout.present.contains(*n)) {
-            return Err(Error::Weights(format!(
-                "`{}` is present, but the gpumode formulation has no linear biases",
-                self.layout.full(bias)
-            )));
-        }
-        Ok(())
     }
 
     /// Reads a `[out, in]` weight whose size defines `H` and `C`; `rows_per_h` is 2 for the
@@ -592,7 +607,6 @@ impl LayerReader<'_> {
     }
 
     fn weights(&self) -> Result<Weights> {
-        self.check_complete()?;
         let scheme = self.layout.scheme;
         let config = |d: &Dims| {
             Config::new(scheme.formulation(), d.c, d.h).map_err(|e| Error::Weights(format!("{}: {e}", d.source)))
@@ -670,6 +684,28 @@ impl LayerReader<'_> {
     }
 }
 
+/// Every required name of the layout's scheme is present, and no forbidden one.
+fn check_complete(layout: &Layout) -> Result<()> {
+    let names = layout.scheme.names();
+    let missing: Vec<String> =
+        names.required.iter().filter(|n| !layout.present.contains(*n)).map(|n| layout.full(n)).collect();
+    if !missing.is_empty() {
+        return Err(Error::Weights(format!(
+            "missing tensor(s) {} of the {} naming scheme (it needs {})",
+            list(&missing, 16),
+            layout.scheme,
+            list(names.required, 16)
+        )));
+    }
+    if let Some(bias) = names.forbidden.iter().find(|n| layout.present.contains(*n)) {
+        return Err(Error::Weights(format!(
+            "`{}` is present, but the gpumode formulation has no linear biases",
+            layout.full(bias)
+        )));
+    }
+    Ok(())
+}
+
 /// Prefixes the message of a content error with where the content came from.
 fn in_file(path: &str, e: Error) -> Error {
     match e {
@@ -687,16 +723,21 @@ fn file_err(path: &str, reason: impl fmt::Display) -> Error {
 
 const IN_MEMORY: &str = "<in-memory safetensors>";
 
-fn load_weights(bytes: &[u8], prefix: Option<&str>, origin: &str) -> Result<Weights> {
-    let st =
-        SafeTensors::deserialize(bytes).map_err(|e| file_err(origin, format!("not a valid safetensors file: {e}")))?;
-    let names = st.names();
+/// One layer out of an open safetensors file: only its tensors are read.
+fn load_weights<R: Read + Seek>(mut file: TensorFile<R>, prefix: Option<&str>) -> Result<Weights> {
+    let names = file.meta.offset_keys();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
     let layout = find_layout(&names, prefix)?;
-    LayerReader { st, layout }.weights()
+    LayerReader::load(layout, &mut file)?.weights()
 }
 
-fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| file_err(&path.display().to_string(), format!("cannot read: {e}")))
+fn load_weights_from_path(path: &Path, prefix: Option<&str>) -> Result<Weights> {
+    let origin = path.display().to_string();
+    load_weights(TensorFile::open(path)?, prefix).map_err(|e| in_file(&origin, e))
+}
+
+fn load_weights_from_bytes(bytes: &[u8], prefix: Option<&str>) -> Result<Weights> {
+    load_weights(TensorFile::from_bytes(bytes, IN_MEMORY)?, prefix)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -745,29 +786,23 @@ impl Weights {
     /// Reads one layer from a safetensors file, inferring the naming scheme, formulation, `C`
     /// and `H` (see the [module docs](crate::io) for the accepted names).
     pub fn from_safetensors(path: impl AsRef<Path>) -> Result<Weights> {
-        let path = path.as_ref();
-        let bytes = read_file(path)?;
-        let origin = path.display().to_string();
-        load_weights(&bytes, None, &origin).map_err(|e| in_file(&origin, e))
+        load_weights_from_path(path.as_ref(), None)
     }
 
     /// Reads the layer whose tensor names start with `prefix` (a trailing `.` is added when
     /// missing); tensors outside the prefix are ignored. For files holding several layers.
     pub fn from_safetensors_with_prefix(path: impl AsRef<Path>, prefix: &str) -> Result<Weights> {
-        let path = path.as_ref();
-        let bytes = read_file(path)?;
-        let origin = path.display().to_string();
-        load_weights(&bytes, Some(prefix), &origin).map_err(|e| in_file(&origin, e))
+        load_weights_from_path(path.as_ref(), Some(prefix))
     }
 
     /// [`Weights::from_safetensors`] on the bytes of a safetensors file.
     pub fn from_safetensors_bytes(bytes: &[u8]) -> Result<Weights> {
-        load_weights(bytes, None, IN_MEMORY)
+        load_weights_from_bytes(bytes, None)
     }
 
     /// [`Weights::from_safetensors_with_prefix`] on the bytes of a safetensors file.
     pub fn from_safetensors_bytes_with_prefix(bytes: &[u8], prefix: &str) -> Result<Weights> {
-        load_weights(bytes, Some(prefix), IN_MEMORY)
+        load_weights_from_bytes(bytes, Some(prefix))
     }
 
     /// Writes these weights as F32 tensors under `scheme`, which must name this formulation.
@@ -871,38 +906,66 @@ const CHUNK_BYTES: usize = 1 << 20;
 /// The safetensors crate's own header limit; a larger length means a corrupt file.
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
-/// An open safetensors file whose header has been parsed (by the safetensors crate's own
-/// `Metadata` deserializer, which also checks that offsets are contiguous and sizes match the
-/// dtypes) and whose data is read on demand.
-struct TensorFile {
+/// An open safetensors file (or the bytes of one) whose header has been parsed (by the
+/// safetensors crate's own `Metadata` deserializer, which also checks that offsets are contiguous
+/// and sizes match the dtypes) and checked against the file's size; its data is read on demand.
+/// Nothing is read that the header does not declare, and the header's own length is bounded.
+struct TensorFile<R = File> {
     path: String,
-    file: File,
+    file: R,
     data_start: u64,
     meta: Metadata,
 }
 
-impl TensorFile {
+impl TensorFile<File> {
     fn open(path: &Path) -> Result<Self> {
-        let p = path.display().to_string();
-        let mut file = File::open(path).map_err(|e| file_err(&p, format!("cannot open: {e}")))?;
-        let len = file.metadata().map_err(|e| file_err(&p, format!("cannot stat: {e}")))?.len();
+        let (file, len) = files::open_regular(path, "safetensors file")?;
+        TensorFile::new(file, len, path.display().to_string())
+    }
+}
+
+impl<'a> TensorFile<std::io::Cursor<&'a [u8]>> {
+    fn from_bytes(bytes: &'a [u8], label: &str) -> Result<Self> {
+        TensorFile::new(std::io::Cursor::new(bytes), bytes.len() as u64, label.to_string())
+    }
+}
+
+impl<R: Read + Seek> TensorFile<R> {
+    /// Reads and checks the header of the `len`-byte file `file`, positioned at its start.
+    fn new(mut file: R, len: u64, p: String) -> Result<Self> {
+        if len < 8 {
+            return Err(file_err(
+                &p,
+                format!("{len} bytes is too short for a safetensors file (it starts with an 8-byte header length)"),
+            ));
+        }
         let mut n8 = [0u8; 8];
-        file.read_exact(&mut n8)
-            .map_err(|_| file_err(&p, format!("{len} bytes is too short for a safetensors file")))?;
+        file.read_exact(&mut n8).map_err(|e| file_err(&p, format!("cannot read the header length: {e}")))?;
         let n = u64::from_le_bytes(n8);
         if n > MAX_HEADER_BYTES || n > len - 8 {
             return Err(file_err(&p, format!("not a safetensors file: header length {n} in a {len}-byte file")));
         }
         let mut header = vec![0u8; n as usize];
         file.read_exact(&mut header).map_err(|e| file_err(&p, format!("cannot read the header: {e}")))?;
+        check_unique_names(&header).map_err(|m| file_err(&p, m))?;
         let meta: Metadata = serde_json::from_slice(&header)
             .map_err(|e| file_err(&p, format!("not a safetensors file: bad header: {e}")))?;
         let data_start = 8 + n;
-        let described = data_start + meta.data_len() as u64;
-        if described != len {
+        let described = data_start.saturating_add(meta.data_len() as u64);
+        if described > len {
             return Err(file_err(
                 &p,
                 format!("the header describes {described} bytes but the file has {len}: truncated or corrupt"),
+            ));
+        }
+        if described < len {
+            return Err(file_err(
+                &p,
+                format!(
+                    "the header describes {described} bytes but the file has {len}: {} bytes after the last tensor \
+                     (not a safetensors file, or a corrupt one)",
+                    len - described
+                ),
             ));
         }
         Ok(TensorFile { path: p, file, data_start, meta })
@@ -944,15 +1007,7 @@ impl TensorFile {
         // The file's shape decides the size: a failed reservation is an error, not an abort.
         let len: usize = info.shape.iter().product();
         let mut out = Vec::new();
-        out.try_reserve_exact(len).map_err(|_| {
-            file_err(
-                &self.path,
-                format!(
-                    "tensor `{name}` has {len} values ({} bytes as f32), more than this machine can allocate",
-                    len as u128 * 4
-                ),
-            )
-        })?;
+        reserve_values(&mut out, len, name, &self.path)?;
         self.stream(info, elem, |bytes| {
             decode_floats(info.dtype, bytes, &mut out);
             Ok(())
@@ -961,52 +1016,48 @@ impl TensorFile {
     }
 }
 
-/// Writes `path` through a sibling temporary file renamed into place on success. A symbolic link
-/// stays a link (its target gets the file); a device or pipe (`/dev/null`) is written straight,
-/// never replaced; a directory is an error.
-fn write_atomically(path: &Path, fill: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>) -> Result<()> {
-    let p = path.display().to_string();
-    let target = follow_links(path);
-    match std::fs::metadata(&target) {
-        Ok(m) if m.is_dir() => return Err(file_err(&p, "is a directory")),
-        Ok(m) if !m.is_file() => {
-            let result = (|| {
-                let mut w =
-                    BufWriter::with_capacity(CHUNK_BYTES, std::fs::OpenOptions::new().write(true).open(&target)?);
-                fill(&mut w)?;
-                w.flush()
-            })();
-            return result.map_err(|e| file_err(&p, format!("cannot write: {e}")));
-        }
-        _ => {}
-    }
-    let name = target.file_name().ok_or_else(|| file_err(&p, "not a file path"))?;
-    let tmp = target.with_file_name(format!(".{}.{}.tmp", name.to_string_lossy(), std::process::id()));
-    let result = (|| {
-        let mut w = BufWriter::with_capacity(CHUNK_BYTES, File::create(&tmp)?);
-        fill(&mut w)?;
-        w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&tmp, &target)
-    })();
-    result.map_err(|e| {
-        // Best effort: the temporary file is ours and useless after a failure.
-        let _ = std::fs::remove_file(&tmp);
-        file_err(&p, format!("cannot write: {e}"))
-    })
+/// Reserves room for `len` f32 values of tensor `name`, or returns the out-of-memory error that
+/// names them and what the host has available ([`crate::hostmem`]).
+fn reserve_values(out: &mut Vec<f32>, len: usize, name: &str, path: &str) -> Result<()> {
+    crate::hostmem::try_reserve(out, len, &format!("{path}: tensor `{name}` ({len} values as f32)"))
 }
 
-/// The file a path finally names: symbolic links followed (relative ones from their own
-/// folder), at most 40 deep as the kernel allows; a dangling link names its missing target.
-fn follow_links(path: &Path) -> std::path::PathBuf {
-    let mut t = path.to_path_buf();
-    for _ in 0..40 {
-        match std::fs::read_link(&t) {
-            Ok(next) if next.is_relative() => t = t.parent().unwrap_or(Path::new("")).join(next),
-            Ok(next) => t = next,
-            Err(_) => break,
+/// Refuses a header that names a tensor twice. The safetensors crate's map keeps the last of two
+/// equal names, so the first one's bytes would be unaccounted for and the file would read as
+/// truncated or corrupt. A header that is not a JSON object passes here and is refused by the
+/// full parse with its own message.
+fn check_unique_names(header: &[u8]) -> std::result::Result<(), String> {
+    struct Keys(Vec<String>);
+    impl<'de> serde::Deserialize<'de> for Keys {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+            struct V;
+            impl<'de> serde::de::Visitor<'de> for V {
+                type Value = Keys;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> std::result::Result<Keys, A::Error> {
+                    let mut keys = Vec::new();
+                    while let Some(k) = map.next_key::<String>()? {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                        keys.push(k);
+                    }
+                    Ok(Keys(keys))
+                }
+            }
+            d.deserialize_map(V)
         }
     }
-    t
+    let Ok(Keys(mut keys)) = serde_json::from_slice::<Keys>(header) else { return Ok(()) };
+    keys.sort_unstable();
+    match keys.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(format!(
+            "the header names tensor `{}` twice; a safetensors file names each tensor once (corrupt or hand-edited \
+             header)",
+            w[0]
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Writes f32 tensors, streaming their bytes. The header is the safetensors crate's own
@@ -1198,7 +1249,15 @@ fn mask_elem_size(dtype: Dtype) -> Option<usize> {
 /// Reads `x` and the optional `mask` from a safetensors file (shapes and dtypes in the
 /// [module docs](crate::io)).
 pub fn read_input(path: impl AsRef<Path>) -> Result<PairInput> {
-    let mut f = TensorFile::open(path.as_ref())?;
+    read_pair_input(TensorFile::open(path.as_ref())?)
+}
+
+/// [`read_input`] on the bytes of a safetensors file.
+pub fn read_input_bytes(bytes: &[u8]) -> Result<PairInput> {
+    read_pair_input(TensorFile::from_bytes(bytes, IN_MEMORY)?)
+}
+
+fn read_pair_input<R: Read + Seek>(mut f: TensorFile<R>) -> Result<PairInput> {
     let p = f.path.clone();
     let xi = f.require("x")?;
     let [batch, n, _, c] = pair_shape(&p, "x", &xi.shape)?;
@@ -1231,7 +1290,8 @@ pub fn read_input(path: impl AsRef<Path>) -> Result<PairInput> {
     let x = f.read_floats("x", &xi)?;
     let mask = match (mask_info, mask_elem) {
         (Some(mi), Some(elem)) => {
-            let mut out = Vec::with_capacity(batch * n * n);
+            let mut out = Vec::new();
+            reserve_values(&mut out, batch * n * n, "mask", &p)?;
             f.stream(&mi, elem, |bytes| {
                 let base = out.len();
                 decode_mask(mi.dtype, bytes, &mut out).map_err(|(k, v)| {

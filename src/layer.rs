@@ -607,7 +607,7 @@ impl TriMul {
 
     /// One forward on host slices, returning a new `y` of the shape and element type of `x`.
     pub fn forward<T: IoElement>(&mut self, x: &[T], mask: Option<&[f32]>, shape: Shape) -> Result<Vec<T>> {
-        let mut y = vec![T::default(); x.len()];
+        let mut y = crate::hostmem::try_vec(x.len(), T::default(), "y")?;
         self.forward_into(x, mask, &mut y, shape)?;
         Ok(y)
     }

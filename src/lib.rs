@@ -24,6 +24,8 @@
 pub mod backend;
 pub mod device_io;
 pub mod error;
+pub mod finite;
+pub mod hostmem;
 pub mod io;
 pub mod kernels;
 pub mod layer;

@@ -87,9 +87,10 @@ impl MemoryNeeds {
 }
 
 /// Device memory kept free when no budget is given: 2% of the device, at least 256 MiB (the
-/// libraries' handles and allocator slack live there).
+/// libraries' handles and allocator slack live there), but at most a quarter of it: a CPU
+/// process under a small memory limit (a 250 MB container) would otherwise have no room at all.
 pub fn margin(total: u64) -> u64 {
-    (total / 50).max(256 << 20)
+    (total / 50).max(256 << 20).min(total / 4)
 }
 
 /// The widest hidden chunk whose plan fits `limit` bytes: `need(hc)` is the workspace a chunk

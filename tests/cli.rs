@@ -1,63 +1,15 @@
 //! The `trimul` binary end to end: every command on the CPU backend, exit codes, and the
 //! one-line error contract.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Command;
 
 use trimul::report::BenchRun;
 use trimul::{io, Config, Device, Direction, Formulation, NamingScheme, Options, PairInput, Shape, TriMul, Weights};
 
-/// The built binary, with any backend override from the caller's environment removed.
-fn trimul(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_trimul"))
-        .args(args)
-        .env_remove("TRIMUL_BACKEND")
-        .output()
-        .expect("the trimul binary runs")
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-        let dir = std::env::temp_dir().join(format!("trimul-cli-{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    fn path(&self, file: &str) -> PathBuf {
-        self.0.join(file)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("temp paths are UTF-8")
-}
-
-/// Exit code 2 and exactly one line on stderr, in the `trimul: error: ...` form.
-fn assert_usage_error(o: &Output, needle: &str) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(2), "stderr: {err}");
-    assert_eq!(err.lines().count(), 1, "one line expected, got: {err:?}");
-    assert!(err.starts_with("trimul: error: "), "{err}");
-    assert!(err.contains(needle), "{err:?} should mention {needle:?}");
-}
+#[path = "support/cli.rs"]
+mod support;
+use support::{assert_usage_error, s, stderr, stdout, trimul, TempDir};
 
 #[test]
 fn info_lists_cpu_as_available() {

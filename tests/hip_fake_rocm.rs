@@ -493,3 +493,82 @@ fn device_prepared_weights_and_caller_workspace_match_the_host_layer() {
         }
     }
 }
+
+/// Device faults (issue 25): every device call a forward makes can fail, as it can on a GPU (a
+/// launch that faults, a copy or GEMM that fails, memory refused). The fake fails the k-th call
+/// of one entry point (`TRIMUL_FAKE_ROCM_FAIL`, see fake_rocm.cpp). Each such forward must return
+/// an error naming the failure (never Ok with a stale or partial y), and the same layer must work
+/// again afterwards: its next forward gives exactly the result of a forward that never failed.
+/// Both on a fresh layer (the failure hits workspace planning and allocation) and on a layer
+/// that has run before (the failure hits a forward on an existing workspace).
+#[test]
+fn device_faults_are_errors_and_the_layer_recovers() {
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = backend(false);
+    let cfg = Config::new(Formulation::Af3, 24, 16).unwrap();
+    let case = Case { h: 16, ..Case::new(9, 1, 24, true, Dist::Normal) };
+    let seed = base_seed() ^ 0xFA17;
+    let weights = Weights::random(cfg, true, seed).unwrap();
+    let inputs = suite::generate_inputs(&case, seed ^ 1);
+    let options = Options::new(Direction::Incoming);
+    let good = {
+        let mut layer = Layer::new(&b, &weights, options).unwrap();
+        let mut y = vec![f32::NAN; inputs.x.len()];
+        layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
+        y
+    };
+    let problem = case.problem(Formulation::Af3, Direction::Incoming).unwrap();
+    let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &good, TOL, TOL).unwrap();
+    assert!(cmp.passed(), "{cmp}");
+
+    let forward = |layer: &mut Layer<HipBackend>| {
+        let mut y = vec![-7.25f32; inputs.x.len()];
+        layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).map(|()| y)
+    };
+    let specs = [
+        "hipMalloc:1",
+        "hipMemsetAsync:1",
+        "hipMemcpyHtoDAsync:1",
+        "hipMemcpyHtoDAsync:2",
+        "hipModuleLaunchKernel:1",
+        "hipModuleLaunchKernel:2",
+        "hipModuleLaunchKernel:4",
+        "rocblas_gemm:1",
+        "rocblas_gemm:2",
+        "hipMemcpyDtoHAsync:1",
+        "hipStreamSynchronize:1",
+    ];
+    for warm in [false, true] {
+        for spec in specs {
+            let mut layer = Layer::new(&b, &weights, options).unwrap();
+            if warm {
+                assert_eq!(forward(&mut layer).unwrap(), good);
+            }
+            std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", spec);
+            let faulted = forward(&mut layer);
+            std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
+            match faulted {
+                Err(e) => {
+                    let call = spec.split(':').next().unwrap();
+                    assert!(e.to_string().contains(&format!("injected failure of {call}")), "{spec}: {e}");
+                    eprintln!("{spec} (warm: {warm}): {e}");
+                }
+                // A warm layer allocates nothing: an injected allocation failure is never reached.
+                Ok(y) if warm && spec.starts_with("hipMalloc") => assert_eq!(y, good),
+                Ok(_) => panic!("{spec} (warm: {warm}): the forward returned Ok through a device failure"),
+            }
+            // The same layer works again, with exactly the result of a forward that never failed.
+            let again = forward(&mut layer).unwrap_or_else(|e| panic!("{spec} (warm: {warm}): not usable after: {e}"));
+            assert_eq!(again, good, "{spec} (warm: {warm}): wrong result after the failure");
+        }
+    }
+    // Preparing the weights can fail too; the next layer prepares normally.
+    std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", "hipMemcpyHtoDAsync:1");
+    let e = Layer::new(&b, &weights, options).err().expect("preparing through a failed copy is an error");
+    std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
+    assert!(e.to_string().contains("injected failure"), "{e}");
+    assert_eq!(forward(&mut Layer::new(&b, &weights, options).unwrap()).unwrap(), good);
+}

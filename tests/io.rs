@@ -707,3 +707,172 @@ fn outputs_keep_links_and_devices() {
         assert!(!std::fs::metadata(null).unwrap().is_file(), "/dev/null was replaced by a file");
     }
 }
+
+// ---- issue 25: outputs cannot be redirected and keep what they had -------------------------------
+
+fn mode_of(p: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+fn set_mode(p: &std::path::Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// A fresh, empty directory for one test.
+fn fresh_dir(name: &str) -> PathBuf {
+    let dir = tmp(name);
+    if dir.exists() {
+        let _ = std::process::Command::new("chmod").arg("-R").arg("u+w").arg(&dir).status();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Someone who can write in the output's folder plants a symbolic link where the temporary file
+/// will be. Before: the temporary file was `.<name>.<pid>.tmp`, opened with `File::create`, which
+/// follows links: the victim file was overwritten with the output and the link then renamed over
+/// the output. Now the name is unpredictable and the file is created exclusively.
+#[cfg(unix)]
+#[test]
+fn a_planted_link_cannot_redirect_the_write() {
+    let dir = fresh_dir("planted");
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "precious").unwrap();
+    let out = dir.join("y.safetensors");
+    // The old name, and a few guesses around it.
+    for name in [format!(".y.safetensors.{}.tmp", std::process::id()), ".y.safetensors.tmp".into()] {
+        std::os::unix::fs::symlink(&victim, dir.join(name)).unwrap();
+    }
+    let y = vec![1.5f32; 2 * 2 * 3];
+    write_output(&out, &y, 1, 2, 3).unwrap();
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    assert!(std::fs::symlink_metadata(&out).unwrap().is_file(), "the output is a file, not the planted link");
+    assert_eq!(read_output(&out).unwrap().0, y);
+    // Only the output and the planted links: no temporary file left.
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 4);
+}
+
+/// Replacing a file by rename gives it a new inode. Before: a 0600 file came back 0644 (the
+/// umask's default), a 0444 file was silently replaced, another hard link kept the old data while
+/// this name got the new, and the owner became whoever ran trimul.
+#[cfg(unix)]
+#[test]
+fn replacing_an_output_keeps_its_protections_or_refuses() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = fresh_dir("protections");
+    let y = vec![0.25f32; 2 * 2 * 3];
+    let out = dir.join("y.safetensors");
+
+    std::fs::write(&out, "old").unwrap();
+    set_mode(&out, 0o600);
+    write_output(&out, &y, 1, 2, 3).unwrap();
+    assert_eq!(mode_of(&out), 0o600, "the mode is kept");
+    set_mode(&out, 0o640);
+    write_output(&out, &y, 1, 2, 3).unwrap();
+    assert_eq!(mode_of(&out), 0o640);
+
+    let ro = dir.join("read-only.safetensors");
+    std::fs::write(&ro, "old").unwrap();
+    set_mode(&ro, 0o444);
+    let e = write_output(&ro, &y, 1, 2, 3).unwrap_err().to_string();
+    assert!(e.contains("write-protected (mode 0444)"), "{e}");
+    assert_eq!(std::fs::read_to_string(&ro).unwrap(), "old");
+    assert!(trimul::io::check_output(&ro).is_err(), "the up-front check refuses it too");
+
+    let linked = dir.join("linked.safetensors");
+    let other = dir.join("other-name.safetensors");
+    std::fs::write(&linked, "old").unwrap();
+    std::fs::hard_link(&linked, &other).unwrap();
+    let e = write_output(&linked, &y, 1, 2, 3).unwrap_err().to_string();
+    assert!(e.contains("has 2 hard links"), "{e}");
+    assert_eq!(std::fs::read_to_string(&linked).unwrap(), "old");
+
+    // Owner and group: as root a replacement can be given them, so they are kept.
+    let owned = dir.join("owned.safetensors");
+    std::fs::write(&owned, "old").unwrap();
+    let me = std::fs::metadata(&owned).unwrap().uid();
+    if me == 0 {
+        std::os::unix::fs::chown(&owned, Some(65534), Some(65534)).unwrap();
+        set_mode(&owned, 0o664);
+        write_output(&owned, &y, 1, 2, 3).unwrap();
+        let m = std::fs::metadata(&owned).unwrap();
+        assert_eq!((m.uid(), m.gid(), mode_of(&owned)), (65534, 65534, 0o664));
+        assert_eq!(read_output(&owned).unwrap().0, y);
+    } else {
+        eprintln!("SKIPPED: keeping another owner needs root (tests/cli_reliability.rs covers refusing as a user)");
+    }
+    // A new file gets the umask's mode, as any new file does, and no temporary file is left.
+    let fresh = dir.join("new.safetensors");
+    write_output(&fresh, &y, 1, 2, 3).unwrap();
+    assert_eq!(mode_of(&fresh) & 0o600, 0o600);
+    let tmp_left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(tmp_left.is_empty(), "{tmp_left:?}");
+}
+
+/// Reads need a regular file and are bounded by the header. Before: a directory said "4096 bytes
+/// is too short for a safetensors file", a pipe was read and then called "truncated or corrupt",
+/// `Weights::from_safetensors` read any file whole with `fs::read` (`/dev/zero` until memory ran
+/// out; `/dev/null` read as "not a valid safetensors file"), and a tensor named twice made the
+/// file "truncated or corrupt".
+#[cfg(unix)]
+#[test]
+fn safetensors_reads_name_what_is_wrong() {
+    let dir = fresh_dir("reads");
+    let e = read_input(&dir).unwrap_err().to_string();
+    assert!(e.contains("is a directory, not a regular file"), "{e}");
+    let e = Weights::from_safetensors(&dir).unwrap_err().to_string();
+    assert!(e.contains("is a directory, not a regular file"), "{e}");
+    // (/dev/null, not /dev/zero: should this regress, an empty read fails instead of filling memory.)
+    let e = Weights::from_safetensors("/dev/null").unwrap_err().to_string();
+    assert!(e.contains("is a character device, not a regular file"), "{e}");
+
+    // Trailing bytes after the last tensor.
+    let mut bytes = gpumode().to_safetensors_bytes(NamingScheme::GpuMode).unwrap();
+    bytes.extend_from_slice(&[0; 5]);
+    let e = Weights::from_safetensors_bytes(&bytes).unwrap_err().to_string();
+    assert!(e.contains("5 bytes after the last tensor"), "{e}");
+
+    // A header naming `norm.weight` twice (the second entry a copy of the first).
+    let bytes = gpumode().to_safetensors_bytes(NamingScheme::GpuMode).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+    let entry = header.split("\"norm.weight\":").nth(1).unwrap();
+    let entry = &entry[..=entry.find('}').unwrap()];
+    let doubled = header.replacen('{', &format!("{{\"norm.weight\":{entry},"), 1);
+    let mut dup = (doubled.len() as u64).to_le_bytes().to_vec();
+    dup.extend_from_slice(doubled.as_bytes());
+    dup.extend_from_slice(&bytes[8 + n..]);
+    let e = Weights::from_safetensors_bytes(&dup).unwrap_err().to_string();
+    assert!(e.contains("names tensor `norm.weight` twice"), "{e}");
+}
+
+/// JSON readers are capped. Before: `read_to_string` read a file of any size whole.
+#[test]
+fn text_reads_are_capped() {
+    let dir = fresh_dir("text");
+    let big = dir.join("big.json");
+    std::fs::File::create(&big).unwrap().set_len(1 << 30).unwrap();
+    let e = trimul::io::read_text(&big, 1 << 20, "test document").unwrap_err().to_string();
+    assert!(e.contains("is 1073741824 bytes, larger than any test document"), "{e}");
+    let e = trimul::io::read_text("/dev/zero", 1 << 20, "test document").unwrap_err().to_string();
+    assert!(e.contains("a character device yields more than 1048576 bytes"), "{e}");
+    let e = trimul::io::read_text(&dir, 1 << 20, "test document").unwrap_err().to_string();
+    assert!(e.contains("is a directory"), "{e}");
+    std::fs::write(&big, b"{\"a\": \xff}").unwrap();
+    let e = trimul::io::read_text(&big, 1 << 20, "test document").unwrap_err().to_string();
+    assert!(e.contains("not UTF-8"), "{e}");
+    #[cfg(feature = "cuda")]
+    {
+        // TRIMUL_CUDA_TUNING is read the same way.
+        std::fs::File::create(&big).unwrap().set_len(1 << 30).unwrap();
+        let e = trimul::backend::cuda::TuningTable::from_file(&big).unwrap_err().to_string();
+        assert!(e.contains("larger than any tuning table"), "{e}");
+    }
+}

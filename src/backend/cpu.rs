@@ -250,7 +250,8 @@ impl Backend for CpuBackend {
         let w = config.fused_proj_width();
         let parts =
             [&weights.left_proj, &weights.left_gate, &weights.right_proj, &weights.right_gate, &weights.out_gate];
-        let mut w_cat = Vec::with_capacity(w * c);
+        let mut w_cat = Vec::new();
+        crate::hostmem::try_reserve(&mut w_cat, w * c, "fused projection weights")?;
         let mut b_cat = Vec::with_capacity(w);
         for lin in parts {
             w_cat.extend_from_slice(&lin.weight);
@@ -259,7 +260,7 @@ impl Backend for CpuBackend {
                 None => b_cat.extend(std::iter::repeat_n(0.0, lin.out_features)),
             }
         }
-        let mut w_out_t = vec![0.0f32; h * c];
+        let mut w_out_t = crate::hostmem::try_vec(h * c, 0.0f32, "transposed output weights")?;
         for (o, row) in weights.out_proj.weight.chunks_exact(h).enumerate() {
             for (k, &v) in row.iter().enumerate() {
                 w_out_t[k * c + o] = v;
@@ -293,7 +294,7 @@ impl Backend for CpuBackend {
     fn workspace(&self, prepared: &CpuPrepared, problem: &Problem, limit: Option<u64>) -> Result<CpuWorkspace> {
         check_config(prepared, problem)?;
         let (config, shape) = (problem.config, problem.shape);
-        let available = meminfo("MemAvailable");
+        let available = crate::hostmem::available();
         let lim = limit.unwrap_or(u64::MAX).min(available.unwrap_or(u64::MAX));
         let what = || format!("CPU workspace for B={} N={} C={} H={}", shape.batch, shape.n, config.c, config.h);
         let Some(hc) = crate::memory::widest_hidden_chunk(config.h, 1, lim, |hc| plan_bytes(problem, hc)) else {
@@ -349,7 +350,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&self, len: usize) -> Result<Vec<f32>> {
-        try_zeroed(len as u128, "buffer", meminfo("MemAvailable").unwrap_or(0))
+        try_zeroed(len as u128, "buffer", crate::hostmem::available().unwrap_or(0))
     }
 
     fn buffer_len(buffer: &Vec<f32>) -> usize {
@@ -425,7 +426,7 @@ impl Backend for CpuBackend {
     fn measure_ceilings(&self) -> Result<Ceilings> {
         const GEMM_N: usize = 2048;
         const REPS: usize = 5;
-        let avail = meminfo("MemAvailable").unwrap_or(0);
+        let avail = crate::hostmem::available().unwrap_or(0);
         let gemm = gemm_ceiling_gflops(GEMM_N, REPS);
         if !gemm.is_finite() {
             return Err(Error::OutOfMemory {
@@ -462,7 +463,7 @@ impl Backend for CpuBackend {
     }
 
     fn memory_info(&self) -> Result<Option<MemoryInfo>> {
-        Ok(match (meminfo("MemAvailable"), meminfo("MemTotal")) {
+        Ok(match (crate::hostmem::available(), crate::hostmem::total()) {
             (Some(free), Some(total)) => Some(MemoryInfo { free, total }),
             _ => None,
         })

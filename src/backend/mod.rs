@@ -321,8 +321,9 @@ pub trait Backend: Clone + Send + Sync {
     ) -> Result<()> {
         problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
         let io = half_io(problem)?;
-        let xf: Vec<f32> = x.iter().map(|&b| io.decode_half(b)).collect();
-        let mut yf = vec![0f32; y.len()];
+        let mut xf = crate::hostmem::try_vec(x.len(), 0f32, "f32 copy of x")?;
+        xf.iter_mut().zip(x).for_each(|(d, &b)| *d = io.decode_half(b));
+        let mut yf = crate::hostmem::try_vec(y.len(), 0f32, "f32 y")?;
         self.forward_host(prepared, workspace, &problem.with_io(Precision::F32Io), &xf, mask, &mut yf)?;
         for (d, &v) in y.iter_mut().zip(&yf) {
             *d = io.encode_half(v);
@@ -341,7 +342,8 @@ pub trait Backend: Clone + Send + Sync {
     ) -> Result<()> {
         problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
         let io = half_io(problem)?;
-        let mut f: Vec<f32> = xy.iter().map(|&b| io.decode_half(b)).collect();
+        let mut f = crate::hostmem::try_vec(xy.len(), 0f32, "f32 copy of x")?;
+        f.iter_mut().zip(xy.iter()).for_each(|(d, &b)| *d = io.decode_half(b));
         self.forward_host_in_place(prepared, workspace, &problem.with_io(Precision::F32Io), &mut f, mask)?;
         for (d, &v) in xy.iter_mut().zip(&f) {
             *d = io.encode_half(v);
@@ -515,6 +517,10 @@ impl Device {
                     v.parse().map_err(|e: Error| Error::InvalidArgument(format!("{BACKEND_ENV}={v:?}: {e}")))?;
                 Device::of_kind(kind)
             }
+            // Set but unreadable is a mistake to report, not a variable to ignore.
+            Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidArgument(format!(
+                "{BACKEND_ENV}={v:?} is not valid UTF-8: expected one of cpu, cuda, hip"
+            ))),
             _ => Ok(Device::detect_auto()),
         }
     }

@@ -133,20 +133,20 @@ pub fn run(args: &BenchArgs) -> CliResult {
         plan.formulation,
         plan.direction,
         plan.precision.as_str(),
-    ));
+    ))?;
     progress.out(&format!(
         "timing: {} warm-up + {} timed calls per shape, median; {}; weights {}",
         plan.warmup,
         plan.repeats,
         if gpu { "device events" } else { "host clock" },
         if plan.fresh_weights { "re-prepared inside every timed call" } else { "prepared once" },
-    ));
+    ))?;
     if plan.budget.is_some() || plan.in_place {
         progress.out(&format!(
             "memory: budget {}{}",
             plan.budget.map_or("= free device memory".into(), fmt_bytes),
             if plan.in_place { "; y written over x (in place)" } else { "" }
-        ));
+        ))?;
     }
     progress.set_message("measuring ceilings");
     let measured = device.measure_ceilings()?;
@@ -155,8 +155,8 @@ pub fn run(args: &BenchArgs) -> CliResult {
     progress.out(&format!(
         "ceilings: GEMM {:.3} TFLOP/s ({}), copy {:.1} GB/s (read + write)",
         ceilings.gemm_tflops, ceilings.gemm_desc, ceilings.copy_gbs
-    ));
-    progress.out(&header());
+    ))?;
+    progress.out(&header())?;
 
     let mut seeds = SeedStream::new(seed);
     let mut shapes: Vec<ShapeResult> = Vec::new();
@@ -184,9 +184,9 @@ pub fn run(args: &BenchArgs) -> CliResult {
         progress.inc((before + steps_per_case).saturating_sub(progress.position()));
         match outcome {
             Outcome::Done(m) => {
-                progress.out(&row(&m));
+                progress.out(&row(&m))?;
                 if let Some(line) = plan_line(&m.result) {
-                    progress.out(&line);
+                    progress.out(&line)?;
                 }
                 max_sets = max_sets.max(m.sets);
                 if !gpu && (m.result.n, m.result.batch, m.result.c) == SPEED_BAR_KEY {
@@ -199,13 +199,13 @@ pub fn run(args: &BenchArgs) -> CliResult {
             }
             Outcome::Skipped(why) => {
                 skipped += 1;
-                progress.out(&format!("{:<28} skipped: {why}", case.name()));
+                progress.out(&format!("{:<28} skipped: {why}", case.name()))?;
             }
         }
     }
     progress.finish();
 
-    summarise(&shapes, skipped, cases.len());
+    summarise(&shapes, skipped, cases.len())?;
     if shapes.is_empty() {
         return Err(CliError {
             code: EXIT_FAILED,
@@ -223,7 +223,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
             100.0 * ratio,
             if ratio >= SPEED_BAR { "meets" } else { "misses" },
             100.0 * SPEED_BAR
-        ));
+        ))?;
     }
 
     let failed = shapes.iter().filter(|s| s.passed == Some(false)).count();
@@ -559,10 +559,9 @@ fn fmt_ratio(v: f64) -> String {
 }
 
 /// The geometric means, over the shapes measured.
-fn summarise(shapes: &[ShapeResult], skipped: usize, total: usize) {
+fn summarise(shapes: &[ShapeResult], skipped: usize, total: usize) -> CliResult<()> {
     if shapes.is_empty() {
-        super::emit(&format!("no shape measured ({skipped} of {total} skipped)"));
-        return;
+        return super::emit(&format!("no shape measured ({skipped} of {total} skipped)"));
     }
     let geomean =
         |f: &dyn Fn(&ShapeResult) -> f64| (shapes.iter().map(|s| f(s).ln()).sum::<f64>() / shapes.len() as f64).exp();
@@ -574,7 +573,7 @@ fn summarise(shapes: &[ShapeResult], skipped: usize, total: usize) {
         geomean(&|s| s.median_ms),
         "",
         fmt_ratio(geomean(&|s| s.floor_ratio))
-    ));
+    ))
 }
 
 #[cfg(test)]

@@ -98,12 +98,12 @@ pub fn run(args: &CheckArgs) -> CliResult {
             "trimul check: {} ({summary}), suite {suite_name} ({} cases), {formulation} {direction}, seed {seed}",
             device.kind(),
             cases.len()
-        ));
-        progress.out(&format!("tolerance: every element within {ATOL:.0e} + {RTOL:.0e}·|ref| of the f64 reference"));
+        ))?;
+        progress.out(&format!("tolerance: every element within {ATOL:.0e} + {RTOL:.0e}·|ref| of the f64 reference"))?;
         progress.out(&format!(
             "{:<28} {:>9} {:>9} {:>10} {:<7} {:>6} {:>9}",
             "case", "max abs", "rel L2", "checked", "", "result", "fwd ms"
-        ));
+        ))?;
     }
     device.set_poison(true);
     let mut seeds = SeedStream::new(seed);
@@ -113,7 +113,7 @@ pub fn run(args: &CheckArgs) -> CliResult {
         let (input_seed, weights_seed) = (seeds.next(), seeds.next());
         let result = run_case(&device, case, formulation, direction, input_seed, weights_seed);
         if !args.json {
-            progress.out(&row(&result));
+            progress.out(&row(&result))?;
         }
         results.push(result);
         progress.inc(1);
@@ -138,7 +138,7 @@ pub fn run(args: &CheckArgs) -> CliResult {
             cases: results,
         })?;
     } else {
-        super::emit(&format!("{passed} passed, {failed} failed"));
+        super::emit(&format!("{passed} passed, {failed} failed"))?;
         if failed > 0 {
             eprintln!("replay with: trimul check --backend {} --suite {suite_name} --seed {seed}", device.kind());
         }

@@ -60,7 +60,7 @@ pub fn run(args: &InfoArgs) -> CliResult {
     if args.json {
         emit_json(&report)?;
     } else {
-        print_text(&report);
+        print_text(&report)?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -77,39 +77,45 @@ fn select(backends: &[BackendStatus]) -> (Option<BackendKind>, &'static str, Opt
                 None => (None, "TRIMUL_BACKEND", Some(format!("backend {kind} was not probed"))),
             },
         },
+        Err(std::env::VarError::NotUnicode(v)) => (
+            None,
+            "TRIMUL_BACKEND",
+            Some(format!("{BACKEND_ENV}={v:?} is not valid UTF-8: expected one of cpu, cuda, hip")),
+        ),
         _ => (backends.iter().find(|b| b.available).map(|b| b.backend), "detection", None),
     }
 }
 
-fn print_text(r: &Report) {
+fn print_text(r: &Report) -> CliResult<()> {
     let commit = r.git_commit.as_deref().map(|c| format!(" (commit {c})")).unwrap_or_default();
-    emit(&format!("trimul {}{commit}", r.version));
+    emit(&format!("trimul {}{commit}", r.version))?;
     let compiled: Vec<&str> = r.compiled.iter().map(|k| k.as_str()).collect();
-    emit(&format!("compiled backends: {}", compiled.join(", ")));
+    emit(&format!("compiled backends: {}", compiled.join(", ")))?;
     match (&r.selected, &r.selection_error) {
-        (Some(k), _) if r.selected_by == "detection" => {
-            emit(&format!("selected: {k} (first usable of hip, cuda, cpu; set {BACKEND_ENV} or --backend to override)"))
-        }
-        (Some(k), _) => emit(&format!("selected: {k} ({BACKEND_ENV})")),
-        (None, Some(e)) => emit(&format!("selected: none ({BACKEND_ENV}): {e}")),
-        (None, None) => emit("selected: none"),
+        (Some(k), _) if r.selected_by == "detection" => emit(&format!(
+            "selected: {k} (first usable of hip, cuda, cpu; set {BACKEND_ENV} or --backend to override)"
+        ))?,
+        (Some(k), _) => emit(&format!("selected: {k} ({BACKEND_ENV})"))?,
+        (None, Some(e)) => emit(&format!("selected: none ({BACKEND_ENV}): {e}"))?,
+        (None, None) => emit("selected: none")?,
     }
-    emit("");
+    emit("")?;
     for b in &r.backends {
         match (&b.device, &b.error) {
             (Some(info), _) => {
-                emit(&format!("{:<5} available: {}", b.backend.as_str(), device_summary(b.backend, info)));
+                emit(&format!("{:<5} available: {}", b.backend.as_str(), device_summary(b.backend, info)))?;
                 if !info.vendor.is_empty() {
-                    emit(&format!("      vendor: {}", info.vendor));
+                    emit(&format!("      vendor: {}", info.vendor))?;
                 }
                 if !info.versions.is_empty() {
                     let v: Vec<String> = info.versions.iter().map(|(n, v)| format!("{n} {v}")).collect();
-                    emit(&format!("      versions: {}", v.join(", ")));
+                    emit(&format!("      versions: {}", v.join(", ")))?;
                 }
             }
             (None, e) => {
-                emit(&format!("{:<5} unavailable: {}", b.backend.as_str(), e.as_deref().unwrap_or("unknown reason")));
+                emit(&format!("{:<5} unavailable: {}", b.backend.as_str(), e.as_deref().unwrap_or("unknown reason")))?;
             }
         }
     }
+    Ok(())
 }

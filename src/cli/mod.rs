@@ -3,9 +3,11 @@
 //!
 //! Conventions: results go to stdout, progress bars and log lines to stderr (bars only when
 //! stderr is a terminal); `--json` switches `info` and `check` to one JSON document on stdout.
-//! Exit codes: 0 success; 1 a check failed or the device failed while computing; 2 a usage or
-//! input error (bad arguments, unreadable or inconsistent files, a backend that is not compiled
-//! in or cannot be opened). Errors are one line on stderr: `trimul: error: ...`.
+//! Exit codes: 0 success; 1 a check failed, the device or host memory failed while computing, a
+//! `run` whose intermediates overflowed, or a failed write to stdout; 2 a usage or input error (bad
+//! arguments, unreadable or inconsistent files, an output that cannot be written, a backend that
+//! is not compiled in or cannot be opened); 141 stdout was closed by its reader (`| head`): the
+//! command stops quietly. Errors are one line on stderr: `trimul: error: ...`.
 
 mod bench;
 mod check;
@@ -29,7 +31,7 @@ use trimul::{BackendKind, Device, DeviceInfo, Direction, Formulation};
     version,
     about = "Triangle multiplicative update (AlphaFold3-style TriMul) on CPU, CUDA and HIP",
     after_help = "Exit codes: 0 success, 1 a check failed or the device failed while computing, \
-                  2 usage or input error.\nWithout --backend, TRIMUL_BACKEND=cpu|cuda|hip picks the \
+                  2 usage or input error, 141 stdout closed by its reader.\nWithout --backend, TRIMUL_BACKEND=cpu|cuda|hip picks the \
                   backend; otherwise the first usable of hip, cuda, cpu."
 )]
 pub struct Cli {
@@ -274,37 +276,57 @@ pub enum BenchSuite {
     Long,
 }
 
+/// Starts rayon's worker threads now, while the process is small. Started lazily, at the first
+/// parallel loop, they would be spawned after the inputs are loaded, and under an address-space
+/// or memory limit that the inputs nearly fill, rayon panics when it cannot spawn them ("The
+/// global thread pool has not been initialized"). If even now they cannot start, the error says
+/// so (exit 1) instead.
+fn start_worker_threads() -> Result<(), CliError> {
+    rayon::ThreadPoolBuilder::new()
+        .build_global()
+        .or_else(|e| {
+            // Already built (a second call), or too many threads for the limit: try one.
+            if rayon::current_num_threads() >= 1 && e.to_string().contains("already") {
+                return Ok(());
+            }
+            rayon::ThreadPoolBuilder::new().num_threads(1).build_global()
+        })
+        .map_err(|e| CliError {
+            code: EXIT_FAILED,
+            message: format!("cannot start worker threads (memory or thread limit?): {e}"),
+        })
+}
+
 /// Parses the arguments, runs the command, and turns its outcome into an exit code.
 pub fn main() -> ExitCode {
     // clap prints its own usage errors and exits with code 2, which is our usage code too.
     let cli = Cli::parse();
-    let outcome = match &cli.command {
+    let outcome = start_worker_threads().and_then(|()| match &cli.command {
         Command::Info(a) => info::run(a),
         Command::Check(a) => check::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Run(a) => run::run(a),
         Command::Report(a) => report::run(a),
         Command::Tune(a) => tune::run(a),
-    };
+    });
     match outcome {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("trimul: error: {}", one_line(&e.message));
+            if !e.message.is_empty() {
+                // A closed or full stderr leaves nothing to report the error on; the code still says it.
+                let _ = writeln!(std::io::stderr(), "trimul: error: {}", one_line(&e.message));
+            }
             ExitCode::from(e.code)
         }
     }
 }
 
-/// A file the command will write at its end, checked at its start: its folder exists and it is
-/// not a folder itself.
+/// A file the command will write at its end, checked at its start with everything the write
+/// will check (see `trimul::io::check_output`: the folder exists and takes a new file, the path
+/// is not a folder, a read-only file or one whose owner or links a rename would lose), so a
+/// path that cannot be written fails before minutes of work rather than after.
 pub fn check_output_path(flag: &str, path: &std::path::Path) -> Result<(), CliError> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
-        return Err(CliError::usage(format!("{flag} {}: directory {} does not exist", path.display(), dir.display())));
-    }
-    if path.is_dir() {
-        return Err(CliError::usage(format!("{flag} {}: is a directory, not a file", path.display())));
-    }
-    Ok(())
+    trimul::io::check_output(path).map_err(|e| CliError::usage(format!("{flag} {}", e)))
 }
 
 /// The most warm-up or timed calls `bench` and `tune` take per shape: more is no measurement
@@ -335,7 +357,9 @@ impl From<trimul::Error> for CliError {
     fn from(e: trimul::Error) -> CliError {
         use trimul::Error as E;
         let code = match e {
-            E::Driver { .. } | E::Blas { .. } | E::NoKernels { .. } | E::OutOfMemory { .. } => EXIT_FAILED,
+            E::Driver { .. } | E::Blas { .. } | E::NoKernels { .. } | E::OutOfMemory { .. } | E::NonFinite { .. } => {
+                EXIT_FAILED
+            }
             _ => EXIT_USAGE,
         };
         CliError { code, message: e.to_string() }
@@ -362,11 +386,26 @@ pub fn clock_seed() -> u64 {
     trimul::rand::Rng::new(nanos as u64).next_u64() % 1_000_000_000
 }
 
-/// Writes one line to stdout. A closed pipe (`trimul info | head -1`) is not an error worth a
-/// panic: the reader has what it wanted.
-pub fn emit(line: &str) {
+/// Exit code when standard output is closed under us (`trimul check | head -1`: the reader is
+/// gone). Nothing more is printed and the command stops where it was; 141 is what a shell
+/// reports for a process killed by SIGPIPE, so `set -o pipefail` treats trimul like `grep` or
+/// `yes`, and a script cannot mistake a run cut short for a complete one.
+pub const EXIT_BROKEN_PIPE: u8 = 141;
+
+/// Writes one line to stdout. A failed write (`> /dev/full`, a disk that filled) is an error
+/// with exit code 1; a closed pipe ends the command quietly with [`EXIT_BROKEN_PIPE`].
+pub fn emit(line: &str) -> CliResult<()> {
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
+    writeln!(out, "{line}").and_then(|()| out.flush()).map_err(stdout_error)
+}
+
+/// The error a failed write to stdout earns: see [`emit`]. An empty message prints nothing.
+fn stdout_error(e: std::io::Error) -> CliError {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        CliError { code: EXIT_BROKEN_PIPE, message: String::new() }
+    } else {
+        CliError { code: EXIT_FAILED, message: format!("cannot write to standard output: {e}") }
+    }
 }
 
 /// A progress bar on stderr, hidden when stderr is not a terminal, through which the commands
@@ -411,9 +450,9 @@ impl Progress {
         self.bar.position()
     }
 
-    /// A result line on stdout.
-    pub fn out(&self, line: &str) {
-        self.bar.suspend(|| emit(line));
+    /// A result line on stdout (see [`emit`] for its errors).
+    pub fn out(&self, line: &str) -> CliResult<()> {
+        self.bar.suspend(|| emit(line))
     }
 
     pub fn finish(&self) {
@@ -462,8 +501,7 @@ pub use trimul::report::{fmt_bytes, fmt_err, json_f64};
 pub fn emit_json<T: serde::Serialize>(value: &T) -> CliResult<()> {
     let text = serde_json::to_string_pretty(value)
         .map_err(|e| CliError { code: EXIT_FAILED, message: format!("JSON output: {e}") })?;
-    emit(&text);
-    Ok(())
+    emit(&text)
 }
 
 /// Derives independent seeds for the parts of one run (inputs and weights of each case) from

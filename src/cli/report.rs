@@ -9,6 +9,8 @@ use trimul::report::{self, Anchor, BenchRun};
 use super::{emit, CliError, CliResult, ReportArgs};
 
 pub fn run(args: &ReportArgs) -> CliResult {
+    // Before reading the runs: an --out that is a file or sits in a read-only folder says so first.
+    report::check_output_dir(&args.out).map_err(|e| CliError::usage(format!("--out {e}")))?;
     let runs = args.runs.iter().map(BenchRun::from_path).collect::<trimul::Result<Vec<_>>>().map_err(usage)?;
     let anchors = match &args.anchors {
         Some(path) => Anchor::load(path).map_err(usage)?,
@@ -19,7 +21,7 @@ pub fn run(args: &ReportArgs) -> CliResult {
     let rendered = report::render(&runs, &anchors, baseline).map_err(usage)?;
     let written = report::write(&rendered, &args.out).map_err(usage)?;
     for path in written {
-        emit(&path.display().to_string());
+        emit(&path.display().to_string())?;
     }
     Ok(ExitCode::SUCCESS)
 }

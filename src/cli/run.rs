@@ -3,9 +3,10 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use trimul::finite::{self, NonFinite};
 use trimul::{io, Direction, Options, TriMul, Weights};
 
-use super::{device_summary, open_device, CliError, CliResult, Progress, RunArgs};
+use super::{device_summary, fmt_bytes, open_device, CliError, CliResult, Progress, RunArgs};
 
 pub fn run(args: &RunArgs) -> CliResult {
     // Before reading and computing: a forward can take minutes.
@@ -37,6 +38,26 @@ pub fn run(args: &RunArgs) -> CliResult {
     layer.set_memory_budget(args.max_memory);
     let shape = input.shape();
     let masked = input.mask.is_some();
+    if let Some(budget) = args.max_memory {
+        // A budget no plan fits is the user's number, not a failure of the device (exit 2, not 1).
+        let needs = layer.memory_needs(shape, masked, args.in_place)?;
+        if needs.min_total() > budget {
+            return Err(CliError::usage(format!(
+                "--max-memory {budget}: B={} N={} C={} needs at least {} bytes ({}: weights {}, x/mask/y {}, the \
+                 narrowest workspace {}); raise it or leave it out",
+                input.batch,
+                input.n,
+                config.c,
+                needs.min_total(),
+                fmt_bytes(needs.min_total()),
+                fmt_bytes(needs.weights),
+                fmt_bytes(needs.io),
+                fmt_bytes(needs.min_workspace)
+            )));
+        }
+    }
+    // Counted before the forward: in place, y overwrites x.
+    let x_non_finite = NonFinite::count(&input.x);
     let y = if args.in_place {
         let mut xy = input.x;
         layer.forward_in_place(&mut xy, input.mask.as_deref(), shape)?;
@@ -45,6 +66,22 @@ pub fn run(args: &RunArgs) -> CliResult {
         layer.forward(&input.x, input.mask.as_deref(), shape)?
     };
     let seconds = start.elapsed().as_secs_f64();
+    // NaN in x propagates (as in PyTorch) and is reported; NaN from a finite x is an overflow of
+    // the intermediates, and that y is refused rather than written.
+    let y_non_finite = finite::check_output(&x_non_finite, &y, device.kind())?;
+    if !y_non_finite.all_finite() {
+        eprintln!(
+            "trimul run: warning: y has {} non-finite values ({} NaN, {} infinite) of {}, propagated from the {} \
+             non-finite values of x ({} NaN, {} infinite)",
+            y_non_finite.total(),
+            y_non_finite.nan,
+            y_non_finite.infinite,
+            y_non_finite.len,
+            x_non_finite.total(),
+            x_non_finite.nan,
+            x_non_finite.infinite
+        );
+    }
     let plan = layer.exec_plan().map_or_else(String::new, |p| format!(" ({})", p.describe()));
 
     progress.set_message(format!("writing {}", args.output.display()));

@@ -24,6 +24,10 @@ pub fn run(args: &TuneArgs) -> CliResult {
 
     use super::{device_summary, SeedStream};
 
+    // A sweep takes minutes: learn about an --out that cannot be written before it, not after.
+    if let Some(path) = &args.out {
+        super::check_output_path("--out", path)?;
+    }
     let backend = CudaBackend::new(0)?;
     let info = backend.info();
     let cases: Vec<Case> = match args.suite {
@@ -39,17 +43,18 @@ pub fn run(args: &TuneArgs) -> CliResult {
     }
     let (formulation, direction) = (args.formulation.into(), args.direction.into());
     let seed = args.seed.unwrap_or_else(clock_seed);
+    // The table is merged into: read it now, so a file that is not a table fails before the sweep.
     let mut table = match &args.out {
         Some(path) if path.exists() => TuningTable::from_file(path)?,
         _ => TuningTable::default(),
     };
-    println!(
+    super::emit(&format!(
         "trimul tune: cuda ({}), {} shapes, {formulation} {direction}, contraction candidates 0..{}, seed {seed}",
         device_summary(trimul::BackendKind::Cuda, &info),
         cases.len(),
         args.candidates.saturating_sub(1),
-    );
-    println!("timing: {} warm-up + {} timed calls, median; device events", args.warmup, args.repeats);
+    ))?;
+    super::emit(&format!("timing: {} warm-up + {} timed calls, median; device events", args.warmup, args.repeats))?;
 
     // The mma.sync input build lost to the wgmma one on every shape measured on the H100, so it
     // is swept only on request.
@@ -90,7 +95,7 @@ pub fn run(args: &TuneArgs) -> CliResult {
             backend.download(&ys[0], &mut y)?;
             let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, 2e-2, 2e-2)?;
             if !cmp.passed() {
-                println!("{:<28} {label}: FAILS the reference check ({cmp}); never chosen", case.name());
+                super::emit(&format!("{:<28} {label}: FAILS the reference check ({cmp}); never chosen", case.name()))?;
                 continue;
             }
             let mut samples = Vec::with_capacity(args.repeats as usize);
@@ -119,11 +124,11 @@ pub fn run(args: &TuneArgs) -> CliResult {
             .min_by(|a, b| a.1.total_cmp(&b.1))
             .unwrap_or((Tuning::default(), default_ms));
         let keep = best_ms < default_ms * (1.0 - args.min_gain);
-        println!(
+        super::emit(&format!(
             "{:<28} rules {default_ms:.3} ms; best {best_ms:.3} ms ({best}){}",
             case.name(),
             if keep { "; kept" } else { "; not kept (within --min-gain of the rules)" }
-        );
+        ))?;
         table.entries.retain(|e| {
             !(e.arch == info.arch
                 && e.formulation == formulation
@@ -148,11 +153,12 @@ pub fn run(args: &TuneArgs) -> CliResult {
     table.measured_on = format!("{} ({}), trimul {}", info.name, info.arch, env!("CARGO_PKG_VERSION"));
     match &args.out {
         Some(path) => {
-            std::fs::write(path, table.to_json() + "\n")
-                .map_err(|e| CliError::usage(format!("--out {}: {e}", path.display())))?;
+            // Atomically: a failed write leaves the previous table whole.
+            trimul::io::write_file(path, (table.to_json() + "\n").as_bytes())
+                .map_err(|e| CliError::usage(format!("--out {e}")))?;
             eprintln!("wrote {} ({} entries)", path.display(), table.entries.len());
         }
-        None => println!("{}", table.to_json()),
+        None => super::emit(&table.to_json())?,
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

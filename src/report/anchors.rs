@@ -52,7 +52,8 @@ impl Anchor {
     pub fn load(path: impl AsRef<Path>) -> Result<Vec<Anchor>> {
         let path = path.as_ref();
         let file_err = |reason: String| Error::File { path: path.display().to_string(), reason };
-        let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
+        // Bounded: a huge file or /dev/zero is refused, not read until memory runs out.
+        let text = crate::io::read_text(path, crate::io::MAX_JSON_BYTES, "anchors JSON file")?;
         Anchor::parse(&text).map_err(file_err)
     }
 

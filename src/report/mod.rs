@@ -46,20 +46,28 @@ pub fn render(runs: &[BenchRun], anchors: &[Anchor], baseline: Option<usize>) ->
 }
 
 /// Writes `report.md` and the SVGs into `out_dir` (created if missing); returns the paths written.
+/// Every file is checked before any is written ([`crate::io::check_output`]) and each is written
+/// atomically ([`crate::io::write_file`]), so a failure leaves each previous file whole.
 pub fn write(report: &Report, out_dir: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
     let dir = out_dir.as_ref();
+    check_output_dir(dir)?;
     let file_err = |p: &Path, e: std::io::Error| Error::File { path: p.display().to_string(), reason: e.to_string() };
     std::fs::create_dir_all(dir).map_err(|e| file_err(dir, e))?;
-    let mut written = Vec::with_capacity(1 + report.svgs.len());
-    let md = dir.join(REPORT_MD);
-    std::fs::write(&md, &report.markdown).map_err(|e| file_err(&md, e))?;
-    written.push(md);
-    for (name, svg) in &report.svgs {
-        let p = dir.join(name);
-        std::fs::write(&p, svg).map_err(|e| file_err(&p, e))?;
-        written.push(p);
+    let mut files: Vec<(PathBuf, &str)> = vec![(dir.join(REPORT_MD), &report.markdown)];
+    files.extend(report.svgs.iter().map(|(name, svg)| (dir.join(name), svg.as_str())));
+    for (path, _) in &files {
+        crate::io::check_output(path)?;
     }
-    Ok(written)
+    for (path, text) in &files {
+        crate::io::write_file(path, text.as_bytes())?;
+    }
+    Ok(files.into_iter().map(|(p, _)| p).collect())
+}
+
+/// Checks, before rendering, that a report can go to `out_dir`: it is a directory, or one can
+/// be created there, and files can be created in it.
+pub fn check_output_dir(out_dir: impl AsRef<Path>) -> Result<()> {
+    crate::io::check_output_dir(out_dir)
 }
 
 /// Runs and anchors lined up by shape: what both the markdown and the plots read.

@@ -437,7 +437,8 @@ impl BenchRun {
     pub fn from_path(path: impl AsRef<Path>) -> Result<BenchRun> {
         let path = path.as_ref();
         let file_err = |reason: String| Error::File { path: path.display().to_string(), reason };
-        let text = std::fs::read_to_string(path).map_err(|e| file_err(e.to_string()))?;
+        // Bounded: a huge file or /dev/zero is refused, not read until memory runs out.
+        let text = crate::io::read_text(path, crate::io::MAX_JSON_BYTES, "bench JSON file")?;
         BenchRun::parse(&text).map_err(file_err)
     }
 
@@ -449,11 +450,10 @@ impl BenchRun {
         Ok(s)
     }
 
-    /// Writes [`BenchRun::to_json_string`] to `path`.
+    /// Writes [`BenchRun::to_json_string`] to `path`, atomically ([`crate::io::write_file`]): a
+    /// failed write leaves the previous file whole.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
-        std::fs::write(path, self.to_json_string()?)
-            .map_err(|e| Error::File { path: path.display().to_string(), reason: e.to_string() })
+        crate::io::write_file(path, self.to_json_string()?.as_bytes())
     }
 
     /// Checks what the report relies on: a supported version, sane ceilings and times, and

@@ -63,6 +63,28 @@ int status() {
   return kFail;
 }
 
+// Failure injection for the device-fault tests: $TRIMUL_FAKE_ROCM_FAIL = "<entry point>:<k>"
+// makes the k-th call of that entry point, counted from when the variable took this value, fail
+// as a device would (a launch that faults, a copy or GEMM that fails, memory refused). The call
+// returns its failure code and the error name says "injected failure of <entry point>". The
+// entry points: hipMalloc, hipMemcpyHtoDAsync, hipMemcpyDtoHAsync, hipMemsetAsync,
+// hipStreamSynchronize, hipModuleLaunchKernel, rocblas_gemm (both GEMM calls).
+bool inject(const char* call) {
+  static std::string armed;
+  static long count = 0;
+  const char* v = std::getenv("TRIMUL_FAKE_ROCM_FAIL");
+  const std::string spec = v ? v : "";
+  if (spec != armed) {
+    armed = spec;
+    count = 0;
+  }
+  const size_t colon = spec.rfind(':');
+  if (colon == std::string::npos || spec.compare(0, colon, call) != 0 || colon != std::strlen(call)) return false;
+  if (++count != std::atol(spec.c_str() + colon + 1)) return false;
+  fail(std::string("injected failure of ") + call);
+  return true;
+}
+
 std::string arch_id() {
   const char* a = std::getenv("TRIMUL_FAKE_ROCM_ARCH");
   return a && *a ? a : "gfx942:sramecc+:xnack-";
@@ -149,6 +171,7 @@ int hipGetDevicePropertiesR0600(void* prop, int) {
 }
 int hipMalloc(void** out, size_t bytes) {
   std::lock_guard<std::recursive_mutex> g(mu);
+  if (inject("hipMalloc")) return status();
   if (bytes == 0) return 1;
   unsigned char* base = (unsigned char*)std::aligned_alloc(256, ((bytes + 2 * kGuard + 255) / 256) * 256);
   if (!base) return 2;
@@ -181,6 +204,7 @@ int hipMemGetInfo(size_t* free_b, size_t* total) {
 }
 int hipMemcpyHtoDAsync(void* dst, const void* src, size_t n, void*) {
   std::lock_guard<std::recursive_mutex> g(mu);
+  if (inject("hipMemcpyHtoDAsync")) return status();
   need(dst, n, "hipMemcpyHtoDAsync destination");
   if (status()) return kFail;
   std::memcpy(dst, src, n);
@@ -188,6 +212,7 @@ int hipMemcpyHtoDAsync(void* dst, const void* src, size_t n, void*) {
 }
 int hipMemcpyDtoHAsync(void* dst, const void* src, size_t n, void*) {
   std::lock_guard<std::recursive_mutex> g(mu);
+  if (inject("hipMemcpyDtoHAsync")) return status();
   need(src, n, "hipMemcpyDtoHAsync source");
   if (status()) return kFail;
   std::memcpy(dst, src, n);
@@ -203,6 +228,7 @@ int hipMemcpyDtoDAsync(void* dst, const void* src, size_t n, void*) {
 }
 int hipMemsetAsync(void* dst, int v, size_t n, void*) {
   std::lock_guard<std::recursive_mutex> g(mu);
+  if (inject("hipMemsetAsync")) return status();
   need(dst, n, "hipMemsetAsync");
   if (status()) return kFail;
   std::memset(dst, v, n);
@@ -214,6 +240,7 @@ int hipStreamCreate(void** s) {
 }
 int hipStreamSynchronize(void*) {
   std::lock_guard<std::recursive_mutex> g(mu);
+  inject("hipStreamSynchronize");
   return status();
 }
 int hipStreamDestroy(void* s) {
@@ -259,6 +286,7 @@ int hipModuleGetFunction(void** f, void* module, const char* name) {
 int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                           unsigned smem, void*, void** args, void** extra) {
   std::lock_guard<std::recursive_mutex> g(mu);
+  inject("hipModuleLaunchKernel");
   if (status()) return kFail;
   const std::string& name = ((Function*)fn)->name;
   if (gy != 1 || gz != 1 || by != 1 || bz != 1 || bx != 256 || gx == 0 || extra || !args) {
@@ -424,6 +452,7 @@ static int gemm(int ta, int tb, int m, int n, int k, const void* alpha, const vo
                 const void* b, int bt, int ldb, int64_t sb, const void* beta, const void* c, int ct, int ldc, int64_t sc,
                 void* d, int dt, int ldd, int64_t sd, int batch, int compute) {
   std::lock_guard<std::recursive_mutex> g(mu);
+  inject("rocblas_gemm");
   if (status()) return 6;  // a pending violation from an earlier call
   auto bad = [](const std::string& w) {
     fail("rocBLAS: " + w);

@@ -98,8 +98,9 @@ impl TuningTable {
     }
 
     pub fn from_file(path: &Path) -> Result<TuningTable> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::InvalidArgument(format!("tuning table {}: {e}", path.display())))?;
+        // Bounded: TRIMUL_CUDA_TUNING=/dev/zero must not read until memory runs out.
+        let text = crate::io::read_text(path, crate::io::MAX_JSON_BYTES, "tuning table")
+            .map_err(|e| Error::InvalidArgument(format!("tuning table {e}")))?;
         Self::parse(&text, &format!("tuning table {}", path.display()))
     }
 
