@@ -78,6 +78,10 @@ fn sticky_fault_in_a_process_of_its_own() {
 
     let mut xd = b.alloc(inputs.x.len()).unwrap();
     b.upload(&inputs.x, &mut xd).unwrap();
+    // Poisoning would fill y with a memset first, which the driver refuses for that address
+    // (CUDA_ERROR_INVALID_VALUE, not sticky; the H100 run showed it): off, so that a kernel's
+    // store is what faults.
+    b.set_poison(false);
     // SAFETY: deliberately violated: y is an address no allocation has (16-byte aligned, so the
     // checks before the launch pass). The GPU's memory protection turns the first store there
     // into CUDA_ERROR_ILLEGAL_ADDRESS; nothing of the host is touched.

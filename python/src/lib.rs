@@ -359,6 +359,49 @@ macro_rules! device_layer {
                 unsafe { layer.prepare_device_weights(&w, span, stream) }.map_err(to_py)
             }
 
+            /// GPU MODE's protocol in one call: prepares new device weights into `storage` and
+            /// enqueues the forward with them on `stream` (as `reprepare` then `forward`).
+            #[allow(clippy::too_many_arguments)]
+            fn forward_fresh(
+                &self,
+                py: Python<'_>,
+                weights: Vec<Entry>,
+                storage: u64,
+                storage_bytes: u64,
+                x: u64,
+                mask: u64,
+                y: u64,
+                b: usize,
+                n: usize,
+                io: i32,
+                ws: u64,
+                ws_bytes: u64,
+                stream: u64,
+            ) -> PyResult<()> {
+                let e = entries(weights)?;
+                let io = DeviceIo {
+                    x,
+                    mask: (mask != 0).then_some(mask),
+                    y,
+                    shape: Shape::new(b, n),
+                    io: precision(io)?,
+                    stream,
+                    workspace: Some(DeviceSpan { ptr: ws, bytes: ws_bytes }),
+                };
+                py.detach(|| {
+                    let mut layer = self.lock()?;
+                    let w = device_weights(layer.config(), &e)?;
+                    let span = DeviceSpan { ptr: storage, bytes: storage_bytes };
+                    // SAFETY: the weights, storage, x, mask, y and workspace are live device
+                    // tensors of this device with the stated sizes, kept alive by the caller's
+                    // stream-ordered allocator until the stream has run the work (module docs).
+                    unsafe {
+                        layer.prepare_device_weights(&w, span, stream).map_err(to_py)?;
+                        layer.forward_device(&io).map_err(to_py)
+                    }
+                })
+            }
+
             /// Bytes of workspace a forward of this shape needs (plans it on first use). A
             /// `TypeError` says the I/O precision is not read and written on this device (the
             /// caller converts x to f32 then).

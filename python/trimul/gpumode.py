@@ -15,65 +15,83 @@ import torch
 from . import _trimul
 from ._torch import _DTYPE_CODE, _HIP, _code, _contiguous, _device_prepared_bytes, _DeviceLayer, _raw_stream
 
-_NAMES = (
-    ("norm.weight", True),
-    ("norm.bias", True),
-    ("left_proj.weight", True),
-    (None, False),
-    ("left_gate.weight", True),
-    (None, False),
-    ("right_proj.weight", True),
-    (None, False),
-    ("right_gate.weight", True),
-    (None, False),
-    ("out_gate.weight", True),
-    (None, False),
-    ("to_out_norm.weight", True),
-    ("to_out_norm.bias", True),
-    ("to_out.weight", True),
-    (None, False),
+# The 16 canonical weight entries (see trimul._trimul) by GPU MODE's names; None: no such tensor
+# (the gpumode formulation has no linear biases).
+_ORDER = (
+    "norm.weight",
+    "norm.bias",
+    "left_proj.weight",
+    None,
+    "left_gate.weight",
+    None,
+    "right_proj.weight",
+    None,
+    "right_gate.weight",
+    None,
+    "out_gate.weight",
+    None,
+    "to_out_norm.weight",
+    "to_out_norm.bias",
+    "to_out.weight",
+    None,
 )
 
-# One layer per (device, C, H): plans are kept, weights prepared into new storage every call.
-_layers: dict = {}
-_bytes: dict = {}
-# A layer's weights are replaced in every call: re-preparation and forward go together.
-_lock = threading.Lock()
+_shapes_cache: dict = {}
 
 
-def _weights(weights: dict, x: torch.Tensor, c: int, h: int) -> list:
-    shapes = {
-        "norm.weight": (c,),
-        "norm.bias": (c,),
-        "left_proj.weight": (h, c),
-        "left_gate.weight": (h, c),
-        "right_proj.weight": (h, c),
-        "right_gate.weight": (h, c),
-        "out_gate.weight": (h, c),
-        "to_out_norm.weight": (h,),
-        "to_out_norm.bias": (h,),
-        "to_out.weight": (c, h),
-    }
+def _shapes(c: int, h: int) -> dict:
+    """Each weight's shape and element count for pair width C and hidden width H."""
+    s = _shapes_cache.get((c, h))
+    if s is None:
+        shapes = {
+            "norm.weight": (c,),
+            "norm.bias": (c,),
+            "left_proj.weight": (h, c),
+            "left_gate.weight": (h, c),
+            "right_proj.weight": (h, c),
+            "right_gate.weight": (h, c),
+            "out_gate.weight": (h, c),
+            "to_out_norm.weight": (h,),
+            "to_out_norm.bias": (h,),
+            "to_out.weight": (c, h),
+        }
+        s = _shapes_cache[(c, h)] = {k: (v, v[0] * (v[1] if len(v) > 1 else 1)) for k, v in shapes.items()}
+    return s
+
+
+def _weights(weights: dict, x: torch.Tensor, c: int, h: int, keep: list) -> list:
+    """The 16 entries (address, elements, dtype code), each tensor checked; contiguous copies made
+    where needed are appended to `keep` (they must outlive the call)."""
+    shapes = _shapes(c, h)
+    device = x.get_device()
     out = []
-    for name, _ in _NAMES:
+    for name in _ORDER:
         if name is None:
             out.append(None)
             continue
-        if name not in weights:
+        t = weights.get(name)
+        if t is None:
             raise ValueError(f"weights has no {name!r} (GPU MODE's names: {', '.join(shapes)})")
-        t = weights[name]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"weights[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"weights[{name!r}] has shape {tuple(t.shape)}, expected {list(shapes[name])}")
-        if t.device != x.device:
+        shape, numel = shapes[name]
+        if t.shape != shape:
+            raise ValueError(f"weights[{name!r}] has shape {tuple(t.shape)}, expected {list(shape)}")
+        if t.get_device() != device:
             raise ValueError(f"weights[{name!r}] is on {t.device} but the input is on {x.device}")
-        out.append(_contiguous(t))
+        if not t.is_contiguous():
+            t = t.contiguous()
+            keep.append(t)
+        out.append((t.data_ptr(), numel, _code(t, f"weights[{name!r}]")))
     return out
 
 
-def _entry(t):
-    return None if t is None else (t.data_ptr(), t.numel(), _code(t, "weight"))
+# One layer per (device, C, H): its plans are kept, weights are prepared into new storage every
+# call; `_sizes` caches storage and workspace bytes per shape.
+_layers: dict = {}
+_sizes: dict = {}
+# A layer's weights are replaced in every call: preparation and forward go together.
+_lock = threading.Lock()
 
 
 def custom_kernel(data):
@@ -86,69 +104,75 @@ def custom_kernel(data):
     if x.dtype not in _DTYPE_CODE:
         raise TypeError(f"input has dtype {x.dtype}; trimul takes float32, bfloat16 or float16")
     b, n, _, c = x.shape
-    if "left_proj.weight" not in weights:
-        raise ValueError("weights has no 'left_proj.weight'")
-    h = weights["left_proj.weight"].shape[0]
-    if isinstance(config, dict):
-        if config.get("dim", c) != c or config.get("hidden_dim", h) != h:
-            raise ValueError(
-                f"config says dim={config.get('dim')} hidden_dim={config.get('hidden_dim')}, tensors say {c}, {h}"
-            )
-    w = _weights(weights, x, c, h)
-    x = _contiguous(x)
+    lp = weights.get("left_proj.weight") if isinstance(weights, dict) else None
+    if lp is None:
+        raise ValueError("weights must be a dict with GPU MODE's names ('left_proj.weight', ...)")
+    h = lp.shape[0]
+    if isinstance(config, dict) and (config.get("dim", c) != c or config.get("hidden_dim", h) != h):
+        raise ValueError(
+            f"config says dim={config.get('dim')} hidden_dim={config.get('hidden_dim')}, tensors say {c}, {h}"
+        )
+    keep: list = []
+    w = _weights(weights, x, c, h, keep)
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = _contiguous(x)
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (b, n, n):
+        if not isinstance(mask, torch.Tensor) or mask.shape != (b, n, n):
             raise ValueError(f"mask must be a [{b}, {n}, {n}] tensor")
         if mask.device != x.device:
             raise ValueError(f"mask is on {mask.device} but the input is on {x.device}")
-        mask = _contiguous(mask.to(torch.float32))
+        if mask.dtype != torch.float32:
+            mask = mask.to(torch.float32)
+        if not mask.is_contiguous() or mask.data_ptr() % 16:
+            mask = _contiguous(mask)
     if not x.is_cuda:
-        layer = _trimul.HostLayer(
-            "gpumode",
-            c,
-            h,
-            "outgoing",
-            1e-5,
-            [_entry(None if t is None else t.detach().cpu().contiguous()) for t in w],
-            None,
-        )
-        xh = x.detach().cpu().contiguous()
-        mh = None if mask is None else mask.detach().cpu().contiguous()
-        y = torch.empty_like(xh)
-        layer.forward(xh.data_ptr(), 0 if mh is None else mh.data_ptr(), y.data_ptr(), b, n, _DTYPE_CODE[x.dtype])
-        return y.to(x.device)
-    index = x.get_device()
-    stream = _raw_stream(index)
-    nkey = (index, c, h)
-    nbytes = _bytes.get(nkey)
-    if nbytes is None:
-        nbytes = _bytes[nkey] = _device_prepared_bytes(index, "gpumode", c, h, False)
-    storage = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    entries = [_entry(t) for t in w]
+        return _host(x, mask, w, c, h)
     out_dtype = x.dtype
     if _HIP and x.dtype != torch.float32:
         x = x.float()  # the HIP kernels read and write f32: converted on the device
+    index = x.get_device()
+    stream = _raw_stream(index)
     io = _DTYPE_CODE[x.dtype]
     y = torch.empty_like(x)
     with _lock:
-        layer = _layers.get(nkey)
-        if layer is None:
-            layer = _layers[nkey] = _DeviceLayer(
-                index, "gpumode", c, h, "outgoing", 1e-5, entries, storage.data_ptr(), nbytes, stream
-            )
-        else:
-            layer.reprepare(entries, storage.data_ptr(), nbytes, stream)
-        wbytes = layer.workspace_bytes(b, n, mask is not None, io)
-        ws = torch.empty(wbytes, dtype=torch.uint8, device=x.device)
-        layer.forward(
+        layer = _layers.get((index, c, h))
+        key = (index, c, h, b, n, mask is not None, io)
+        sizes = _sizes.get(key)
+        if layer is None or sizes is None:
+            storage_bytes = -(-_device_prepared_bytes(index, "gpumode", c, h, False) // 256) * 256
+            buf = torch.empty(storage_bytes, dtype=torch.uint8, device=x.device)
+            if layer is None:
+                layer = _layers[(index, c, h)] = _DeviceLayer(
+                    index, "gpumode", c, h, "outgoing", 1e-5, w, buf.data_ptr(), storage_bytes, stream
+                )
+            sizes = _sizes[key] = (storage_bytes, layer.workspace_bytes(b, n, mask is not None, io))
+        storage_bytes, ws_bytes = sizes
+        # Storage and workspace in one allocation from PyTorch's caching allocator.
+        buf = torch.empty(storage_bytes + ws_bytes, dtype=torch.uint8, device=x.device)
+        base = buf.data_ptr()
+        layer.forward_fresh(
+            w,
+            base,
+            storage_bytes,
             x.data_ptr(),
             0 if mask is None else mask.data_ptr(),
             y.data_ptr(),
             b,
             n,
             io,
-            ws.data_ptr(),
-            wbytes,
+            base + storage_bytes,
+            ws_bytes,
             stream,
         )
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _host(x, mask, w, c, h):
+    """CPU tensors: the library's host API (weights copied to host memory)."""
+    host_w = [None if e is None else e for e in w]
+    layer = _trimul.HostLayer("gpumode", c, h, "outgoing", 1e-5, host_w, None)
+    y = torch.empty_like(x)
+    layer.forward(
+        x.data_ptr(), 0 if mask is None else mask.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], _DTYPE_CODE[x.dtype]
+    )
+    return y
