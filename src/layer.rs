@@ -205,7 +205,9 @@ impl<B: Backend> Layer<B> {
     ///
     /// # Safety
     /// As [`Backend::prepare_device`]: the weight tensors stay unchanged until `stream` has run
-    /// the preparation, and `storage` stays alive and untouched by others while the layer is used.
+    /// the preparation, `storage` stays alive and untouched by others while the layer is used, and
+    /// forwards on other streams than `stream` (including the layer's own forwards without a
+    /// caller workspace, on the backend's stream) are ordered after it by the caller.
     pub unsafe fn from_device_weights(
         backend: &B,
         weights: &DeviceWeights,

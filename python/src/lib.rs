@@ -219,15 +219,29 @@ impl HostLayer {
 
     /// y = TriMul(x) for host tensors: x and y `[b, n, n, C]` in `io` (0 f32, 1 bf16, 2 f16),
     /// the mask `[b, n, n]` f32 (address 0: none). Returns when y holds the result.
-    #[pyo3(signature = (x, mask, y, b, n, io))]
+    /// `x_len`, `mask_len` and `y_len` are the tensors' element counts, checked against the shape
+    /// before anything is read.
+    #[pyo3(signature = (x, x_len, mask, mask_len, y, y_len, b, n, io))]
     #[allow(clippy::too_many_arguments)]
-    fn forward(&self, py: Python<'_>, x: u64, mask: u64, y: u64, b: usize, n: usize, io: i32) -> PyResult<()> {
+    fn forward(
+        &self,
+        py: Python<'_>,
+        x: u64,
+        x_len: usize,
+        mask: u64,
+        mask_len: usize,
+        y: u64,
+        y_len: usize,
+        b: usize,
+        n: usize,
+        io: i32,
+    ) -> PyResult<()> {
         let p = precision(io)?;
-        let len =
-            b.checked_mul(n).and_then(|v| v.checked_mul(n)).ok_or_else(|| PyValueError::new_err("B·N·N overflows"))?;
-        let xlen = len.checked_mul(self.c).ok_or_else(|| PyValueError::new_err("B·N·N·C overflows"))?;
-        if x == 0 || y == 0 {
-            return Err(PyValueError::new_err("x and y must be non-null addresses"));
+        let (len, xlen) = check_io(self.c, b, n, (x, x_len), (mask, mask_len), (y, y_len))?;
+        // Host slices need their type's alignment (a NumPy view can start anywhere).
+        let align = if p == Precision::F32Io { 4 } else { 2 };
+        if !x.is_multiple_of(align) || !y.is_multiple_of(align) || !mask.is_multiple_of(4) {
+            return Err(PyValueError::new_err("x, y and the mask must be aligned to their element size"));
         }
         let shape = Shape::new(b, n);
         let (xb, mb) = (xlen as u64 * p.io_bytes() as u64, len as u64 * 4);
@@ -249,6 +263,35 @@ impl HostLayer {
             .map_err(to_py)
         })
     }
+}
+
+/// Checks the element counts the caller gives for x `[b, n, n, c]`, the mask `[b, n, n]` (address
+/// 0: none) and y against the shape, and that the addresses are non-null: `(B·N·N, B·N·N·C)`.
+fn check_io(
+    c: usize,
+    b: usize,
+    n: usize,
+    x: (u64, usize),
+    mask: (u64, usize),
+    y: (u64, usize),
+) -> PyResult<(usize, usize)> {
+    let len =
+        b.checked_mul(n).and_then(|v| v.checked_mul(n)).ok_or_else(|| PyValueError::new_err("B·N·N overflows"))?;
+    let xlen = len.checked_mul(c).ok_or_else(|| PyValueError::new_err("B·N·N·C overflows"))?;
+    if x.0 == 0 || y.0 == 0 {
+        return Err(PyValueError::new_err("x and y must be non-null addresses"));
+    }
+    for (name, got, want) in [("x", x.1, xlen), ("y", y.1, xlen)] {
+        if got != want {
+            return Err(PyValueError::new_err(format!(
+                "{name} has {got} elements, expected B·N·N·C = {b}·{n}·{n}·{c} = {want}"
+            )));
+        }
+    }
+    if mask.0 != 0 && mask.1 != len {
+        return Err(PyValueError::new_err(format!("the mask has {} elements, expected B·N·N = {len}", mask.1)));
+    }
+    Ok((len, xlen))
 }
 
 /// One host forward on tensors by address.
@@ -369,8 +412,11 @@ macro_rules! device_layer {
                 storage: u64,
                 storage_bytes: u64,
                 x: u64,
+                x_len: usize,
                 mask: u64,
+                mask_len: usize,
                 y: u64,
+                y_len: usize,
                 b: usize,
                 n: usize,
                 io: i32,
@@ -378,6 +424,8 @@ macro_rules! device_layer {
                 ws_bytes: u64,
                 stream: u64,
             ) -> PyResult<()> {
+                let c = self.lock()?.config().c;
+                check_io(c, b, n, (x, x_len), (mask, mask_len), (y, y_len))?;
                 let e = entries(weights)?;
                 let io = DeviceIo {
                     x,
@@ -424,8 +472,11 @@ macro_rules! device_layer {
                 &self,
                 py: Python<'_>,
                 x: u64,
+                x_len: usize,
                 mask: u64,
+                mask_len: usize,
                 y: u64,
+                y_len: usize,
                 b: usize,
                 n: usize,
                 io: i32,
@@ -433,6 +484,8 @@ macro_rules! device_layer {
                 ws_bytes: u64,
                 stream: u64,
             ) -> PyResult<()> {
+                let c = self.lock()?.config().c;
+                check_io(c, b, n, (x, x_len), (mask, mask_len), (y, y_len))?;
                 let io = DeviceIo {
                     x,
                     mask: (mask != 0).then_some(mask),

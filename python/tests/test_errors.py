@@ -9,6 +9,7 @@ import torch
 from conftest import af3_weights, cuda_available, pair
 
 from trimul import triangle_multiplicative_update as tmu
+from trimul._args import AF3_WEIGHTS
 
 
 def setup(device="cpu", c=16, h=8, n=6):
@@ -105,3 +106,35 @@ def test_weights_on_cpu_with_x_on_meta_device_is_an_error():
     x, w = setup()
     with pytest.raises(ValueError, match="every tensor must be on x's device"):
         tmu(x.to("meta"), **w)
+
+
+def test_the_registered_op_checks_what_it_is_given():
+    """torch.ops.trimul.triangle_multiplicative_update is public: a malformed call is an error
+    naming the problem, never a read or write past a tensor (before, x [1, 512, 64, 16] crashed
+    the interpreter through it)."""
+    x, w = setup(c=16)
+    args = [w.get(k) for k in AF3_WEIGHTS]
+    op = torch.ops.trimul.triangle_multiplicative_update
+    with pytest.raises(ValueError, match=r"\[\.\.\., N, N, C\]"):
+        op(torch.randn(1, 512, 64, 16), None, *args, "outgoing", 1e-5)
+    with pytest.raises(ValueError, match="mask has shape"):
+        op(x, torch.ones(1, 6, 5), *args, "outgoing", 1e-5)
+    with pytest.raises(ValueError, match="p_in_weight has shape"):
+        op(x, None, args[0], args[1], args[2][:-1], *args[3:], "outgoing", 1e-5)
+    with pytest.raises(ValueError, match="direction"):
+        op(x, None, *args, "sideways", 1e-5)
+    with pytest.raises(ValueError, match="B, N, N, C"):
+        op(x[0], None, *args, "outgoing", 1e-5)
+    # A bool mask through the op is converted, not read as f32.
+    mask = torch.rand(1, 6, 6) > 0.5
+    assert torch.equal(op(x, mask, *args, "outgoing", 1e-5), tmu(x, "outgoing", mask.float(), **w))
+
+
+def test_numpy_arrays_at_unaligned_addresses_are_copied_not_misread():
+    x, w = setup()
+    buf = np.zeros(x.numel() * 4 + 1, np.uint8)
+    xa = buf[1:].view(np.float32).reshape(x.shape)  # starts 1 byte off any float's alignment
+    assert xa.ctypes.data % 4 == 1
+    xa[...] = x.numpy()
+    wn = {k: v.numpy() for k, v in w.items()}
+    np.testing.assert_array_equal(tmu(xa, **wn), tmu(x.numpy(), **wn))

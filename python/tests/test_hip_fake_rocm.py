@@ -116,10 +116,20 @@ SCRIPT = textwrap.dedent(
     except TypeError as e:
         assert "f32" in str(e), e
     wbytes = layer.workspace_bytes(1, n, True, 0)
-    ws = empty(wbytes + 256)
     y = empty(x.nbytes)
-    layer.forward(dev(x), dev(mask), y, 1, n, 0, ws, wbytes, 0)
+    xd, md = dev(x), dev(mask)
+    layer.forward(xd, x.size, md, mask.size, y, x.size, 1, n, 0, empty(wbytes + 256), wbytes, 0)
     got = host(y, x)
+    # The workspace planned once, bound to another span in the next call: the same bits.
+    y2 = empty(x.nbytes)
+    layer.forward(xd, x.size, md, mask.size, y2, x.size, 1, n, 0, empty(wbytes + 4096), wbytes, 0)
+    assert np.array_equal(host(y2, x), got), "rebinding the workspace changed y"
+    # Element counts that disagree with the shape are refused before anything is read.
+    try:
+        layer.forward(xd, x.size - 1, md, mask.size, y2, x.size, 1, n, 0, empty(wbytes), wbytes, 0)
+        raise AssertionError("a short x was accepted")
+    except ValueError as e:
+        assert "x has" in str(e), e
     t = lambda a: torch.from_numpy(np.asarray(a, np.float64))
     want = reference.af3(t(x), t(mask), *[t(w[k]) for k in AF3_WEIGHTS], "incoming", 1e-5).numpy()
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)

@@ -189,6 +189,9 @@ def test_cuda_graph_capture_and_replay_on_new_inputs():
 
 @needs_cuda
 def test_no_host_synchronisation_and_memory_from_pytorch():
+    """A call returns while the stream is still busy with work queued before it (a sleep kernel):
+    nothing in it waited for the device, neither PyTorch's calls nor the library's. Its output and
+    workspace came from PyTorch's allocator."""
     c, h, n = 128, 128, 256
     w = af3_weights(c, h, True, salt=71, dtype=torch.bfloat16, device="cuda")
     x = pair((1, n, n, c), salt=72, dtype=torch.bfloat16, device="cuda")
@@ -196,32 +199,65 @@ def test_no_host_synchronisation_and_memory_from_pytorch():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y = tmu(x, **w)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda._sleep(int(2e9))  # about a second of GPU time queued ahead of the call
+    y = tmu(x, **w)
+    assert not torch.cuda.current_stream().query(), "the call waited for the device"
+    torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     # y plus the workspace (left, right, gate, t: 4·M·128 halves) came from PyTorch's allocator.
     m = n * n
     assert peak >= y.numel() * 2 + 4 * m * 128 * 2, peak
     assert torch.isfinite(y.float()).all()
+    # A first call, which prepares the weights, waits for nothing either.
+    trimul.clear_cache()
+    torch.cuda._sleep(int(2e9))
+    tmu(x, **w)
+    assert not torch.cuda.current_stream().query(), "preparing the weights waited for the device"
+    torch.cuda.synchronize()
 
 
 @needs_cuda
-def test_other_stream_and_device_index():
+def test_streams_each_get_weights_prepared_on_them_and_the_current_device_is_kept():
+    """A first call on a side stream right behind queued work, then on the default stream: each
+    reads weights prepared on its own stream (no stream reads storage another is still writing).
+    Calls on another GPU leave PyTorch's current device as it was."""
     c, h, n = 64, 64, 32
     w = af3_weights(c, h, False, salt=73, device="cuda")
     x = pair((1, n, n, c), salt=74, device="cuda")
-    want = tmu(x, **w)
+    ref = reference.af3(x.double(), None, *[None if w.get(k) is None else w[k].double() for k in AF3_WEIGHTS])
+    trimul.clear_cache()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        got = tmu(x, **w)
-    torch.cuda.current_stream().wait_stream(s)
-    assert torch.equal(got, want)
-    ref = reference.af3(x.double(), None, *[None if w.get(k) is None else w[k].double() for k in AF3_WEIGHTS])
-    assert compare(got, ref)[1] < 5e-3
+        torch.cuda._sleep(int(5e8))
+        on_side = tmu(x, **w)
+    on_default = tmu(x, **w)
+    torch.cuda.synchronize()
+    assert compare(on_side, ref)[1] < 5e-3 and torch.equal(on_side, on_default)
+    if torch.cuda.device_count() > 1:
+        before = torch.cuda.current_device()
+        other = (before + 1) % torch.cuda.device_count()
+        w1 = {k: v.to(f"cuda:{other}") for k, v in w.items()}
+        y1 = tmu(x.to(f"cuda:{other}"), **w1)
+        assert torch.cuda.current_device() == before
+        assert y1.device.index == other and torch.equal(y1.cpu(), on_default.cpu())
+
+
+def test_traced_and_forward_mode_calls_go_through_the_op(device):
+    """torch.jit.trace records only dispatched ops, and forward-mode AD needs the op's refusal:
+    neither may take the eager shortcut around the dispatcher."""
+    c, h, n = 16, 16, 8
+    w = af3_weights(c, h, True, salt=77, device=device)
+    x = pair((1, n, n, c), salt=78, device=device)
+    x2 = pair((1, n, n, c), salt=79, device=device)
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda t: tmu(t, **w), (x,), check_trace=False)
+        assert "trimul::triangle_multiplicative_update" in str(traced.graph)
+        assert torch.equal(traced(x2), tmu(x2, **w))
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level(), pytest.raises(Exception, match="(?i)forward|jvp|derivative"):
+        tmu(fwad.make_dual(x, torch.ones_like(x)), **w)
 
 
 def test_eager_calls_without_gradients_skip_the_dispatcher_with_the_same_result(device):

@@ -106,10 +106,17 @@ def info() -> str:
         lines.append(f"host arrays run on: {_trimul.host_backend()}")
     except Exception as e:  # noqa: BLE001 - report, do not fail
         lines.append(f"host arrays: {e}")
+    import sys
+
+    torch = sys.modules.get("torch")
+    before = torch.cuda.current_device() if torch is not None and torch.cuda.is_initialized() else None
     try:
         lines.append(f"CUDA device 0: {_trimul.cuda_info(0)}")
     except Exception as e:  # noqa: BLE001
         lines.append(f"CUDA: {e}")
+    finally:
+        if before is not None:  # opening device 0 made its context current on this thread
+            torch.cuda.set_device(before)
     return "\n".join(lines)
 
 

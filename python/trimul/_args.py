@@ -37,9 +37,9 @@ def parse_precision(precision: Any) -> str:
     """One of DEFAULT, BFLOAT16, TF32, FP32, or ValueError/TypeError for what trimul cannot honour.
 
     - None, "none", "default", -1, 0: trimul's default.
-    - 1 (TF32): f16 intermediates keep TF32's 10-bit mantissa (their exponent range is f16's).
-    - 2 (TF32x3), 3 / "ieee" (IEEE): f32 accuracy, which only the CPU backend computes; the GPU
-      path refuses them rather than run f16 intermediates silently.
+    - 1 (TF32), 2 (TF32x3), 3 / "ieee" (IEEE): f32 range (and, but for TF32, f32 accuracy),
+      which only the CPU backend computes; the GPU path refuses them rather than run its f16
+      intermediates (TF32's 10-bit mantissa, but values only up to 65504) silently.
     - "bfloat16" / "bf16": x, the mask and every weight rounded to bf16 first, the result in
       bf16, as cuEquivariance does.
     - "mxfp8": refused; trimul has no fp8 path.

@@ -17,7 +17,12 @@ def _array(t, name: str) -> np.ndarray:
         a = a.astype(np.float32)
     if a.dtype not in _CODES:
         raise TypeError(f"{name} has dtype {a.dtype}; trimul takes float32 or float16 arrays (float64 is converted)")
-    return np.ascontiguousarray(a)
+    return _contiguous(a)
+
+
+def _contiguous(a: np.ndarray, dtype=None) -> np.ndarray:
+    """C-contiguous and aligned to its element type (a view of a byte buffer can be neither)."""
+    return np.require(a, dtype=dtype, requirements=["C", "A"])
 
 
 def _whole(a, name):
@@ -42,11 +47,11 @@ def update(x, direction, mask, weights: dict, eps, precision) -> np.ndarray:
     if xa.dtype not in _CODES:
         raise TypeError(f"x has dtype {xa.dtype}; trimul takes float32 or float16 arrays")
     original_shape = xa.shape
-    x4 = np.ascontiguousarray(xa.reshape(_args.fold_leading(xa.shape, 4)))
+    x4 = _contiguous(xa.reshape(_args.fold_leading(xa.shape, 4)))
     m3 = None
     if mask is not None:
         m = np.asarray(mask)
-        m3 = np.ascontiguousarray(m.reshape(_args.fold_leading(m.shape, 3)), dtype=np.float32)
+        m3 = _contiguous(m.reshape(_args.fold_leading(m.shape, 3)), np.float32)
     w = {k: None if v is None else _array(v, k) for k, v in weights.items()}
     c, h = _args.check_af3_shapes(x4.shape, None if m3 is None else m3.shape, w)
     if w["norm_in_weight"] is None:
@@ -79,8 +84,11 @@ def update(x, direction, mask, weights: dict, eps, precision) -> np.ndarray:
     y = np.empty_like(x4)
     layer.forward(
         x4.ctypes.data,
+        x4.size,
         0 if m3 is None else m3.ctypes.data,
+        0 if m3 is None else m3.size,
         y.ctypes.data,
+        y.size,
         x4.shape[0],
         x4.shape[1],
         _CODES[x4.dtype],

@@ -11,6 +11,7 @@ library's host-memory API.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from typing import Optional
@@ -66,24 +67,14 @@ def _entries(w: list) -> list:
     ]
 
 
-_constants: dict = {}
-
-
-def _constant(n: int, value: float, device: torch.device) -> Tensor:
-    """A cached [n] float32 tensor of `value` (LayerNorm defaults: weight 1, bias 0)."""
-    key = (n, value, device)
-    t = _constants.get(key)
-    if t is None:
-        t = torch.full((n,), value, dtype=torch.float32, device=device)
-        _constants[key] = t
-    return t
-
-
 def _with_norm_defaults(w: list, c: int, h: int, device: torch.device) -> list:
+    """LayerNorm defaults (weight 1, bias 0) where none is given. Made on the current stream for
+    each preparation (never cached): a cached one would be read by other streams, or inside a
+    graph capture would hold memory nothing ever filled."""
     w = list(w)
     for i, (n, v) in {0: (c, 1.0), 1: (c, 0.0), 6: (h, 1.0), 7: (h, 0.0)}.items():
         if w[i] is None:
-            w[i] = _constant(n, v, device)
+            w[i] = torch.full((n,), v, dtype=torch.float32, device=device)
     return w
 
 
@@ -97,17 +88,21 @@ def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 class _Entry:
-    __slots__ = ("layer", "storage", "checks", "ws_bytes")
+    __slots__ = ("layer", "storage", "checks", "ws_bytes", "keep")
 
 
 class _PreparedCache:
     """Prepared layers keyed on the weight tensors themselves.
 
-    An entry is found by the tensors' ids and is used only while each tensor is the same object
-    (weak reference), at the same `_version` (in-place writes bump it: an optimizer step
-    re-prepares) and the same data pointer (so a reused address cannot hit). Writes through
-    `.data` or from outside PyTorch (DLPack, raw pointers) do not bump `_version` and are not
-    seen: call `trimul.clear_cache()` after them. Entries die with their tensors; at most
+    An entry is found by the tensors' ids (and, on the GPU, the device and stream: an entry is
+    used on the stream it was prepared on, so no other stream can read storage still being
+    written, and its storage goes back to that stream's pool) and is used only while each tensor
+    is the same object (weak reference), at the same `_version` (in-place writes bump it: an
+    optimizer step re-prepares) and the same data pointer. The entry holds the weights' storages,
+    so that while it lives no other tensor can be given their addresses (`param.data = ...`, as
+    `Module.to()` does, then always shows as a new pointer). Writes that bump no version counter
+    (through `.data`, DLPack, raw pointers, CUDA-graph replays of captured parameter updates) are
+    not seen: call `trimul.clear_cache()` after them. Entries die with their tensors; at most
     `capacity` are kept.
     """
 
@@ -130,14 +125,16 @@ class _PreparedCache:
         cache = weakref.ref(self)
 
         def drop(_ref, key=key):
+            # No lock: a dict pop is atomic under the GIL, and this may run (garbage collection)
+            # on a thread that holds the lock already.
             c = cache()
             if c is not None:
-                with c.lock:
-                    c.entries.pop(key, None)
+                c.entries.pop(key, None)
 
         entry.checks = [
             (i, weakref.ref(t, drop), t._version, t.data_ptr()) for i, t in enumerate(tensors) if t is not None
         ]
+        entry.keep = [t.untyped_storage() for t in tensors if t is not None]
         with self.lock:
             while len(self.entries) >= self.capacity:
                 self.entries.pop(next(iter(self.entries)))
@@ -226,7 +223,30 @@ def _cuda_prepare(x: Tensor, originals: list, direction: str, eps: float, index:
     return entry
 
 
+def _in_cudagraph_tree(index: int) -> bool:
+    """Whether torch.compile's CUDA-graph trees are warming up or recording on this device: their
+    memory pool is then the allocator's, and a cached tensor allocated there would be overwritten
+    by their replays (their pool only keeps the tensors they know of)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    try:
+        manager = trees.get_manager(index, create_if_none_exists=False)
+    except Exception:  # noqa: BLE001 - no manager state on this thread: no tree running here
+        return False
+    return manager is not None and (manager.in_warmup or manager.in_recording)
+
+
 def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float) -> Tensor:
+    if x.get_device() != torch.cuda.current_device():
+        # The library makes the device's context current on this thread; PyTorch's current device
+        # follows it, so a call on another device would leave PyTorch there.
+        with torch.cuda.device(x.get_device()):
+            return _cuda_forward_on(x, mask, originals, direction, eps)
+    return _cuda_forward_on(x, mask, originals, direction, eps)
+
+
+def _cuda_forward_on(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float) -> Tensor:
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = _contiguous(x)
     if mask is not None and (not mask.is_contiguous() or mask.data_ptr() % 16):
@@ -238,11 +258,11 @@ def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction:
     if _capturing():
         e = _cuda_prepare(x, originals, direction, eps, index, stream)
     else:
-        key = (index, direction, eps, *map(id, originals))
+        key = (index, stream, direction, eps, *map(id, originals))
         e = _cache.get(key, originals)
         if e is None:
             e = _cuda_prepare(x, originals, direction, eps, index, stream)
-            if _cacheable(originals):
+            if _cacheable(originals) and not _in_cudagraph_tree(index):
                 _cache.put(key, originals, e)
     b, n = x.shape[0], x.shape[1]
     io = _DTYPE_CODE[x.dtype]
@@ -259,11 +279,22 @@ def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction:
             # converted here on the device.
             nbytes = e.ws_bytes[wkey] = -1
     if nbytes < 0:
-        return _cuda_forward(x.float(), mask, originals, direction, eps).to(x.dtype)
+        return _cuda_forward_on(x.float(), mask, originals, direction, eps).to(x.dtype)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     y = torch.empty_like(x)
     e.layer.forward(
-        x.data_ptr(), 0 if mask is None else mask.data_ptr(), y.data_ptr(), b, n, io, ws.data_ptr(), nbytes, stream
+        x.data_ptr(),
+        x.numel(),
+        0 if mask is None else mask.data_ptr(),
+        0 if mask is None else mask.numel(),
+        y.data_ptr(),
+        y.numel(),
+        b,
+        n,
+        io,
+        ws.data_ptr(),
+        nbytes,
+        stream,
     )
     return y
 
@@ -288,8 +319,11 @@ def _host_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction:
     y = torch.empty_like(xh)
     e.layer.forward(
         xh.data_ptr(),
+        xh.numel(),
         0 if mh is None else mh.data_ptr(),
+        0 if mh is None else mh.numel(),
         y.data_ptr(),
+        y.numel(),
         x.shape[0],
         x.shape[1],
         _DTYPE_CODE[x.dtype],
@@ -317,7 +351,8 @@ def _op(
     eps: float,
 ) -> Tensor:
     """y = TriMul(x) in the af3 form. x `[B, N, N, C]`, mask `[B, N, N]` float32 or None; the
-    weights as cuEquivariance names them; y in x's dtype. Checked by the Python wrapper."""
+    weights as cuEquivariance names them; y in x's dtype. A public entry point: it checks what it
+    is given as `triangle_multiplicative_update` does."""
     originals = [
         norm_in_weight,
         norm_in_bias,
@@ -332,6 +367,12 @@ def _op(
         g_out_weight,
         g_out_bias,
     ]
+    if direction != "outgoing" and direction != "incoming":
+        _args.check_direction(direction)
+    eps = _args.check_eps(eps)
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"x must be a [B, N, N, C] tensor here, got {getattr(x, 'shape', type(x).__name__)}")
+    mask = _check_tensors(x, mask, dict(zip(_args.AF3_WEIGHTS, originals)))
     return _forward(x, mask, originals, direction, eps)
 
 
@@ -387,6 +428,27 @@ def _backward(ctx, grad):
 _op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_tensors(x: Tensor, mask: Optional[Tensor], weights: dict) -> Optional[Tensor]:
+    """Types, dtypes, devices and shapes of x `[B, N, N, C]`, the mask and the weights (by
+    cuEquivariance's names); returns the mask as f32."""
+    if x.dtype not in _DTYPE_CODE:
+        raise TypeError(f"x has dtype {x.dtype}; trimul takes float32, bfloat16 or float16")
+    device = x.device
+    # The common case in one cheap pass: every given tensor a torch.Tensor on x's device with a
+    # supported dtype; anything else gets the check that names it.
+    for name, t in weights.items():
+        if t is not None and (t.__class__ is not torch.Tensor and not isinstance(t, torch.Tensor)):
+            _check_tensor(name, t, x)
+        if t is not None and (t.device != device or t.dtype not in _DTYPE_CODE):
+            _check_tensor(name, t, x)
+    if mask is not None:
+        _check_tensor("mask", mask, x)
+        if mask.dtype != torch.float32:
+            mask = mask.to(torch.float32)
+    _args.check_af3_shapes(x.shape, None if mask is None else mask.shape, weights)
+    return mask
+
+
 def _check_tensor(name: str, t, x: Tensor) -> None:
     """Type, dtype and device of one argument beside x (the shapes are checked by _args)."""
     if not isinstance(t, torch.Tensor):
@@ -406,31 +468,24 @@ def update(x, direction, mask, weights: dict, eps, precision) -> Tensor:
     mode = _args.DEFAULT if precision is None else _args.parse_precision(precision)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor or a numpy.ndarray, got {type(x).__name__}")
-    if x.dtype not in _DTYPE_CODE:
-        raise TypeError(f"x has dtype {x.dtype}; trimul takes float32, bfloat16 or float16")
-    device = x.device
-    # The common case in one cheap pass: every given tensor a torch.Tensor on x's device with a
-    # supported dtype; anything else gets the check that names it.
-    for name, t in weights.items():
-        if t is not None and (t.__class__ is not torch.Tensor and not isinstance(t, torch.Tensor)):
-            _check_tensor(name, t, x)
-        if t is not None and (t.device != device or t.dtype not in _DTYPE_CODE):
-            _check_tensor(name, t, x)
-    if mask is not None:
-        _check_tensor("mask", mask, x)
-    if mode == _args.FP32 and device.type != "cpu":
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor like x, got {type(mask).__name__}")
+    if mode in (_args.FP32, _args.TF32) and x.device.type != "cpu":
         raise ValueError(
-            f"precision={precision!r} asks for f32 accuracy, which trimul computes on the CPU only; "
-            "its GPU path keeps f16 intermediates (use precision=None or 1 (TF32))"
+            f"precision={precision!r} asks for {'f32' if mode == _args.FP32 else 'TF32 (f32 exponent range)'} "
+            "accuracy, which trimul computes on the CPU only; its GPU path keeps f16 intermediates (10-bit "
+            "mantissa, values up to 65504): use precision=None"
+        )
+    if _forward_ad._current_level >= 0 and _has_tangent([x, mask, *weights.values()]):
+        raise NotImplementedError(
+            "trimul's op has no forward-mode derivative (jvp); use reverse-mode autograd, which it supports"
         )
     original_shape = x.shape
     x4 = x if x.dim() == 4 else x.reshape(_args.fold_leading(tuple(x.shape), 4))
     m3 = None
     if mask is not None:
         m3 = mask if mask.dim() == 3 else mask.reshape(_args.fold_leading(tuple(mask.shape), 3))
-        if m3.dtype != torch.float32:
-            m3 = m3.to(torch.float32)
-    _args.check_af3_shapes(x4.shape, None if m3 is None else m3.shape, weights)
+    m3 = _check_tensors(x4, m3, weights)
     w = [weights[n] for n in _args.AF3_WEIGHTS]
     if mode == _args.BFLOAT16:
         x4 = x4.to(torch.bfloat16)
@@ -444,19 +499,31 @@ def update(x, direction, mask, weights: dict, eps, precision) -> Tensor:
     return y if y.shape == original_shape else y.view(original_shape)
 
 
+def _has_tangent(tensors: list) -> bool:
+    """Whether any tensor carries a forward-mode AD tangent (PyTorch drops it silently at a custom
+    op without a jvp, which would hand back a result whose derivative is missing)."""
+    return any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._len_torch_function_stack
+_tracing = torch._C._get_tracing_state  # torch.jit.trace records only dispatched ops
+_functorch_active = torch._C._functorch.peek_interpreter_stack  # vmap, grad, jvp transforms
+_forward_ad = torch.autograd.forward_ad
 
 
 def _direct(x: Tensor, w: list) -> bool:
     """Whether an eager call may run the op's implementation without PyTorch's dispatcher: plain
-    tensors, no gradient to record, no compiler tracing and no dispatch or function mode active
-    (fake tensors, functionalization, profilers' modes). Then the dispatcher would only forward
+    tensors, no gradient to record (in reverse or forward mode), no compiler or `torch.jit.trace`
+    tracing, no functorch transform, and no dispatch or function mode active (fake tensors,
+    functionalization, profilers' modes). Then the dispatcher would only forward
     the call; going around it saves its cost on every call of an inference run. Everything else
     goes through the registered op."""
     if x.__class__ is not torch.Tensor or torch.compiler.is_compiling():
         return False
-    if _dispatch_modes() or _function_modes():
+    if _dispatch_modes() or _function_modes() or _tracing() or _functorch_active():
+        return False
+    if _forward_ad._current_level >= 0:  # forward-mode AD: the op has no forward derivative
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in w)):
         return False

@@ -226,7 +226,9 @@ def bench_host_time(dtype, g, calls: int = 50, rounds: int = 200) -> dict:
     code = _torch._DTYPE_CODE[dtype]
 
     def raw():
-        entry.layer.forward(x.data_ptr(), 0, y.data_ptr(), 1, n, code, ws.data_ptr(), nbytes, stream)
+        entry.layer.forward(
+            x.data_ptr(), x.numel(), 0, 0, y.data_ptr(), y.numel(), 1, n, code, ws.data_ptr(), nbytes, stream
+        )
 
     out = {
         "noop_custom_op_us": per_call(lambda: _noop(x, None, *args, "outgoing", 1e-5)),

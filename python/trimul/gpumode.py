@@ -169,10 +169,17 @@ def custom_kernel(data):
 
 def _host(x, mask, w, c, h):
     """CPU tensors: the library's host API (weights copied to host memory)."""
-    host_w = [None if e is None else e for e in w]
-    layer = _trimul.HostLayer("gpumode", c, h, "outgoing", 1e-5, host_w, None)
+    layer = _trimul.HostLayer("gpumode", c, h, "outgoing", 1e-5, w, None)
     y = torch.empty_like(x)
     layer.forward(
-        x.data_ptr(), 0 if mask is None else mask.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], _DTYPE_CODE[x.dtype]
+        x.data_ptr(),
+        x.numel(),
+        0 if mask is None else mask.data_ptr(),
+        0 if mask is None else mask.numel(),
+        y.data_ptr(),
+        y.numel(),
+        x.shape[0],
+        x.shape[1],
+        _DTYPE_CODE[x.dtype],
     )
     return y

@@ -366,7 +366,9 @@ pub trait Backend: Clone + Send + Sync {
     /// Every tensor of `weights` is a live device allocation of its length in this backend's
     /// context, unchanged until `stream` has run the preparation; `storage` is a live allocation
     /// of its size, used by nothing else, alive and unchanged for as long as the result is used;
-    /// `stream` is a stream of this context (0: the legacy default stream).
+    /// `stream` is a stream of this context (0: the legacy default stream). Work that reads the
+    /// result on another stream (a forward on it, or on the backend's own stream, which a forward
+    /// without a caller workspace uses) must be ordered after `stream` by the caller (an event).
     unsafe fn prepare_device(
         &self,
         weights: &DeviceWeights,

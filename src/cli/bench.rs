@@ -409,6 +409,15 @@ fn measure<B: Backend>(
                 // allocator would serve it without a device allocation).
                 drop(layer);
                 let mut workspace = backend.workspace(set.prepare()?.get(), &problem, None)?;
+                if B::exec_plan(&workspace).hidden_passes > 1
+                    || B::exec_plan(&workspace).output_rows < problem.shape.rows()
+                {
+                    // A chunked workspace holds copies of the weights it was planned with, so new
+                    // weights in every call would need a new workspace in every call.
+                    return Ok(Outcome::Skipped(
+                        "--fresh-weights times one-pass plans; this shape needs a chunked one on this device".into(),
+                    ));
+                }
                 samples = time_calls(backend, plan, sets, progress, |k| {
                     let prepared = set.prepare()?;
                     backend.forward(prepared.get(), &mut workspace, &problem, &xs[k], masks[k].as_ref(), &mut ys[k])

@@ -139,6 +139,10 @@ struct Inner {
 }
 
 /// An NVIDIA GPU with its stream, cuBLASLt handle and loaded kernels. Cheap to clone.
+///
+/// Every call that touches the device makes the device's primary context current on the calling
+/// thread (`cuCtxSetCurrent`) and leaves it so; a program that keeps another device current
+/// (the CUDA runtime's current device follows the context) restores it after the call.
 #[derive(Clone)]
 pub struct CudaBackend {
     inner: Arc<Inner>,
