@@ -76,18 +76,18 @@ fn sticky_fault_in_a_process_of_its_own() {
     let cmp = reference::check(&weights, &problem, &inputs.x, None, &y, TOL, TOL).unwrap();
     assert!(cmp.passed(), "{cmp}");
 
-    let mut xd = b.alloc(inputs.x.len()).unwrap();
-    b.upload(&inputs.x, &mut xd).unwrap();
-    // Poisoning would fill y with a memset first, which the driver refuses for that address
-    // (CUDA_ERROR_INVALID_VALUE, not sticky; the H100 run showed it): off, so that a kernel's
-    // store is what faults.
+    let yd = b.alloc(inputs.x.len()).unwrap();
+    // Poisoning would fill y with a memset first: off, so that a kernel is what faults. A bad
+    // y was refused before any kernel ran on the H100 (the poison memset, then cuBLASLt, which
+    // borrows y as its workspace, reported CUDA_ERROR_INVALID_VALUE and
+    // CUBLAS_STATUS_INVALID_VALUE: errors, but not sticky); a bad x is read by the first kernel.
     b.set_poison(false);
-    // SAFETY: deliberately violated: y is an address no allocation has (16-byte aligned, so the
-    // checks before the launch pass). The GPU's memory protection turns the first store there
-    // into CUDA_ERROR_ILLEGAL_ADDRESS; nothing of the host is touched.
-    let enqueued = unsafe { layer.forward_on_stream(xd.ptr(), None, 0x10, case.shape(), b.stream()) };
+    // SAFETY: deliberately violated: x is an address no allocation has (16-byte aligned, so the
+    // checks before the launch pass). The GPU's memory protection turns the input kernel's first
+    // load there into CUDA_ERROR_ILLEGAL_ADDRESS; nothing of the host is touched.
+    let enqueued = unsafe { layer.forward_on_stream(0x10, None, yd.ptr(), case.shape(), b.stream()) };
     let synced = b.synchronize();
-    let fault = enqueued.err().or(synced.err()).expect("a kernel storing to address 0x10 reported no error");
+    let fault = enqueued.err().or(synced.err()).expect("a kernel loading from address 0x10 reported no error");
     eprintln!("the faulting forward: {fault}");
     assert!(matches!(fault, Error::Driver { .. }), "{fault:?}");
 

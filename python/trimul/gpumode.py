@@ -127,6 +127,12 @@ def custom_kernel(data):
             mask = _contiguous(mask)
     if not x.is_cuda:
         return _host(x, mask, w, c, h)
+    return _on_device(x, mask, w, c, h)
+
+
+def _on_device(x, mask, w, c, h):
+    """The GPU path: weights prepared on the device and the forward, in one library call."""
+    b, n = x.shape[0], x.shape[1]
     out_dtype = x.dtype
     if _HIP and x.dtype != torch.float32:
         x = x.float()  # the HIP kernels read and write f32: converted on the device
@@ -155,8 +161,11 @@ def custom_kernel(data):
             base,
             storage_bytes,
             x.data_ptr(),
+            x.numel(),
             0 if mask is None else mask.data_ptr(),
+            0 if mask is None else mask.numel(),
             y.data_ptr(),
+            y.numel(),
             b,
             n,
             io,

@@ -1,0 +1,115 @@
+"""The GPU paths' Python glue, run on the CPU: the device-layer class is replaced by a stand-in
+whose methods have the compiled class's exact signatures (read from `_trimul.CudaLayer`) and which
+computes through the host API on the same addresses. A call the compiled module would refuse (a
+missing or extra argument, an element count that disagrees with the shape) fails here too, so the
+glue is checked in CI without a GPU; what runs on the GPU is checked on the GPU machine."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from conftest import af3_weights, compare, f64_reference, pair, random_mask
+
+from trimul import _torch, _trimul, gpumode, reference
+from trimul._args import AF3_WEIGHTS
+
+
+def _signature(method) -> inspect.Signature:
+    text = method.__text_signature__.replace("$self", "self")
+    return inspect.Signature(
+        [inspect.Parameter(p.strip(), inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in text.strip("()").split(",")]
+    )
+
+
+class FakeDeviceLayer:
+    """`_trimul.CudaLayer`'s interface over host memory (CPU tensors stand in for device ones)."""
+
+    calls: list = []
+
+    def __init__(self, *args):
+        _signature(_trimul.CudaLayer).bind(*args)
+        device, formulation, c, h, direction, eps, weights, storage, storage_bytes, stream = args
+        assert storage and storage_bytes > 0
+        self.spec = (formulation, c, h, direction, eps)
+        self.layer = _trimul.HostLayer(formulation, c, h, direction, eps, weights, "cpu")
+        FakeDeviceLayer.calls.append("new")
+
+    def reprepare(self, *args):
+        _signature(_trimul.CudaLayer.reprepare).bind(self, *args)
+        weights = args[0]
+        self.layer = _trimul.HostLayer(*self.spec, weights, "cpu")
+
+    def workspace_bytes(self, *args):
+        _signature(_trimul.CudaLayer.workspace_bytes).bind(self, *args)
+        return 4096
+
+    def forward(self, *args):
+        _signature(_trimul.CudaLayer.forward).bind(self, *args)
+        x, x_len, mask, mask_len, y, y_len, b, n, io, ws, ws_bytes, stream = args
+        assert ws and ws_bytes == 4096
+        self.layer.forward(x, x_len, mask, mask_len, y, y_len, b, n, io)
+        FakeDeviceLayer.calls.append("forward")
+
+    def forward_fresh(self, *args):
+        _signature(_trimul.CudaLayer.forward_fresh).bind(self, *args)
+        weights, storage, storage_bytes, *io = args
+        assert storage and storage_bytes > 0
+        self.reprepare(weights, storage, storage_bytes, io[-1])
+        self.forward(*io)
+        FakeDeviceLayer.calls.append("fresh")
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    FakeDeviceLayer.calls = []
+    for module in (_torch, gpumode):
+        monkeypatch.setattr(module, "_DeviceLayer", FakeDeviceLayer)
+        monkeypatch.setattr(module, "_device_prepared_bytes", lambda *a: 1000)
+        monkeypatch.setattr(module, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(_torch, "_capturing", lambda: False)
+    gpumode._layers.clear()
+    gpumode._sizes.clear()
+    _torch.clear_cache()
+    yield FakeDeviceLayer
+    gpumode._layers.clear()
+    gpumode._sizes.clear()
+    _torch.clear_cache()
+
+
+def test_af3_device_path_glue(fake_device):
+    c, h, n = 32, 16, 12
+    w = af3_weights(c, h, True, salt=90)
+    x = pair((2, n, n, c), salt=91)
+    mask = random_mask((2, n, n), salt=92)
+    originals = [w.get(k) for k in AF3_WEIGHTS]
+    for _ in range(2):  # prepared, then from the cache
+        y = _torch._cuda_forward_on(x, mask, originals, "incoming", 1e-5)
+        bad, rel = compare(y, f64_reference(x, "incoming", mask, **w))
+        assert bad == 0 and rel < 1e-5
+    assert fake_device.calls == ["new", "forward", "forward"]
+
+
+def test_gpumode_device_path_glue(fake_device):
+    c, h, n, b = 32, 16, 10, 2
+    g = torch.Generator().manual_seed(5)
+    weights = {
+        "norm.weight": torch.randn(c, generator=g),
+        "norm.bias": torch.randn(c, generator=g),
+        "to_out_norm.weight": torch.randn(h, generator=g),
+        "to_out_norm.bias": torch.randn(h, generator=g),
+        "to_out.weight": torch.randn(c, h, generator=g) / c**0.5,
+    }
+    for k in ("left_proj", "right_proj", "left_gate", "right_gate", "out_gate"):
+        weights[f"{k}.weight"] = torch.randn(h, c, generator=g) / h**0.5
+    x = torch.randn(b, n, n, c, generator=g)
+    mask = torch.randint(0, 2, (b, n, n), generator=g).float()
+    keep: list = []
+    entries = gpumode._weights(weights, x, c, h, keep)
+    for _ in range(2):
+        y = gpumode._on_device(x, mask, entries, c, h)
+        want = reference.gpumode(x.double(), mask.double(), {k: v.double() for k, v in weights.items()})
+        bad, rel = compare(y, want)
+        assert bad == 0 and rel < 1e-5
+    assert fake_device.calls.count("fresh") == 2
