@@ -1,5 +1,7 @@
 //! Benchmark reports: the bench JSON schema ([`schema`]), reference timings ([`anchors`]), and
-//! `trimul report`'s output: `report.md` ([`markdown`]) and SVG plots ([`plot`]).
+//! `trimul report`'s output: `report.md` (`markdown`) and SVG plots (`plot`). The rendering
+//! ([`render`], [`write`]) needs the `report` feature (plotters; on by default through `cli`);
+//! the schema, the anchors and the formatting helpers do not.
 //!
 //! Everything here is pure data in, text out. The output depends only on the inputs (no clock,
 //! no environment, stable ordering, fixed float formatting), so committed JSONs reproduce a
@@ -11,12 +13,16 @@
 //! shapes all runs share, saying how many.
 
 pub mod anchors;
+#[cfg(feature = "report")]
 pub mod markdown;
+#[cfg(feature = "report")]
 pub mod plot;
 pub mod schema;
 
+#[cfg(feature = "report")]
 use std::path::{Path, PathBuf};
 
+#[cfg(feature = "report")]
 use crate::error::{Error, Result};
 
 pub use anchors::Anchor;
@@ -26,9 +32,11 @@ pub use schema::{
 };
 
 /// File name of the markdown part of a report.
+#[cfg(feature = "report")]
 pub const REPORT_MD: &str = "report.md";
 
 /// A rendered report: `report.md` and the SVG files it links to.
+#[cfg(feature = "report")]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Report {
     pub markdown: String,
@@ -38,6 +46,7 @@ pub struct Report {
 
 /// Renders runs and anchors into a report. `baseline` is the 0-based index of the run that
 /// speedups are measured against (the first when `None`); the report itself numbers runs from 1.
+#[cfg(feature = "report")]
 pub fn render(runs: &[BenchRun], anchors: &[Anchor], baseline: Option<usize>) -> Result<Report> {
     let model = Model::new(runs, anchors, baseline)?;
     let svgs = plot::render_all(&model)?;
@@ -48,6 +57,7 @@ pub fn render(runs: &[BenchRun], anchors: &[Anchor], baseline: Option<usize>) ->
 /// Writes `report.md` and the SVGs into `out_dir` (created if missing); returns the paths written.
 /// Every file is checked before any is written ([`crate::io::check_output`]) and each is written
 /// atomically ([`crate::io::write_file`]), so a failure leaves each previous file whole.
+#[cfg(feature = "report")]
 pub fn write(report: &Report, out_dir: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
     let dir = out_dir.as_ref();
     check_output_dir(dir)?;
@@ -66,11 +76,13 @@ pub fn write(report: &Report, out_dir: impl AsRef<Path>) -> Result<Vec<PathBuf>>
 
 /// Checks, before rendering, that a report can go to `out_dir`: it is a directory, or one can
 /// be created there, and files can be created in it.
+#[cfg(feature = "report")]
 pub fn check_output_dir(out_dir: impl AsRef<Path>) -> Result<()> {
     crate::io::check_output_dir(out_dir)
 }
 
 /// Runs and anchors lined up by shape: what both the markdown and the plots read.
+#[cfg(feature = "report")]
 pub(crate) struct Model<'a> {
     pub runs: &'a [BenchRun],
     pub anchors: &'a [Anchor],
@@ -83,6 +95,7 @@ pub(crate) struct Model<'a> {
     pub common: Vec<usize>,
 }
 
+#[cfg(feature = "report")]
 impl<'a> Model<'a> {
     fn new(runs: &'a [BenchRun], anchors: &'a [Anchor], baseline: Option<usize>) -> Result<Model<'a>> {
         if runs.is_empty() {
@@ -147,6 +160,7 @@ impl<'a> Model<'a> {
 }
 
 /// `exp(mean(ln v))`; `None` when empty or when any value is missing, zero, negative or not finite.
+#[cfg(feature = "report")]
 pub(crate) fn geomean(values: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
     let mut sum = 0.0;
     let mut n = 0usize;
@@ -162,6 +176,7 @@ pub(crate) fn geomean(values: impl IntoIterator<Item = Option<f64>>) -> Option<f
 }
 
 /// The message of an error without its variant's prefix, for re-wrapping with more context.
+#[cfg(feature = "report")]
 fn strip_kind(e: Error) -> String {
     match e {
         Error::InvalidArgument(m) => m,
@@ -170,6 +185,7 @@ fn strip_kind(e: Error) -> String {
 }
 
 /// Milliseconds with three decimals, the precision of SPEC.md's tables.
+#[cfg(feature = "report")]
 pub(crate) fn fmt_ms(v: f64) -> String {
     if v.is_finite() {
         format!("{v:.3}")
@@ -180,6 +196,7 @@ pub(crate) fn fmt_ms(v: f64) -> String {
 
 /// A ratio such as a speedup or time/floor, with three significant digits: `2.35×`, `23.5×`,
 /// `235×`, `0.0123×` (a CPU run against a GPU baseline lands far below 1).
+#[cfg(feature = "report")]
 pub(crate) fn fmt_ratio(v: f64) -> String {
     if !v.is_finite() || v <= 0.0 {
         return "n/a".into();
@@ -222,6 +239,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(feature = "report")]
     fn geomean_refuses_partial_data() {
         assert_eq!(geomean([Some(1.0), Some(4.0)]), Some(2.0));
         assert_eq!(geomean([Some(1.0), None]), None);
@@ -230,7 +248,8 @@ mod tests {
     }
 
     #[test]
-    fn formatting_is_fixed() {
+    #[cfg(feature = "report")]
+    fn report_formatting_is_fixed() {
         assert_eq!(fmt_ms(0.0456), "0.046");
         assert_eq!(fmt_ms(f64::NAN), "n/a");
         assert_eq!(fmt_ratio(2.346), "2.35×");
@@ -239,6 +258,10 @@ mod tests {
         assert_eq!(fmt_ratio(0.0), "n/a");
         assert_eq!(fmt_ratio(0.01234), "0.0123×");
         assert_eq!(fmt_ratio(1.0), "1.00×");
+    }
+
+    #[test]
+    fn formatting_is_fixed() {
         assert_eq!(fmt_err(5.123e-4), "5.12e-4");
         assert_eq!(fmt_err(f64::NAN), "NaN");
         assert_eq!(fmt_bytes(1023), "1023 B");
