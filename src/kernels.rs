@@ -1,8 +1,11 @@
 //! Kernels embedded at build time, looked up by stage name.
 //!
 //! `build.rs` writes one table per vendor: for each stage the include-expanded source (always,
-//! for run-time compilation) and, when a compiler was found at build time, the compiled binary
-//! (a CUDA fatbin; HIP code objects per arch).
+//! for run-time compilation) and, when a compiler was found at build time and worked, the compiled
+//! binary (a CUDA fatbin; HIP code objects per arch). [`CUDA_BUILD`] and [`HIP_BUILD`] say in words
+//! whether the kernels are prebuilt or compiled at run time (NVRTC, hipRTC) and why; a device's
+//! `kernels` entry in [`DeviceInfo::versions`](crate::DeviceInfo) (and `trimul info`) repeats it
+//! with what was loaded.
 
 /// One CUDA stage: `cuda/<name>.cu`.
 #[derive(Copy, Clone, Debug)]
@@ -21,6 +24,13 @@ mod cuda_table {
 }
 #[cfg(feature = "cuda")]
 pub use cuda_table::{CUDA_BUILD, CUDA_STAGES};
+
+/// Whether every CUDA stage is prebuilt (an nvcc fatbin); `false` when NVRTC compiles them the
+/// first time a device is opened in a process.
+#[cfg(feature = "cuda")]
+pub fn cuda_prebuilt() -> bool {
+    CUDA_STAGES.iter().all(|s| s.binary.is_some())
+}
 
 /// One HIP stage: `hip/<name>.hip`.
 #[derive(Copy, Clone, Debug)]

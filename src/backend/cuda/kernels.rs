@@ -55,7 +55,8 @@ pub(crate) struct Kernels {
     pub pdl: bool,
     /// Largest dynamic shared memory a block may use (bytes).
     pub max_smem: usize,
-    /// How each stage was obtained ("fatbin" or "nvrtc sm_XX"), for `trimul info`.
+    /// Where the loaded kernels came from, in words ("all 15 kernels prebuilt (nvcc fatbin)" on
+    /// an H100, or which ones NVRTC compiled at run time), for `trimul info` ([`describe_origin`]).
     pub origin: String,
 }
 
@@ -79,12 +80,33 @@ fn arch_flag(cc: (i32, i32)) -> String {
     }
 }
 
+/// How one kernel was obtained: `None` from the prebuilt fatbin, `Some(arch)` compiled at run time
+/// by NVRTC for `arch`.
+type Origin = (String, Option<String>);
+
+/// The kernels' origins in one plain line: all prebuilt, all compiled at run time, or which.
+fn describe_origin(origin: &[Origin]) -> String {
+    let n = origin.len();
+    let prebuilt = origin.iter().filter(|(_, arch)| arch.is_none()).count();
+    let mut archs: Vec<&str> = origin.iter().filter_map(|(_, a)| a.as_deref()).collect();
+    archs.dedup();
+    let nvrtc = format!("compiled at run time by NVRTC for {}", archs.join(", "));
+    if prebuilt == n {
+        format!("all {n} kernels prebuilt (nvcc fatbin)")
+    } else if prebuilt == 0 {
+        format!("all {n} kernels {nvrtc}")
+    } else {
+        let compiled: Vec<&str> = origin.iter().filter(|(_, a)| a.is_some()).map(|(e, _)| e.as_str()).collect();
+        format!("{prebuilt} of {n} kernels prebuilt (nvcc fatbin), {} {nvrtc}: {}", n - prebuilt, compiled.join(", "))
+    }
+}
+
 fn load_stage(
     ctx: &Arc<CudaContext>,
     stage: &EmbeddedStage,
     entry: &str,
     cc: (i32, i32),
-    origin: &mut Vec<String>,
+    origin: &mut Vec<Origin>,
 ) -> Result<Stage> {
     let from_binary = stage
         .binary
@@ -92,7 +114,7 @@ fn load_stage(
         .and_then(|m| m.load_function(entry).ok());
     let func = match from_binary {
         Some(f) => {
-            origin.push(format!("{entry}: fatbin"));
+            origin.push((entry.to_string(), None));
             f
         }
         None => {
@@ -109,7 +131,7 @@ fn load_stage(
             let ptx = compile_ptx_with_opts(stage.source, opts)
                 .map_err(|e| Error::NoKernels { arch: arch.clone(), reason: format!("NVRTC on {entry}: {e:?}") })?;
             let module = ctx.load_module(ptx).ctx("cuModuleLoadData (NVRTC output)")?;
-            origin.push(format!("{entry}: nvrtc {arch}"));
+            origin.push((entry.to_string(), Some(arch)));
             module.load_function(entry).ctx("cuModuleGetFunction")?
         }
     };
@@ -207,7 +229,7 @@ impl Kernels {
             max_smem: optin,
             ..k
         };
-        Ok(Kernels { origin: origin.join(", "), ..k })
+        Ok(Kernels { origin: describe_origin(&origin), ..k })
     }
 }
 
@@ -295,5 +317,22 @@ impl Stage {
         unsafe { sys::cuLaunchKernelEx(&config, self.raw, args.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .ctx("cuLaunchKernelEx")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn origin_in_words() {
+        let pre = |e: &str| (e.to_string(), None);
+        let rtc = |e: &str| (e.to_string(), Some("sm_90a".to_string()));
+        assert_eq!(describe_origin(&[pre("a"), pre("b")]), "all 2 kernels prebuilt (nvcc fatbin)");
+        assert_eq!(describe_origin(&[rtc("a"), rtc("b")]), "all 2 kernels compiled at run time by NVRTC for sm_90a");
+        assert_eq!(
+            describe_origin(&[pre("a"), rtc("b")]),
+            "1 of 2 kernels prebuilt (nvcc fatbin), 1 compiled at run time by NVRTC for sm_90a: b"
+        );
     }
 }
