@@ -2,7 +2,7 @@
 //!
 //! `build.rs` writes one table per vendor: for each stage the include-expanded source (always,
 //! for run-time compilation) and, when a compiler was found at build time and worked, the compiled
-//! binary (a CUDA fatbin; HIP code objects per arch). [`CUDA_BUILD`] and [`HIP_BUILD`] say in words
+//! binary (a CUDA fatbin; HIP code objects per arch). `CUDA_BUILD` and `HIP_BUILD` say in words
 //! whether the kernels are prebuilt or compiled at run time (NVRTC, hipRTC) and why; a device's
 //! `kernels` entry in [`DeviceInfo::versions`](crate::DeviceInfo) (and `trimul info`) repeats it
 //! with what was loaded.

@@ -1,6 +1,6 @@
 //! Benchmark reports: the bench JSON schema ([`schema`]), reference timings ([`anchors`]), and
 //! `trimul report`'s output: `report.md` (`markdown`) and SVG plots (`plot`). The rendering
-//! ([`render`], [`write`]) needs the `report` feature (plotters; on by default through `cli`);
+//! (`render`, `write`) needs the `report` feature (plotters; on by default through `cli`);
 //! the schema, the anchors and the formatting helpers do not.
 //!
 //! Everything here is pure data in, text out. The output depends only on the inputs (no clock,
