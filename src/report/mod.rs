@@ -1,7 +1,5 @@
 //! Benchmark reports: the bench JSON schema ([`schema`]), reference timings ([`anchors`]), and
-//! `trimul report`'s output: `report.md` (`markdown`) and SVG plots (`plot`). The rendering
-//! (`render`, `write`) needs the `report` feature (plotters; on by default through `cli`);
-//! the schema, the anchors and the formatting helpers do not.
+//! `trimul report`'s output: `report.md` (`markdown`) and SVG plots (`plot`).
 //!
 //! Everything here is pure data in, text out. The output depends only on the inputs (no clock,
 //! no environment, stable ordering, fixed float formatting), so committed JSONs reproduce a
@@ -12,6 +10,11 @@
 //! Shapes some runs lack are listed in the report, and every geometric mean is taken over the
 //! shapes all runs share, saying how many.
 
+// `render` and `write` need the `report` feature (plotters; on by default through `cli`); the
+// schema, the anchors and the formatting helpers do not. Without it the model the renderers read
+// is compiled but unused.
+#![cfg_attr(not(feature = "report"), allow(dead_code, unused_imports))]
+
 pub mod anchors;
 #[cfg(feature = "report")]
 pub mod markdown;
@@ -19,10 +22,8 @@ pub mod markdown;
 pub mod plot;
 pub mod schema;
 
-#[cfg(feature = "report")]
 use std::path::{Path, PathBuf};
 
-#[cfg(feature = "report")]
 use crate::error::{Error, Result};
 
 pub use anchors::Anchor;
@@ -32,7 +33,6 @@ pub use schema::{
 };
 
 /// File name of the markdown part of a report.
-#[cfg(feature = "report")]
 pub const REPORT_MD: &str = "report.md";
 
 /// A rendered report: `report.md` and the SVG files it links to.
@@ -76,13 +76,11 @@ pub fn write(report: &Report, out_dir: impl AsRef<Path>) -> Result<Vec<PathBuf>>
 
 /// Checks, before rendering, that a report can go to `out_dir`: it is a directory, or one can
 /// be created there, and files can be created in it.
-#[cfg(feature = "report")]
 pub fn check_output_dir(out_dir: impl AsRef<Path>) -> Result<()> {
     crate::io::check_output_dir(out_dir)
 }
 
 /// Runs and anchors lined up by shape: what both the markdown and the plots read.
-#[cfg(feature = "report")]
 pub(crate) struct Model<'a> {
     pub runs: &'a [BenchRun],
     pub anchors: &'a [Anchor],
@@ -95,7 +93,6 @@ pub(crate) struct Model<'a> {
     pub common: Vec<usize>,
 }
 
-#[cfg(feature = "report")]
 impl<'a> Model<'a> {
     fn new(runs: &'a [BenchRun], anchors: &'a [Anchor], baseline: Option<usize>) -> Result<Model<'a>> {
         if runs.is_empty() {
@@ -160,7 +157,6 @@ impl<'a> Model<'a> {
 }
 
 /// `exp(mean(ln v))`; `None` when empty or when any value is missing, zero, negative or not finite.
-#[cfg(feature = "report")]
 pub(crate) fn geomean(values: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
     let mut sum = 0.0;
     let mut n = 0usize;
@@ -176,7 +172,6 @@ pub(crate) fn geomean(values: impl IntoIterator<Item = Option<f64>>) -> Option<f
 }
 
 /// The message of an error without its variant's prefix, for re-wrapping with more context.
-#[cfg(feature = "report")]
 fn strip_kind(e: Error) -> String {
     match e {
         Error::InvalidArgument(m) => m,
@@ -185,7 +180,6 @@ fn strip_kind(e: Error) -> String {
 }
 
 /// Milliseconds with three decimals, the precision of SPEC.md's tables.
-#[cfg(feature = "report")]
 pub(crate) fn fmt_ms(v: f64) -> String {
     if v.is_finite() {
         format!("{v:.3}")
@@ -196,7 +190,6 @@ pub(crate) fn fmt_ms(v: f64) -> String {
 
 /// A ratio such as a speedup or time/floor, with three significant digits: `2.35×`, `23.5×`,
 /// `235×`, `0.0123×` (a CPU run against a GPU baseline lands far below 1).
-#[cfg(feature = "report")]
 pub(crate) fn fmt_ratio(v: f64) -> String {
     if !v.is_finite() || v <= 0.0 {
         return "n/a".into();
@@ -239,7 +232,6 @@ mod tests {
     use super::*;
 
     #[test]
-    #[cfg(feature = "report")]
     fn geomean_refuses_partial_data() {
         assert_eq!(geomean([Some(1.0), Some(4.0)]), Some(2.0));
         assert_eq!(geomean([Some(1.0), None]), None);
@@ -248,8 +240,7 @@ mod tests {
     }
 
     #[test]
-    #[cfg(feature = "report")]
-    fn report_formatting_is_fixed() {
+    fn formatting_is_fixed() {
         assert_eq!(fmt_ms(0.0456), "0.046");
         assert_eq!(fmt_ms(f64::NAN), "n/a");
         assert_eq!(fmt_ratio(2.346), "2.35×");
@@ -258,10 +249,6 @@ mod tests {
         assert_eq!(fmt_ratio(0.0), "n/a");
         assert_eq!(fmt_ratio(0.01234), "0.0123×");
         assert_eq!(fmt_ratio(1.0), "1.00×");
-    }
-
-    #[test]
-    fn formatting_is_fixed() {
         assert_eq!(fmt_err(5.123e-4), "5.12e-4");
         assert_eq!(fmt_err(f64::NAN), "NaN");
         assert_eq!(fmt_bytes(1023), "1023 B");
