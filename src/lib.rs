@@ -21,6 +21,7 @@
 //! [`reference`](mod@reference) the f64 oracle used only by tests and `trimul check`, [`suite`] the GPU MODE
 //! cases. See `SPEC.md` (in the repository's shared docs) for the math.
 
+#![warn(missing_docs)]
 pub mod backend;
 pub mod device_io;
 pub mod error;
