@@ -12,6 +12,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Which backend an error or a choice refers to.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum BackendKind {
     Cpu,
     Cuda,
@@ -59,6 +60,7 @@ impl std::str::FromStr for BackendKind {
 
 /// Everything that can go wrong.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A shape, size or configuration value is wrong. The message names the tensor or field.
     #[error("shape error: {0}")]

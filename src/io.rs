@@ -61,6 +61,7 @@ pub use files::{check_output, check_output_dir, read_text, write_file, MAX_JSON_
 /// The checkpoint naming conventions this crate reads and writes (see the module docs for the
 /// names and shapes of each).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum NamingScheme {
     /// GPU MODE / lucidrains names (`left_proj.weight`, ...); formulation gpumode.
     GpuMode,

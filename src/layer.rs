@@ -508,6 +508,7 @@ impl<B: Backend> Layer<B> {
 /// A layer on a backend chosen at run time: the type most callers want.
 // A layer is created once and held; variant sizes do not matter, boxing would only add a hop.
 #[allow(clippy::large_enum_variant)]
+#[non_exhaustive]
 pub enum TriMul {
     Cpu(Layer<CpuBackend>),
     #[cfg(feature = "cuda")]

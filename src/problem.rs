@@ -114,6 +114,7 @@ pub fn check_eps(eps: f32) -> Result<()> {
 /// Which of the two published formulations a layer computes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Formulation {
     /// lucidrains / GPU MODE `trimul`: five `[H, C]` projections, hidden-width output gate.
     GpuMode,
@@ -147,7 +148,9 @@ impl std::str::FromStr for Formulation {
     }
 }
 
-/// Which contraction: edges leaving `i` and `j` (outgoing) or arriving at them (incoming).
+/// Which contraction: edges leaving `i` and `j` (outgoing) or arriving at them (incoming). Not
+/// `#[non_exhaustive]`: a triangle update has these two directions, and callers' matches over
+/// them should stay exhaustive.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Direction {

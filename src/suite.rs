@@ -28,6 +28,7 @@ pub const CAUCHY_SCALE: f64 = 2.0;
 /// Distribution of the entries of `x`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Dist {
     /// Standard normal.
     Normal,

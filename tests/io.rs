@@ -148,6 +148,7 @@ fn named_for(w: &Weights, scheme: NamingScheme) -> Named {
         NamingScheme::Packed => packed_named(w, "."),
         NamingScheme::CuEquivarianceFunctional => packed_named(w, "_"),
         NamingScheme::OpenFold => openfold_named(w),
+        other => panic!("no writer for {other:?} in this test"),
     }
 }
 

@@ -442,6 +442,7 @@ pub trait Backend: Clone + Send + Sync {
 
 /// A backend chosen at run time.
 #[derive(Clone)]
+#[non_exhaustive]
 pub enum Device {
     Cpu(cpu::CpuBackend),
     #[cfg(feature = "cuda")]

@@ -179,6 +179,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
             Device::Cuda(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
             #[cfg(feature = "rocm")]
             Device::Hip(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+            other => Err(Error::InvalidArgument(format!("bench does not know the {} backend", other.kind()))),
         })?;
         // Skipped shapes advance the bar by the calls they did not make.
         progress.inc((before + steps_per_case).saturating_sub(progress.position()));

@@ -481,6 +481,7 @@ pub fn device_summary(kind: BackendKind, info: &DeviceInfo) -> String {
         BackendKind::Cpu => "threads",
         BackendKind::Cuda => "SMs",
         BackendKind::Hip => "CUs",
+        _ => "compute units",
     };
     let mut parts = vec![info.name.clone()];
     if !info.arch.is_empty() {

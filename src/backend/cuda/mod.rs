@@ -77,6 +77,7 @@ const POISON_BYTE: u8 = 0xFF;
 ///   the gate buffer; then `FromX` rather than a chunked plan.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum OutputGate {
     Auto = 0,
     Stored = 1,

@@ -96,6 +96,7 @@ pub fn select(
 
 /// How the output stage (LN_H, gate, output projection) runs.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum HipKernelOutput {
     /// `output_norm` + rocBLAS `gemm_ex` (+ bias GEMM + `output_gate` for af3).
     Blas,
