@@ -161,9 +161,11 @@ const OPENFOLD: SchemeNames = SchemeNames {
 };
 
 impl NamingScheme {
+    /// Every scheme the loader recognises.
     pub const ALL: [NamingScheme; 4] =
         [NamingScheme::GpuMode, NamingScheme::Packed, NamingScheme::CuEquivarianceFunctional, NamingScheme::OpenFold];
 
+    /// A short name of the scheme, for messages.
     pub fn as_str(self) -> &'static str {
         match self {
             NamingScheme::GpuMode => "gpumode",
@@ -1102,10 +1104,15 @@ fn write_f32_file(path: &Path, tensors: &[(&str, Vec<usize>, &[f32])]) -> Result
 /// values, row-major, f32.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PairInput {
+    /// `[B, N, N, C]`.
     pub x: Vec<f32>,
+    /// `[B, N, N]` of 0/1 values, when the file has one.
     pub mask: Option<Vec<f32>>,
+    /// Batch size B.
     pub batch: usize,
+    /// Sequence length N.
     pub n: usize,
+    /// Pair channels C.
     pub c: usize,
 }
 

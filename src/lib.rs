@@ -38,6 +38,10 @@ pub mod report;
 pub mod suite;
 pub mod weights;
 
+#[cfg(test)]
+#[path = "../tests/support/seed.rs"]
+pub(crate) mod test_seed;
+
 pub use backend::{Backend, Ceilings, Device, DeviceInfo, MemoryInfo};
 pub use device_io::{DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights};
 pub use error::{BackendKind, Error, Result};

@@ -31,6 +31,7 @@ pub const REPORT_MD: &str = "report.md";
 /// A rendered report: `report.md` and the SVG files it links to.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Report {
+    /// The report in markdown.
     pub markdown: String,
     /// `(file name, SVG document)`, in the order the markdown shows them.
     pub svgs: Vec<(String, String)>,

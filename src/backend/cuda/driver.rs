@@ -161,10 +161,12 @@ impl<T> DeviceBuffer<T> {
         self.len
     }
 
+    /// Whether the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// Size in bytes (at least one element's).
     pub fn bytes(&self) -> u64 {
         (self.len.max(1) * std::mem::size_of::<T>()) as u64
     }

@@ -12,7 +12,7 @@
 use super::arch::{has_mfma, normalize_arch};
 use crate::error::{Error, Result};
 
-pub use crate::kernels::{EmbeddedHipStage, HIP_BUILD, HIP_PREBUILT_ARCHS, HIP_STAGES};
+pub use crate::kernels::{EmbeddedHipStage, HIP_BUILD, HIP_STAGES};
 
 /// Stage names, as in `hip/`.
 pub const INPUT_NORM: &str = "input_norm";

@@ -33,19 +33,24 @@
 //! `unsafe` lives in [`sys`] (loading), [`result`] (calls) and the enqueue/launch/GEMM helpers of
 //! this file, each with its justification.
 
-pub mod arch;
-pub mod blas;
-pub mod kernels;
-pub mod plan;
-pub mod result;
-pub mod sys;
+pub(crate) mod arch;
+pub(crate) mod blas;
+pub(crate) mod kernels;
+pub(crate) mod plan;
+pub(crate) mod result;
+pub(crate) mod sys;
+
+#[cfg(test)]
+mod host_tests;
+
+pub use self::kernels::HipKernelOutput;
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
-use self::kernels::{HipKernelOutput, KernelImage};
+use self::kernels::KernelImage;
 use self::plan::{Plan, Staging};
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
@@ -234,10 +239,12 @@ impl HipBuffer {
         self.mem.addr()
     }
 
+    /// Number of f32 values.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether the buffer holds no values.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -339,6 +346,12 @@ impl HipBackend {
     /// The normalised arch (`gfx942`).
     pub fn arch(&self) -> &str {
         &self.ctx.arch
+    }
+
+    /// Whether this GPU has the matrix-core (MFMA) instructions the fused output kernel uses
+    /// (CDNA: gfx908, gfx90a, gfx94x, gfx950).
+    pub fn has_mfma(&self) -> bool {
+        arch::has_mfma(&self.ctx.arch)
     }
 
     /// The backend's own stream (every forward of [`Backend::forward`] runs on it).
@@ -944,8 +957,9 @@ fn load_stage(
         .is_some_and(|s| s.code_objects.iter().any(|(a, _)| *a == arch));
     let rtc = || sys::hiprtc().map(|_| ()).map_err(|e| e.to_string());
     let compile = |source: &str, options: &[String], arch: &str| -> Result<(Kernel, String)> {
-        let code = result::rtc_compile(sys::hiprtc()?, source, stage, options)?;
-        Ok((Kernel::load(api, &code, stage)?, format!("{stage}: hipRTC {arch}")))
+        let rtc = sys::hiprtc()?;
+        let code = result::rtc_compile(rtc, source, stage, options)?;
+        Ok((Kernel::load(api, &code, stage)?, format!("{stage}: hipRTC {arch} ({})", rtc.path)))
     };
     let avail = if force || !prebuilt { rtc() } else { Err("not needed".to_string()) };
     match kernels::select(kernels::HIP_STAGES, stage, target_id, avail, force)? {
