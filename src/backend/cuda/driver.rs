@@ -84,7 +84,7 @@ pub(crate) fn nvrtc_missing() -> Error {
 }
 
 /// Device memory of `len` elements of `T`: owned by the backend and freed on drop, or (made by
-/// [`DeviceBuffer::borrowed`]) a view of memory the caller owns, which is never freed here.
+/// `DeviceBuffer::borrowed`) a view of memory the caller owns, which is never freed here.
 pub struct DeviceBuffer<T> {
     ptr: CUdeviceptr,
     len: usize,

@@ -2,35 +2,35 @@
 //! archs through hipRTC. Built with `--features rocm`; needs no ROCm at build time.
 //!
 //! One forward, in the notation of SPEC.md (M = B·N² positions, P = 4H + G):
-//! 1. per chunk of positions (see [`plan`]):
+//! 1. per chunk of positions (see `plan`):
 //!    `input_norm`: z = LN_C(x) → f16 `[rows, C]`;
-//!    projection GEMM (rocBLAS `gemm_ex`, [`GemmSpec::projection`]): proj = z·Wcatᵀ → f16
+//!    projection GEMM (rocBLAS `gemm_ex`, `GemmSpec::projection`): proj = z·Wcatᵀ → f16
 //!    `[rows, P]`, with Wcat = [left_proj; left_gate; right_proj; right_gate; out_gate] fused and
 //!    cast to f16 once in [`Backend::prepare`];
 //!    `input_gating`: left = lp ⊙ mask ⊙ σ(lg), right likewise → `[B, H, N, N]`, gate = σ(og) `[M, G]`;
-//! 2. contraction (rocBLAS `gemm_strided_batched_ex`, [`GemmSpec::contraction`], A = right,
+//! 2. contraction (rocBLAS `gemm_strided_batched_ex`, `GemmSpec::contraction`, A = right,
 //!    B = left): t `[B, H, N, N]` f16, f32 accumulation; both directions by transposes alone;
-//! 3. output, one of two paths ([`kernels::select_output`]):
+//! 3. output, one of two paths (`kernels::select_output`):
 //!    rocBLAS (default): `output_norm` (a = LN_H(t) [⊙ gate], into the `left` buffer), output
-//!    GEMM ([`GemmSpec::output`], y = a·Woutᵀ in f32), af3: the bias as a rank-1 GEMM update and
+//!    GEMM (`GemmSpec::output`, y = a·Woutᵀ in f32), af3: the bias as a rank-1 GEMM update and
 //!    `output_gate` (y ⊙= σ(z·Wgᵀ + bg));
 //!    MFMA (opt-in, `TRIMUL_HIP_MFMA=1`, CDNA only): `output_projection` does all of step 3 in
 //!    one kernel with `v_mfma_f32_32x32x8f16`. It has not run on hardware yet.
 //!
 //! When that plan's workspace does not fit the memory budget (or the free memory), the forward
-//! runs a [`ChunkedPlan`] instead: steps 1 and 2 in passes over hidden channels (each pass's
+//! runs a `ChunkedPlan` instead: steps 1 and 2 in passes over hidden channels (each pass's
 //! rows of the gated projections packed into one weight block when the workspace is made, so
 //! `input_gating` runs unchanged with H = the pass width), then step 3 per row chunk with the
 //! gate recomputed from x (`input_gating` with H = 0 over the out-gate columns). The math of why
 //! this is exact, and of in-place mode, is in [`crate::memory`].
 //!
 //! The stage kernels (`hip/*.hip`) share their source with the CUDA backend (`common/`), the
-//! GEMMs share their layout math ([`GemmSpec`]); so both backends compute the same thing in the
+//! GEMMs share their layout math (`GemmSpec`); so both backends compute the same thing in the
 //! same order, and what the H100 tests prove about the shared parts holds here too. Nothing is
 //! allocated inside a forward and nothing waits on the host, except the copies of
 //! [`Backend::forward_host`].
 //!
-//! `unsafe` lives in [`sys`] (loading), [`result`] (calls) and the enqueue/launch/GEMM helpers of
+//! `unsafe` lives in `sys` (loading), `result` (calls) and the enqueue/launch/GEMM helpers of
 //! this file, each with its justification.
 
 pub(crate) mod arch;
@@ -171,7 +171,7 @@ impl HipPrepared {
     }
 }
 
-/// Device buffers for one problem shape (see [`plan`]).
+/// Device buffers for one problem shape (see `plan`).
 pub struct HipWorkspace {
     problem: Problem,
     layout: Layout,
