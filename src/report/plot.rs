@@ -23,7 +23,7 @@ use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::{Against, Model, ShapeResult, Suite};
+use super::{Model, ShapeResult, Suite};
 use crate::error::{Error, Result};
 
 const FONT: &str = "sans-serif";
@@ -293,18 +293,12 @@ fn speedup(m: &Model<'_>, suite: &Suite<'_>, pairs: &[super::Pair]) -> Result<St
     let series = pairs
         .iter()
         .enumerate()
-        .map(|(i, &pair)| {
-            let what = match pair.1 {
-                Against::Anchor(_) => "vs",
-                Against::Column(_) => "vs baseline",
-            };
-            Series {
-                title: format!("{what} {}", suite.against_name(m, pair.1)),
-                subtitle: Some(suite.columns[pair.0].name.clone()),
-                look: Look::Bar(i),
-                values: (0..suite.keys.len()).map(|k| suite.ratio(m, pair, k)).collect(),
-                marks: vec![Mark::Plain; suite.keys.len()],
-            }
+        .map(|(i, &pair)| Series {
+            title: format!("vs {}", suite.against_name(m, pair.1)),
+            subtitle: Some(suite.columns[pair.0].name.clone()),
+            look: Look::Bar(i),
+            values: (0..suite.keys.len()).map(|k| suite.ratio(m, pair, k)).collect(),
+            marks: vec![Mark::Plain; suite.keys.len()],
         })
         .collect();
     draw(&Figure {
