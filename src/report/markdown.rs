@@ -73,8 +73,9 @@ fn escape(s: &str) -> String {
     s.replace('|', "\\|").replace(['\n', '\r'], " ")
 }
 
+/// Inline code, safe in a table cell or a heading (user text: suite names).
 fn code(s: &str) -> String {
-    format!("`{}`", s.replace('`', "'"))
+    format!("`{}`", escape(&s.replace('`', "'")))
 }
 
 /// The whole `report.md`. `plots` are the SVG files written beside it.
@@ -852,8 +853,7 @@ fn mhz(v: f64) -> String {
 /// the readings before and after.
 fn telemetry_cell(t: &ShapeTelemetry) -> String {
     let mut parts = Vec::new();
-    let reasons: Vec<String>;
-    match &t.during {
+    let reasons: Vec<String> = match &t.during {
         Some(d) if d.samples > 0 => {
             match (d.sm_clock_mhz_min, d.sm_clock_mhz_max) {
                 (Some(lo), Some(hi)) if lo != hi => parts.push(format!("SM {}–{} MHz", mhz(lo), mhz(hi))),
@@ -866,7 +866,7 @@ fn telemetry_cell(t: &ShapeTelemetry) -> String {
                 _ => {}
             }
             parts.push(format!("{} readings", d.samples));
-            reasons = d.clock_event_reasons.clone();
+            d.clock_event_reasons.clone()
         }
         _ => {
             let (b, a) = (t.before.clone().unwrap_or_default(), t.after.clone().unwrap_or_default());
@@ -881,9 +881,9 @@ fn telemetry_cell(t: &ShapeTelemetry) -> String {
                 return "no reading".into();
             }
             parts.push("before → after".into());
-            reasons = a.clock_event_reasons.unwrap_or_default();
+            a.clock_event_reasons.unwrap_or_default()
         }
-    }
+    };
     let held: Vec<&String> = reasons.iter().filter(|r| r.as_str() != "gpu_idle").collect();
     if !held.is_empty() {
         parts.push(held.iter().map(|r| format!("**{}**", escape(r))).collect::<Vec<_>>().join(", "));
