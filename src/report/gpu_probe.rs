@@ -265,6 +265,9 @@ mod tests {
 
     #[test]
     fn readings_parse() {
+        // As nvidia-smi 580.159.04 printed it on an idle H200 for this query.
+        let s = parse_sample("345, 1980, 76.74, 700.00, 0x0000000000000001").unwrap();
+        assert_eq!((s.sm_clock_mhz, s.power_w, s.power_limit_w), (Some(345.0), Some(76.74), Some(700.0)));
         let s = parse_sample("1755, 1980, 699.12, 700.00, 0x0000000000000004").unwrap();
         assert_eq!((s.sm_clock_mhz, s.max_sm_clock_mhz), (Some(1755.0), Some(1980.0)));
         assert_eq!((s.power_w, s.power_limit_w), (Some(699.12), Some(700.0)));
