@@ -877,3 +877,21 @@ fn text_reads_are_capped() {
         assert!(e.contains("larger than any tuning table"), "{e}");
     }
 }
+
+/// A tensor name with a control character in it (the fuzzer's `l\near_a_p.weight`) is shown
+/// escaped: every message stays one line. Before, the name went into the message as it was and
+/// the error printed over two lines.
+#[test]
+fn tensor_names_with_control_characters_stay_on_one_line() {
+    let w = af3(true);
+    let named = openfold_named(&w);
+    for victim in ["linear_a_p.weight", "layer_norm_in.bias"] {
+        let bytes = with(&named, |n| {
+            let t = n.iter_mut().find(|t| t.0.ends_with(victim)).unwrap();
+            t.0 = t.0.replacen("in", "i\nn", 1).replacen("ear", "\near", 1);
+        });
+        let e = Weights::from_safetensors_bytes(&bytes).unwrap_err().to_string();
+        assert!(!e.contains('\n'), "multi-line message: {e:?}");
+        assert!(e.contains("\\n"), "the name should show escaped: {e}");
+    }
+}

@@ -307,6 +307,7 @@ fn open_probe(device: &Device) -> (Option<NvidiaSmi>, RunTelemetry) {
             (None, RunTelemetry::unavailable("none", "no clock or power probe for the HIP backend yet"))
         }
         BackendKind::Cpu => (None, RunTelemetry::unavailable("none", "no clock or power probe for the CPU backend")),
+        _ => (None, RunTelemetry::unavailable("none", "no clock or power probe for this backend")),
     }
 }
 

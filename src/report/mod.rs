@@ -13,7 +13,7 @@
 //! they first appear.
 //!
 //! Like with like only: a time is compared (a speedup, a ratio to an anchor) only with times of
-//! the same formulation and I/O precision ([`Class`]), and an anchor that names a device only
+//! the same formulation and I/O precision (`Class`), and an anchor that names a device only
 //! with runs on it; runs and plot legends carry both. Every geometric mean names the shapes it
 //! is over.
 

@@ -51,6 +51,7 @@ pub fn git_commit() -> Option<String> {
 pub struct BenchRun {
     /// Always [`SCHEMA_VERSION`] when written by this build.
     pub schema_version: u32,
+    /// The tool that wrote the run.
     pub tool: ToolInfo,
     /// When the run started, RFC 3339 in UTC (`2026-11-22T14:03:07Z`); see [`format_utc`].
     pub created_utc: String,
@@ -58,6 +59,7 @@ pub struct BenchRun {
     /// the backend and device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
+    /// The machine and device the run was on.
     pub machine: MachineInfo,
     /// `cpu`, `cuda` or `hip`.
     pub backend: String,
@@ -73,11 +75,14 @@ pub struct BenchRun {
     /// weights derive from it, so `--seed` replays them. Absent in older files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    /// How the calls were timed.
     pub timing: TimingMethod,
+    /// The ceilings measured in the same run (floors are computed from them).
     pub ceilings: Ceilings,
     /// The clock and power probe of this run, or why there was none. Absent in older files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub telemetry: Option<RunTelemetry>,
+    /// One result per shape measured (or skipped).
     pub shapes: Vec<ShapeResult>,
 }
 
@@ -88,6 +93,7 @@ pub struct RunTelemetry {
     pub source: String,
     /// Whether the probe answered; when not, the shapes carry no readings and `reason` says why.
     pub available: bool,
+    /// Why telemetry is unavailable, when it is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// Which GPU was read (its UUID, as nvidia-smi prints it).
@@ -143,12 +149,16 @@ pub struct GpuSample {
 pub struct GpuSpan {
     /// Readings taken (0 when the calls ended before the first; `before` and `after` remain).
     pub samples: u32,
+    /// Lowest SM clock seen (MHz).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sm_clock_mhz_min: Option<f64>,
+    /// Highest SM clock seen (MHz).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sm_clock_mhz_max: Option<f64>,
+    /// Highest power draw seen (W).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub power_w_max: Option<f64>,
+    /// The power limit in force (W).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub power_limit_w: Option<f64>,
     /// Every reason any reading gave, in first-seen order.
@@ -195,8 +205,11 @@ pub struct ShapeTelemetry {
 /// Which build of trimul produced a run.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ToolInfo {
+    /// The tool's name (`trimul`).
     pub name: String,
+    /// Its version.
     pub version: String,
+    /// The commit it was built from, where known.
     pub git_commit: Option<String>,
 }
 
@@ -303,9 +316,13 @@ impl Ceilings {
 /// Order statistics of the timed samples of one shape, in ms.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct SampleStats {
+    /// Median.
     pub median: f64,
+    /// 10th percentile.
     pub p10: f64,
+    /// 90th percentile.
     pub p90: f64,
+    /// Minimum.
     pub min: f64,
 }
 
@@ -336,10 +353,15 @@ impl SampleStats {
 pub struct ShapeResult {
     /// Free-form name (`"bench-3"`); the report identifies shapes by [`ShapeResult::key`].
     pub name: String,
+    /// Batch size B.
     pub batch: usize,
+    /// Sequence length N.
     pub n: usize,
+    /// Pair channels C.
     pub c: usize,
+    /// Hidden channels H.
     pub h: usize,
+    /// Whether the shape had a mask.
     pub masked: bool,
     /// Input distribution: `normal` or `cauchy`.
     pub dist: String,
@@ -347,12 +369,16 @@ pub struct ShapeResult {
     pub direction: String,
     /// Timed calls behind the statistics.
     pub repeats: u32,
+    /// Median milliseconds per call.
     #[serde(with = "lenient_f64")]
     pub median_ms: f64,
+    /// 10th-percentile milliseconds.
     #[serde(with = "lenient_f64")]
     pub p10_ms: f64,
+    /// 90th-percentile milliseconds.
     #[serde(with = "lenient_f64")]
     pub p90_ms: f64,
+    /// Fastest call, milliseconds.
     #[serde(with = "lenient_f64")]
     pub min_ms: f64,
     /// [`Problem::flops`] / median.
