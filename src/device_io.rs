@@ -234,3 +234,58 @@ pub struct DeviceIo {
     /// the layer allocates and keeps its own.
     pub workspace: Option<DeviceSpan>,
 }
+
+/// Element types cudarc holds that [`DType`] names: `f32`, `half::bf16`, `half::f16`.
+#[cfg(feature = "cuda")]
+pub trait CudarcElement: cudarc::driver::DeviceRepr {
+    /// The matching element type.
+    const DTYPE: DType;
+}
+
+#[cfg(feature = "cuda")]
+impl CudarcElement for f32 {
+    const DTYPE: DType = DType::F32;
+}
+
+#[cfg(feature = "cuda")]
+impl CudarcElement for half::bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+
+#[cfg(feature = "cuda")]
+impl CudarcElement for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceTensor {
+    /// The tensor of cudarc memory (a `CudaSlice` or `CudaView`) that a call enqueued on `stream`
+    /// reads, with cudarc's synchronisation: `stream` is made to wait for the memory's earlier
+    /// writes, and the returned guard, dropped once the call is enqueued, records the read.
+    ///
+    /// ```no_run
+    /// # fn demo(x: &cudarc::driver::CudaSlice<half::bf16>, stream: &cudarc::driver::CudaStream) {
+    /// let (xt, _read) = trimul::DeviceTensor::from_cudarc(x, stream);
+    /// // ... DeviceIo { x: xt.ptr, stream: stream.cu_stream() as u64, .. } and the forward,
+    /// // then `_read` is dropped at the end of the scope.
+    /// # }
+    /// ```
+    pub fn from_cudarc<'a, T: CudarcElement, S: cudarc::driver::DevicePtr<T>>(
+        slice: &'a S,
+        stream: &'a cudarc::driver::CudaStream,
+    ) -> (DeviceTensor, cudarc::driver::SyncOnDrop<'a>) {
+        let (ptr, guard) = slice.device_ptr(stream);
+        (DeviceTensor::new(ptr, T::DTYPE, slice.len()), guard)
+    }
+
+    /// [`DeviceTensor::from_cudarc`] for memory the call writes (y): `stream` waits for the
+    /// memory's earlier reads and writes, and the guard records the write.
+    pub fn from_cudarc_mut<'a, T: CudarcElement, S: cudarc::driver::DevicePtrMut<T>>(
+        slice: &'a mut S,
+        stream: &'a cudarc::driver::CudaStream,
+    ) -> (DeviceTensor, cudarc::driver::SyncOnDrop<'a>) {
+        let len = slice.len();
+        let (ptr, guard) = slice.device_ptr_mut(stream);
+        (DeviceTensor::new(ptr, T::DTYPE, len), guard)
+    }
+}

@@ -26,7 +26,9 @@ mod sealed {
 
 /// The element types a forward reads and writes (f32, bf16, f16), as seen by [`NonFinite`].
 pub trait Value: sealed::Sealed + Copy + Send + Sync {
+    /// Whether the value is NaN.
     fn is_nan(self) -> bool;
+    /// Whether the value is neither NaN nor infinite.
     fn is_finite(self) -> bool;
 }
 
@@ -60,7 +62,9 @@ impl Value for half::f16 {
 /// How many values of a tensor are NaN or infinite.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct NonFinite {
+    /// NaN elements.
     pub nan: usize,
+    /// Infinite elements.
     pub infinite: usize,
     /// Values counted.
     pub len: usize,

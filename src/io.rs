@@ -61,6 +61,7 @@ pub use files::{check_output, check_output_dir, read_text, write_file, MAX_JSON_
 /// The checkpoint naming conventions this crate reads and writes (see the module docs for the
 /// names and shapes of each).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum NamingScheme {
     /// GPU MODE / lucidrains names (`left_proj.weight`, ...); formulation gpumode.
     GpuMode,
@@ -160,9 +161,11 @@ const OPENFOLD: SchemeNames = SchemeNames {
 };
 
 impl NamingScheme {
+    /// Every scheme the loader recognises.
     pub const ALL: [NamingScheme; 4] =
         [NamingScheme::GpuMode, NamingScheme::Packed, NamingScheme::CuEquivarianceFunctional, NamingScheme::OpenFold];
 
+    /// A short name of the scheme, for messages.
     pub fn as_str(self) -> &'static str {
         match self {
             NamingScheme::GpuMode => "gpumode",
@@ -282,11 +285,21 @@ fn split_known(name: &str) -> Option<(&str, NamingScheme, &'static str)> {
 
 /// At most `max` items, backtick-quoted and comma-separated, with a count of the rest.
 fn list<S: AsRef<str>>(items: &[S], max: usize) -> String {
-    let mut s = items.iter().take(max).map(|i| format!("`{}`", i.as_ref())).collect::<Vec<_>>().join(", ");
+    let mut s = items.iter().take(max).map(|i| format!("`{}`", shown(i.as_ref()))).collect::<Vec<_>>().join(", ");
     if items.len() > max {
         s.push_str(&format!(" and {} more", items.len() - max));
     }
     s
+}
+
+/// A name from a file as a message shows it: control characters (a newline in a tensor name)
+/// escaped, so that every message stays one line.
+fn shown(name: &str) -> std::borrow::Cow<'_, str> {
+    if name.chars().any(char::is_control) {
+        std::borrow::Cow::Owned(name.escape_debug().to_string())
+    } else {
+        std::borrow::Cow::Borrowed(name)
+    }
 }
 
 /// Prefixes of every recognisable layer among `names`, for messages.
@@ -525,7 +538,10 @@ impl LayerReader {
             let name = layout.full(local);
             let TensorInfo { dtype, shape, .. } = source.require(&name)?;
             if float_size(dtype).is_none() {
-                return Err(Error::Dtype(format!("weight `{name}` is {dtype}; weights must be {FLOAT_DTYPES}")));
+                return Err(Error::Dtype(format!(
+                    "weight `{}` is {dtype}; weights must be {FLOAT_DTYPES}",
+                    shown(&name)
+                )));
             }
             let values = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64)).unwrap_or(u64::MAX);
             total = total.saturating_add(values);
@@ -557,7 +573,7 @@ impl LayerReader {
 
     fn req(&self, local: &str) -> Result<Tensor> {
         // Presence of every required name was checked up front; this guards the invariant.
-        self.get(local)?.ok_or_else(|| Error::Weights(format!("missing tensor `{}`", self.layout.full(local))))
+        self.get(local)?.ok_or_else(|| Error::Weights(format!("missing tensor `{}`", shown(&self.layout.full(local)))))
     }
 
     /// Reads a `[out, in]` weight whose size defines `H` and `C`; `rows_per_h` is 2 for the
@@ -581,7 +597,7 @@ impl LayerReader {
             )));
         }
         let h = rows / rows_per_h;
-        let source = format!("`{}` {}", t.name, shape_str(&t.shape));
+        let source = format!("`{}` {}", shown(&t.name), shape_str(&t.shape));
         Ok(Dims { c, h, source })
     }
 
@@ -979,7 +995,7 @@ impl<R: Read + Seek> TensorFile<R> {
         self.info(name).ok_or_else(|| {
             let mut names = self.meta.offset_keys();
             names.sort_unstable();
-            file_err(&self.path, format!("no tensor `{name}` (tensors: {})", list(&names, 8)))
+            file_err(&self.path, format!("no tensor `{}` (tensors: {})", shown(name), list(&names, 8)))
         })
     }
 
@@ -1002,7 +1018,7 @@ impl<R: Read + Seek> TensorFile<R> {
 
     fn read_floats(&mut self, name: &str, info: &TensorInfo) -> Result<Vec<f32>> {
         let elem = float_size(info.dtype).ok_or_else(|| {
-            Error::Dtype(format!("{}: tensor `{name}` is {}; expected {FLOAT_DTYPES}", self.path, info.dtype))
+            Error::Dtype(format!("{}: tensor `{}` is {}; expected {FLOAT_DTYPES}", self.path, shown(name), info.dtype))
         })?;
         // The file's shape decides the size: a failed reservation is an error, not an abort.
         let len: usize = info.shape.iter().product();
@@ -1019,7 +1035,7 @@ impl<R: Read + Seek> TensorFile<R> {
 /// Reserves room for `len` f32 values of tensor `name`, or returns the out-of-memory error that
 /// names them and what the host has available ([`crate::hostmem`]).
 fn reserve_values(out: &mut Vec<f32>, len: usize, name: &str, path: &str) -> Result<()> {
-    crate::hostmem::try_reserve(out, len, &format!("{path}: tensor `{name}` ({len} values as f32)"))
+    crate::hostmem::try_reserve(out, len, &format!("{path}: tensor `{}` ({len} values as f32)", shown(name)))
 }
 
 /// Refuses a header that names a tensor twice. The safetensors crate's map keeps the last of two
@@ -1101,10 +1117,15 @@ fn write_f32_file(path: &Path, tensors: &[(&str, Vec<usize>, &[f32])]) -> Result
 /// values, row-major, f32.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PairInput {
+    /// `[B, N, N, C]`.
     pub x: Vec<f32>,
+    /// `[B, N, N]` of 0/1 values, when the file has one.
     pub mask: Option<Vec<f32>>,
+    /// Batch size B.
     pub batch: usize,
+    /// Sequence length N.
     pub n: usize,
+    /// Pair channels C.
     pub c: usize,
 }
 
@@ -1195,7 +1216,11 @@ fn pair_shape(path: &str, name: &str, shape: &[usize]) -> Result<[usize; 4]> {
         )));
     }
     if dims.contains(&0) {
-        return Err(Error::Shape(format!("{path}: `{name}` has shape {}, with an empty dimension", shape_str(shape))));
+        return Err(Error::Shape(format!(
+            "{path}: `{}` has shape {}, with an empty dimension",
+            shown(name),
+            shape_str(shape)
+        )));
     }
     Ok(dims)
 }

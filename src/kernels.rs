@@ -10,6 +10,7 @@
 /// One CUDA stage: `cuda/<name>.cu`.
 #[derive(Copy, Clone, Debug)]
 pub struct EmbeddedStage {
+    /// The stage's file stem (`cuda/<name>.cu`).
     pub name: &'static str,
     /// Source with `common/` includes expanded (compiles under NVRTC with no include path).
     pub source: &'static str,

@@ -60,6 +60,7 @@ mod sealed {
 /// ([`Precision::Bf16Io`]) and [`half::f16`] ([`Precision::F16Io`]). The mask is always `f32`.
 /// How a backend runs each: see [`Backend::forward_host_half`].
 pub trait IoElement: sealed::Sealed + Copy + Default + Send + Sync + 'static {
+    /// The I/O precision this element type stands for.
     const PRECISION: Precision;
 
     #[doc(hidden)]
@@ -304,14 +305,17 @@ impl<B: Backend> Layer<B> {
         }
     }
 
+    /// The backend the layer runs on.
     pub fn backend(&self) -> &B {
         &self.backend
     }
 
+    /// Formulation, C and H of the layer's weights.
     pub fn config(&self) -> Config {
         self.config
     }
 
+    /// The options the layer was made with.
     pub fn options(&self) -> Options {
         self.options
     }
@@ -340,6 +344,7 @@ impl<B: Backend> Layer<B> {
         }
     }
 
+    /// The memory budget set by [`Layer::set_memory_budget`], if any.
     pub fn memory_budget(&self) -> Option<u64> {
         self.budget
     }
@@ -508,10 +513,14 @@ impl<B: Backend> Layer<B> {
 /// A layer on a backend chosen at run time: the type most callers want.
 // A layer is created once and held; variant sizes do not matter, boxing would only add a hop.
 #[allow(clippy::large_enum_variant)]
+#[non_exhaustive]
 pub enum TriMul {
+    /// On the CPU.
     Cpu(Layer<CpuBackend>),
+    /// On an NVIDIA GPU.
     #[cfg(feature = "cuda")]
     Cuda(Layer<crate::backend::cuda::CudaBackend>),
+    /// On an AMD GPU.
     #[cfg(feature = "rocm")]
     Hip(Layer<crate::backend::hip::HipBackend>),
 }
@@ -540,10 +549,12 @@ impl TriMul {
         })
     }
 
+    /// Which backend the layer runs on.
     pub fn kind(&self) -> BackendKind {
         with_layer!(self, l => l.backend().kind())
     }
 
+    /// The device the layer runs on.
     pub fn device(&self) -> Device {
         match self {
             TriMul::Cpu(l) => Device::Cpu(l.backend().clone()),
@@ -554,10 +565,12 @@ impl TriMul {
         }
     }
 
+    /// Formulation, C and H of the layer's weights.
     pub fn config(&self) -> Config {
         with_layer!(self, l => l.config())
     }
 
+    /// The options the layer was made with.
     pub fn options(&self) -> Options {
         with_layer!(self, l => l.options())
     }
@@ -588,6 +601,7 @@ impl TriMul {
         with_layer!(self, l => l.set_memory_budget(bytes))
     }
 
+    /// See [`Layer::memory_budget`].
     pub fn memory_budget(&self) -> Option<u64> {
         with_layer!(self, l => l.memory_budget())
     }

@@ -21,6 +21,7 @@
 //! [`reference`](mod@reference) the f64 oracle used only by tests and `trimul check`, [`suite`] the GPU MODE
 //! cases. See `SPEC.md` (in the repository's shared docs) for the math.
 
+#![warn(missing_docs)]
 pub mod backend;
 pub mod device_io;
 pub mod error;
@@ -36,6 +37,10 @@ pub mod reference;
 pub mod report;
 pub mod suite;
 pub mod weights;
+
+#[cfg(test)]
+#[path = "../tests/support/seed.rs"]
+pub(crate) mod test_seed;
 
 pub use backend::{Backend, Ceilings, Device, DeviceInfo, MemoryInfo};
 pub use device_io::{DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights};

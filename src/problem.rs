@@ -31,6 +31,7 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// The name `--precision` takes (`f32-io`, `bf16-io`, `f16-io`).
     pub fn as_str(self) -> &'static str {
         match self {
             Precision::F32Io => "f32-io",
@@ -114,6 +115,7 @@ pub fn check_eps(eps: f32) -> Result<()> {
 /// Which of the two published formulations a layer computes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Formulation {
     /// lucidrains / GPU MODE `trimul`: five `[H, C]` projections, hidden-width output gate.
     GpuMode,
@@ -122,6 +124,7 @@ pub enum Formulation {
 }
 
 impl Formulation {
+    /// The name `--formulation` takes (`gpumode`, `af3`).
     pub fn as_str(self) -> &'static str {
         match self {
             Formulation::GpuMode => "gpumode",
@@ -147,16 +150,21 @@ impl std::str::FromStr for Formulation {
     }
 }
 
-/// Which contraction: edges leaving `i` and `j` (outgoing) or arriving at them (incoming).
+/// Which contraction: edges leaving `i` and `j` (outgoing) or arriving at them (incoming). Not
+/// `#[non_exhaustive]`: a triangle update has these two directions, and callers' matches over
+/// them should stay exhaustive.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Direction {
+    /// Edges leaving `i` and `j`: `t[i, j] = Σ_k left[i, k]·right[j, k]`.
     #[default]
     Outgoing,
+    /// Edges arriving at `i` and `j`: `t[i, j] = Σ_k left[k, i]·right[k, j]`.
     Incoming,
 }
 
 impl Direction {
+    /// The name `--direction` takes (`outgoing`, `incoming`).
     pub fn as_str(self) -> &'static str {
         match self {
             Direction::Outgoing => "outgoing",
@@ -189,6 +197,7 @@ pub struct Config {
     pub c: usize,
     /// Hidden width `H` of the projections and the contraction.
     pub h: usize,
+    /// Which formulation the weights are for.
     pub formulation: Formulation,
 }
 
@@ -197,12 +206,14 @@ pub struct Config {
 pub const MAX_CHANNELS: usize = 4096;
 
 impl Config {
+    /// A validated configuration ([`Config::validate`]).
     pub fn new(formulation: Formulation, c: usize, h: usize) -> Result<Self> {
         let cfg = Config { c, h, formulation };
         cfg.validate()?;
         Ok(cfg)
     }
 
+    /// C and H are each in `1..=MAX_CHANNELS`; the error names which is not.
     pub fn validate(&self) -> Result<()> {
         for (name, v) in [("C (pair channels)", self.c), ("H (hidden channels)", self.h)] {
             if v == 0 || v > MAX_CHANNELS {
@@ -238,6 +249,7 @@ pub struct Shape {
 }
 
 impl Shape {
+    /// B and N.
     pub fn new(batch: usize, n: usize) -> Self {
         Shape { batch, n }
     }
@@ -254,9 +266,13 @@ impl Shape {
 /// epsilon.
 #[derive(Copy, Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Problem {
+    /// Formulation, C and H.
     pub config: Config,
+    /// B and N.
     pub shape: Shape,
+    /// Which contraction.
     pub direction: Direction,
+    /// Whether a mask is given.
     pub masked: bool,
     /// `y` is written over `x` once everything that needs `x` has read it (see
     /// [`Problem::in_place`]).
@@ -272,6 +288,7 @@ pub struct Problem {
 }
 
 impl Problem {
+    /// A validated problem ([`Problem::validate`]) with f32 I/O, out of place, the default epsilon.
     pub fn new(config: Config, shape: Shape, direction: Direction, masked: bool) -> Result<Self> {
         let p = Problem { config, shape, direction, masked, in_place: false, io: Precision::F32Io, eps: LN_EPS };
         p.validate()?;

@@ -11,10 +11,12 @@ pub struct Rng {
 }
 
 impl Rng {
+    /// A generator seeded with `seed` (the same seed, the same stream).
     pub fn new(seed: u64) -> Self {
         Rng { state: seed ^ 0x5DEE_CE66_D1CE_4E5B, spare: None }
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
@@ -50,10 +52,12 @@ impl Rng {
         scale * (std::f64::consts::PI * (self.uniform() - 0.5)).tan()
     }
 
+    /// `len` samples of N(0, scale²).
     pub fn normal_vec(&mut self, len: usize, scale: f32) -> Vec<f32> {
         (0..len).map(|_| (self.normal() as f32) * scale).collect()
     }
 
+    /// `len` samples of Cauchy(0, scale).
     pub fn cauchy_vec(&mut self, len: usize, scale: f64) -> Vec<f32> {
         (0..len).map(|_| self.cauchy(scale) as f32).collect()
     }

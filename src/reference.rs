@@ -54,8 +54,11 @@ const SAMPLE_MAX_BATCHES: usize = 4;
 /// One output position `(b, i, j)` of `y[B, N, N, C]`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Position {
+    /// Batch index.
     pub b: usize,
+    /// Row index i.
     pub i: usize,
+    /// Column index j.
     pub j: usize,
 }
 
@@ -451,7 +454,9 @@ pub struct Comparison {
     pub nan_mismatch: usize,
     /// The entry furthest past its tolerance (closest to it when all pass): index, got, want.
     pub worst: Option<(usize, f32, f64)>,
+    /// The relative tolerance of the rule.
     pub rtol: f64,
+    /// The absolute tolerance of the rule.
     pub atol: f64,
 }
 

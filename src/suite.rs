@@ -28,6 +28,7 @@ pub const CAUCHY_SCALE: f64 = 2.0;
 /// Distribution of the entries of `x`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Dist {
     /// Standard normal.
     Normal,
@@ -37,6 +38,7 @@ pub enum Dist {
 }
 
 impl Dist {
+    /// The name used in shape names and JSON (`normal`, `cauchy`).
     pub fn as_str(self) -> &'static str {
         match self {
             Dist::Normal => "normal",
@@ -55,11 +57,17 @@ impl std::fmt::Display for Dist {
 /// by the caller ([`Case::problem`]): GPU MODE runs gpumode outgoing, the same shapes serve both.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Case {
+    /// Batch size B.
     pub batch: usize,
+    /// Sequence length N.
     pub n: usize,
+    /// Pair channels C.
     pub c: usize,
+    /// Hidden channels H.
     pub h: usize,
+    /// Whether a random 0/1 mask is given.
     pub masked: bool,
+    /// Distribution of x.
     pub dist: Dist,
 }
 
@@ -79,10 +87,12 @@ impl Case {
         s
     }
 
+    /// B and N of the case.
     pub fn shape(&self) -> Shape {
         Shape::new(self.batch, self.n)
     }
 
+    /// The layer configuration of the case in `formulation`.
     pub fn config(&self, formulation: Formulation) -> Result<Config> {
         Config::new(formulation, self.c, self.h)
     }
@@ -173,29 +183,6 @@ pub struct Inputs {
     pub x: Vec<f32>,
     /// `[B, N, N]` of 0/1 values, present when the case is masked.
     pub mask: Option<Vec<f32>>,
-}
-
-/// A fresh seed for test `test` that a failing run can replay: one base per process, from
-/// `TRIMUL_TEST_SEED` when set (a malformed value is an error, not a silent clock seed), else the
-/// clock, mixed with the test's name so that tests draw different inputs. Prints the base with
-/// how to replay it. Every test of this crate takes its seeds here.
-pub fn test_seed(test: &str) -> u64 {
-    static BASE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let base = *BASE.get_or_init(|| match std::env::var("TRIMUL_TEST_SEED") {
-        Ok(s) => s.trim().parse().unwrap_or_else(|_| panic!("TRIMUL_TEST_SEED={s:?} is not a u64")),
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64 ^ (d.as_secs() << 32)),
-    });
-    eprintln!("{test}: replay with TRIMUL_TEST_SEED={base}");
-    // FNV-1a of the name: a fixed, well-spread mix.
-    base ^ test.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
-/// [`test_seed`] of the test running on this thread (libtest names each test's thread after the
-/// test; with one test thread they share the name "main", and the base seed still replays them).
-pub fn this_test_seed() -> u64 {
-    test_seed(std::thread::current().name().unwrap_or("test"))
 }
 
 /// Fresh inputs for `case`, a pure function of `seed`: `x` first, then the mask, from one stream.

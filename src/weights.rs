@@ -13,13 +13,18 @@ use crate::problem::{Config, Formulation};
 /// A linear layer `y = x·Wᵀ + b`, with `W` row-major `[out, in]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Linear {
+    /// `[out, in]`, row-major.
     pub weight: Vec<f32>,
+    /// `[out]`, or none.
     pub bias: Option<Vec<f32>>,
+    /// Output features.
     pub out_features: usize,
+    /// Input features.
     pub in_features: usize,
 }
 
 impl Linear {
+    /// A linear layer from its weight (`[out, in]`, row-major) and optional bias.
     pub fn new(weight: Vec<f32>, bias: Option<Vec<f32>>, out_features: usize, in_features: usize) -> Self {
         Linear { weight, bias, out_features, in_features }
     }
@@ -59,7 +64,9 @@ fn finite(name: &str, v: &[f32]) -> Result<()> {
 /// LayerNorm affine parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Norm {
+    /// Scale, one per channel.
     pub weight: Vec<f32>,
+    /// Shift, one per channel.
     pub bias: Vec<f32>,
 }
 
@@ -117,10 +124,12 @@ impl Weights {
         Ok(w)
     }
 
+    /// Formulation, C and H.
     pub fn config(&self) -> Config {
         self.config
     }
 
+    /// The formulation the weights are for.
     pub fn formulation(&self) -> Formulation {
         self.config.formulation
     }
@@ -148,6 +157,7 @@ impl Weights {
         [&self.left_proj, &self.left_gate, &self.right_proj, &self.right_gate, &self.out_gate]
     }
 
+    /// Checks every tensor against the configuration: shapes, no biases in the gpumode form, finite values. The error names the tensor.
     pub fn validate(&self) -> Result<()> {
         let Config { c, h, formulation } = self.config;
         self.config.validate()?;

@@ -4,7 +4,11 @@
 
 use trimul::backend::cuda::{CudaBackend, OutputGate};
 use trimul::reference;
-use trimul::suite::{self, this_test_seed as seed, Case, Dist};
+use trimul::suite::{self, Case, Dist};
+
+#[path = "support/seed.rs"]
+mod test_seed;
+use test_seed::this_test_seed as seed;
 use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Shape, TriMul, Weights};
 
 #[path = "support/cuda_device.rs"]

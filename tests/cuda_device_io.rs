@@ -7,7 +7,11 @@
 
 use trimul::backend::cuda::{CudaBackend, DeviceBuffer};
 use trimul::reference;
-use trimul::suite::{self, this_test_seed as seed, Case, Dist};
+use trimul::suite::{self, Case, Dist};
+
+#[path = "support/seed.rs"]
+mod test_seed;
+use test_seed::this_test_seed as seed;
 use trimul::{
     Backend, DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights, Direction,
     Formulation, Layer, Linear, Options, Precision, Shape, Weights,

@@ -7,6 +7,8 @@
 #[path = "support/cuda_device.rs"]
 mod cuda_device;
 
+#[path = "support/seed.rs"]
+mod test_seed;
 use cuda_device::{cuda, MAX_REL_L2, TOL};
 use trimul::reference;
 use trimul::suite::{self, Case, Dist};
@@ -21,7 +23,7 @@ fn caller_stream_forward_captures_into_a_cuda_graph() {
     let Some(b) = cuda() else { return };
     let case = Case::new(64, 2, 128, true, Dist::Cauchy);
     let problem = case.problem(Formulation::GpuMode, Direction::Outgoing).unwrap();
-    let s = suite::test_seed("caller_stream_forward_captures_into_a_cuda_graph");
+    let s = test_seed::test_seed("caller_stream_forward_captures_into_a_cuda_graph");
     let weights = Weights::random(problem.config, false, s).unwrap();
     let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
     let first = suite::generate_inputs(&case, s ^ 0x22);

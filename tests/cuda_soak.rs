@@ -18,6 +18,8 @@
 #[path = "support/cuda_device.rs"]
 mod cuda_device;
 
+#[path = "support/seed.rs"]
+mod test_seed;
 use cuda_device::{cuda, MAX_REL_L2, TOL};
 use trimul::backend::cuda::CudaBackend;
 use trimul::rand::Rng;
@@ -151,7 +153,7 @@ fn soak_1000_forwards_leave_device_memory_as_it_was() {
     let Some(b) = cuda() else { return };
     b.set_poison(false);
     let count = std::env::var("TRIMUL_SOAK_FORWARDS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
-    let seed = suite::test_seed("soak_1000_forwards_leave_device_memory_as_it_was");
+    let seed = test_seed::test_seed("soak_1000_forwards_leave_device_memory_as_it_was");
     let steps = schedule(seed, count);
     let weights: Vec<Weights> = CONFIGS
         .iter()

@@ -22,10 +22,14 @@ mod forward;
 
 use std::process::Command;
 
-use trimul::backend::hip::kernels::HipKernelOutput;
 use trimul::backend::hip::HipBackend;
+use trimul::backend::hip::HipKernelOutput;
 use trimul::reference;
-use trimul::suite::{self, this_test_seed as base_seed, Case, Dist};
+use trimul::suite::{self, Case, Dist};
+
+#[path = "support/seed.rs"]
+mod test_seed;
+use test_seed::this_test_seed as base_seed;
 use trimul::Weights;
 use trimul::{Backend, BackendKind, Config, Device, Direction, Error, Formulation, Layer, Options, Problem, Shape};
 

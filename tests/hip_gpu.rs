@@ -15,10 +15,14 @@
 
 use std::io::Write;
 
-use trimul::backend::hip::kernels::HipKernelOutput;
 use trimul::backend::hip::HipBackend;
+use trimul::backend::hip::HipKernelOutput;
 use trimul::reference;
-use trimul::suite::{self, this_test_seed as seed, Case, Dist};
+use trimul::suite::{self, Case, Dist};
+
+#[path = "support/seed.rs"]
+mod test_seed;
+use test_seed::this_test_seed as seed;
 use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Shape, TriMul, Weights};
 
 const TOL: f64 = 2e-2;

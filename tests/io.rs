@@ -148,6 +148,7 @@ fn named_for(w: &Weights, scheme: NamingScheme) -> Named {
         NamingScheme::Packed => packed_named(w, "."),
         NamingScheme::CuEquivarianceFunctional => packed_named(w, "_"),
         NamingScheme::OpenFold => openfold_named(w),
+        other => panic!("no writer for {other:?} in this test"),
     }
 }
 
@@ -874,5 +875,23 @@ fn text_reads_are_capped() {
         std::fs::File::create(&big).unwrap().set_len(1 << 30).unwrap();
         let e = trimul::backend::cuda::TuningTable::from_file(&big).unwrap_err().to_string();
         assert!(e.contains("larger than any tuning table"), "{e}");
+    }
+}
+
+/// A tensor name with a control character in it (the fuzzer's `l\near_a_p.weight`) is shown
+/// escaped: every message stays one line. Before, the name went into the message as it was and
+/// the error printed over two lines.
+#[test]
+fn tensor_names_with_control_characters_stay_on_one_line() {
+    let w = af3(true);
+    let named = openfold_named(&w);
+    for victim in ["linear_a_p.weight", "layer_norm_in.bias"] {
+        let bytes = with(&named, |n| {
+            let t = n.iter_mut().find(|t| t.0.ends_with(victim)).unwrap();
+            t.0 = t.0.replacen("in", "i\nn", 1).replacen("ear", "\near", 1);
+        });
+        let e = Weights::from_safetensors_bytes(&bytes).unwrap_err().to_string();
+        assert!(!e.contains('\n'), "multi-line message: {e:?}");
+        assert!(e.contains("\\n"), "the name should show escaped: {e}");
     }
 }

@@ -93,6 +93,7 @@ const SLICES_PER_THREAD: usize = 2;
 pub struct CpuBackend;
 
 impl CpuBackend {
+    /// The CPU backend (rayon threads, the `gemm` crate).
     pub fn new() -> Self {
         CpuBackend
     }
@@ -988,7 +989,7 @@ mod tests {
 
     /// Weights, problem, x and mask of `cs`: fresh each run, `seed` keeps a test's cases apart.
     fn inputs(cs: &Case, seed: u64) -> (Weights, Problem, Vec<f32>, Option<Vec<f32>>) {
-        let seed = seed ^ crate::suite::this_test_seed();
+        let seed = seed ^ crate::test_seed::this_test_seed();
         let cfg = Config::new(cs.f, cs.c, cs.h).unwrap();
         let w = Weights::random(cfg, cs.biases, seed).unwrap();
         let pr = Problem::new(cfg, Shape::new(cs.b, cs.n), cs.dir, cs.masked).unwrap();

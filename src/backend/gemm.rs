@@ -115,6 +115,7 @@ impl GemmSpec {
 
     /// Executes the call on the host exactly as a column-major BLAS would (f64 accumulation).
     /// Used by tests to prove the layout math; not a compute path.
+    #[cfg(test)]
     pub fn run_host(&self, a: &[f32], b: &[f32], d: &mut [f32]) {
         for bt in 0..self.batch {
             let (oa, ob, od) = (bt * self.stride_a, bt * self.stride_b, bt * self.stride_d);

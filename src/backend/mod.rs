@@ -19,13 +19,13 @@ pub mod cuda;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod device_prepare;
 pub mod device_weights;
-pub mod gemm;
+pub(crate) mod gemm;
 #[cfg(feature = "rocm")]
 pub mod hip;
 // The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
 pub(crate) mod host_gemm;
-pub mod params;
-pub mod staged_plan;
+pub(crate) mod params;
+pub(crate) mod staged_plan;
 
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};
 use crate::error::{BackendKind, Error, Result};
@@ -99,7 +99,9 @@ pub struct Ceilings {
 /// Device memory as reported by the driver.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryInfo {
+    /// Bytes free on the device.
     pub free: u64,
+    /// Bytes the device has in all.
     pub total: u64,
 }
 
@@ -186,6 +188,7 @@ pub trait Backend: Clone + Send + Sync {
     /// Every intermediate of one problem shape; reused across calls of that shape.
     type Workspace: Send;
 
+    /// Which backend this is.
     fn kind(&self) -> BackendKind;
 
     /// Device, arch and library versions.
@@ -437,15 +440,20 @@ pub trait Backend: Clone + Send + Sync {
         None
     }
 
+    /// Starts a new high-water mark for [`Backend::peak_memory`] at what is allocated now.
     fn reset_peak_memory(&self) {}
 }
 
 /// A backend chosen at run time.
 #[derive(Clone)]
+#[non_exhaustive]
 pub enum Device {
+    /// The CPU backend.
     Cpu(cpu::CpuBackend),
+    /// An NVIDIA GPU (`--features cuda`).
     #[cfg(feature = "cuda")]
     Cuda(cuda::CudaBackend),
+    /// An AMD GPU (`--features rocm`).
     #[cfg(feature = "rocm")]
     Hip(hip::HipBackend),
 }
@@ -557,18 +565,22 @@ impl Device {
         v
     }
 
+    /// Which backend this device is.
     pub fn kind(&self) -> BackendKind {
         with_backend!(self, b => b.kind())
     }
 
+    /// Device, arch and library versions ([`Backend::info`]).
     pub fn info(&self) -> DeviceInfo {
         with_backend!(self, b => b.info())
     }
 
+    /// Blocks until the device has finished the work enqueued on the backend's stream.
     pub fn synchronize(&self) -> Result<()> {
         with_backend!(self, b => b.synchronize())
     }
 
+    /// Free and total device memory, where the backend can tell.
     pub fn memory_info(&self) -> Result<Option<MemoryInfo>> {
         with_backend!(self, b => b.memory_info())
     }
@@ -583,10 +595,12 @@ impl Device {
         with_backend!(self, b => b.elapsed_ms(work))
     }
 
+    /// See [`Backend::peak_memory`].
     pub fn peak_memory(&self) -> Option<u64> {
         with_backend!(self, b => b.peak_memory())
     }
 
+    /// See [`Backend::reset_peak_memory`].
     pub fn reset_peak_memory(&self) {
         with_backend!(self, b => b.reset_peak_memory())
     }

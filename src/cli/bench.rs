@@ -17,12 +17,20 @@
 //!
 //! Floors come from ceilings measured in the same process ([`Device::measure_ceilings`]):
 //! `floor = max(FLOPs / GEMM rate, io bytes / copy bandwidth)`.
+//!
+//! On CUDA, SM clocks, board power, the power limit and the driver's reasons for holding the
+//! clocks down are read with nvidia-smi before, during and after each shape's calls
+//! ([`trimul::report::gpu_probe`]): at N = 4096 an H100 runs into its power cap, and a time
+//! means little without knowing that. A missing nvidia-smi is recorded, never an error.
 
 use std::process::ExitCode;
 
 use trimul::backend::cpu::{gemm_ceiling_gflops, CpuBackend};
 use trimul::backend::device_weights::DeviceWeightSet;
-use trimul::report::{BenchRun, Ceilings, MachineInfo, ShapeResult, TimingMethod, ToolInfo, SCHEMA_VERSION};
+use trimul::report::gpu_probe::NvidiaSmi;
+use trimul::report::{
+    BenchRun, Ceilings, MachineInfo, RunTelemetry, ShapeResult, ShapeTelemetry, TimingMethod, ToolInfo, SCHEMA_VERSION,
+};
 use trimul::suite::{self, Case, Dist};
 use trimul::{
     reference, Backend, BackendKind, Device, Direction, Error, Formulation, Layer, Options, Precision, Weights,
@@ -60,6 +68,8 @@ struct Plan {
     in_place: bool,
     /// Element type of x and y on the device.
     precision: Precision,
+    /// Clock and power readings around each shape's timing, where the backend has a probe.
+    probe: Option<NvidiaSmi>,
 }
 
 enum Outcome {
@@ -88,7 +98,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
     let kind = device.kind();
     let gpu = kind != BackendKind::Cpu;
     let suite = args.suite.unwrap_or(if gpu { BenchSuite::Gpumode } else { BenchSuite::Quick });
-    let (suite_name, cases) = match suite {
+    let (suite_name, cases): (&str, Vec<Case>) = match suite {
         BenchSuite::Gpumode => ("gpumode", suite::bench_cases()),
         BenchSuite::Quick => ("quick", suite::quick_bench_cases()),
         BenchSuite::Long => ("long", long_cases()),
@@ -110,6 +120,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
         budget: args.max_memory,
         in_place: args.in_place,
         precision: args.precision,
+        probe: None,
     };
     if plan.precision != Precision::F32Io {
         if kind != BackendKind::Cuda {
@@ -124,6 +135,8 @@ pub fn run(args: &BenchArgs) -> CliResult {
     }
     let seed = args.seed.unwrap_or_else(clock_seed);
     let info = device.info();
+    let (probe, telemetry) = open_probe(&device);
+    let plan = Plan { probe, ..plan };
 
     let progress = Progress::bar(cases.len() as u64 * u64::from(1 + plan.warmup + plan.repeats));
     progress.out(&format!(
@@ -141,6 +154,15 @@ pub fn run(args: &BenchArgs) -> CliResult {
         if gpu { "device events" } else { "host clock" },
         if plan.fresh_weights { "re-prepared inside every timed call" } else { "prepared once" },
     ))?;
+    progress.out(&match (&telemetry.available, &telemetry.reason) {
+        (true, _) => format!(
+            "clocks and power: nvidia-smi every {} ms during the calls (driver {}, {})",
+            trimul::report::gpu_probe::INTERVAL_MS,
+            telemetry.driver_version.as_deref().unwrap_or("unknown"),
+            telemetry.gpu.as_deref().unwrap_or("the only GPU")
+        ),
+        (false, reason) => format!("clocks and power: not read ({})", reason.as_deref().unwrap_or("no probe")),
+    })?;
     if plan.budget.is_some() || plan.in_place {
         progress.out(&format!(
             "memory: budget {}{}",
@@ -179,6 +201,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
             Device::Cuda(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
             #[cfg(feature = "rocm")]
             Device::Hip(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+            other => Err(Error::InvalidArgument(format!("bench does not know the {} backend", other.kind()))),
         })?;
         // Skipped shapes advance the bar by the calls they did not make.
         progress.inc((before + steps_per_case).saturating_sub(progress.position()));
@@ -238,6 +261,8 @@ pub fn run(args: &BenchArgs) -> CliResult {
             backend: kind.as_str().to_string(),
             precision: plan.precision.as_str().to_string(),
             formulation: plan.formulation.as_str().to_string(),
+            suite: Some(suite_name.to_string()),
+            seed: Some(seed),
             timing: TimingMethod {
                 warmup: plan.warmup,
                 repeats: plan.repeats,
@@ -246,6 +271,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
                 fresh_weights: plan.fresh_weights,
             },
             ceilings,
+            telemetry: Some(telemetry),
             shapes,
         };
         run.write(path)?;
@@ -272,26 +298,65 @@ fn skip_if_out_of_memory(result: trimul::Result<Outcome>) -> trimul::Result<Outc
     }
 }
 
+/// The clock and power probe of this device: nvidia-smi for the GPU the CUDA backend opened;
+/// none elsewhere. Never an error: the record says why there are no readings.
+fn open_probe(device: &Device) -> (Option<NvidiaSmi>, RunTelemetry) {
+    match device.kind() {
+        BackendKind::Cuda => NvidiaSmi::open(cuda_uuid().as_deref()),
+        BackendKind::Hip => {
+            (None, RunTelemetry::unavailable("none", "no clock or power probe for the HIP backend yet"))
+        }
+        BackendKind::Cpu => (None, RunTelemetry::unavailable("none", "no clock or power probe for the CPU backend")),
+        _ => (None, RunTelemetry::unavailable("none", "no clock or power probe for this backend")),
+    }
+}
+
+/// The UUID of CUDA device 0, the one `Device::select` opens, as nvidia-smi prints it
+/// (`GPU-8-4-4-4-12` hex digits), so the probe reads that GPU on a machine with several.
+#[cfg(feature = "cuda")]
+fn cuda_uuid() -> Option<String> {
+    use cudarc::driver::result::device;
+    let uuid = device::get_uuid(device::get(0).ok()?).ok()?;
+    let b: Vec<u8> = uuid.bytes.iter().map(|&c| c as u8).collect();
+    let hex = |r: std::ops::Range<usize>| b[r].iter().map(|v| format!("{v:02x}")).collect::<String>();
+    Some(format!("GPU-{}-{}-{}-{}-{}", hex(0..4), hex(4..6), hex(6..8), hex(8..10), hex(10..16)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_uuid() -> Option<String> {
+    None
+}
+
+/// What [`time_calls`] measured: the timed samples, and the clocks and power around them.
+struct Timed {
+    samples: Vec<f64>,
+    telemetry: Option<ShapeTelemetry>,
+}
+
 /// `warmup` untimed then `repeats` timed calls of `call(k)`, k rotating over the `sets` buffer
-/// sets, each timed alone with [`Backend::elapsed_ms`]; returns the timed samples.
+/// sets, each timed alone with [`Backend::elapsed_ms`]; with the plan's probe, clocks and power
+/// read before, during and after.
 fn time_calls<B: Backend>(
     backend: &B,
     plan: &Plan,
     sets: u64,
     progress: &Progress,
     mut call: impl FnMut(usize) -> trimul::Result<()>,
-) -> trimul::Result<Vec<f64>> {
-    let mut samples = Vec::with_capacity(plan.repeats as usize);
-    for i in 0..(plan.warmup + plan.repeats) as usize {
-        let k = i % sets as usize;
-        let ms = backend.elapsed_ms(&mut || call(k))?;
-        if i >= plan.warmup as usize {
-            samples.push(ms);
+) -> trimul::Result<Timed> {
+    let (samples, telemetry) = NvidiaSmi::around(plan.probe.as_ref(), || -> trimul::Result<Vec<f64>> {
+        let mut samples = Vec::with_capacity(plan.repeats as usize);
+        for i in 0..(plan.warmup + plan.repeats) as usize {
+            let k = i % sets as usize;
+            let ms = backend.elapsed_ms(&mut || call(k))?;
+            if i >= plan.warmup as usize {
+                samples.push(ms);
+            }
+            progress.inc(1);
         }
-        progress.inc(1);
-    }
-    backend.synchronize()?;
-    Ok(samples)
+        backend.synchronize()?;
+        Ok(samples)
+    });
+    Ok(Timed { samples: samples?, telemetry })
 }
 
 /// One shape on one backend with f32 x and y.
@@ -399,6 +464,7 @@ fn measure<B: Backend>(
     progress.set_message(format!("{}: timing", case.name()));
     let calls = (plan.warmup + plan.repeats) as usize;
     let mut samples = Vec::with_capacity(plan.repeats as usize);
+    let mut telemetry = None;
     if plan.fresh_weights {
         // The leaderboard's way: weight preparation inside every timed call.
         match DeviceWeightSet::upload(backend, &weights)? {
@@ -418,10 +484,11 @@ fn measure<B: Backend>(
                         "--fresh-weights times one-pass plans; this shape needs a chunked one on this device".into(),
                     ));
                 }
-                samples = time_calls(backend, plan, sets, progress, |k| {
+                let timed = time_calls(backend, plan, sets, progress, |k| {
                     let prepared = set.prepare()?;
                     backend.forward(prepared.get(), &mut workspace, &problem, &xs[k], masks[k].as_ref(), &mut ys[k])
                 })?;
+                (samples, telemetry) = (timed.samples, timed.telemetry);
                 // The device-prepared path is checked too: the last call's y (set 0 holds the
                 // checked inputs) must equal the host-prepared forward's, bit for bit.
                 let prepared = set.prepare()?;
@@ -465,20 +532,22 @@ fn measure<B: Backend>(
     } else {
         // In place, each call reads the previous call's y as its x: timing does not depend on
         // the values (LayerNorm keeps them in range), and only the first call was checked.
-        samples = time_calls(backend, plan, sets, progress, |k| {
+        let timed = time_calls(backend, plan, sets, progress, |k| {
             if plan.in_place {
                 layer.forward_buffers_in_place(&mut xs[k], masks[k].as_ref(), shape)
             } else {
                 layer.forward_buffers(&xs[k], masks[k].as_ref(), &mut ys[k], shape)
             }
         })?;
+        (samples, telemetry) = (timed.samples, timed.telemetry);
     }
     backend.synchronize()?;
 
     let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
         .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
         .with_memory(peak, Some(used_ws))
-        .with_plan(plan.budget, exec_plan, plan.in_place);
+        .with_plan(plan.budget, exec_plan, plan.in_place)
+        .with_telemetry(telemetry);
     Ok(Outcome::Done(Box::new(Measured { result, sets })))
 }
 
@@ -701,17 +770,18 @@ mod half {
 
         progress.set_message(format!("{}: timing", case.name()));
         // In place, each call reads the previous call's y as its x (see `measure`).
-        let samples = time_calls(backend, plan, sets, progress, |k| {
+        let timed = time_calls(backend, plan, sets, progress, |k| {
             if plan.in_place {
                 layer.forward_buffers_half_in_place(&mut xs[k], masks[k].as_ref(), shape, io)
             } else {
                 layer.forward_buffers_half(&xs[k], masks[k].as_ref(), &mut ys[k], shape, io)
             }
         })?;
-        let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
+        let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &timed.samples, ceilings)?
             .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
             .with_memory(peak, Some(used_ws))
-            .with_plan(plan.budget, exec_plan, plan.in_place);
+            .with_plan(plan.budget, exec_plan, plan.in_place)
+            .with_telemetry(timed.telemetry);
         Ok(Outcome::Done(Box::new(Measured { result, sets })))
     }
 }

@@ -7,11 +7,18 @@
 //!
 //! Unwritten output cannot pass by accident: the host `y` starts as NaN and GPU backends
 //! NaN-poison their outputs and intermediates before every forward.
+//!
+//! `--json` writes one object: `schema_version` ([`CHECK_SCHEMA_VERSION`]) first, then the tool
+//! (name, version, commit), the backend and device, suite, formulation, direction, seed,
+//! tolerances, pass and fail counts, and one entry per case (shape, seeds, the comparison or the
+//! error). As for bench JSON, adding an optional field keeps the version; renaming, removing or
+//! changing the meaning of a field bumps it.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use serde::Serialize;
+use trimul::report::ToolInfo;
 use trimul::suite::{self, Case};
 use trimul::{reference, BackendKind, Device, Direction, Formulation, Options, TriMul, Weights};
 
@@ -24,8 +31,14 @@ use super::{
 const RTOL: f64 = 2e-2;
 const ATOL: f64 = 2e-2;
 
+/// Version of the `check --json` layout. Version 1 is the first to carry the field; files
+/// without it come from earlier builds, with the same fields otherwise.
+pub const CHECK_SCHEMA_VERSION: u32 = 1;
+
 #[derive(Serialize)]
 struct Report {
+    schema_version: u32,
+    tool: ToolInfo,
     backend: BackendKind,
     device: String,
     suite: &'static str,
@@ -125,6 +138,8 @@ pub fn run(args: &CheckArgs) -> CliResult {
     let failed = results.len() - passed;
     if args.json {
         emit_json(&Report {
+            schema_version: CHECK_SCHEMA_VERSION,
+            tool: ToolInfo::current(),
             backend: device.kind(),
             device: info.name,
             suite: suite_name,

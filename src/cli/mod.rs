@@ -208,10 +208,13 @@ pub struct ReportArgs {
     /// Directory for report.md and the SVG plots (created if missing).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// Reference timings (JSON: name, unit "ms", per-shape values) shown beside the runs.
+    /// Reference timings (JSON: name, unit "ms", formulation, precision, per-shape values),
+    /// compared only with runs of the same formulation and I/O precision.
     #[arg(long, value_name = "FILE")]
     pub anchors: Option<PathBuf>,
-    /// The run speedups are measured against, numbered from 1 in the order given (default 1).
+    /// The run that speedups between runs of its suite, formulation and precision are measured
+    /// against, numbered from 1 in the order given (default 1; other combinations use their
+    /// first run).
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
     pub baseline: Option<u32>,
 }
@@ -481,6 +484,7 @@ pub fn device_summary(kind: BackendKind, info: &DeviceInfo) -> String {
         BackendKind::Cpu => "threads",
         BackendKind::Cuda => "SMs",
         BackendKind::Hip => "CUs",
+        _ => "compute units",
     };
     let mut parts = vec![info.name.clone()];
     if !info.arch.is_empty() {

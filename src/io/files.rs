@@ -330,7 +330,7 @@ fn adopt(file: &File, old: &Metadata) -> std::result::Result<(), String> {
 }
 
 /// Checks that `path` can be written as an output, before the work that produces it: the checks
-/// of the write itself (see the [module docs](self)), and a probe file created and removed in
+/// of the write itself (see the module docs of `io/files.rs`), and a probe file created and removed in
 /// the directory, so a read-only directory or file system fails now.
 pub fn check_output(path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
@@ -431,7 +431,7 @@ pub(crate) fn write_atomically(
     Ok(())
 }
 
-/// Writes `bytes` to `path` atomically (see the [module docs](self)).
+/// Writes `bytes` to `path` atomically (see the module docs of `io/files.rs`).
 pub fn write_file(path: impl AsRef<Path>, bytes: &[u8]) -> Result<()> {
     write_atomically(path.as_ref(), |w| w.write_all(bytes))
 }

@@ -5,10 +5,17 @@
 //!
 //! ```json
 //! [{ "name": "PyTorch reference f32", "unit": "ms", "device": "NVIDIA H100 80GB HBM3",
+//!    "formulation": "gpumode", "precision": "f32-io",
 //!    "shapes": { "n256_b2_c128": 2.251, "n768_b1_c128": 15.01 } }]
 //! ```
 //!
 //! Keys are [`ShapeResult::key`](super::ShapeResult::key) strings, `n{N}_b{B}_c{C}`.
+//!
+//! The report compares an anchor only with runs of its formulation and I/O precision (the
+//! precision of x and y, as `trimul bench --precision` spells it), and, when the anchor names a
+//! device, only with runs on that device. An anchor that does not say its formulation and
+//! precision is shown but compared with nothing: a time of another computation or another
+//! element type would make any ratio meaningless.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -17,6 +24,15 @@ use serde::{Deserialize, Serialize};
 
 use super::schema::{short, MAX_MS, MIN_ANCHOR_MS};
 use crate::error::{Error, Result};
+use crate::problem::{Formulation, Precision};
+
+/// An error's message without its variant's prefix.
+fn strip(e: Error) -> String {
+    match e {
+        Error::InvalidArgument(m) => m,
+        other => other.to_string(),
+    }
+}
 
 /// One reference series of per-shape times.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -31,6 +47,13 @@ pub struct Anchor {
     /// Where the numbers come from and how they were taken.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// `gpumode` or `af3`: which computation was timed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub formulation: Option<String>,
+    /// `f32-io`, `bf16-io` or `f16-io`: the element type of x and y (whatever the
+    /// implementation computes in inside).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub precision: Option<String>,
     /// Median time per shape key.
     pub shapes: BTreeMap<String, f64>,
 }
@@ -86,10 +109,27 @@ impl Anchor {
         Ok(s)
     }
 
-    /// A non-empty name, unit `ms`, and positive finite times.
+    /// The formulation and I/O precision, spelled as runs spell them (`gpumode`, `f32-io`);
+    /// `None` unless the anchor gives both.
+    pub fn class(&self) -> Option<(String, String)> {
+        let f = self.formulation.as_deref()?.parse::<Formulation>().ok()?;
+        let p = self.precision.as_deref()?.parse::<Precision>().ok()?;
+        Some((f.as_str().to_string(), p.as_str().to_string()))
+    }
+
+    /// A non-empty name, unit `ms`, a known formulation and precision where given, and positive
+    /// finite times.
     pub fn validate(&self) -> Result<()> {
         if self.name.trim().is_empty() {
             return Err(Error::InvalidArgument("an anchor has an empty name".into()));
+        }
+        if let Some(f) = &self.formulation {
+            f.parse::<Formulation>()
+                .map_err(|e| Error::InvalidArgument(format!("anchor {:?}: {}", self.name, strip(e))))?;
+        }
+        if let Some(p) = &self.precision {
+            p.parse::<Precision>()
+                .map_err(|e| Error::InvalidArgument(format!("anchor {:?}: {}", self.name, strip(e))))?;
         }
         if self.unit != "ms" {
             return Err(Error::InvalidArgument(format!(
@@ -134,5 +174,22 @@ mod tests {
         assert!(e.contains("not valid JSON") && !e.contains('\n'), "{e}");
         let e = Anchor::list_from_json_str(r#"[{"name":"a","shapes":{}}]"#).unwrap_err().to_string();
         assert!(e.contains("unit"), "{e}");
+        let e = Anchor::list_from_json_str(r#"{"name":"a","unit":"ms","formulation":"af2","shapes":{}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown formulation \"af2\"") && !e.contains('\n'), "{e}");
+        let e = Anchor::list_from_json_str(r#"{"name":"a","unit":"ms","precision":"int8","shapes":{}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown precision \"int8\""), "{e}");
+    }
+
+    #[test]
+    fn class_needs_both_and_is_normalised() {
+        let a =
+            |f: &str| Anchor::list_from_json_str(&format!(r#"{{"name":"a","unit":"ms",{f}"shapes":{{}}}}"#)).unwrap();
+        assert_eq!(a(r#""formulation":"AF3","precision":"bf16","#)[0].class(), Some(("af3".into(), "bf16-io".into())));
+        assert_eq!(a(r#""formulation":"gpumode","#)[0].class(), None);
+        assert_eq!(a("")[0].class(), None);
     }
 }

@@ -1,10 +1,15 @@
-//! `report.md`: who ran what, then one table per question (how fast, how much faster than the
-//! baseline and the anchors, how close to the floor, how noisy, how correct, how much memory),
-//! then which shapes did not line up, then the plots.
+//! `report.md`: who ran what (and what each run's floor means), the anchors, then one section
+//! per suite with one table per question: how fast (a table per formulation and I/O precision,
+//! with the anchors of that kind), how it compares with like anchors and like runs, how close
+//! to the floor, how noisy, how correct, how much memory, at what clocks and power; then which
+//! shapes did not line up, then the suite's plots.
 
 use std::fmt::Write as _;
 
-use super::{fmt_bytes, fmt_err, fmt_ms, fmt_ratio, geomean, BenchRun, Model, ShapeResult};
+use super::plot::Plot;
+use super::{
+    fmt_bytes, fmt_err, fmt_ms, fmt_ratio, geomean, Against, BenchRun, Model, ShapeResult, ShapeTelemetry, Suite,
+};
 
 /// Column alignment in a markdown table.
 #[derive(Copy, Clone)]
@@ -68,25 +73,21 @@ fn escape(s: &str) -> String {
     s.replace('|', "\\|").replace(['\n', '\r'], " ")
 }
 
+/// Inline code, safe in a table cell or a heading (user text: suite names).
 fn code(s: &str) -> String {
-    format!("`{}`", s.replace('`', "'"))
+    format!("`{}`", escape(&s.replace('`', "'")))
 }
 
-/// The whole `report.md`. `svgs` are the plot files written beside it.
-pub(crate) fn render(m: &Model<'_>, svgs: &[(String, String)]) -> String {
+/// The whole `report.md`. `plots` are the SVG files written beside it.
+pub(crate) fn render(m: &Model<'_>, plots: &[Plot]) -> String {
     let mut out = String::new();
     header(m, &mut out);
     runs(m, &mut out);
-    times(m, &mut out);
-    speedups(m, &mut out);
-    against_anchors(m, &mut out);
-    floors(m, &mut out);
-    throughput(m, &mut out);
-    spread(m, &mut out);
-    correctness(m, &mut out);
-    memory(m, &mut out);
-    coverage(m, &mut out);
-    plots(svgs, &mut out);
+    anchors(m, &mut out);
+    for (i, suite) in m.suites.iter().enumerate() {
+        let mine: Vec<&Plot> = plots.iter().filter(|p| p.suite == i).collect();
+        suite_section(m, suite, &mine, &mut out);
+    }
     // One trailing newline exactly, whatever the last section wrote.
     while out.ends_with("\n\n") {
         out.pop();
@@ -98,55 +99,126 @@ fn plural(n: usize, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
+/// `#1, #2 and #3`.
+fn and_list(items: &[String]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.clone(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
+}
+
+fn run_nums(rs: &[usize]) -> String {
+    and_list(&rs.iter().map(|r| format!("#{}", r + 1)).collect::<Vec<_>>())
+}
+
 fn header(m: &Model<'_>, out: &mut String) {
     let _ = writeln!(out, "# TriMul benchmark report\n");
-    let _ = write!(
+    let suites: Vec<String> =
+        m.suites.iter().map(|s| format!("{} ({})", code(&s.name), plural(s.runs.len(), "run", "runs"))).collect();
+    let _ = writeln!(
         out,
-        "{}, {}, {}. Times are medians in milliseconds; lower is better. ",
+        "{} in {}: {}; {}. Times are medians in milliseconds; lower is better.\n",
         plural(m.runs.len(), "run", "runs"),
-        plural(m.keys.len(), "shape", "shapes"),
+        plural(m.suites.len(), "suite", "suites"),
+        suites.join(", "),
         plural(m.anchors.len(), "anchor", "anchors"),
     );
-    if m.runs.len() > 1 {
-        let _ = write!(out, "Speedups are against {}. ", escape(&m.run_name(m.baseline)));
+    let _ = write!(
+        out,
+        "Each suite is reported on its own. A time is compared (a speedup, a ratio to an anchor) only with \
+         times of the same formulation and I/O precision, the element type of x and y, and an anchor that \
+         names its device only with runs on that device: every run and anchor is labelled with both \
+         (`gpumode f32-io`). Every geometric mean names the shapes it is over."
+    );
+    let between = m.suites.iter().any(|s| s.classes().iter().any(|c| s.class_columns(c).len() > 1));
+    if between {
+        let _ = write!(
+            out,
+            " Speedups between runs are taken against {} within its suite, formulation and precision, and \
+             against the first run of every other combination.",
+            escape(&m.run_name(m.baseline))
+        );
     }
-    let _ = writeln!(out, "Geometric means use the {} every run has.\n", plural(m.common.len(), "shape", "shapes"));
+    let _ = writeln!(out, "\n");
 }
 
 fn commit(run: &BenchRun) -> String {
     run.tool.git_commit.as_deref().map(code).unwrap_or_else(|| "unknown".into())
 }
 
+/// Why a run has no clock and power readings; `None` when it has them.
+fn probe_missing(run: &BenchRun) -> Option<String> {
+    match &run.telemetry {
+        None => Some("written before bench recorded clocks and power".into()),
+        Some(t) if t.available => None,
+        Some(t) => {
+            let reason = t.reason.as_deref().unwrap_or("no probe");
+            Some(if t.source == "none" || reason.contains(t.source.as_str()) {
+                reason.to_string()
+            } else {
+                format!("{reason} ({})", t.source)
+            })
+        }
+    }
+}
+
+/// How a run's clocks and power were recorded, for the software list.
+fn probe_text(run: &BenchRun) -> String {
+    match (&run.telemetry, probe_missing(run)) {
+        (_, Some(why)) => format!("clocks and power not read: {why}"),
+        (Some(t), None) => {
+            let mut s = format!("clocks and power read by {}", t.source);
+            if let Some(ms) = t.interval_ms {
+                let _ = write!(s, " (every {ms} ms during the timed calls)");
+            }
+            if let Some(d) = &t.driver_version {
+                let _ = write!(s, ", driver {d}");
+            }
+            if let Some(g) = &t.gpu {
+                let _ = write!(s, ", {g}");
+            }
+            s
+        }
+        (None, None) => String::new(),
+    }
+}
+
 fn runs(m: &Model<'_>, out: &mut String) {
     let _ = writeln!(out, "## Runs\n");
     let mut t = Table::new();
     t.col("run", Align::Left)
+        .col("suite", Align::Left)
         .col("device", Align::Left)
         .col("arch", Align::Left)
         .col("compute units", Align::Right)
         .col("memory", Align::Right)
         .col("backend", Align::Left)
-        .col("precision", Align::Left)
         .col("formulation", Align::Left)
+        .col("I/O precision", Align::Left)
         .col("date (UTC)", Align::Left)
         .col("tool", Align::Left)
-        .col("commit", Align::Left);
+        .col("commit", Align::Left)
+        .col("seed", Align::Right);
     for (r, run) in m.runs.iter().enumerate() {
         let mc = &run.machine;
         let device =
             if mc.device.starts_with(&mc.vendor) { mc.device.clone() } else { format!("{} {}", mc.vendor, mc.device) };
+        let (suite, inferred) = run.suite_name();
         t.row(vec![
             escape(&m.run_name(r)),
+            if inferred { format!("{} (inferred)", code(&suite)) } else { code(&suite) },
             escape(device.trim()),
             escape(&mc.arch),
             mc.compute_units.to_string(),
             fmt_bytes(mc.memory_bytes),
             escape(&run.backend),
-            escape(&run.precision),
             escape(&run.formulation),
+            escape(&run.precision),
             escape(run.date()),
             escape(&format!("{} {}", run.tool.name, run.tool.version)),
             commit(run),
+            run.seed.map_or_else(|| "not recorded".into(), |s| s.to_string()),
         ]);
     }
     t.write(out);
@@ -173,33 +245,178 @@ fn runs(m: &Model<'_>, out: &mut String) {
         t.row(vec![
             escape(&m.run_name(r)),
             escape(&format!(
-                "{} warm-up, {} timed, {} buffer sets, {} clock, {weights}",
-                tm.warmup, tm.repeats, tm.buffer_sets, tm.clock
+                "{} warm-up, {} timed, {}, {} clock, {weights}",
+                tm.warmup,
+                tm.repeats,
+                plural(tm.buffer_sets as usize, "buffer set", "buffer sets"),
+                tm.clock
             )),
             gemm,
             copy,
         ]);
     }
     t.write(out);
+    floors_meaning(m, out);
 
-    let mut lines = Vec::new();
+    // Runs with the same software share a line: the version strings can be long.
+    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
     for (r, run) in m.runs.iter().enumerate() {
         let mut parts: Vec<String> = run.machine.versions.iter().map(|(k, v)| format!("{k} {v}")).collect();
         if let Some(h) = &run.machine.host {
             parts.push(format!("host {h}"));
         }
-        if !parts.is_empty() {
-            lines.push(format!("- {}: {}", m.run_name(r), parts.join(" · ").replace(['\n', '\r'], " ")));
+        parts.push(probe_text(run));
+        let text = escape(&parts.join(" · "));
+        match groups.iter_mut().find(|(t, _)| *t == text) {
+            Some((_, rs)) => rs.push(r),
+            None => groups.push((text, vec![r])),
         }
     }
-    if !lines.is_empty() {
-        let _ = writeln!(out, "Software:\n\n{}\n", lines.join("\n"));
+    let lines: Vec<String> = groups.iter().map(|(text, rs)| format!("- {}: {text}", run_nums(rs))).collect();
+    let _ = writeln!(out, "Software, driver and clock probe:\n\n{}\n", lines.join("\n"));
+}
+
+fn is_cpu(run: &BenchRun) -> bool {
+    run.backend.trim().eq_ignore_ascii_case("cpu")
+}
+
+/// What a floor is on each kind of device; the CPU's says that it is no independent bound.
+fn floors_meaning(m: &Model<'_>, out: &mut String) {
+    let cpu: Vec<usize> = (0..m.runs.len()).filter(|&r| is_cpu(&m.runs[r])).collect();
+    let _ = write!(
+        out,
+        "**What the floors mean.** A shape's floor is max(FLOPs / GEMM ceiling, bytes of x and y at the run's I/O \
+         precision, and the mask, / copy ceiling), from the ceilings its own run measured."
+    );
+    if cpu.len() < m.runs.len() {
+        let _ = write!(
+            out,
+            " On a GPU the GEMM ceiling is a large GEMM of the vendor library (cuBLASLt, rocBLAS) in the \
+             contraction's element type, timed in the same process: what the device sustains, not its \
+             datasheet peak; the copy ceiling is a device-to-device copy."
+        );
+    }
+    if !cpu.is_empty() {
+        let _ = write!(
+            out,
+            " On the CPU ({}) the GEMM ceiling is the rate of the `gemm` crate, the same library the CPU backend \
+             runs its GEMMs in, so it is not an independent bound: a time/floor near 1× there says the layer runs \
+             about as fast as its own GEMMs do on that machine (little is lost around them), not that it reaches \
+             the CPU's peak. A faster GEMM library would lower the floor and the time together.",
+            run_nums(&cpu)
+        );
+    }
+    let _ = writeln!(out, "\n");
+}
+
+fn anchors(m: &Model<'_>, out: &mut String) {
+    if m.anchors.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "## Anchors\n");
+    let _ = writeln!(
+        out,
+        "Times measured elsewhere and copied from the anchors file, not by these runs. Each is compared only with \
+         runs of its formulation and I/O precision (and device, where it names one).\n"
+    );
+    let mut lines = Vec::new();
+    for a in m.anchors {
+        let mut s = format!("- **{}**", escape(&a.name));
+        match a.class() {
+            Some((f, p)) => {
+                let _ = write!(s, " ({f} {p})");
+            }
+            None => s.push_str(" (formulation and precision not given: compared with nothing)"),
+        }
+        if let Some(d) = &a.device {
+            let _ = write!(s, " on {}", escape(d));
+        }
+        if let Some(n) = &a.note {
+            let _ = write!(s, ": {}", escape(n));
+        }
+        lines.push(s);
+    }
+    let _ = writeln!(out, "{}\n", lines.join("\n"));
+    let measured: Vec<&String> = m.suites.iter().flat_map(|s| s.keys.iter()).collect();
+    let mut notes = Vec::new();
+    for a in m.anchors {
+        let extra: Vec<String> = a.shapes.keys().filter(|k| !measured.contains(k)).map(|k| code(k)).collect();
+        if !extra.is_empty() {
+            notes.push(format!(
+                "- **{}** has times for shapes no run measured: {}.",
+                escape(&a.name),
+                extra.join(", ")
+            ));
+        }
+    }
+    if !notes.is_empty() {
+        let _ = writeln!(out, "{}\n", notes.join("\n"));
     }
 }
 
+/// Why a suite's runs are in it, when some did not record it.
+fn inferred_why(name: &str) -> &'static str {
+    match name {
+        "long" => "every shape is B = 1, C = H = 128 with N ≥ 2048",
+        "quick" => "the shapes are exactly the quick suite's",
+        "gpumode" => "the shapes are GPU MODE benchmark shapes",
+        _ => "the shapes match no known suite",
+    }
+}
+
+fn suite_section(m: &Model<'_>, s: &Suite<'_>, plots: &[&Plot], out: &mut String) {
+    let _ = writeln!(out, "## Suite {}\n", code(&s.name));
+    let _ = write!(
+        out,
+        "{} ({}), {}.",
+        plural(s.runs.len(), "run", "runs"),
+        run_nums(&s.runs),
+        plural(s.keys.len(), "shape", "shapes")
+    );
+    if s.inferred {
+        let all = s.runs.iter().all(|&r| m.runs[r].suite.as_deref().is_none_or(|n| n.trim().is_empty()));
+        let _ = write!(
+            out,
+            " {} did not record their suite; {} is inferred because {}.",
+            if all { "The runs" } else { "Some of the runs" },
+            code(&s.name),
+            inferred_why(&s.name)
+        );
+    }
+    for col in s.columns.iter().filter(|c| c.runs.len() > 1) {
+        let mut commits: Vec<String> = Vec::new();
+        for &r in &col.runs {
+            let c = commit(&m.runs[r]);
+            if !commits.contains(&c) {
+                commits.push(c);
+            }
+        }
+        let _ = write!(
+            out,
+            " Runs {} share the column {}: one configuration (label or backend, device, formulation, precision, \
+             weight preparation, memory budget), different shapes{}.",
+            run_nums(&col.runs),
+            escape(&col.name),
+            if commits.len() > 1 { format!(", builds {}", and_list(&commits)) } else { String::new() }
+        );
+    }
+    let _ = writeln!(out, "\n");
+    times(m, s, out);
+    against_anchors(m, s, out);
+    between_runs(m, s, out);
+    floors(m, s, out);
+    throughput(s, out);
+    spread(s, out);
+    correctness(s, out);
+    memory(s, out);
+    clocks(m, s, out);
+    coverage(m, s, out);
+    plot_links(plots, out);
+}
+
 /// Shape, mask and distribution columns; `H` only when some shape is not H = 128.
-fn shape_cols(m: &Model<'_>, t: &mut Table) -> bool {
-    let show_h = m.cells.iter().flatten().flatten().any(|s| s.h != 128);
+fn shape_cols(s: &Suite<'_>, t: &mut Table) -> bool {
+    let show_h = s.columns.iter().flat_map(|c| c.cells.iter().flatten()).any(|r| r.h != 128);
     t.col("shape", Align::Left).col("mask", Align::Left).col("dist", Align::Left);
     if show_h {
         t.col("H", Align::Right);
@@ -207,215 +424,326 @@ fn shape_cols(m: &Model<'_>, t: &mut Table) -> bool {
     show_h
 }
 
-fn shape_cells(m: &Model<'_>, k: usize, show_h: bool) -> Vec<String> {
-    let first = m.first(k);
-    let mut v = vec![
-        code(&m.keys[k]),
-        first.map(|s| if s.masked { "random" } else { "none" }.to_string()).unwrap_or_default(),
-        first.map(|s| escape(&s.dist)).unwrap_or_default(),
-    ];
+fn shape_cells(s: &Suite<'_>, k: usize, show_h: bool) -> Vec<String> {
+    let first = s.first[k];
+    let mut v = vec![code(&s.keys[k]), if first.masked { "random" } else { "none" }.to_string(), escape(&first.dist)];
     if show_h {
-        v.push(first.map(|s| s.h.to_string()).unwrap_or_default());
+        v.push(first.h.to_string());
     }
     v
 }
 
-/// A geomean row's leading cells: a bold label spanning the shape columns.
-fn geomean_cells(m: &Model<'_>, show_h: bool) -> Vec<String> {
-    let mut v =
-        vec![format!("**geomean** ({})", plural(m.common.len(), "shape", "shapes")), String::new(), String::new()];
+/// The keys each column's geometric mean is over: those every one of `cols` has, named in the
+/// row label; when they share none, each column's own, named in its cell (`own` true).
+struct GeoSets {
+    label: String,
+    /// Per entry of `cols`: the keys, and whether they are the column's own rather than common.
+    sets: Vec<(Vec<usize>, bool)>,
+    common: Vec<usize>,
+}
+
+fn geo_sets(s: &Suite<'_>, cols: &[usize], rows: &[usize]) -> GeoSets {
+    let common: Vec<usize> = s.common_of(cols).into_iter().filter(|k| rows.contains(k)).collect();
+    if common.is_empty() {
+        GeoSets {
+            label: "**geomean** over each column's own shapes".into(),
+            sets: cols.iter().map(|&c| (s.keys_of(c), true)).collect(),
+            common,
+        }
+    } else {
+        GeoSets {
+            label: format!("**geomean** over {}", s.describe(&common, rows, "above")),
+            sets: cols.iter().map(|_| (common.clone(), false)).collect(),
+            common,
+        }
+    }
+}
+
+/// A geomean cell: bold value, and the keys it is over when they are the column's own.
+fn geo_cell(
+    s: &Suite<'_>,
+    set: &(Vec<usize>, bool),
+    f: impl Fn(usize) -> Option<f64>,
+    fmt: fn(f64) -> String,
+) -> String {
+    match geomean(set.0.iter().map(|&k| f(k))) {
+        Some(v) if set.1 => format!("**{}** (over {})", fmt(v), s.describe(&set.0, &[], "")),
+        Some(v) => format!("**{}**", fmt(v)),
+        None => "—".into(),
+    }
+}
+
+/// A geomean row's leading cells: the label spanning the shape columns.
+fn geomean_lead(label: &str, show_h: bool) -> Vec<String> {
+    let mut v = vec![label.to_string(), String::new(), String::new()];
     if show_h {
         v.push(String::new());
     }
     v
 }
 
-fn bold_or_dash(v: Option<f64>, fmt: fn(f64) -> String) -> String {
-    v.map(|v| format!("**{}**", fmt(v))).unwrap_or_else(|| "—".into())
-}
-
 fn cell(v: Option<f64>, fmt: fn(f64) -> String) -> String {
     v.map(fmt).unwrap_or_else(|| "—".into())
 }
 
-fn median(m: &Model<'_>, k: usize, r: usize) -> Option<f64> {
-    m.cells[k][r].map(|s| s.median_ms)
+/// Keys some of `cols` has, in suite order.
+fn rows_of(s: &Suite<'_>, cols: &[usize]) -> Vec<usize> {
+    (0..s.keys.len()).filter(|&k| cols.iter().any(|&c| s.columns[c].has(k))).collect()
 }
 
-fn times(m: &Model<'_>, out: &mut String) {
-    let _ = writeln!(out, "## Median time (ms)\n");
-    if !m.anchors.is_empty() {
+fn times(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
+    let _ = writeln!(out, "### Median time (ms)\n");
+    let _ = writeln!(
+        out,
+        "One table per formulation and I/O precision: runs appear only beside runs and anchors that computed \
+         the same thing with the same element type.\n"
+    );
+    for class in s.classes() {
+        let cols = s.class_columns(&class);
+        let anchors = s.anchors_for(m, &cols);
+        let rows = rows_of(s, &cols);
+        let _ = writeln!(out, "**{}**\n", escape(&class.label()));
+        let mut t = Table::new();
+        let show_h = shape_cols(s, &mut t);
+        for &c in &cols {
+            t.col(&s.columns[c].name, Align::Right);
+        }
+        for &a in &anchors {
+            t.col(format!("{} (anchor)", m.anchors[a].name), Align::Right);
+        }
+        for &k in &rows {
+            let mut row = shape_cells(s, k, show_h);
+            row.extend(cols.iter().map(|&c| cell(s.columns[c].median(k), fmt_ms)));
+            row.extend(anchors.iter().map(|&a| cell(s.anchor_value(m, a, k), fmt_ms)));
+            t.row(row);
+        }
+        let g = geo_sets(s, &cols, &rows);
+        let mut row = geomean_lead(&g.label, show_h);
+        row.extend(cols.iter().zip(&g.sets).map(|(&c, set)| geo_cell(s, set, |k| s.columns[c].median(k), fmt_ms)));
+        for &a in &anchors {
+            let v = if g.common.is_empty() { None } else { geomean(g.common.iter().map(|&k| s.anchor_value(m, a, k))) };
+            row.push(v.map(|v| format!("**{}**", fmt_ms(v))).unwrap_or_else(|| "—".into()));
+        }
+        t.row(row);
+        t.write(out);
+    }
+
+    // Anchors with times for these shapes that stand beside no run here, and why.
+    let all: Vec<usize> = (0..s.columns.len()).collect();
+    let shown = s.anchors_for(m, &all);
+    // Grouped by reason: one line per class and device. Each reason in the singular and plural.
+    let mut notes: Vec<((String, String), Vec<String>)> = Vec::new();
+    for &a in s.anchors.iter().filter(|a| !shown.contains(a)) {
+        let anchor = &m.anchors[a];
+        let why = match anchor.class() {
+            None => {
+                let tail = "no formulation and precision, so compared with nothing";
+                (format!("gives {tail}"), format!("give {tail}"))
+            }
+            Some((f, p)) if !s.columns.iter().any(|c| c.class.formulation == f && c.class.precision == p) => {
+                let tail = format!("{f} {p}: no run of this suite has that formulation and precision");
+                (format!("is {tail}"), format!("are {tail}"))
+            }
+            Some((f, p)) => {
+                let tail = format!(
+                    "{f} {p}, measured on {}, where no {f} {p} run of this suite ran",
+                    escape(anchor.device.as_deref().unwrap_or("another device"))
+                );
+                (format!("is {tail}"), format!("are {tail}"))
+            }
+        };
+        let name = format!("**{}**", escape(&anchor.name));
+        match notes.iter_mut().find(|(w, _)| *w == why) {
+            Some((_, names)) => names.push(name),
+            None => notes.push((why, vec![name])),
+        }
+    }
+    if !notes.is_empty() {
+        let lines: Vec<String> = notes
+            .iter()
+            .map(|((one, many), names)| format!("- {} {}.", and_list(names), if names.len() == 1 { one } else { many }))
+            .collect();
+        let _ =
+            writeln!(out, "Anchors with times for these shapes that are not compared here:\n\n{}\n", lines.join("\n"));
+    }
+}
+
+fn against_anchors(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
+    if s.anchors.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "### Against the anchors\n");
+    let pairs: Vec<(usize, usize)> = s
+        .pairs(m)
+        .into_iter()
+        .filter_map(|(c, a)| match a {
+            Against::Anchor(a) => Some((c, a)),
+            Against::Column(_) => None,
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "Anchor time / run time (above 1×: the run is faster), as a geometric mean over the shapes both have and \
+         its range over them. Only runs and anchors of the same formulation and I/O precision are paired, and an \
+         anchor that names a device only with runs on it.\n"
+    );
+    if !pairs.is_empty() {
+        let mut t = Table::new();
+        t.col("run", Align::Left)
+            .col("anchor", Align::Left)
+            .col("shapes", Align::Left)
+            .col("anchor / run", Align::Right)
+            .col("per shape", Align::Right);
+        for &(c, a) in &pairs {
+            let pair = (c, Against::Anchor(a));
+            let keys = s.pair_keys(m, pair);
+            let ratios: Vec<f64> = keys.iter().filter_map(|&k| s.ratio(m, pair, k)).collect();
+            let (lo, hi) = ratios.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            let label = m.anchors[a].class().map(|(f, p)| format!(" ({f} {p})")).unwrap_or_default();
+            t.row(vec![
+                escape(&s.columns[c].name),
+                escape(&format!("{}{label}", m.anchors[a].name)),
+                s.describe(&keys, &s.keys_of(c), "of the run"),
+                cell(geomean(ratios.iter().map(|&v| Some(v))), fmt_ratio),
+                if ratios.len() > 1 { format!("{} – {}", fmt_ratio(lo), fmt_ratio(hi)) } else { fmt_ratio(lo) },
+            ]);
+        }
+        t.write(out);
+    }
+    let alone: Vec<String> = (0..s.columns.len())
+        .filter(|c| !pairs.iter().any(|(pc, _)| pc == c))
+        .map(|c| escape(&s.columns[c].name))
+        .collect();
+    if !alone.is_empty() {
         let _ = writeln!(
             out,
-            "Anchor columns are times measured elsewhere and copied from the anchors file, not by these runs \
-             (see the anchor notes below the table).\n"
+            "No anchor has the formulation, I/O precision and device of {}, so {} compared with none.\n",
+            and_list(&alone),
+            if alone.len() == 1 { "it is" } else { "they are" }
         );
     }
-    let mut t = Table::new();
-    let show_h = shape_cols(m, &mut t);
-    for r in 0..m.runs.len() {
-        t.col(m.run_name(r), Align::Right);
-    }
-    for a in m.anchors {
-        t.col(&a.name, Align::Right);
-    }
-    for k in 0..m.keys.len() {
-        let mut row = shape_cells(m, k, show_h);
-        row.extend((0..m.runs.len()).map(|r| cell(median(m, k, r), fmt_ms)));
-        row.extend(m.anchors.iter().map(|a| cell(a.shapes.get(&m.keys[k]).copied(), fmt_ms)));
-        t.row(row);
-    }
-    let mut row = geomean_cells(m, show_h);
-    row.extend((0..m.runs.len()).map(|r| bold_or_dash(m.common_geomean(|k| median(m, k, r)), fmt_ms)));
-    row.extend(m.anchors.iter().map(|a| bold_or_dash(m.common_geomean(|k| a.shapes.get(&m.keys[k]).copied()), fmt_ms)));
-    t.row(row);
-    t.write(out);
-
-    if !m.anchors.is_empty() {
-        let mut lines = Vec::new();
-        for a in m.anchors {
-            let mut s = format!("- **{}**", escape(&a.name));
-            if let Some(d) = &a.device {
-                let _ = write!(s, " on {}", escape(d));
-            }
-            if let Some(n) = &a.note {
-                let _ = write!(s, ": {}", escape(n));
-            }
-            lines.push(s);
-        }
-        let _ = writeln!(out, "{}\n", lines.join("\n"));
-    }
 }
 
-fn speedups(m: &Model<'_>, out: &mut String) {
-    if m.runs.len() < 2 {
+fn between_runs(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
+    let classes: Vec<_> = s.classes().into_iter().filter(|c| s.class_columns(c).len() > 1).collect();
+    if classes.is_empty() {
         return;
     }
-    let b = m.baseline;
-    let _ = writeln!(out, "## Speedup over {}\n", escape(&m.run_name(b)));
-    let _ = writeln!(out, "Baseline time / run time: above 1× is faster than the baseline.\n");
-    let others: Vec<usize> = (0..m.runs.len()).filter(|&r| r != b).collect();
-    let mut t = Table::new();
-    let show_h = shape_cols(m, &mut t);
-    for &r in &others {
-        t.col(m.run_name(r), Align::Right);
-    }
-    let speedup = |k: usize, r: usize| Some(median(m, k, b)? / median(m, k, r)?);
-    for k in 0..m.keys.len() {
-        let mut row = shape_cells(m, k, show_h);
-        row.extend(others.iter().map(|&r| cell(speedup(k, r), fmt_ratio)));
-        t.row(row);
-    }
-    let mut row = geomean_cells(m, show_h);
-    row.extend(others.iter().map(|&r| bold_or_dash(m.common_geomean(|k| speedup(k, r)), fmt_ratio)));
-    t.row(row);
-    t.write(out);
-}
-
-fn against_anchors(m: &Model<'_>, out: &mut String) {
-    if m.anchors.is_empty() {
-        return;
-    }
-    let _ = writeln!(out, "## Against the anchors\n");
+    let _ = writeln!(out, "### Speedups between runs\n");
     let _ = writeln!(
         out,
-        "Anchor time / run time, geometric mean over the shapes the run and the anchor share (all of the \
-         run's shapes unless a count is given): above 1× means the run is faster. Anchors measured on \
-         another device compare devices as much as code.\n"
+        "Baseline time / run time (above 1×: faster than the baseline), within one formulation and I/O precision.\n"
     );
-    let mut t = Table::new();
-    t.col("run", Align::Left);
-    for a in m.anchors {
-        t.col(&a.name, Align::Right);
+    for class in classes {
+        let cols = s.class_columns(&class);
+        let Some(b) = s.baseline_of(m, &class) else { continue };
+        let others: Vec<usize> = cols.iter().copied().filter(|&c| c != b).collect();
+        let _ = writeln!(out, "**{}**, against {}\n", escape(&class.label()), escape(&s.columns[b].name));
+        let rows = rows_of(s, &cols);
+        let mut t = Table::new();
+        let show_h = shape_cols(s, &mut t);
+        for &c in &others {
+            t.col(&s.columns[c].name, Align::Right);
+        }
+        for &k in &rows {
+            let mut row = shape_cells(s, k, show_h);
+            row.extend(others.iter().map(|&c| cell(s.ratio(m, (c, Against::Column(b)), k), fmt_ratio)));
+            t.row(row);
+        }
+        // Over the keys the baseline and every other column have, or each pair's own.
+        let g = geo_sets(s, &cols, &rows);
+        let mut row = geomean_lead(&g.label, show_h);
+        for &c in &others {
+            let pair = (c, Against::Column(b));
+            let set = if g.common.is_empty() { (s.pair_keys(m, pair), true) } else { (g.common.clone(), false) };
+            row.push(geo_cell(s, &set, |k| s.ratio(m, pair, k), fmt_ratio));
+        }
+        t.row(row);
+        t.write(out);
     }
-    for (r, run) in m.runs.iter().enumerate() {
-        let mut row = vec![escape(&m.run_name(r))];
-        for a in m.anchors {
-            let ratios: Vec<Option<f64>> =
-                run.shapes.iter().filter_map(|s| a.shapes.get(&s.key()).map(|&av| Some(av / s.median_ms))).collect();
-            let n = ratios.len();
-            row.push(match geomean(ratios) {
-                Some(g) if n == run.shapes.len() => fmt_ratio(g),
-                Some(g) => format!("{} ({})", fmt_ratio(g), plural(n, "shape", "shapes")),
-                None => "—".into(),
-            });
+}
+
+fn floors(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
+    let _ = writeln!(out, "### Distance from the floor\n");
+    let _ = write!(
+        out,
+        "Time / floor, with each run's own floor (see *What the floors mean* above): 1× would be as fast as the \
+         device allows."
+    );
+    let cpu: Vec<String> =
+        s.columns.iter().filter(|c| c.runs.iter().any(|&r| is_cpu(&m.runs[r]))).map(|c| escape(&c.name)).collect();
+    if !cpu.is_empty() {
+        let _ = write!(
+            out,
+            " For {}, the floor is the `gemm` crate's own rate, so the ratio measures the layer against its GEMM \
+             library, not against the CPU.",
+            and_list(&cpu)
+        );
+    }
+    let _ = writeln!(out, "\n");
+    let cols: Vec<usize> = (0..s.columns.len()).collect();
+    let rows: Vec<usize> = (0..s.keys.len()).collect();
+    let mut t = Table::new();
+    let show_h = shape_cols(s, &mut t);
+    for col in &s.columns {
+        t.col(format!("{} floor (ms)", col.name), Align::Right).col(format!("{} time/floor", col.name), Align::Right);
+    }
+    for &k in &rows {
+        let mut row = shape_cells(s, k, show_h);
+        for col in &s.columns {
+            row.push(cell(col.cells[k].map(|r| r.floor_ms), fmt_ms));
+            row.push(cell(col.cells[k].map(|r| r.floor_ratio), fmt_ratio));
         }
         t.row(row);
     }
-    t.write(out);
-}
-
-fn floors(m: &Model<'_>, out: &mut String) {
-    let _ = writeln!(out, "## Distance from the floor\n");
-    let _ = writeln!(
-        out,
-        "Floor = max(FLOPs / GEMM ceiling, f32 bytes in+out / copy ceiling), from each run's own ceilings: \
-         the time no implementation can beat on that device. Time / floor of 1× would be perfect.\n"
-    );
-    let mut t = Table::new();
-    let show_h = shape_cols(m, &mut t);
-    for r in 0..m.runs.len() {
-        let name = m.run_name(r);
-        t.col(format!("{name} floor (ms)"), Align::Right).col(format!("{name} time/floor"), Align::Right);
-    }
-    let floor = |k: usize, r: usize| m.cells[k][r].map(|s| s.floor_ms);
-    let ratio = |k: usize, r: usize| m.cells[k][r].map(|s| s.floor_ratio);
-    for k in 0..m.keys.len() {
-        let mut row = shape_cells(m, k, show_h);
-        for r in 0..m.runs.len() {
-            row.push(cell(floor(k, r), fmt_ms));
-            row.push(cell(ratio(k, r), fmt_ratio));
-        }
-        t.row(row);
-    }
-    let mut row = geomean_cells(m, show_h);
-    for r in 0..m.runs.len() {
-        row.push(bold_or_dash(m.common_geomean(|k| floor(k, r)), fmt_ms));
-        row.push(bold_or_dash(m.common_geomean(|k| ratio(k, r)), fmt_ratio));
+    let g = geo_sets(s, &cols, &rows);
+    let mut row = geomean_lead(&g.label, show_h);
+    for (col, set) in s.columns.iter().zip(&g.sets) {
+        row.push(geo_cell(s, set, |k| col.cells[k].map(|r| r.floor_ms), fmt_ms));
+        row.push(geo_cell(s, set, |k| col.cells[k].map(|r| r.floor_ratio), fmt_ratio));
     }
     t.row(row);
     t.write(out);
 }
 
-fn throughput(m: &Model<'_>, out: &mut String) {
-    let _ = writeln!(out, "## Throughput\n");
+fn throughput(s: &Suite<'_>, out: &mut String) {
+    let _ = writeln!(out, "### Throughput\n");
     let _ = writeln!(
         out,
-        "TFLOP/s counts the FLOPs of SPEC.md's formula; GB/s counts f32 x read and y written (and the mask), \
-         so neither includes intermediate traffic.\n"
+        "TFLOP/s counts the FLOPs of SPEC.md's formula; GB/s counts x read and y written at the run's I/O precision \
+         (and the mask), so neither includes intermediate traffic.\n"
     );
     let mut t = Table::new();
-    let show_h = shape_cols(m, &mut t);
-    for r in 0..m.runs.len() {
-        let name = m.run_name(r);
-        t.col(format!("{name} TFLOP/s"), Align::Right).col(format!("{name} GB/s"), Align::Right);
+    let show_h = shape_cols(s, &mut t);
+    for col in &s.columns {
+        t.col(format!("{} TFLOP/s", col.name), Align::Right).col(format!("{} GB/s", col.name), Align::Right);
     }
-    for k in 0..m.keys.len() {
-        let mut row = shape_cells(m, k, show_h);
-        for r in 0..m.runs.len() {
-            let s = m.cells[k][r];
-            row.push(cell(s.map(|s| s.tflops), |v| format!("{v:.2}")));
-            row.push(cell(s.map(|s| s.gbs), |v| format!("{v:.1}")));
+    for k in 0..s.keys.len() {
+        let mut row = shape_cells(s, k, show_h);
+        for col in &s.columns {
+            let r = col.cells[k];
+            row.push(cell(r.map(|r| r.tflops), |v| format!("{v:.2}")));
+            row.push(cell(r.map(|r| r.gbs), |v| format!("{v:.1}")));
         }
         t.row(row);
     }
     t.write(out);
 }
 
-fn spread(m: &Model<'_>, out: &mut String) {
-    let _ = writeln!(out, "## Timing spread\n");
+fn spread(s: &Suite<'_>, out: &mut String) {
+    let _ = writeln!(out, "### Timing spread\n");
     let _ = writeln!(out, "p10 – p90 of the timed calls in ms, with the fastest call and the number of calls.\n");
     let mut t = Table::new();
-    let show_h = shape_cols(m, &mut t);
-    for r in 0..m.runs.len() {
-        t.col(m.run_name(r), Align::Right);
+    let show_h = shape_cols(s, &mut t);
+    for col in &s.columns {
+        t.col(&col.name, Align::Right);
     }
-    for k in 0..m.keys.len() {
-        let mut row = shape_cells(m, k, show_h);
-        for r in 0..m.runs.len() {
-            row.push(match m.cells[k][r] {
-                Some(s) => {
-                    format!("{} – {} (min {}, n={})", fmt_ms(s.p10_ms), fmt_ms(s.p90_ms), fmt_ms(s.min_ms), s.repeats)
+    for k in 0..s.keys.len() {
+        let mut row = shape_cells(s, k, show_h);
+        for col in &s.columns {
+            row.push(match col.cells[k] {
+                Some(r) => {
+                    format!("{} – {} (min {}, n={})", fmt_ms(r.p10_ms), fmt_ms(r.p90_ms), fmt_ms(r.min_ms), r.repeats)
                 }
                 None => "—".into(),
             });
@@ -425,13 +753,11 @@ fn spread(m: &Model<'_>, out: &mut String) {
     t.write(out);
 }
 
-fn correctness(m: &Model<'_>, out: &mut String) {
-    let _ = writeln!(out, "## Correctness\n");
-    let all: Vec<(usize, usize, &ShapeResult)> = (0..m.keys.len())
-        .flat_map(|k| (0..m.runs.len()).filter_map(move |r| m.cells[k][r].map(|s| (k, r, s))))
-        .collect();
-    let checked = all.iter().filter(|(_, _, s)| s.passed.is_some()).count();
-    let passed = all.iter().filter(|(_, _, s)| s.passed == Some(true)).count();
+fn correctness(s: &Suite<'_>, out: &mut String) {
+    let _ = writeln!(out, "### Correctness\n");
+    let all: Vec<&ShapeResult> = s.columns.iter().flat_map(|c| c.cells.iter().flatten().copied()).collect();
+    let checked = all.iter().filter(|r| r.passed.is_some()).count();
+    let passed = all.iter().filter(|r| r.passed == Some(true)).count();
     let _ = write!(
         out,
         "Against the f64 reference on each run's own inputs. rel L2 = ‖out − ref‖ / ‖ref‖; pass = every element \
@@ -449,22 +775,21 @@ fn correctness(m: &Model<'_>, out: &mut String) {
     let _ = writeln!(out, ".\n");
 
     let mut t = Table::new();
-    let show_h = shape_cols(m, &mut t);
-    for r in 0..m.runs.len() {
-        let name = m.run_name(r);
-        t.col(format!("{name} rel L2"), Align::Right)
-            .col(format!("{name} max abs"), Align::Right)
-            .col(format!("{name} result"), Align::Left);
+    let show_h = shape_cols(s, &mut t);
+    for col in &s.columns {
+        t.col(format!("{} rel L2", col.name), Align::Right)
+            .col(format!("{} max abs", col.name), Align::Right)
+            .col(format!("{} result", col.name), Align::Left);
     }
-    for k in 0..m.keys.len() {
-        let mut row = shape_cells(m, k, show_h);
-        for r in 0..m.runs.len() {
-            match m.cells[k][r] {
-                Some(s) => {
-                    row.push(cell(s.rel_l2_err, fmt_err));
-                    row.push(cell(s.max_abs_err, fmt_err));
+    for k in 0..s.keys.len() {
+        let mut row = shape_cells(s, k, show_h);
+        for col in &s.columns {
+            match col.cells[k] {
+                Some(r) => {
+                    row.push(cell(r.rel_l2_err, fmt_err));
+                    row.push(cell(r.max_abs_err, fmt_err));
                     row.push(
-                        match s.passed {
+                        match r.passed {
                             Some(true) => "pass",
                             Some(false) => "**FAIL**",
                             None => "not checked",
@@ -480,117 +805,211 @@ fn correctness(m: &Model<'_>, out: &mut String) {
     t.write(out);
 }
 
-fn memory(m: &Model<'_>, out: &mut String) {
-    let _ = writeln!(out, "## Device memory\n");
-    let any = m.cells.iter().flatten().flatten().any(|s| s.peak_device_bytes.is_some() || s.workspace_bytes.is_some());
-    if !any {
+fn memory(s: &Suite<'_>, out: &mut String) {
+    let _ = writeln!(out, "### Device memory\n");
+    let cells = || s.columns.iter().flat_map(|c| c.cells.iter().flatten());
+    if !cells().any(|r| r.peak_device_bytes.is_some() || r.workspace_bytes.is_some()) {
         let _ = writeln!(out, "No run recorded memory use.\n");
         return;
     }
-    let _ = writeln!(out, "Peak device memory during the timed calls, and the backend's workspace for the shape.\n");
-    let mut t = Table::new();
-    let show_h = shape_cols(m, &mut t);
-    for r in 0..m.runs.len() {
-        let name = m.run_name(r);
-        t.col(format!("{name} peak"), Align::Right).col(format!("{name} workspace"), Align::Right);
+    let _ =
+        write!(out, "Peak device memory of one forward (weights, x, mask, y, workspace), and the backend's workspace.");
+    if cells().any(|r| r.in_place || r.memory_budget_bytes.is_some()) {
+        let _ = write!(out, " *in place*: y was written over x; *budget*: the forward ran under `--max-memory`.");
     }
-    for k in 0..m.keys.len() {
-        let mut row = shape_cells(m, k, show_h);
-        for r in 0..m.runs.len() {
-            let s = m.cells[k][r];
+    let _ = writeln!(out, "\n");
+    let mut t = Table::new();
+    let show_h = shape_cols(s, &mut t);
+    for col in &s.columns {
+        t.col(format!("{} peak", col.name), Align::Right).col(format!("{} workspace", col.name), Align::Right);
+    }
+    for k in 0..s.keys.len() {
+        let mut row = shape_cells(s, k, show_h);
+        for col in &s.columns {
+            let r = col.cells[k];
             let bytes = |v: Option<u64>| v.map(fmt_bytes).unwrap_or_else(|| "—".into());
-            row.push(bytes(s.and_then(|s| s.peak_device_bytes)));
-            row.push(bytes(s.and_then(|s| s.workspace_bytes)));
+            let mut peak = bytes(r.and_then(|r| r.peak_device_bytes));
+            if let Some(r) = r {
+                if r.in_place {
+                    peak.push_str(" (in place)");
+                }
+                if let Some(b) = r.memory_budget_bytes {
+                    let _ = write!(peak, " (budget {})", fmt_bytes(b));
+                }
+            }
+            row.push(peak);
+            row.push(bytes(r.and_then(|r| r.workspace_bytes)));
         }
         t.row(row);
     }
     t.write(out);
 }
 
-/// Reads one configuration field of a result as text, for comparing runs.
+fn mhz(v: f64) -> String {
+    format!("{v:.0}")
+}
+
+/// One shape's clocks and power: the span over the timed calls when there were readings, else
+/// the readings before and after.
+fn telemetry_cell(t: &ShapeTelemetry) -> String {
+    let mut parts = Vec::new();
+    let reasons: Vec<String> = match &t.during {
+        Some(d) if d.samples > 0 => {
+            match (d.sm_clock_mhz_min, d.sm_clock_mhz_max) {
+                (Some(lo), Some(hi)) if lo != hi => parts.push(format!("SM {}–{} MHz", mhz(lo), mhz(hi))),
+                (Some(v), _) | (None, Some(v)) => parts.push(format!("SM {} MHz", mhz(v))),
+                _ => {}
+            }
+            match (d.power_w_max, d.power_limit_w) {
+                (Some(p), Some(l)) => parts.push(format!("≤ {p:.0} W of {l:.0} W")),
+                (Some(p), None) => parts.push(format!("≤ {p:.0} W")),
+                _ => {}
+            }
+            parts.push(format!("{} readings", d.samples));
+            d.clock_event_reasons.clone()
+        }
+        _ => {
+            let (b, a) = (t.before.clone().unwrap_or_default(), t.after.clone().unwrap_or_default());
+            let pair = |x: Option<f64>, y: Option<f64>, unit: &str, f: fn(f64) -> String| match (x, y) {
+                (Some(x), Some(y)) => Some(format!("{} → {} {unit}", f(x), f(y))),
+                (Some(v), None) | (None, Some(v)) => Some(format!("{} {unit}", f(v))),
+                (None, None) => None,
+            };
+            parts.extend(pair(b.sm_clock_mhz, a.sm_clock_mhz, "MHz", mhz).map(|s| format!("SM {s}")));
+            parts.extend(pair(b.power_w, a.power_w, "W", |v| format!("{v:.0}")));
+            if parts.is_empty() {
+                return "no reading".into();
+            }
+            parts.push("before → after".into());
+            a.clock_event_reasons.unwrap_or_default()
+        }
+    };
+    let held: Vec<&String> = reasons.iter().filter(|r| r.as_str() != "gpu_idle").collect();
+    if !held.is_empty() {
+        parts.push(held.iter().map(|r| format!("**{}**", escape(r))).collect::<Vec<_>>().join(", "));
+    }
+    parts.join(" · ")
+}
+
+fn clocks(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
+    let _ = writeln!(out, "### Clocks and power\n");
+    let any = s.columns.iter().flat_map(|c| c.cells.iter().flatten()).any(|r| r.telemetry.is_some());
+    if !any {
+        let mut why: Vec<(String, Vec<usize>)> = Vec::new();
+        for &r in &s.runs {
+            let text = probe_missing(&m.runs[r]).unwrap_or_else(|| "no shape has readings".into());
+            match why.iter_mut().find(|(t, _)| *t == text) {
+                Some((_, rs)) => rs.push(r),
+                None => why.push((text, vec![r])),
+            }
+        }
+        let why: Vec<String> = why.iter().map(|(t, rs)| format!("{}: {}", run_nums(rs), escape(t))).collect();
+        let _ = writeln!(out, "No run of this suite recorded clocks or power ({}).\n", why.join("; "));
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "SM clock range and highest board power over each shape's warm-up and timed calls, against the power \
+         limit, with the reasons the driver gave for holding the clocks down (**sw_power_cap**: the power limit; \
+         idle periods left out). Without readings during the calls, the readings just before and after.\n"
+    );
+    let mut t = Table::new();
+    let show_h = shape_cols(s, &mut t);
+    for col in &s.columns {
+        t.col(&col.name, Align::Left);
+    }
+    for k in 0..s.keys.len() {
+        let mut row = shape_cells(s, k, show_h);
+        for col in &s.columns {
+            row.push(match col.cells[k] {
+                Some(r) => match &r.telemetry {
+                    Some(tel) => telemetry_cell(tel),
+                    None => "not recorded".into(),
+                },
+                None => "—".into(),
+            });
+        }
+        t.row(row);
+    }
+    t.write(out);
+    if let Some(max) = s
+        .columns
+        .iter()
+        .flat_map(|c| c.cells.iter().flatten())
+        .filter_map(|r| r.telemetry.as_ref()?.before.as_ref()?.max_sm_clock_mhz)
+        .reduce(f64::max)
+    {
+        let _ = writeln!(out, "Highest SM clock the GPU reports: {} MHz.\n", mhz(max));
+    }
+}
+
+/// Reads one configuration field of a result as text, for comparing columns.
 type ShapeField = fn(&ShapeResult) -> String;
 
-/// Where runs and anchors do not line up. Always written, so a reader knows it was checked.
-fn coverage(m: &Model<'_>, out: &mut String) {
-    let _ = writeln!(out, "## Shape coverage\n");
-    let names = |rs: &[usize]| rs.iter().map(|&r| escape(&m.run_name(r))).collect::<Vec<_>>().join(", ");
+/// Where columns and anchors do not line up. Always written, so a reader knows it was checked.
+fn coverage(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
+    let _ = writeln!(out, "### Shape coverage\n");
+    let names = |cs: &[usize]| and_list(&cs.iter().map(|&c| escape(&s.columns[c].name)).collect::<Vec<_>>());
     let mut notes = Vec::new();
-
-    for k in 0..m.keys.len() {
-        let missing: Vec<usize> = (0..m.runs.len()).filter(|&r| m.cells[k][r].is_none()).collect();
+    for k in 0..s.keys.len() {
+        let missing: Vec<usize> = (0..s.columns.len()).filter(|&c| !s.columns[c].has(k)).collect();
         if !missing.is_empty() {
-            let have: Vec<usize> = (0..m.runs.len()).filter(|&r| m.cells[k][r].is_some()).collect();
+            let have: Vec<usize> = (0..s.columns.len()).filter(|&c| s.columns[c].has(k)).collect();
             notes.push(format!(
-                "- {} is missing from {} (measured by {}); it is left out of the geomeans.",
-                code(&m.keys[k]),
+                "- {} is missing from {} (measured by {}); geometric means over shapes it lacks say so.",
+                code(&s.keys[k]),
                 names(&missing),
                 names(&have)
             ));
         }
     }
     // Same key, different problem: the times are not comparable, so say how they differ.
-    for k in 0..m.keys.len() {
+    for k in 0..s.keys.len() {
         let present: Vec<(usize, &ShapeResult)> =
-            (0..m.runs.len()).filter_map(|r| m.cells[k][r].map(|s| (r, s))).collect();
+            (0..s.columns.len()).filter_map(|c| s.columns[c].cells[k].map(|r| (c, r))).collect();
         let fields: [(&str, ShapeField); 4] = [
-            ("mask", |s| if s.masked { "random".into() } else { "none".into() }),
-            ("distribution", |s| s.dist.clone()),
-            ("direction", |s| s.direction.clone()),
-            ("H", |s| s.h.to_string()),
+            ("mask", |r| if r.masked { "random".into() } else { "none".into() }),
+            ("distribution", |r| r.dist.clone()),
+            ("direction", |r| r.direction.clone()),
+            ("H", |r| r.h.to_string()),
         ];
         for (what, f) in fields {
-            let first = present.first().map(|(_, s)| f(s));
-            if present.iter().any(|(_, s)| Some(f(s)) != first) {
-                let each = present.iter().map(|(r, s)| format!("{} {}", escape(&m.run_name(*r)), escape(&f(s))));
+            let first = present.first().map(|(_, r)| f(r));
+            if present.iter().any(|(_, r)| Some(f(r)) != first) {
+                let each = present.iter().map(|(c, r)| format!("{} {}", escape(&s.columns[*c].name), escape(&f(r))));
                 notes.push(format!(
                     "- {}: the {what} differs between runs ({}).",
-                    code(&m.keys[k]),
+                    code(&s.keys[k]),
                     each.collect::<Vec<_>>().join(", ")
                 ));
             }
         }
     }
-    for a in m.anchors {
-        let lacks: Vec<String> = m.keys.iter().filter(|k| !a.shapes.contains_key(*k)).map(|k| code(k)).collect();
+    let all: Vec<usize> = (0..s.columns.len()).collect();
+    for a in s.anchors_for(m, &all) {
+        let lacks: Vec<String> =
+            (0..s.keys.len()).filter(|&k| s.anchor_value(m, a, k).is_none()).map(|k| code(&s.keys[k])).collect();
         if !lacks.is_empty() {
-            notes.push(format!("- Anchor **{}** has no time for {}.", escape(&a.name), lacks.join(", ")));
-        }
-        let extra: Vec<String> = a.shapes.keys().filter(|k| !m.keys.contains(k)).map(|k| code(k)).collect();
-        if !extra.is_empty() {
-            notes.push(format!(
-                "- Anchor **{}** has times for shapes no run measured: {}.",
-                escape(&a.name),
-                extra.join(", ")
-            ));
+            notes.push(format!("- Anchor **{}** has no time for {}.", escape(&m.anchors[a].name), lacks.join(", ")));
         }
     }
-
     if notes.is_empty() {
         let _ = writeln!(
             out,
-            "Every run measured the same {} with the same mask, distribution and direction{}.\n",
-            plural(m.keys.len(), "shape", "shapes"),
-            if m.anchors.is_empty() { "" } else { ", and every anchor has a time for each" }
+            "Every column has the same {} with the same mask, distribution and direction.\n",
+            plural(s.keys.len(), "shape", "shapes"),
         );
     } else {
         let _ = writeln!(out, "{}\n", notes.join("\n"));
     }
-    if m.common.is_empty() {
-        let _ = writeln!(out, "No shape is common to all runs, so there are no geometric means.\n");
-    }
 }
 
-fn plots(svgs: &[(String, String)], out: &mut String) {
-    if svgs.is_empty() {
+fn plot_links(plots: &[&Plot], out: &mut String) {
+    if plots.is_empty() {
         return;
     }
-    let _ = writeln!(out, "## Plots\n");
-    for (name, _) in svgs {
-        let alt = match name.as_str() {
-            super::plot::TIME_SVG => "Median time per shape, log scale",
-            super::plot::FLOOR_SVG => "Time over floor per shape, log scale",
-            _ => "plot",
-        };
-        let _ = writeln!(out, "![{alt}]({name})\n");
+    let _ = writeln!(out, "### Plots\n");
+    for p in plots {
+        let _ = writeln!(out, "![{}]({})\n", escape(&p.alt), p.name);
     }
 }

@@ -1,14 +1,21 @@
 //! Benchmark reports: the bench JSON schema ([`schema`]), reference timings ([`anchors`]), and
 //! `trimul report`'s output: `report.md` (`markdown`) and SVG plots (`plot`).
 //!
-//! Everything here is pure data in, text out. The output depends only on the inputs (no clock,
+//! Everything here but [`gpu_probe`] (the clock and power readings `trimul bench` takes) is pure
+//! data in, text out. The output depends only on the inputs (no clock,
 //! no environment, stable ordering, fixed float formatting), so committed JSONs reproduce a
 //! committed report byte for byte.
 //!
-//! Shapes are matched across runs and anchors by [`ShapeResult::key`] (`n{N}_b{B}_c{C}`), in
-//! the order they first appear (the first run's order, then shapes only later runs have).
-//! Shapes some runs lack are listed in the report, and every geometric mean is taken over the
-//! shapes all runs share, saying how many.
+//! Each suite (`gpumode`, `quick`, `long`: [`BenchRun::suite_name`]) is reported on its own.
+//! Within a suite, runs of one configuration whose shapes do not overlap are merged into one
+//! column (the long suite's sizes that need in-place mode are run separately), and shapes are
+//! matched across columns and anchors by [`ShapeResult::key`] (`n{N}_b{B}_c{C}`), in the order
+//! they first appear.
+//!
+//! Like with like only: a time is compared (a speedup, a ratio to an anchor) only with times of
+//! the same formulation and I/O precision (`Class`), and an anchor that names a device only
+//! with runs on it; runs and plot legends carry both. Every geometric mean names the shapes it
+//! is over.
 
 // `render` and `write` need the `report` feature (plotters; on by default through `cli`); the
 // schema, the anchors and the formatting helpers do not. Without it the model the renderers read
@@ -16,6 +23,7 @@
 #![cfg_attr(not(feature = "report"), allow(dead_code, unused_imports))]
 
 pub mod anchors;
+pub mod gpu_probe;
 #[cfg(feature = "report")]
 pub mod markdown;
 #[cfg(feature = "report")]
@@ -28,8 +36,8 @@ use crate::error::{Error, Result};
 
 pub use anchors::Anchor;
 pub use schema::{
-    format_utc, git_commit, json_f64, now_utc, shape_key, BenchRun, Ceilings, MachineInfo, SampleStats, ShapeResult,
-    TimingMethod, ToolInfo, SCHEMA_VERSION,
+    format_utc, git_commit, infer_suite, json_f64, now_utc, shape_key, BenchRun, Ceilings, GpuSample, GpuSpan,
+    MachineInfo, RunTelemetry, SampleStats, ShapeResult, ShapeTelemetry, TimingMethod, ToolInfo, SCHEMA_VERSION,
 };
 
 /// File name of the markdown part of a report.
@@ -39,19 +47,21 @@ pub const REPORT_MD: &str = "report.md";
 #[cfg(feature = "report")]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Report {
+    /// The report in markdown.
     pub markdown: String,
     /// `(file name, SVG document)`, in the order the markdown shows them.
     pub svgs: Vec<(String, String)>,
 }
 
 /// Renders runs and anchors into a report. `baseline` is the 0-based index of the run that
-/// speedups are measured against (the first when `None`); the report itself numbers runs from 1.
+/// speedups between runs of its suite, formulation and precision are measured against (the
+/// first when `None`; other combinations use their first run); the report numbers runs from 1.
 #[cfg(feature = "report")]
 pub fn render(runs: &[BenchRun], anchors: &[Anchor], baseline: Option<usize>) -> Result<Report> {
     let model = Model::new(runs, anchors, baseline)?;
-    let svgs = plot::render_all(&model)?;
-    let markdown = markdown::render(&model, &svgs);
-    Ok(Report { markdown, svgs })
+    let plots = plot::render_all(&model)?;
+    let markdown = markdown::render(&model, &plots);
+    Ok(Report { markdown, svgs: plots.into_iter().map(|p| (p.name, p.svg)).collect() })
 }
 
 /// Writes `report.md` and the SVGs into `out_dir` (created if missing); returns the paths written.
@@ -80,17 +90,124 @@ pub fn check_output_dir(out_dir: impl AsRef<Path>) -> Result<()> {
     crate::io::check_output_dir(out_dir)
 }
 
-/// Runs and anchors lined up by shape: what both the markdown and the plots read.
+/// A run's formulation and I/O precision: two times are comparable only when these match.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Class {
+    pub formulation: String,
+    pub precision: String,
+}
+
+impl Class {
+    /// Spelled as the CLI spells them (`gpumode`, `bf16-io`) where the run's text is one of the
+    /// known names, else as written.
+    fn of_run(run: &BenchRun) -> Class {
+        let formulation = run.formulation.parse::<crate::problem::Formulation>();
+        let precision = run.precision.parse::<crate::problem::Precision>();
+        Class {
+            formulation: formulation.map(|f| f.as_str().to_string()).unwrap_or_else(|_| run.formulation.trim().into()),
+            precision: precision.map(|p| p.as_str().to_string()).unwrap_or_else(|_| run.precision.trim().into()),
+        }
+    }
+
+    fn of_anchor(a: &Anchor) -> Option<Class> {
+        a.class().map(|(formulation, precision)| Class { formulation, precision })
+    }
+
+    /// `gpumode f32-io`.
+    pub fn label(&self) -> String {
+        format!("{} {}", self.formulation, self.precision)
+    }
+}
+
+/// Runs and anchors lined up by suite and shape: what both the markdown and the plots read.
 pub(crate) struct Model<'a> {
     pub runs: &'a [BenchRun],
     pub anchors: &'a [Anchor],
+    /// The run that speedups between runs of its suite and class are taken against.
     pub baseline: usize,
-    /// Every shape key of every run, in first-appearance order.
+    /// One per suite, in the order their first runs were given.
+    pub suites: Vec<Suite<'a>>,
+}
+
+/// The runs of one suite, merged into columns.
+pub(crate) struct Suite<'a> {
+    pub name: String,
+    /// Whether some run did not record its suite, so that its membership was inferred.
+    pub inferred: bool,
+    /// A file-name-safe form of the name, unique among the suites, for the plots.
+    pub stem: String,
+    pub runs: Vec<usize>,
+    /// Every shape key of the suite's runs, in first-appearance order.
     pub keys: Vec<String>,
-    /// `cells[k][r]`: run `r`'s result for `keys[k]`.
-    pub cells: Vec<Vec<Option<&'a ShapeResult>>>,
-    /// Indexes into `keys` of the shapes every run has; the geomeans use only these.
-    pub common: Vec<usize>,
+    /// The first result for each key (mask, distribution, N, B, C, H come from it).
+    pub first: Vec<&'a ShapeResult>,
+    pub columns: Vec<Column<'a>>,
+    /// Anchors with a time for at least one of `keys`.
+    pub anchors: Vec<usize>,
+    /// Every shape has the same B and C and there are at least two: the suite sweeps N, and
+    /// is plotted against it.
+    pub sweep: bool,
+}
+
+/// One column of a suite's tables and one line of its plots: a run, or several runs of the
+/// same configuration whose shapes do not overlap (the long suite's in-place sizes are run
+/// separately from the others).
+pub(crate) struct Column<'a> {
+    pub runs: Vec<usize>,
+    pub class: Class,
+    /// `cells[k]`: the result for the suite's `keys[k]`.
+    pub cells: Vec<Option<&'a ShapeResult>>,
+    pub name: String,
+}
+
+impl Column<'_> {
+    pub fn has(&self, k: usize) -> bool {
+        self.cells[k].is_some()
+    }
+
+    pub fn median(&self, k: usize) -> Option<f64> {
+        self.cells[k].map(|s| s.median_ms)
+    }
+}
+
+/// What a run column is compared with in a speedup.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Against {
+    Anchor(usize),
+    /// Another column of the same suite and class (the class's baseline).
+    Column(usize),
+}
+
+/// `(column, against)`: `against`'s time / the column's time, like with like only.
+pub(crate) type Pair = (usize, Against);
+
+/// What a run is, for merging: runs that agree on all of it (and share no shape) are one column.
+fn identity(run: &BenchRun) -> impl PartialEq + '_ {
+    let budgets: Vec<Option<u64>> = run.shapes.iter().map(|s| s.memory_budget_bytes).collect();
+    (
+        run.label.as_deref().map(str::trim),
+        run.backend.as_str(),
+        run.machine.device.as_str(),
+        Class::of_run(run),
+        run.timing.fresh_weights,
+        // One budget for the whole run (or none): a budgeted run is its own line.
+        budgets.first().copied().flatten(),
+    )
+}
+
+/// A suite name as part of a file name: lower-case letters, digits and `-`, at most 40.
+fn stem_of(name: &str) -> String {
+    let mut s: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).take(40).collect();
+    while s.contains("--") {
+        s = s.replace("--", "-");
+    }
+    let s = s.trim_matches('-').to_string();
+    if s.is_empty() {
+        "suite".into()
+    } else {
+        s
+    }
 }
 
 impl<'a> Model<'a> {
@@ -117,43 +234,218 @@ impl<'a> Model<'a> {
             }
         }
 
-        let mut keys: Vec<String> = Vec::new();
-        for run in runs {
-            for s in &run.shapes {
-                let k = s.key();
-                if !keys.contains(&k) {
-                    keys.push(k);
+        let mut order: Vec<String> = Vec::new();
+        let mut members: Vec<(Vec<usize>, bool)> = Vec::new();
+        for (r, run) in runs.iter().enumerate() {
+            let (name, inferred) = run.suite_name();
+            match order.iter().position(|n| *n == name) {
+                Some(i) => {
+                    members[i].0.push(r);
+                    members[i].1 |= inferred;
+                }
+                None => {
+                    order.push(name);
+                    members.push((vec![r], inferred));
                 }
             }
         }
-        let cells: Vec<Vec<Option<&ShapeResult>>> =
-            keys.iter().map(|k| runs.iter().map(|run| run.shapes.iter().find(|s| &s.key() == k)).collect()).collect();
-        let common = (0..keys.len()).filter(|&k| cells[k].iter().all(Option::is_some)).collect();
-        Ok(Model { runs, anchors, baseline, keys, cells, common })
+        let mut stems: Vec<String> = Vec::new();
+        let mut suites = Vec::new();
+        for (name, (members, inferred)) in order.into_iter().zip(members) {
+            let base = stem_of(&name);
+            let mut stem = base.clone();
+            let mut i = 2;
+            while stems.contains(&stem) {
+                stem = format!("{base}-{i}");
+                i += 1;
+            }
+            stems.push(stem.clone());
+            suites.push(Suite::new(runs, anchors, name, inferred, stem, members));
+        }
+        Ok(Model { runs, anchors, baseline, suites })
     }
 
-    /// `#1 cuda` or `#1 <label>`: short enough for a table header.
+    /// `#1 cuda · gpumode f32-io`, or `#1 <label> · gpumode f32-io`.
     pub fn run_name(&self, r: usize) -> String {
-        let run = &self.runs[r];
-        match &run.label {
-            Some(l) if !l.trim().is_empty() => format!("#{} {}", r + 1, l.trim()),
-            _ => format!("#{} {}", r + 1, run.backend),
+        run_name(self.runs, &[r])
+    }
+}
+
+/// `#6+#7 cuda · gpumode f32-io`: run numbers, label (else backend), formulation, precision.
+fn run_name(runs: &[BenchRun], rs: &[usize]) -> String {
+    let nums: Vec<String> = rs.iter().map(|r| format!("#{}", r + 1)).collect();
+    let run = &runs[rs[0]];
+    let who = match &run.label {
+        Some(l) if !l.trim().is_empty() => l.trim().to_string(),
+        _ => run.backend.clone(),
+    };
+    format!("{} {who} · {}", nums.join("+"), Class::of_run(run).label())
+}
+
+impl<'a> Suite<'a> {
+    fn new(
+        runs: &'a [BenchRun],
+        anchors: &[Anchor],
+        name: String,
+        inferred: bool,
+        stem: String,
+        members: Vec<usize>,
+    ) -> Suite<'a> {
+        let mut keys: Vec<String> = Vec::new();
+        let mut first: Vec<&ShapeResult> = Vec::new();
+        for &r in &members {
+            for s in &runs[r].shapes {
+                let k = s.key();
+                if !keys.contains(&k) {
+                    keys.push(k);
+                    first.push(s);
+                }
+            }
+        }
+        // Runs merge into the first column they fit: same configuration, no shape in common.
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for &r in &members {
+            let fits = |g: &Vec<usize>| {
+                identity(&runs[g[0]]) == identity(&runs[r])
+                    && g.iter()
+                        .all(|&o| runs[o].shapes.iter().all(|s| runs[r].shapes.iter().all(|t| s.key() != t.key())))
+            };
+            match groups.iter_mut().find(|g| fits(g)) {
+                Some(g) => g.push(r),
+                None => groups.push(vec![r]),
+            }
+        }
+        let columns: Vec<Column> = groups
+            .into_iter()
+            .map(|rs| {
+                let cells = keys
+                    .iter()
+                    .map(|k| rs.iter().find_map(|&r| runs[r].shapes.iter().find(|s| &s.key() == k)))
+                    .collect();
+                Column { class: Class::of_run(&runs[rs[0]]), name: run_name(runs, &rs), runs: rs, cells }
+            })
+            .collect();
+        let suite_anchors =
+            (0..anchors.len()).filter(|&a| keys.iter().any(|k| anchors[a].shapes.contains_key(k))).collect();
+        let sweep = first.len() >= 2 && first.iter().all(|s| (s.batch, s.c) == (first[0].batch, first[0].c));
+        Suite { name, inferred, stem, runs: members, keys, first, columns, anchors: suite_anchors, sweep }
+    }
+
+    /// The classes of the columns, in first-appearance order.
+    pub fn classes(&self) -> Vec<Class> {
+        let mut v: Vec<Class> = Vec::new();
+        for c in &self.columns {
+            if !v.contains(&c.class) {
+                v.push(c.class.clone());
+            }
+        }
+        v
+    }
+
+    /// The columns of `class`.
+    pub fn class_columns(&self, class: &Class) -> Vec<usize> {
+        (0..self.columns.len()).filter(|&c| self.columns[c].class == *class).collect()
+    }
+
+    /// Keys every one of `cols` has.
+    pub fn common_of(&self, cols: &[usize]) -> Vec<usize> {
+        (0..self.keys.len()).filter(|&k| cols.iter().all(|&c| self.columns[c].has(k))).collect()
+    }
+
+    /// Keys column `c` has.
+    pub fn keys_of(&self, c: usize) -> Vec<usize> {
+        self.common_of(&[c])
+    }
+
+    /// Whether anchor `a` may be compared with column `c`: the same formulation and I/O
+    /// precision, and the same device where the anchor names one.
+    pub fn comparable(&self, m: &Model<'_>, c: usize, a: usize) -> bool {
+        let anchor = &m.anchors[a];
+        let col = &self.columns[c];
+        Class::of_anchor(anchor).as_ref() == Some(&col.class)
+            && anchor.device.as_deref().is_none_or(|d| col.runs.iter().all(|&r| same_device(&m.runs[r], d)))
+    }
+
+    /// Anchor `a`'s time for the suite's key `k`.
+    pub fn anchor_value(&self, m: &Model<'_>, a: usize, k: usize) -> Option<f64> {
+        m.anchors[a].shapes.get(&self.keys[k]).copied()
+    }
+
+    /// Anchors of this suite comparable with at least one of `cols`.
+    pub fn anchors_for(&self, m: &Model<'_>, cols: &[usize]) -> Vec<usize> {
+        self.anchors.iter().copied().filter(|&a| cols.iter().any(|&c| self.comparable(m, c, a))).collect()
+    }
+
+    /// The column speedups within `class` are taken against: the one holding the report's
+    /// baseline run if it is of this class, else the class's first.
+    pub fn baseline_of(&self, m: &Model<'_>, class: &Class) -> Option<usize> {
+        let cols = self.class_columns(class);
+        cols.iter().copied().find(|&c| self.columns[c].runs.contains(&m.baseline)).or(cols.first().copied())
+    }
+
+    /// Every like-with-like comparison of the suite: each column against the baseline of its
+    /// class (when it is not that baseline) and against every comparable anchor; only pairs
+    /// with at least one shape in common.
+    pub fn pairs(&self, m: &Model<'_>) -> Vec<Pair> {
+        let mut v = Vec::new();
+        for (c, col) in self.columns.iter().enumerate() {
+            if let Some(b) = self.baseline_of(m, &col.class).filter(|&b| b != c) {
+                if !self.common_of(&[b, c]).is_empty() {
+                    v.push((c, Against::Column(b)));
+                }
+            }
+            for &a in &self.anchors {
+                if self.comparable(m, c, a) && self.keys_of(c).iter().any(|&k| self.anchor_value(m, a, k).is_some()) {
+                    v.push((c, Against::Anchor(a)));
+                }
+            }
+        }
+        v
+    }
+
+    /// `against`'s time / column `c`'s time for key `k`.
+    pub fn ratio(&self, m: &Model<'_>, (c, against): Pair, k: usize) -> Option<f64> {
+        let other = match against {
+            Against::Anchor(a) => self.anchor_value(m, a, k)?,
+            Against::Column(b) => self.columns[b].median(k)?,
+        };
+        Some(other / self.columns[c].median(k)?)
+    }
+
+    /// The keys a pair's geomean is over: those both sides have.
+    pub fn pair_keys(&self, m: &Model<'_>, pair: Pair) -> Vec<usize> {
+        (0..self.keys.len()).filter(|&k| self.ratio(m, pair, k).is_some()).collect()
+    }
+
+    /// The name of `against`.
+    pub fn against_name(&self, m: &Model<'_>, against: Against) -> String {
+        match against {
+            Against::Anchor(a) => m.anchors[a].name.clone(),
+            Against::Column(b) => self.columns[b].name.clone(),
         }
     }
 
-    /// The first result any run has for shape `k` (mask, distribution and H come from it).
-    pub fn first(&self, k: usize) -> Option<&'a ShapeResult> {
-        self.cells[k].iter().flatten().next().copied()
-    }
-
-    /// Geometric mean over the common shapes of `f`, or `None` if any value is missing or not
-    /// positive (a geomean over fewer shapes than stated would mislead).
-    pub fn common_geomean(&self, f: impl Fn(usize) -> Option<f64>) -> Option<f64> {
-        if self.common.is_empty() {
-            return None;
+    /// Names a set of keys: `all 7 shapes {whole}` (`both shapes {whole}`) when it is all of
+    /// `within`, `N = 2048, 4096` in a sweep, else the keys.
+    pub fn describe(&self, set: &[usize], within: &[usize], whole: &str) -> String {
+        if set.is_empty() {
+            return "no shape".into();
         }
-        geomean(self.common.iter().map(|&k| f(k)))
+        if set == within && set.len() > 1 {
+            let all = if set.len() == 2 { "both shapes".to_string() } else { format!("all {} shapes", set.len()) };
+            return if whole.is_empty() { all } else { format!("{all} {whole}") };
+        }
+        if self.sweep {
+            let ns: Vec<String> = set.iter().map(|&k| self.first[k].n.to_string()).collect();
+            return format!("N = {}", ns.join(", "));
+        }
+        set.iter().map(|&k| format!("`{}`", self.keys[k])).collect::<Vec<_>>().join(", ")
     }
+}
+
+/// Whether `run` ran on the device an anchor names (case and surrounding space ignored).
+fn same_device(run: &BenchRun, device: &str) -> bool {
+    run.machine.device.trim().eq_ignore_ascii_case(device.trim())
 }
 
 /// `exp(mean(ln v))`; `None` when empty or when any value is missing, zero, negative or not finite.

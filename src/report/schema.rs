@@ -6,12 +6,23 @@
 //! ceilings measured in the same run, and one [`ShapeResult`] per benchmarked shape.
 //!
 //! Derived numbers follow SPEC.md: TFLOP/s = [`Problem::flops`] / median, GB/s =
-//! [`Problem::io_bytes`] / median (f32 `x` read + `y` written, plus the mask), and
-//! `floor = max(FLOPs / GEMM rate, io bytes / copy bandwidth)`.
+//! [`Problem::io_bytes`] / median (`x` read + `y` written in the run's I/O precision, plus the
+//! mask), and `floor = max(FLOPs / GEMM rate, io bytes / copy bandwidth)`.
 //!
 //! Versioning: readers check `schema_version` before anything else, so a file from a newer
 //! trimul fails with a message that says so instead of a field error. Adding an optional field
-//! keeps the version; renaming, removing or changing the meaning of a field bumps it.
+//! keeps the version; renaming, removing or changing the meaning of a field bumps it. Readers
+//! ignore fields they do not know, so an older trimul still reads a newer v1 file.
+//!
+//! Optional fields added to v1 after its first files were written (files without them read as
+//! before, and the report says "not recorded"):
+//! - [`BenchRun::suite`]: the bench suite (`gpumode`, `quick`, `long`). Without it the report
+//!   infers the suite from the shapes ([`BenchRun::suite_name`]).
+//! - [`BenchRun::seed`]: the seed every shape's inputs and weights were derived from.
+//! - [`BenchRun::telemetry`]: which clock and power probe the run had (nvidia-smi on CUDA) and
+//!   the kernel driver's version, or why there was none; with it, each shape's
+//!   [`ShapeResult::telemetry`] holds SM clocks, power draw and limit, and the reasons the driver
+//!   gave for holding the clocks down, read before, during and after its timed calls.
 //!
 //! Floats that may legitimately be non-finite (an error norm of an output that holds NaN) are
 //! written as the strings `"NaN"`, `"inf"`, `"-inf"`, because JSON has no such numbers and
@@ -40,6 +51,7 @@ pub fn git_commit() -> Option<String> {
 pub struct BenchRun {
     /// Always [`SCHEMA_VERSION`] when written by this build.
     pub schema_version: u32,
+    /// The tool that wrote the run.
     pub tool: ToolInfo,
     /// When the run started, RFC 3339 in UTC (`2026-11-22T14:03:07Z`); see [`format_utc`].
     pub created_utc: String,
@@ -47,6 +59,7 @@ pub struct BenchRun {
     /// the backend and device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
+    /// The machine and device the run was on.
     pub machine: MachineInfo,
     /// `cpu`, `cuda` or `hip`.
     pub backend: String,
@@ -54,16 +67,149 @@ pub struct BenchRun {
     pub precision: String,
     /// `gpumode` or `af3`.
     pub formulation: String,
+    /// The bench suite the shapes come from (`gpumode`, `quick`, `long`), also when `--n`
+    /// picked some of them. Absent in older files; see [`BenchRun::suite_name`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suite: Option<String>,
+    /// The run's seed (`--seed`, or the one drawn from the clock): every shape's inputs and
+    /// weights derive from it, so `--seed` replays them. Absent in older files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// How the calls were timed.
     pub timing: TimingMethod,
+    /// The ceilings measured in the same run (floors are computed from them).
     pub ceilings: Ceilings,
+    /// The clock and power probe of this run, or why there was none. Absent in older files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub telemetry: Option<RunTelemetry>,
+    /// One result per shape measured (or skipped).
     pub shapes: Vec<ShapeResult>,
+}
+
+/// What a run could learn about the device's clocks and power while it ran.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunTelemetry {
+    /// The probe: `nvidia-smi`, or `none` where the backend has none.
+    pub source: String,
+    /// Whether the probe answered; when not, the shapes carry no readings and `reason` says why.
+    pub available: bool,
+    /// Why telemetry is unavailable, when it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Which GPU was read (its UUID, as nvidia-smi prints it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<String>,
+    /// The kernel driver's version (`580.65.06`): the CUDA driver API version in
+    /// [`MachineInfo::versions`] does not identify the driver build.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver_version: Option<String>,
+    /// How often the readings during the timed calls were taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval_ms: Option<u32>,
+}
+
+impl RunTelemetry {
+    /// A run without a probe, saying why.
+    pub fn unavailable(source: impl Into<String>, reason: impl Into<String>) -> RunTelemetry {
+        RunTelemetry {
+            source: source.into(),
+            available: false,
+            reason: Some(reason.into()),
+            gpu: None,
+            driver_version: None,
+            interval_ms: None,
+        }
+    }
+}
+
+/// One reading of a GPU's clocks and power. A field the tool could not report (`[N/A]`,
+/// `[Not Supported]`) is absent.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuSample {
+    /// Current SM clock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_clock_mhz: Option<f64>,
+    /// The highest SM clock the GPU can run at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_sm_clock_mhz: Option<f64>,
+    /// Board power draw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_w: Option<f64>,
+    /// The power limit the driver holds the board to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_limit_w: Option<f64>,
+    /// Why the clocks are held below their maximum, as nvidia-smi names the reasons
+    /// (`sw_power_cap`, `gpu_idle`, `hw_thermal_slowdown`; unknown bits as hex); empty: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_event_reasons: Option<Vec<String>>,
+}
+
+/// The readings taken while a shape's warm-up and timed calls ran, summarised.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuSpan {
+    /// Readings taken (0 when the calls ended before the first; `before` and `after` remain).
+    pub samples: u32,
+    /// Lowest SM clock seen (MHz).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_clock_mhz_min: Option<f64>,
+    /// Highest SM clock seen (MHz).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_clock_mhz_max: Option<f64>,
+    /// Highest power draw seen (W).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_w_max: Option<f64>,
+    /// The power limit in force (W).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_limit_w: Option<f64>,
+    /// Every reason any reading gave, in first-seen order.
+    #[serde(default)]
+    pub clock_event_reasons: Vec<String>,
+}
+
+impl GpuSpan {
+    /// The summary of `samples` (lowest and highest clock, highest power, all reasons).
+    pub fn from_samples(samples: &[GpuSample]) -> GpuSpan {
+        let fold =
+            |f: fn(&GpuSample) -> Option<f64>, pick: fn(f64, f64) -> f64| samples.iter().filter_map(f).reduce(pick);
+        let mut reasons: Vec<String> = Vec::new();
+        for r in samples.iter().filter_map(|s| s.clock_event_reasons.as_ref()).flatten() {
+            if !reasons.contains(r) {
+                reasons.push(r.clone());
+            }
+        }
+        GpuSpan {
+            samples: u32::try_from(samples.len()).unwrap_or(u32::MAX),
+            sm_clock_mhz_min: fold(|s| s.sm_clock_mhz, f64::min),
+            sm_clock_mhz_max: fold(|s| s.sm_clock_mhz, f64::max),
+            power_w_max: fold(|s| s.power_w, f64::max),
+            power_limit_w: fold(|s| s.power_limit_w, f64::min),
+            clock_event_reasons: reasons,
+        }
+    }
+}
+
+/// Clocks and power around one shape's timing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ShapeTelemetry {
+    /// Just before the warm-up calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before: Option<GpuSample>,
+    /// Taken every [`RunTelemetry::interval_ms`] while the warm-up and timed calls ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub during: Option<GpuSpan>,
+    /// Just after the last timed call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<GpuSample>,
 }
 
 /// Which build of trimul produced a run.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ToolInfo {
+    /// The tool's name (`trimul`).
     pub name: String,
+    /// Its version.
     pub version: String,
+    /// The commit it was built from, where known.
     pub git_commit: Option<String>,
 }
 
@@ -170,9 +316,13 @@ impl Ceilings {
 /// Order statistics of the timed samples of one shape, in ms.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct SampleStats {
+    /// Median.
     pub median: f64,
+    /// 10th percentile.
     pub p10: f64,
+    /// 90th percentile.
     pub p90: f64,
+    /// Minimum.
     pub min: f64,
 }
 
@@ -203,10 +353,15 @@ impl SampleStats {
 pub struct ShapeResult {
     /// Free-form name (`"bench-3"`); the report identifies shapes by [`ShapeResult::key`].
     pub name: String,
+    /// Batch size B.
     pub batch: usize,
+    /// Sequence length N.
     pub n: usize,
+    /// Pair channels C.
     pub c: usize,
+    /// Hidden channels H.
     pub h: usize,
+    /// Whether the shape had a mask.
     pub masked: bool,
     /// Input distribution: `normal` or `cauchy`.
     pub dist: String,
@@ -214,12 +369,16 @@ pub struct ShapeResult {
     pub direction: String,
     /// Timed calls behind the statistics.
     pub repeats: u32,
+    /// Median milliseconds per call.
     #[serde(with = "lenient_f64")]
     pub median_ms: f64,
+    /// 10th-percentile milliseconds.
     #[serde(with = "lenient_f64")]
     pub p10_ms: f64,
+    /// 90th-percentile milliseconds.
     #[serde(with = "lenient_f64")]
     pub p90_ms: f64,
+    /// Fastest call, milliseconds.
     #[serde(with = "lenient_f64")]
     pub min_ms: f64,
     /// [`Problem::flops`] / median.
@@ -261,6 +420,10 @@ pub struct ShapeResult {
     /// `y` overwrote `x`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub in_place: bool,
+    /// Clocks and power around the timed calls, where the run had a probe
+    /// ([`BenchRun::telemetry`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub telemetry: Option<ShapeTelemetry>,
 }
 
 impl ShapeResult {
@@ -308,6 +471,7 @@ impl ShapeResult {
             memory_budget_bytes: None,
             exec_plan: None,
             in_place: false,
+            telemetry: None,
         })
     }
 
@@ -329,6 +493,12 @@ impl ShapeResult {
         self.memory_budget_bytes = budget;
         self.exec_plan = plan;
         self.in_place = in_place;
+        self
+    }
+
+    /// Records the clocks and power read around the timed calls.
+    pub fn with_telemetry(mut self, telemetry: Option<ShapeTelemetry>) -> ShapeResult {
+        self.telemetry = telemetry;
         self
     }
 
@@ -479,6 +649,15 @@ impl BenchRun {
         Ok(())
     }
 
+    /// The suite the run belongs to, and whether that was inferred: [`BenchRun::suite`] when
+    /// recorded, else from the shapes (see [`infer_suite`]).
+    pub fn suite_name(&self) -> (String, bool) {
+        match self.suite.as_deref().map(str::trim).filter(|s| !s.is_empty()) {
+            Some(s) => (s.to_string(), false),
+            None => (infer_suite(&self.shapes).to_string(), true),
+        }
+    }
+
     /// The calendar date of [`BenchRun::created_utc`] (`2026-11-22`), or the whole string when it
     /// does not start with one.
     pub fn date(&self) -> &str {
@@ -491,6 +670,28 @@ impl BenchRun {
         } else {
             s
         }
+    }
+}
+
+/// The suite of a run that did not record one, from its shapes: `long` when every shape is
+/// B = 1, C = H = 128 with N ≥ 2048 (the long-sequence sweep), `quick` when the shapes are
+/// exactly those of the quick suite, `gpumode` when they are some of the GPU MODE benchmark
+/// shapes, else `custom`.
+pub fn infer_suite(shapes: &[ShapeResult]) -> &'static str {
+    let keys = |cases: Vec<crate::suite::Case>| -> std::collections::BTreeSet<String> {
+        cases.iter().map(|c| shape_key(c.n, c.batch, c.c)).collect()
+    };
+    let have: std::collections::BTreeSet<String> = shapes.iter().map(ShapeResult::key).collect();
+    if have.is_empty() {
+        "custom"
+    } else if shapes.iter().all(|s| s.batch == 1 && s.c == 128 && s.h == 128 && s.n >= 2048) {
+        "long"
+    } else if have == keys(crate::suite::quick_bench_cases()) {
+        "quick"
+    } else if have.is_subset(&keys(crate::suite::bench_cases())) {
+        "gpumode"
+    } else {
+        "custom"
     }
 }
 

@@ -18,7 +18,11 @@
 use std::io::Write;
 
 use trimul::reference::{self, Comparison};
-use trimul::suite::{self, test_seed as seed, Case, Dist, Inputs};
+use trimul::suite::{self, Case, Dist, Inputs};
+
+#[path = "../support/seed.rs"]
+mod test_seed;
+use test_seed::test_seed as seed;
 use trimul::{Device, Direction, Error, Formulation, Linear, Options, Precision, Problem, Shape, TriMul, Weights};
 
 /// What one backend promises.

@@ -76,6 +76,9 @@ pub(crate) struct MatmulPlan {
 // SAFETY: the descriptors are immutable after construction except the bias pointer, which is
 // set right before each launch under `&mut self`.
 unsafe impl Send for MatmulPlan {}
+// SAFETY: through `&self` the plan only hands out its spec; every call that passes the
+// descriptors to cuBLASLt (`run`) takes `&mut self`, so shared references never race.
+unsafe impl Sync for MatmulPlan {}
 
 fn layout(
     ty: Elem,

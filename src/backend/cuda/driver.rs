@@ -84,7 +84,7 @@ pub(crate) fn nvrtc_missing() -> Error {
 }
 
 /// Device memory of `len` elements of `T`: owned by the backend and freed on drop, or (made by
-/// [`DeviceBuffer::borrowed`]) a view of memory the caller owns, which is never freed here.
+/// `DeviceBuffer::borrowed`) a view of memory the caller owns, which is never freed here.
 pub struct DeviceBuffer<T> {
     ptr: CUdeviceptr,
     len: usize,
@@ -161,10 +161,12 @@ impl<T> DeviceBuffer<T> {
         self.len
     }
 
+    /// Whether the buffer holds no elements.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// Size in bytes (at least one element's).
     pub fn bytes(&self) -> u64 {
         (self.len.max(1) * std::mem::size_of::<T>()) as u64
     }

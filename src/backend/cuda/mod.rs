@@ -77,9 +77,13 @@ const POISON_BYTE: u8 = 0xFF;
 ///   the gate buffer; then `FromX` rather than a chunked plan.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[repr(u8)]
+#[non_exhaustive]
 pub enum OutputGate {
+    /// Stored unless the one-pass plan fits only without the gate buffer.
     Auto = 0,
+    /// Always stored by the input stage.
     Stored = 1,
+    /// Always made from x by the output stage (where the kernel applies).
     FromX = 2,
 }
 

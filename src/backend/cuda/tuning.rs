@@ -51,15 +51,23 @@ impl std::fmt::Display for Tuning {
 pub struct TuningEntry {
     /// `sm_90`, as [`crate::DeviceInfo::arch`] spells it.
     pub arch: String,
+    /// Formulation of the tuned shape.
     pub formulation: Formulation,
+    /// Direction of the tuned shape.
     pub direction: Direction,
+    /// Batch size B.
     pub batch: usize,
+    /// Sequence length N.
     pub n: usize,
+    /// Pair channels C.
     pub c: usize,
+    /// Hidden channels H.
     pub h: usize,
+    /// The choices measured fastest for this shape.
     pub choice: Tuning,
     /// Median ms of the choice and of the built-in rules, in the run that made the entry.
     pub ms: f64,
+    /// Milliseconds with the built-in rules (for comparison).
     pub default_ms: f64,
 }
 
@@ -81,6 +89,7 @@ pub struct TuningTable {
     /// The device and tool version that measured the entries.
     #[serde(default)]
     pub measured_on: String,
+    /// One entry per tuned shape.
     #[serde(default)]
     pub entries: Vec<TuningEntry>,
 }
@@ -97,6 +106,7 @@ impl TuningTable {
         }
     }
 
+    /// Reads a table written by `trimul tune --out` (size-capped; errors name the file).
     pub fn from_file(path: &Path) -> Result<TuningTable> {
         // Bounded: TRIMUL_CUDA_TUNING=/dev/zero must not read until memory runs out.
         let text = crate::io::read_text(path, crate::io::MAX_JSON_BYTES, "tuning table")
@@ -113,6 +123,7 @@ impl TuningTable {
         self.entries.iter().find(|e| e.matches(arch, problem)).map(|e| e.choice)
     }
 
+    /// The table as the JSON `from_file` reads.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_default()
     }

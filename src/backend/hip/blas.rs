@@ -31,13 +31,6 @@ impl DataType {
             DataType::F32 => ROCBLAS_DATATYPE_F32_R,
         }
     }
-
-    pub fn bytes(self) -> usize {
-        match self {
-            DataType::F16 => 2,
-            DataType::F32 => 4,
-        }
-    }
 }
 
 /// Every scalar argument of one `rocblas_gemm_ex` / `rocblas_gemm_strided_batched_ex` call.

@@ -12,7 +12,7 @@
 use super::arch::{has_mfma, normalize_arch};
 use crate::error::{Error, Result};
 
-pub use crate::kernels::{EmbeddedHipStage, HIP_BUILD, HIP_PREBUILT_ARCHS, HIP_STAGES};
+pub use crate::kernels::{EmbeddedHipStage, HIP_BUILD, HIP_STAGES};
 
 /// Stage names, as in `hip/`.
 pub const INPUT_NORM: &str = "input_norm";
@@ -96,6 +96,7 @@ pub fn select(
 
 /// How the output stage (LN_H, gate, output projection) runs.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum HipKernelOutput {
     /// `output_norm` + rocBLAS `gemm_ex` (+ bias GEMM + `output_gate` for af3).
     Blas,

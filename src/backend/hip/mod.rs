@@ -2,50 +2,55 @@
 //! archs through hipRTC. Built with `--features rocm`; needs no ROCm at build time.
 //!
 //! One forward, in the notation of SPEC.md (M = B·N² positions, P = 4H + G):
-//! 1. per chunk of positions (see [`plan`]):
+//! 1. per chunk of positions (see `plan`):
 //!    `input_norm`: z = LN_C(x) → f16 `[rows, C]`;
-//!    projection GEMM (rocBLAS `gemm_ex`, [`GemmSpec::projection`]): proj = z·Wcatᵀ → f16
+//!    projection GEMM (rocBLAS `gemm_ex`, `GemmSpec::projection`): proj = z·Wcatᵀ → f16
 //!    `[rows, P]`, with Wcat = [left_proj; left_gate; right_proj; right_gate; out_gate] fused and
 //!    cast to f16 once in [`Backend::prepare`];
 //!    `input_gating`: left = lp ⊙ mask ⊙ σ(lg), right likewise → `[B, H, N, N]`, gate = σ(og) `[M, G]`;
-//! 2. contraction (rocBLAS `gemm_strided_batched_ex`, [`GemmSpec::contraction`], A = right,
+//! 2. contraction (rocBLAS `gemm_strided_batched_ex`, `GemmSpec::contraction`, A = right,
 //!    B = left): t `[B, H, N, N]` f16, f32 accumulation; both directions by transposes alone;
-//! 3. output, one of two paths ([`kernels::select_output`]):
+//! 3. output, one of two paths (`kernels::select_output`):
 //!    rocBLAS (default): `output_norm` (a = LN_H(t) [⊙ gate], into the `left` buffer), output
-//!    GEMM ([`GemmSpec::output`], y = a·Woutᵀ in f32), af3: the bias as a rank-1 GEMM update and
+//!    GEMM (`GemmSpec::output`, y = a·Woutᵀ in f32), af3: the bias as a rank-1 GEMM update and
 //!    `output_gate` (y ⊙= σ(z·Wgᵀ + bg));
 //!    MFMA (opt-in, `TRIMUL_HIP_MFMA=1`, CDNA only): `output_projection` does all of step 3 in
 //!    one kernel with `v_mfma_f32_32x32x8f16`. It has not run on hardware yet.
 //!
 //! When that plan's workspace does not fit the memory budget (or the free memory), the forward
-//! runs a [`ChunkedPlan`] instead: steps 1 and 2 in passes over hidden channels (each pass's
+//! runs a `ChunkedPlan` instead: steps 1 and 2 in passes over hidden channels (each pass's
 //! rows of the gated projections packed into one weight block when the workspace is made, so
 //! `input_gating` runs unchanged with H = the pass width), then step 3 per row chunk with the
 //! gate recomputed from x (`input_gating` with H = 0 over the out-gate columns). The math of why
 //! this is exact, and of in-place mode, is in [`crate::memory`].
 //!
 //! The stage kernels (`hip/*.hip`) share their source with the CUDA backend (`common/`), the
-//! GEMMs share their layout math ([`GemmSpec`]); so both backends compute the same thing in the
+//! GEMMs share their layout math (`GemmSpec`); so both backends compute the same thing in the
 //! same order, and what the H100 tests prove about the shared parts holds here too. Nothing is
 //! allocated inside a forward and nothing waits on the host, except the copies of
 //! [`Backend::forward_host`].
 //!
-//! `unsafe` lives in [`sys`] (loading), [`result`] (calls) and the enqueue/launch/GEMM helpers of
+//! `unsafe` lives in `sys` (loading), `result` (calls) and the enqueue/launch/GEMM helpers of
 //! this file, each with its justification.
 
-pub mod arch;
-pub mod blas;
-pub mod kernels;
-pub mod plan;
-pub mod result;
-pub mod sys;
+pub(crate) mod arch;
+pub(crate) mod blas;
+pub(crate) mod kernels;
+pub(crate) mod plan;
+pub(crate) mod result;
+pub(crate) mod sys;
+
+#[cfg(test)]
+mod host_tests;
+
+pub use self::kernels::HipKernelOutput;
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
-use self::kernels::{HipKernelOutput, KernelImage};
+use self::kernels::KernelImage;
 use self::plan::{Plan, Staging};
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
@@ -166,7 +171,7 @@ impl HipPrepared {
     }
 }
 
-/// Device buffers for one problem shape (see [`plan`]).
+/// Device buffers for one problem shape (see `plan`).
 pub struct HipWorkspace {
     problem: Problem,
     layout: Layout,
@@ -234,10 +239,12 @@ impl HipBuffer {
         self.mem.addr()
     }
 
+    /// Number of f32 values.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether the buffer holds no values.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -339,6 +346,12 @@ impl HipBackend {
     /// The normalised arch (`gfx942`).
     pub fn arch(&self) -> &str {
         &self.ctx.arch
+    }
+
+    /// Whether this GPU has the matrix-core (MFMA) instructions the fused output kernel uses
+    /// (CDNA: gfx908, gfx90a, gfx94x, gfx950).
+    pub fn has_mfma(&self) -> bool {
+        arch::has_mfma(&self.ctx.arch)
     }
 
     /// The backend's own stream (every forward of [`Backend::forward`] runs on it).
@@ -944,8 +957,9 @@ fn load_stage(
         .is_some_and(|s| s.code_objects.iter().any(|(a, _)| *a == arch));
     let rtc = || sys::hiprtc().map(|_| ()).map_err(|e| e.to_string());
     let compile = |source: &str, options: &[String], arch: &str| -> Result<(Kernel, String)> {
-        let code = result::rtc_compile(sys::hiprtc()?, source, stage, options)?;
-        Ok((Kernel::load(api, &code, stage)?, format!("{stage}: hipRTC {arch}")))
+        let rtc = sys::hiprtc()?;
+        let code = result::rtc_compile(rtc, source, stage, options)?;
+        Ok((Kernel::load(api, &code, stage)?, format!("{stage}: hipRTC {arch} ({})", rtc.path)))
     };
     let avail = if force || !prebuilt { rtc() } else { Err("not needed".to_string()) };
     match kernels::select(kernels::HIP_STAGES, stage, target_id, avail, force)? {

@@ -39,11 +39,7 @@ pub const HIP_ERROR_OUT_OF_MEMORY: hipError_t = 2;
 pub const HIP_ERROR_NO_DEVICE: hipError_t = 100;
 
 /// `hipDeviceAttribute_t` values (the CUDA-compatible block, stable since ROCm 5.0).
-pub const HIP_ATTR_COMPUTE_CAPABILITY_MAJOR: c_int = 23;
-pub const HIP_ATTR_COMPUTE_CAPABILITY_MINOR: c_int = 61;
 pub const HIP_ATTR_MULTIPROCESSOR_COUNT: c_int = 63;
-pub const HIP_ATTR_MAX_SHARED_MEMORY_PER_BLOCK: c_int = 74;
-pub const HIP_ATTR_WARP_SIZE: c_int = 87;
 
 /// Byte offset of `char gcnArchName[256]` in `hipDeviceProp_tR0600` (ROCm 6.0 to 7.x; the struct
 /// is 1472 bytes on LP64). Computed with `offsetof` on the ROCm/HIP 6.3 header.

@@ -1,4 +1,4 @@
-//! The HIP backend, tested on a machine with no AMD GPU and no ROCm: everything that can be proven
+//! The HIP backend's host side, tested on a machine with no AMD GPU and no ROCm: everything that can be proven
 //! without the hardware.
 //!
 //! - the embedded code objects (one linked ELF per stage for gfx942 and gfx90a), their metadata,
@@ -14,7 +14,6 @@
 //!
 //! Tests that need clang-19 / llvm-objdump-19 / a host C++20 compiler print `SKIPPED: …` when
 //! the tool is missing; with `TRIMUL_REQUIRE_HIP_CLANG` set (CI) a missing tool fails instead.
-#![cfg(feature = "rocm")]
 
 use std::io::Write;
 
@@ -22,14 +21,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use trimul::backend::gemm::GemmSpec;
-use trimul::backend::hip::blas::{bias_update_spec, DataType, RocblasGemm};
-use trimul::backend::hip::kernels::{self, KernelImage, HIP_BUILD, HIP_PREBUILT_ARCHS, HIP_STAGES};
-use trimul::backend::hip::sys::{self, ROCBLAS_OPERATION_NONE, ROCBLAS_OPERATION_TRANSPOSE};
-use trimul::backend::hip::{arch, HipBackend};
-use trimul::backend::params::KernelParams;
-use trimul::rand::Rng;
-use trimul::{suite, BackendKind, Device, Direction, Error, Formulation};
+use crate::backend::gemm::GemmSpec;
+use crate::backend::hip::blas::{bias_update_spec, DataType, RocblasGemm};
+use crate::backend::hip::kernels::{self, KernelImage, HIP_BUILD, HIP_STAGES};
+use crate::backend::hip::sys::{self, ROCBLAS_OPERATION_NONE, ROCBLAS_OPERATION_TRANSPOSE};
+use crate::backend::hip::{arch, HipBackend};
+use crate::backend::params::KernelParams;
+use crate::kernels::HIP_PREBUILT_ARCHS;
+use crate::rand::Rng;
+use crate::{suite, BackendKind, Device, Direction, Error, Formulation};
 
 const REQUIRE: &str = "TRIMUL_REQUIRE_HIP_CLANG";
 const ARCHS: [&str; 2] = ["gfx942", "gfx90a"];
@@ -125,7 +125,7 @@ fn every_stage_has_linked_code_objects_for_gfx942_and_gfx90a() {
 
 /// Writes each code object of `stage` to a file and runs `tool args… file`.
 fn tool_output(tool: &Path, args: &[&str], stage: &str, arch: &str) -> String {
-    let (_, code) = crate::stage(stage).code_objects.iter().find(|(a, _)| *a == arch).unwrap();
+    let (_, code) = self::stage(stage).code_objects.iter().find(|(a, _)| *a == arch).unwrap();
     let dir = tmpdir("objects");
     let file = dir.join(format!("{stage}.{arch}.hsaco"));
     std::fs::write(&file, code).unwrap();
@@ -182,7 +182,7 @@ fn code_object_metadata_matches_the_launches() {
             // mirror (TrimulParams, or TmPrepareParams for weight preparation).
             let first_arg = notes.split(".args:").nth(1).unwrap_or_default();
             let bytes = if s == "prepare_weights" {
-                std::mem::size_of::<trimul::backend::params::PrepareParams>()
+                std::mem::size_of::<crate::backend::params::PrepareParams>()
             } else {
                 std::mem::size_of::<KernelParams>()
             };
@@ -498,7 +498,7 @@ fn rocblas_contraction_calls_compute_both_directions() {
 
 #[test]
 fn every_suite_and_bench_shape_has_valid_rocblas_calls_and_a_plan() {
-    use trimul::backend::hip::plan::Plan;
+    use crate::backend::hip::plan::Plan;
     for case in suite::test_cases().into_iter().chain(suite::bench_cases()) {
         for f in [Formulation::GpuMode, Formulation::Af3] {
             for dir in [Direction::Outgoing, Direction::Incoming] {
