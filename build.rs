@@ -480,7 +480,7 @@ fn hip_kernels(out: &Path) {
     });
     let (objects, build) = match built {
         Ok((clang, objects)) => {
-            // Starts with "clang": tests/hip_host.rs tells a build with code objects by it.
+            // Starts with "clang": src/backend/hip/host_tests.rs tells a build with code objects by it.
             let build = format!(
                 "clang ({}) prebuilt code objects for {}; hipRTC compiles at run time for other processors",
                 clang.display(),
