@@ -46,7 +46,7 @@ impl DType {
     }
 
     /// The kernels' element-type code (`TM_IO_*` in `common/params.h`).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
     pub(crate) fn code(self) -> i32 {
         crate::backend::params::io_dtype(self.precision())
     }

@@ -121,6 +121,7 @@ pub(crate) fn params(w: &DeviceWeights, layout: &PreparedLayout, base: u64, grid
 }
 
 /// A launch that writes `value` into `count` f32 elements at `dst` (e.g. af3's vector of ones).
+#[cfg(feature = "rocm")]
 pub(crate) fn fill_params(dst: u64, count: usize, value: f32, grid: u32) -> PrepareParams {
     let mut p = PrepareParams { grid: grid as i32, segments: 1, ..Default::default() };
     p.seg[0] = PrepSegment { dst, count: count as i64, kind: SEG_PLAIN, scale: value, ..Default::default() };

@@ -19,12 +19,15 @@ pub mod cuda;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod device_prepare;
 pub mod device_weights;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod gemm;
 #[cfg(feature = "rocm")]
 pub mod hip;
 // The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
 pub(crate) mod host_gemm;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod params;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod staged_plan;
 
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};

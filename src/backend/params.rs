@@ -138,10 +138,13 @@ pub struct FusedInputLayout {
 }
 
 /// Largest padded C the fused input kernel keeps resident in shared memory.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the fused input kernel is CUDA's
 pub const FUSED_INPUT_MAX_K: usize = 512;
 /// Positions per block of the fused input kernel.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub const FUSED_INPUT_ROWS: usize = 128;
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 impl FusedInputLayout {
     /// The layout for `config`, or `None` when the fused kernel does not take this shape
     /// (C not a multiple of 4 or padded C above [`FUSED_INPUT_MAX_K`]).

@@ -129,6 +129,7 @@ impl ChunkedPlan {
     /// The widest hidden pass that fits `limit` bytes, then the largest row chunk (halving from
     /// [`MAX_CHUNK_ROWS`], multiples of [`CHUNK_ALIGN`]) that still fits; `None` when even the
     /// narrowest plan does not.
+    #[cfg(any(feature = "rocm", test))]
     pub fn choose(problem: &Problem, limit: u64) -> Result<Option<ChunkedPlan>> {
         Self::choose_by(problem, limit, ChunkedPlan::total_bytes)
     }
