@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from conftest import af3_weights, compare, cuda_available, pair, random_mask
+from conftest import af3_weights, compare, cuda_available, f64_reference, pair, random_mask
 
 import trimul
 from trimul import reference
@@ -278,3 +278,57 @@ def test_eager_calls_without_gradients_skip_the_dispatcher_with_the_same_result(
     assert not impl._direct(x, [p]) and impl._direct(x, [w["p_out_weight"]])
     with torch.no_grad():
         assert impl._direct(x, [p])
+
+
+@needs_cuda
+def test_calls_with_prepared_weights_take_the_short_path_and_still_check_x_and_the_mask(monkeypatch):
+    """Once a stream has prepared a weight set, later calls check only x and the mask against it
+    (the weights are the same tensors, unchanged). That path must give the full path's results on
+    new inputs (strided x, bool mask, both entry points) and must not let bad input through."""
+    import trimul._torch as impl
+
+    c, h, n = 64, 32, 48
+    w = af3_weights(c, h, True, salt=77, dtype=torch.bfloat16, device="cuda")
+    ws = [w.get(k) for k in AF3_WEIGHTS]
+    x0 = pair((1, n, n, c), salt=78, dtype=torch.bfloat16, device="cuda")
+    m0 = random_mask((1, n, n), salt=79, device="cuda")
+    tmu(x0, mask=m0, **w)  # prepares, and sizes the masked workspace
+    tmu(x0, **w)  # and the unmasked one
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the full path ran")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(impl, "_check_tensors", refuse)
+        x = pair((1, n, 2 * n, c), salt=80, dtype=torch.bfloat16, device="cuda")[:, :, ::2]  # strided
+        m = random_mask((1, n, n), salt=81, device="cuda").bool()
+        for y in (
+            tmu(x, mask=m, **w),
+            torch.ops.trimul.triangle_multiplicative_update(x, m.float(), *ws, "outgoing", 1e-5),
+        ):
+            bad, rel = compare(y, f64_reference(x, mask=m.float(), **w))
+            assert bad == 0 and rel < 1e-2, (bad, rel)
+        y = tmu(x, direction="outgoing", **w)
+        bad, rel = compare(y, f64_reference(x, **w))
+        assert bad == 0 and rel < 1e-2, (bad, rel)
+
+    # What the short path cannot vouch for goes to the full path, which names the problem.
+    with pytest.raises(ValueError, match="mask"):
+        tmu(x0, mask=m0[:, :-1], **w)
+    with pytest.raises(ValueError, match="mask"):
+        tmu(x0, mask=m0.cpu(), **w)
+    with pytest.raises(ValueError):
+        tmu(x0[..., :-1].contiguous(), **w)
+    with pytest.raises(TypeError, match="dtype"):
+        tmu(x0.to(torch.int32), **w)
+    with pytest.raises(ValueError, match="eps"):
+        tmu(x0, eps=-1.0, **w)
+    with pytest.raises(ValueError, match="direction"):
+        tmu(x0, direction="sideways", **w)
+    # A weight written in place is prepared again: the result follows it.
+    before = tmu(x0, **w)
+    with torch.no_grad():
+        w["p_out_weight"].mul_(2)
+    after = tmu(x0, **w)
+    bad, rel = compare(after, f64_reference(x0, **w))
+    assert bad == 0 and rel < 1e-2 and not torch.equal(before, after)
