@@ -10,6 +10,8 @@ library's host-memory API.
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import sys
 import threading
@@ -89,7 +91,7 @@ def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 class _Entry:
-    __slots__ = ("layer", "storage", "checks", "ws_bytes", "keep", "c", "device")
+    __slots__ = ("layer", "storage", "checks", "state", "ws_bytes", "keep", "c", "device")
 
 
 class _PreparedCache:
@@ -136,6 +138,8 @@ class _PreparedCache:
             (i, weakref.ref(t, drop), t._version, t.data_ptr()) for i, t in enumerate(tensors) if t is not None
         ]
         entry.keep = [t.untyped_storage() for t in tensors if t is not None]
+        # What the fast path compares (ids, through the key; versions and pointers here).
+        entry.state = [(t._version, t.data_ptr()) for t in tensors if t is not None]
         with self.lock:
             while len(self.entries) >= self.capacity:
                 self.entries.pop(next(iter(self.entries)))
@@ -312,18 +316,20 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.curre
 
 def cached_call(x: Tensor, mask: Optional[Tensor], w: Sequence, direction, eps) -> Optional[Tensor]:
     """The common call, fast: x a CUDA tensor on the current device, outside any capture, with
-    weights this stream has prepared before (the cache's identity, version and pointer checks
-    hold, so they are the tensors that passed every check then). Checks x and the mask against
-    the entry and runs; returns None wherever anything differs, and the full path takes over
-    (and raises, for bad input). `w` is the twelve weights in signature order."""
+    weights this stream has prepared before and unchanged since (so they are the tensors that
+    passed every check then). Checks x and the mask against the entry and runs; returns None
+    wherever anything differs, and the full path takes over (and raises, for bad input). `w` is
+    the twelve weights in signature order."""
     if not x.is_cuda or x.dim() != 4 or eps.__class__ is not float:
         return None
     index = x.get_device()
     if index != _current_device() or _capturing():
         return None
     stream = _raw_stream(index)
-    e = _cache.get((index, stream, direction, eps, *map(id, w)), w)
-    if e is None:
+    # The key holds the weights' ids; an entry leaves the cache when one of its tensors dies (a
+    # weak reference's callback), so while it is found the ids are still those tensors.
+    e = _cache.entries.get((index, stream, direction, eps, *map(id, w)))
+    if e is None or e.state != [(t._version, t.data_ptr()) for t in w if t is not None]:
         return None
     b, n, n2, c = x.shape
     io = _DTYPE_CODE.get(x.dtype)
@@ -561,23 +567,27 @@ _functorch_active = torch._C._functorch.peek_interpreter_stack  # vmap, grad, jv
 _forward_ad = torch.autograd.forward_ad
 
 
-def _direct(x: Tensor, w: list) -> bool:
+def _direct(x: Tensor, w: Sequence) -> bool:
     """Whether an eager call may run the op's implementation without PyTorch's dispatcher: plain
     tensors, no gradient to record (in reverse or forward mode), no compiler or `torch.jit.trace`
     tracing, no functorch transform, and no dispatch or function mode active (fake tensors,
     functionalization, profilers' modes). Then the dispatcher would only forward
     the call; going around it saves its cost on every call of an inference run. Everything else
-    goes through the registered op."""
-    if x.__class__ is not torch.Tensor or torch.compiler.is_compiling():
+    goes through the registered op. (Written for speed: it runs on every call.)"""
+    if x.__class__ is not torch.Tensor or _is_compiling():
         return False
     if _dispatch_modes() or _function_modes() or _tracing() or _functorch_active():
         return False
     if _forward_ad._current_level >= 0:  # forward-mode AD: the op has no forward derivative
         return False
-    if not all(t is None or t.__class__ in _PLAIN for t in w):
+    if not _PLAIN.issuperset(map(type, w)):
         return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in w)))
+    return not (torch.is_grad_enabled() and (x.requires_grad or any(map(_requires_grad, filter(_given, w)))))
 
 
-# Tensor classes that add no behaviour of their own (nn.Parameter only marks a module's weight).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Tensor classes that add no behaviour of their own (nn.Parameter only marks a module's weight),
+# and None for an absent weight.
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
+_is_compiling = torch.compiler.is_compiling
+_requires_grad = operator.attrgetter("requires_grad")
+_given = functools.partial(operator.is_not, None)
