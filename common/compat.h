@@ -44,6 +44,7 @@ TM_INLINE float tm_rsqrt(float x) { return __builtin_amdgcn_rsqf(x); }
 TM_INLINE float tm_rcp(float x) { return __builtin_amdgcn_rcpf(x); }
 // bf16 is the top half of an f32.
 TM_INLINE float tm_bf2f(unsigned short b) { return __builtin_bit_cast(float, (unsigned)b << 16); }
+TM_INLINE unsigned tm_f2u(float f) { return __builtin_bit_cast(unsigned, f); }
 typedef long long tm_i64;
 
 #else
@@ -79,6 +80,7 @@ TM_INLINE float tm_rcp(float x) {
 }
 // bf16 is the top half of an f32.
 TM_INLINE float tm_bf2f(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
+TM_INLINE unsigned tm_f2u(float f) { return __float_as_uint(f); }
 typedef long long tm_i64;
 #endif
 
@@ -100,6 +102,14 @@ typedef struct __attribute__((aligned(8))) {
 TM_INLINE float tm_lo(unsigned w) { return tm_h2f((unsigned short)(w & 0xFFFFu)); }
 TM_INLINE float tm_hi(unsigned w) { return tm_h2f((unsigned short)(w >> 16)); }
 TM_INLINE unsigned tm_pack2(float lo, float hi) { return (unsigned)tm_f2h(lo) | ((unsigned)tm_f2h(hi) << 16); }
+
+// f32 to bf16, rounded to nearest even (the top half of the f32 after rounding the bottom half);
+// NaN stays a quiet NaN of the same sign (rounding could carry a NaN's payload into infinity).
+TM_INLINE unsigned short tm_f2bf(float f) {
+  const unsigned u = tm_f2u(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40u);
+  return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 // Sum over a group of 32 consecutive lanes (a CUDA warp, half an AMD wave).
 TM_INLINE float tm_group32_sum(float v) {

@@ -36,7 +36,8 @@ typedef struct TrimulParams {
   int af3;        // 0: gpumode (gate before the output projection), 1: af3 (after)
   int tile_rows;  // positions per block in input_gating
   float eps;
-  int io_dtype;  // x and y: TM_IO_F32, TM_IO_BF16 or TM_IO_F16 (the fused CUDA kernels only)
+  int io_dtype;  // x and y: TM_IO_F32, TM_IO_BF16 or TM_IO_F16 (the fused CUDA kernels, input_norm,
+                // HIP's output_projection)
   // Fused input projection (cuda/input_projection.cu): weights reordered and zero-padded at
   // prepare time, [4*h_pad + g_pad, k_pad] f16, and the bias in the same order (f32, or null).
   const tm_half* w_in;

@@ -13,11 +13,13 @@
 //      two 32x32 tiles (positions 0..31 and 32..63) over k in steps of 8 with
 //      v_mfma_f32_32x32x8f16. B[k][j] = Wout[c0 + j][k] is read straight from global memory
 //      (Wout [C, H] f16 row-major: 4 consecutive k of one row = one 8-byte load per lane).
-//   5. epilogue per D element (i, j): y[first + i][c0 + j] (+ bout[c], ⊙ gate for af3), f32.
+//   5. epilogue per D element (i, j): y[first + i][c0 + j] (+ bout[c], ⊙ gate for af3), in the
+//      launch's I/O precision (f32, or bf16/f16 rounded to nearest even).
 // Requirements checked by the host (select_output_path): H % 8 == 0, LDS bytes
 // output_projection_smem_bytes(H) <= 64 KiB (H <= 248), 256 threads per block.
 // Operand layouts: see hip/mfma.h.
 #pragma once
+#include "common/pair_io.h"
 
 #define OUTPUT_PROJECTION_THREADS 256
 #define OP_BM 64
@@ -121,7 +123,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_PROJECTION_THREADS)
             const tm_i64 row = first + r;
             float v = (half ? acc1[e] : acc0[e]) + bias;
             if (p.af3) v *= tm_h2f(p.gate[(row - p.buf_row0) * (tm_i64)G + c]);
-            p.y[row * (tm_i64)C + c] = v;
+            tm_store_y(p, row * (tm_i64)C + c, v);
           }
         }
       }

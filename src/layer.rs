@@ -305,6 +305,12 @@ impl<B: Backend> Layer<B> {
         }
     }
 
+    /// Whether 16-bit x and y stay 16-bit on this layer's device ([`Backend::half_io_native`]);
+    /// otherwise they are widened to f32 copies, and forwards on 16-bit device memory are refused.
+    pub fn half_io_native(&self) -> bool {
+        self.backend.half_io_native(&self.prepared)
+    }
+
     /// The backend the layer runs on.
     pub fn backend(&self) -> &B {
         &self.backend
@@ -374,7 +380,7 @@ impl<B: Backend> Layer<B> {
     /// Bytes of the caller's tensors in the backend's memory: 16-bit x and y count as f32 where
     /// the backend widens them ([`Backend::half_io_native`]).
     fn io_bytes(&self, problem: &Problem) -> u64 {
-        if problem.io != Precision::F32Io && !self.backend.half_io_native() {
+        if problem.io != Precision::F32Io && !self.backend.half_io_native(&self.prepared) {
             problem.with_io(Precision::F32Io).io_device_bytes()
         } else {
             problem.io_device_bytes()

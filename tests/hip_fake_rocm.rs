@@ -393,6 +393,103 @@ fn bf16_words(v: &[f32]) -> Vec<f32> {
     h.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(*p.get(1).unwrap_or(&0)) << 16))).collect()
 }
 
+/// `f32` words holding 16-bit values two to a word (for a 16-bit tensor in an f32 buffer).
+fn pack16(bits: &[u16]) -> Vec<f32> {
+    bits.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(*p.get(1).unwrap_or(&0)) << 16))).collect()
+}
+
+/// The 16-bit values of `pack16`'s words.
+fn unpack16(words: &[f32], len: usize) -> Vec<u16> {
+    words.iter().flat_map(|w| [w.to_bits() as u16, (w.to_bits() >> 16) as u16]).take(len).collect()
+}
+
+/// bf16 and f16 x and y read and written by the kernels where they lie (input_norm and the MFMA
+/// output kernel), on host slices (staged as 16-bit), in place, and on caller device memory (y
+/// poisoned first): against the f64 reference of the rounded x, the three giving the same bits.
+/// Masks, Cauchy inputs, both formulations and directions, C a multiple of 4 (vector loads) and
+/// not (C = 42, element loads), N odd.
+#[test]
+fn half_io_on_the_mfma_path() {
+    use trimul::{DeviceIo, IoElement, Precision};
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = backend(true);
+    let gm = |c, h| Config::new(Formulation::GpuMode, c, h).unwrap();
+    let af = |c, h| Config::new(Formulation::Af3, c, h).unwrap();
+    let runs = [
+        (gm(32, 16), Case::new(8, 2, 32, true, Dist::Cauchy), Direction::Outgoing, false),
+        (af(24, 32), Case::new(9, 1, 24, true, Dist::Normal), Direction::Incoming, true),
+        (gm(42, 16), Case::new(7, 1, 42, false, Dist::Normal), Direction::Incoming, false),
+    ];
+    fn host<T: IoElement>(
+        layer: &mut Layer<HipBackend>,
+        bits: &[u16],
+        mask: Option<&[f32]>,
+        shape: Shape,
+        from: fn(u16) -> T,
+        to: fn(T) -> u16,
+    ) -> (Vec<u16>, Vec<u16>) {
+        let x: Vec<T> = bits.iter().map(|&v| from(v)).collect();
+        let mut y = vec![T::default(); x.len()];
+        layer.forward_into(&x, mask, &mut y, shape).unwrap();
+        let mut xy = x.clone();
+        layer.forward_in_place(&mut xy, mask, shape).unwrap();
+        (y.into_iter().map(to).collect(), xy.into_iter().map(to).collect())
+    }
+    for (i, (cfg, case, dir, biases)) in runs.into_iter().enumerate() {
+        for io in [Precision::Bf16Io, Precision::F16Io] {
+            let seed = base_seed() ^ (900 + i as u64);
+            let problem = Problem::new(cfg, case.shape(), dir, case.masked).unwrap();
+            let weights = Weights::random(cfg, biases, seed).unwrap();
+            let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
+            let mask = inputs.mask.as_deref();
+            let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
+            let x: Vec<f32> = bits.iter().map(|&v| io.decode_half(v)).collect();
+            let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
+            assert!(layer.half_io_native());
+            let (y, xy) = match io {
+                Precision::Bf16Io => {
+                    host(&mut layer, &bits, mask, case.shape(), half::bf16::from_bits, half::bf16::to_bits)
+                }
+                _ => host(&mut layer, &bits, mask, case.shape(), half::f16::from_bits, half::f16::to_bits),
+            };
+            let what = format!("{} {cfg:?} {dir} {io} seed {seed}", case.name());
+            let yf: Vec<f32> = y.iter().map(|&v| io.decode_half(v)).collect();
+            let cmp = reference::check(&weights, &problem, &x, mask, &yf, TOL, TOL).unwrap();
+            eprintln!("{what}: {cmp}");
+            assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what}: {cmp}");
+            assert!(xy == y, "{what}: in place differs from out of place");
+
+            // Caller device memory: 16-bit x and y in f32 buffers of half as many words.
+            let upload = |v: &[f32]| {
+                let mut d = b.alloc(v.len()).unwrap();
+                b.upload(v, &mut d).unwrap();
+                d
+            };
+            let xd = upload(&pack16(&bits));
+            let md = mask.map(upload);
+            let yd = upload(&vec![f32::NAN; bits.len().div_ceil(2)]);
+            let dio = DeviceIo {
+                x: xd.device_ptr(),
+                mask: md.as_ref().map(|m| m.device_ptr()),
+                y: yd.device_ptr(),
+                shape: case.shape(),
+                io,
+                stream: b.stream() as u64,
+                workspace: None,
+            };
+            // SAFETY: x, mask and y are live allocations holding the case's elements in `io`
+            // (the mask in f32); the download below waits for the stream.
+            unsafe { layer.forward_device(&dio).unwrap() };
+            let mut words = vec![0f32; bits.len().div_ceil(2)];
+            b.download(&yd, &mut words).unwrap();
+            assert!(unpack16(&words, bits.len()) == y, "{what}: device memory differs from host slices");
+        }
+    }
+}
+
 /// Forwards on caller device memory (`trimul::device_io`) through the HIP backend on the fake:
 /// weights prepared by `prepare_weights` from f32 device tensors (and af3's `p_in` as a bf16
 /// tensor, addressed in two halves), the workspace in caller memory (moved between calls, af3's
@@ -480,19 +577,25 @@ fn device_prepared_weights_and_caller_workspace_match_the_host_layer() {
                 let same = y.iter().zip(&want).all(|(a, w)| a.to_bits() == w.to_bits());
                 assert!(same, "{cfg:?} mfma={mfma} ws+{extra}: device-prepared y differs from the host layer's");
             }
-            // 16-bit x and y: the HIP kernels read f32 only; a clear error, not a wrong answer.
-            let io16 = DeviceIo {
-                x: xd.device_ptr(),
-                mask: None,
-                y: xd.device_ptr() + 4,
-                shape: case.shape(),
-                io: trimul::Precision::Bf16Io,
-                stream,
-                workspace: None,
-            };
-            // SAFETY: refused before anything is enqueued.
-            let e = unsafe { dev.forward_device(&io16) }.unwrap_err().to_string();
-            assert!(e.contains("f32"), "{e}");
+            // 16-bit x and y where the output stage is rocBLAS's (it writes f32 y): a clear
+            // error, not a wrong answer (half_io_on_the_mfma_path covers the MFMA path).
+            if !mfma {
+                let y16 = b.alloc(inputs.x.len().div_ceil(2)).unwrap();
+                let io16 = DeviceIo {
+                    x: xd.device_ptr(),
+                    mask: None,
+                    y: y16.device_ptr(),
+                    shape: case.shape(),
+                    io: trimul::Precision::Bf16Io,
+                    stream,
+                    workspace: None,
+                };
+                // SAFETY: x and y16 hold at least B·N·N·C 16-bit values; refused before anything is
+                // enqueued.
+                let e = unsafe { dev.forward_device(&io16) }.unwrap_err().to_string();
+                assert!(e.contains("rocBLAS") && e.contains("f32"), "{e}");
+                assert!(!dev.half_io_native());
+            }
             drop(keep);
         }
     }

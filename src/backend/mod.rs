@@ -116,6 +116,50 @@ pub(crate) fn half_io(problem: &Problem) -> Result<Precision> {
     }
 }
 
+/// [`Backend::forward_host_half`] through f32 on the host: x widened, [`Backend::forward_host`],
+/// y rounded (same math; the device holds f32 copies). The trait's default, and what a backend
+/// whose kernels read 16-bit I/O only on some paths falls back to on the others.
+pub(crate) fn widened_host_half<B: Backend + ?Sized>(
+    backend: &B,
+    prepared: &B::Prepared,
+    workspace: &mut B::Workspace,
+    problem: &Problem,
+    x: &[u16],
+    mask: Option<&[f32]>,
+    y: &mut [u16],
+) -> Result<()> {
+    problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
+    let io = half_io(problem)?;
+    let mut xf = crate::hostmem::try_vec(x.len(), 0f32, "f32 copy of x")?;
+    xf.iter_mut().zip(x).for_each(|(d, &b)| *d = io.decode_half(b));
+    let mut yf = crate::hostmem::try_vec(y.len(), 0f32, "f32 y")?;
+    backend.forward_host(prepared, workspace, &problem.with_io(Precision::F32Io), &xf, mask, &mut yf)?;
+    for (d, &v) in y.iter_mut().zip(&yf) {
+        *d = io.encode_half(v);
+    }
+    Ok(())
+}
+
+/// [`widened_host_half`] in place.
+pub(crate) fn widened_host_half_in_place<B: Backend + ?Sized>(
+    backend: &B,
+    prepared: &B::Prepared,
+    workspace: &mut B::Workspace,
+    problem: &Problem,
+    xy: &mut [u16],
+    mask: Option<&[f32]>,
+) -> Result<()> {
+    problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
+    let io = half_io(problem)?;
+    let mut f = crate::hostmem::try_vec(xy.len(), 0f32, "f32 copy of x")?;
+    f.iter_mut().zip(xy.iter()).for_each(|(d, &b)| *d = io.decode_half(b));
+    backend.forward_host_in_place(prepared, workspace, &problem.with_io(Precision::F32Io), &mut f, mask)?;
+    for (d, &v) in xy.iter_mut().zip(&f) {
+        *d = io.encode_half(v);
+    }
+    Ok(())
+}
+
 /// Weights prepared for the layer `prepared` serve only problems of that layer, and only valid
 /// ones ([`Problem::validate`]: its fields are public, so it may not have come from `new`).
 pub(crate) fn check_prepared_for(prepared: &Config, problem: &Problem) -> Result<()> {
@@ -230,10 +274,13 @@ pub trait Backend: Clone + Send + Sync {
         false
     }
 
-    /// Whether 16-bit `x` and `y` stay 16-bit in this backend's memory (CUDA's fused kernels read
-    /// and write them), or are widened to f32 copies first, as the default
-    /// [`Backend::forward_host_half`] does; memory budgets count the f32 bytes then.
-    fn half_io_native(&self) -> bool {
+    /// Whether 16-bit `x` and `y` stay 16-bit in this backend's memory for a layer with these
+    /// prepared weights (CUDA's fused kernels read and write them; on HIP, input_norm and the
+    /// MFMA output kernel), or are widened to f32 copies first, as the default
+    /// [`Backend::forward_host_half`] does; memory budgets count the f32 bytes then, and
+    /// [`Backend::forward_device`] refuses 16-bit device I/O.
+    fn half_io_native(&self, prepared: &Self::Prepared) -> bool {
+        let _ = prepared;
         false
     }
 
@@ -325,16 +372,7 @@ pub trait Backend: Clone + Send + Sync {
         mask: Option<&[f32]>,
         y: &mut [u16],
     ) -> Result<()> {
-        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        let io = half_io(problem)?;
-        let mut xf = crate::hostmem::try_vec(x.len(), 0f32, "f32 copy of x")?;
-        xf.iter_mut().zip(x).for_each(|(d, &b)| *d = io.decode_half(b));
-        let mut yf = crate::hostmem::try_vec(y.len(), 0f32, "f32 y")?;
-        self.forward_host(prepared, workspace, &problem.with_io(Precision::F32Io), &xf, mask, &mut yf)?;
-        for (d, &v) in y.iter_mut().zip(&yf) {
-            *d = io.encode_half(v);
-        }
-        Ok(())
+        widened_host_half(self, prepared, workspace, problem, x, mask, y)
     }
 
     /// [`Backend::forward_host_in_place`] for 16-bit `xy` (see [`Backend::forward_host_half`]).
@@ -346,15 +384,7 @@ pub trait Backend: Clone + Send + Sync {
         xy: &mut [u16],
         mask: Option<&[f32]>,
     ) -> Result<()> {
-        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
-        let io = half_io(problem)?;
-        let mut f = crate::hostmem::try_vec(xy.len(), 0f32, "f32 copy of x")?;
-        f.iter_mut().zip(xy.iter()).for_each(|(d, &b)| *d = io.decode_half(b));
-        self.forward_host_in_place(prepared, workspace, &problem.with_io(Precision::F32Io), &mut f, mask)?;
-        for (d, &v) in xy.iter_mut().zip(&f) {
-            *d = io.encode_half(v);
-        }
-        Ok(())
+        widened_host_half_in_place(self, prepared, workspace, problem, xy, mask)
     }
 
     /// Device bytes [`Backend::prepare_device`] needs for a layer of `config` (`biases`: whether

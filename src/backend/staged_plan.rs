@@ -87,7 +87,8 @@ impl ChunkedPlan {
         let chunk_rows = chunk_rows.clamp(1, rows.max(1));
         let a16 = |elems: usize| -> Result<usize> { Ok(align_up(mul(&[elems, 2])?, STAGING_ALIGN)) };
         let lr_bytes = align_up(mul(&[rows, hc, 2])?, STAGING_ALIGN);
-        let y_bytes = mul(&[rows, c, 4])?;
+        // y in the I/O precision: 16-bit y has room for half as much.
+        let y_bytes = mul(&[rows, c, problem.io.io_bytes()])?;
         let lr_in_y = !problem.in_place && 2 * lr_bytes <= y_bytes;
         let z = a16(chunk_rows * c)?;
         let proj_a_off = z;
@@ -307,7 +308,7 @@ impl ChunkedPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::{Config, Direction, Shape};
+    use crate::problem::{Config, Direction, Precision, Shape};
 
     fn problem(f: Formulation, b: usize, n: usize, c: usize, h: usize) -> Problem {
         Problem::new(Config::new(f, c, h).unwrap(), Shape::new(b, n), Direction::Outgoing, false).unwrap()
@@ -330,7 +331,7 @@ mod tests {
         assert!(plan.scratch_bytes >= plan.a_off + r * h * 2, "{what}");
         assert!(plan.lr_bytes >= m * plan.hc * 2, "{what}");
         if plan.lr_in_y {
-            assert!(!p.in_place && 2 * plan.lr_bytes <= m * c * 4, "{what}");
+            assert!(!p.in_place && 2 * plan.lr_bytes <= m * c * p.io.io_bytes(), "{what}");
         } else {
             assert!(plan.scratch_bytes >= plan.lr_off + 2 * plan.lr_bytes, "{what}");
         }
@@ -412,113 +413,119 @@ mod tests {
             (Formulation::Af3, 2, 10, 16, 24, true, true),
             (Formulation::Af3, 1, 33, 384, 128, false, true),
             (Formulation::GpuMode, 3, 7, 5, 3, true, false),
+            // Left and right fill f32 y exactly in the narrowest plan, so not 16-bit y.
+            (Formulation::GpuMode, 1, 16, 8, 32, false, false),
         ] {
-            let p = problem(f, b, n, c, h).in_place(in_place);
-            let m = p.shape.rows();
-            let g = p.config.gate_width();
-            let pw = 4 * h + g;
-            for plan in [ChunkedPlan::narrowest(&p).unwrap(), ChunkedPlan::new(&p, 16, 128).unwrap()] {
-                let what = format!("{p:?}: {plan:?}");
-                let y = if in_place { X } else { Y };
-                let base = KernelParams {
-                    x: X,
-                    y,
-                    batch: b as i32,
-                    n: n as i32,
-                    c: c as i32,
-                    h: h as i32,
-                    ..Default::default()
-                };
-                let bufs = StagedBuffers {
-                    scratch: SCRATCH,
-                    pass_w: PASS_W,
-                    t: T,
-                    w_in: W_IN,
-                    proj_bias: if biases { BIAS } else { 0 },
-                };
-                let sizes = [
-                    (X, (m * c * 4) as u64),
-                    (Y, if in_place { 0 } else { (m * c * 4) as u64 }),
-                    (SCRATCH, plan.scratch_bytes as u64),
-                    (PASS_W, plan.pass_w_bytes as u64),
-                    (T, plan.t_bytes as u64),
-                    (W_IN, (pw * c * 2) as u64),
-                    (BIAS, (pw * 4) as u64),
-                ];
-                let inside = |addr: u64, len: u64, what_: &str| {
-                    if len == 0 {
-                        return;
-                    }
-                    let ok = sizes.iter().any(|&(at, size)| addr >= at && addr + len <= at + size);
-                    assert!(ok, "{what}: {what_} [{addr:#x}, +{len}) outside every buffer");
-                };
-                let mut t_written = vec![0u32; b * h];
-                let mut out_rows = vec![0u32; m];
-                let mut passes_done = false;
-                for step in plan.steps(&p, &base, bufs) {
-                    match step {
-                        StagedStep::Norm(q) => {
-                            inside(q.x + q.row0 as u64 * c as u64 * 4, q.rows as u64 * c as u64 * 4, "x");
-                            inside(q.z, q.rows as u64 * c as u64 * 2, "z");
-                            assert!(q.z + q.rows as u64 * c as u64 * 2 <= q.proj, "{what}: z runs into proj");
+            // x and y in f32 and in 16 bits (half the room for left and right inside y).
+            for io in [Precision::F32Io, Precision::Bf16Io] {
+                let p = problem(f, b, n, c, h).in_place(in_place).with_io(io);
+                let e = io.io_bytes() as u64;
+                let m = p.shape.rows();
+                let g = p.config.gate_width();
+                let pw = 4 * h + g;
+                for plan in [ChunkedPlan::narrowest(&p).unwrap(), ChunkedPlan::new(&p, 16, 128).unwrap()] {
+                    let what = format!("{p:?}: {plan:?}");
+                    let y = if in_place { X } else { Y };
+                    let base = KernelParams {
+                        x: X,
+                        y,
+                        batch: b as i32,
+                        n: n as i32,
+                        c: c as i32,
+                        h: h as i32,
+                        ..Default::default()
+                    };
+                    let bufs = StagedBuffers {
+                        scratch: SCRATCH,
+                        pass_w: PASS_W,
+                        t: T,
+                        w_in: W_IN,
+                        proj_bias: if biases { BIAS } else { 0 },
+                    };
+                    let sizes = [
+                        (X, m as u64 * c as u64 * e),
+                        (Y, if in_place { 0 } else { m as u64 * c as u64 * e }),
+                        (SCRATCH, plan.scratch_bytes as u64),
+                        (PASS_W, plan.pass_w_bytes as u64),
+                        (T, plan.t_bytes as u64),
+                        (W_IN, (pw * c * 2) as u64),
+                        (BIAS, (pw * 4) as u64),
+                    ];
+                    let inside = |addr: u64, len: u64, what_: &str| {
+                        if len == 0 {
+                            return;
                         }
-                        StagedStep::Gemm { spec, a, b: bb, d } => {
-                            let (ar, ac) = spec.a_dims();
-                            let (br, bc) = spec.b_dims();
-                            let batched = |one: u64, stride: usize| (spec.batch as u64 - 1) * stride as u64 + one;
-                            inside(a, 2 * batched(span(ar, ac, spec.lda), spec.stride_a), "GEMM A");
-                            inside(bb, 2 * batched(span(br, bc, spec.ldb), spec.stride_b), "GEMM B");
-                            inside(d, 2 * batched(span(spec.m, spec.n, spec.ldd), spec.stride_d), "GEMM D");
-                            if d >= T && d < T + plan.t_bytes as u64 {
-                                assert!(!passes_done, "{what}: t written after the passes");
-                                let first = ((d - T) / 2 / (n * n) as u64) as usize;
-                                for k in &mut t_written[first..first + spec.batch] {
-                                    *k += 1;
+                        let ok = sizes.iter().any(|&(at, size)| addr >= at && addr + len <= at + size);
+                        assert!(ok, "{what}: {what_} [{addr:#x}, +{len}) outside every buffer");
+                    };
+                    let mut t_written = vec![0u32; b * h];
+                    let mut out_rows = vec![0u32; m];
+                    let mut passes_done = false;
+                    for step in plan.steps(&p, &base, bufs) {
+                        match step {
+                            StagedStep::Norm(q) => {
+                                inside(q.x + q.row0 as u64 * c as u64 * e, q.rows as u64 * c as u64 * e, "x");
+                                inside(q.z, q.rows as u64 * c as u64 * 2, "z");
+                                assert!(q.z + q.rows as u64 * c as u64 * 2 <= q.proj, "{what}: z runs into proj");
+                            }
+                            StagedStep::Gemm { spec, a, b: bb, d } => {
+                                let (ar, ac) = spec.a_dims();
+                                let (br, bc) = spec.b_dims();
+                                let batched = |one: u64, stride: usize| (spec.batch as u64 - 1) * stride as u64 + one;
+                                inside(a, 2 * batched(span(ar, ac, spec.lda), spec.stride_a), "GEMM A");
+                                inside(bb, 2 * batched(span(br, bc, spec.ldb), spec.stride_b), "GEMM B");
+                                inside(d, 2 * batched(span(spec.m, spec.n, spec.ldd), spec.stride_d), "GEMM D");
+                                if d >= T && d < T + plan.t_bytes as u64 {
+                                    assert!(!passes_done, "{what}: t written after the passes");
+                                    let first = ((d - T) / 2 / (n * n) as u64) as usize;
+                                    for k in &mut t_written[first..first + spec.batch] {
+                                        *k += 1;
+                                    }
+                                }
+                            }
+                            StagedStep::Gating { params: q, tile_rows, smem } => {
+                                let (hn, gq, pq) = (q.h as u64, q.g as u64, q.p as u64);
+                                assert!(
+                                    tile_rows >= 1 && smem == params::gating_smem_bytes(q.h as usize, tile_rows),
+                                    "{what}"
+                                );
+                                inside(q.proj, q.rows as u64 * pq * 2, "proj");
+                                if q.proj_bias != 0 {
+                                    inside(q.proj_bias, pq * 4, "bias");
+                                }
+                                inside(q.left, m as u64 * hn * 2, "left");
+                                inside(q.right, m as u64 * hn * 2, "right");
+                                let brow = (q.row0 - q.buf_row0) as u64;
+                                inside(q.gate + brow * gq * 2, q.rows as u64 * gq * 2, "gate");
+                                if hn > 0 && q.left >= SCRATCH {
+                                    assert!(q.proj + q.rows as u64 * pq * 2 <= q.left, "{what}: proj runs into left");
+                                }
+                            }
+                            StagedStep::PassesDone => passes_done = true,
+                            StagedStep::Output(q) => {
+                                assert!(passes_done, "{what}: output before t is complete");
+                                let (r0, rows) = (q.row0 as usize, q.rows as usize);
+                                inside(q.t, (m * h * 2) as u64, "t");
+                                inside(
+                                    q.gate + ((q.row0 - q.buf_row0) as u64) * g as u64 * 2,
+                                    (rows * g * 2) as u64,
+                                    "gate chunk",
+                                );
+                                inside(q.a, (rows * h * 2) as u64, "a chunk");
+                                inside(q.y + r0 as u64 * c as u64 * e, rows as u64 * c as u64 * e, "y rows");
+                                assert!(
+                                    q.gate + (rows * g * 2) as u64 <= q.a || q.a + (rows * h * 2) as u64 <= q.gate,
+                                    "{what}"
+                                );
+                                for row in &mut out_rows[r0..r0 + rows] {
+                                    *row += 1;
                                 }
                             }
                         }
-                        StagedStep::Gating { params: q, tile_rows, smem } => {
-                            let (hn, gq, pq) = (q.h as u64, q.g as u64, q.p as u64);
-                            assert!(
-                                tile_rows >= 1 && smem == params::gating_smem_bytes(q.h as usize, tile_rows),
-                                "{what}"
-                            );
-                            inside(q.proj, q.rows as u64 * pq * 2, "proj");
-                            if q.proj_bias != 0 {
-                                inside(q.proj_bias, pq * 4, "bias");
-                            }
-                            inside(q.left, m as u64 * hn * 2, "left");
-                            inside(q.right, m as u64 * hn * 2, "right");
-                            let brow = (q.row0 - q.buf_row0) as u64;
-                            inside(q.gate + brow * gq * 2, q.rows as u64 * gq * 2, "gate");
-                            if hn > 0 && q.left >= SCRATCH {
-                                assert!(q.proj + q.rows as u64 * pq * 2 <= q.left, "{what}: proj runs into left");
-                            }
-                        }
-                        StagedStep::PassesDone => passes_done = true,
-                        StagedStep::Output(q) => {
-                            assert!(passes_done, "{what}: output before t is complete");
-                            let (r0, rows) = (q.row0 as usize, q.rows as usize);
-                            inside(q.t, (m * h * 2) as u64, "t");
-                            inside(
-                                q.gate + ((q.row0 - q.buf_row0) as u64) * g as u64 * 2,
-                                (rows * g * 2) as u64,
-                                "gate chunk",
-                            );
-                            inside(q.a, (rows * h * 2) as u64, "a chunk");
-                            inside(q.y + (r0 * c * 4) as u64, (rows * c * 4) as u64, "y rows");
-                            assert!(
-                                q.gate + (rows * g * 2) as u64 <= q.a || q.a + (rows * h * 2) as u64 <= q.gate,
-                                "{what}"
-                            );
-                            for row in &mut out_rows[r0..r0 + rows] {
-                                *row += 1;
-                            }
-                        }
                     }
+                    assert!(t_written.iter().all(|&k| k == 1), "{what}: t channels written {t_written:?}");
+                    assert!(out_rows.iter().all(|&k| k == 1), "{what}: output rows {out_rows:?}");
                 }
-                assert!(t_written.iter().all(|&k| k == 1), "{what}: t channels written {t_written:?}");
-                assert!(out_rows.iter().all(|&k| k == 1), "{what}: output rows {out_rows:?}");
             }
         }
     }

@@ -107,6 +107,18 @@ inline float tm_bf2f(unsigned short b) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline unsigned tm_f2u(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline unsigned short tm_f2bf(float f) {  // written from the rule (round to nearest even), not copied
+  const unsigned u = tm_f2u(f);
+  if (std::isnan(f)) return (unsigned short)((u >> 16) | 0x40u);
+  const unsigned lower = u & 0xFFFFu, upper = u >> 16;
+  const bool up = lower > 0x8000u || (lower == 0x8000u && (upper & 1u));
+  return (unsigned short)(upper + (up ? 1u : 0u));
+}
 inline float tm_lo(unsigned w) { return tm_h2f((unsigned short)(w & 0xFFFFu)); }
 inline float tm_hi(unsigned w) { return tm_h2f((unsigned short)(w >> 16)); }
 inline unsigned tm_pack2(float lo, float hi) { return (unsigned)tm_f2h(lo) | ((unsigned)tm_f2h(hi) << 16); }

@@ -331,8 +331,16 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
   // in a chunked plan): a launch touches its rows of them, counted from buf_row0.
   if (p.buf_row0 < 0 || p.buf_row0 > p.row0) fail(name + ": buf_row0 after the launch's first row");
   const size_t brow = row0 - (size_t)p.buf_row0;
+  // x and y in the launch's I/O precision; output_gate (the rocBLAS path) reads and writes f32 y.
+  if (p.io_dtype != TM_IO_F32 && p.io_dtype != TM_IO_BF16 && p.io_dtype != TM_IO_F16) fail(name + ": bad io_dtype");
+  const size_t io = p.io_dtype == TM_IO_F32 ? 4 : 2;
+  if (io != 4 && name != "input_norm" && name != "output_projection" && name != "input_gating" &&
+      name != "output_norm")
+    fail(name + ": 16-bit x and y given to a kernel that reads or writes them as f32");
+  const char* xb = (const char*)p.x;
+  const char* yb = (const char*)p.y;
   if (name == "input_norm") {
-    need(p.x + row0 * C, rows * C * 4, "input_norm x");
+    need(xb + row0 * C * io, rows * C * io, "input_norm x");
     need(p.z, rows * C * 2, "input_norm z");
     need(p.norm_in_w, C * 4, "input_norm weight");
     need(p.norm_in_b, C * 4, "input_norm bias");
@@ -349,7 +357,7 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     need(p.norm_out_w, H * 4, "LN_H weight");
     need(p.norm_out_b, H * 4, "LN_H bias");
     if (name == "output_norm") need(p.a + brow * H, rows * H * 2, "output_norm a");
-    if (name == "output_projection") need(p.y + row0 * C, rows * C * 4, "output_projection y");
+    if (name == "output_projection") need(yb + row0 * C * io, rows * C * io, "output_projection y");
   } else if (name == "output_gate") {
     need(p.y + row0 * C, rows * C * 4, "output_gate y");
     need(p.gate + brow * C, rows * C * 2, "output_gate gate");

@@ -1272,7 +1272,7 @@ impl Backend for CudaBackend {
         true
     }
 
-    fn half_io_native(&self) -> bool {
+    fn half_io_native(&self, _prepared: &CudaPrepared) -> bool {
         true
     }
 

@@ -64,7 +64,7 @@ use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::layer::Layer;
 use crate::memory::ExecPlan;
-use crate::problem::{Config, Formulation, Problem, Shape};
+use crate::problem::{Config, Formulation, Precision, Problem, Shape};
 use crate::weights::Weights;
 
 /// Byte that makes every f16 and f32 element a NaN: poisons buffers in checks.
@@ -221,10 +221,10 @@ impl Layout {
 }
 
 struct HostIo {
-    x: HipBuffer,
-    mask: Option<HipBuffer>,
+    x: DeviceMem,
+    mask: Option<DeviceMem>,
     /// None for in-place forwards (y is x).
-    y: Option<HipBuffer>,
+    y: Option<DeviceMem>,
 }
 
 /// `len` f32 values in device memory.
@@ -600,56 +600,84 @@ impl HipBackend {
         Ok((ws, end))
     }
 
-    /// A forward on host slices through device copies kept in the workspace; `y: None` runs in
-    /// place (the result stays in the device copy of x for the caller to download).
-    fn host_forward(
+    /// A forward on host slices through device copies kept in the workspace, x and y in
+    /// `problem.io` (f32, or 16-bit words where the kernels read and write them); `y: None` runs
+    /// in place (the result stays in the device copy of x for the caller to download).
+    fn host_forward<T: result::Plain>(
         &self,
         prepared: &HipPrepared,
         workspace: &mut HipWorkspace,
         problem: &Problem,
-        x: &[f32],
+        x: &[T],
         mask: Option<&[f32]>,
-        y: Option<&mut [f32]>,
+        y: Option<&mut [T]>,
     ) -> Result<()> {
+        if std::mem::size_of::<T>() != problem.io.io_bytes() {
+            return Err(Error::Internal(format!(
+                "{} host slices staged as {}-byte elements",
+                problem.io,
+                std::mem::size_of::<T>()
+            )));
+        }
         self.bind()?;
+        let x_bytes = std::mem::size_of_val(x);
         let mut io = match workspace.host_io.take() {
-            Some(io) if io.x.len == x.len() => io,
+            Some(io) if io.x.bytes() == x_bytes => io,
             _ => {
-                self.check_fits("a device copy of x", 4 * x.len() as u64)?;
-                HostIo { x: self.alloc(x.len())?, mask: None, y: None }
+                self.check_fits("a device copy of x", x_bytes as u64)?;
+                HostIo { x: self.alloc_mem(x_bytes)?, mask: None, y: None }
             }
         };
-        if y.is_some() && io.y.is_none() {
-            self.check_fits("a device copy of y", 4 * x.len() as u64)?;
-            io.y = Some(self.alloc(x.len())?);
+        if y.is_some() && io.y.as_ref().is_none_or(|d| d.bytes() != x_bytes) {
+            io.y = None;
+            self.check_fits("a device copy of y", x_bytes as u64)?;
+            io.y = Some(self.alloc_mem(x_bytes)?);
         }
         if let Some(m) = mask {
-            if io.mask.as_ref().is_none_or(|d| d.len != m.len()) {
-                io.mask = Some(self.alloc(m.len())?);
+            if io.mask.as_ref().is_none_or(|d| d.bytes() != std::mem::size_of_val(m)) {
+                io.mask = None;
+                io.mask = Some(self.alloc_mem(std::mem::size_of_val(m))?);
             }
         }
         let run = (|| {
-            io.x.mem.upload(&self.ctx.stream, 0, x)?;
+            io.x.upload(&self.ctx.stream, 0, x)?;
             let mut mask_addr = 0;
             if let (Some(hm), Some(dm)) = (mask, io.mask.as_ref()) {
-                dm.mem.upload(&self.ctx.stream, 0, hm)?;
-                mask_addr = dm.mem.addr();
+                dm.upload(&self.ctx.stream, 0, hm)?;
+                mask_addr = dm.addr();
             }
             let y_dev = match (&y, &io.y) {
-                (Some(_), Some(yd)) => yd.mem.addr(),
-                _ => io.x.mem.addr(),
+                (Some(_), Some(yd)) => yd.addr(),
+                _ => io.x.addr(),
             };
             // SAFETY: the staging buffers are live allocations of this backend sized for this
-            // problem, distinct from each other and from the workspace (y = x only in place);
-            // the download below waits for the stream, so the host slices outlive every copy.
-            unsafe { self.enqueue(prepared, workspace, problem, io.x.mem.addr(), mask_addr, y_dev, self.stream())? };
+            // problem in its I/O precision, distinct from each other and from the workspace
+            // (y = x only in place); the download below waits for the stream, so the host slices
+            // outlive every copy.
+            unsafe { self.enqueue(prepared, workspace, problem, io.x.addr(), mask_addr, y_dev, self.stream())? };
             match (y, &io.y) {
-                (Some(yh), Some(yd)) => yd.mem.download(&self.ctx.stream, 0, yh),
+                (Some(yh), Some(yd)) => yd.download(&self.ctx.stream, 0, yh),
                 _ => self.synchronize(),
             }
         })();
         workspace.host_io = Some(io);
         run
+    }
+
+    /// The in-place host forward: x's device copy becomes y, downloaded into `xy`.
+    fn host_forward_in_place<T: result::Plain>(
+        &self,
+        prepared: &HipPrepared,
+        workspace: &mut HipWorkspace,
+        problem: &Problem,
+        xy: &mut [T],
+        mask: Option<&[f32]>,
+    ) -> Result<()> {
+        let x = xy.to_vec();
+        self.host_forward(prepared, workspace, problem, &x, mask, None).and_then(|()| {
+            let io = workspace.host_io.as_ref().ok_or_else(|| Error::InvalidArgument("staging missing".into()))?;
+            io.x.download(&self.ctx.stream, 0, xy)
+        })
     }
 
     /// Enqueues one forward (module docs) on `stream`.
@@ -736,12 +764,21 @@ impl HipBackend {
             af3: i32::from(problem.config.formulation == Formulation::Af3),
             tile_rows: 0,
             eps: problem.eps,
+            io_dtype: launch_params::io_dtype(problem.io),
             // The fused-input fields belong to the CUDA input_projection kernel; unused here.
             ..KernelParams::default()
         };
+        if problem.io != Precision::F32Io && prep.output != HipKernelOutput::Mfma {
+            // input_norm reads 16-bit x, but the rocBLAS output GEMM writes f32 y.
+            return Err(Error::Dtype(format!(
+                "{} x and y on HIP need the MFMA output kernel; this layer's output stage runs on rocBLAS (f32 y): \
+                 convert x to f32",
+                problem.io
+            )));
+        }
         if poison && !problem.in_place {
-            // SAFETY: y holds M·C f32 per the contract.
-            unsafe { result::memset_async(api, y, POISON_BYTE, m * c * 4, stream)? };
+            // SAFETY: y holds M·C elements of the I/O type per the contract.
+            unsafe { result::memset_async(api, y, POISON_BYTE, m * c * problem.io.io_bytes(), stream)? };
         }
         // SAFETY: forwarded from this function's contract; the layouts' buffers are sized by
         // their plans for this problem.
@@ -1106,6 +1143,12 @@ impl Backend for HipBackend {
         true
     }
 
+    fn half_io_native(&self, prepared: &HipPrepared) -> bool {
+        // input_norm reads x in every precision; of the output paths only the MFMA kernel writes
+        // 16-bit y (the rocBLAS GEMM writes f32).
+        prepared.output == HipKernelOutput::Mfma
+    }
+
     fn workspace(&self, prepared: &HipPrepared, problem: &Problem, limit: Option<u64>) -> Result<HipWorkspace> {
         check_prepared_for(&prepared.config, problem)?;
         self.bind()?;
@@ -1252,11 +1295,40 @@ impl Backend for HipBackend {
         mask: Option<&[f32]>,
     ) -> Result<()> {
         problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
-        let x = xy.to_vec();
-        self.host_forward(prepared, workspace, problem, &x, mask, None).and_then(|()| {
-            let io = workspace.host_io.as_ref().ok_or_else(|| Error::InvalidArgument("staging missing".into()))?;
-            io.x.mem.download(&self.ctx.stream, 0, xy)
-        })
+        self.host_forward_in_place(prepared, workspace, problem, xy, mask)
+    }
+
+    fn forward_host_half(
+        &self,
+        prepared: &HipPrepared,
+        workspace: &mut HipWorkspace,
+        problem: &Problem,
+        x: &[u16],
+        mask: Option<&[f32]>,
+        y: &mut [u16],
+    ) -> Result<()> {
+        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
+        crate::backend::half_io(problem)?;
+        if !self.half_io_native(prepared) {
+            return super::widened_host_half(self, prepared, workspace, problem, x, mask, y);
+        }
+        self.host_forward(prepared, workspace, problem, x, mask, Some(y))
+    }
+
+    fn forward_host_half_in_place(
+        &self,
+        prepared: &HipPrepared,
+        workspace: &mut HipWorkspace,
+        problem: &Problem,
+        xy: &mut [u16],
+        mask: Option<&[f32]>,
+    ) -> Result<()> {
+        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
+        crate::backend::half_io(problem)?;
+        if !self.half_io_native(prepared) {
+            return super::widened_host_half_in_place(self, prepared, workspace, problem, xy, mask);
+        }
+        self.host_forward_in_place(prepared, workspace, problem, xy, mask)
     }
 
     fn buffer_addr(buffer: &HipBuffer) -> Option<u64> {
@@ -1295,12 +1367,6 @@ impl Backend for HipBackend {
     ) -> Result<()> {
         if io.io != problem.io || io.shape != problem.shape || io.mask.is_some() != problem.masked {
             return Err(Error::InvalidArgument(format!("device I/O {io:?} does not describe {problem:?}")));
-        }
-        if io.io != crate::problem::Precision::F32Io {
-            return Err(Error::Dtype(format!(
-                "{} x and y on HIP: the HIP kernels read and write f32 (convert on the device first)",
-                io.io
-            )));
         }
         let stream = io.stream as sys::hipStream_t;
         match io.workspace {
