@@ -456,9 +456,9 @@ macro_rules! device_layer {
             fn workspace_bytes(&self, b: usize, n: usize, masked: bool, io: i32) -> PyResult<u64> {
                 let p = precision(io)?;
                 let layer = &mut *self.lock()?;
-                if p != Precision::F32Io && !trimul::Backend::half_io_native(layer.backend()) {
+                if p != Precision::F32Io && !layer.half_io_native() {
                     return Err(PyTypeError::new_err(format!(
-                        "{p} x and y are converted to f32 for {} (its kernels read and write f32)",
+                        "{p} x and y are converted to f32 for this layer on {} (its kernels read and write f32)",
                         trimul::Backend::kind(layer.backend())
                     )));
                 }

@@ -91,6 +91,44 @@ def test_af3_device_path_glue(fake_device):
     assert fake_device.calls == ["new", "forward", "forward"]
 
 
+def test_the_fast_path_for_prepared_weights(fake_device, monkeypatch):
+    """`cached_call` (what the function and the op try first) on the CPU stand-in: it runs a
+    call whose weights this stream prepared, on new x and masks, and hands anything it cannot
+    vouch for back to the full path (None)."""
+    monkeypatch.setattr(_torch, "_on_device", lambda t: True)
+    monkeypatch.setattr(_torch, "_current_device", lambda: -1)  # CPU tensors' get_device()
+    c, h, n = 32, 16, 12
+    w = af3_weights(c, h, True, salt=93)
+    x = pair((2, n, n, c), salt=94)
+    mask = random_mask((2, n, n), salt=95)
+    originals = [w.get(k) for k in AF3_WEIGHTS]
+    assert _torch.cached_call(x, mask, originals, "incoming", 1e-5) is None  # nothing prepared yet
+    _torch._cuda_forward_on(x, mask, originals, "incoming", 1e-5)
+    x2 = pair((2, n, 2 * n, c), salt=96)[:, :, ::2]  # strided
+    m2 = random_mask((2, n, n), salt=97).bool()
+    y = _torch.cached_call(x2, m2, originals, "incoming", 1e-5)
+    bad, rel = compare(y, f64_reference(x2, "incoming", m2.float(), **w))
+    assert bad == 0 and rel < 1e-5
+    assert fake_device.calls == ["new", "forward", "forward"]
+    for args in (
+        (x2, m2, originals, "outgoing", 1e-5),  # another direction: not prepared
+        (x2, m2, originals, ["incoming"], 1e-5),  # not a str
+        (x2, m2, originals, "incoming", 1e-6),  # another eps
+        (x2, m2, originals, "incoming", 1),  # not a float
+        (x2[..., :-1], m2, originals, "incoming", 1e-5),  # another C
+        (x2[:, :-1], m2, originals, "incoming", 1e-5),  # not square
+        (x2.double(), m2, originals, "incoming", 1e-5),  # unsupported dtype
+        (x2, m2[:, :-1], originals, "incoming", 1e-5),  # mask shape
+        (x2, m2.numpy(), originals, "incoming", 1e-5),  # mask type
+        (x2, None, originals, "incoming", 1e-5),  # unmasked: workspace not sized yet
+        (x2[0], m2, originals, "incoming", 1e-5),  # x not 4-D
+    ):
+        assert _torch.cached_call(*args) is None, args
+    w["g_out_weight"].data = w["g_out_weight"].data.t()  # a view: same pointer and version
+    assert _torch.cached_call(x2, m2, originals, "incoming", 1e-5) is None
+    assert fake_device.calls == ["new", "forward", "forward"]
+
+
 def test_gpumode_device_path_glue(fake_device):
     c, h, n, b = 32, 16, 10, 2
     g = torch.Generator().manual_seed(5)

@@ -337,3 +337,60 @@ def test_calls_with_prepared_weights_take_the_short_path_and_still_check_x_and_t
     again = tmu(x0, **w)
     bad, rel = compare(again, f64_reference(x0, **w))
     assert bad == 0 and rel < 1e-2 and not torch.equal(after, again)
+    # And one given a view of its own memory (same pointer and version, other strides or shape).
+    w["g_out_weight"].data = w["g_out_weight"].data.t()
+    turned = tmu(x0, **w)
+    bad, rel = compare(turned, f64_reference(x0, **w))
+    assert bad == 0 and rel < 1e-2 and not torch.equal(again, turned)
+    w["p_out_weight"].data = w["p_out_weight"].data.t()
+    with pytest.raises(ValueError, match="p_out_weight"):
+        tmu(x0, **w)
+    with pytest.raises(ValueError, match="direction"):
+        tmu(x0, direction=["outgoing"], **w)
+
+
+def test_prepared_weights_are_found_only_while_unchanged():
+    """The cache's rule on the CPU (the GPU's fast path uses the same `get`): an entry is found
+    while its tensors are the same objects with the same version, pointer, dtype, shape and
+    strides, and leaves with them."""
+    import gc
+
+    import trimul._torch as impl
+
+    cache = impl._PreparedCache()
+    ts = [torch.randn(4, 4), None, torch.randn(8)]
+    key = ("k", *map(id, ts))
+    cache.put(key, ts, impl._Entry())
+    assert cache.get(key, ts) is not None
+    for change in (
+        lambda a, b: a.mul_(2),  # version
+        lambda a, b: setattr(a, "data", a.data.t()),  # strides, same pointer and version
+        lambda a, b: setattr(b, "data", b.data.view(2, 4)),  # shape
+        lambda a, b: setattr(b, "data", b.data.view(torch.int32)),  # dtype
+        lambda a, b: setattr(a, "data", torch.randn(4, 4)),  # pointer
+    ):
+        change(ts[0], ts[2])
+        assert cache.get(key, ts) is None
+        cache.put(key, ts, impl._Entry())
+        assert cache.get(key, ts) is not None
+    ts[0] = None
+    gc.collect()
+    assert key not in cache.entries, "an entry outlived one of its tensors"
+
+
+def test_weights_that_require_grad_are_prepared_on_every_recorded_call():
+    """Training: values can change under a preserved version counter (FSDP2), so a call that
+    records gradients for the weights leaves nothing in the cache; inference calls are cached."""
+    import trimul._torch as impl
+
+    c, h, n = 16, 16, 8
+    w = af3_weights(c, h, True, salt=82)
+    x = pair((1, n, n, c), salt=83)
+    trimul.clear_cache()
+    impl._host_cache.clear()
+    trained = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    tmu(x, **trained).sum().backward()
+    assert not impl._host_cache.entries
+    with torch.no_grad():
+        tmu(x, **trained)
+    assert len(impl._host_cache.entries) == 1

@@ -12,6 +12,7 @@ what runs where and what each `precision` value computes.
 
 from __future__ import annotations
 
+import sys as _sys
 from typing import Any, Optional
 
 from . import _args, _trimul
@@ -99,6 +100,8 @@ def triangle_multiplicative_update(
 
 
 # The PyTorch path once a call has imported it (the fast path above needs no import per call).
+# Bound at import when PyTorch is already loaded, so the global does not change under a
+# `torch.compile` trace of the first call (which would cost a recompilation).
 _torch_module = None
 
 
@@ -151,3 +154,13 @@ def info() -> str:
 
 
 del _args
+
+
+if "torch" in _sys.modules:
+    try:
+        from . import _torch as _loaded_torch_path
+
+        _remember(_loaded_torch_path)
+        del _loaded_torch_path
+    except ImportError:  # a PyTorch too old or broken: the first call says so
+        pass

@@ -91,7 +91,7 @@ def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 class _Entry:
-    __slots__ = ("layer", "storage", "checks", "state", "ws_bytes", "keep", "c", "device")
+    __slots__ = ("layer", "storage", "refs", "state", "ws_bytes", "keep", "c", "device")
 
 
 class _PreparedCache:
@@ -100,13 +100,14 @@ class _PreparedCache:
     An entry is found by the tensors' ids (and, on the GPU, the device and stream: an entry is
     used on the stream it was prepared on, so no other stream can read storage still being
     written, and its storage goes back to that stream's pool) and is used only while each tensor
-    is the same object (weak reference), at the same `_version` (in-place writes bump it: an
-    optimizer step re-prepares) and the same data pointer. The entry holds the weights' storages,
-    so that while it lives no other tensor can be given their addresses (`param.data = ...`, as
-    `Module.to()` does, then always shows as a new pointer). Writes that bump no version counter
-    (through `.data`, DLPack, raw pointers, CUDA-graph replays of captured parameter updates) are
-    not seen: call `trimul.clear_cache()` after them. Entries die with their tensors; at most
-    `capacity` are kept.
+    is the same object (an entry dies with its tensors, through weak references) with the same
+    `_version` (in-place writes bump it: an optimizer step re-prepares), data pointer, dtype,
+    shape and strides (`.data =` another tensor or a view of the same memory). The entry holds
+    the weights' storages, so that while it lives no other tensor can be given their addresses.
+    Writes that bump no version counter (through `.data`, DLPack, raw pointers, CUDA-graph
+    replays of captured parameter updates, a storage resized and refilled in place) are not seen:
+    call `trimul.clear_cache()` after them. Weights that require grad are not cached when the
+    call records a gradient (see `_op`). At most `capacity` entries are kept.
     """
 
     def __init__(self, capacity: int = 256):
@@ -114,17 +115,13 @@ class _PreparedCache:
         self.entries: dict = {}
         self.lock = threading.Lock()
 
-    def get(self, key: tuple, tensors: list) -> Optional[_Entry]:
+    def get(self, key: tuple, tensors: Sequence) -> Optional[_Entry]:
         e = self.entries.get(key)
-        if e is None:
+        if e is None or e.state != _state(tensors):
             return None
-        for i, r, v, p in e.checks:
-            t = tensors[i]
-            if r() is not t or t._version != v or t.data_ptr() != p:
-                return None
         return e
 
-    def put(self, key: tuple, tensors: list, entry: _Entry) -> None:
+    def put(self, key: tuple, tensors: Sequence, entry: _Entry) -> None:
         cache = weakref.ref(self)
 
         def drop(_ref, key=key):
@@ -134,20 +131,27 @@ class _PreparedCache:
             if c is not None:
                 c.entries.pop(key, None)
 
-        entry.checks = [
-            (i, weakref.ref(t, drop), t._version, t.data_ptr()) for i, t in enumerate(tensors) if t is not None
-        ]
+        # The key holds the tensors' ids; the weak references' callbacks take the entry out when
+        # one of them dies (CPython runs them before the object's memory can be reused, cyclic
+        # garbage included), so while an entry is found its ids are still those tensors.
+        entry.refs = [weakref.ref(t, drop) for t in tensors if t is not None]
         entry.keep = [t.untyped_storage() for t in tensors if t is not None]
-        # What the fast path compares (ids, through the key; versions and pointers here).
-        entry.state = [(t._version, t.data_ptr()) for t in tensors if t is not None]
+        entry.state = _state(tensors)
         with self.lock:
             while len(self.entries) >= self.capacity:
-                self.entries.pop(next(iter(self.entries)))
+                self.entries.pop(next(iter(self.entries)), None)
             self.entries[key] = entry
 
     def clear(self) -> None:
         with self.lock:
             self.entries.clear()
+
+
+def _state(tensors: Sequence) -> list:
+    """What must be unchanged for prepared weights to stay valid, per given tensor: its version
+    (in-place writes bump it), data pointer (`.data = other`), dtype, shape and strides (`.data =`
+    a view or a reinterpretation of the same memory keeps the other two)."""
+    return [(t._version, t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors if t is not None]
 
 
 _cache = _PreparedCache()
@@ -244,16 +248,20 @@ def _in_cudagraph_tree(index: int) -> bool:
     return manager is not None and (manager.in_warmup or manager.in_recording)
 
 
-def _cuda_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float) -> Tensor:
+def _cuda_forward(
+    x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float, cache: bool = True
+) -> Tensor:
     if x.get_device() != torch.cuda.current_device():
         # The library makes the device's context current on this thread; PyTorch's current device
         # follows it, so a call on another device would leave PyTorch there.
         with torch.cuda.device(x.get_device()):
-            return _cuda_forward_on(x, mask, originals, direction, eps)
-    return _cuda_forward_on(x, mask, originals, direction, eps)
+            return _cuda_forward_on(x, mask, originals, direction, eps, cache)
+    return _cuda_forward_on(x, mask, originals, direction, eps, cache)
 
 
-def _cuda_forward_on(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float) -> Tensor:
+def _cuda_forward_on(
+    x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float, cache: bool = True
+) -> Tensor:
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = _contiguous(x)
     if mask is not None and (not mask.is_contiguous() or mask.data_ptr() % 16):
@@ -261,8 +269,9 @@ def _cuda_forward_on(x: Tensor, mask: Optional[Tensor], originals: list, directi
     index = x.get_device()
     stream = _raw_stream(index)
     # Inside a CUDA-graph capture the preparation is captured with the forward (every replay
-    # prepares from the parameters' current values); nothing captured enters the cache.
-    if _capturing():
+    # prepares from the parameters' current values); nothing captured enters the cache. Nor do
+    # weights being trained (see `_op`).
+    if _capturing() or not cache:
         e = _cuda_prepare(x, originals, direction, eps, index, stream)
     else:
         key = (index, stream, direction, eps, *map(id, originals))
@@ -281,12 +290,13 @@ def _cuda_forward_on(x: Tensor, mask: Optional[Tensor], originals: list, directi
         except TypeError:
             if io == 0:
                 raise
-            # 16-bit x and y are read and written by the fused CUDA kernels only (C a multiple of
-            # 8 up to 512, H a multiple of 16 up to 128); other widths, and HIP, run in f32 I/O,
-            # converted here on the device.
+            # 16-bit x and y are read and written where they lie by the fused CUDA kernels (C a
+            # multiple of 8 up to 512, H a multiple of 16 up to 128) and on HIP by the MFMA output
+            # path (H a multiple of 8 on CDNA); other layers run in f32 I/O, converted here on
+            # the device.
             nbytes = e.ws_bytes[wkey] = -1
     if nbytes < 0:
-        return _cuda_forward_on(x.float(), mask, originals, direction, eps).to(x.dtype)
+        return _cuda_forward_on(x.float(), mask, originals, direction, eps, cache).to(x.dtype)
     return _launch(e, x, mask, b, n, io, nbytes, stream)
 
 
@@ -312,6 +322,8 @@ def _launch(e: _Entry, x: Tensor, mask: Optional[Tensor], b: int, n: int, io: in
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+# Whether a tensor is on a CUDA (or ROCm) device: the tests' CPU stand-in for a device swaps it.
+_on_device = operator.attrgetter("is_cuda")
 
 
 def cached_call(x: Tensor, mask: Optional[Tensor], w: Sequence, direction, eps) -> Optional[Tensor]:
@@ -320,23 +332,26 @@ def cached_call(x: Tensor, mask: Optional[Tensor], w: Sequence, direction, eps) 
     passed every check then). Checks x and the mask against the entry and runs; returns None
     wherever anything differs, and the full path takes over (and raises, for bad input). `w` is
     the twelve weights in signature order."""
-    if not x.is_cuda or x.dim() != 4 or eps.__class__ is not float:
+    if not _on_device(x) or x.dim() != 4 or eps.__class__ is not float or direction.__class__ is not str:
         return None
     index = x.get_device()
     if index != _current_device() or _capturing():
         return None
     stream = _raw_stream(index)
-    # The key holds the weights' ids; an entry leaves the cache when one of its tensors dies (a
-    # weak reference's callback), so while it is found the ids are still those tensors.
-    e = _cache.entries.get((index, stream, direction, eps, *map(id, w)))
-    if e is None or e.state != [(t._version, t.data_ptr()) for t in w if t is not None]:
+    e = _cache.get((index, stream, direction, eps, *map(id, w)), w)
+    if e is None:
         return None
     b, n, n2, c = x.shape
     io = _DTYPE_CODE.get(x.dtype)
     if n != n2 or c != e.c or b == 0 or n == 0 or io is None:
         return None
     if mask is not None:
-        if mask.__class__ is not torch.Tensor or mask.get_device() != index or mask.shape != x.shape[:3]:
+        if (
+            mask.__class__ is not torch.Tensor
+            or not _on_device(mask)
+            or mask.get_device() != index
+            or mask.shape != x.shape[:3]
+        ):
             return None
         if mask.dtype != torch.float32:
             mask = mask.to(torch.float32)
@@ -353,17 +368,19 @@ def cached_call(x: Tensor, mask: Optional[Tensor], w: Sequence, direction, eps) 
 _host_cache = _PreparedCache()
 
 
-def _host_forward(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float, backend):
+def _host_forward(
+    x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float, backend, cache: bool = True
+):
     """Through the library's host API: CPU tensors."""
     c, h = x.shape[-1], originals[2].shape[0] // 2
     key = (backend, direction, eps) + tuple(id(t) for t in originals)
-    e = _host_cache.get(key, originals)
+    e = _host_cache.get(key, originals) if cache else None
     if e is None:
         w = _prepared_weights(originals, c, h, x.device)
         host_w = [None if t is None else t.detach().cpu().contiguous() for t in w]
         e = _Entry()
         e.layer = _trimul.HostLayer("af3", c, h, direction, eps, _entries(host_w), backend)
-        if _cacheable(originals):
+        if cache and _cacheable(originals):
             _host_cache.put(key, originals, e)
     xh = x.detach().cpu().contiguous()
     mh = None if mask is None else mask.detach().cpu().contiguous()
@@ -418,27 +435,34 @@ def _op(
         g_out_weight,
         g_out_bias,
     ]
-    # Weights this stream prepared before were checked then; x and the mask are checked here.
-    y = cached_call(x, mask, originals, direction, eps)
-    if y is not None:
-        return y
+    # Weights that require grad are being trained: their values can change without a version
+    # bump (FSDP2 refills unsharded parameters in place under a preserved version counter), and
+    # preparing them costs little beside a training step, so they are prepared on every call.
+    cache = not any(t is not None and t.requires_grad for t in originals)
+    if cache:
+        # Weights this stream prepared before were checked then; x and the mask are checked here.
+        y = cached_call(x, mask, originals, direction, eps)
+        if y is not None:
+            return y
     if direction != "outgoing" and direction != "incoming":
         _args.check_direction(direction)
     eps = _args.check_eps(eps)
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x must be a [B, N, N, C] tensor here, got {getattr(x, 'shape', type(x).__name__)}")
     mask = _check_tensors(x, mask, dict(zip(_args.AF3_WEIGHTS, originals)))
-    return _forward(x, mask, originals, direction, eps)
+    return _forward(x, mask, originals, direction, eps, cache)
 
 
-def _forward(x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float) -> Tensor:
+def _forward(
+    x: Tensor, mask: Optional[Tensor], originals: list, direction: str, eps: float, cache: bool = True
+) -> Tensor:
     """The op's implementation on real tensors (the checks are the wrapper's)."""
     if x.is_cuda:  # CUDA, or ROCm on a ROCm build of PyTorch
-        return _cuda_forward(x, mask, originals, direction, eps)
+        return _cuda_forward(x, mask, originals, direction, eps, cache)
     x = _contiguous(x)
     mask = _contiguous(mask)
     if x.device.type == "cpu":
-        return _host_forward(x, mask, originals, direction, eps, None)
+        return _host_forward(x, mask, originals, direction, eps, None, cache)
     raise ValueError(f"x is on {x.device}; trimul runs on CUDA, ROCm and CPU tensors")
 
 
@@ -565,6 +589,9 @@ _function_modes = torch._C._len_torch_function_stack
 _tracing = torch._C._get_tracing_state  # torch.jit.trace records only dispatched ops
 _functorch_active = torch._C._functorch.peek_interpreter_stack  # vmap, grad, jvp transforms
 _forward_ad = torch.autograd.forward_ad
+# The autograd profiler (torch.profiler) records dispatched ops only: under it, calls go through the
+# op so that they show in its trace.
+_profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 
 
 def _direct(x: Tensor, w: Sequence) -> bool:
@@ -576,7 +603,7 @@ def _direct(x: Tensor, w: Sequence) -> bool:
     goes through the registered op. (Written for speed: it runs on every call.)"""
     if x.__class__ is not torch.Tensor or _is_compiling():
         return False
-    if _dispatch_modes() or _function_modes() or _tracing() or _functorch_active():
+    if _dispatch_modes() or _function_modes() or _tracing() or _functorch_active() or _profiling():
         return False
     if _forward_ad._current_level >= 0:  # forward-mode AD: the op has no forward derivative
         return False
