@@ -397,8 +397,8 @@ impl<B: Backend> Layer<B> {
                 problem.config.c,
                 problem.config.h,
                 if problem.in_place { " in place" } else { "" },
-                crate::report::fmt_bytes(fixed),
-                crate::report::fmt_bytes(min_ws),
+                crate::units::fmt_bytes(fixed),
+                crate::units::fmt_bytes(min_ws),
             )
         };
         let mut limit = None;
