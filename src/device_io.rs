@@ -44,12 +44,6 @@ impl DType {
             DType::F16 => Precision::F16Io,
         }
     }
-
-    /// The kernels' element-type code (`TM_IO_*` in `common/params.h`).
-    #[cfg(any(feature = "cuda", feature = "rocm"))]
-    pub(crate) fn code(self) -> i32 {
-        crate::backend::params::io_dtype(self.precision())
-    }
 }
 
 impl std::fmt::Display for DType {

@@ -311,6 +311,35 @@ impl<B: Backend> Layer<B> {
         self.backend.half_io_native(&self.prepared)
     }
 
+    /// One forward on caller-owned device memory and a caller-given stream, for integration
+    /// into other GPU programs: `x`, `mask` and `y` are f32 tensors at device addresses,
+    /// `stream` is the `CUstream` or `hipStream_t` as an integer (`stream as u64`; 0 is the
+    /// legacy default stream), and the intermediates live in the layer's own workspace. Returns
+    /// once the work is enqueued on `stream`. This is [`Layer::forward_device`] with f32 `x` and
+    /// `y` and no caller workspace; that method also takes 16-bit `x` and `y` and a workspace in
+    /// caller memory. A backend without device memory (the CPU) returns an error.
+    ///
+    /// # Safety
+    /// `x` and `y` must be device allocations (of this layer's device and context) of `B·N·N·C`
+    /// f32, `mask` of `B·N·N` f32, not aliasing each other, alive until `stream` has run the
+    /// work; `stream` must be a live stream of the same context. The layer's workspace (left,
+    /// right, t and the scratch) is one set of buffers: a forward of this layer on another
+    /// stream, including the layer's own safe forwards on the backend's stream, must not start
+    /// before this one has run (order the streams with an event, or use one layer per stream).
+    pub unsafe fn forward_on_stream(
+        &mut self,
+        x: u64,
+        mask: Option<u64>,
+        y: u64,
+        shape: Shape,
+        stream: u64,
+    ) -> Result<()> {
+        let io = DeviceIo { x, mask, y, shape, io: Precision::F32Io, stream, workspace: None };
+        // SAFETY: this function's contract is `forward_device`'s for f32 x and y and the
+        // layer's own workspace, which is what `io` describes.
+        unsafe { self.forward_device(&io) }
+    }
+
     /// The backend the layer runs on.
     pub fn backend(&self) -> &B {
         &self.backend
@@ -403,8 +432,8 @@ impl<B: Backend> Layer<B> {
                 problem.config.c,
                 problem.config.h,
                 if problem.in_place { " in place" } else { "" },
-                crate::report::fmt_bytes(fixed),
-                crate::report::fmt_bytes(min_ws),
+                crate::units::fmt_bytes(fixed),
+                crate::units::fmt_bytes(min_ws),
             )
         };
         let mut limit = None;
@@ -438,7 +467,7 @@ impl<B: Backend> Layer<B> {
 
     /// The backend, the prepared weights and a workspace that fits `problem`, made anew only
     /// when the shape changed.
-    pub(crate) fn parts(&mut self, problem: &Problem) -> Result<(&B, &B::Prepared, &mut B::Workspace)> {
+    fn parts(&mut self, problem: &Problem) -> Result<(&B, &B::Prepared, &mut B::Workspace)> {
         self.parts_for(problem, false)
     }
 
@@ -513,6 +542,52 @@ impl<B: Backend> Layer<B> {
         problem.check_lengths(B::buffer_len(x), mask.map(B::buffer_len), B::buffer_len(y))?;
         let (backend, prepared, ws) = self.parts(&problem)?;
         backend.forward(prepared, ws, &problem, x, mask, y)
+    }
+}
+
+/// Forwards on the CUDA backend's 16-bit device buffers. They are defined here, with the layer,
+/// rather than in `backend::cuda`: the layer sits above the backends, and a backend that extended
+/// [`Layer`] would import the layer above it (a cycle, `layer` → `backend::cuda` → `layer`).
+#[cfg(feature = "cuda")]
+impl Layer<crate::backend::cuda::CudaBackend> {
+    /// Enqueues one forward on device buffers holding `x` and `y` in 16-bit precision `io`
+    /// (bf16 or f16 bit patterns, e.g. filled with
+    /// [`CudaBackend::upload_bits`](crate::backend::cuda::CudaBackend::upload_bits)); the mask
+    /// stays f32. The fused kernels read x and write y in that precision, so x and y take half
+    /// the bytes of the f32 path. Synchronize (or download) before reading `y`.
+    pub fn forward_buffers_half(
+        &mut self,
+        x: &crate::backend::cuda::DeviceBuffer<u16>,
+        mask: Option<&crate::backend::cuda::DeviceBuffer<f32>>,
+        y: &mut crate::backend::cuda::DeviceBuffer<u16>,
+        shape: Shape,
+        io: Precision,
+    ) -> Result<()> {
+        let problem = self.problem(shape, mask.is_some())?.with_io(io);
+        // Checked before the workspace is planned, so that a bad call allocates nothing.
+        problem.check_lengths(x.len(), mask.map(|m| m.len()), y.len())?;
+        crate::backend::half_io(&problem)?;
+        let (backend, prepared, ws) = self.parts(&problem)?;
+        backend.forward_half(prepared, ws, &problem, x, mask, y)
+    }
+
+    /// [`forward_buffers_half`](Self::forward_buffers_half) with `y` written over `x` (same
+    /// buffer, same 16-bit precision `io`): the buffer holds `y` after a synchronize. The plan
+    /// keeps every read of x ahead of the writes of y over it, as the f32 in-place path does, so
+    /// N = 8192 in bf16 needs one 16 GiB tensor on the device instead of two.
+    pub fn forward_buffers_half_in_place(
+        &mut self,
+        xy: &mut crate::backend::cuda::DeviceBuffer<u16>,
+        mask: Option<&crate::backend::cuda::DeviceBuffer<f32>>,
+        shape: Shape,
+        io: Precision,
+    ) -> Result<()> {
+        let problem = self.problem(shape, mask.is_some())?.in_place(true).with_io(io);
+        // Checked before the workspace is planned, so that a bad call allocates nothing.
+        problem.check_lengths(xy.len(), mask.map(|m| m.len()), xy.len())?;
+        crate::backend::half_io(&problem)?;
+        let (backend, prepared, ws) = self.parts(&problem)?;
+        backend.forward_half_in_place(prepared, ws, &problem, xy, mask)
     }
 }
 

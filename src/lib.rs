@@ -19,7 +19,7 @@
 //! Layers: [`problem`] holds the rules, [`weights`] the canonical parameters, [`io`] the
 //! safetensors naming schemes, [`backend`] the trait and the three implementations,
 //! [`reference`](mod@reference) the f64 oracle used only by tests and `trimul check`, [`suite`] the GPU MODE
-//! cases. See `SPEC.md` (in the repository's shared docs) for the math.
+//! cases, [`units`] byte counts as people write them. See `SPEC.md` (in the repository's shared docs) for the math.
 
 #![warn(missing_docs)]
 pub mod backend;
@@ -36,6 +36,7 @@ pub mod rand;
 pub mod reference;
 pub mod report;
 pub mod suite;
+pub mod units;
 pub mod weights;
 
 #[cfg(test)]

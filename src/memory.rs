@@ -25,6 +25,10 @@
 //! allocation; when even the narrowest plan does not fit, the error names the bytes needed and
 //! available ([`crate::Error::OutOfMemory`]).
 
+// Defined with `fmt_bytes` in the foundation module of byte counts; kept here, where the CLI,
+// the Python bindings and the fuzz tests have always found it.
+pub use crate::units::parse_bytes;
+
 /// How one forward is split to fit its memory limit.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ExecPlan {
@@ -116,37 +120,39 @@ pub fn widest_hidden_chunk(h: usize, step: usize, limit: u64, need: impl Fn(usiz
     None
 }
 
-/// Parses a byte count: `123`, `24G`/`24GB` (10⁹), `24GiB` (2³⁰), with K/M/G/T and their binary
-/// `Ki`/`Mi`/`Gi`/`Ti` forms, case-insensitive, fractions allowed (`1.5GB`).
-pub fn parse_bytes(text: &str) -> crate::Result<u64> {
-    let t = text.trim();
-    let bad = || {
-        crate::Error::InvalidArgument(format!(
-            "{text:?} is not a byte count: expected e.g. 24GB, 24GiB, 512MiB or 1000000"
-        ))
-    };
-    let split = t.find(|ch: char| !(ch.is_ascii_digit() || ch == '.')).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num.parse().map_err(|_| bad())?;
-    let unit = unit.trim().to_ascii_lowercase();
-    let unit = unit.strip_suffix('b').unwrap_or(&unit);
-    let scale: f64 = match unit {
-        "" => 1.0,
-        "k" => 1e3,
-        "m" => 1e6,
-        "g" => 1e9,
-        "t" => 1e12,
-        "ki" => 1024.0,
-        "mi" => 1024f64.powi(2),
-        "gi" => 1024f64.powi(3),
-        "ti" => 1024f64.powi(4),
-        _ => return Err(bad()),
-    };
-    let bytes = value * scale;
-    if !bytes.is_finite() || bytes < 1.0 || bytes >= u64::MAX as f64 {
-        return Err(bad());
+/// Bytes currently and at most allocated on one GPU backend's device (weights, workspaces and
+/// buffers), for [`Backend::peak_memory`](crate::backend::Backend::peak_memory). Shared by the
+/// CUDA and HIP allocation wrappers, which are FFI layers (`cuda/driver.rs`, `hip/result.rs`):
+/// defined here, in a foundation module, so that they need not import the backend layer above
+/// them.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+#[derive(Debug, Default)]
+pub(crate) struct AllocTracker {
+    current: std::sync::atomic::AtomicU64,
+    peak: std::sync::atomic::AtomicU64,
+}
+
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+impl AllocTracker {
+    pub(crate) fn add(&self, bytes: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = self.current.fetch_add(bytes, Relaxed) + bytes;
+        self.peak.fetch_max(now, Relaxed);
     }
-    Ok(bytes as u64)
+
+    pub(crate) fn sub(&self, bytes: u64) {
+        self.current.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn peak(&self) -> u64 {
+        self.peak.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Starts a new high-water mark at what is allocated now.
+    pub(crate) fn reset_peak(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.peak.store(self.current.load(Relaxed), Relaxed);
+    }
 }
 
 #[cfg(test)]
@@ -165,19 +171,6 @@ mod tests {
         assert_eq!(widest_hidden_chunk(128, 1, 1010, need), Some(1));
         assert_eq!(widest_hidden_chunk(40, 32, 1000 + 10 * 39, need), Some(32));
         assert_eq!(widest_hidden_chunk(1, 32, 1010, need), Some(1));
-    }
-
-    #[test]
-    fn byte_counts_parse_with_units() {
-        assert_eq!(parse_bytes("24GB").unwrap(), 24_000_000_000);
-        assert_eq!(parse_bytes("24g").unwrap(), 24_000_000_000);
-        assert_eq!(parse_bytes("1.5 GiB").unwrap(), 3 << 29);
-        assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
-        assert_eq!(parse_bytes("1000").unwrap(), 1000);
-        for bad in ["", "GB", "-1G", "12XB", "0", "1e999"] {
-            let e = parse_bytes(bad).unwrap_err().to_string();
-            assert!(e.contains("byte count"), "{bad}: {e}");
-        }
     }
 
     #[test]

@@ -445,7 +445,7 @@ fn device_buffer_forward_and_caller_stream_forward_agree_with_reference() {
     b.upload(&vec![f32::NAN; inputs.x.len()], &mut y2d).unwrap();
     // SAFETY: all three buffers are live allocations of this backend sized for `case`, and we
     // synchronise (download) before they are dropped.
-    unsafe { layer.forward_on_stream(xd.ptr(), Some(md.ptr()), y2d.ptr(), case.shape(), b.stream()).unwrap() };
+    unsafe { layer.forward_on_stream(xd.ptr(), Some(md.ptr()), y2d.ptr(), case.shape(), b.stream() as u64).unwrap() };
     let mut y2 = vec![0f32; inputs.x.len()];
     b.download(&y2d, &mut y2).unwrap();
     assert_eq!(y, y2, "caller-stream forward differs from the buffer forward");

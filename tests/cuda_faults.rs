@@ -85,7 +85,7 @@ fn sticky_fault_in_a_process_of_its_own() {
     // SAFETY: deliberately violated: x is an address no allocation has (16-byte aligned, so the
     // checks before the launch pass). The GPU's memory protection turns the input kernel's first
     // load there into CUDA_ERROR_ILLEGAL_ADDRESS; nothing of the host is touched.
-    let enqueued = unsafe { layer.forward_on_stream(0x10, None, yd.ptr(), case.shape(), b.stream()) };
+    let enqueued = unsafe { layer.forward_on_stream(0x10, None, yd.ptr(), case.shape(), b.stream() as u64) };
     let synced = b.synchronize();
     let fault = enqueued.err().or(synced.err()).expect("a kernel loading from address 0x10 reported no error");
     eprintln!("the faulting forward: {fault}");

@@ -40,7 +40,7 @@ fn caller_stream_forward_captures_into_a_cuda_graph() {
     // SAFETY: x, mask and y are live allocations of this backend's context sized for `case`, and
     // stay alive until the graph's last replay has been synchronised below.
     let captured =
-        unsafe { layer.forward_on_stream(xd.ptr(), Some(md.ptr()), yd.ptr(), case.shape(), stream.cu_stream()) };
+        unsafe { layer.forward_on_stream(xd.ptr(), Some(md.ptr()), yd.ptr(), case.shape(), stream.cu_stream() as u64) };
     let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
     captured.unwrap();
     let graph = graph.expect("the capture recorded work");

@@ -250,7 +250,13 @@ fn device_buffers_caller_stream_and_workspace_reuse() {
     // the download before they drop.
     unsafe {
         layer
-            .forward_on_stream(xd.device_ptr(), Some(md.device_ptr()), y2d.device_ptr(), case.shape(), b.stream())
+            .forward_on_stream(
+                xd.device_ptr(),
+                Some(md.device_ptr()),
+                y2d.device_ptr(),
+                case.shape(),
+                b.stream() as u64,
+            )
             .unwrap()
     };
     let mut y2 = vec![0f32; inputs.x.len()];
@@ -314,7 +320,8 @@ fn a_y_pointer_outside_device_memory_is_caught_by_the_fake() {
     // SAFETY (deliberately violated for the fake, which only records the access): `small` is far
     // too short for y. On a real GPU this would be undefined behaviour; here host memory outside
     // the fake's allocations is never written because the fake refuses the range first.
-    let e = unsafe { layer.forward_on_stream(xd.device_ptr(), None, small.device_ptr(), case.shape(), b.stream()) };
+    let e =
+        unsafe { layer.forward_on_stream(xd.device_ptr(), None, small.device_ptr(), case.shape(), b.stream() as u64) };
     let e = e.err().map(|e| e.to_string()).or_else(|| b.synchronize().err().map(|e| e.to_string()));
     let e = e.expect("the fake accepted a y of 8 floats");
     assert!(e.contains("outside any device allocation"), "{e}");

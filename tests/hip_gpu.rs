@@ -208,7 +208,13 @@ fn device_buffer_forward_and_caller_stream_forward_agree_with_reference() {
     // synchronise (download) before they are dropped.
     unsafe {
         layer
-            .forward_on_stream(xd.device_ptr(), Some(md.device_ptr()), y2d.device_ptr(), case.shape(), b.stream())
+            .forward_on_stream(
+                xd.device_ptr(),
+                Some(md.device_ptr()),
+                y2d.device_ptr(),
+                case.shape(),
+                b.stream() as u64,
+            )
             .unwrap()
     };
     let mut y2 = vec![0f32; inputs.x.len()];

@@ -7,9 +7,9 @@
 //! values without waiting for the device.
 
 use crate::backend::params::{
-    FusedInputLayout, PrepSegment, PrepareParams, PREP_MAX_SEGMENTS, SEG_FUSED_B, SEG_FUSED_W, SEG_PLAIN,
+    io_dtype, FusedInputLayout, PrepSegment, PrepareParams, PREP_MAX_SEGMENTS, SEG_FUSED_B, SEG_FUSED_W, SEG_PLAIN,
 };
-use crate::device_io::{DeviceLinear, DeviceTensor, DeviceWeights, SPAN_ALIGN};
+use crate::device_io::{DType, DeviceLinear, DeviceTensor, DeviceWeights, SPAN_ALIGN};
 use crate::error::{Error, Result};
 use crate::problem::Config;
 
@@ -50,6 +50,13 @@ impl PreparedLayout {
     }
 }
 
+/// The kernels' element-type code (`TM_IO_*` in `common/params.h`) of a caller tensor. Here
+/// rather than a method of [`DType`]: `device_io` sits below the backends and names no kernel
+/// parameters.
+fn dtype_code(d: DType) -> i32 {
+    io_dtype(d.precision())
+}
+
 /// A converted copy of `src`, or zeros where there is none (an absent bias).
 fn plain(src: Option<&DeviceTensor>, dst: u64, count: usize, dst_f16: bool) -> PrepSegment {
     PrepSegment {
@@ -57,7 +64,7 @@ fn plain(src: Option<&DeviceTensor>, dst: u64, count: usize, dst_f16: bool) -> P
         dst,
         count: count as i64,
         kind: SEG_PLAIN,
-        src_dtype: src.map_or(0, |t| t.dtype.code()),
+        src_dtype: src.map_or(0, |t| dtype_code(t.dtype)),
         dst_f16: i32::from(dst_f16),
         // Without a source the kernel writes `scale` itself: 0 for an absent bias.
         scale: if src.is_some() { 1.0 } else { 0.0 },
@@ -77,9 +84,9 @@ pub(crate) fn params(w: &DeviceWeights, layout: &PreparedLayout, base: u64, grid
         prep.g_pad = f.g_pad as i32;
         for (i, l) in inputs.iter().enumerate() {
             prep.fused_src[i] = l.weight.ptr;
-            prep.fused_dtype[i] = l.weight.dtype.code();
+            prep.fused_dtype[i] = dtype_code(l.weight.dtype);
             prep.fused_bias[i] = l.bias.map_or(0, |b| b.ptr);
-            prep.fused_bias_dtype[i] = l.bias.map_or(0, |b| b.dtype.code());
+            prep.fused_bias_dtype[i] = l.bias.map_or(0, |b| dtype_code(b.dtype));
         }
         let fused = |kind, dst, count: usize, dst_f16| PrepSegment {
             kind,

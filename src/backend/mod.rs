@@ -36,38 +36,6 @@ use crate::memory::ExecPlan;
 use crate::problem::{Config, Precision, Problem};
 use crate::weights::Weights;
 
-/// Bytes currently and at most allocated on one GPU backend's device (weights, workspaces and
-/// buffers), for [`Backend::peak_memory`]. Shared by the CUDA and HIP allocation wrappers.
-#[cfg(any(feature = "cuda", feature = "rocm"))]
-#[derive(Debug, Default)]
-pub(crate) struct AllocTracker {
-    current: std::sync::atomic::AtomicU64,
-    peak: std::sync::atomic::AtomicU64,
-}
-
-#[cfg(any(feature = "cuda", feature = "rocm"))]
-impl AllocTracker {
-    pub(crate) fn add(&self, bytes: u64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let now = self.current.fetch_add(bytes, Relaxed) + bytes;
-        self.peak.fetch_max(now, Relaxed);
-    }
-
-    pub(crate) fn sub(&self, bytes: u64) {
-        self.current.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    pub(crate) fn peak(&self) -> u64 {
-        self.peak.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Starts a new high-water mark at what is allocated now.
-    pub(crate) fn reset_peak(&self) {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.peak.store(self.current.load(Relaxed), Relaxed);
-    }
-}
-
 /// Environment variable that forces a backend (`cpu`, `cuda` or `hip`).
 pub const BACKEND_ENV: &str = "TRIMUL_BACKEND";
 

@@ -35,6 +35,9 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 
 pub use anchors::Anchor;
+// Defined in the foundation (the layer's out-of-memory messages use it too); kept here, where
+// the report and the CLI have always found it.
+pub use crate::units::fmt_bytes;
 pub use schema::{
     format_utc, git_commit, infer_suite, json_f64, now_utc, shape_key, BenchRun, Ceilings, GpuSample, GpuSpan,
     MachineInfo, RunTelemetry, SampleStats, ShapeResult, ShapeTelemetry, TimingMethod, ToolInfo, SCHEMA_VERSION,
@@ -500,22 +503,6 @@ pub fn fmt_err(v: f64) -> String {
         "0".into()
     } else {
         format!("{v:.2e}")
-    }
-}
-
-/// Bytes in binary units: `512 B`, `79.2 GiB`, `512.0 MiB` (shared by the report and the CLI).
-pub fn fmt_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
     }
 }
 

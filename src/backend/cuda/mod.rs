@@ -41,7 +41,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::result as cu;
-use cudarc::driver::sys::{CUdevice_attribute, CUdeviceptr, CUstream};
+use cudarc::driver::sys::{CUdevice_attribute, CUstream};
 use cudarc::driver::{CudaContext, CudaStream};
 
 use self::blas::{BlasHandle, Elem, MatmulPlan};
@@ -54,9 +54,8 @@ use super::staged_plan::{ChunkedPlan, STAGING_ALIGN};
 use super::{check_prepared_for, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
-use crate::layer::Layer;
 use crate::memory::ExecPlan;
-use crate::problem::{Config, Precision, Problem, Shape};
+use crate::problem::{Config, Precision, Problem};
 use crate::weights::Weights;
 
 /// Largest cuBLASLt workspace a GEMM may borrow.
@@ -954,53 +953,47 @@ impl CudaBackend {
     }
 }
 
-impl crate::layer::Layer<CudaBackend> {
-    /// Enqueues one forward on device buffers holding `x` and `y` in 16-bit precision `io`
-    /// (bf16 or f16 bit patterns, e.g. filled with [`CudaBackend::upload_bits`]); the mask stays
-    /// f32. The fused kernels read x and write y in that precision, so x and y take half the
-    /// bytes of the f32 path. Synchronize (or download) before reading `y`.
-    pub fn forward_buffers_half(
-        &mut self,
+impl CudaBackend {
+    /// Enqueues one forward on device buffers holding `x` and `y` in the 16-bit precision
+    /// `problem.io`, on the backend's stream: [`Layer::forward_buffers_half`](crate::Layer::forward_buffers_half)
+    /// after it has planned the workspace. Safe: the buffers are this backend's own allocations,
+    /// whose lengths are checked here.
+    pub(crate) fn forward_half(
+        &self,
+        prepared: &CudaPrepared,
+        ws: &mut CudaWorkspace,
+        problem: &Problem,
         x: &DeviceBuffer<u16>,
         mask: Option<&DeviceBuffer<f32>>,
         y: &mut DeviceBuffer<u16>,
-        shape: Shape,
-        io: Precision,
     ) -> Result<()> {
-        let problem = self.problem(shape, mask.is_some())?.with_io(io);
         problem.check_lengths(x.len(), mask.map(|m| m.len()), y.len())?;
-        crate::backend::half_io(&problem)?;
-        let (backend, prepared, ws) = self.parts(&problem)?;
+        crate::backend::half_io(problem)?;
         // SAFETY: the buffers are live allocations of this backend with lengths checked above;
         // `y` is borrowed mutably so it cannot alias x or mask; the workspace outlives the work
         // (its buffers are freed through cuMemFree, which waits for pending work).
-        unsafe {
-            backend.enqueue(prepared, ws, &problem, x.ptr(), mask.map_or(0, |m| m.ptr()), y.ptr(), backend.stream())
-        }
+        unsafe { self.enqueue(prepared, ws, problem, x.ptr(), mask.map_or(0, |m| m.ptr()), y.ptr(), self.stream()) }
     }
 
-    /// [`forward_buffers_half`](Self::forward_buffers_half) with `y` written over `x` (same
-    /// buffer, same 16-bit precision `io`): the buffer holds `y` after a synchronize. The plan
-    /// keeps every read of x ahead of the writes of y over it, as the f32 in-place path does, so
-    /// N = 8192 in bf16 needs one 16 GiB tensor on the device instead of two.
-    pub fn forward_buffers_half_in_place(
-        &mut self,
+    /// [`forward_half`](Self::forward_half) with `y` written over `x` (`problem` is in place):
+    /// [`Layer::forward_buffers_half_in_place`](crate::Layer::forward_buffers_half_in_place)
+    /// after it has planned the workspace.
+    pub(crate) fn forward_half_in_place(
+        &self,
+        prepared: &CudaPrepared,
+        ws: &mut CudaWorkspace,
+        problem: &Problem,
         xy: &mut DeviceBuffer<u16>,
         mask: Option<&DeviceBuffer<f32>>,
-        shape: Shape,
-        io: Precision,
     ) -> Result<()> {
-        let problem = self.problem(shape, mask.is_some())?.in_place(true).with_io(io);
+        require_in_place(problem)?;
         problem.check_lengths(xy.len(), mask.map(|m| m.len()), xy.len())?;
-        crate::backend::half_io(&problem)?;
-        let (backend, prepared, ws) = self.parts(&problem)?;
+        crate::backend::half_io(problem)?;
         // SAFETY: `xy` is a live allocation of this backend, borrowed mutably (nothing else can
         // read or write it meanwhile) and passed as both x and y of an in-place problem, which
         // `enqueue` checks; the lengths were checked above; the workspace outlives the work (its
         // buffers are freed through cuMemFree, which waits for pending work).
-        unsafe {
-            backend.enqueue(prepared, ws, &problem, xy.ptr(), mask.map_or(0, |m| m.ptr()), xy.ptr(), backend.stream())
-        }
+        unsafe { self.enqueue(prepared, ws, problem, xy.ptr(), mask.map_or(0, |m| m.ptr()), xy.ptr(), self.stream()) }
     }
 }
 
@@ -1580,35 +1573,10 @@ impl Backend for CudaBackend {
     }
 }
 
-impl Layer<CudaBackend> {
-    /// One forward on caller-owned device memory and a caller-given stream, for integration
-    /// into other GPU programs. Returns once the work is enqueued on `stream`.
-    ///
-    /// # Safety
-    /// `x` and `y` must be device allocations (of this layer's device and context) of `B·N·N·C`
-    /// f32, `mask` of `B·N·N` f32, not aliasing each other, alive until `stream` has run the
-    /// work; `stream` must belong to the same context. The layer's workspace (left, right, t and
-    /// the scratch) is one set of buffers: a forward of this layer on another stream, including
-    /// the layer's own safe forwards on the backend's stream, must not start before this one has
-    /// run (order the streams with an event, or use one layer per stream).
-    pub unsafe fn forward_on_stream(
-        &mut self,
-        x: CUdeviceptr,
-        mask: Option<CUdeviceptr>,
-        y: CUdeviceptr,
-        shape: Shape,
-        stream: CUstream,
-    ) -> Result<()> {
-        let problem = self.problem(shape, mask.is_some())?;
-        let (backend, prepared, ws) = self.parts(&problem)?;
-        backend.enqueue(prepared, ws, &problem, x, mask.unwrap_or(0), y, stream)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::{Config, Direction, Formulation};
+    use crate::problem::{Config, Direction, Formulation, Shape};
 
     #[test]
     fn scratch_fits_in_t_and_chunks_cover_all_rows() {

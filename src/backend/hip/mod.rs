@@ -62,9 +62,8 @@ use super::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
 use super::{check_device_forward, check_prepared_for, check_same_weights, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
-use crate::layer::Layer;
 use crate::memory::ExecPlan;
-use crate::problem::{Config, Formulation, Precision, Problem, Shape};
+use crate::problem::{Config, Formulation, Precision, Problem};
 use crate::weights::Weights;
 
 /// Byte that makes every f16 and f32 element a NaN: poisons buffers in checks.
@@ -234,7 +233,8 @@ pub struct HipBuffer {
 }
 
 impl HipBuffer {
-    /// The device address, for [`Layer::forward_on_stream`] and interop with other HIP code.
+    /// The device address, for [`Layer::forward_on_stream`](crate::Layer::forward_on_stream)
+    /// and interop with other HIP code.
     pub fn device_ptr(&self) -> u64 {
         self.mem.addr()
     }
@@ -1462,35 +1462,12 @@ impl Backend for HipBackend {
     }
 }
 
-impl Layer<HipBackend> {
-    /// One forward on caller-owned device memory and a caller-given HIP stream, for integration
-    /// into other GPU programs. Returns once the work is enqueued on `stream`.
-    ///
-    /// # Safety
-    /// `x` and `y` must be device allocations (on this layer's device) of `B·N·N·C` f32, `mask` of
-    /// `B·N·N` f32, not aliasing each other, alive until `stream` has run the work; `stream` must
-    /// be a live stream of the same device.
-    pub unsafe fn forward_on_stream(
-        &mut self,
-        x: u64,
-        mask: Option<u64>,
-        y: u64,
-        shape: Shape,
-        stream: sys::hipStream_t,
-    ) -> Result<()> {
-        let problem = self.problem(shape, mask.is_some())?;
-        let (backend, prepared, ws) = self.parts(&problem)?;
-        // SAFETY: forwarded from this function's contract.
-        unsafe { backend.enqueue(prepared, ws, &problem, x, mask.unwrap_or(0), y, stream) }
-    }
-}
-
 // ----------------------------------------------------------------------- launches and GEMMs
 //
 // Every device address these helpers pass comes from a `DeviceMem` of a prepared layer, a
 // workspace that `workspace_fits` the problem (its `Plan` equals `Plan::new(problem)`), or a
 // caller buffer whose length `Problem::check_lengths` checked (or whose size the caller of
-// `forward_on_stream` guarantees); the kernels and GEMMs touch only the index ranges those sizes
+// `Backend::forward_device` guarantees); the kernels and GEMMs touch only the index ranges those sizes
 // cover (layouts in common/params.h, spans in `RocblasGemm`). The buffers outlive the work:
 // forward callers hold them until they synchronise, and dropping a `DeviceMem` frees it with
 // hipFree, which waits for the device.
