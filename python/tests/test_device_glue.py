@@ -97,6 +97,15 @@ def test_the_fast_path_for_prepared_weights(fake_device, monkeypatch):
     vouch for back to the full path (None)."""
     monkeypatch.setattr(_torch, "_on_device", lambda t: True)
     monkeypatch.setattr(_torch, "_current_device", lambda: -1)  # CPU tensors' get_device()
+    blocks: dict = {}  # the caching allocator's raw interface, over host tensors
+
+    def raw_alloc(nbytes, stream):
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        blocks[t.data_ptr()] = t
+        return t.data_ptr()
+
+    monkeypatch.setattr(_torch, "_raw_alloc", raw_alloc)
+    monkeypatch.setattr(_torch, "_raw_delete", lambda ptr: blocks.pop(ptr))
     c, h, n = 32, 16, 12
     w = af3_weights(c, h, True, salt=93)
     x = pair((2, n, n, c), salt=94)
@@ -109,7 +118,7 @@ def test_the_fast_path_for_prepared_weights(fake_device, monkeypatch):
     y = _torch.cached_call(x2, m2, originals, "incoming", 1e-5)
     bad, rel = compare(y, f64_reference(x2, "incoming", m2.float(), **w))
     assert bad == 0 and rel < 1e-5
-    assert fake_device.calls == ["new", "forward", "forward"]
+    assert fake_device.calls == ["new", "forward", "forward"] and not blocks, "the workspace block was not freed"
     for args in (
         (x2, m2, originals, "outgoing", 1e-5),  # another direction: not prepared
         (x2, m2, originals, ["incoming"], 1e-5),  # not a str

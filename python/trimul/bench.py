@@ -194,27 +194,20 @@ def _noop(
 
 def bench_host_time(dtype, g, calls: int = 50, rounds: int = 200) -> dict:
     """Host microseconds per call at N = 256: bursts of `calls` calls after a synchronize (short
-    enough that no launch queue fills), best-of-rounds median."""
+    enough that no launch queue fills). Each round times one burst of every variant in turn, so
+    a drift of the host's speed (shared machines, clock changes) hits all of them alike; reported
+    are each variant's median over the rounds and the median of its per-round difference from
+    the no-op custom op."""
     n, c, h = 256, 128, 128
     w = af3_weights(c, h, dtype, "cuda", g)
     x = torch.randn(1, n, n, c, generator=g).to(dtype).cuda()
     args = [w.get(k) for k in AF3_WEIGHTS]
 
-    def per_call(fn):
-        samples = []
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - t0) / calls * 1e6)
-            torch.cuda.synchronize()
-        return statistics.median(samples)
-
     op = torch.ops.trimul.triangle_multiplicative_update.default
     for _ in range(20):
         op(x, None, *args, "outgoing", 1e-5)
         _noop(x, None, *args, "outgoing", 1e-5)
+        tmu(x, "outgoing", None, **w)
     # The library call alone, on buffers allocated once (what the op adds around it is PyTorch's).
     from . import _torch
 
@@ -230,15 +223,28 @@ def bench_host_time(dtype, g, calls: int = 50, rounds: int = 200) -> dict:
             x.data_ptr(), x.numel(), 0, 0, y.data_ptr(), y.numel(), 1, n, code, ws.data_ptr(), nbytes, stream
         )
 
-    out = {
-        "noop_custom_op_us": per_call(lambda: _noop(x, None, *args, "outgoing", 1e-5)),
-        "trimul_op_us": per_call(lambda: op(x, None, *args, "outgoing", 1e-5)),
-        "trimul_function_us": per_call(lambda: tmu(x, "outgoing", None, **w)),
-        "library_call_us": per_call(raw),
-        "two_empties_us": per_call(
-            lambda: (torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty_like(x))
-        ),
+    variants = {
+        "noop_custom_op": lambda: _noop(x, None, *args, "outgoing", 1e-5),
+        "trimul_op": lambda: op(x, None, *args, "outgoing", 1e-5),
+        "trimul_function": lambda: tmu(x, "outgoing", None, **w),
+        # precision="default" is the same computation without the short path for prepared weights.
+        "trimul_function_full_checks": lambda: tmu(x, "outgoing", None, **w, precision="default"),
+        "library_call": raw,
+        "two_empties": lambda: (torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty_like(x)),
     }
+    samples: dict = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, fn in variants.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[k].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    out = {f"{k}_us": statistics.median(v) for k, v in samples.items()}
+    base = samples["noop_custom_op"]
+    for k in ("trimul_op", "trimul_function", "trimul_function_full_checks"):
+        out[f"{k}_minus_noop_us"] = statistics.median(a - b for a, b in zip(samples[k], base))
     print("host time per call at N=256: " + ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in out.items()))
     return out
 
