@@ -1,7 +1,8 @@
 //! The public layer API: weights prepared once on a device, forwards on host slices or on
 //! backend buffers, workspaces reused across calls of the same shape.
 
-use crate::backend::{cpu::CpuBackend, Backend, Device};
+use crate::backend::{cpu::CpuBackend, Backend};
+use crate::device::Device;
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::{self, ExecPlan, MemoryNeeds};

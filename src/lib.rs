@@ -23,6 +23,7 @@
 
 #![warn(missing_docs)]
 pub mod backend;
+pub mod device;
 pub mod device_io;
 pub mod error;
 pub mod finite;
@@ -43,7 +44,8 @@ pub mod weights;
 #[path = "../tests/support/seed.rs"]
 pub(crate) mod test_seed;
 
-pub use backend::{Backend, Ceilings, Device, DeviceInfo, MemoryInfo};
+pub use backend::{Backend, Ceilings, DeviceInfo, MemoryInfo};
+pub use device::Device;
 pub use device_io::{DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights};
 pub use error::{BackendKind, Error, Result};
 pub use io::{NamingScheme, PairInput};
