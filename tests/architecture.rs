@@ -117,21 +117,6 @@ const KNOWN_DEBT: &[Debt] = &[
         what: "report, report::markdown, report::plot",
         why: "report/mod.rs calls the renderers, which read the model and formatting helpers it defines",
     },
-    Debt {
-        rule: Rule::FacadeImport,
-        what: "backend::cuda::chunked -> backend::cuda",
-        why: "the chunked plans are methods on CudaBackend reading private fields of its workspace types",
-    },
-    Debt {
-        rule: Rule::FacadeImport,
-        what: "backend::cuda::forward -> backend::cuda",
-        why: "the one-pass launches are methods on CudaBackend reading private fields of its workspace types",
-    },
-    Debt {
-        rule: Rule::FacadeImport,
-        what: "backend::cuda::prepare -> backend::cuda",
-        why: "device-side weight preparation builds CudaPrepared, defined in cuda/mod.rs",
-    },
 ];
 
 const LIB_ROOT: &str = "lib";

@@ -1,4 +1,4 @@
-//! The [`Backend`] trait, the runtime choice of backend ([`Device`]) and detection.
+//! The [`Backend`] trait every backend implements, and the backends.
 //!
 //! A backend owns a device (or the host), a stream of work on it, and the vendor libraries it
 //! drives. The trait is shaped by what the GPU backends need:
@@ -10,8 +10,9 @@
 //!   [`Backend::synchronize`] is the explicit sync point; [`Backend::forward_host`] is the
 //!   synchronous convenience on host slices.
 //!
-//! Runtime choice is an enum, not a trait object: [`Device`] forwards to the compiled-in backends.
-//! Detection order is HIP, then CUDA, then CPU; `TRIMUL_BACKEND=cpu|cuda|hip` overrides it.
+//! Runtime choice is an enum, not a trait object: [`crate::Device`] (in `src/device.rs`, above
+//! the backends) forwards to the compiled-in backends. Detection order is HIP, then CUDA, then
+//! CPU; [`BACKEND_ENV`] (`TRIMUL_BACKEND=cpu|cuda|hip`) overrides it.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]

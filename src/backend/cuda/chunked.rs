@@ -7,8 +7,9 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use super::blas::{Elem, MatmulPlan};
+use super::context::{ceil_div, CudaBackend};
 use super::driver::DriverResult;
-use super::{ceil_div, ChunkPlan, CudaBackend, CudaPrepared, CudaWorkspace, Layout, Staged};
+use super::workspace::{ChunkPlan, CudaPrepared, CudaWorkspace, Layout, Staged};
 use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
 use crate::backend::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};

@@ -10,12 +10,13 @@ use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use super::blas::MatmulPlan;
+use super::context::{ceil_div, CudaBackend, OutputGate, POISON_BYTE};
 use super::driver::DriverResult;
 use super::kernels;
-use super::{
-    ceil_div, output_projection_smem, CudaBackend, CudaPrepared, CudaWorkspace, FusedInput, FusedKernel, InputBuild,
-    Layout, OutputGate, Scratch, Tuning, WsBuild, OUTPUT_PROJECTION_ROWS, OUTPUT_RESIDENT_SMEM, OUTPUT_XGATE_SMEM,
-    POISON_BYTE, WS_SMEM_BYTES,
+use super::tuning::Tuning;
+use super::workspace::{
+    output_projection_smem, CudaPrepared, CudaWorkspace, FusedInput, FusedKernel, InputBuild, Layout, Scratch, WsBuild,
+    OUTPUT_PROJECTION_ROWS, OUTPUT_RESIDENT_SMEM, OUTPUT_XGATE_SMEM, WS_SMEM_BYTES,
 };
 use crate::backend::params::{self, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
 use crate::backend::{check_device_forward, check_same_weights, Backend};

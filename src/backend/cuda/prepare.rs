@@ -4,8 +4,9 @@
 
 use cudarc::driver::sys::CUstream;
 
+use super::context::CudaBackend;
 use super::driver::{DeviceBuffer, DriverResult};
-use super::{CudaBackend, CudaPrepared, FusedInput};
+use super::workspace::{CudaPrepared, FusedInput};
 use crate::backend::device_prepare::{params, PreparedLayout};
 use crate::backend::params::PREP_THREADS;
 use crate::device_io::{DeviceSpan, DeviceWeights};

@@ -1,0 +1,511 @@
+//! Prepared weights and workspaces: what the plans allocate and fill and the launches read (the
+//! fused kernels' builds and shared-memory sizes, the one-pass scratch, the chunked and staged
+//! layouts, the host staging buffers).
+
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::sys::CUstream;
+
+use super::blas::{Elem, MatmulPlan};
+use super::context::{ceil_div, round_up, OutputGate, MAX_GEMM_WORKSPACE};
+use super::driver::DeviceBuffer;
+use super::kernels;
+use super::tuning::Tuning;
+use crate::backend::gemm::GemmSpec;
+use crate::backend::params::{self, FusedInputLayout, KernelParams, FUSED_INPUT_ROWS, STAGE_THREADS};
+use crate::backend::staged_plan::{ChunkedPlan, STAGING_ALIGN};
+use crate::error::{Error, Result};
+use crate::problem::{Config, Problem};
+
+/// Positions per block and dynamic shared memory of the fused output kernel
+/// (`cuda/output_projection.cu`: the a tile and one 128-column Wout chunk, 136 halves per row,
+/// plus mean and rstd per position).
+pub(super) const OUTPUT_PROJECTION_ROWS: usize = 64;
+/// sa [64][136] and sw [128][136] (halves), mean and rstd [64], LN_H weight and bias [128] (f32),
+/// and for af3 or 16-bit y the staging tile sg [64][136] (halves) of the gate and y.
+pub(super) const fn output_projection_smem(af3: bool, io_dtype: i32) -> u32 {
+    let base = (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4 + 2 * 128 * 4;
+    let staging = if af3 || io_dtype != params::IO_F32 { OUTPUT_PROJECTION_ROWS * 136 * 2 } else { 0 };
+    (base + staging) as u32
+}
+
+/// Shared memory of `output_projection_sm90_xgate` (`OpxSmem` in `cuda/output_projection.cu`):
+/// Wout and the gate weights (2 × 32 KB, swizzled), z / LN_H(t) (16 KB), the t tile `[128][72]`
+/// halves, the statistics' partial sums `[8][64][2]`, mean and rstd `[64]` and five `[128]` f32
+/// vectors, plus 1024 bytes to align the swizzled tiles.
+pub(super) const OUTPUT_XGATE_SMEM: u32 = (2 * 32768
+    + 16384
+    + 128 * 72 * 2
+    + (8 * OUTPUT_PROJECTION_ROWS * 2 + 2 * OUTPUT_PROJECTION_ROWS + 5 * 128) * 4
+    + 1024) as u32;
+
+/// Shared memory of the resident output kernel: sa, sw, the statistics and LN_H parameters as in
+/// [`output_projection_smem`], plus the next tile's t `[128][72]` (halves).
+pub(super) const OUTPUT_RESIDENT_SMEM: u32 = output_projection_smem(false, params::IO_F32) + 128 * 72 * 2;
+
+/// Weights fused, cast to f16 and uploaded once.
+pub struct CudaPrepared {
+    /// The layer these weights belong to; a forward of another layer's problem is refused.
+    pub(super) config: Config,
+    /// Which prepared weights these are ([`super::next_weights_id`]).
+    pub(super) id: u64,
+    /// Weights in the fused input kernel's order, when that kernel takes this shape.
+    pub(super) fused: Option<FusedInput>,
+    /// `[P, C]` f16, rows `[left_proj; left_gate; right_proj; right_gate; out_gate]`.
+    pub(super) w_in: DeviceBuffer<u16>,
+    /// `[C, H]` f16.
+    pub(super) w_out: DeviceBuffer<u16>,
+    /// `[P]` f32 in the order of `w_in`, when any input linear has a bias (af3).
+    pub(super) proj_bias: Option<DeviceBuffer<f32>>,
+    /// `[C]` f32, af3's output-projection bias.
+    pub(super) out_bias: Option<DeviceBuffer<f32>>,
+    pub(super) norm_in_w: DeviceBuffer<f32>,
+    pub(super) norm_in_b: DeviceBuffer<f32>,
+    pub(super) norm_out_w: DeviceBuffer<f32>,
+    pub(super) norm_out_b: DeviceBuffer<f32>,
+}
+
+/// One build of the fused input kernel: its entry point, dynamic shared memory and positions
+/// per block.
+#[derive(Copy, Clone)]
+pub(super) struct InputBuild<'a> {
+    pub(super) stage: &'a kernels::Stage,
+    pub(super) smem: u32,
+    pub(super) rows: usize,
+}
+
+/// The fused input kernel a forward launches.
+#[derive(Copy, Clone)]
+pub(super) struct FusedKernel<'a> {
+    pub(super) build: InputBuild<'a>,
+    /// The warpgroup-MMA (sm_90a) builds.
+    pub(super) wgmma: bool,
+    /// Another build for launches whose x is f32 (see [`FusedKernel::launch`]).
+    pub(super) f32_x: Option<InputBuild<'a>>,
+    /// The warp-specialised persistent build, for the launches it takes ([`WsBuild::takes`]).
+    pub(super) ws: Option<WsBuild<'a>>,
+    /// Launched as a programmatic dependent of the kernel before it (sm_90+, see
+    /// `kernels::Stage::launch_dependent`): its weight set-up runs under that kernel's tail.
+    pub(super) pdl: bool,
+}
+
+impl FusedKernel<'_> {
+    /// Launches the kernel over `rows` positions (`kp` says which and the I/O precision). On an
+    /// H100 at padded C ≤ 128, f32 x takes 64-position blocks three per SM and 16-bit x
+    /// 128-position blocks two per SM: the third block hides more of the DRAM latency of f32 x,
+    /// while with 16-bit x the weight slices each block re-reads from L2 (twice as many per
+    /// position in 64-position blocks) cost more than it hides (input stage, H100, 1024,1,128:
+    /// f32 0.70 → 0.66 ms, bf16 0.60 → 0.64 ms with the 64-position build). Launches the
+    /// warp-specialised build instead where it takes them ([`WsBuild::takes`]).
+    ///
+    /// # Safety
+    /// As [`kernels::Stage::launch`].
+    pub(super) unsafe fn launch(&self, rows: usize, stream: CUstream, kp: &KernelParams) -> Result<()> {
+        if let Some(ws) = self.ws.filter(|ws| ws.takes(rows, kp)) {
+            let grid = (rows / WS_ROWS).min(ws.sms as usize) as u32;
+            ws.launches.fetch_add(1, Ordering::Relaxed);
+            return ws.stage.launch_dependent(grid, WS_THREADS, WS_SMEM_BYTES, stream, kp, self.pdl);
+        }
+        let b = match self.f32_x {
+            Some(b) if kp.io_dtype == params::IO_F32 => b,
+            _ => self.build,
+        };
+        b.stage.launch_dependent(ceil_div(rows, b.rows), STAGE_THREADS, b.smem, stream, kp, self.pdl)
+    }
+}
+
+/// The warp-specialised persistent input build (`input_projection_sm90_ws` in
+/// `cuda/input_projection.cu`): one block of [`WS_THREADS`] per SM, all weights resident, tiles of
+/// [`WS_ROWS`] positions; its shared-memory layout is the kernel's `WS_SMEM_BYTES`.
+#[derive(Copy, Clone)]
+pub(super) struct WsBuild<'a> {
+    pub(super) stage: &'a kernels::Stage,
+    pub(super) sms: u32,
+    pub(super) launches: &'a std::sync::atomic::AtomicU64,
+}
+
+pub(super) const WS_THREADS: u32 = 1024;
+pub(super) const WS_ROWS: usize = 64;
+/// Weights 5 × 32 KB, z 2 × 16 KB, staging 4 × 8 KB, masks 2 × 256 bytes, LN_C's weight and bias
+/// 1024 bytes, and 1024 bytes to align the swizzled tiles: 226.5 KB of the SM's 227.
+pub(super) const WS_SMEM_BYTES: u32 = 5 * 32768 + 2 * 16384 + 4 * 8192 + 2 * 256 + 1024 + 1024;
+
+impl WsBuild<'_> {
+    /// Whether the build takes this launch: C = H = G = 128 (checked with the layout), the
+    /// one-pass plan (every position from 0, every channel, every column chunk or all but the
+    /// gate's), and full tiles
+    /// inside one batch (rows and N² multiples of 64). Where it applies it is the fastest build
+    /// at every size measured, in every I/O precision (H100, 16 producer warps, against the two-
+    /// and three-blocks-per-SM builds: gpumode f32 256,2,128 0.194 → 0.183 ms, 1024,1,128 1.428 →
+    /// 1.378 ms, N = 4096 42.9 → 41.6 ms; af3 bf16 1024,1,128 1.342 → 1.240 ms).
+    pub(super) fn takes(&self, rows: usize, kp: &KernelParams) -> bool {
+        let nn = kp.n as usize * kp.n as usize;
+        kp.c == 128
+            && kp.h == 128
+            && kp.g == 128
+            && kp.row0 == 0
+            && kp.buf_row0 == 0
+            && kp.rows as usize == rows
+            && kp.chunk_begin == 0
+            // Every column chunk, or the four gating ones (the output stage makes the gate).
+            && matches!(kp.chunk_end, 0 | 4 | 5)
+            && kp.lr_h0 == 0
+            && (kp.lr_h == 0 || kp.lr_h == kp.h)
+            && rows > 0
+            && rows % WS_ROWS == 0
+            && nn % WS_ROWS == 0
+    }
+}
+
+pub(super) struct FusedInput {
+    pub(super) layout: FusedInputLayout,
+    pub(super) w: DeviceBuffer<u16>,
+    pub(super) bias: Option<DeviceBuffer<f32>>,
+}
+
+impl FusedInput {
+    /// Dynamic shared memory of one block of the mma.sync build (see the layout comment in
+    /// `cuda/input_projection.cu`).
+    pub(super) fn smem_bytes(&self) -> usize {
+        Self::smem_bytes_of(&self.layout)
+    }
+
+    pub(super) fn smem_bytes_of(layout: &FusedInputLayout) -> usize {
+        let rows = FUSED_INPUT_ROWS;
+        let a = rows * (layout.k_pad + 8) * 2;
+        let ring = 2 * 128 * (64 + 8) * 2;
+        a + ring + Self::staging_bytes(rows) + rows * 4
+    }
+
+    /// The same for the wgmma builds with `rows` positions per block: unpadded swizzled tiles,
+    /// plus 1024 bytes to align them.
+    pub(super) fn smem_bytes_sm90_rows(&self, rows: usize) -> usize {
+        rows * self.layout.k_pad * 2 + 2 * 128 * 64 * 2 + Self::staging_bytes(rows) + rows * 4 + 1024
+    }
+
+    pub(super) fn staging_bytes(rows: usize) -> usize {
+        (2 * 32 * (rows + 8) * 2).max(rows * (128 + 8) * 2)
+    }
+}
+
+/// Where the per-chunk scratch sits inside the t buffer.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) struct Scratch {
+    pub(super) chunk_rows: usize,
+    pub(super) proj_offset: usize,
+    pub(super) ws_offset: usize,
+    pub(super) t_bytes: usize,
+}
+
+impl Scratch {
+    /// Chunks as large as t's natural size allows, leaving an eighth of it (≤ 8 MiB) for the
+    /// projection GEMM's workspace; tiny problems grow t to fit one row.
+    pub(super) fn plan(problem: &Problem) -> Scratch {
+        let cfg = problem.config;
+        let m = problem.shape.rows();
+        let natural = m * cfg.h * 2;
+        let ws = ((natural / 8).min(8 << 20) / 256) * 256;
+        let row_bytes = (cfg.c + cfg.fused_proj_width()) * 2;
+        let mut chunk_rows = ((natural - ws) / row_bytes).min(m).max(1);
+        if chunk_rows >= 64 && chunk_rows < m {
+            // Chunks start 64-aligned so the gating kernel's tiles keep their 16-byte stores.
+            chunk_rows -= chunk_rows % 64;
+        }
+        let proj_offset = round_up(chunk_rows * cfg.c * 2, 256);
+        let ws_offset = proj_offset + round_up(chunk_rows * cfg.fused_proj_width() * 2, 256);
+        Scratch { chunk_rows, proj_offset, ws_offset, t_bytes: natural.max(ws_offset + ws) }
+    }
+}
+
+/// Intermediates and GEMM plans for one problem shape.
+pub struct CudaWorkspace {
+    pub(super) problem: Problem,
+    pub(super) layout: Layout,
+    /// `[B, H, N, N]` f16, the contraction (plus, in the one-pass cuBLASLt input path, that
+    /// path's scratch before the contraction runs).
+    pub(super) t: DeviceBuffer<u16>,
+    /// One-pass: all `B·H` matrices. Chunked: the `hc` matrices of one batch and pass.
+    pub(super) contraction: MatmulPlan,
+    /// Chunked: the last pass when `hc` does not divide H.
+    pub(super) contraction_tail: Option<MatmulPlan>,
+    /// One-pass: all M rows. Chunked: one row chunk.
+    pub(super) output: MatmulPlan,
+    /// Chunked: the last row chunk when it is shorter.
+    pub(super) output_tail: Option<MatmulPlan>,
+    /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use...
+    pub(super) staging: Option<Staging<f32>>,
+    /// ...and for [`Backend::forward_host_half`].
+    pub(super) half_staging: Option<Staging<u16>>,
+    /// The choices this workspace was planned and is run with.
+    pub(super) tuning: Tuning,
+    /// [`CudaBackend::set_output_gate`] when it was planned (a one-pass workspace has a gate
+    /// buffer or not by it).
+    pub(super) output_gate: OutputGate,
+    /// The prepared weights a chunked workspace holds copies of (`None` for one pass, which
+    /// reads the prepared weights themselves).
+    pub(super) weights_of: Option<u64>,
+    /// The kernel switches when it was planned ([`CudaBackend::switches`]): which input build
+    /// runs decides whether the plan holds the cuBLASLt projection's scratch.
+    pub(super) switches: u8,
+    /// For a workspace in caller memory ([`CudaBackend::plan_caller_workspace`]), the address
+    /// its buffers are laid out from now (0 until the first bind) and the bytes they span;
+    /// `None`: the backend owns it.
+    pub(super) caller_base: Option<(u64, u64)>,
+}
+
+/// Where the intermediates live. One per workspace, so the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Layout {
+    /// Everything at once: left, right and the gate for every position.
+    OnePass {
+        left: DeviceBuffer<u16>,
+        right: DeviceBuffer<u16>,
+        /// None when the output stage makes the gate from x ([`CudaBackend::gate_from_x_for`]).
+        gate: Option<DeviceBuffer<u16>>,
+        /// The cuBLASLt stage-1 path's scratch plan and projection GEMMs (None with the fused kernel).
+        blas_input: Option<BlasInput>,
+    },
+    /// Hidden passes and row chunks within a memory limit (see [`crate::memory`]).
+    Chunked { plan: ChunkPlan, scratch: DeviceBuffer<u8> },
+    /// The same for layers the fused input kernel does not take: the stage kernels around
+    /// cuBLASLt ([`Staged`]).
+    Staged(Staged),
+}
+
+/// A chunked plan of the staged pipeline ([`ChunkedPlan`], shared with the HIP backend):
+/// per hidden pass `input_norm`, a cuBLASLt projection with the pass's rows of the gated
+/// projections (packed per pass into `pass_w`) and `input_gating` with H = the pass width, then
+/// the pass's contraction; per row chunk the gate from x and the output stage. t lives in the
+/// workspace's `t`.
+pub(super) struct Staged {
+    pub(super) plan: ChunkedPlan,
+    pub(super) scratch: DeviceBuffer<u8>,
+    pub(super) pass_w: DeviceBuffer<u8>,
+    pub(super) gemm_ws: DeviceBuffer<u8>,
+    /// One cuBLASLt plan per distinct GEMM of the forward (full and last pass, full and last row
+    /// chunk), made with the workspace.
+    pub(super) gemms: std::collections::HashMap<(GemmSpec, Elem, bool), MatmulPlan>,
+}
+
+impl Staged {
+    /// cuBLASLt workspace of a plan: at most 4 MiB, and no more than one chunk of z, so that the
+    /// narrowest plans of small problems stay small.
+    pub(super) fn gemm_ws_bytes(plan: &ChunkedPlan) -> usize {
+        round_up((plan.chunk_rows * plan.c * 2).min(4 << 20), STAGING_ALIGN)
+    }
+
+    /// What a plan allocates: the shared plan's bytes without af3's ones vector (cuBLASLt adds
+    /// the bias in an epilogue), plus the GEMM workspace. `t` is part of both.
+    pub(super) fn bytes(plan: &ChunkedPlan) -> u64 {
+        plan.total_bytes() - plan.ones_bytes as u64 + Self::gemm_ws_bytes(plan) as u64
+    }
+
+    pub(super) fn gemm(&mut self, spec: GemmSpec, d: Elem, bias: bool) -> Result<&mut MatmulPlan> {
+        self.gemms
+            .get_mut(&(spec, d, bias))
+            .ok_or_else(|| Error::InvalidArgument(format!("no cuBLASLt plan for {spec:?}")))
+    }
+}
+
+/// Bytes of one chunked plan: the `[B, H, N, N]` t and one scratch buffer shared by the two
+/// phases (they never overlap in time). Offsets are in bytes, 256-aligned.
+///
+/// Hidden pass (phase A): `left`/`right` chunks `[B, hc, N, N]` f16 and the contraction's
+/// workspace. Out of place, the chunks live in the caller's `y` (`M·C·4` bytes, dead until the
+/// output stage) whenever they fit there, so they cost nothing; in place (`y` is `x`, which
+/// every pass reads) they take scratch. Output stage (phase B), per row chunk: the gate
+/// `[rows, G]`, the output GEMM's operand `a` `[rows, H]` and its workspace.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) struct ChunkPlan {
+    pub(super) hc: usize,
+    pub(super) lr_in_y: bool,
+    /// Bytes of one of the left/right chunk buffers.
+    pub(super) lr_bytes: usize,
+    /// Contraction workspace: at scratch offset `cws_off`.
+    pub(super) cws_off: usize,
+    pub(super) cws: usize,
+    pub(super) out_rows: usize,
+    pub(super) gate_off: usize,
+    pub(super) a_off: usize,
+    pub(super) ows_off: usize,
+    pub(super) ows: usize,
+    pub(super) scratch_bytes: usize,
+    pub(super) t_bytes: usize,
+}
+
+impl ChunkPlan {
+    /// Largest row chunk of the output stage: beyond a million positions launches are noise.
+    const MAX_OUT_ROWS: usize = 1 << 20;
+
+    pub(super) fn new(problem: &Problem, hc: usize, out_rows: usize) -> ChunkPlan {
+        let cfg = problem.config;
+        let m = problem.shape.rows();
+        let lr_bytes = round_up(m * hc * 2, 256);
+        let lr_in_y = !problem.in_place && 2 * lr_bytes <= m * cfg.c * problem.io.io_bytes();
+        let cws = round_up((m * hc / 2).min(MAX_GEMM_WORKSPACE), 256);
+        let cws_off = if lr_in_y { 0 } else { 2 * lr_bytes };
+        let gate_bytes = round_up(out_rows * cfg.gate_width() * 2, 256);
+        let a_bytes = round_up(out_rows * cfg.h * 2, 256);
+        let ows = round_up((out_rows * cfg.h / 2).min(8 << 20), 256);
+        ChunkPlan {
+            hc,
+            lr_in_y,
+            lr_bytes,
+            cws_off,
+            cws,
+            out_rows,
+            gate_off: 0,
+            a_off: gate_bytes,
+            ows_off: gate_bytes + a_bytes,
+            ows,
+            scratch_bytes: (cws_off + cws).max(gate_bytes + a_bytes + ows),
+            t_bytes: m * cfg.h * 2,
+        }
+    }
+
+    pub(super) fn bytes(&self) -> u64 {
+        (self.t_bytes + self.scratch_bytes) as u64
+    }
+
+    /// The narrowest plan: 32 channels per pass (the fused kernel's granularity), 128 rows.
+    pub(super) fn narrowest(problem: &Problem) -> ChunkPlan {
+        ChunkPlan::new(problem, problem.config.h.min(32), problem.shape.rows().min(FUSED_INPUT_ROWS))
+    }
+
+    /// The widest hidden chunk that fits `limit`, then the largest row chunk (halving from
+    /// [`ChunkPlan::MAX_OUT_ROWS`], multiples of 128) that still fits.
+    pub(super) fn choose(problem: &Problem, limit: u64) -> Option<ChunkPlan> {
+        let m = problem.shape.rows();
+        let min_rows = m.min(FUSED_INPUT_ROWS);
+        let hc = crate::memory::widest_hidden_chunk(problem.config.h, 32, limit, |hc| {
+            ChunkPlan::new(problem, hc, min_rows).bytes()
+        })?;
+        let mut rows = m.min(Self::MAX_OUT_ROWS);
+        loop {
+            let plan = ChunkPlan::new(problem, hc, rows);
+            if plan.bytes() <= limit || rows <= min_rows {
+                return (plan.bytes() <= limit).then_some(plan);
+            }
+            rows = (rows / 2 / FUSED_INPUT_ROWS * FUSED_INPUT_ROWS).max(min_rows);
+        }
+    }
+}
+
+pub(super) struct BlasInput {
+    pub(super) scratch: Scratch,
+    pub(super) proj_full: MatmulPlan,
+    pub(super) proj_tail: Option<MatmulPlan>,
+}
+
+pub(super) struct Staging<T> {
+    pub(super) x: DeviceBuffer<T>,
+    pub(super) mask: Option<DeviceBuffer<f32>>,
+    /// None for in-place forwards (y is x).
+    pub(super) y: Option<DeviceBuffer<T>>,
+}
+
+/// The caller's host tensors of one forward.
+pub(super) enum HostIo<'a, T> {
+    OutOfPlace {
+        x: &'a [T],
+        y: &'a mut [T],
+    },
+    /// y is written over x.
+    InPlace(&'a mut [T]),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::{Config, Direction, Formulation, Shape};
+
+    #[test]
+    fn scratch_fits_in_t_and_chunks_cover_all_rows() {
+        for (b, n, c, h, f) in [
+            (1, 1, 768, 128, Formulation::GpuMode),
+            (1, 33, 128, 128, Formulation::Af3),
+            (2, 256, 128, 128, Formulation::GpuMode),
+            (1, 1024, 384, 128, Formulation::GpuMode),
+            (1, 1024, 768, 128, Formulation::Af3),
+        ] {
+            let p = Problem::new(Config::new(f, c, h).unwrap(), Shape::new(b, n), Direction::Outgoing, false).unwrap();
+            let s = Scratch::plan(&p);
+            let m = p.shape.rows();
+            assert!(s.chunk_rows >= 1 && s.chunk_rows <= m);
+            assert!(s.proj_offset >= s.chunk_rows * c * 2);
+            assert!(s.ws_offset >= s.proj_offset + s.chunk_rows * p.config.fused_proj_width() * 2);
+            assert!(s.t_bytes >= s.ws_offset && s.t_bytes >= m * h * 2);
+            if m >= 4096 {
+                // no growth beyond the contraction output: the memory bound holds
+                assert_eq!(s.t_bytes, m * h * 2, "{b} {n} {c}");
+            }
+        }
+    }
+
+    fn long(n: usize, in_place: bool) -> Problem {
+        let cfg = Config::new(Formulation::GpuMode, 128, 128).unwrap();
+        Problem::new(cfg, Shape::new(1, n), Direction::Outgoing, false).unwrap().in_place(in_place)
+    }
+
+    /// The plan's regions fit its scratch, and phase A's chunk buffers fit wherever they live.
+    fn assert_consistent(p: &Problem, plan: &ChunkPlan) {
+        let m = p.shape.rows();
+        let (g, h, c) = (p.config.gate_width(), p.config.h, p.config.c);
+        assert!(plan.a_off >= plan.gate_off + plan.out_rows * g * 2);
+        assert!(plan.ows_off >= plan.a_off + plan.out_rows * h * 2);
+        assert!(plan.scratch_bytes >= plan.ows_off + plan.ows);
+        assert!(plan.scratch_bytes >= plan.cws_off + plan.cws);
+        assert!(plan.lr_bytes >= m * plan.hc * 2);
+        if plan.lr_in_y {
+            assert!(!p.in_place && 2 * plan.lr_bytes <= m * c * 4);
+        } else {
+            assert!(plan.cws_off >= 2 * plan.lr_bytes);
+        }
+        assert!(plan.out_rows >= 1 && plan.out_rows <= m);
+        assert!(plan.out_rows == m || plan.out_rows % FUSED_INPUT_ROWS == 0);
+        assert!(plan.hc == h || plan.hc % 32 == 0);
+    }
+
+    #[test]
+    fn chunk_plans_meet_the_issue_budgets() {
+        let gb = 1_000_000_000u64;
+        // N = 4096 in 24 GB: x + y take 17.18 GB; left/right go into y, so one hidden pass fits.
+        let p = long(4096, false);
+        let limit = 24 * gb - p.io_device_bytes() - (1 << 20);
+        let plan = ChunkPlan::choose(&p, limit).expect("fits");
+        assert_consistent(&p, &plan);
+        assert!(plan.bytes() <= limit);
+        assert_eq!((plan.hc, plan.lr_in_y), (128, true));
+        assert_eq!(plan.out_rows, ChunkPlan::MAX_OUT_ROWS);
+        // N = 8192 in place on an 80 GB H100 (79 GB free, 2% margin): 64 channels per pass.
+        let p = long(8192, true);
+        let limit = 79 * gb - 79 * gb / 50 - p.io_device_bytes();
+        let plan = ChunkPlan::choose(&p, limit).expect("fits");
+        assert_consistent(&p, &plan);
+        assert!(plan.bytes() <= limit);
+        assert_eq!((plan.hc, plan.lr_in_y), (64, false));
+        // Too little for even the narrowest plan.
+        assert!(ChunkPlan::choose(&p, ChunkPlan::narrowest(&p).bytes() - 1).is_none());
+    }
+
+    #[test]
+    fn chunk_plans_shrink_with_the_limit() {
+        for (n, b, c, h, in_place) in [(33, 2, 64, 40, true), (48, 1, 128, 128, false), (100, 1, 384, 128, true)] {
+            let cfg = Config::new(Formulation::Af3, c, h).unwrap();
+            let p = Problem::new(cfg, Shape::new(b, n), Direction::Incoming, true).unwrap().in_place(in_place);
+            let narrowest = ChunkPlan::narrowest(&p);
+            assert_consistent(&p, &narrowest);
+            let mut last = u64::MAX;
+            for extra in [1u64 << 40, 1 << 24, 1 << 20, 1 << 16, 0] {
+                let plan = ChunkPlan::choose(&p, narrowest.bytes() + extra).expect("the narrowest plan fits");
+                assert_consistent(&p, &plan);
+                assert!(plan.bytes() <= narrowest.bytes() + extra && plan.bytes() <= last);
+                last = plan.bytes();
+            }
+            if in_place {
+                // The chunk buffers are in scratch: the narrowest budget means 32 channels a pass.
+                assert_eq!(ChunkPlan::choose(&p, narrowest.bytes()).map(|q| q.hc), Some(h.min(32)));
+            }
+        }
+    }
+}
