@@ -303,6 +303,13 @@ def _cuda_forward_on(
 def _launch(e: _Entry, x: Tensor, mask: Optional[Tensor], b: int, n: int, io: int, nbytes: int, stream: int) -> Tensor:
     """The workspace and y from PyTorch's allocator, then the one library call."""
     ws = torch.empty(nbytes, dtype=torch.uint8, device=e.device)
+    return _enqueue(e, x, mask, b, n, io, ws.data_ptr(), nbytes, stream)
+
+
+def _enqueue(
+    e: _Entry, x: Tensor, mask: Optional[Tensor], b: int, n: int, io: int, ws: int, nbytes: int, stream: int
+) -> Tensor:
+    """y from PyTorch's allocator and the one library call, with the workspace at `ws`."""
     y = torch.empty_like(x)
     e.layer.forward(
         x.data_ptr(),
@@ -314,7 +321,7 @@ def _launch(e: _Entry, x: Tensor, mask: Optional[Tensor], b: int, n: int, io: in
         b,
         n,
         io,
-        ws.data_ptr(),
+        ws,
         nbytes,
         stream,
     )
@@ -369,24 +376,9 @@ def cached_call(x: Tensor, mask: Optional[Tensor], w: Sequence, direction, eps) 
     # again only to later work on this stream. x is on the current device (checked above).
     ws = _raw_alloc(nbytes, stream)
     try:
-        y = torch.empty_like(x)
-        e.layer.forward(
-            x.data_ptr(),
-            x.numel(),
-            0 if mask is None else mask.data_ptr(),
-            0 if mask is None else mask.numel(),
-            y.data_ptr(),
-            y.numel(),
-            b,
-            n,
-            io,
-            ws,
-            nbytes,
-            stream,
-        )
+        return _enqueue(e, x, mask, b, n, io, ws, nbytes, stream)
     finally:
         _raw_delete(ws)
-    return y
 
 
 _raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
