@@ -113,11 +113,6 @@ const KNOWN_DEBT: &[Debt] = &[
         why: "cli/mod.rs dispatches to each command, and the commands use the helpers cli/mod.rs holds",
     },
     Debt {
-        rule: Rule::Cycle,
-        what: "report, report::markdown, report::plot",
-        why: "report/mod.rs calls the renderers, which read the model and formatting helpers it defines",
-    },
-    Debt {
         rule: Rule::FacadeImport,
         what: "backend::cuda::chunked -> backend::cuda",
         why: "the chunked plans are methods on CudaBackend reading private fields of its workspace types",
