@@ -108,11 +108,6 @@ struct Debt {
 /// without a reason, and an entry that no longer occurs fails the check.
 const KNOWN_DEBT: &[Debt] = &[
     Debt {
-        rule: Rule::Cycle,
-        what: "cli, cli::bench, cli::check, cli::info, cli::report, cli::run, cli::tune",
-        why: "cli/mod.rs dispatches to each command, and the commands use the helpers cli/mod.rs holds",
-    },
-    Debt {
         rule: Rule::FacadeImport,
         what: "backend::cuda::chunked -> backend::cuda",
         why: "the chunked plans are methods on CudaBackend reading private fields of its workspace types",
