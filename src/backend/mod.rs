@@ -1,4 +1,5 @@
-//! The [`Backend`] trait, the runtime choice of backend ([`Device`]) and detection.
+//! The [`Backend`] trait every backend implements. The runtime choice of backend,
+//! [`Device`](crate::Device), and its detection live in `src/device.rs`.
 //!
 //! A backend owns a device (or the host), a stream of work on it, and the vendor libraries it
 //! drives. The trait is shaped by what the GPU backends need:
@@ -10,8 +11,8 @@
 //!   [`Backend::synchronize`] is the explicit sync point; [`Backend::forward_host`] is the
 //!   synchronous convenience on host slices.
 //!
-//! Runtime choice is an enum, not a trait object: [`Device`] forwards to the compiled-in backends.
-//! Detection order is HIP, then CUDA, then CPU; `TRIMUL_BACKEND=cpu|cuda|hip` overrides it.
+//! Runtime choice is an enum, not a trait object: [`Device`](crate::Device) forwards to the
+//! compiled-in backends. Detection order is HIP, then CUDA, then CPU; `TRIMUL_BACKEND=cpu|cuda|hip` overrides it.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
