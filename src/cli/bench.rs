@@ -29,17 +29,18 @@ use trimul::backend::cpu::{gemm_ceiling_gflops, CpuBackend};
 use trimul::backend::device_weights::DeviceWeightSet;
 use trimul::report::gpu_probe::NvidiaSmi;
 use trimul::report::{
-    BenchRun, Ceilings, MachineInfo, RunTelemetry, ShapeResult, ShapeTelemetry, TimingMethod, ToolInfo, SCHEMA_VERSION,
+    fmt_bytes, fmt_err, BenchRun, Ceilings, MachineInfo, RunTelemetry, ShapeResult, ShapeTelemetry, TimingMethod,
+    ToolInfo, SCHEMA_VERSION,
 };
 use trimul::suite::{self, Case, Dist};
 use trimul::{
     reference, Backend, BackendKind, Device, Direction, Error, Formulation, Layer, Options, Precision, Weights,
 };
 
-use super::{
-    clock_seed, device_summary, fmt_bytes, fmt_err, open_device, BenchArgs, BenchSuite, CliError, CliResult, Progress,
-    SeedStream, EXIT_FAILED,
-};
+use super::args::{check_output_path, open_device, BenchArgs, BenchSuite};
+use super::exit::{CliError, CliResult, EXIT_FAILED};
+use super::output::{device_summary, emit, Progress};
+use super::seed::{clock_seed, SeedStream};
 
 /// GPU MODE's tolerances, for the one checked forward per shape.
 const RTOL: f64 = 2e-2;
@@ -92,7 +93,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
     let started = trimul::report::now_utc();
     // A run can take minutes; learn about a JSON path that cannot be written before it, not after.
     if let Some(path) = &args.json {
-        super::check_output_path("--json", path)?;
+        check_output_path("--json", path)?;
     }
     let device = open_device(args.backend)?;
     let kind = device.kind();
@@ -237,7 +238,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
     }
     if let Some((got, gemm)) = speed_bar {
         let ratio = got / gemm;
-        super::emit(&format!(
+        emit(&format!(
             "CPU speed bar: n{}_b{}_c{} at {got:.1} GFLOP/s vs gemm crate f32 {SPEED_BAR_GEMM_N}³ at {gemm:.1} GFLOP/s \
              (same process): {:.1}% ({} the {:.0}% bar)",
             SPEED_BAR_KEY.0,
@@ -639,13 +640,13 @@ fn fmt_ratio(v: f64) -> String {
 /// The geometric means, over the shapes measured.
 fn summarise(shapes: &[ShapeResult], skipped: usize, total: usize) -> CliResult<()> {
     if shapes.is_empty() {
-        return super::emit(&format!("no shape measured ({skipped} of {total} skipped)"));
+        return emit(&format!("no shape measured ({skipped} of {total} skipped)"));
     }
     let geomean =
         |f: &dyn Fn(&ShapeResult) -> f64| (shapes.iter().map(|s| f(s).ln()).sum::<f64>() / shapes.len() as f64).exp();
     let note =
         if skipped > 0 { format!(" ({} of {total} shapes; {skipped} skipped)", shapes.len()) } else { String::new() };
-    super::emit(&format!(
+    emit(&format!(
         "{:<28} {:>9.3}{:46} {:>7}{note}",
         "geomean",
         geomean(&|s| s.median_ms),

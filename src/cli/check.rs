@@ -18,14 +18,14 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use serde::Serialize;
-use trimul::report::ToolInfo;
+use trimul::report::{fmt_err, json_f64, ToolInfo};
 use trimul::suite::{self, Case};
 use trimul::{reference, BackendKind, Device, Direction, Formulation, Options, TriMul, Weights};
 
-use super::{
-    clock_seed, device_summary, emit_json, fmt_err, json_f64, open_device, CheckArgs, CheckSuite, CliResult, Progress,
-    SeedStream, EXIT_FAILED,
-};
+use super::args::{open_device, CheckArgs, CheckSuite};
+use super::exit::{CliResult, EXIT_FAILED};
+use super::output::{device_summary, emit, emit_json, Progress};
+use super::seed::{clock_seed, SeedStream};
 
 /// GPU MODE's tolerances.
 const RTOL: f64 = 2e-2;
@@ -153,7 +153,7 @@ pub fn run(args: &CheckArgs) -> CliResult {
             cases: results,
         })?;
     } else {
-        super::emit(&format!("{passed} passed, {failed} failed"))?;
+        emit(&format!("{passed} passed, {failed} failed"))?;
         if failed > 0 {
             eprintln!("replay with: trimul check --backend {} --suite {suite_name} --seed {seed}", device.kind());
         }

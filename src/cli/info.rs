@@ -6,7 +6,9 @@ use serde::Serialize;
 use trimul::backend::BACKEND_ENV;
 use trimul::{BackendKind, Device, DeviceInfo};
 
-use super::{device_summary, emit, emit_json, CliResult, InfoArgs};
+use super::args::InfoArgs;
+use super::exit::CliResult;
+use super::output::{device_summary, emit, emit_json};
 
 #[derive(Serialize)]
 struct Report {

@@ -6,7 +6,9 @@ use std::process::ExitCode;
 
 use trimul::report::{self, Anchor, BenchRun};
 
-use super::{emit, CliError, CliResult, ReportArgs};
+use super::args::ReportArgs;
+use super::exit::{CliError, CliResult};
+use super::output::emit;
 
 pub fn run(args: &ReportArgs) -> CliResult {
     // Before reading the runs: an --out that is a file or sits in a read-only folder says so first.

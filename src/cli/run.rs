@@ -4,13 +4,16 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use trimul::finite::{self, NonFinite};
+use trimul::report::fmt_bytes;
 use trimul::{io, Direction, Options, TriMul, Weights};
 
-use super::{device_summary, fmt_bytes, open_device, CliError, CliResult, Progress, RunArgs};
+use super::args::{check_output_path, open_device, RunArgs};
+use super::exit::{CliError, CliResult};
+use super::output::{device_summary, Progress};
 
 pub fn run(args: &RunArgs) -> CliResult {
     // Before reading and computing: a forward can take minutes.
-    super::check_output_path("--output", &args.output)?;
+    check_output_path("--output", &args.output)?;
     let progress = Progress::spinner();
     progress.set_message(format!("reading weights {}", args.weights.display()));
     let weights = match &args.prefix {

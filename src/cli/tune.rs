@@ -8,7 +8,9 @@
 //! timed calls (device events, median). The fastest correct combination becomes a table entry
 //! when it beats the rules by more than `--min-gain`. See `trimul::backend::cuda::tuning`.
 
-use super::{clock_seed, CliError, CliResult, TuneArgs};
+use super::args::TuneArgs;
+use super::exit::{CliError, CliResult};
+use super::seed::clock_seed;
 
 #[cfg(not(feature = "cuda"))]
 pub fn run(_args: &TuneArgs) -> CliResult {
@@ -22,18 +24,20 @@ pub fn run(args: &TuneArgs) -> CliResult {
     use trimul::suite::{self, Case};
     use trimul::{reference, Backend, Layer, Options, Weights};
 
-    use super::{device_summary, SeedStream};
+    use super::args::{check_output_path, BenchSuite};
+    use super::output::{device_summary, emit};
+    use super::seed::SeedStream;
 
     // A sweep takes minutes: learn about an --out that cannot be written before it, not after.
     if let Some(path) = &args.out {
-        super::check_output_path("--out", path)?;
+        check_output_path("--out", path)?;
     }
     let backend = CudaBackend::new(0)?;
     let info = backend.info();
     let cases: Vec<Case> = match args.suite {
-        super::BenchSuite::Gpumode => suite::bench_cases(),
-        super::BenchSuite::Quick => suite::quick_bench_cases(),
-        super::BenchSuite::Long => {
+        BenchSuite::Gpumode => suite::bench_cases(),
+        BenchSuite::Quick => suite::quick_bench_cases(),
+        BenchSuite::Long => {
             return Err(CliError::usage("--suite long: tune the shapes a table is for (gpumode or quick)"));
         }
     };
@@ -48,13 +52,13 @@ pub fn run(args: &TuneArgs) -> CliResult {
         Some(path) if path.exists() => TuningTable::from_file(path)?,
         _ => TuningTable::default(),
     };
-    super::emit(&format!(
+    emit(&format!(
         "trimul tune: cuda ({}), {} shapes, {formulation} {direction}, contraction candidates 0..{}, seed {seed}",
         device_summary(trimul::BackendKind::Cuda, &info),
         cases.len(),
         args.candidates.saturating_sub(1),
     ))?;
-    super::emit(&format!("timing: {} warm-up + {} timed calls, median; device events", args.warmup, args.repeats))?;
+    emit(&format!("timing: {} warm-up + {} timed calls, median; device events", args.warmup, args.repeats))?;
 
     // The mma.sync input build lost to the wgmma one on every shape measured on the H100, so it
     // is swept only on request.
@@ -95,7 +99,7 @@ pub fn run(args: &TuneArgs) -> CliResult {
             backend.download(&ys[0], &mut y)?;
             let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, 2e-2, 2e-2)?;
             if !cmp.passed() {
-                super::emit(&format!("{:<28} {label}: FAILS the reference check ({cmp}); never chosen", case.name()))?;
+                emit(&format!("{:<28} {label}: FAILS the reference check ({cmp}); never chosen", case.name()))?;
                 continue;
             }
             let mut samples = Vec::with_capacity(args.repeats as usize);
@@ -124,7 +128,7 @@ pub fn run(args: &TuneArgs) -> CliResult {
             .min_by(|a, b| a.1.total_cmp(&b.1))
             .unwrap_or((Tuning::default(), default_ms));
         let keep = best_ms < default_ms * (1.0 - args.min_gain);
-        super::emit(&format!(
+        emit(&format!(
             "{:<28} rules {default_ms:.3} ms; best {best_ms:.3} ms ({best}){}",
             case.name(),
             if keep { "; kept" } else { "; not kept (within --min-gain of the rules)" }
@@ -158,7 +162,7 @@ pub fn run(args: &TuneArgs) -> CliResult {
                 .map_err(|e| CliError::usage(format!("--out {e}")))?;
             eprintln!("wrote {} ({} entries)", path.display(), table.entries.len());
         }
-        None => super::emit(&table.to_json())?,
+        None => emit(&table.to_json())?,
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

@@ -6,10 +6,11 @@
 
 use std::fmt::Write as _;
 
+use super::format::{fmt_err, fmt_ms, fmt_ratio};
+use super::model::{geomean, Against, Model, Suite};
 use super::plot::Plot;
-use super::{
-    fmt_bytes, fmt_err, fmt_ms, fmt_ratio, geomean, Against, BenchRun, Model, ShapeResult, ShapeTelemetry, Suite,
-};
+use super::schema::{BenchRun, ShapeResult, ShapeTelemetry};
+use crate::units::fmt_bytes;
 
 /// Column alignment in a markdown table.
 #[derive(Copy, Clone)]

@@ -23,8 +23,10 @@ use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::{Model, ShapeResult, Suite};
+use super::model::{Model, Pair, Suite};
+use super::schema::ShapeResult;
 use crate::error::{Error, Result};
+use crate::units::fmt_bytes;
 
 const FONT: &str = "sans-serif";
 const LEGEND_W: u32 = 380;
@@ -272,7 +274,7 @@ fn memory(m: &Model<'_>, suite: &Suite<'_>) -> Result<String> {
         let mc = &m.runs[col.runs[0]].machine;
         let v = mc.memory_bytes as f64 / GIB;
         if mc.memory_bytes > 0 && !hlines.iter().any(|(h, _)| *h == v) {
-            hlines.push((v, format!("{}: {}", mc.device, super::fmt_bytes(mc.memory_bytes))));
+            hlines.push((v, format!("{}: {}", mc.device, fmt_bytes(mc.memory_bytes))));
         }
     }
     draw(&Figure {
@@ -289,7 +291,7 @@ fn memory(m: &Model<'_>, suite: &Suite<'_>) -> Result<String> {
     })
 }
 
-fn speedup(m: &Model<'_>, suite: &Suite<'_>, pairs: &[super::Pair]) -> Result<String> {
+fn speedup(m: &Model<'_>, suite: &Suite<'_>, pairs: &[Pair]) -> Result<String> {
     let series = pairs
         .iter()
         .enumerate()
