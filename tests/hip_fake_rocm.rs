@@ -497,6 +497,151 @@ fn half_io_on_the_mfma_path() {
     }
 }
 
+/// 16-bit x and y on the MFMA path within the smallest accepted budget: hidden passes and row
+/// chunks, out of place (left and right inside 16-bit y) and in place, C a multiple of 4 and not,
+/// against the reference of the rounded x.
+#[test]
+fn half_io_tight_budgets_run_chunked_plans() {
+    use trimul::Precision;
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = backend(true);
+    let runs = [
+        (Config::new(Formulation::GpuMode, 32, 24).unwrap(), Direction::Outgoing, false, 21u64),
+        (Config::new(Formulation::Af3, 16, 24).unwrap(), Direction::Incoming, true, 22),
+        (Config::new(Formulation::GpuMode, 42, 24).unwrap(), Direction::Outgoing, false, 23),
+    ];
+    for (cfg, dir, biases, seed) in runs {
+        for io in [Precision::Bf16Io, Precision::F16Io] {
+            let seed = seed ^ base_seed();
+            let case = Case::new(10, 2, cfg.c, true, Dist::Cauchy);
+            let weights = Weights::random(cfg, biases, seed).unwrap();
+            let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
+            let mask = inputs.mask.as_deref();
+            let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
+            let x: Vec<f32> = bits.iter().map(|&v| io.decode_half(v)).collect();
+            let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
+            for in_place in [false, true] {
+                let needs = layer.memory_needs_io(case.shape(), true, in_place, io).unwrap();
+                eprintln!("{io} in_place={in_place} {needs:?}");
+                layer.set_memory_budget(Some(needs.min_total()));
+                let yb: Vec<u16> = match io {
+                    Precision::Bf16Io => {
+                        let xs: Vec<half::bf16> = bits.iter().map(|&v| half::bf16::from_bits(v)).collect();
+                        if in_place {
+                            let mut xy = xs.clone();
+                            layer.forward_in_place(&mut xy, mask, case.shape()).unwrap();
+                            xy.iter().map(|v| v.to_bits()).collect()
+                        } else {
+                            let mut y = vec![half::bf16::ZERO; xs.len()];
+                            layer.forward_into(&xs, mask, &mut y, case.shape()).unwrap();
+                            y.iter().map(|v| v.to_bits()).collect()
+                        }
+                    }
+                    _ => {
+                        let xs: Vec<half::f16> = bits.iter().map(|&v| half::f16::from_bits(v)).collect();
+                        if in_place {
+                            let mut xy = xs.clone();
+                            layer.forward_in_place(&mut xy, mask, case.shape()).unwrap();
+                            xy.iter().map(|v| v.to_bits()).collect()
+                        } else {
+                            let mut y = vec![half::f16::ZERO; xs.len()];
+                            layer.forward_into(&xs, mask, &mut y, case.shape()).unwrap();
+                            y.iter().map(|v| v.to_bits()).collect()
+                        }
+                    }
+                };
+                let plan = layer.exec_plan().unwrap();
+                let yf: Vec<f32> = yb.iter().map(|&v| io.decode_half(v)).collect();
+                let problem = Problem::new(cfg, case.shape(), dir, true).unwrap();
+                let cmp = reference::check(&weights, &problem, &x, mask, &yf, TOL, TOL).unwrap();
+                eprintln!("{cfg:?} {io} in_place={in_place} {}: {cmp}", plan.describe());
+                assert!(plan.hidden_passes >= 2, "not chunked");
+                assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{cmp}");
+                layer.set_memory_budget(None);
+            }
+        }
+    }
+}
+
+/// A chunked workspace planned for f32 y, with left and right inside y, is refused for a 16-bit
+/// problem (16-bit y has half the room; before the fix the forward wrote past y).
+#[test]
+fn a_chunked_workspace_planned_for_f32_y_is_not_used_for_16_bit_y() {
+    use trimul::Precision;
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = backend(true);
+    let cfg = Config::new(Formulation::GpuMode, 32, 24).unwrap();
+    let case = Case::new(10, 2, cfg.c, false, Dist::Normal);
+    let p32 = Problem::new(cfg, case.shape(), Direction::Outgoing, false).unwrap();
+    let p16 = p32.with_io(Precision::Bf16Io);
+    let w = Weights::random(cfg, false, 5).unwrap();
+    let prep = b.prepare(&w).unwrap();
+    let m = case.shape().rows();
+    let full = b.workspace_bytes(&prep, &p32);
+    let narrow = b.min_workspace_bytes(&prep, &p32);
+    let mut found = None;
+    let mut lim = narrow;
+    while lim < full {
+        let ws = b.workspace(&prep, &p32, Some(lim)).unwrap();
+        let plan = HipBackend::exec_plan(&ws);
+        let lr = (m * plan.hidden_chunk * 2).div_ceil(256) * 256;
+        if plan.hidden_passes >= 1
+            && plan.hidden_chunk < 24 + 1
+            && 2 * lr <= m * cfg.c * 4
+            && 2 * lr > m * cfg.c * 2
+            && plan.gate_recomputed
+        {
+            eprintln!("limit {lim}: {}", plan.describe());
+            found = Some(ws);
+            break;
+        }
+        lim += 256;
+    }
+    let mut ws = found.expect("no f32 plan with left/right filling more than 16-bit y");
+    let inputs = suite::generate_inputs(&case, 77);
+    let x: Vec<u16> = inputs.x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let mut y = vec![0u16; x.len()];
+    let r = b.forward_host_half(&prep, &mut ws, &p16, &x, None, &mut y);
+    let e = r.expect_err("an f32-planned workspace ran a 16-bit problem").to_string();
+    assert!(e.contains("workspace"), "{e}");
+}
+
+/// The f32 entry points (f32 buffers) given a 16-bit problem refuse it, as CUDA's do; the kernels
+/// would read and write the buffers as 16-bit.
+#[test]
+fn f32_entry_points_refuse_16_bit_problems() {
+    use trimul::Precision;
+    let Some(_g) = fake() else { return };
+    if !built_with_clang() {
+        return;
+    }
+    let b = backend(true);
+    let cfg = Config::new(Formulation::GpuMode, 32, 16).unwrap();
+    let case = Case::new(8, 1, cfg.c, false, Dist::Normal);
+    let p32 = Problem::new(cfg, case.shape(), Direction::Outgoing, false).unwrap();
+    let p16 = p32.with_io(Precision::Bf16Io);
+    let w = Weights::random(cfg, false, 5).unwrap();
+    let prep = b.prepare(&w).unwrap();
+    let mut ws = b.workspace(&prep, &p16, None).unwrap();
+    let inputs = suite::generate_inputs(&case, 78);
+    let mut xd = b.alloc(inputs.x.len()).unwrap();
+    b.upload(&inputs.x, &mut xd).unwrap();
+    let mut yd = b.alloc(inputs.x.len()).unwrap();
+    let e = b.forward(&prep, &mut ws, &p16, &xd, None, &mut yd).unwrap_err().to_string();
+    assert!(e.contains("f32 forward"), "{e}");
+    let e = b.forward_in_place(&prep, &mut ws, &p16.in_place(true), &mut yd, None).unwrap_err().to_string();
+    assert!(e.contains("f32 forward"), "{e}");
+    let mut y = vec![0f32; inputs.x.len()];
+    let e = b.forward_host(&prep, &mut ws, &p16, &inputs.x, None, &mut y).unwrap_err().to_string();
+    assert!(e.contains("f32 forward"), "{e}");
+}
+
 /// Forwards on caller device memory (`trimul::device_io`) through the HIP backend on the fake:
 /// weights prepared by `prepare_weights` from f32 device tensors (and af3's `p_in` as a bf16
 /// tensor, addressed in two halves), the workspace in caller memory (moved between calls, af3's

@@ -85,6 +85,17 @@ pub(crate) fn half_io(problem: &Problem) -> Result<Precision> {
     }
 }
 
+/// The error for an f32 entry point (f32 buffers or slices) given a problem in 16-bit I/O: its
+/// kernels would read and write the buffers as 16-bit.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) fn f32_io(problem: &Problem) -> Result<()> {
+    if problem.io == Precision::F32Io {
+        Ok(())
+    } else {
+        Err(Error::Dtype(format!("an f32 forward was given a problem in {}", problem.io)))
+    }
+}
+
 /// [`Backend::forward_host_half`] through f32 on the host: x widened, [`Backend::forward_host`],
 /// y rounded (same math; the device holds f32 copies). The trait's default, and what a backend
 /// whose kernels read 16-bit I/O only on some paths falls back to on the others.

@@ -59,7 +59,7 @@ use self::kernels::Kernels;
 use super::gemm::GemmSpec;
 use super::params::FusedInputLayout;
 use super::staged_plan::ChunkedPlan;
-use super::{check_prepared_for, Backend, Ceilings, DeviceInfo, MemoryInfo};
+use super::{check_prepared_for, f32_io, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;
@@ -356,15 +356,6 @@ fn require_in_place(problem: &Problem) -> Result<()> {
         Ok(())
     } else {
         Err(Error::InvalidArgument("forward_in_place needs a problem made with in_place(true)".into()))
-    }
-}
-
-/// The error for an f32 entry point given a problem in 16-bit I/O.
-fn f32_io(problem: &Problem) -> Result<()> {
-    if problem.io == Precision::F32Io {
-        Ok(())
-    } else {
-        Err(Error::Dtype(format!("an f32 forward was given a problem in {}", problem.io)))
     }
 }
 

@@ -59,7 +59,9 @@ use super::params::{
     self as launch_params, KernelParams, PrepareParams, INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
 };
 use super::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
-use super::{check_device_forward, check_prepared_for, check_same_weights, Backend, Ceilings, DeviceInfo, MemoryInfo};
+use super::{
+    check_device_forward, check_prepared_for, check_same_weights, f32_io, Backend, Ceilings, DeviceInfo, MemoryInfo,
+};
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;
@@ -613,7 +615,7 @@ impl HipBackend {
         y: Option<&mut [T]>,
     ) -> Result<()> {
         if std::mem::size_of::<T>() != problem.io.io_bytes() {
-            return Err(Error::Internal(format!(
+            return Err(Error::Dtype(format!(
                 "{} host slices staged as {}-byte elements",
                 problem.io,
                 std::mem::size_of::<T>()
@@ -683,7 +685,8 @@ impl HipBackend {
     /// Enqueues one forward (module docs) on `stream`.
     ///
     /// # Safety
-    /// `x` and `y` must be device allocations of this backend's device of `B·N·N·C` f32, `mask`
+    /// `x` and `y` must be device allocations of this backend's device of `B·N·N·C` elements of
+    /// `problem.io` (f32, or 16-bit where the layer's output path writes it), `mask`
     /// (unless 0) of `B·N·N` f32, not aliasing each other or the workspace, alive until `stream`
     /// has run the work; `stream` must be a live stream of this device.
     #[allow(clippy::too_many_arguments)]
@@ -929,6 +932,7 @@ impl HipBackend {
     ) -> Result<()> {
         let k = &self.ctx.kernels;
         let (rows, c, h) = (p.rows as usize, p.c as usize, p.h as usize);
+        // f32 y: only the rocBLAS branch below uses this, and 16-bit I/O is refused there.
         let y = p.y + (p.row0 as u64) * (c as u64) * 4;
         // SAFETY (every launch and GEMM below): the addresses satisfy this function's contract.
         match prep.output {
@@ -1184,7 +1188,12 @@ impl Backend for HipBackend {
             && ws.problem.in_place == problem.in_place
             && match &ws.layout {
                 Layout::OnePass(o) => o.plan.fits(problem),
-                Layout::Chunked(_) => true,
+                // Left and right inside y need room for them in y's I/O precision: a plan made
+                // for f32 y may not hold them in 16-bit y (the widened path runs the other way).
+                Layout::Chunked(ch) => {
+                    !ch.plan.lr_in_y
+                        || 2 * ch.plan.lr_bytes <= problem.shape.rows() * problem.config.c * problem.io.io_bytes()
+                }
             }
     }
 
@@ -1239,6 +1248,7 @@ impl Backend for HipBackend {
         y: &mut HipBuffer,
     ) -> Result<()> {
         problem.check_lengths(x.len, mask.map(|m| m.len), y.len)?;
+        f32_io(problem)?;
         // SAFETY: the buffers are live allocations of this backend with lengths checked above;
         // `y` is borrowed mutably so it aliases neither x nor mask; the workspace is borrowed for
         // the call and its buffers outlive the stream work because dropping them frees through
@@ -1266,6 +1276,7 @@ impl Backend for HipBackend {
         y: &mut [f32],
     ) -> Result<()> {
         problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
+        f32_io(problem)?;
         self.host_forward(prepared, workspace, problem, x, mask, Some(y))
     }
 
@@ -1278,6 +1289,7 @@ impl Backend for HipBackend {
         mask: Option<&HipBuffer>,
     ) -> Result<()> {
         problem.check_lengths(xy.len, mask.map(|m| m.len), xy.len)?;
+        f32_io(problem)?;
         // SAFETY: as in `forward`; x and y are one live allocation, which the in-place problem
         // allows (stage 1 reads x before stage 3 writes y).
         unsafe {
@@ -1295,6 +1307,7 @@ impl Backend for HipBackend {
         mask: Option<&[f32]>,
     ) -> Result<()> {
         problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
+        f32_io(problem)?;
         self.host_forward_in_place(prepared, workspace, problem, xy, mask)
     }
 
