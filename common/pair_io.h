@@ -4,20 +4,24 @@
 // (The fused CUDA kernels have their own, batched loads: cuda/io.h.)
 #pragma once
 
-// x[i] widened to f32.
-TM_INLINE float tm_load_x(const TrimulParams& p, tm_i64 i) {
-  if (p.io_dtype == TM_IO_F32) return p.x[i];
-  const unsigned short w = ((const unsigned short*)p.x)[i];
-  return p.io_dtype == TM_IO_BF16 ? tm_bf2f(w) : tm_h2f(w);
+// Element c of a row of x in precision IO, widened to f32; `row` points at the row's first
+// element. Templated on the precision so that a kernel branches once per launch and the f32
+// build keeps its plain restrict-qualified loads.
+template <int IO>
+TM_INLINE float tm_row_x(const void* TM_RESTRICT row, int c) {
+  if (IO == TM_IO_F32) return ((const float*)row)[c];
+  const unsigned short w = ((const unsigned short*)row)[c];
+  return IO == TM_IO_BF16 ? tm_bf2f(w) : tm_h2f(w);
 }
 
-// x[i .. i + 4) widened to f32: one 16-byte (f32) or 8-byte (16-bit) load; i % 4 == 0, and the
-// row starts the callers use are aligned to that.
-TM_INLINE tm_f4 tm_load_x4(const TrimulParams& p, tm_i64 i) {
-  if (p.io_dtype == TM_IO_F32) return ((const tm_f4*)p.x)[i >> 2];
-  const tm_u64h w = ((const tm_u64h*)p.x)[i >> 2];
+// Elements 4·c4 .. 4·c4 + 4 of a row of x widened to f32: one 16-byte (f32) or 8-byte (16-bit)
+// load; the row starts the callers use are aligned to that (C a multiple of 4).
+template <int IO>
+TM_INLINE tm_f4 tm_row_x4(const void* TM_RESTRICT row, int c4) {
+  if (IO == TM_IO_F32) return ((const tm_f4*)row)[c4];
+  const tm_u64h w = ((const tm_u64h*)row)[c4];
   tm_f4 r;
-  if (p.io_dtype == TM_IO_BF16) {
+  if (IO == TM_IO_BF16) {
     r.v[0] = tm_bf2f((unsigned short)(w.v[0] & 0xFFFFu));
     r.v[1] = tm_bf2f((unsigned short)(w.v[0] >> 16));
     r.v[2] = tm_bf2f((unsigned short)(w.v[1] & 0xFFFFu));

@@ -301,7 +301,7 @@ fn emulation_header_covers_every_name_the_kernels_use() {
                 .collect::<Vec<_>>()
         })
         .collect();
-    // Helpers the bodies define themselves (common/pair_io.h: `TM_INLINE float tm_load_x(...)`)
+    // Helpers the bodies define themselves (common/pair_io.h: `TM_INLINE float tm_row_x(...)`)
     // come with them.
     let defined: Vec<String> = bodies
         .iter()
@@ -317,7 +317,7 @@ fn emulation_header_covers_every_name_the_kernels_use() {
     names.sort();
     names.dedup();
     assert!(names.len() >= 10, "parsed too few names: {names:?}");
-    assert!(defined.iter().any(|d| d == "tm_load_x4"), "parsed no body-defined helper: {defined:?}");
+    assert!(defined.iter().any(|d| d == "tm_row_x4"), "parsed no body-defined helper: {defined:?}");
     let missing: Vec<&String> = names.iter().filter(|n| !emu.contains(n.as_str())).collect();
     assert!(missing.is_empty(), "tests/hip_emu/emu.h lacks {missing:?} (used by the kernels)");
 }
