@@ -122,40 +122,6 @@ fn incoming_gpumode_and_odd_sizes() {
     check_case(&b, &Case::new(33, 3, 64, true, Dist::Cauchy), Formulation::Af3, Direction::Incoming, true, s);
 }
 
-/// The host-slice forward (`forward_into`, or `forward_in_place`) of 16-bit x given as `io` bit
-/// patterns, returning y's bits.
-fn host_half_forward(
-    layer: &mut Layer<CudaBackend>,
-    bits: &[u16],
-    mask: Option<&[f32]>,
-    shape: Shape,
-    io: Precision,
-    in_place: bool,
-) -> Vec<u16> {
-    fn run<T: trimul::IoElement>(
-        layer: &mut Layer<CudaBackend>,
-        bits: &[u16],
-        mask: Option<&[f32]>,
-        shape: Shape,
-        in_place: bool,
-        from_bits: fn(u16) -> T,
-        to_bits: fn(T) -> u16,
-    ) -> Vec<u16> {
-        let mut xh: Vec<T> = bits.iter().map(|&v| from_bits(v)).collect();
-        if in_place {
-            layer.forward_in_place(&mut xh, mask, shape).unwrap();
-            return xh.into_iter().map(to_bits).collect();
-        }
-        let mut yh = vec![T::default(); xh.len()];
-        layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
-        yh.into_iter().map(to_bits).collect()
-    }
-    match io {
-        Precision::Bf16Io => run(layer, bits, mask, shape, in_place, half::bf16::from_bits, half::bf16::to_bits),
-        _ => run(layer, bits, mask, shape, in_place, half::f16::from_bits, half::f16::to_bits),
-    }
-}
-
 /// bf16 and f16 x and y on device buffers (`forward_buffers_half`, y poisoned with NaN first, and
 /// `forward_buffers_half_in_place`): every build of the fused input kernel (C = 128, 256 and 384,
 /// ragged N; N = 64 takes the resident output kernel), both formulations and directions, against
@@ -203,7 +169,8 @@ fn half_io_device_buffers_match_reference() {
                     );
                 };
                 check_y(&ybits, "");
-                let host = host_half_forward(&mut layer, &bits, inputs.mask.as_deref(), case.shape(), io, false);
+                let host =
+                    forward::forward_half(&mut layer, &bits, inputs.mask.as_deref(), case.shape(), io, false).unwrap();
                 assert!(host == ybits, "{} {f} {dir} {io}: host-slice and device-buffer forwards differ", case.name());
 
                 // In place on the device buffer: y over x, checked against the reference, and the
@@ -215,7 +182,7 @@ fn half_io_device_buffers_match_reference() {
                 b.download_bits(&xyd, &mut xybits).unwrap();
                 check_y(&xybits, " in place");
                 let host_in_place =
-                    host_half_forward(&mut layer, &bits, inputs.mask.as_deref(), case.shape(), io, true);
+                    forward::forward_half(&mut layer, &bits, inputs.mask.as_deref(), case.shape(), io, true).unwrap();
                 assert!(
                     host_in_place == xybits,
                     "{} {f} {dir} {io}: host-slice and device-buffer in-place forwards differ",

@@ -417,7 +417,7 @@ fn unpack16(words: &[f32], len: usize) -> Vec<u16> {
 /// not (C = 42, element loads), N odd.
 #[test]
 fn half_io_on_the_mfma_path() {
-    use trimul::{DeviceIo, IoElement, Precision};
+    use trimul::{DeviceIo, Precision};
     let Some(_g) = fake() else { return };
     if !built_with_clang() {
         return;
@@ -430,21 +430,6 @@ fn half_io_on_the_mfma_path() {
         (af(24, 32), Case::new(9, 1, 24, true, Dist::Normal), Direction::Incoming, true),
         (gm(42, 16), Case::new(7, 1, 42, false, Dist::Normal), Direction::Incoming, false),
     ];
-    fn host<T: IoElement>(
-        layer: &mut Layer<HipBackend>,
-        bits: &[u16],
-        mask: Option<&[f32]>,
-        shape: Shape,
-        from: fn(u16) -> T,
-        to: fn(T) -> u16,
-    ) -> (Vec<u16>, Vec<u16>) {
-        let x: Vec<T> = bits.iter().map(|&v| from(v)).collect();
-        let mut y = vec![T::default(); x.len()];
-        layer.forward_into(&x, mask, &mut y, shape).unwrap();
-        let mut xy = x.clone();
-        layer.forward_in_place(&mut xy, mask, shape).unwrap();
-        (y.into_iter().map(to).collect(), xy.into_iter().map(to).collect())
-    }
     for (i, (cfg, case, dir, biases)) in runs.into_iter().enumerate() {
         for io in [Precision::Bf16Io, Precision::F16Io] {
             let seed = base_seed() ^ (900 + i as u64);
@@ -456,12 +441,8 @@ fn half_io_on_the_mfma_path() {
             let x: Vec<f32> = bits.iter().map(|&v| io.decode_half(v)).collect();
             let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
             assert!(layer.half_io_native());
-            let (y, xy) = match io {
-                Precision::Bf16Io => {
-                    host(&mut layer, &bits, mask, case.shape(), half::bf16::from_bits, half::bf16::to_bits)
-                }
-                _ => host(&mut layer, &bits, mask, case.shape(), half::f16::from_bits, half::f16::to_bits),
-            };
+            let y = forward::forward_half(&mut layer, &bits, mask, case.shape(), io, false).unwrap();
+            let xy = forward::forward_half(&mut layer, &bits, mask, case.shape(), io, true).unwrap();
             let what = format!("{} {cfg:?} {dir} {io} seed {seed}", case.name());
             let yf: Vec<f32> = y.iter().map(|&v| io.decode_half(v)).collect();
             let cmp = reference::check(&weights, &problem, &x, mask, &yf, TOL, TOL).unwrap();
@@ -527,32 +508,7 @@ fn half_io_tight_budgets_run_chunked_plans() {
                 let needs = layer.memory_needs_io(case.shape(), true, in_place, io).unwrap();
                 eprintln!("{io} in_place={in_place} {needs:?}");
                 layer.set_memory_budget(Some(needs.min_total()));
-                let yb: Vec<u16> = match io {
-                    Precision::Bf16Io => {
-                        let xs: Vec<half::bf16> = bits.iter().map(|&v| half::bf16::from_bits(v)).collect();
-                        if in_place {
-                            let mut xy = xs.clone();
-                            layer.forward_in_place(&mut xy, mask, case.shape()).unwrap();
-                            xy.iter().map(|v| v.to_bits()).collect()
-                        } else {
-                            let mut y = vec![half::bf16::ZERO; xs.len()];
-                            layer.forward_into(&xs, mask, &mut y, case.shape()).unwrap();
-                            y.iter().map(|v| v.to_bits()).collect()
-                        }
-                    }
-                    _ => {
-                        let xs: Vec<half::f16> = bits.iter().map(|&v| half::f16::from_bits(v)).collect();
-                        if in_place {
-                            let mut xy = xs.clone();
-                            layer.forward_in_place(&mut xy, mask, case.shape()).unwrap();
-                            xy.iter().map(|v| v.to_bits()).collect()
-                        } else {
-                            let mut y = vec![half::f16::ZERO; xs.len()];
-                            layer.forward_into(&xs, mask, &mut y, case.shape()).unwrap();
-                            y.iter().map(|v| v.to_bits()).collect()
-                        }
-                    }
-                };
+                let yb = forward::forward_half(&mut layer, &bits, mask, case.shape(), io, in_place).unwrap();
                 let plan = layer.exec_plan().unwrap();
                 let yf: Vec<f32> = yb.iter().map(|&v| io.decode_half(v)).collect();
                 let problem = Problem::new(cfg, case.shape(), dir, true).unwrap();
