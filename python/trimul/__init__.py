@@ -18,6 +18,7 @@ from typing import Any, Optional
 from . import _args, _trimul
 
 __version__ = _trimul.__version__
+_WEIGHT_NAMES = _args.AF3_WEIGHTS
 
 __all__ = ["triangle_multiplicative_update", "clear_cache", "info", "__version__"]
 
@@ -53,40 +54,27 @@ def triangle_multiplicative_update(
     ``precision="bfloat16"``). Torch tensors on CUDA run in-process on the current stream; CPU
     tensors and NumPy arrays on the CPU backend (or the one ``TRIMUL_BACKEND`` names).
     """
-    if _torch_module is not None and precision is None:
-        w = (
-            norm_in_weight,
-            norm_in_bias,
-            p_in_weight,
-            p_in_bias,
-            g_in_weight,
-            g_in_bias,
-            norm_out_weight,
-            norm_out_bias,
-            p_out_weight,
-            p_out_bias,
-            g_out_weight,
-            g_out_bias,
-        )
-        if _torch_module._direct(x, w):
-            # Weights this stream prepared before: checked then, and still the same tensors.
-            y = _torch_module.cached_call(x, mask, w, direction, eps)
-            if y is not None:
-                return y
-    weights = {
-        "norm_in_weight": norm_in_weight,
-        "norm_in_bias": norm_in_bias,
-        "p_in_weight": p_in_weight,
-        "p_in_bias": p_in_bias,
-        "g_in_weight": g_in_weight,
-        "g_in_bias": g_in_bias,
-        "norm_out_weight": norm_out_weight,
-        "norm_out_bias": norm_out_bias,
-        "p_out_weight": p_out_weight,
-        "p_out_bias": p_out_bias,
-        "g_out_weight": g_out_weight,
-        "g_out_bias": g_out_bias,
-    }
+    # The weights in signature order (`AF3_WEIGHTS`'s), as the fast path and the checks take them.
+    w = (
+        norm_in_weight,
+        norm_in_bias,
+        p_in_weight,
+        p_in_bias,
+        g_in_weight,
+        g_in_bias,
+        norm_out_weight,
+        norm_out_bias,
+        p_out_weight,
+        p_out_bias,
+        g_out_weight,
+        g_out_bias,
+    )
+    if _torch_module is not None and precision is None and _torch_module._direct(x, w):
+        # Weights this stream prepared before: checked then, and still the same tensors.
+        y = _torch_module.cached_call(x, mask, w, direction, eps)
+        if y is not None:
+            return y
+    weights = dict(zip(_WEIGHT_NAMES, w))
     if _is_numpy(x):
         from . import _numpy
 
