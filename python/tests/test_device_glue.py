@@ -141,15 +141,7 @@ def test_the_fast_path_for_prepared_weights(fake_device, monkeypatch):
 def test_gpumode_device_path_glue(fake_device):
     c, h, n, b = 32, 16, 10, 2
     g = torch.Generator().manual_seed(5)
-    weights = {
-        "norm.weight": torch.randn(c, generator=g),
-        "norm.bias": torch.randn(c, generator=g),
-        "to_out_norm.weight": torch.randn(h, generator=g),
-        "to_out_norm.bias": torch.randn(h, generator=g),
-        "to_out.weight": torch.randn(c, h, generator=g) / c**0.5,
-    }
-    for k in ("left_proj", "right_proj", "left_gate", "right_gate", "out_gate"):
-        weights[f"{k}.weight"] = torch.randn(h, c, generator=g) / h**0.5
+    weights = gpumode.random_weights(c, h, g)
     x = torch.randn(b, n, n, c, generator=g)
     mask = torch.randint(0, 2, (b, n, n), generator=g).float()
     keep: list = []

@@ -38,15 +38,7 @@ def data(n, b, c, masked, dist, device, salt):
     h = 128
     x = torch.empty(b, n, n, c).cauchy_(0, 2, generator=g) if dist == "cauchy" else torch.randn(b, n, n, c, generator=g)
     mask = torch.randint(0, 2, (b, n, n), generator=g).float() if masked else torch.ones(b, n, n)
-    w = {
-        "norm.weight": torch.randn(c, generator=g),
-        "norm.bias": torch.randn(c, generator=g),
-        "to_out_norm.weight": torch.randn(h, generator=g),
-        "to_out_norm.bias": torch.randn(h, generator=g),
-        "to_out.weight": torch.randn(c, h, generator=g) / c**0.5,
-    }
-    for k in ("left_proj", "right_proj", "left_gate", "right_gate", "out_gate"):
-        w[f"{k}.weight"] = torch.randn(h, c, generator=g) / h**0.5
+    w = gpumode.random_weights(c, h, g)
     to = lambda t: t.to(device)  # noqa: E731
     return to(x), to(mask), {k: to(v) for k, v in w.items()}, {"dim": c, "hidden_dim": h}
 

@@ -39,6 +39,21 @@ _ORDER = (
 _shapes_cache: dict = {}
 
 
+def random_weights(c: int, h: int, g: torch.Generator) -> dict:
+    """Weights as GPU MODE's task generates them (on the CPU, f32, its names): LayerNorms
+    ~ N(0, 1), projections ~ N(0, 1)/sqrt(H), the output projection ~ N(0, 1)/sqrt(C)."""
+    w = {
+        "norm.weight": torch.randn(c, generator=g),
+        "norm.bias": torch.randn(c, generator=g),
+        "to_out_norm.weight": torch.randn(h, generator=g),
+        "to_out_norm.bias": torch.randn(h, generator=g),
+        "to_out.weight": torch.randn(c, h, generator=g) / c**0.5,
+    }
+    for k in ("left_proj", "right_proj", "left_gate", "right_gate", "out_gate"):
+        w[f"{k}.weight"] = torch.randn(h, c, generator=g) / h**0.5
+    return w
+
+
 def _shapes(c: int, h: int) -> dict:
     """Each weight's shape and element count for pair width C and hidden width H."""
     s = _shapes_cache.get((c, h))
