@@ -1320,11 +1320,12 @@ impl Backend for HipBackend {
         mask: Option<&[f32]>,
         y: &mut [u16],
     ) -> Result<()> {
-        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        crate::backend::half_io(problem)?;
         if !self.half_io_native(prepared) {
+            // The rocBLAS output path writes f32 y: widened on the host (which checks the same).
             return super::widened_host_half(self, prepared, workspace, problem, x, mask, y);
         }
+        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
+        crate::backend::half_io(problem)?;
         self.host_forward(prepared, workspace, problem, x, mask, Some(y))
     }
 
@@ -1336,11 +1337,11 @@ impl Backend for HipBackend {
         xy: &mut [u16],
         mask: Option<&[f32]>,
     ) -> Result<()> {
-        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
-        crate::backend::half_io(problem)?;
         if !self.half_io_native(prepared) {
             return super::widened_host_half_in_place(self, prepared, workspace, problem, xy, mask);
         }
+        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
+        crate::backend::half_io(problem)?;
         self.host_forward_in_place(prepared, workspace, problem, xy, mask)
     }
 
