@@ -5,7 +5,7 @@
 #   cargo build --release --features cuda --bins --examples
 #   cargo test --release --features cuda --no-run      # prints the test executables
 #   cp target/release/trimul target/release/examples/cuda_stage_times .device/
-#   cp target/release/deps/{cuda,cuda_graph,cuda_conformance}-<hash> .device/{cuda,cuda_graph,cuda_conformance}
+#   cp target/release/deps/{cuda,cuda_graph,conformance_cuda}-<hash> .device/{cuda,cuda_graph,conformance_cuda}
 # Steps, run in the order given: tests (GPU tests and the graph test), conformance, stages (event
 # timelines), suites (gpumode f32 and af3 bf16, JSON), other-suites (af3 f32, gpumode bf16 JSON; af3
 # f16), cueq-shapes (af3 bf16 at N = 512/768/1024, three runs), long (N = 4096 unchunked and in
@@ -33,7 +33,7 @@ for step in "$@"; do
       TRIMUL_REQUIRE_DEVICE=1 "$d/cuda_graph" 2>&1 | tee -a "$out/tests.txt" | grep -E "^test |test result|panicked"
       ;;
     conformance)
-      TRIMUL_REQUIRE_DEVICE=1 "$d/cuda_conformance" --test-threads=2 2>&1 | tee "$out/conformance.txt" | grep -E "test result|panicked|FAILED"
+      TRIMUL_REQUIRE_DEVICE=1 "$d/conformance_cuda" --test-threads=2 2>&1 | tee "$out/conformance.txt" | grep -E "test result|panicked|FAILED"
       ;;
     stages)
       "$d/cuda_stage_times" gpumode f32-io 2>&1 | tee -a "$out/stages.txt"

@@ -3,7 +3,7 @@
 //! thread per GPU lane), so it runs only when asked:
 //!
 //! ```text
-//! TRIMUL_FAKE_ROCM_CONFORMANCE=1 cargo test --features rocm --test hip_fake_conformance
+//! TRIMUL_FAKE_ROCM_CONFORMANCE=1 cargo test --features rocm --test conformance_hip_fake
 //! ```
 //!
 //! The GPU MODE cases are limited to N ≤ 32 here; the rest of the suite runs as on a device.
