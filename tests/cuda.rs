@@ -15,22 +15,12 @@ use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision,
 mod cuda_device;
 #[path = "support/forward.rs"]
 mod forward;
+#[path = "support/gpu_checks.rs"]
+mod gpu_checks;
 
 use cuda_device::{cuda, MAX_REL_L2, TOL};
 use forward::forward;
-
-/// Runs `case` through the CUDA layer (host slices, NaN-poisoned y) and checks it.
-fn check_case(b: &CudaBackend, case: &Case, formulation: Formulation, direction: Direction, biases: bool, seed: u64) {
-    let problem = case.problem(formulation, direction).unwrap();
-    let weights = Weights::random(problem.config, biases, seed).unwrap();
-    let inputs = suite::generate_inputs(case, seed ^ 0xABCD);
-    let mut layer = Layer::new(b, &weights, Options::new(direction)).unwrap();
-    let mut y = vec![f32::NAN; inputs.x.len()];
-    layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
-    let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
-    eprintln!("{} {formulation} {direction}: {cmp}", case.name());
-    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{} {formulation} {direction} seed {seed}: {cmp}", case.name());
-}
+use gpu_checks::check_case;
 
 #[test]
 fn gpumode_suite_all_18_cases() {
@@ -371,19 +361,8 @@ fn resident_output_kernel_matches_plain_kernel_bit_for_bit() {
 #[test]
 fn all_zero_mask_matches_reference() {
     let Some(b) = cuda() else { return };
-    let case = Case::new(48, 1, 128, true, Dist::Normal);
-    let problem = case.problem(Formulation::GpuMode, Direction::Outgoing).unwrap();
     let s = seed();
-    let weights = Weights::random(problem.config, false, s).unwrap();
-    let x = suite::generate_inputs(&case, s ^ 0x5EED).x;
-    let mask = vec![0.0f32; problem.mask_len()];
-    let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
-    let mut y = vec![f32::NAN; x.len()];
-    layer.forward_into(&x, Some(&mask), &mut y, case.shape()).unwrap();
-    let cmp = reference::check(&weights, &problem, &x, Some(&mask), &y, TOL, TOL).unwrap();
-    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{cmp}");
-    // With every position masked the output is the LayerNorm bias projected and gated: not zero.
-    assert!(y.iter().any(|v| v.abs() > 1e-3), "an all-zero output would pass for the wrong reason");
+    gpu_checks::all_zero_mask_matches_reference(&b, s, s ^ 0x5EED);
 }
 
 #[test]
@@ -394,45 +373,15 @@ fn device_buffer_forward_and_caller_stream_forward_agree_with_reference() {
     let s = seed();
     let weights = Weights::random(problem.config, true, s).unwrap();
     let inputs = suite::generate_inputs(&case, s ^ 0x5EED);
-    let mask = inputs.mask.as_ref().unwrap();
     let mut layer = Layer::new(&b, &weights, Options::new(Direction::Incoming)).unwrap();
-    let mut xd = b.alloc(inputs.x.len()).unwrap();
-    let mut md = b.alloc(mask.len()).unwrap();
-    let mut yd = b.alloc(inputs.x.len()).unwrap();
-    b.upload(&inputs.x, &mut xd).unwrap();
-    b.upload(mask, &mut md).unwrap();
-    layer.forward_buffers(&xd, Some(&md), &mut yd, case.shape()).unwrap();
-    let mut y = vec![f32::NAN; inputs.x.len()];
-    b.download(&yd, &mut y).unwrap();
-    let cmp = reference::check(&weights, &problem, &inputs.x, Some(mask), &y, TOL, TOL).unwrap();
-    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "buffers: {cmp}");
-
-    // The same on the backend's stream handed over as a caller stream, into a fresh poisoned y.
-    let mut y2d = b.alloc(inputs.x.len()).unwrap();
-    b.upload(&vec![f32::NAN; inputs.x.len()], &mut y2d).unwrap();
-    // SAFETY: all three buffers are live allocations of this backend sized for `case`, and we
-    // synchronise (download) before they are dropped.
-    unsafe { layer.forward_on_stream(xd.ptr(), Some(md.ptr()), y2d.ptr(), case.shape(), b.stream() as u64).unwrap() };
-    let mut y2 = vec![0f32; inputs.x.len()];
-    b.download(&y2d, &mut y2).unwrap();
-    assert_eq!(y, y2, "caller-stream forward differs from the buffer forward");
+    gpu_checks::buffers_and_caller_stream_match(&b, &mut layer, &weights, &problem, &inputs);
 }
 
 #[test]
 fn bad_inputs_are_errors_not_panics() {
     let Some(b) = cuda() else { return };
     let device = Device::Cuda(b);
-    let weights = Weights::random(trimul::Config::new(Formulation::GpuMode, 64, 32).unwrap(), false, 1).unwrap();
-    let mut layer = TriMul::new(&device, &weights, Options::default()).unwrap();
-    let e = layer.forward(&[1.0; 10], None, Shape::new(1, 4)).unwrap_err();
-    assert!(e.to_string().contains("x has 10 elements"), "{e}");
-    let x = vec![0.5; 4 * 4 * 64];
-    let e = layer.forward(&x, Some(&[1.0; 3]), Shape::new(1, 4)).unwrap_err();
-    assert!(e.to_string().contains("mask has 3"), "{e}");
-    let mut bad = weights.clone();
-    bad.left_proj.weight[0] = 1e6;
-    let e = TriMul::new(&device, &bad, Options::default()).unwrap_err();
-    assert!(e.to_string().contains("f16 range"), "{e}");
+    let weights = gpu_checks::bad_inputs_are_errors(&device);
     // A tensor that disagrees with the config: refused by prepare, before any packing or upload.
     let mut short = weights.clone();
     short.left_proj.weight.truncate(10);

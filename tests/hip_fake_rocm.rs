@@ -19,6 +19,9 @@
 mod fake;
 #[path = "support/forward.rs"]
 mod forward;
+#[path = "support/gpu_checks.rs"]
+#[allow(dead_code)] // check_case and the other checks of a real GPU are not used on the fake
+mod gpu_checks;
 
 use std::process::Command;
 
@@ -33,8 +36,7 @@ use test_seed::this_test_seed as base_seed;
 use trimul::Weights;
 use trimul::{Backend, BackendKind, Config, Device, Direction, Error, Formulation, Layer, Options, Problem, Shape};
 
-const TOL: f64 = 2e-2;
-const MAX_REL_L2: f64 = 5e-3;
+use gpu_checks::{MAX_REL_L2, TOL};
 
 use fake::{fake, skip};
 
@@ -232,36 +234,8 @@ fn device_buffers_caller_stream_and_workspace_reuse() {
     let s = base_seed();
     let weights = Weights::random(cfg, true, s ^ 11).unwrap();
     let inputs = suite::generate_inputs(&case, s ^ 12);
-    let mask = inputs.mask.as_ref().unwrap();
     let mut layer = Layer::new(&b, &weights, Options::new(Direction::Incoming)).unwrap();
-    let mut xd = b.alloc(inputs.x.len()).unwrap();
-    let mut md = b.alloc(mask.len()).unwrap();
-    let mut yd = b.alloc(inputs.x.len()).unwrap();
-    b.upload(&inputs.x, &mut xd).unwrap();
-    b.upload(mask, &mut md).unwrap();
-    layer.forward_buffers(&xd, Some(&md), &mut yd, case.shape()).unwrap();
-    let mut y = vec![f32::NAN; inputs.x.len()];
-    b.download(&yd, &mut y).unwrap();
-    let cmp = reference::check(&weights, &problem, &inputs.x, Some(mask), &y, TOL, TOL).unwrap();
-    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "buffers: {cmp}");
-
-    let y2d = b.alloc(inputs.x.len()).unwrap();
-    // SAFETY: all three are live allocations of this backend sized for `case`, synchronised by
-    // the download before they drop.
-    unsafe {
-        layer
-            .forward_on_stream(
-                xd.device_ptr(),
-                Some(md.device_ptr()),
-                y2d.device_ptr(),
-                case.shape(),
-                b.stream() as u64,
-            )
-            .unwrap()
-    };
-    let mut y2 = vec![0f32; inputs.x.len()];
-    b.download(&y2d, &mut y2).unwrap();
-    assert_eq!(y, y2, "caller-stream forward differs from the buffer forward");
+    gpu_checks::buffers_and_caller_stream_match(&b, &mut layer, &weights, &problem, &inputs);
 
     // Another shape on the same layer: a new workspace, still right.
     let case2 = Case::new(5, 1, 16, false, Dist::Normal);

@@ -20,16 +20,13 @@ use trimul::backend::hip::HipKernelOutput;
 use trimul::reference;
 use trimul::suite::{self, Case, Dist};
 
+#[path = "support/gpu_checks.rs"]
+mod gpu_checks;
 #[path = "support/seed.rs"]
 mod test_seed;
+use gpu_checks::{check_case, MAX_REL_L2, TOL};
 use test_seed::this_test_seed as seed;
-use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Shape, TriMul, Weights};
-
-const TOL: f64 = 2e-2;
-/// f16 intermediates with f32 accumulation land near 5e-4 (SPEC.md, measured on H100 with the
-/// same kernels and GEMM layouts); this leaves room for Cauchy inputs without letting a wrong
-/// layout (error ~1) through.
-const MAX_REL_L2: f64 = 5e-3;
+use trimul::{Backend, Device, Direction, Formulation, Layer, Options, TriMul, Weights};
 
 /// The backend with the given output path, or `None` after a visible skip (a failure with
 /// `TRIMUL_REQUIRE_DEVICE` set).
@@ -47,23 +44,6 @@ fn hip(mfma: bool) -> Option<HipBackend> {
             None
         }
     }
-}
-
-/// Runs `case` through a layer on `b` (host slices, NaN-poisoned y) and checks it.
-fn check_case(b: &HipBackend, case: &Case, formulation: Formulation, direction: Direction, biases: bool, seed: u64) {
-    let problem = case.problem(formulation, direction).unwrap();
-    let weights = Weights::random(problem.config, biases, seed).unwrap();
-    let inputs = suite::generate_inputs(case, seed ^ 0xABCD);
-    let mut layer = Layer::new(b, &weights, Options::new(direction)).unwrap();
-    let mut y = vec![f32::NAN; inputs.x.len()];
-    layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
-    let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
-    eprintln!("{} {formulation} {direction} biases={biases}: {cmp}", case.name());
-    assert!(
-        cmp.passed() && cmp.rel_l2 <= MAX_REL_L2,
-        "{} {formulation} {direction} biases={biases} seed {seed}: {cmp}",
-        case.name()
-    );
 }
 
 #[test]
@@ -168,16 +148,7 @@ fn hiprtc_compiled_kernels_match_the_reference() {
 #[ignore = "needs an AMD GPU: run `cargo test --features rocm -- --ignored`"]
 fn all_zero_mask_matches_reference() {
     let Some(b) = hip(false) else { return };
-    let case = Case::new(48, 1, 128, true, Dist::Normal);
-    let problem = case.problem(Formulation::GpuMode, Direction::Outgoing).unwrap();
-    let weights = Weights::random(problem.config, false, 5).unwrap();
-    let x = suite::generate_inputs(&case, 6).x;
-    let mask = vec![0.0f32; problem.mask_len()];
-    let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
-    let mut y = vec![f32::NAN; x.len()];
-    layer.forward_into(&x, Some(&mask), &mut y, case.shape()).unwrap();
-    let cmp = reference::check(&weights, &problem, &x, Some(&mask), &y, TOL, TOL).unwrap();
-    assert!(cmp.passed(), "{cmp}");
+    gpu_checks::all_zero_mask_matches_reference(&b, 5, 6);
 }
 
 #[test]
@@ -188,38 +159,8 @@ fn device_buffer_forward_and_caller_stream_forward_agree_with_reference() {
     let problem = case.problem(Formulation::Af3, Direction::Incoming).unwrap();
     let weights = Weights::random(problem.config, true, 11).unwrap();
     let inputs = suite::generate_inputs(&case, 12);
-    let mask = inputs.mask.as_ref().unwrap();
     let mut layer = Layer::new(&b, &weights, Options::new(Direction::Incoming)).unwrap();
-    let mut xd = b.alloc(inputs.x.len()).unwrap();
-    let mut md = b.alloc(mask.len()).unwrap();
-    let mut yd = b.alloc(inputs.x.len()).unwrap();
-    b.upload(&inputs.x, &mut xd).unwrap();
-    b.upload(mask, &mut md).unwrap();
-    layer.forward_buffers(&xd, Some(&md), &mut yd, case.shape()).unwrap();
-    let mut y = vec![f32::NAN; inputs.x.len()];
-    b.download(&yd, &mut y).unwrap();
-    let cmp = reference::check(&weights, &problem, &inputs.x, Some(mask), &y, TOL, TOL).unwrap();
-    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "buffers: {cmp}");
-
-    // The same on the backend's stream handed over as a caller stream, into a fresh poisoned y.
-    let mut y2d = b.alloc(inputs.x.len()).unwrap();
-    b.upload(&vec![f32::NAN; inputs.x.len()], &mut y2d).unwrap();
-    // SAFETY: all three buffers are live allocations of this backend sized for `case`, and we
-    // synchronise (download) before they are dropped.
-    unsafe {
-        layer
-            .forward_on_stream(
-                xd.device_ptr(),
-                Some(md.device_ptr()),
-                y2d.device_ptr(),
-                case.shape(),
-                b.stream() as u64,
-            )
-            .unwrap()
-    };
-    let mut y2 = vec![0f32; inputs.x.len()];
-    b.download(&y2d, &mut y2).unwrap();
-    assert_eq!(y, y2, "caller-stream forward differs from the buffer forward");
+    gpu_checks::buffers_and_caller_stream_match(&b, &mut layer, &weights, &problem, &inputs);
 }
 
 #[test]
@@ -250,16 +191,6 @@ fn timing_ceilings_and_memory_accounting() {
 fn bad_inputs_are_errors_not_panics() {
     let Some(b) = hip(false) else { return };
     let device = Device::Hip(b);
-    let weights = Weights::random(trimul::Config::new(Formulation::GpuMode, 64, 32).unwrap(), false, 1).unwrap();
-    let mut layer = TriMul::new(&device, &weights, Options::default()).unwrap();
-    let e = layer.forward(&[1.0; 10], None, Shape::new(1, 4)).unwrap_err();
-    assert!(e.to_string().contains("x has 10 elements"), "{e}");
-    let x = vec![0.5; 4 * 4 * 64];
-    let e = layer.forward(&x, Some(&[1.0; 3]), Shape::new(1, 4)).unwrap_err();
-    assert!(e.to_string().contains("mask has 3"), "{e}");
-    let mut bad = weights.clone();
-    bad.left_proj.weight[0] = 1e6;
-    let e = TriMul::new(&device, &bad, Options::default()).unwrap_err();
-    assert!(e.to_string().contains("f16 range"), "{e}");
+    gpu_checks::bad_inputs_are_errors(&device);
     assert!(Device::hip(1000).is_err());
 }
