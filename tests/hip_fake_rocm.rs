@@ -48,6 +48,13 @@ fn built_with_clang() -> bool {
     true
 }
 
+/// The fake's guard ([`fake`]) when the fake is built and this build embedded HIP code objects
+/// for it to load; `None` after a visible skip otherwise.
+fn fake_with_code_objects() -> Option<std::sync::MutexGuard<'static, ()>> {
+    let guard = fake()?;
+    built_with_clang().then_some(guard)
+}
+
 fn backend(mfma: bool) -> HipBackend {
     let b = HipBackend::new(0).unwrap();
     b.set_poison(true);
@@ -73,10 +80,7 @@ fn check(b: &HipBackend, cfg: Config, case: &Case, dir: Direction, biases: bool,
 
 #[test]
 fn device_opens_on_the_fake_runtime() {
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = HipBackend::new(0).unwrap();
     let info = b.info();
     assert_eq!((info.vendor.as_str(), info.arch.as_str(), info.compute_units), ("AMD", "gfx942", 304));
@@ -97,10 +101,7 @@ fn device_opens_on_the_fake_runtime() {
 
 #[test]
 fn forwards_match_the_reference_on_both_output_paths() {
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     for mfma in [false, true] {
         let b = backend(mfma);
         let want = if mfma { HipKernelOutput::Mfma } else { HipKernelOutput::Blas };
@@ -122,10 +123,7 @@ fn forwards_match_the_reference_on_both_output_paths() {
 
 #[test]
 fn chunked_projection_covers_every_position() {
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     // M = 4356 > 4096 rows: two projection chunks, the second starting at row 4096.
     let b = backend(false);
     let cfg = Config::new(Formulation::Af3, 8, 8).unwrap();
@@ -138,10 +136,7 @@ fn chunked_projection_covers_every_position() {
 /// one-pass result; in place, x ends up holding y.
 #[test]
 fn tight_budgets_run_chunked_plans_on_both_output_paths() {
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     for mfma in [false, true] {
         let b = backend(mfma);
         // H = 24: three passes of 8 channels at the tightest budget; M = 2·10² = 200 positions:
@@ -197,10 +192,7 @@ fn tight_budgets_run_chunked_plans_on_both_output_paths() {
 /// copies (it returned Ok with wrong values before).
 #[test]
 fn chunked_workspaces_refuse_other_weights() {
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(false);
     let cfg = Config::new(Formulation::GpuMode, 32, 24).unwrap();
     let case = Case::new(10, 2, cfg.c, false, Dist::Normal);
@@ -223,10 +215,7 @@ fn chunked_workspaces_refuse_other_weights() {
 
 #[test]
 fn device_buffers_caller_stream_and_workspace_reuse() {
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(false);
     let cfg = Config::new(Formulation::Af3, 16, 16).unwrap();
     let case = Case::new(6, 2, 16, true, Dist::Normal);
@@ -252,10 +241,7 @@ fn device_buffers_caller_stream_and_workspace_reuse() {
 
 #[test]
 fn memory_ranges_are_enforced_and_reported() {
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(false);
     // A workspace that cannot fit is OutOfMemory before anything is allocated.
     let cfg = Config::new(Formulation::GpuMode, 128, 128).unwrap();
@@ -278,10 +264,7 @@ fn memory_ranges_are_enforced_and_reported() {
 #[test]
 fn a_y_pointer_outside_device_memory_is_caught_by_the_fake() {
     // Checks the checker: a bad address must come back as an error, not pass silently.
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(false);
     // Without poisoning, so that it is the launch (not the NaN fill of y) that meets the bad range.
     b.set_poison(false);
@@ -304,10 +287,7 @@ fn a_y_pointer_outside_device_memory_is_caught_by_the_fake() {
 
 #[test]
 fn each_arch_gets_its_own_code_objects_and_unknown_archs_fail_clearly() {
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     // gfx90a: the fake rejects objects of any other processor, so passing proves the selection.
     std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx90a:sramecc+:xnack-");
     let b = backend(true);
@@ -392,10 +372,7 @@ fn unpack16(words: &[f32], len: usize) -> Vec<u16> {
 #[test]
 fn half_io_on_the_mfma_path() {
     use trimul::{DeviceIo, Precision};
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(true);
     let gm = |c, h| Config::new(Formulation::GpuMode, c, h).unwrap();
     let af = |c, h| Config::new(Formulation::Af3, c, h).unwrap();
@@ -458,10 +435,7 @@ fn half_io_on_the_mfma_path() {
 #[test]
 fn half_io_tight_budgets_run_chunked_plans() {
     use trimul::Precision;
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(true);
     let runs = [
         (Config::new(Formulation::GpuMode, 32, 24).unwrap(), Direction::Outgoing, false, 21u64),
@@ -501,10 +475,7 @@ fn half_io_tight_budgets_run_chunked_plans() {
 #[test]
 fn a_chunked_workspace_planned_for_f32_y_is_not_used_for_16_bit_y() {
     use trimul::Precision;
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(true);
     let cfg = Config::new(Formulation::GpuMode, 32, 24).unwrap();
     let case = Case::new(10, 2, cfg.c, false, Dist::Normal);
@@ -547,10 +518,7 @@ fn a_chunked_workspace_planned_for_f32_y_is_not_used_for_16_bit_y() {
 #[test]
 fn f32_entry_points_refuse_16_bit_problems() {
     use trimul::Precision;
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(true);
     let cfg = Config::new(Formulation::GpuMode, 32, 16).unwrap();
     let case = Case::new(8, 1, cfg.c, false, Dist::Normal);
@@ -579,10 +547,7 @@ fn f32_entry_points_refuse_16_bit_problems() {
 #[test]
 fn device_prepared_weights_and_caller_workspace_match_the_host_layer() {
     use trimul::{DType, DeviceIo, DeviceSpan, DeviceTensor};
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let gm = |c, h| Config::new(Formulation::GpuMode, c, h).unwrap();
     let af = |c, h| Config::new(Formulation::Af3, c, h).unwrap();
     for mfma in [false, true] {
@@ -692,10 +657,7 @@ fn device_prepared_weights_and_caller_workspace_match_the_host_layer() {
 /// that has run before (the failure hits a forward on an existing workspace).
 #[test]
 fn device_faults_are_errors_and_the_layer_recovers() {
-    let Some(_g) = fake() else { return };
-    if !built_with_clang() {
-        return;
-    }
+    let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(false);
     let cfg = Config::new(Formulation::Af3, 24, 16).unwrap();
     let case = Case { h: 16, ..Case::new(9, 1, 24, true, Dist::Normal) };
