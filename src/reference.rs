@@ -641,37 +641,28 @@ mod tests {
         let q = (s2 / 8.0) / (s2 * s2 / 64.0 + eps).sqrt();
         let x = [1.0f32, 3.0];
         let zeros = [0.0f32; 4];
-        for d in [Direction::Outgoing, Direction::Incoming] {
-            let cfg = Config::new(Formulation::GpuMode, 2, 2).unwrap();
-            let w = Weights::new(
-                cfg,
+        // The same projections in both formulations; only af3 has the output biases.
+        let weights = |formulation, out_gate_bias: Option<&[f32]>, out_proj_bias: Option<&[f32]>| {
+            Weights::new(
+                Config::new(formulation, 2, 2).unwrap(),
                 norm(&[1.0, 1.0], &[0.0, 0.0]),
                 lin(2, 2, &[1.0, 0.0, 0.0, 1.0], None),
                 lin(2, 2, &zeros, None),
                 lin(2, 2, &[1.0, 0.0, 0.0, 2.0], None),
                 lin(2, 2, &zeros, None),
-                lin(2, 2, &zeros, None),
+                lin(2, 2, &zeros, out_gate_bias),
                 norm(&[1.0, 1.0], &[0.0, 0.0]),
-                lin(2, 2, &[1.0, 2.0, 3.0, 0.0], None),
+                lin(2, 2, &[1.0, 2.0, 3.0, 0.0], out_proj_bias),
             )
-            .unwrap();
+            .unwrap()
+        };
+        for d in [Direction::Outgoing, Direction::Incoming] {
+            let w = weights(Formulation::GpuMode, None, None);
             let p = problem(Formulation::GpuMode, 2, 2, 1, 1, d, false);
             let y = forward(&w, &p, &x, None).unwrap();
             assert!(rel_diff(&y, &[q / 2.0, -1.5 * q]) < 1e-14, "{y:?} q={q}");
 
-            let cfg = Config::new(Formulation::Af3, 2, 2).unwrap();
-            let w = Weights::new(
-                cfg,
-                norm(&[1.0, 1.0], &[0.0, 0.0]),
-                lin(2, 2, &[1.0, 0.0, 0.0, 1.0], None),
-                lin(2, 2, &zeros, None),
-                lin(2, 2, &[1.0, 0.0, 0.0, 2.0], None),
-                lin(2, 2, &zeros, None),
-                lin(2, 2, &zeros, Some(&[0.0, 3f32.ln()])),
-                norm(&[1.0, 1.0], &[0.0, 0.0]),
-                lin(2, 2, &[1.0, 2.0, 3.0, 0.0], Some(&[1.0, -1.0])),
-            )
-            .unwrap();
+            let w = weights(Formulation::Af3, Some(&[0.0, 3f32.ln()]), Some(&[1.0, -1.0]));
             let p = problem(Formulation::Af3, 2, 2, 1, 1, d, false);
             let y = forward(&w, &p, &x, None).unwrap();
             // σ(ln 3 in f32) is ¾ only to f32 precision.

@@ -9,7 +9,7 @@ use trimul::{io, Config, Device, Direction, Formulation, NamingScheme, Options, 
 
 #[path = "support/cli.rs"]
 mod support;
-use support::{assert_usage_error, s, stderr, stdout, trimul, TempDir};
+use support::{assert_usage_error, cpu_quick_bench, s, stderr, stdout, trimul, TempDir};
 
 #[test]
 fn info_lists_cpu_as_available() {
@@ -221,21 +221,7 @@ fn run_round_trip_matches_the_library() {
 fn bench_json_parses_and_reports() {
     let dir = TempDir::new("bench");
     let json = dir.path("cpu.json");
-    let o = trimul(&[
-        "bench",
-        "--backend",
-        "cpu",
-        "--suite",
-        "quick",
-        "--repeats",
-        "2",
-        "--warmup",
-        "0",
-        "--label",
-        "ci",
-        "--json",
-        s(&json),
-    ]);
+    let o = cpu_quick_bench(&json, &["--repeats", "2", "--label", "ci"]);
     let out = stdout(&o);
     assert!(o.status.success(), "stdout: {out}\nstderr: {}", stderr(&o));
     assert!(out.contains("geomean"), "{out}");

@@ -226,12 +226,7 @@ fn host_memory_limits_give_errors_not_aborts() {
         );
         let err = stderr(&o);
         assert_error(&o, 1, "out of memory on cpu");
-        let available: u64 = err
-            .split(" bytes available")
-            .next()
-            .and_then(|head| head.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no available bytes in {err}"));
+        let available = bytes_available(&err);
         assert!(available < limit_kib * 1024, "{available} bytes available under a {limit_kib} KiB limit: {err}");
         assert!(!y.exists());
     }
@@ -427,11 +422,15 @@ fn cgroup_memory_limits_give_errors_not_kills() {
     let _ = std::fs::remove_dir(&cg);
     let err = stderr(&o);
     assert_error(&o, 1, "out of memory on cpu");
-    let available: u64 = err
-        .split(" bytes available")
+    let available = bytes_available(&err);
+    assert!(available < limit, "{available} bytes available under a {limit}-byte cgroup: {err}");
+}
+
+/// The `N` of "N bytes available" in an out-of-memory message.
+fn bytes_available(err: &str) -> u64 {
+    err.split(" bytes available")
         .next()
         .and_then(|head| head.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no available bytes in {err}"));
-    assert!(available < limit, "{available} bytes available under a {limit}-byte cgroup: {err}");
+        .unwrap_or_else(|| panic!("no available bytes in {err}"))
 }

@@ -16,7 +16,7 @@ use trimul::{Config, Direction, Formulation, Problem, Shape};
 
 #[path = "support/cli.rs"]
 mod support;
-use support::{s, stderr, stdout, trimul, TempDir};
+use support::{cpu_quick_bench, stderr, stdout, trimul, TempDir};
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
@@ -717,23 +717,7 @@ fn committed_report_compares_like_with_like() {
 fn bench_json_records_suite_seed_and_why_there_are_no_clocks() {
     let dir = TempDir::new("report-bench");
     let json = dir.path("run.json");
-    let o = trimul(&[
-        "bench",
-        "--backend",
-        "cpu",
-        "--suite",
-        "quick",
-        "--n",
-        "256",
-        "--repeats",
-        "1",
-        "--warmup",
-        "0",
-        "--seed",
-        "7",
-        "--json",
-        s(&json),
-    ]);
+    let o = cpu_quick_bench(&json, &["--n", "256", "--repeats", "1", "--seed", "7"]);
     assert!(o.status.success(), "stdout: {}\nstderr: {}", stdout(&o), stderr(&o));
     assert!(stdout(&o).contains("clocks and power: not read (no clock or power probe for the CPU backend)"));
     let run = BenchRun::from_path(&json).unwrap();

@@ -1,5 +1,5 @@
 //! Running the `trimul` binary from tests: its output, temporary directories, and the one-line
-//! error contract. Shared by tests/cli.rs and tests/cli_reliability.rs.
+//! error contract. Shared by tests/cli.rs, tests/cli_reliability.rs and tests/report.rs.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -15,6 +15,14 @@ pub fn command(args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_trimul"));
     c.args(args).env_remove("TRIMUL_BACKEND");
     c
+}
+
+/// `trimul bench` of the quick suite on the CPU without warm-up calls, with `args` added, writing
+/// its JSON run to `json`.
+pub fn cpu_quick_bench(json: &Path, args: &[&str]) -> Output {
+    let mut all = vec!["bench", "--backend", "cpu", "--suite", "quick", "--warmup", "0", "--json", s(json)];
+    all.extend_from_slice(args);
+    trimul(&all)
 }
 
 /// The binary run by `bash` after `setup` (e.g. `ulimit -v 150000`), which applies to it.
