@@ -192,16 +192,15 @@ pub fn run(args: &BenchArgs) -> CliResult {
         let (input_seed, weights_seed) = (seeds.next(), seeds.next());
         let before = progress.position();
         // Out-of-memory anywhere in a shape skips it; other errors abort the run.
+        let job = Job { case, plan: &plan, input_seed, weights_seed, ceilings: &ceilings, progress: &progress };
         let outcome = skip_if_out_of_memory(match &device {
-            Device::Cpu(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+            Device::Cpu(b) => measure(b, &job),
             #[cfg(feature = "cuda")]
-            Device::Cuda(b) if plan.precision != Precision::F32Io => {
-                half::measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress)
-            }
+            Device::Cuda(b) if plan.precision != Precision::F32Io => half::measure(b, &job),
             #[cfg(feature = "cuda")]
-            Device::Cuda(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+            Device::Cuda(b) => measure(b, &job),
             #[cfg(feature = "rocm")]
-            Device::Hip(b) => measure(b, case, &plan, input_seed, weights_seed, &ceilings, &progress),
+            Device::Hip(b) => measure(b, &job),
             other => Err(Error::InvalidArgument(format!("bench does not know the {} backend", other.kind()))),
         })?;
         // Skipped shapes advance the bar by the calls they did not make.
@@ -360,16 +359,21 @@ fn time_calls<B: Backend>(
     Ok(Timed { samples: samples?, telemetry })
 }
 
-/// One shape on one backend with f32 x and y.
-fn measure<B: Backend>(
-    backend: &B,
-    case: &Case,
-    plan: &Plan,
+/// What measuring one shape takes besides the backend: the shape, the run's plan, the shape's
+/// seeds, the device's ceilings and the progress display.
+#[derive(Clone, Copy)]
+struct Job<'a> {
+    case: &'a Case,
+    plan: &'a Plan,
     input_seed: u64,
     weights_seed: u64,
-    ceilings: &Ceilings,
-    progress: &Progress,
-) -> trimul::Result<Outcome> {
+    ceilings: &'a Ceilings,
+    progress: &'a Progress,
+}
+
+/// One shape on one backend with f32 x and y.
+fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
+    let Job { case, plan, input_seed, weights_seed, ceilings, progress } = *job;
     let problem = case.problem(plan.formulation, plan.direction)?;
     let shape = problem.shape;
     let weights = Weights::random(problem.config, false, weights_seed)?;
@@ -697,15 +701,8 @@ mod half {
 
     use super::*;
 
-    pub(super) fn measure(
-        backend: &CudaBackend,
-        case: &Case,
-        plan: &Plan,
-        input_seed: u64,
-        weights_seed: u64,
-        ceilings: &Ceilings,
-        progress: &Progress,
-    ) -> trimul::Result<Outcome> {
+    pub(super) fn measure(backend: &CudaBackend, job: &Job) -> trimul::Result<Outcome> {
+        let Job { case, plan, input_seed, weights_seed, ceilings, progress } = *job;
         let io = plan.precision;
         let problem = case.problem(plan.formulation, plan.direction)?.with_io(io);
         let shape = problem.shape;
