@@ -156,22 +156,20 @@ fn run_round_trip_matches_the_library() {
     let mask = rng.mask_vec(batch * n * n);
     let input = PairInput::new(x.clone(), Some(mask.clone()), batch, n, c).unwrap();
     io::write_input(dir.path("x.safetensors"), &input).unwrap();
+    // `trimul run` on x.safetensors with the weights and the output named (files in `dir`), and
+    // `args` added.
+    let run = |weights: &str, output: &str, args: &[&str]| {
+        let (w, x, y) = (dir.path(weights), dir.path("x.safetensors"), dir.path(output));
+        let mut all = vec!["run", "--weights", s(&w), "--input", s(&x), "--output", s(&y)];
+        all.extend_from_slice(args);
+        trimul(&all)
+    };
 
-    let o = trimul(&[
-        "run",
-        "--backend",
-        "cpu",
-        "--direction",
-        "incoming",
-        "--weights",
-        s(&dir.path("w.safetensors")),
-        "--prefix",
-        "trunk.layers.3.tri_mul_in",
-        "--input",
-        s(&dir.path("x.safetensors")),
-        "--output",
-        s(&dir.path("y.safetensors")),
-    ]);
+    let o = run(
+        "w.safetensors",
+        "y.safetensors",
+        &["--backend", "cpu", "--direction", "incoming", "--prefix", "trunk.layers.3.tri_mul_in"],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).is_empty(), "run reports on stderr only");
     let err = stderr(&o);
@@ -188,32 +186,14 @@ fn run_round_trip_matches_the_library() {
     assert!(y.iter().all(|v| v.is_finite()));
 
     // The prefix is needed: without it the file holds two layers.
-    let o = trimul(&[
-        "run",
-        "--backend",
-        "cpu",
-        "--weights",
-        s(&dir.path("w.safetensors")),
-        "--input",
-        s(&dir.path("x.safetensors")),
-        "--output",
-        s(&dir.path("y2.safetensors")),
-    ]);
+    let o = run("w.safetensors", "y2.safetensors", &["--backend", "cpu"]);
     assert_usage_error(&o, "trunk.layers.3.tri_mul_in");
     assert!(!dir.path("y2.safetensors").exists());
 
     // Weights for another C.
     let other = Weights::random(Config::new(Formulation::GpuMode, 24, 8).unwrap(), false, 4).unwrap();
     other.to_safetensors(dir.path("w24.safetensors"), NamingScheme::GpuMode).unwrap();
-    let o = trimul(&[
-        "run",
-        "--weights",
-        s(&dir.path("w24.safetensors")),
-        "--input",
-        s(&dir.path("x.safetensors")),
-        "--output",
-        s(&dir.path("y3.safetensors")),
-    ]);
+    let o = run("w24.safetensors", "y3.safetensors", &[]);
     assert_usage_error(&o, "C = 16");
 }
 
