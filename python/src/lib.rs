@@ -294,6 +294,33 @@ fn check_io(
     Ok((len, xlen))
 }
 
+/// The device I/O of one forward on caller memory, its element counts checked first
+/// ([`check_io`]): x and y in precision `io`, the mask (address 0: none), the workspace, the
+/// stream.
+#[allow(clippy::too_many_arguments)]
+fn device_io(
+    c: usize,
+    b: usize,
+    n: usize,
+    x: (u64, usize),
+    mask: (u64, usize),
+    y: (u64, usize),
+    io: i32,
+    workspace: DeviceSpan,
+    stream: u64,
+) -> PyResult<DeviceIo> {
+    check_io(c, b, n, x, mask, y)?;
+    Ok(DeviceIo {
+        x: x.0,
+        mask: (mask.0 != 0).then_some(mask.0),
+        y: y.0,
+        shape: Shape::new(b, n),
+        io: precision(io)?,
+        stream,
+        workspace: Some(workspace),
+    })
+}
+
 /// One host forward on tensors by address.
 ///
 /// # Safety
@@ -425,17 +452,9 @@ macro_rules! device_layer {
                 stream: u64,
             ) -> PyResult<()> {
                 let c = self.lock()?.config().c;
-                check_io(c, b, n, (x, x_len), (mask, mask_len), (y, y_len))?;
+                let workspace = DeviceSpan { ptr: ws, bytes: ws_bytes };
+                let io = device_io(c, b, n, (x, x_len), (mask, mask_len), (y, y_len), io, workspace, stream)?;
                 let e = entries(weights)?;
-                let io = DeviceIo {
-                    x,
-                    mask: (mask != 0).then_some(mask),
-                    y,
-                    shape: Shape::new(b, n),
-                    io: precision(io)?,
-                    stream,
-                    workspace: Some(DeviceSpan { ptr: ws, bytes: ws_bytes }),
-                };
                 py.detach(|| {
                     let mut layer = self.lock()?;
                     let w = device_weights(layer.config(), &e)?;
@@ -485,16 +504,8 @@ macro_rules! device_layer {
                 stream: u64,
             ) -> PyResult<()> {
                 let c = self.lock()?.config().c;
-                check_io(c, b, n, (x, x_len), (mask, mask_len), (y, y_len))?;
-                let io = DeviceIo {
-                    x,
-                    mask: (mask != 0).then_some(mask),
-                    y,
-                    shape: Shape::new(b, n),
-                    io: precision(io)?,
-                    stream,
-                    workspace: Some(DeviceSpan { ptr: ws, bytes: ws_bytes }),
-                };
+                let workspace = DeviceSpan { ptr: ws, bytes: ws_bytes };
+                let io = device_io(c, b, n, (x, x_len), (mask, mask_len), (y, y_len), io, workspace, stream)?;
                 py.detach(|| {
                     let mut layer = self.lock()?;
                     // SAFETY: x, mask, y and the workspace are live device tensors of this device

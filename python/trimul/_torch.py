@@ -311,21 +311,21 @@ def _enqueue(
 ) -> Tensor:
     """y from PyTorch's allocator and the one library call, with the workspace at `ws`."""
     y = torch.empty_like(x)
-    e.layer.forward(
+    e.layer.forward(*_io_args(x, mask, y), b, n, io, ws, nbytes, stream)
+    return y
+
+
+def _io_args(x: Tensor, mask: Optional[Tensor], y: Tensor) -> tuple[int, int, int, int, int, int]:
+    """x, the mask and y as the layers' forwards take them: each one's address and element count
+    (0 and 0 for no mask)."""
+    return (
         x.data_ptr(),
         x.numel(),
         0 if mask is None else mask.data_ptr(),
         0 if mask is None else mask.numel(),
         y.data_ptr(),
         y.numel(),
-        b,
-        n,
-        io,
-        ws,
-        nbytes,
-        stream,
     )
-    return y
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
@@ -405,17 +405,7 @@ def _host_forward(
     xh = x.detach().cpu().contiguous()
     mh = None if mask is None else mask.detach().cpu().contiguous()
     y = torch.empty_like(xh)
-    e.layer.forward(
-        xh.data_ptr(),
-        xh.numel(),
-        0 if mh is None else mh.data_ptr(),
-        0 if mh is None else mh.numel(),
-        y.data_ptr(),
-        y.numel(),
-        x.shape[0],
-        x.shape[1],
-        _DTYPE_CODE[x.dtype],
-    )
+    e.layer.forward(*_io_args(xh, mh, y), x.shape[0], x.shape[1], _DTYPE_CODE[x.dtype])
     return y.to(x.device)
 
 

@@ -13,7 +13,16 @@ import threading
 import torch
 
 from . import _trimul
-from ._torch import _DTYPE_CODE, _HIP, _code, _contiguous, _device_prepared_bytes, _DeviceLayer, _raw_stream
+from ._torch import (
+    _DTYPE_CODE,
+    _HIP,
+    _code,
+    _contiguous,
+    _device_prepared_bytes,
+    _DeviceLayer,
+    _io_args,
+    _raw_stream,
+)
 
 # The 16 canonical weight entries (see trimul._trimul) by GPU MODE's names; None: no such tensor
 # (the gpumode formulation has no linear biases).
@@ -172,21 +181,7 @@ def _on_device(x, mask, w, c, h):
         buf = torch.empty(storage_bytes + ws_bytes, dtype=torch.uint8, device=x.device)
         base = buf.data_ptr()
         layer.forward_fresh(
-            w,
-            base,
-            storage_bytes,
-            x.data_ptr(),
-            x.numel(),
-            0 if mask is None else mask.data_ptr(),
-            0 if mask is None else mask.numel(),
-            y.data_ptr(),
-            y.numel(),
-            b,
-            n,
-            io,
-            base + storage_bytes,
-            ws_bytes,
-            stream,
+            w, base, storage_bytes, *_io_args(x, mask, y), b, n, io, base + storage_bytes, ws_bytes, stream
         )
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
@@ -195,15 +190,5 @@ def _host(x, mask, w, c, h):
     """CPU tensors: the library's host API (weights copied to host memory)."""
     layer = _trimul.HostLayer("gpumode", c, h, "outgoing", 1e-5, w, None)
     y = torch.empty_like(x)
-    layer.forward(
-        x.data_ptr(),
-        x.numel(),
-        0 if mask is None else mask.data_ptr(),
-        0 if mask is None else mask.numel(),
-        y.data_ptr(),
-        y.numel(),
-        x.shape[0],
-        x.shape[1],
-        _DTYPE_CODE[x.dtype],
-    )
+    layer.forward(*_io_args(x, mask, y), x.shape[0], x.shape[1], _DTYPE_CODE[x.dtype])
     return y
