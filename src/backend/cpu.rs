@@ -72,7 +72,7 @@ use rayon::prelude::*;
 use super::host_gemm::{matmul, MatMut, MatRef, Parallelism};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
-use crate::memory::ExecPlan;
+use crate::plan::ExecPlan;
 use crate::problem::{Config, Direction, Formulation, Problem, Shape};
 use crate::weights::Weights;
 
@@ -298,7 +298,7 @@ impl Backend for CpuBackend {
         let available = crate::hostmem::available();
         let lim = limit.unwrap_or(u64::MAX).min(available.unwrap_or(u64::MAX));
         let what = || format!("CPU workspace for B={} N={} C={} H={}", shape.batch, shape.n, config.c, config.h);
-        let Some(hc) = crate::memory::widest_hidden_chunk(config.h, 1, lim, |hc| plan_bytes(problem, hc)) else {
+        let Some(hc) = crate::plan::widest_hidden_chunk(config.h, 1, lim, |hc| plan_bytes(problem, hc)) else {
             return Err(Error::OutOfMemory {
                 backend: BackendKind::Cpu,
                 what: format!("{} (one hidden channel per pass)", what()),

@@ -33,7 +33,7 @@ pub(crate) mod staged_plan;
 
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};
 use crate::error::{BackendKind, Error, Result};
-use crate::memory::ExecPlan;
+use crate::plan::ExecPlan;
 use crate::problem::{Config, Precision, Problem};
 use crate::weights::Weights;
 

@@ -142,20 +142,16 @@ impl ChunkedPlan {
         limit: u64,
         bytes: impl Fn(&ChunkedPlan) -> u64,
     ) -> Result<Option<ChunkedPlan>> {
-        let rows = problem.shape.rows();
-        let min_rows = rows.min(CHUNK_ALIGN);
-        let need = |hc: usize| ChunkedPlan::new(problem, hc, min_rows).map_or(u64::MAX, |p| bytes(&p));
-        let Some(hc) = crate::memory::widest_hidden_chunk(problem.config.h, PASS_STEP, limit, need) else {
-            return Ok(None);
-        };
-        let mut chunk = rows.min(MAX_CHUNK_ROWS);
-        loop {
-            let plan = ChunkedPlan::new(problem, hc, chunk)?;
-            if bytes(&plan) <= limit || chunk <= min_rows {
-                return Ok((bytes(&plan) <= limit).then_some(plan));
-            }
-            chunk = (chunk / 2 / CHUNK_ALIGN * CHUNK_ALIGN).max(min_rows);
-        }
+        let fit = crate::plan::widest_fit(
+            problem.config.h,
+            PASS_STEP,
+            problem.shape.rows(),
+            CHUNK_ALIGN,
+            MAX_CHUNK_ROWS,
+            limit,
+            |hc, rows| ChunkedPlan::new(problem, hc, rows).map_or(u64::MAX, |p| bytes(&p)),
+        );
+        fit.map(|(hc, rows)| ChunkedPlan::new(problem, hc, rows)).transpose()
     }
 
     /// Device bytes: t, the scratch, the per-pass weights and af3's ones.

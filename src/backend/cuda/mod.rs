@@ -62,7 +62,7 @@ use super::staged_plan::ChunkedPlan;
 use super::{check_prepared_for, f32_io, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
-use crate::memory::ExecPlan;
+use crate::plan::ExecPlan;
 use crate::problem::{Config, Precision, Problem};
 use crate::weights::Weights;
 

@@ -375,19 +375,16 @@ impl ChunkPlan {
     /// The widest hidden chunk that fits `limit`, then the largest row chunk (halving from
     /// [`ChunkPlan::MAX_OUT_ROWS`], multiples of 128) that still fits.
     pub(super) fn choose(problem: &Problem, limit: u64) -> Option<ChunkPlan> {
-        let m = problem.shape.rows();
-        let min_rows = m.min(FUSED_INPUT_ROWS);
-        let hc = crate::memory::widest_hidden_chunk(problem.config.h, 32, limit, |hc| {
-            ChunkPlan::new(problem, hc, min_rows).bytes()
-        })?;
-        let mut rows = m.min(Self::MAX_OUT_ROWS);
-        loop {
-            let plan = ChunkPlan::new(problem, hc, rows);
-            if plan.bytes() <= limit || rows <= min_rows {
-                return (plan.bytes() <= limit).then_some(plan);
-            }
-            rows = (rows / 2 / FUSED_INPUT_ROWS * FUSED_INPUT_ROWS).max(min_rows);
-        }
+        let (hc, rows) = crate::plan::widest_fit(
+            problem.config.h,
+            32,
+            problem.shape.rows(),
+            FUSED_INPUT_ROWS,
+            Self::MAX_OUT_ROWS,
+            limit,
+            |hc, rows| ChunkPlan::new(problem, hc, rows).bytes(),
+        )?;
+        Some(ChunkPlan::new(problem, hc, rows))
     }
 }
 

@@ -64,7 +64,7 @@ use super::{
 };
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
-use crate::memory::ExecPlan;
+use crate::plan::ExecPlan;
 use crate::problem::{Config, Formulation, Precision, Problem};
 use crate::weights::Weights;
 
