@@ -547,3 +547,79 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod equivalence {
+    use super::*;
+    use crate::plan::{Blas, Capabilities, InputStage, Plan};
+    use crate::problem::{Config, Direction, Precision, Shape};
+
+    #[test]
+    fn new_plan_matches_the_old_staged_plan() {
+        for (f, b, n, c, h) in [
+            (Formulation::GpuMode, 2, 10, 32, 24),
+            (Formulation::Af3, 2, 10, 16, 24),
+            (Formulation::Af3, 1, 33, 384, 128),
+            (Formulation::GpuMode, 3, 7, 5, 3),
+            (Formulation::GpuMode, 1, 300, 128, 128),
+            (Formulation::Af3, 1, 1000, 128, 128),
+        ] {
+            for in_place in [false, true] {
+                for io in [Precision::F32Io, Precision::Bf16Io] {
+                    let p = Problem::new(Config::new(f, c, h).unwrap(), Shape::new(b, n), Direction::Outgoing, false)
+                        .unwrap()
+                        .in_place(in_place)
+                        .with_io(io);
+                    for blas in [Blas::CublasLt, Blas::RocBlas] {
+                        let caps = Capabilities { input: InputStage::Staged, blas };
+                        for (hc, rows) in [(8, 64), (16, 128), (h, 1 << 20), (24, 100)] {
+                            let old = ChunkedPlan::new(&p, hc, rows).unwrap();
+                            let new = Plan::chunked(&p, caps, hc, rows).unwrap();
+                            let what = format!("{p:?} {blas:?} {hc} {rows}");
+                            assert_eq!(new.hidden_chunk, old.hc, "{what}");
+                            assert_eq!(new.output_rows, old.chunk_rows, "{what}");
+                            assert_eq!(new.left_right_in_y(), old.lr_in_y, "{what}");
+                            assert_eq!(new.left.bytes, old.lr_bytes, "{what}");
+                            assert_eq!(new.proj.unwrap().offset, old.proj_a_off, "{what}");
+                            assert_eq!(new.proj.unwrap().offset, old.proj_b_off, "{what}");
+                            if !old.lr_in_y {
+                                assert_eq!(new.left.offset, old.lr_off, "{what}");
+                            }
+                            assert_eq!(new.gate.unwrap().offset, old.gate_off, "{what}");
+                            assert_eq!(new.a.offset, old.a_off, "{what}");
+                            assert_eq!(new.scratch_bytes, old.scratch_bytes, "{what}");
+                            assert_eq!(new.t_bytes, old.t_bytes, "{what}");
+                            assert_eq!(new.pass_weights_bytes, old.pass_w_bytes, "{what}");
+                            assert_eq!(new.pass_bias_offset, old.pass_bias_off, "{what}");
+                            let old_bytes = match blas {
+                                Blas::RocBlas => old.total_bytes(),
+                                Blas::CublasLt => {
+                                    old.total_bytes() - old.ones_bytes as u64
+                                        + align_up((old.chunk_rows * old.c * 2).min(4 << 20), STAGING_ALIGN) as u64
+                                }
+                            };
+                            assert_eq!(new.workspace_bytes(), old_bytes, "{what}");
+                            assert_eq!(new.pass_row_copies().collect::<Vec<_>>(), old.pass_row_copies().collect::<Vec<_>>());
+                        }
+                        for limit in [0u64, 1 << 16, 1 << 20, 1 << 24, 1 << 30, u64::MAX] {
+                            let old = match blas {
+                                Blas::RocBlas => ChunkedPlan::choose(&p, limit).unwrap(),
+                                Blas::CublasLt => ChunkedPlan::choose_by(&p, limit, |q| {
+                                    q.total_bytes() - q.ones_bytes as u64
+                                        + align_up((q.chunk_rows * q.c * 2).min(4 << 20), STAGING_ALIGN) as u64
+                                })
+                                .unwrap(),
+                            };
+                            let new = Plan::widest_chunked(&p, caps, limit).unwrap();
+                            assert_eq!(
+                                old.map(|o| (o.hc, o.chunk_rows)),
+                                new.map(|n| (n.hidden_chunk, n.output_rows)),
+                                "{p:?} {limit}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

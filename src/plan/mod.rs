@@ -31,5 +31,7 @@
 //! own.
 
 pub mod budget;
+pub mod layout;
 
 pub use budget::{margin, parse_bytes, widest_fit, widest_hidden_chunk, ExecPlan, MemoryNeeds};
+pub use layout::{Blas, Buffer, Capabilities, InputStage, Plan, Region};

@@ -506,3 +506,70 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod equivalence {
+    use super::*;
+    use crate::plan::{Blas, Capabilities, InputStage, Plan};
+    use crate::problem::{Config, Direction, Formulation, Precision, Shape};
+
+    #[test]
+    fn new_plan_matches_the_old_cuda_plans() {
+        let fused = Capabilities { input: InputStage::Fused, blas: Blas::CublasLt };
+        let staged = Capabilities { input: InputStage::Staged, blas: Blas::CublasLt };
+        for (f, b, n, c, h) in [
+            (Formulation::GpuMode, 1, 1, 768, 128),
+            (Formulation::Af3, 1, 33, 128, 128),
+            (Formulation::GpuMode, 2, 256, 128, 128),
+            (Formulation::GpuMode, 1, 1024, 384, 128),
+            (Formulation::Af3, 1, 1024, 768, 128),
+            (Formulation::Af3, 2, 33, 64, 40),
+            (Formulation::GpuMode, 1, 100, 384, 128),
+        ] {
+            for in_place in [false, true] {
+                for io in [Precision::F32Io, Precision::Bf16Io] {
+                    let p = Problem::new(Config::new(f, c, h).unwrap(), Shape::new(b, n), Direction::Incoming, true)
+                        .unwrap()
+                        .in_place(in_place)
+                        .with_io(io);
+                    let s = Scratch::plan(&p);
+                    let one = Plan::one_pass(&p, staged, false).unwrap();
+                    assert_eq!(one.input_rows, s.chunk_rows);
+                    assert_eq!(one.proj.unwrap().offset, s.proj_offset);
+                    assert_eq!(one.projection_ws.unwrap().offset, s.ws_offset);
+                    assert_eq!(one.t_bytes, s.t_bytes);
+                    let m = p.shape.rows() as u64;
+                    let one_pass = |t: u64, gate: usize| 2 * (2 * m * h as u64 + m * gate as u64) + t;
+                    assert_eq!(one.workspace_bytes(), one_pass(s.t_bytes as u64, p.config.gate_width()));
+                    for from_x in [false, true] {
+                        let one = Plan::one_pass(&p, fused, from_x).unwrap();
+                        let gate = if from_x { 0 } else { p.config.gate_width() };
+                        assert_eq!(one.workspace_bytes(), one_pass(m * h as u64 * 2, gate));
+                    }
+                    for (hc, rows) in [(32, 128), (h, 1 << 20), (64, 256)] {
+                        let old = ChunkPlan::new(&p, hc.min(h), rows.min(p.shape.rows()));
+                        let new = Plan::chunked(&p, fused, hc, rows).unwrap();
+                        let what = format!("{p:?} {hc} {rows}");
+                        assert_eq!((new.hidden_chunk, new.output_rows), (old.hc, old.out_rows), "{what}");
+                        assert_eq!(new.left_right_in_y(), old.lr_in_y, "{what}");
+                        assert_eq!(new.left.bytes, old.lr_bytes, "{what}");
+                        let cws = new.contraction_ws.unwrap();
+                        assert_eq!((cws.offset, cws.bytes), (old.cws_off, old.cws), "{what}");
+                        let ows = new.output_ws.unwrap();
+                        assert_eq!((ows.offset, ows.bytes), (old.ows_off, old.ows), "{what}");
+                        assert_eq!((new.gate.unwrap().offset, new.a.offset), (old.gate_off, old.a_off), "{what}");
+                        assert_eq!((new.scratch_bytes, new.t_bytes), (old.scratch_bytes, old.t_bytes), "{what}");
+                        assert_eq!(new.workspace_bytes(), old.bytes(), "{what}");
+                    }
+                    let (old, new) = (ChunkPlan::narrowest(&p), Plan::narrowest(&p, fused).unwrap());
+                    assert_eq!(new.workspace_bytes(), old.bytes());
+                    for limit in [0u64, 1 << 16, 1 << 20, 1 << 24, 1 << 30, u64::MAX] {
+                        let old = ChunkPlan::choose(&p, limit);
+                        let new = Plan::widest_chunked(&p, fused, limit).unwrap();
+                        assert_eq!(old.map(|o| (o.hc, o.out_rows)), new.map(|n| (n.hidden_chunk, n.output_rows)));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -172,3 +172,36 @@ mod tests {
         assert!(!big.fits(&problem(Formulation::GpuMode, 1, 512, 128, 128)));
     }
 }
+
+#[cfg(test)]
+mod equivalence {
+    use super::*;
+    use crate::plan::{Blas, Buffer, Capabilities, InputStage, Plan as NewPlan};
+    use crate::problem::{Config, Direction, Shape};
+
+    #[test]
+    fn new_plan_matches_the_old_hip_plan() {
+        let caps = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
+        for (f, b, n, c, h) in [
+            (Formulation::GpuMode, 1, 32, 128, 128),
+            (Formulation::GpuMode, 2, 256, 128, 128),
+            (Formulation::GpuMode, 1, 1024, 768, 128),
+            (Formulation::GpuMode, 1, 1024, 384, 128),
+            (Formulation::Af3, 1, 768, 384, 128),
+            (Formulation::Af3, 1, 100, 4096, 8),
+            (Formulation::GpuMode, 3, 7, 5, 3),
+        ] {
+            let p = Problem::new(Config::new(f, c, h).unwrap(), Shape::new(b, n), Direction::Outgoing, false).unwrap();
+            let old = Plan::new(&p).unwrap();
+            let new = NewPlan::one_pass(&p, caps, false).unwrap();
+            assert_eq!(new.input_rows, old.chunk_rows);
+            assert_eq!(new.proj.unwrap().offset, old.proj_offset);
+            assert_eq!(new.z.unwrap().buffer == Buffer::T, old.staging == Staging::InT);
+            if old.staging == Staging::Separate {
+                assert_eq!(new.staging_bytes, old.staging_bytes);
+            }
+            assert_eq!((new.left_bytes, new.gate_bytes, new.t_bytes, new.ones_bytes), (old.left_bytes, old.gate_bytes, old.t_bytes, old.ones_bytes));
+            assert_eq!(new.workspace_bytes(), old.total_bytes());
+        }
+    }
+}
