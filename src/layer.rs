@@ -370,7 +370,7 @@ impl<B: Backend> Layer<B> {
     /// Caps the device memory a forward of this layer may hold: the prepared weights, `x`, the
     /// mask, `y` and the workspace together (`None`: the memory the device reports free, less a
     /// margin). Shapes whose one-pass workspace does not fit run in chunks (see
-    /// [`crate::memory`]); when nothing fits, forwards fail with [`Error::OutOfMemory`] before
+    /// [`crate::plan`]); when nothing fits, forwards fail with [`Error::OutOfMemory`] before
     /// allocating anything.
     pub fn set_memory_budget(&mut self, bytes: Option<u64>) {
         if self.budget != bytes {

@@ -133,13 +133,17 @@ pub struct Plan {
     pub caps: Capabilities,
     /// Positions M = B·N².
     pub rows: usize,
+    /// Pair channels C.
     pub c: usize,
+    /// Hidden channels H.
     pub h: usize,
     /// Output-gate width G.
     pub g: usize,
     /// Fused projection width P = 4H + G.
     pub p: usize,
+    /// The af3 formulation (its gate and biases), not gpumode.
     pub af3: bool,
+    /// y is written over x.
     pub in_place: bool,
     /// Bytes of the caller's y (in its I/O precision).
     pub y_bytes: usize,
@@ -153,36 +157,48 @@ pub struct Plan {
     /// Whether the output stage makes the gate from x instead of reading a stored one.
     pub gate_from_x: bool,
 
-    /// Left and right of one pass: `[B, hc, N, N]` f16 each (a one-pass plan: its own buffers).
+    /// Left of one pass: `[B, hc, N, N]` f16 (a one-pass plan: its own buffer).
     pub left: Region,
+    /// Right of one pass, as left.
     pub right: Region,
     /// The stored gate `[M, G]`, or a chunked plan's recomputed gate of one output chunk
     /// `[rows, G]` (f16); `None` when the output kernel makes it from x itself.
     pub gate: Option<Region>,
-    /// z `[rows, C]` and proj `[rows, P or 4·hc]` (f16) of one input chunk (staged input).
+    /// z `[rows, C]` f16 of one input chunk (staged input).
     pub z: Option<Region>,
+    /// proj `[rows, P]` (one pass) or `[rows, 4·hc]` (chunked: its output stage's `[rows, G]`
+    /// projection of the gate starts here too) f16 of one input chunk.
     pub proj: Option<Region>,
     /// LN_H(t) of one output chunk `[rows, H]` f16, the output GEMM's operand.
     pub a: Region,
-    /// cuBLASLt workspaces: the contraction's, the output GEMM's and the projection's (staged).
+    /// cuBLASLt: the contraction's workspace.
     pub contraction_ws: Option<Region>,
+    /// cuBLASLt: the output GEMM's workspace.
     pub output_ws: Option<Region>,
+    /// cuBLASLt with the staged input: the projection GEMM's workspace.
     pub projection_ws: Option<Region>,
-    /// Staged chunked: the per-pass projection rows, and where their biases start.
+    /// Staged chunked: the per-pass projection rows `[4H, C]` f16, then their biases.
     pub pass_weights: Option<Region>,
+    /// Where the per-pass biases `[4H]` f32 start in `pass_weights`.
     pub pass_bias_offset: usize,
     /// rocBLAS: the ones vector of af3's bias GEMMs.
     pub ones: Option<Region>,
 
-    /// Bytes of each buffer the workspace allocates (0: none): t, left, right, gate, staging,
-    /// scratch, pass weights, GEMM workspace, ones.
+    /// Bytes of [`Buffer::T`].
     pub t_bytes: usize,
+    /// Bytes of [`Buffer::Left`] and of [`Buffer::Right`] each (0: a chunked plan).
     pub left_bytes: usize,
+    /// Bytes of [`Buffer::Gate`] (0: none).
     pub gate_bytes: usize,
+    /// Bytes of [`Buffer::Staging`] (0: none).
     pub staging_bytes: usize,
+    /// Bytes of [`Buffer::Scratch`] (0: none).
     pub scratch_bytes: usize,
+    /// Bytes of [`Buffer::PassWeights`] (0: none).
     pub pass_weights_bytes: usize,
+    /// Bytes of [`Buffer::GemmWorkspace`] (0: none).
     pub gemm_ws_bytes: usize,
+    /// Bytes of [`Buffer::Ones`] (0: none).
     pub ones_bytes: usize,
 }
 
@@ -372,8 +388,9 @@ impl Plan {
                 let phase_b = a_off + aligned(mul(&[chunk_rows, h, 2])?);
                 let lr_at = if lr_in_y { 0 } else { lr_off };
                 plan.z = Some(Region::new(Buffer::Scratch, 0, chunk_rows * c * 2));
-                // Phase A's proj is [rows, 4·hc], phase B's [rows, G]: the region holds either.
-                plan.proj = Some(Region::new(Buffer::Scratch, z, (lr_off - z).max(proj_b)));
+                // Phase A's proj `[rows, 4·hc]`; phase B's `[rows, G]` starts there too and ends
+                // before the gate (at `gate.offset`).
+                plan.proj = Some(Region::new(Buffer::Scratch, z, lr_off - z));
                 plan.left = Region::new(lr_buffer, lr_at, lr_bytes);
                 plan.right = Region::new(lr_buffer, lr_at + lr_bytes, lr_bytes);
                 plan.gate = Some(Region::new(Buffer::Scratch, gate_off, chunk_rows * g * 2));
@@ -410,11 +427,11 @@ impl Plan {
         Plan::chunked(problem, caps, channels, problem.shape.rows().min(rows))
     }
 
-    /// The widest chunked plan whose workspace fits `limit` bytes ([`crate::plan::widest_fit`]),
+    /// The widest chunked plan whose workspace fits `limit` bytes ([`super::budget::widest_fit`]),
     /// or `None`.
     pub fn widest_chunked(problem: &Problem, caps: Capabilities, limit: u64) -> Result<Option<Plan>> {
         let (channels, rows) = Plan::steps(caps);
-        let fit = crate::plan::widest_fit(
+        let fit = super::budget::widest_fit(
             problem.config.h,
             channels,
             problem.shape.rows(),
@@ -511,18 +528,209 @@ impl Plan {
             && (self.c, self.h, self.g) == (cfg.c, cfg.h, cfg.gate_width())
             && self.in_place == problem.in_place
             && (!self.left_right_in_y()
-                || problem.shape.rows().saturating_mul(cfg.c).saturating_mul(problem.io.io_bytes())
-                    >= self.right.end())
+                || problem.shape.rows().saturating_mul(cfg.c).saturating_mul(problem.io.io_bytes()) >= self.right.end())
     }
 
     /// The report on this plan.
-    pub fn summary(&self) -> crate::plan::ExecPlan {
-        crate::plan::ExecPlan {
+    pub fn summary(&self) -> super::budget::ExecPlan {
+        super::budget::ExecPlan {
             hidden_chunk: self.hidden_chunk,
             hidden_passes: self.h.div_ceil(self.hidden_chunk.max(1)),
             output_rows: self.output_rows,
             gate_recomputed: self.gate_from_x,
             workspace_bytes: self.workspace_bytes(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::{Config, Direction, Precision, Shape};
+
+    const ALL_CAPS: [Capabilities; 4] = [
+        Capabilities { input: InputStage::Fused, blas: Blas::CublasLt },
+        Capabilities { input: InputStage::Staged, blas: Blas::CublasLt },
+        Capabilities { input: InputStage::Staged, blas: Blas::RocBlas },
+        Capabilities { input: InputStage::Fused, blas: Blas::RocBlas },
+    ];
+
+    fn problem(f: Formulation, b: usize, n: usize, c: usize, h: usize) -> Problem {
+        Problem::new(Config::new(f, c, h).unwrap(), Shape::new(b, n), Direction::Outgoing, false).unwrap()
+    }
+
+    /// Every region lies inside its buffer (y: the caller's, of `y_bytes`); regions of the
+    /// scratch live at the same time do not overlap (phase A: z, proj, left, right and the
+    /// contraction's workspace; phase B: z, proj, gate, a and the output GEMM's workspace);
+    /// passes and row chunks cover every channel and position once, chunks starting at the
+    /// input stage's row step.
+    fn assert_consistent(p: &Problem, plan: &Plan) {
+        let what = format!("{p:?}: {plan:?}");
+        let (m, h) = (p.shape.rows(), p.config.h);
+        let size = |b: Buffer| if b == Buffer::Y { plan.y_bytes } else { plan.buffer_bytes(b) };
+        let regions = [
+            Some(plan.left),
+            Some(plan.right),
+            plan.gate,
+            plan.z,
+            plan.proj,
+            Some(plan.a),
+            plan.contraction_ws,
+            plan.output_ws,
+            plan.projection_ws,
+            plan.pass_weights,
+            plan.ones,
+        ];
+        for r in regions.into_iter().flatten() {
+            assert!(r.end() <= size(r.buffer), "{what}: {r:?} outside its buffer");
+            assert!(r.offset % REGION_ALIGN == 0 || r.buffer == Buffer::Y, "{what}: {r:?} unaligned");
+        }
+        assert!(
+            plan.left.bytes >= m * plan.hidden_chunk * 2 && plan.right.bytes >= m * plan.hidden_chunk * 2,
+            "{what}"
+        );
+        if plan.left_right_in_y() {
+            assert!(!p.in_place, "{what}: left/right in y, which is x in place");
+        }
+        let disjoint = |set: &[Option<Region>]| {
+            let set: Vec<Region> = set.iter().flatten().copied().filter(|r| r.bytes > 0).collect();
+            for (i, a) in set.iter().enumerate() {
+                for b in &set[i + 1..] {
+                    let apart = a.buffer != b.buffer || a.end() <= b.offset || b.end() <= a.offset;
+                    // cuBLASLt's staged GEMMs share one workspace buffer: never two at once.
+                    let shared_ws = a.buffer == Buffer::GemmWorkspace && b.buffer == Buffer::GemmWorkspace;
+                    assert!(apart || shared_ws, "{what}: {a:?} overlaps {b:?}");
+                }
+            }
+        };
+        disjoint(&[plan.z, plan.proj, Some(plan.left), Some(plan.right), plan.contraction_ws, plan.projection_ws]);
+        if !plan.is_one_pass() {
+            // Phase B's proj `[rows, G]` starts where phase A's does.
+            let proj_b = plan.proj.map(|r| Region::new(r.buffer, r.offset, plan.output_rows * plan.g * 2));
+            disjoint(&[plan.z, proj_b, plan.gate, Some(plan.a), plan.output_ws]);
+        }
+        let mut next = 0;
+        for (h0, n) in plan.passes() {
+            assert!(h0 == next && n >= 1 && n <= plan.hidden_chunk, "{what}");
+            next += n;
+        }
+        assert_eq!(next, h, "{what}");
+        for chunks in [plan.input_chunks().collect::<Vec<_>>(), plan.output_chunks().collect()] {
+            let mut next = 0;
+            for (r0, rows) in chunks {
+                assert!(r0 == next && rows >= 1, "{what}");
+                next += rows;
+            }
+            assert_eq!(next, m, "{what}");
+        }
+        if plan.caps.input == InputStage::Staged && !plan.is_one_pass() {
+            assert!(plan.output_chunks().all(|(r0, _)| r0 % STAGED_ROW_STEP == 0), "{what}");
+        }
+        assert_eq!(plan.summary().workspace_bytes, plan.workspace_bytes());
+    }
+
+    #[test]
+    fn every_plan_keeps_its_regions_apart_and_covers_the_problem() {
+        for (f, b, n, c, h, in_place) in [
+            (Formulation::GpuMode, 2, 10, 32, 24, false),
+            (Formulation::Af3, 2, 10, 16, 24, true),
+            (Formulation::Af3, 1, 33, 384, 128, false),
+            (Formulation::GpuMode, 3, 7, 5, 3, true),
+            (Formulation::GpuMode, 1, 1, 768, 128, false),
+            (Formulation::GpuMode, 1, 300, 128, 128, false),
+            (Formulation::Af3, 1, 100, 4096, 8, false),
+            // Left and right fill f32 y exactly in the narrowest plan, so not 16-bit y.
+            (Formulation::GpuMode, 1, 16, 8, 32, false),
+        ] {
+            for io in [Precision::F32Io, Precision::Bf16Io] {
+                let p = problem(f, b, n, c, h).in_place(in_place).with_io(io);
+                for caps in ALL_CAPS {
+                    for from_x in [false, true] {
+                        assert_consistent(&p, &Plan::one_pass(&p, caps, from_x).unwrap());
+                    }
+                    assert_consistent(&p, &Plan::narrowest(&p, caps).unwrap());
+                    assert_consistent(&p, &Plan::chunked(&p, caps, 16, 128).unwrap());
+                    assert_consistent(&p, &Plan::chunked(&p, caps, h, 1 << 20).unwrap());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn chunked_plans_fit_their_limits_and_shrink_with_them() {
+        for (f, b, n, c, h, in_place) in [
+            (Formulation::GpuMode, 2, 10, 32, 24, false),
+            (Formulation::Af3, 2, 10, 16, 24, true),
+            (Formulation::Af3, 1, 33, 384, 128, false),
+            (Formulation::GpuMode, 3, 7, 5, 3, true),
+            (Formulation::Af3, 2, 33, 64, 40, true),
+            (Formulation::Af3, 1, 48, 128, 128, false),
+        ] {
+            let p = problem(f, b, n, c, h).in_place(in_place);
+            for caps in ALL_CAPS {
+                let narrowest = Plan::narrowest(&p, caps).unwrap();
+                let one_pass = Plan::one_pass(&p, caps, false).unwrap();
+                if p.shape.rows() >= 1024 {
+                    // Below that, the per-pass weights and 256-byte alignment can outweigh the saving.
+                    assert!(narrowest.workspace_bytes() < one_pass.workspace_bytes(), "{p:?} {caps:?}");
+                }
+                let mut last = u64::MAX;
+                for extra in [1u64 << 40, 1 << 24, 1 << 20, 1 << 14, 1 << 10, 0] {
+                    let limit = narrowest.workspace_bytes() + extra;
+                    let plan = Plan::widest_chunked(&p, caps, limit).unwrap().expect("the narrowest plan fits");
+                    assert_consistent(&p, &plan);
+                    assert!(plan.workspace_bytes() <= limit && plan.workspace_bytes() <= last, "{p:?} {caps:?}");
+                    last = plan.workspace_bytes();
+                }
+                assert_eq!(Plan::widest_chunked(&p, caps, narrowest.workspace_bytes() - 1).unwrap(), None);
+            }
+        }
+    }
+
+    #[test]
+    fn long_sequences_fit_an_h100_an_mi250_and_an_mi300x() {
+        let gb = 1_000_000_000u64;
+        let fused = Capabilities { input: InputStage::Fused, blas: Blas::CublasLt };
+        let rocm = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
+        let long = |n: usize, in_place: bool| problem(Formulation::GpuMode, 1, n, 128, 128).in_place(in_place);
+        // N = 4096 in 24 GB: x + y take 17.18 GB; left/right go into y, so one hidden pass fits.
+        for caps in [fused, rocm] {
+            let p = long(4096, false);
+            let plan = Plan::widest_chunked(&p, caps, 24 * gb - p.io_device_bytes() - (1 << 20)).unwrap().unwrap();
+            assert_consistent(&p, &plan);
+            assert_eq!((plan.hidden_chunk, plan.left_right_in_y()), (128, true));
+            assert_eq!(plan.output_rows, MAX_CHUNK_ROWS);
+        }
+        // N = 8192 in place on an 80 GB H100 (79 GB free, 2% margin): 64 channels per pass.
+        let p = long(8192, true);
+        let plan = Plan::widest_chunked(&p, fused, 79 * gb - 79 * gb / 50 - p.io_device_bytes()).unwrap().unwrap();
+        assert_consistent(&p, &plan);
+        assert_eq!((plan.hidden_chunk, plan.left_right_in_y()), (64, false));
+        // The same on a 64 GB MI250X GCD: x/y alone take 34.4 GB; fewer channels per pass.
+        let plan = Plan::widest_chunked(&p, rocm, 64 * gb - p.io_device_bytes() - gb).unwrap().unwrap();
+        assert_consistent(&p, &plan);
+        assert!(!plan.left_right_in_y() && plan.hidden_chunk < 128, "{plan:?}");
+    }
+
+    #[test]
+    fn pass_copies_place_every_gated_row_once() {
+        let p = problem(Formulation::Af3, 1, 8, 16, 40);
+        let caps = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
+        let plan = Plan::chunked(&p, caps, 16, 64).unwrap();
+        let mut dst = vec![None; 4 * 40];
+        for (to, from, rows) in plan.pass_row_copies() {
+            for r in 0..rows {
+                assert!(dst[to + r].is_none(), "row {} written twice", to + r);
+                dst[to + r] = Some(from + r);
+            }
+        }
+        // Pass (h0, hn) at rows 4·h0: its hn rows of left_proj, left_gate, right_proj, right_gate.
+        for (h0, hn) in plan.passes() {
+            for part in 0..4 {
+                for r in 0..hn {
+                    assert_eq!(dst[4 * h0 + part * hn + r], Some(part * 40 + h0 + r));
+                }
+            }
         }
     }
 }
