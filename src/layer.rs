@@ -5,7 +5,7 @@ use crate::backend::{cpu::CpuBackend, Backend};
 use crate::device::Device;
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};
 use crate::error::{BackendKind, Error, Result};
-use crate::memory::{self, ExecPlan, MemoryNeeds};
+use crate::plan::{self, ExecPlan, MemoryNeeds};
 pub use crate::problem::Precision;
 use crate::problem::{Config, Direction, Problem, Shape};
 use crate::weights::Weights;
@@ -169,7 +169,7 @@ pub struct Layer<B: Backend> {
     /// that changes any of them needs another limit, even where the workspace itself would fit.
     planned_for: Option<(bool, bool, Precision, bool)>,
     /// Bytes a forward may hold on the device (weights, x, mask, y, workspace); `None`: what
-    /// the device has free, less [`memory::margin`].
+    /// the device has free, less [`plan::margin`].
     budget: Option<u64>,
     /// The workspace planned for caller memory ([`Layer::forward_device`] with a workspace
     /// span) and the bytes it needs; kept apart from `workspace` so that the two kinds of call
@@ -370,7 +370,7 @@ impl<B: Backend> Layer<B> {
     /// Caps the device memory a forward of this layer may hold: the prepared weights, `x`, the
     /// mask, `y` and the workspace together (`None`: the memory the device reports free, less a
     /// margin). Shapes whose one-pass workspace does not fit run in chunks (see
-    /// [`crate::memory`]); when nothing fits, forwards fail with [`Error::OutOfMemory`] before
+    /// [`crate::plan`]); when nothing fits, forwards fail with [`Error::OutOfMemory`] before
     /// allocating anything.
     pub fn set_memory_budget(&mut self, bytes: Option<u64>) {
         if self.budget != bytes {
@@ -437,33 +437,15 @@ impl<B: Backend> Layer<B> {
                 crate::units::fmt_bytes(min_ws),
             )
         };
-        let mut limit = None;
-        if let Some(budget) = self.budget {
-            if fixed.saturating_add(min_ws) > budget {
-                return Err(Error::OutOfMemory {
-                    backend: backend.kind(),
-                    what: what("the memory budget is too small"),
-                    needed: fixed.saturating_add(min_ws),
-                    available: budget,
-                });
-            }
-            limit = Some(budget - fixed);
-        }
-        if let Some(mem) = backend.memory_info()? {
-            // Device buffers of the caller already count as used; a host forward's staging not yet.
-            let staged = if host_io && backend.host_io_staged() { io } else { 0 };
-            let free = mem.free.saturating_sub(memory::margin(mem.total));
-            if staged.saturating_add(min_ws) > free {
-                return Err(Error::OutOfMemory {
-                    backend: backend.kind(),
-                    what: what("the device has too little free"),
-                    needed: staged.saturating_add(min_ws),
-                    available: free,
-                });
-            }
-            limit = Some(limit.map_or(free - staged, |l: u64| l.min(free - staged)));
-        }
-        Ok(limit)
+        // Device buffers of the caller already count as used; a host forward's staging not yet.
+        let staged = if host_io && backend.host_io_staged() { io } else { 0 };
+        let device = backend.memory_info()?.map(|m| (m.free, m.total));
+        plan::budget::workspace_limit(self.budget, fixed, min_ws, device, staged).map_err(|short| Error::OutOfMemory {
+            backend: backend.kind(),
+            what: what(short.reason),
+            needed: short.needed,
+            available: short.available,
+        })
     }
 
     /// The backend, the prepared weights and a workspace that fits `problem`, made anew only

@@ -22,6 +22,8 @@
 //! cases, [`units`] byte counts as people write them. See `SPEC.md` (in the repository's shared docs) for the math.
 
 #![warn(missing_docs)]
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+mod alloc_tracker;
 pub mod backend;
 pub mod device;
 pub mod device_io;
@@ -31,7 +33,7 @@ pub mod hostmem;
 pub mod io;
 pub mod kernels;
 pub mod layer;
-pub mod memory;
+pub mod plan;
 pub mod problem;
 pub mod rand;
 pub mod reference;
@@ -50,6 +52,6 @@ pub use device_io::{DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, Devic
 pub use error::{BackendKind, Error, Result};
 pub use io::{NamingScheme, PairInput};
 pub use layer::{IoElement, Layer, Options, Precision, TriMul};
-pub use memory::{ExecPlan, MemoryNeeds};
+pub use plan::{ExecPlan, MemoryNeeds};
 pub use problem::{Config, Direction, Formulation, Problem, Shape};
 pub use weights::{Linear, Norm, Weights};

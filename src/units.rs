@@ -3,7 +3,7 @@
 //!
 //! A foundation module: it depends on nothing but [`crate::error`], so every layer (the layer's
 //! out-of-memory messages, the CLI, the report) can use it without importing a higher one.
-//! `trimul::report::fmt_bytes` and `trimul::memory::parse_bytes` re-export these.
+//! `trimul::report::fmt_bytes` and `trimul::plan::parse_bytes` re-export these.
 
 use crate::error::{Error, Result};
 

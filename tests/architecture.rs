@@ -36,6 +36,8 @@ enum Layer {
     Foundation,
     /// Thin wrappers over the vendor libraries (and the GEMM descriptions they take).
     Ffi,
+    /// Plans: how a forward is split and laid out, independent of any backend.
+    Plan,
     /// The `Backend` trait, the CPU backend and the vendor backends' plans and launches.
     Backend,
     /// The public API: the layer and the crate root's re-exports.
@@ -54,7 +56,7 @@ const LAYERS: &[(&str, Layer)] = &[
     ("hostmem", Layer::Foundation),
     ("rand", Layer::Foundation),
     ("finite", Layer::Foundation),
-    ("memory", Layer::Foundation),
+    ("alloc_tracker", Layer::Foundation),
     ("units", Layer::Foundation),
     // Safetensors naming schemes: files to `Weights`, used by the CLI, the report and tests.
     ("io", Layer::Foundation),
@@ -72,6 +74,8 @@ const LAYERS: &[(&str, Layer)] = &[
     ("backend::hip::arch", Layer::Ffi),
     // The column-major GEMM descriptions both BLAS wrappers take.
     ("backend::gemm", Layer::Ffi),
+    // Plans: budgets, passes, chunks and buffer layouts, for every backend.
+    ("plan", Layer::Plan),
     ("backend", Layer::Backend),
     // The backend chosen at run time: names every backend, used by the layer and the CLI.
     ("device", Layer::Api),

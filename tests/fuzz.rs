@@ -824,7 +824,7 @@ fn byte_count_text() -> impl Strategy<Value = String> {
 }
 
 fn check_byte_count(text: &str, outcomes: &Outcomes) {
-    let result = trimul::memory::parse_bytes(text);
+    let result = trimul::plan::parse_bytes(text);
     outcomes.record(&result);
     match result {
         Ok(v) => {

@@ -18,7 +18,7 @@
 //! - `t`: `[B, H, N²]`, hidden channel outside, so each `(b, h)` slice is an `N × N` row-major
 //!   matrix and the contraction is one GEMM per slice with no copies;
 //! - `left`, `right`: `[B, hc, N²]` for one *hidden chunk* of `hc` channels (all `H` when memory
-//!   allows; see [`crate::memory`] for why chunks are exact);
+//!   allows; see [`crate::plan`] for why chunks are exact);
 //! - `scratch`: one chunk per sub-block (below), reused by the projection and the output stage.
 //!
 //! The output gate is never stored: the output stage recomputes it per sub-block from its rows
@@ -72,7 +72,7 @@ use rayon::prelude::*;
 use super::host_gemm::{matmul, MatMut, MatRef, Parallelism};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::error::{BackendKind, Error, Result};
-use crate::memory::ExecPlan;
+use crate::plan::ExecPlan;
 use crate::problem::{Config, Direction, Formulation, Problem, Shape};
 use crate::weights::Weights;
 
@@ -119,9 +119,10 @@ pub struct CpuPrepared {
     b_out: Vec<f32>,
 }
 
-/// How positions and hidden channels are blocked for one problem, thread count and memory limit.
+/// How positions and hidden channels are blocked for one problem, thread count and memory limit
+/// (the host's tiling; its hidden chunk comes from [`crate::plan::widest_hidden_chunk`]).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-struct Plan {
+struct Blocking {
     /// Positions per sub-block.
     rows: usize,
     /// Sub-blocks per super-block.
@@ -132,15 +133,15 @@ struct Plan {
     hc: usize,
 }
 
-impl Plan {
-    fn new(config: &Config, shape: &Shape, threads: usize, hc: usize) -> Plan {
+impl Blocking {
+    fn new(config: &Config, shape: &Shape, threads: usize, hc: usize) -> Blocking {
         let m = shape.rows();
         let rows = SUB_ROWS.min(m).max(1);
         let subs = (threads.max(1) * SUBS_PER_THREAD).min(m.div_ceil(rows)).max(1);
         // Projection: z [rows, C] + P [4·hc, rows]. Output: z + og [G, rows] + u [H, rows].
         // Problem::new bounds every tensor far below usize::MAX, and these are a tiny fraction.
         let chunk = rows * config.c + rows * (4 * hc).max(config.gate_width() + config.h);
-        Plan { rows, subs, chunk, hc }
+        Blocking { rows, subs, chunk, hc }
     }
 
     fn super_rows(&self) -> usize {
@@ -153,7 +154,7 @@ impl Plan {
 pub struct CpuWorkspace {
     config: Config,
     shape: Shape,
-    plan: Plan,
+    plan: Blocking,
     /// `[B, hc, N²]`: one hidden chunk of the left and right projections.
     left: Vec<f32>,
     right: Vec<f32>,
@@ -165,19 +166,19 @@ pub struct CpuWorkspace {
 }
 
 /// Element counts of the workspace tensors: left, right, t, scratch.
-fn workspace_lens(config: &Config, shape: &Shape, plan: &Plan) -> [u128; 4] {
+fn workspace_lens(config: &Config, shape: &Shape, plan: &Blocking) -> [u128; 4] {
     let m = shape.rows() as u128;
     let chunk = m * plan.hc as u128;
     let scratch = plan.subs as u128 * plan.chunk as u128;
     [chunk, chunk, m * config.h as u128, scratch]
 }
 
-fn workspace_bytes_of(config: &Config, shape: &Shape, plan: &Plan) -> u128 {
+fn workspace_bytes_of(config: &Config, shape: &Shape, plan: &Blocking) -> u128 {
     workspace_lens(config, shape, plan).iter().sum::<u128>() * 4
 }
 
 fn plan_bytes(problem: &Problem, hc: usize) -> u64 {
-    let plan = Plan::new(&problem.config, &problem.shape, rayon::current_num_threads(), hc);
+    let plan = Blocking::new(&problem.config, &problem.shape, rayon::current_num_threads(), hc);
     u64::try_from(workspace_bytes_of(&problem.config, &problem.shape, &plan)).unwrap_or(u64::MAX)
 }
 
@@ -298,7 +299,7 @@ impl Backend for CpuBackend {
         let available = crate::hostmem::available();
         let lim = limit.unwrap_or(u64::MAX).min(available.unwrap_or(u64::MAX));
         let what = || format!("CPU workspace for B={} N={} C={} H={}", shape.batch, shape.n, config.c, config.h);
-        let Some(hc) = crate::memory::widest_hidden_chunk(config.h, 1, lim, |hc| plan_bytes(problem, hc)) else {
+        let Some(hc) = crate::plan::widest_hidden_chunk(config.h, 1, lim, |hc| plan_bytes(problem, hc)) else {
             return Err(Error::OutOfMemory {
                 backend: BackendKind::Cpu,
                 what: format!("{} (one hidden channel per pass)", what()),
@@ -306,7 +307,7 @@ impl Backend for CpuBackend {
                 available: lim,
             });
         };
-        let plan = Plan::new(&config, &shape, rayon::current_num_threads(), hc);
+        let plan = Blocking::new(&config, &shape, rayon::current_num_threads(), hc);
         let avail = available.unwrap_or(0);
         let [l, r, t, s] = workspace_lens(&config, &shape, &plan);
         Ok(CpuWorkspace {
@@ -713,7 +714,7 @@ fn project(
     let Config { c, h, .. } = prep.config;
     let np = ws.shape.n * ws.shape.n;
     let m_total = ws.shape.rows();
-    let Plan { rows, chunk, .. } = ws.plan;
+    let Blocking { rows, chunk, .. } = ws.plan;
     let super_rows = ws.plan.super_rows();
     let eps = ws.eps;
     let CpuWorkspace { left, right, scratch, .. } = ws;
@@ -835,7 +836,7 @@ fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: Option<&[f32]>, y: &mut 
     let g = prep.config.gate_width();
     let np = ws.shape.n * ws.shape.n;
     let m_total = ws.shape.rows();
-    let Plan { rows, chunk, .. } = ws.plan;
+    let Blocking { rows, chunk, .. } = ws.plan;
     let super_rows = ws.plan.super_rows();
     let eps = ws.eps;
     let CpuWorkspace { t, scratch, .. } = ws;

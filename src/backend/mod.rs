@@ -29,11 +29,11 @@ pub(crate) mod host_gemm;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod params;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
-pub(crate) mod staged_plan;
+pub(crate) mod staged_steps;
 
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};
 use crate::error::{BackendKind, Error, Result};
-use crate::memory::ExecPlan;
+use crate::plan::ExecPlan;
 use crate::problem::{Config, Precision, Problem};
 use crate::weights::Weights;
 
@@ -229,7 +229,7 @@ pub trait Backend: Clone + Send + Sync {
 
     /// Allocate the intermediates for `problem`, planned to take at most `limit` bytes (`None`:
     /// the widest plan, the fastest). Narrower limits split the work into hidden-channel and
-    /// row chunks (see [`crate::memory`]). Fails with [`Error::OutOfMemory`] before allocating
+    /// row chunks (see [`crate::plan`]). Fails with [`Error::OutOfMemory`] before allocating
     /// when no plan fits the limit or the device.
     fn workspace(&self, prepared: &Self::Prepared, problem: &Problem, limit: Option<u64>) -> Result<Self::Workspace>;
 

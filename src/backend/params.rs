@@ -143,6 +143,8 @@ pub const FUSED_INPUT_MAX_K: usize = 512;
 /// Positions per block of the fused input kernel.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub const FUSED_INPUT_ROWS: usize = 128;
+// The plans chunk rows for the fused kernels in multiples of one block.
+const _: () = assert!(FUSED_INPUT_ROWS == crate::plan::layout::FUSED_ROW_STEP);
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 impl FusedInputLayout {

@@ -155,7 +155,7 @@ fn parse_precision_arg(s: &str) -> std::result::Result<trimul::Precision, String
 }
 
 fn parse_bytes_arg(s: &str) -> std::result::Result<u64, String> {
-    trimul::memory::parse_bytes(s).map_err(|e| e.to_string())
+    trimul::plan::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 #[derive(Args, Debug)]

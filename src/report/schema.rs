@@ -416,7 +416,7 @@ pub struct ShapeResult {
     pub memory_budget_bytes: Option<u64>,
     /// How the forward was split to fit (hidden passes, row chunks), when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub exec_plan: Option<crate::memory::ExecPlan>,
+    pub exec_plan: Option<crate::plan::ExecPlan>,
     /// `y` overwrote `x`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub in_place: bool,
@@ -487,7 +487,7 @@ impl ShapeResult {
     pub fn with_plan(
         mut self,
         budget: Option<u64>,
-        plan: Option<crate::memory::ExecPlan>,
+        plan: Option<crate::plan::ExecPlan>,
         in_place: bool,
     ) -> ShapeResult {
         self.memory_budget_bytes = budget;

@@ -1,7 +1,7 @@
 //! The plans for forwards whose one-pass workspace does not fit the memory budget: hidden passes
 //! of the fused input kernel and the contraction, then the output stage per row chunk with the
 //! gate made again from x (`enqueue_chunked`), or the same plan on the portable stage kernels
-//! (`enqueue_staged`, [`crate::backend::staged_plan`]); and the workspaces they run in.
+//! (`enqueue_staged`, [`crate::backend::staged_steps`]); and the workspaces they run in.
 
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
@@ -9,11 +9,12 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use super::blas::{Elem, MatmulPlan};
 use super::context::{ceil_div, CudaBackend};
 use super::driver::DriverResult;
-use super::workspace::{ChunkPlan, CudaPrepared, CudaWorkspace, Layout, Staged};
+use super::workspace::{CudaPrepared, CudaWorkspace, Layout, Staged};
 use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
-use crate::backend::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
+use crate::backend::staged_steps::{self, StagedBuffers, StagedStep};
 use crate::error::{Error, Result};
+use crate::plan::Plan;
 use crate::problem::Problem;
 
 impl CudaBackend {
@@ -21,39 +22,29 @@ impl CudaBackend {
         &self,
         prepared: &CudaPrepared,
         problem: &Problem,
-        plan: ChunkPlan,
+        plan: Plan,
     ) -> Result<CudaWorkspace> {
         let tuning = self.tuning_for(problem);
+        let (cws, ows) = (plan.contraction_ws.map_or(0, |r| r.bytes), plan.output_ws.map_or(0, |r| r.bytes));
         let cfg = problem.config;
         let m = problem.shape.rows();
         let blas = &self.inner.blas;
         let contraction = |hc: usize| {
-            MatmulPlan::new(
-                blas,
-                GemmSpec::contraction(problem.direction, hc, problem.shape.n),
-                Elem::F16,
-                false,
-                plan.cws,
-            )
+            MatmulPlan::new(blas, GemmSpec::contraction(problem.direction, hc, problem.shape.n), Elem::F16, false, cws)
         };
         let output = |rows: usize| {
-            MatmulPlan::new(
-                blas,
-                GemmSpec::output(rows, cfg.c, cfg.h),
-                Elem::F32,
-                prepared.out_bias.is_some(),
-                plan.ows,
-            )
+            MatmulPlan::new(blas, GemmSpec::output(rows, cfg.c, cfg.h), Elem::F32, prepared.out_bias.is_some(), ows)
         };
-        let (h_tail, m_tail) = (cfg.h % plan.hc, m % plan.out_rows);
+        let (h_tail, m_tail) = (cfg.h % plan.hidden_chunk, m % plan.output_rows);
         Ok(CudaWorkspace {
             problem: *problem,
-            layout: Layout::Chunked { plan, scratch: self.alloc_buffer(plan.scratch_bytes)? },
-            t: self.alloc_buffer(m * cfg.h)?,
-            contraction: contraction(plan.hc)?,
+            layout: Layout::Chunked { scratch: self.alloc_buffer(plan.scratch_bytes)? },
+            t: self.alloc_buffer(plan.t_bytes / 2)?,
+            contraction: contraction(plan.hidden_chunk)?,
             contraction_tail: if h_tail > 0 { Some(contraction(h_tail)?) } else { None },
-            output: output(plan.out_rows)?,
+            output: output(plan.output_rows)?,
             output_tail: if m_tail > 0 { Some(output(m_tail)?) } else { None },
+            plan,
             staging: None,
             half_staging: None,
             tuning,
@@ -71,22 +62,22 @@ impl CudaBackend {
         &self,
         prepared: &CudaPrepared,
         problem: &Problem,
-        plan: ChunkedPlan,
+        plan: Plan,
     ) -> Result<CudaWorkspace> {
         let tuning = self.tuning_for(problem);
         let (c, h) = (plan.c, plan.h);
         let stream = self.stream();
-        let pass_w = self.alloc_buffer::<u8>(plan.pass_w_bytes)?;
+        let pass_w = self.alloc_buffer::<u8>(plan.pass_weights_bytes)?;
         for (dst, src, rows) in plan.pass_row_copies() {
             let (dst, src, row) = (dst as u64, src as u64, (c * 2) as u64);
             // SAFETY: the prepared weights hold P = 4H + G rows of C halves and the biases P f32;
-            // pass_w holds 4H rows of C halves, then 4H f32 from pass_bias_off; every range below
+            // pass_w holds 4H rows of C halves, then 4H f32 from pass_bias_offset; every range below
             // lies inside its allocation, and the stream is synchronised below.
             unsafe {
                 cu::memcpy_dtod_async(pass_w.ptr() + dst * row, prepared.w_in.ptr() + src * row, rows * c * 2, stream)
                     .ctx("cuMemcpyDtoDAsync(pass weights)")?;
                 if let Some(b) = &prepared.proj_bias {
-                    let to = pass_w.ptr() + plan.pass_bias_off as u64 + dst * 4;
+                    let to = pass_w.ptr() + plan.pass_bias_offset as u64 + dst * 4;
                     cu::memcpy_dtod_async(to, b.ptr() + src * 4, rows * 4, stream)
                         .ctx("cuMemcpyDtoDAsync(pass biases)")?;
                 }
@@ -95,7 +86,7 @@ impl CudaBackend {
         // Forwards may run on a caller's stream: the copies are done before this returns.
         // SAFETY: our own stream.
         unsafe { cu::stream::synchronize(stream) }.ctx("cuStreamSynchronize")?;
-        let ws_bytes = Staged::gemm_ws_bytes(&plan);
+        let ws_bytes = plan.gemm_ws_bytes;
         let blas = &self.inner.blas;
         let out_bias = prepared.out_bias.is_some();
         let mut gemms = std::collections::HashMap::new();
@@ -107,7 +98,7 @@ impl CudaBackend {
         };
         // One plan per distinct GEMM the steps run (their addresses do not matter here).
         let bufs = StagedBuffers { scratch: 0, pass_w: 0, t: 0, w_in: 0, proj_bias: 0 };
-        for step in plan.steps(problem, &KernelParams::default(), bufs) {
+        for step in staged_steps::steps(&plan, problem, &KernelParams::default(), bufs) {
             match step {
                 StagedStep::Gemm { spec, .. } => add(spec, Elem::F16, false)?,
                 StagedStep::Output(chunk) => add(GemmSpec::output(chunk.rows as usize, c, h), Elem::F32, out_bias)?,
@@ -118,12 +109,12 @@ impl CudaBackend {
         // first pass's and first chunk's plans.
         let contraction = MatmulPlan::new(
             blas,
-            GemmSpec::contraction(problem.direction, plan.hc, problem.shape.n),
+            GemmSpec::contraction(problem.direction, plan.hidden_chunk, problem.shape.n),
             Elem::F16,
             false,
             ws_bytes,
         )?;
-        let output = MatmulPlan::new(blas, GemmSpec::output(plan.chunk_rows, c, h), Elem::F32, out_bias, ws_bytes)?;
+        let output = MatmulPlan::new(blas, GemmSpec::output(plan.output_rows, c, h), Elem::F32, out_bias, ws_bytes)?;
         Ok(CudaWorkspace {
             problem: *problem,
             t: self.alloc_buffer(plan.t_bytes / 2)?,
@@ -132,8 +123,8 @@ impl CudaBackend {
                 gemm_ws: self.alloc_buffer(ws_bytes)?,
                 pass_w,
                 gemms,
-                plan,
             }),
+            plan,
             contraction,
             contraction_tail: None,
             output,
@@ -148,7 +139,7 @@ impl CudaBackend {
         })
     }
 
-    /// The staged chunked plan ([`Staged`]): the steps of [`ChunkedPlan::steps`] with our launches
+    /// The staged chunked plan ([`Staged`]): the steps of [`staged_steps::steps`] with our launches
     /// and cuBLASLt plans.
     ///
     /// # Safety
@@ -176,11 +167,11 @@ impl CudaBackend {
             proj_bias: prep.proj_bias.as_ref().map_or(0, |b| b.ptr()),
         };
         let (gws, gws_len) = (st.gemm_ws.ptr(), st.gemm_ws.bytes() as usize);
-        let (c, h) = (st.plan.c, st.plan.h);
+        let (c, h) = (ws.plan.c, ws.plan.h);
         // SAFETY (every launch and GEMM below): the steps' addresses lie inside the workspace's
         // buffers, the prepared weights and the call's x, mask and y, as the plan lays them out
-        // (`staged_plan::tests::steps_stay_inside_their_buffers_and_cover_the_problem`).
-        for step in st.plan.steps(&problem, base, bufs) {
+        // (`staged_steps::tests::steps_stay_inside_their_buffers_and_cover_the_problem`).
+        for step in staged_steps::steps(&ws.plan, &problem, base, bufs) {
             match step {
                 StagedStep::Norm(p) => {
                     let grid = ceil_div(p.rows as usize, INPUT_NORM_ROWS_PER_BLOCK as usize);
@@ -204,7 +195,7 @@ impl CudaBackend {
         self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)
     }
 
-    /// The chunked plan (see [`ChunkPlan`] and [`crate::memory`]): hidden passes of the fused
+    /// The chunked plan (see [`crate::plan`]): hidden passes of the fused
     /// input kernel and the contraction, then the output stage per row chunk with the gate
     /// recomputed from x. In place, each row chunk reads its rows of x (the gate) before the
     /// output GEMM writes them.
@@ -217,7 +208,6 @@ impl CudaBackend {
         &self,
         prep: &CudaPrepared,
         ws: &mut CudaWorkspace,
-        plan: ChunkPlan,
         scratch: CUdeviceptr,
         base: &KernelParams,
         m: usize,
@@ -242,10 +232,14 @@ impl CudaBackend {
         // Phase A: per hidden pass, left/right of its channels for every position, then its
         // channels of t, one strided-batched GEMM per batch (t's channels of a pass are
         // contiguous within a batch only).
-        let (lr, cws) = if plan.lr_in_y { (base.y, scratch) } else { (scratch, scratch + plan.cws_off as u64) };
-        let (left, right) = (lr, lr + plan.lr_bytes as u64);
-        for h0 in (0..h).step_by(plan.hc) {
-            let n = plan.hc.min(h - h0);
+        let plan = ws.plan.clone();
+        let lr_base = if plan.left_right_in_y() { base.y } else { scratch };
+        let (left, right) = (plan.left.at(lr_base), plan.right.at(lr_base));
+        let cws_region = plan
+            .contraction_ws
+            .ok_or_else(|| Error::Internal("a chunked plan without a contraction workspace".into()))?;
+        let cws = cws_region.at(scratch);
+        for (h0, n) in plan.passes() {
             let kp = KernelParams {
                 row0: 0,
                 rows: m as i64,
@@ -258,7 +252,7 @@ impl CudaBackend {
                 ..fused
             };
             kernel.launch(m, stream, &kp)?;
-            let gemm = if n == plan.hc {
+            let gemm = if n == plan.hidden_chunk {
                 &mut ws.contraction
             } else {
                 ws.contraction_tail.as_mut().unwrap_or(&mut ws.contraction)
@@ -269,19 +263,19 @@ impl CudaBackend {
             for b in 0..batch {
                 let off = (b * n * nn * 2) as u64;
                 let t = ws.t.ptr() + ((b * h + h0) * nn * 2) as u64;
-                gemm.run(&inner.blas, right + off, left + off, t, 0, cws, plan.cws, stream)?;
+                gemm.run(&inner.blas, right + off, left + off, t, 0, cws, cws_region.bytes, stream)?;
             }
         }
         self.mark("hidden passes (input projections, contraction)", stream)?;
 
         // Phase B: per row chunk, the gate from x, LN_H (⊙ gate), the output GEMM (+ bias) into
         // y's rows, and af3's gate.
-        let (gate, a, ows) =
-            (scratch + plan.gate_off as u64, scratch + plan.a_off as u64, scratch + plan.ows_off as u64);
+        let (Some(gate), Some(ows)) = (plan.gate, plan.output_ws) else {
+            return Err(Error::Internal("a chunked plan without its output-stage regions".into()));
+        };
+        let (gate, a, ows_len, ows) = (gate.at(scratch), plan.a.at(scratch), ows.bytes, ows.at(scratch));
         let fused_output = self.fused_output_for(&ws.problem, ws.tuning);
-        let mut r0 = 0;
-        while r0 < m {
-            let rows = plan.out_rows.min(m - r0);
+        for (r0, rows) in plan.output_chunks() {
             let chunk = KernelParams { row0: r0 as i64, rows: rows as i64, gate, a, buf_row0: r0 as i64, ..fused };
             let kp = KernelParams {
                 chunk_begin: n_gating as i32,
@@ -289,10 +283,12 @@ impl CudaBackend {
                 ..chunk
             };
             kernel.launch(rows, stream, &kp)?;
-            let gemm =
-                if rows == plan.out_rows { &mut ws.output } else { ws.output_tail.as_mut().unwrap_or(&mut ws.output) };
-            self.enqueue_output(prep, fused_output, gemm, &chunk, ows, plan.ows, stream, false)?;
-            r0 += rows;
+            let gemm = if rows == plan.output_rows {
+                &mut ws.output
+            } else {
+                ws.output_tail.as_mut().unwrap_or(&mut ws.output)
+            };
+            self.enqueue_output(prep, fused_output, gemm, &chunk, ows, ows_len, stream, false)?;
         }
         self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)?;
         Ok(())

@@ -15,7 +15,7 @@ use super::tuning::{Tuning, TuningTable};
 use crate::backend::DeviceInfo;
 
 /// Largest cuBLASLt workspace a GEMM may borrow.
-pub(super) const MAX_GEMM_WORKSPACE: usize = 32 << 20;
+pub(super) use crate::plan::layout::MAX_GEMM_WORKSPACE;
 /// Byte bit pattern that makes every f16/f32 element a NaN: poisons buffers in checks.
 pub(super) const POISON_BYTE: u8 = 0xFF;
 
@@ -105,10 +105,6 @@ pub(super) struct Inner {
 #[derive(Clone)]
 pub struct CudaBackend {
     pub(super) inner: Arc<Inner>,
-}
-
-pub(super) fn round_up(v: usize, to: usize) -> usize {
-    v.div_ceil(to) * to
 }
 
 pub(super) fn ceil_div(a: usize, b: usize) -> u32 {

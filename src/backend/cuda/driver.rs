@@ -4,7 +4,7 @@
 //! cudarc's loader panics when a library is missing, so every entry point first checks the
 //! library with `is_culib_present()` and turns absence into [`Error::LibraryNotFound`].
 
-pub(crate) use crate::memory::AllocTracker;
+pub(crate) use crate::alloc_tracker::AllocTracker;
 use std::marker::PhantomData;
 use std::sync::Arc;
 

@@ -15,7 +15,7 @@ use super::driver::DriverResult;
 use super::kernels;
 use super::tuning::Tuning;
 use super::workspace::{
-    output_projection_smem, CudaPrepared, CudaWorkspace, FusedInput, FusedKernel, InputBuild, Layout, Scratch, WsBuild,
+    output_projection_smem, CudaPrepared, CudaWorkspace, FusedInput, FusedKernel, InputBuild, Layout, WsBuild,
     OUTPUT_PROJECTION_ROWS, OUTPUT_RESIDENT_SMEM, OUTPUT_XGATE_SMEM, WS_SMEM_BYTES,
 };
 use crate::backend::params::{self, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
@@ -44,16 +44,6 @@ impl CudaBackend {
             && nn % OUTPUT_PROJECTION_ROWS == 0
             && self.blocks_fit(2, OUTPUT_XGATE_SMEM as usize)
             && self.fused_kernel_for(prep, problem, tuning).is_some()
-    }
-
-    /// Workspace bytes of the one-pass plan, with the gate buffer or (`from_x`) without.
-    pub(super) fn one_pass_bytes(&self, prepared: &CudaPrepared, problem: &Problem, from_x: bool) -> u64 {
-        let m = problem.shape.rows() as u64;
-        let cfg = problem.config;
-        let t_bytes =
-            if prepared.fused.is_some() { m * cfg.h as u64 * 2 } else { Scratch::plan(problem).t_bytes as u64 };
-        let gate = if from_x { 0 } else { cfg.gate_width() };
-        2 * (2 * m * cfg.h as u64 + m * gate as u64) + t_bytes
     }
 
     /// The fused output kernel when it takes this configuration (H a multiple of 16 up to 128:
@@ -225,10 +215,9 @@ impl CudaBackend {
             Layout::OnePass { left, right, gate, .. } => {
                 (left.ptr(), right.ptr(), gate.as_ref().map_or(0, |g| g.ptr()))
             }
-            Layout::Chunked { plan, scratch } => {
-                let plan = *plan;
+            Layout::Chunked { scratch } => {
                 let scratch = scratch.ptr();
-                return self.enqueue_chunked(prep, ws, plan, scratch, &base, m, stream);
+                return self.enqueue_chunked(prep, ws, scratch, &base, m, stream);
             }
             Layout::Staged(_) => return self.enqueue_staged(prep, ws, &base, stream),
         };
@@ -384,23 +373,23 @@ impl CudaBackend {
         let inner = &self.inner;
         let k = &inner.kernels;
         let h = base.h as usize;
-        let t_bytes = ws.t.bytes() as usize;
-        let z = ws.t.ptr();
+        let t = ws.t.ptr();
+        let (Some(z), Some(proj), Some(gemm_ws)) = (ws.plan.z, ws.plan.proj, ws.plan.projection_ws) else {
+            return Err(Error::InvalidArgument("workspace has no chunked-projection plan".into()));
+        };
+        let input_rows = ws.plan.input_rows;
         let Layout::OnePass { blas_input: Some(chunked), .. } = &mut ws.layout else {
             return Err(Error::InvalidArgument("workspace has no chunked-projection plan".into()));
         };
-        let scratch = chunked.scratch;
-        // Scratch layout inside t: [z | proj | gemm ws].
-        let proj = z + scratch.proj_offset as u64;
-        let gemm_ws = z + scratch.ws_offset as u64;
-        let gemm_ws_len = t_bytes - scratch.ws_offset;
+        // Inside t: [z | proj | gemm ws].
+        let (z, proj, gemm_ws_len, gemm_ws) = (z.at(t), proj.at(t), gemm_ws.bytes, gemm_ws.at(t));
         let tr = params::gating_tile_rows(h);
         let mut row0 = 0;
         while row0 < m {
-            let rows = scratch.chunk_rows.min(m - row0);
+            let rows = input_rows.min(m - row0);
             let kp = KernelParams { row0: row0 as i64, rows: rows as i64, z, proj, tile_rows: tr as i32, ..*base };
             k.input_norm.launch(ceil_div(rows, INPUT_NORM_ROWS_PER_BLOCK as usize), STAGE_THREADS, 0, stream, &kp)?;
-            let plan = if rows == scratch.chunk_rows {
+            let plan = if rows == input_rows {
                 &mut chunked.proj_full
             } else {
                 chunked.proj_tail.as_mut().unwrap_or(&mut chunked.proj_full)

@@ -41,7 +41,7 @@ mod workspace;
 pub use context::{CudaBackend, OutputGate};
 use context::{Inner, MAX_GEMM_WORKSPACE};
 pub use tuning::{Tuning, TuningEntry, TuningTable};
-use workspace::{BlasInput, ChunkPlan, FusedInput, HostIo, Layout, Scratch, Staged, Staging};
+use workspace::{BlasInput, FusedInput, HostIo, Layout, Staging};
 pub use workspace::{CudaPrepared, CudaWorkspace};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -58,11 +58,10 @@ use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair, Timel
 use self::kernels::Kernels;
 use super::gemm::GemmSpec;
 use super::params::FusedInputLayout;
-use super::staged_plan::ChunkedPlan;
 use super::{check_prepared_for, f32_io, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
-use crate::memory::ExecPlan;
+use crate::plan::{Blas, Capabilities, ExecPlan, InputStage, Plan};
 use crate::problem::{Config, Precision, Problem};
 use crate::weights::Weights;
 
@@ -499,57 +498,95 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// The one-pass workspace of `problem` (left, right, the gate unless made from x, and t,
-    /// each from `alloc`, in halves) with its cuBLASLt plans.
-    fn one_pass_workspace(
+    /// What this backend's input stage is for `problem`: the fused kernel where it takes the
+    /// shape, else the stage kernels around cuBLASLt.
+    pub(super) fn caps(&self, prepared: &CudaPrepared, problem: &Problem, tuning: Tuning) -> Capabilities {
+        let fused = self.fused_kernel_for(prepared, problem, tuning).is_some();
+        Capabilities { input: if fused { InputStage::Fused } else { InputStage::Staged }, blas: Blas::CublasLt }
+    }
+
+    /// The capabilities of a chunked plan: the fused kernel's hidden passes where this layer
+    /// has one, else the staged passes (f32 I/O only); `None`: no chunked plan.
+    fn chunked_caps(&self, prepared: &CudaPrepared, problem: &Problem) -> Option<Capabilities> {
+        match self.chunk_kernel(prepared, Tuning::default()) {
+            Some(_) => Some(Capabilities { input: InputStage::Fused, blas: Blas::CublasLt }),
+            None if problem.io == Precision::F32Io => {
+                Some(Capabilities { input: InputStage::Staged, blas: Blas::CublasLt })
+            }
+            None => None,
+        }
+    }
+
+    /// The one-pass plan of `problem`.
+    pub(super) fn one_pass_plan(
         &self,
         prepared: &CudaPrepared,
         problem: &Problem,
         tuning: Tuning,
         gate_from_x: bool,
+    ) -> Result<Plan> {
+        Plan::one_pass(problem, self.caps(prepared, problem, tuning), gate_from_x)
+    }
+
+    /// Bytes of the one-pass workspace (`u64::MAX` for a problem no plan takes).
+    pub(super) fn one_pass_bytes(&self, prepared: &CudaPrepared, problem: &Problem, from_x: bool) -> u64 {
+        self.one_pass_plan(prepared, problem, self.tuning_for(problem), from_x)
+            .map_or(u64::MAX, |p| p.workspace_bytes())
+    }
+
+    /// The one-pass workspace of `plan` (left, right, the gate unless made from x, and t, each
+    /// from `alloc`, in halves) with its cuBLASLt plans.
+    fn one_pass_workspace(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        tuning: Tuning,
+        plan: Plan,
         alloc: &mut dyn FnMut(usize) -> Result<DeviceBuffer<u16>>,
     ) -> Result<CudaWorkspace> {
         let cfg = problem.config;
         let m = problem.shape.rows();
         let blas = &self.inner.blas;
-        let blas_input = if self.fused_kernel_for(prepared, problem, tuning).is_some() {
-            None
-        } else {
-            let s = Scratch::plan(problem);
-            let ws_proj = s.t_bytes - s.ws_offset;
-            let proj = |rows| {
-                MatmulPlan::new(
-                    blas,
-                    GemmSpec::projection(rows, cfg.c, cfg.fused_proj_width()),
-                    Elem::F16,
-                    false,
-                    ws_proj,
-                )
-            };
-            let tail = m % s.chunk_rows;
-            Some(BlasInput {
-                scratch: s,
-                proj_full: proj(s.chunk_rows)?,
-                proj_tail: if tail > 0 { Some(proj(tail)?) } else { None },
-            })
+        let blas_input = match (plan.caps.input, plan.projection_ws) {
+            (InputStage::Fused, _) => None,
+            (InputStage::Staged, Some(ws)) => {
+                let proj = |rows| {
+                    MatmulPlan::new(
+                        blas,
+                        GemmSpec::projection(rows, cfg.c, cfg.fused_proj_width()),
+                        Elem::F16,
+                        false,
+                        ws.bytes,
+                    )
+                };
+                let tail = m % plan.input_rows;
+                Some(BlasInput {
+                    proj_full: proj(plan.input_rows)?,
+                    proj_tail: if tail > 0 { Some(proj(tail)?) } else { None },
+                })
+            }
+            (InputStage::Staged, None) => {
+                return Err(Error::Internal("a staged one-pass plan without a projection workspace".into()))
+            }
         };
-        let t_len = blas_input.as_ref().map_or(m * cfg.h, |c| c.scratch.t_bytes / 2);
         let bh = problem.shape.batch * cfg.h;
+        let contraction_ws = plan.contraction_ws.map_or(0, |r| r.bytes);
+        let output_ws = plan.output_ws.map_or(0, |r| r.bytes);
         Ok(CudaWorkspace {
             problem: *problem,
             layout: Layout::OnePass {
-                left: alloc(m * cfg.h)?,
-                right: alloc(m * cfg.h)?,
-                gate: if gate_from_x { None } else { Some(alloc(m * cfg.gate_width())?) },
+                left: alloc(plan.left_bytes / 2)?,
+                right: alloc(plan.left_bytes / 2)?,
+                gate: if plan.gate.is_some() { Some(alloc(plan.gate_bytes / 2)?) } else { None },
                 blas_input,
             },
-            t: alloc(t_len)?,
+            t: alloc(plan.t_bytes / 2)?,
             contraction: MatmulPlan::new_ranked(
                 blas,
                 GemmSpec::contraction(problem.direction, bh, problem.shape.n),
                 Elem::F16,
                 false,
-                MAX_GEMM_WORKSPACE.min(m * cfg.c * problem.io.io_bytes()),
+                MAX_GEMM_WORKSPACE.min(contraction_ws),
                 tuning.contraction_rank as usize,
             )?,
             contraction_tail: None,
@@ -558,9 +595,10 @@ impl CudaBackend {
                 GemmSpec::output(m, cfg.c, cfg.h),
                 Elem::F32,
                 prepared.out_bias.is_some(),
-                MAX_GEMM_WORKSPACE.min(m * cfg.h * 2),
+                MAX_GEMM_WORKSPACE.min(output_ws),
             )?,
             output_tail: None,
+            plan,
             staging: None,
             half_staging: None,
             tuning,
@@ -601,7 +639,8 @@ impl CudaBackend {
             end = (at + bytes).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
             Ok(DeviceBuffer::borrowed(&inner.ctx, &inner.tracker, at, len))
         };
-        let mut ws = self.one_pass_workspace(prepared, problem, tuning, gate_from_x, &mut carve)?;
+        let plan = self.one_pass_plan(prepared, problem, tuning, gate_from_x)?;
+        let mut ws = self.one_pass_workspace(prepared, problem, tuning, plan, &mut carve)?;
         if end > limit {
             return Err(Error::OutOfMemory {
                 backend: BackendKind::Cuda,
@@ -726,40 +765,12 @@ impl Backend for CudaBackend {
         }
         let from_x = self.gate_from_x_for(prepared, problem, self.tuning_for(problem));
         let one_pass = self.one_pass_bytes(prepared, problem, from_x);
-        match self.chunk_kernel(prepared, Tuning::default()) {
-            Some(_) => one_pass.min(ChunkPlan::narrowest(problem).bytes()),
-            None if problem.io == Precision::F32Io => {
-                ChunkedPlan::narrowest(problem).map_or(one_pass, |p| one_pass.min(Staged::bytes(&p)))
-            }
-            None => one_pass,
-        }
+        let narrowest = self.chunked_caps(prepared, problem).and_then(|caps| Plan::narrowest(problem, caps).ok());
+        narrowest.map_or(one_pass, |p| one_pass.min(p.workspace_bytes()))
     }
 
     fn exec_plan(ws: &CudaWorkspace) -> ExecPlan {
-        let h = ws.problem.config.h;
-        match &ws.layout {
-            Layout::OnePass { left, right, gate, .. } => ExecPlan {
-                hidden_chunk: h,
-                hidden_passes: 1,
-                output_rows: ws.problem.shape.rows(),
-                gate_recomputed: gate.is_none(),
-                workspace_bytes: left.bytes() + right.bytes() + gate.as_ref().map_or(0, |g| g.bytes()) + ws.t.bytes(),
-            },
-            Layout::Chunked { plan, .. } => ExecPlan {
-                hidden_chunk: plan.hc,
-                hidden_passes: h.div_ceil(plan.hc),
-                output_rows: plan.out_rows,
-                gate_recomputed: true,
-                workspace_bytes: plan.bytes(),
-            },
-            Layout::Staged(st) => ExecPlan {
-                hidden_chunk: st.plan.hc,
-                hidden_passes: st.plan.passes().count(),
-                output_rows: st.plan.chunk_rows,
-                gate_recomputed: true,
-                workspace_bytes: Staged::bytes(&st.plan),
-            },
-        }
+        ws.plan.summary()
     }
 
     fn host_io_staged(&self) -> bool {
@@ -797,27 +808,29 @@ impl Backend for CudaBackend {
             return Err(Error::Dtype(why));
         }
         if one_pass > limit {
-            let Some(_) = self.chunk_kernel(prepared, Tuning::default()) else {
-                // No fused input kernel (C > 512, GPUs before sm_80): the staged chunked plan.
-                return match ChunkedPlan::choose_by(problem, limit, Staged::bytes)? {
-                    Some(plan) => self.staged_workspace(prepared, problem, plan),
-                    None => Err(Error::OutOfMemory {
-                        backend: BackendKind::Cuda,
-                        what: format!("{} (narrowest chunked plan of the stage kernels)", what()),
-                        needed: Staged::bytes(&ChunkedPlan::narrowest(problem)?),
-                        available: limit,
-                    }),
-                };
-            };
-            let Some(plan) = ChunkPlan::choose(problem, limit) else {
+            let Some(caps) = self.chunked_caps(prepared, problem) else {
                 return Err(Error::OutOfMemory {
                     backend: BackendKind::Cuda,
-                    what: format!("{} (narrowest chunked plan)", what()),
-                    needed: ChunkPlan::narrowest(problem).bytes(),
+                    what: format!("{} (16-bit I/O has no chunked plan without the fused input kernel)", what()),
+                    needed: one_pass,
                     available: limit,
                 });
             };
-            return self.chunked_workspace(prepared, problem, plan);
+            let Some(plan) = Plan::widest_chunked(problem, caps, limit)? else {
+                return Err(Error::OutOfMemory {
+                    backend: BackendKind::Cuda,
+                    what: match caps.input {
+                        InputStage::Fused => format!("{} (narrowest chunked plan)", what()),
+                        InputStage::Staged => format!("{} (narrowest chunked plan of the stage kernels)", what()),
+                    },
+                    needed: Plan::narrowest(problem, caps)?.workspace_bytes(),
+                    available: limit,
+                });
+            };
+            return match caps.input {
+                InputStage::Fused => self.chunked_workspace(prepared, problem, plan),
+                InputStage::Staged => self.staged_workspace(prepared, problem, plan),
+            };
         }
         if let Some(free) = free.filter(|&f| one_pass > f) {
             return Err(Error::OutOfMemory {
@@ -827,7 +840,8 @@ impl Backend for CudaBackend {
                 available: free,
             });
         }
-        self.one_pass_workspace(prepared, problem, tuning, gate_from_x, &mut |len| self.alloc_buffer(len))
+        let plan = self.one_pass_plan(prepared, problem, tuning, gate_from_x)?;
+        self.one_pass_workspace(prepared, problem, tuning, plan, &mut |len| self.alloc_buffer(len))
     }
 
     fn workspace_fits(&self, ws: &CudaWorkspace, problem: &Problem) -> bool {

@@ -7,14 +7,14 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::sys::CUstream;
 
 use super::blas::{Elem, MatmulPlan};
-use super::context::{ceil_div, round_up, OutputGate, MAX_GEMM_WORKSPACE};
+use super::context::{ceil_div, OutputGate};
 use super::driver::DeviceBuffer;
 use super::kernels;
 use super::tuning::Tuning;
 use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{self, FusedInputLayout, KernelParams, FUSED_INPUT_ROWS, STAGE_THREADS};
-use crate::backend::staged_plan::{ChunkedPlan, STAGING_ALIGN};
 use crate::error::{Error, Result};
+use crate::plan::Plan;
 use crate::problem::{Config, Problem};
 
 /// Positions per block and dynamic shared memory of the fused output kernel
@@ -188,38 +188,11 @@ impl FusedInput {
     }
 }
 
-/// Where the per-chunk scratch sits inside the t buffer.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(super) struct Scratch {
-    pub(super) chunk_rows: usize,
-    pub(super) proj_offset: usize,
-    pub(super) ws_offset: usize,
-    pub(super) t_bytes: usize,
-}
-
-impl Scratch {
-    /// Chunks as large as t's natural size allows, leaving an eighth of it (≤ 8 MiB) for the
-    /// projection GEMM's workspace; tiny problems grow t to fit one row.
-    pub(super) fn plan(problem: &Problem) -> Scratch {
-        let cfg = problem.config;
-        let m = problem.shape.rows();
-        let natural = m * cfg.h * 2;
-        let ws = ((natural / 8).min(8 << 20) / 256) * 256;
-        let row_bytes = (cfg.c + cfg.fused_proj_width()) * 2;
-        let mut chunk_rows = ((natural - ws) / row_bytes).min(m).max(1);
-        if chunk_rows >= 64 && chunk_rows < m {
-            // Chunks start 64-aligned so the gating kernel's tiles keep their 16-byte stores.
-            chunk_rows -= chunk_rows % 64;
-        }
-        let proj_offset = round_up(chunk_rows * cfg.c * 2, 256);
-        let ws_offset = proj_offset + round_up(chunk_rows * cfg.fused_proj_width() * 2, 256);
-        Scratch { chunk_rows, proj_offset, ws_offset, t_bytes: natural.max(ws_offset + ws) }
-    }
-}
-
 /// Intermediates and GEMM plans for one problem shape.
 pub struct CudaWorkspace {
     pub(super) problem: Problem,
+    /// How the forward is split and where its intermediates live.
+    pub(super) plan: Plan,
     pub(super) layout: Layout,
     /// `[B, H, N, N]` f16, the contraction (plus, in the one-pass cuBLASLt input path, that
     /// path's scratch before the contraction runs).
@@ -265,20 +238,19 @@ pub(super) enum Layout {
         /// The cuBLASLt stage-1 path's scratch plan and projection GEMMs (None with the fused kernel).
         blas_input: Option<BlasInput>,
     },
-    /// Hidden passes and row chunks within a memory limit (see [`crate::memory`]).
-    Chunked { plan: ChunkPlan, scratch: DeviceBuffer<u8> },
+    /// Hidden passes and row chunks within a memory limit (see [`crate::plan`]).
+    Chunked { scratch: DeviceBuffer<u8> },
     /// The same for layers the fused input kernel does not take: the stage kernels around
     /// cuBLASLt ([`Staged`]).
     Staged(Staged),
 }
 
-/// A chunked plan of the staged pipeline ([`ChunkedPlan`], shared with the HIP backend):
+/// A chunked plan of the staged pipeline (shared with the HIP backend, [`crate::backend::staged_steps`]):
 /// per hidden pass `input_norm`, a cuBLASLt projection with the pass's rows of the gated
 /// projections (packed per pass into `pass_w`) and `input_gating` with H = the pass width, then
 /// the pass's contraction; per row chunk the gate from x and the output stage. t lives in the
 /// workspace's `t`.
 pub(super) struct Staged {
-    pub(super) plan: ChunkedPlan,
     pub(super) scratch: DeviceBuffer<u8>,
     pub(super) pass_w: DeviceBuffer<u8>,
     pub(super) gemm_ws: DeviceBuffer<u8>,
@@ -288,18 +260,6 @@ pub(super) struct Staged {
 }
 
 impl Staged {
-    /// cuBLASLt workspace of a plan: at most 4 MiB, and no more than one chunk of z, so that the
-    /// narrowest plans of small problems stay small.
-    pub(super) fn gemm_ws_bytes(plan: &ChunkedPlan) -> usize {
-        round_up((plan.chunk_rows * plan.c * 2).min(4 << 20), STAGING_ALIGN)
-    }
-
-    /// What a plan allocates: the shared plan's bytes without af3's ones vector (cuBLASLt adds
-    /// the bias in an epilogue), plus the GEMM workspace. `t` is part of both.
-    pub(super) fn bytes(plan: &ChunkedPlan) -> u64 {
-        plan.total_bytes() - plan.ones_bytes as u64 + Self::gemm_ws_bytes(plan) as u64
-    }
-
     pub(super) fn gemm(&mut self, spec: GemmSpec, d: Elem, bias: bool) -> Result<&mut MatmulPlan> {
         self.gemms
             .get_mut(&(spec, d, bias))
@@ -307,92 +267,9 @@ impl Staged {
     }
 }
 
-/// Bytes of one chunked plan: the `[B, H, N, N]` t and one scratch buffer shared by the two
-/// phases (they never overlap in time). Offsets are in bytes, 256-aligned.
-///
-/// Hidden pass (phase A): `left`/`right` chunks `[B, hc, N, N]` f16 and the contraction's
-/// workspace. Out of place, the chunks live in the caller's `y` (`M·C·4` bytes, dead until the
-/// output stage) whenever they fit there, so they cost nothing; in place (`y` is `x`, which
-/// every pass reads) they take scratch. Output stage (phase B), per row chunk: the gate
-/// `[rows, G]`, the output GEMM's operand `a` `[rows, H]` and its workspace.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub(super) struct ChunkPlan {
-    pub(super) hc: usize,
-    pub(super) lr_in_y: bool,
-    /// Bytes of one of the left/right chunk buffers.
-    pub(super) lr_bytes: usize,
-    /// Contraction workspace: at scratch offset `cws_off`.
-    pub(super) cws_off: usize,
-    pub(super) cws: usize,
-    pub(super) out_rows: usize,
-    pub(super) gate_off: usize,
-    pub(super) a_off: usize,
-    pub(super) ows_off: usize,
-    pub(super) ows: usize,
-    pub(super) scratch_bytes: usize,
-    pub(super) t_bytes: usize,
-}
-
-impl ChunkPlan {
-    /// Largest row chunk of the output stage: beyond a million positions launches are noise.
-    const MAX_OUT_ROWS: usize = 1 << 20;
-
-    pub(super) fn new(problem: &Problem, hc: usize, out_rows: usize) -> ChunkPlan {
-        let cfg = problem.config;
-        let m = problem.shape.rows();
-        let lr_bytes = round_up(m * hc * 2, 256);
-        let lr_in_y = !problem.in_place && 2 * lr_bytes <= m * cfg.c * problem.io.io_bytes();
-        let cws = round_up((m * hc / 2).min(MAX_GEMM_WORKSPACE), 256);
-        let cws_off = if lr_in_y { 0 } else { 2 * lr_bytes };
-        let gate_bytes = round_up(out_rows * cfg.gate_width() * 2, 256);
-        let a_bytes = round_up(out_rows * cfg.h * 2, 256);
-        let ows = round_up((out_rows * cfg.h / 2).min(8 << 20), 256);
-        ChunkPlan {
-            hc,
-            lr_in_y,
-            lr_bytes,
-            cws_off,
-            cws,
-            out_rows,
-            gate_off: 0,
-            a_off: gate_bytes,
-            ows_off: gate_bytes + a_bytes,
-            ows,
-            scratch_bytes: (cws_off + cws).max(gate_bytes + a_bytes + ows),
-            t_bytes: m * cfg.h * 2,
-        }
-    }
-
-    pub(super) fn bytes(&self) -> u64 {
-        (self.t_bytes + self.scratch_bytes) as u64
-    }
-
-    /// The narrowest plan: 32 channels per pass (the fused kernel's granularity), 128 rows.
-    pub(super) fn narrowest(problem: &Problem) -> ChunkPlan {
-        ChunkPlan::new(problem, problem.config.h.min(32), problem.shape.rows().min(FUSED_INPUT_ROWS))
-    }
-
-    /// The widest hidden chunk that fits `limit`, then the largest row chunk (halving from
-    /// [`ChunkPlan::MAX_OUT_ROWS`], multiples of 128) that still fits.
-    pub(super) fn choose(problem: &Problem, limit: u64) -> Option<ChunkPlan> {
-        let m = problem.shape.rows();
-        let min_rows = m.min(FUSED_INPUT_ROWS);
-        let hc = crate::memory::widest_hidden_chunk(problem.config.h, 32, limit, |hc| {
-            ChunkPlan::new(problem, hc, min_rows).bytes()
-        })?;
-        let mut rows = m.min(Self::MAX_OUT_ROWS);
-        loop {
-            let plan = ChunkPlan::new(problem, hc, rows);
-            if plan.bytes() <= limit || rows <= min_rows {
-                return (plan.bytes() <= limit).then_some(plan);
-            }
-            rows = (rows / 2 / FUSED_INPUT_ROWS * FUSED_INPUT_ROWS).max(min_rows);
-        }
-    }
-}
-
+/// The cuBLASLt projection GEMMs of a one-pass plan without the fused input kernel: a full
+/// input chunk and the last, shorter one.
 pub(super) struct BlasInput {
-    pub(super) scratch: Scratch,
     pub(super) proj_full: MatmulPlan,
     pub(super) proj_tail: Option<MatmulPlan>,
 }
@@ -412,100 +289,4 @@ pub(super) enum HostIo<'a, T> {
     },
     /// y is written over x.
     InPlace(&'a mut [T]),
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::problem::{Config, Direction, Formulation, Shape};
-
-    #[test]
-    fn scratch_fits_in_t_and_chunks_cover_all_rows() {
-        for (b, n, c, h, f) in [
-            (1, 1, 768, 128, Formulation::GpuMode),
-            (1, 33, 128, 128, Formulation::Af3),
-            (2, 256, 128, 128, Formulation::GpuMode),
-            (1, 1024, 384, 128, Formulation::GpuMode),
-            (1, 1024, 768, 128, Formulation::Af3),
-        ] {
-            let p = Problem::new(Config::new(f, c, h).unwrap(), Shape::new(b, n), Direction::Outgoing, false).unwrap();
-            let s = Scratch::plan(&p);
-            let m = p.shape.rows();
-            assert!(s.chunk_rows >= 1 && s.chunk_rows <= m);
-            assert!(s.proj_offset >= s.chunk_rows * c * 2);
-            assert!(s.ws_offset >= s.proj_offset + s.chunk_rows * p.config.fused_proj_width() * 2);
-            assert!(s.t_bytes >= s.ws_offset && s.t_bytes >= m * h * 2);
-            if m >= 4096 {
-                // no growth beyond the contraction output: the memory bound holds
-                assert_eq!(s.t_bytes, m * h * 2, "{b} {n} {c}");
-            }
-        }
-    }
-
-    fn long(n: usize, in_place: bool) -> Problem {
-        let cfg = Config::new(Formulation::GpuMode, 128, 128).unwrap();
-        Problem::new(cfg, Shape::new(1, n), Direction::Outgoing, false).unwrap().in_place(in_place)
-    }
-
-    /// The plan's regions fit its scratch, and phase A's chunk buffers fit wherever they live.
-    fn assert_consistent(p: &Problem, plan: &ChunkPlan) {
-        let m = p.shape.rows();
-        let (g, h, c) = (p.config.gate_width(), p.config.h, p.config.c);
-        assert!(plan.a_off >= plan.gate_off + plan.out_rows * g * 2);
-        assert!(plan.ows_off >= plan.a_off + plan.out_rows * h * 2);
-        assert!(plan.scratch_bytes >= plan.ows_off + plan.ows);
-        assert!(plan.scratch_bytes >= plan.cws_off + plan.cws);
-        assert!(plan.lr_bytes >= m * plan.hc * 2);
-        if plan.lr_in_y {
-            assert!(!p.in_place && 2 * plan.lr_bytes <= m * c * 4);
-        } else {
-            assert!(plan.cws_off >= 2 * plan.lr_bytes);
-        }
-        assert!(plan.out_rows >= 1 && plan.out_rows <= m);
-        assert!(plan.out_rows == m || plan.out_rows % FUSED_INPUT_ROWS == 0);
-        assert!(plan.hc == h || plan.hc % 32 == 0);
-    }
-
-    #[test]
-    fn chunk_plans_meet_the_issue_budgets() {
-        let gb = 1_000_000_000u64;
-        // N = 4096 in 24 GB: x + y take 17.18 GB; left/right go into y, so one hidden pass fits.
-        let p = long(4096, false);
-        let limit = 24 * gb - p.io_device_bytes() - (1 << 20);
-        let plan = ChunkPlan::choose(&p, limit).expect("fits");
-        assert_consistent(&p, &plan);
-        assert!(plan.bytes() <= limit);
-        assert_eq!((plan.hc, plan.lr_in_y), (128, true));
-        assert_eq!(plan.out_rows, ChunkPlan::MAX_OUT_ROWS);
-        // N = 8192 in place on an 80 GB H100 (79 GB free, 2% margin): 64 channels per pass.
-        let p = long(8192, true);
-        let limit = 79 * gb - 79 * gb / 50 - p.io_device_bytes();
-        let plan = ChunkPlan::choose(&p, limit).expect("fits");
-        assert_consistent(&p, &plan);
-        assert!(plan.bytes() <= limit);
-        assert_eq!((plan.hc, plan.lr_in_y), (64, false));
-        // Too little for even the narrowest plan.
-        assert!(ChunkPlan::choose(&p, ChunkPlan::narrowest(&p).bytes() - 1).is_none());
-    }
-
-    #[test]
-    fn chunk_plans_shrink_with_the_limit() {
-        for (n, b, c, h, in_place) in [(33, 2, 64, 40, true), (48, 1, 128, 128, false), (100, 1, 384, 128, true)] {
-            let cfg = Config::new(Formulation::Af3, c, h).unwrap();
-            let p = Problem::new(cfg, Shape::new(b, n), Direction::Incoming, true).unwrap().in_place(in_place);
-            let narrowest = ChunkPlan::narrowest(&p);
-            assert_consistent(&p, &narrowest);
-            let mut last = u64::MAX;
-            for extra in [1u64 << 40, 1 << 24, 1 << 20, 1 << 16, 0] {
-                let plan = ChunkPlan::choose(&p, narrowest.bytes() + extra).expect("the narrowest plan fits");
-                assert_consistent(&p, &plan);
-                assert!(plan.bytes() <= narrowest.bytes() + extra && plan.bytes() <= last);
-                last = plan.bytes();
-            }
-            if in_place {
-                // The chunk buffers are in scratch: the narrowest budget means 32 channels a pass.
-                assert_eq!(ChunkPlan::choose(&p, narrowest.bytes()).map(|q| q.hc), Some(h.min(32)));
-            }
-        }
-    }
 }

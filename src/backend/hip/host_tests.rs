@@ -512,16 +512,16 @@ fn rocblas_contraction_calls_compute_both_directions() {
 
 #[test]
 fn every_suite_and_bench_shape_has_valid_rocblas_calls_and_a_plan() {
-    use crate::backend::hip::plan::Plan;
+    use crate::plan::Plan;
     for case in suite::test_cases().into_iter().chain(suite::bench_cases()) {
         for f in [Formulation::GpuMode, Formulation::Af3] {
             for dir in [Direction::Outgoing, Direction::Incoming] {
                 let problem = case.problem(f, dir).unwrap();
-                let plan = Plan::new(&problem).unwrap();
+                let plan = Plan::one_pass(&problem, super::ROCM_CAPS, false).unwrap();
                 let cfg = problem.config;
                 let m = problem.shape.rows();
                 let what = format!("{} {f} {dir}", case.name());
-                for (_, rows) in plan.chunks() {
+                for (_, rows) in plan.input_chunks() {
                     let g = RocblasGemm::from_spec(
                         &GemmSpec::projection(rows, cfg.c, plan.p),
                         DataType::F16,

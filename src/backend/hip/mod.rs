@@ -18,11 +18,11 @@
 //!    one kernel with `v_mfma_f32_32x32x8f16`. It has not run on hardware yet.
 //!
 //! When that plan's workspace does not fit the memory budget (or the free memory), the forward
-//! runs a `ChunkedPlan` instead: steps 1 and 2 in passes over hidden channels (each pass's
+//! runs a chunked [`Plan`] instead: steps 1 and 2 in passes over hidden channels (each pass's
 //! rows of the gated projections packed into one weight block when the workspace is made, so
 //! `input_gating` runs unchanged with H = the pass width), then step 3 per row chunk with the
 //! gate recomputed from x (`input_gating` with H = 0 over the out-gate columns). The math of why
-//! this is exact, and of in-place mode, is in [`crate::memory`].
+//! this is exact, and of in-place mode, is in [`crate::plan`].
 //!
 //! The stage kernels (`hip/*.hip`) share their source with the CUDA backend (`common/`), the
 //! GEMMs share their layout math (`GemmSpec`); so both backends compute the same thing in the
@@ -36,7 +36,6 @@
 pub(crate) mod arch;
 pub(crate) mod blas;
 pub(crate) mod kernels;
-pub(crate) mod plan;
 pub(crate) mod result;
 pub(crate) mod sys;
 
@@ -51,22 +50,26 @@ use std::sync::{Arc, Mutex};
 
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
 use self::kernels::KernelImage;
-use self::plan::{Plan, Staging};
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
 use super::gemm::GemmSpec;
 use super::params::{
     self as launch_params, KernelParams, PrepareParams, INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
 };
-use super::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
+use super::staged_steps::{self, StagedBuffers, StagedStep};
 use super::{
     check_device_forward, check_prepared_for, check_same_weights, f32_io, Backend, Ceilings, DeviceInfo, MemoryInfo,
 };
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
-use crate::memory::ExecPlan;
+use crate::plan::ExecPlan;
+use crate::plan::{Blas, Buffer, Capabilities, InputStage, Plan};
 use crate::problem::{Config, Formulation, Precision, Problem};
 use crate::weights::Weights;
+
+/// What plans this backend runs: the stage kernels around rocBLAS (the fused MFMA input stage
+/// is issue 31's).
+const ROCM_CAPS: Capabilities = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
 
 /// Byte that makes every f16 and f32 element a NaN: poisons buffers in checks.
 const POISON_BYTE: u8 = 0xFF;
@@ -191,7 +194,7 @@ enum Layout {
     Chunked(Chunked),
 }
 
-/// The fastest plan ([`Plan`]): left, right, the gate and t for every position.
+/// The fastest plan (a one-pass [`Plan`]): left, right, the gate and t for every position.
 struct OnePass {
     plan: Plan,
     left: DeviceMem,
@@ -202,9 +205,9 @@ struct OnePass {
     ones: Option<DeviceMem>,
 }
 
-/// Hidden passes and row chunks ([`ChunkedPlan`]).
+/// Hidden passes and row chunks (a chunked [`Plan`]).
 struct Chunked {
-    plan: ChunkedPlan,
+    plan: Plan,
     t: DeviceMem,
     scratch: DeviceMem,
     /// Each pass's rows of the gated projections, packed `[lp; lg; rp; rg]` (and their biases).
@@ -215,8 +218,8 @@ struct Chunked {
 impl Layout {
     fn bytes(&self) -> u64 {
         match self {
-            Layout::OnePass(o) => o.plan.total_bytes(),
-            Layout::Chunked(c) => c.plan.total_bytes(),
+            Layout::OnePass(o) => o.plan.workspace_bytes(),
+            Layout::Chunked(c) => c.plan.workspace_bytes(),
         }
     }
 }
@@ -433,10 +436,7 @@ impl HipBackend {
     }
 
     fn one_pass_buffers(&self, plan: Plan) -> Result<OnePass> {
-        let staging = match plan.staging {
-            Staging::Separate => Some(self.alloc_mem(plan.staging_bytes)?),
-            Staging::InT => None,
-        };
+        let staging = if plan.staging_bytes > 0 { Some(self.alloc_mem(plan.staging_bytes)?) } else { None };
         Ok(OnePass {
             left: self.alloc_mem(plan.left_bytes)?,
             right: self.alloc_mem(plan.left_bytes)?,
@@ -451,8 +451,8 @@ impl HipBackend {
     /// The buffers of a chunked plan, with every pass's rows of the gated projections (and their
     /// biases) copied from the prepared weights into one `[lp; lg; rp; rg]` block per pass, so a
     /// pass's projection is one GEMM and `input_gating` sees the layout it expects with H = hc.
-    fn chunked_buffers(&self, prepared: &HipPrepared, plan: ChunkedPlan) -> Result<Chunked> {
-        let pass_w = self.alloc_mem(plan.pass_w_bytes)?;
+    fn chunked_buffers(&self, prepared: &HipPrepared, plan: Plan) -> Result<Chunked> {
+        let pass_w = self.alloc_mem(plan.pass_weights_bytes)?;
         let c = plan.c;
         let stream = self.stream();
         let bias = prepared.proj_bias.as_ref();
@@ -460,7 +460,7 @@ impl HipBackend {
             let (dst, src, row) = (dst as u64, src as u64, (c * 2) as u64);
             // SAFETY: both ranges lie inside their allocations: the prepared [P, C] f16 weights
             // hold rows src .. src + rows, pass_w holds 4H rows of C halves and then 4H f32 biases
-            // at pass_bias_off; the copies are waited for below.
+            // at pass_bias_offset; the copies are waited for below.
             unsafe {
                 result::copy_dtod_async(
                     self.ctx.api,
@@ -470,7 +470,7 @@ impl HipBackend {
                     stream,
                 )?;
                 if let Some(b) = bias {
-                    let off = pass_w.addr() + plan.pass_bias_off as u64;
+                    let off = pass_w.addr() + plan.pass_bias_offset as u64;
                     result::copy_dtod_async(self.ctx.api, off + dst * 4, b.addr() + src * 4, rows * 4, stream)?;
                 }
             }
@@ -481,7 +481,7 @@ impl HipBackend {
             t: self.alloc_mem(plan.t_bytes)?,
             scratch: self.alloc_mem(plan.scratch_bytes)?,
             pass_w,
-            ones: self.ones(plan.ones_bytes, plan.chunk_rows)?,
+            ones: self.ones(plan.ones_bytes, plan.output_rows)?,
             plan,
         })
     }
@@ -561,17 +561,14 @@ impl HipBackend {
         limit: Option<u64>,
     ) -> Result<(HipWorkspace, u64)> {
         check_prepared_for(&prepared.config, problem)?;
-        let plan = Plan::new(problem)?;
+        let plan = Plan::one_pass(problem, ROCM_CAPS, false)?;
         let mut end = 0u64;
         let mut carve = |bytes: usize| {
             let at = end;
             end = (at + bytes.max(1) as u64).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
             DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, at, bytes)
         };
-        let staging = match plan.staging {
-            Staging::Separate => Some(carve(plan.staging_bytes)),
-            Staging::InT => None,
-        };
+        let staging = (plan.staging_bytes > 0).then(|| carve(plan.staging_bytes));
         let one = OnePass {
             left: carve(plan.left_bytes),
             right: carve(plan.left_bytes),
@@ -819,9 +816,13 @@ impl HipBackend {
                 unsafe { buf.memset(stream, POISON_BYTE)? };
             }
         }
+        let (Some(z), Some(proj)) = (plan.z, plan.proj) else {
+            return Err(Error::Internal("a rocBLAS one-pass plan without its staging".into()));
+        };
+        debug_assert!(z.buffer == if ws.staging.is_some() { Buffer::Staging } else { Buffer::T });
         let base = KernelParams {
-            z: staging.addr(),
-            proj: staging.addr() + plan.proj_offset as u64,
+            z: z.at(staging.addr()),
+            proj: proj.at(staging.addr()),
             left: ws.left.addr(),
             right: ws.right.addr(),
             gate: ws.gate.addr(),
@@ -836,7 +837,7 @@ impl HipBackend {
 
         // 1. LN_C, projection, gating, chunk by chunk (z and proj in the staging area).
         let tr = launch_params::gating_tile_rows(h);
-        for (row0, rows) in plan.chunks() {
+        for (row0, rows) in plan.input_chunks() {
             let p = KernelParams { row0: row0 as i64, rows: rows as i64, tile_rows: tr as i32, ..base };
             let g = RocblasGemm::from_spec(&GemmSpec::projection(rows, c, plan.p), DataType::F16, DataType::F16)?;
             // SAFETY: the invariant stated at the top of this section holds for these addresses.
@@ -858,7 +859,7 @@ impl HipBackend {
         unsafe { self.enqueue_output(blas, prep, &base, ws.ones.as_ref(), stream) }
     }
 
-    /// A plan within a memory limit: the steps of [`ChunkedPlan::steps`] with our launches and
+    /// A plan within a memory limit: the steps of [`staged_steps::steps`] with our launches and
     /// rocBLAS.
     ///
     /// # Safety
@@ -890,9 +891,9 @@ impl HipBackend {
         };
         // SAFETY (every launch and GEMM below): the steps' addresses lie inside the workspace's
         // buffers, the prepared weights and the call's x, mask and y, as the plan lays them out
-        // (`staged_plan::tests::steps_stay_inside_their_buffers_and_cover_the_problem`); `blas` is
+        // (`staged_steps::tests::steps_stay_inside_their_buffers_and_cover_the_problem`); `blas` is
         // bound to `stream`.
-        for step in ws.plan.steps(problem, base, bufs) {
+        for step in staged_steps::steps(&ws.plan, problem, base, bufs) {
             match step {
                 StagedStep::Norm(p) => {
                     let grid = (p.rows as usize).div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize);
@@ -1126,20 +1127,8 @@ impl Backend for HipBackend {
 
     fn exec_plan(ws: &HipWorkspace) -> ExecPlan {
         match &ws.layout {
-            Layout::OnePass(o) => ExecPlan {
-                hidden_chunk: ws.problem.config.h,
-                hidden_passes: 1,
-                output_rows: o.plan.rows,
-                gate_recomputed: false,
-                workspace_bytes: o.plan.total_bytes(),
-            },
-            Layout::Chunked(c) => ExecPlan {
-                hidden_chunk: c.plan.hc,
-                hidden_passes: c.plan.passes().count(),
-                output_rows: c.plan.chunk_rows,
-                gate_recomputed: true,
-                workspace_bytes: c.plan.total_bytes(),
-            },
+            Layout::OnePass(o) => o.plan.summary(),
+            Layout::Chunked(c) => c.plan.summary(),
         }
     }
 
@@ -1156,21 +1145,21 @@ impl Backend for HipBackend {
     fn workspace(&self, prepared: &HipPrepared, problem: &Problem, limit: Option<u64>) -> Result<HipWorkspace> {
         check_prepared_for(&prepared.config, problem)?;
         self.bind()?;
-        let plan = Plan::new(problem)?;
+        let plan = Plan::one_pass(problem, ROCM_CAPS, false)?;
         let (b, n) = (problem.shape.batch, problem.shape.n);
         let what = format!("the workspace for B={b} N={n}");
         let (free, _) = result::mem_get_info(self.ctx.api)?;
         let cap = limit.unwrap_or(u64::MAX).min(free);
-        let layout = if plan.total_bytes() <= cap {
+        let layout = if plan.workspace_bytes() <= cap {
             Layout::OnePass(self.one_pass_buffers(plan)?)
         } else {
-            match ChunkedPlan::choose(problem, cap)? {
+            match Plan::widest_chunked(problem, ROCM_CAPS, cap)? {
                 Some(chunked) => Layout::Chunked(self.chunked_buffers(prepared, chunked)?),
                 None => {
                     return Err(Error::OutOfMemory {
                         backend: BackendKind::Hip,
                         what: format!("{what} (narrowest chunked plan)"),
-                        needed: ChunkedPlan::narrowest(problem)?.total_bytes(),
+                        needed: Plan::narrowest(problem, ROCM_CAPS)?.workspace_bytes(),
                         available: cap,
                     })
                 }
@@ -1187,13 +1176,10 @@ impl Backend for HipBackend {
             && ws.problem.shape == problem.shape
             && ws.problem.in_place == problem.in_place
             && match &ws.layout {
-                Layout::OnePass(o) => o.plan.fits(problem),
+                Layout::OnePass(o) => o.plan.serves(problem),
                 // Left and right inside y need room for them in y's I/O precision: a plan made
                 // for f32 y may not hold them in 16-bit y (the widened path runs the other way).
-                Layout::Chunked(ch) => {
-                    !ch.plan.lr_in_y
-                        || 2 * ch.plan.lr_bytes <= problem.shape.rows() * problem.config.c * problem.io.io_bytes()
-                }
+                Layout::Chunked(ch) => ch.plan.serves(problem),
             }
     }
 
@@ -1201,7 +1187,7 @@ impl Backend for HipBackend {
         if problem.validate().is_err() {
             return u64::MAX; // no plan for a problem Problem::new refuses
         }
-        Plan::new(problem).map_or(u64::MAX, |p| p.total_bytes())
+        Plan::one_pass(problem, ROCM_CAPS, false).map_or(u64::MAX, |p| p.workspace_bytes())
     }
 
     fn min_workspace_bytes(&self, prepared: &HipPrepared, problem: &Problem) -> u64 {
@@ -1209,7 +1195,7 @@ impl Backend for HipBackend {
             return u64::MAX;
         }
         let one_pass = self.workspace_bytes(prepared, problem);
-        ChunkedPlan::narrowest(problem).map_or(one_pass, |c| c.total_bytes().min(one_pass))
+        Plan::narrowest(problem, ROCM_CAPS).map_or(one_pass, |c| c.workspace_bytes().min(one_pass))
     }
 
     fn alloc(&self, len: usize) -> Result<HipBuffer> {

@@ -6,7 +6,7 @@
 //! on device pointers the type system cannot see (kernel launches, GEMMs) are `unsafe fn`; the
 //! rest check their arguments and are safe.
 
-pub(crate) use crate::memory::AllocTracker;
+pub(crate) use crate::alloc_tracker::AllocTracker;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr;
 use std::sync::Arc;

@@ -1,24 +1,5 @@
-//! Memory budgets and the chunked execution plan that keeps long sequences within them.
+//! Memory budgets: what a forward may hold on the device, and the widest plan within it.
 //!
-//! # Why chunking is exact
-//! For one batch `b` and hidden channel `h`, the contraction `t[b,·,·,h]` reads only
-//! `left[b,·,·,h]` and `right[b,·,·,h]`, and those come from the `h`-th rows of the four input
-//! projections. So the projections and the contraction can run over *hidden chunks* of `hc`
-//! channels, one after another, each pass writing its channels of `t`; `left` and `right` only
-//! ever exist for one chunk. The output stage needs every channel of `t` at a position (LN_H),
-//! but nothing from other positions, so it runs over *row chunks*. Every value is computed by
-//! the same arithmetic as in the unchunked plan, so results agree to rounding (and exactly on the
-//! CPU, where the per-element operations do not depend on the chunk).
-//!
-//! # The output gate
-//! The unchunked plan stores the output gate (`[M, G]`) during the input pass. A chunked plan
-//! does not keep it: each row chunk of the output stage recomputes `σ(LN_C(x)·Wogᵀ)` for its
-//! positions (one more read of those rows of `x` and a GEMM of `2·C·G` FLOPs per position, a
-//! few percent of the whole). That drops an `[M, G]` tensor from the peak and is what makes
-//! in-place mode possible: a row chunk reads its rows of `x` for the gate before it writes
-//! the same rows of `y`, and every hidden pass, the only other reader of `x`, is done by then.
-//!
-//! # Budgets
 //! A budget counts everything a forward holds on the device: the prepared weights, the caller's
 //! `x`, mask and `y` (one tensor for both in in-place mode) and the workspace. Without one the
 //! limit is the memory the device reports free, less [`margin`]. Plans are chosen before any
@@ -120,39 +101,81 @@ pub fn widest_hidden_chunk(h: usize, step: usize, limit: u64, need: impl Fn(usiz
     None
 }
 
-/// Bytes currently and at most allocated on one GPU backend's device (weights, workspaces and
-/// buffers), for [`Backend::peak_memory`](crate::backend::Backend::peak_memory). Shared by the
-/// CUDA and HIP allocation wrappers, which are FFI layers (`cuda/driver.rs`, `hip/result.rs`):
-/// defined here, in a foundation module, so that they need not import the backend layer above
-/// them.
-#[cfg(any(feature = "cuda", feature = "rocm"))]
-#[derive(Debug, Default)]
-pub(crate) struct AllocTracker {
-    current: std::sync::atomic::AtomicU64,
-    peak: std::sync::atomic::AtomicU64,
+/// The widest plan that fits `limit` bytes, searched in the order every backend uses: first
+/// the widest hidden chunk ([`widest_hidden_chunk`], channels in multiples of `channel_step`)
+/// whose plan fits with the narrowest row chunk, then the largest row chunk with that hidden
+/// chunk, halving from `max_rows` (at most `rows`) in multiples of `row_step` down to
+/// `min(rows, row_step)`. `bytes(hc, rows)` is what the plan of `hc` channels per pass and
+/// row chunks of `rows` positions holds. Returns `(hc, rows)`, or `None` when even the narrowest
+/// plan does not fit.
+pub fn widest_fit(
+    h: usize,
+    channel_step: usize,
+    rows: usize,
+    row_step: usize,
+    max_rows: usize,
+    limit: u64,
+    bytes: impl Fn(usize, usize) -> u64,
+) -> Option<(usize, usize)> {
+    let row_step = row_step.max(1);
+    let min_rows = rows.min(row_step);
+    let hc = widest_hidden_chunk(h, channel_step, limit, |hc| bytes(hc, min_rows))?;
+    let mut chunk = rows.min(max_rows);
+    loop {
+        if bytes(hc, chunk) <= limit {
+            return Some((hc, chunk));
+        }
+        if chunk <= min_rows {
+            return None;
+        }
+        chunk = (chunk / 2 / row_step * row_step).max(min_rows);
+    }
 }
 
-#[cfg(any(feature = "cuda", feature = "rocm"))]
-impl AllocTracker {
-    pub(crate) fn add(&self, bytes: u64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let now = self.current.fetch_add(bytes, Relaxed) + bytes;
-        self.peak.fetch_max(now, Relaxed);
-    }
+/// Why no workspace fits: what is short, the bytes needed and those available.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Shortfall {
+    /// `"the memory budget is too small"` or `"the device has too little free"`.
+    pub reason: &'static str,
+    /// Bytes the narrowest plan needs in that place.
+    pub needed: u64,
+    /// Bytes there are.
+    pub available: u64,
+}
 
-    pub(crate) fn sub(&self, bytes: u64) {
-        self.current.fetch_sub(bytes, std::sync::atomic::Ordering::Relaxed);
+/// Bytes the workspace of one forward may take (`None`: no limit known), or what is short.
+///
+/// - `budget`: the caller's cap on everything the forward holds, if any;
+/// - `fixed`: what the forward holds besides its workspace (prepared weights, x, mask, y);
+/// - `min_workspace`: the narrowest plan's workspace;
+/// - `device`: the device's free and total bytes, where the backend can tell ([`margin`] of the
+///   total is kept free);
+/// - `staged`: bytes of x, mask and y a host forward will still copy onto the device (device
+///   buffers of the caller already count as used in `free`).
+pub fn workspace_limit(
+    budget: Option<u64>,
+    fixed: u64,
+    min_workspace: u64,
+    device: Option<(u64, u64)>,
+    staged: u64,
+) -> Result<Option<u64>, Shortfall> {
+    let mut limit = None;
+    if let Some(budget) = budget {
+        let needed = fixed.saturating_add(min_workspace);
+        if needed > budget {
+            return Err(Shortfall { reason: "the memory budget is too small", needed, available: budget });
+        }
+        limit = Some(budget - fixed);
     }
-
-    pub(crate) fn peak(&self) -> u64 {
-        self.peak.load(std::sync::atomic::Ordering::Relaxed)
+    if let Some((free, total)) = device {
+        let free = free.saturating_sub(margin(total));
+        let needed = staged.saturating_add(min_workspace);
+        if needed > free {
+            return Err(Shortfall { reason: "the device has too little free", needed, available: free });
+        }
+        limit = Some(limit.map_or(free - staged, |l: u64| l.min(free - staged)));
     }
-
-    /// Starts a new high-water mark at what is allocated now.
-    pub(crate) fn reset_peak(&self) {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.peak.store(self.current.load(Relaxed), Relaxed);
-    }
+    Ok(limit)
 }
 
 #[cfg(test)]
@@ -190,5 +213,38 @@ mod tests {
         let one = ExecPlan { hidden_passes: 1, hidden_chunk: 128, gate_recomputed: false, ..p };
         assert!(!one.is_chunked());
         assert_eq!(one.describe(), "one hidden pass; gate stored");
+    }
+
+    #[test]
+    fn widest_fit_takes_the_widest_pass_then_the_longest_chunk() {
+        // 1000 bytes fixed, 10 per channel, 1 per row of the chunk.
+        let bytes = |hc: usize, rows: usize| 1000 + 10 * hc as u64 + rows as u64;
+        assert_eq!(widest_fit(128, 32, 4096, 128, 1 << 20, u64::MAX, bytes), Some((128, 4096)));
+        // The widest pass with the narrowest chunk, then chunks halving in multiples of 128.
+        assert_eq!(widest_fit(128, 32, 4096, 128, 1 << 20, 1000 + 1280 + 2048, bytes), Some((128, 2048)));
+        assert_eq!(widest_fit(128, 32, 4096, 128, 1 << 20, 1000 + 1280 + 2047, bytes), Some((128, 1024)));
+        assert_eq!(widest_fit(128, 32, 4096, 128, 1 << 20, 1000 + 640 + 128, bytes), Some((64, 128)));
+        assert_eq!(widest_fit(128, 32, 4096, 128, 1 << 20, 1000 + 320 + 127, bytes), None);
+        // max_rows caps the first chunk; fewer rows than a step make one chunk.
+        assert_eq!(widest_fit(8, 8, 4096, 64, 1000, u64::MAX, bytes), Some((8, 1000)));
+        assert_eq!(widest_fit(8, 8, 50, 64, 1 << 20, 1000 + 80 + 50, bytes), Some((8, 50)));
+    }
+
+    #[test]
+    fn workspace_limits_keep_the_budget_and_the_device_margin() {
+        // No budget, no device information: no limit.
+        assert_eq!(workspace_limit(None, 10, 5, None, 0), Ok(None));
+        // A budget leaves what the fixed tensors do not take.
+        assert_eq!(workspace_limit(Some(100), 40, 5, None, 0), Ok(Some(60)));
+        let short = workspace_limit(Some(44), 40, 5, None, 0).unwrap_err();
+        assert_eq!((short.needed, short.available), (45, 44));
+        // The device keeps its margin free, and host staging comes out of the rest.
+        let total = 100u64 << 30;
+        let free = 50u64 << 30;
+        let room = free - margin(total);
+        assert_eq!(workspace_limit(None, 0, 1, Some((free, total)), 1 << 30), Ok(Some(room - (1 << 30))));
+        assert_eq!(workspace_limit(Some(1 << 30), 0, 1, Some((free, total)), 0), Ok(Some(1 << 30)));
+        let short = workspace_limit(None, 0, room, Some((free, total)), 1).unwrap_err();
+        assert_eq!((short.reason, short.needed, short.available), ("the device has too little free", room + 1, room));
     }
 }

@@ -1,0 +1,277 @@
+//! The staged pipeline's steps (the portable stage kernels `input_norm` and `input_gating`
+//! around a vendor BLAS projection, as the HIP backend and the CUDA backend's cuBLASLt path run
+//! a chunked [`Plan`]): every launch and GEMM of a forward with its addresses resolved, written
+//! once for both backends and checked on the host. Why chunking is exact, and the layout, are in
+//! [`crate::plan`].
+
+#![forbid(unsafe_code)]
+
+use crate::backend::gemm::GemmSpec;
+use crate::backend::params::{self, KernelParams};
+use crate::plan::Plan;
+use crate::problem::Problem;
+
+/// Positions per block of `input_gating` when it computes only the gate (no shared memory).
+pub const GATE_TILE_ROWS: usize = 64;
+
+/// Device addresses a staged forward works in, besides the call's x, mask and y.
+#[derive(Copy, Clone, Debug)]
+pub struct StagedBuffers {
+    /// The plan's scratch (`scratch_bytes`).
+    pub scratch: u64,
+    /// The per-pass packed projection rows and their biases (`pass_w_bytes`).
+    pub pass_w: u64,
+    /// `t`, `[B, H, N, N]` f16.
+    pub t: u64,
+    /// The prepared fused weights `[P, C]` f16 (their out-gate rows make the gate).
+    pub w_in: u64,
+    /// The prepared biases `[P]` f32, or 0.
+    pub proj_bias: u64,
+}
+
+/// One operation of a staged chunked forward, every address resolved. A backend runs the list of
+/// [`steps`] in order with its own launches and BLAS calls, so the plan's addresses,
+/// shapes and order are written once, for both backends, and checked on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StagedStep {
+    /// `input_norm` of `params.rows` positions from `params.row0` into `params.z`.
+    Norm(KernelParams),
+    /// An f16 GEMM with f32 accumulation: `D = op(A)·op(B)` as `spec` says (projections and the
+    /// contraction of one pass and batch).
+    Gemm { spec: GemmSpec, a: u64, b: u64, d: u64 },
+    /// `input_gating` with `tile_rows` positions per block and `smem` bytes of shared memory.
+    Gating { params: KernelParams, tile_rows: usize, smem: usize },
+    /// Every hidden pass is done: `t` is complete (a backend may mark its timeline here).
+    PassesDone,
+    /// The output stage of positions `row0 .. row0 + rows`: `gate` and `a` hold them from
+    /// `buf_row0`, `t` is whole, y is written at those rows.
+    Output(KernelParams),
+}
+
+/// The forward of `problem` under a staged chunked `plan` as steps: per hidden pass, per row chunk `Norm`, the pass's
+/// projection `Gemm` and `Gating` with H = the pass width into left/right `[B, hn, N, N]`,
+/// then one contraction `Gemm` per batch into the pass's channels of t; after `PassesDone`, per
+/// row chunk `Norm`, the out-gate `Gemm`, `Gating` with H = 0 into the gate chunk, `Output`.
+/// `base` carries x, mask, y, the LayerNorm parameters and the shape.
+pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBuffers) -> Vec<StagedStep> {
+    let (c, h, g) = (plan.c, plan.h, plan.g);
+    let (batch, n) = (problem.shape.batch, problem.shape.n);
+    let nn = n * n;
+    let z = bufs.scratch;
+    let mut steps = Vec::new();
+
+    // Phase A. Left/right live in y out of place when they fit there, else in scratch.
+    let at = |r: crate::plan::Region| r.at(if plan.left_right_in_y() { base.y } else { bufs.scratch });
+    let (left, right) = (at(plan.left), at(plan.right));
+    let proj = plan.proj.map_or(0, |r| r.at(bufs.scratch));
+    let pass_bias = plan.pass_bias_offset;
+    for (h0, hn) in plan.passes() {
+        let w = bufs.pass_w + (4 * h0 * c * 2) as u64;
+        let bias = if bufs.proj_bias != 0 { bufs.pass_w + (pass_bias + 4 * h0 * 4) as u64 } else { 0 };
+        let tile_rows = params::gating_tile_rows(hn);
+        for (row0, rows) in plan.input_chunks() {
+            let p = KernelParams {
+                z,
+                proj,
+                left,
+                right,
+                proj_bias: bias,
+                gate: 0,
+                h: hn as i32,
+                g: 0,
+                p: (4 * hn) as i32,
+                row0: row0 as i64,
+                rows: rows as i64,
+                tile_rows: tile_rows as i32,
+                ..*base
+            };
+            steps.push(StagedStep::Norm(p));
+            steps.push(StagedStep::Gemm { spec: GemmSpec::projection(rows, c, 4 * hn), a: w, b: z, d: proj });
+            steps.push(StagedStep::Gating { params: p, tile_rows, smem: params::gating_smem_bytes(hn, tile_rows) });
+        }
+        // t's channels of a pass are contiguous within a batch only.
+        let spec = GemmSpec::contraction(problem.direction, hn, n);
+        for b in 0..batch {
+            let off = (b * hn * nn * 2) as u64;
+            let d = bufs.t + ((b * h + h0) * nn * 2) as u64;
+            steps.push(StagedStep::Gemm { spec, a: right + off, b: left + off, d });
+        }
+    }
+    steps.push(StagedStep::PassesDone);
+
+    // Phase B.
+    let gate = plan.gate.map_or(0, |r| r.at(bufs.scratch));
+    let a = plan.a.at(bufs.scratch);
+    let w_gate = bufs.w_in + (4 * h * c * 2) as u64;
+    let gate_bias = if bufs.proj_bias != 0 { bufs.proj_bias + (4 * h * 4) as u64 } else { 0 };
+    for (r0, rows) in plan.output_chunks() {
+        let chunk = KernelParams {
+            z,
+            proj,
+            gate,
+            a,
+            t: bufs.t,
+            left: 0,
+            right: 0,
+            row0: r0 as i64,
+            rows: rows as i64,
+            buf_row0: r0 as i64,
+            ..*base
+        };
+        // input_gating with H = 0: only σ(z·Wogᵀ + b) into the gate chunk.
+        let gp = KernelParams { h: 0, p: g as i32, proj_bias: gate_bias, tile_rows: GATE_TILE_ROWS as i32, ..chunk };
+        steps.push(StagedStep::Norm(gp));
+        steps.push(StagedStep::Gemm { spec: GemmSpec::projection(rows, c, g), a: w_gate, b: z, d: proj });
+        steps.push(StagedStep::Gating { params: gp, tile_rows: GATE_TILE_ROWS, smem: 0 });
+        steps.push(StagedStep::Output(chunk));
+    }
+    steps
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Blas, Capabilities, InputStage};
+    use crate::problem::{Config, Direction, Formulation, Precision, Shape};
+
+    fn problem(f: Formulation, b: usize, n: usize, c: usize, h: usize) -> Problem {
+        Problem::new(Config::new(f, c, h).unwrap(), Shape::new(b, n), Direction::Outgoing, false).unwrap()
+    }
+
+    /// Every address a step touches lies inside the buffer it belongs to (regions of the scratch
+    /// that are live together do not overlap), each hidden channel of t is written once per batch
+    /// and every position gets its output stage once: the plan's addresses are right before any
+    /// backend runs them.
+    #[test]
+    fn steps_stay_inside_their_buffers_and_cover_the_problem() {
+        const X: u64 = 1 << 40;
+        const Y: u64 = 2 << 40;
+        const SCRATCH: u64 = 3 << 40;
+        const PASS_W: u64 = 4 << 40;
+        const T: u64 = 5 << 40;
+        const W_IN: u64 = 6 << 40;
+        const BIAS: u64 = 7 << 40;
+        let span = |rows: usize, cols: usize, ld: usize| ((cols.max(1) - 1) * ld + rows) as u64;
+        for (f, b, n, c, h, in_place, biases) in [
+            (Formulation::GpuMode, 2, 10, 32, 24, false, false),
+            (Formulation::Af3, 2, 10, 16, 24, true, true),
+            (Formulation::Af3, 1, 33, 384, 128, false, true),
+            (Formulation::GpuMode, 3, 7, 5, 3, true, false),
+            // Left and right fill f32 y exactly in the narrowest plan, so not 16-bit y.
+            (Formulation::GpuMode, 1, 16, 8, 32, false, false),
+        ] {
+            // x and y in f32 and in 16 bits (half the room for left and right inside y).
+            for io in [Precision::F32Io, Precision::Bf16Io] {
+                let p = problem(f, b, n, c, h).in_place(in_place).with_io(io);
+                let e = io.io_bytes() as u64;
+                let m = p.shape.rows();
+                let g = p.config.gate_width();
+                let pw = 4 * h + g;
+                let caps = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
+                for plan in [Plan::narrowest(&p, caps).unwrap(), Plan::chunked(&p, caps, 16, 128).unwrap()] {
+                    let what = format!("{p:?}: {plan:?}");
+                    let y = if in_place { X } else { Y };
+                    let base = KernelParams {
+                        x: X,
+                        y,
+                        batch: b as i32,
+                        n: n as i32,
+                        c: c as i32,
+                        h: h as i32,
+                        ..Default::default()
+                    };
+                    let bufs = StagedBuffers {
+                        scratch: SCRATCH,
+                        pass_w: PASS_W,
+                        t: T,
+                        w_in: W_IN,
+                        proj_bias: if biases { BIAS } else { 0 },
+                    };
+                    let sizes = [
+                        (X, m as u64 * c as u64 * e),
+                        (Y, if in_place { 0 } else { m as u64 * c as u64 * e }),
+                        (SCRATCH, plan.scratch_bytes as u64),
+                        (PASS_W, plan.pass_weights_bytes as u64),
+                        (T, plan.t_bytes as u64),
+                        (W_IN, (pw * c * 2) as u64),
+                        (BIAS, (pw * 4) as u64),
+                    ];
+                    let inside = |addr: u64, len: u64, what_: &str| {
+                        if len == 0 {
+                            return;
+                        }
+                        let ok = sizes.iter().any(|&(at, size)| addr >= at && addr + len <= at + size);
+                        assert!(ok, "{what}: {what_} [{addr:#x}, +{len}) outside every buffer");
+                    };
+                    let mut t_written = vec![0u32; b * h];
+                    let mut out_rows = vec![0u32; m];
+                    let mut passes_done = false;
+                    for step in steps(&plan, &p, &base, bufs) {
+                        match step {
+                            StagedStep::Norm(q) => {
+                                inside(q.x + q.row0 as u64 * c as u64 * e, q.rows as u64 * c as u64 * e, "x");
+                                inside(q.z, q.rows as u64 * c as u64 * 2, "z");
+                                assert!(q.z + q.rows as u64 * c as u64 * 2 <= q.proj, "{what}: z runs into proj");
+                            }
+                            StagedStep::Gemm { spec, a, b: bb, d } => {
+                                let (ar, ac) = spec.a_dims();
+                                let (br, bc) = spec.b_dims();
+                                let batched = |one: u64, stride: usize| (spec.batch as u64 - 1) * stride as u64 + one;
+                                inside(a, 2 * batched(span(ar, ac, spec.lda), spec.stride_a), "GEMM A");
+                                inside(bb, 2 * batched(span(br, bc, spec.ldb), spec.stride_b), "GEMM B");
+                                inside(d, 2 * batched(span(spec.m, spec.n, spec.ldd), spec.stride_d), "GEMM D");
+                                if d >= T && d < T + plan.t_bytes as u64 {
+                                    assert!(!passes_done, "{what}: t written after the passes");
+                                    let first = ((d - T) / 2 / (n * n) as u64) as usize;
+                                    for k in &mut t_written[first..first + spec.batch] {
+                                        *k += 1;
+                                    }
+                                }
+                            }
+                            StagedStep::Gating { params: q, tile_rows, smem } => {
+                                let (hn, gq, pq) = (q.h as u64, q.g as u64, q.p as u64);
+                                assert!(
+                                    tile_rows >= 1 && smem == params::gating_smem_bytes(q.h as usize, tile_rows),
+                                    "{what}"
+                                );
+                                inside(q.proj, q.rows as u64 * pq * 2, "proj");
+                                if q.proj_bias != 0 {
+                                    inside(q.proj_bias, pq * 4, "bias");
+                                }
+                                inside(q.left, m as u64 * hn * 2, "left");
+                                inside(q.right, m as u64 * hn * 2, "right");
+                                let brow = (q.row0 - q.buf_row0) as u64;
+                                inside(q.gate + brow * gq * 2, q.rows as u64 * gq * 2, "gate");
+                                if hn > 0 && q.left >= SCRATCH {
+                                    assert!(q.proj + q.rows as u64 * pq * 2 <= q.left, "{what}: proj runs into left");
+                                }
+                            }
+                            StagedStep::PassesDone => passes_done = true,
+                            StagedStep::Output(q) => {
+                                assert!(passes_done, "{what}: output before t is complete");
+                                let (r0, rows) = (q.row0 as usize, q.rows as usize);
+                                inside(q.t, (m * h * 2) as u64, "t");
+                                inside(
+                                    q.gate + ((q.row0 - q.buf_row0) as u64) * g as u64 * 2,
+                                    (rows * g * 2) as u64,
+                                    "gate chunk",
+                                );
+                                inside(q.a, (rows * h * 2) as u64, "a chunk");
+                                inside(q.y + r0 as u64 * c as u64 * e, rows as u64 * c as u64 * e, "y rows");
+                                assert!(
+                                    q.gate + (rows * g * 2) as u64 <= q.a || q.a + (rows * h * 2) as u64 <= q.gate,
+                                    "{what}"
+                                );
+                                for row in &mut out_rows[r0..r0 + rows] {
+                                    *row += 1;
+                                }
+                            }
+                        }
+                    }
+                    assert!(t_written.iter().all(|&k| k == 1), "{what}: t channels written {t_written:?}");
+                    assert!(out_rows.iter().all(|&k| k == 1), "{what}: output rows {out_rows:?}");
+                }
+            }
+        }
+    }
+}
