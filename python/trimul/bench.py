@@ -9,7 +9,8 @@ after warm-up):
 - ``trimul.gpumode.custom_kernel`` on GPU MODE's 7 benchmark shapes with new weights handed over
   in every call, as its harness does (``--gpumode``);
 - the host time per call at N = 256 against a no-op ``torch.library.custom_op`` taking the same
-  arguments (``--host-time``).
+  arguments, bare and with the same registrations as the op (a fake and an autograd formula,
+  whose layer PyTorch runs in every call) (``--host-time``).
 
 Results print as a table and, with ``--json FILE``, are written as JSON.
 """
@@ -184,6 +185,46 @@ def _noop(
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("trimul_bench::noop_registered", mutates_args=())
+def _noop_registered(
+    x: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    a: Optional[torch.Tensor],
+    b: Optional[torch.Tensor],
+    c: torch.Tensor,
+    d: Optional[torch.Tensor],
+    e: torch.Tensor,
+    f: Optional[torch.Tensor],
+    g: Optional[torch.Tensor],
+    h: Optional[torch.Tensor],
+    i: torch.Tensor,
+    j: Optional[torch.Tensor],
+    k: torch.Tensor,
+    l: Optional[torch.Tensor],  # noqa: E741
+    direction: str,
+    eps: float,
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@_noop_registered.register_fake
+def _(x, *rest):
+    return torch.empty_like(x)
+
+
+def _noop_backward(ctx, grad):
+    return (grad,) + (None,) * 15
+
+
+def _noop_setup_context(ctx, inputs, output):
+    pass
+
+
+# The registrations trimul's op has (register_fake and register_autograd): what PyTorch costs any
+# op of this signature that supports autograd, so that the difference is the op's own.
+_noop_registered.register_autograd(_noop_backward, setup_context=_noop_setup_context)
+
+
 def bench_host_time(dtype, g, calls: int = 50, rounds: int = 200) -> dict:
     """Host microseconds per call at N = 256: bursts of `calls` calls after a synchronize (short
     enough that no launch queue fills). Each round times one burst of every variant in turn, so
@@ -199,6 +240,7 @@ def bench_host_time(dtype, g, calls: int = 50, rounds: int = 200) -> dict:
     for _ in range(20):
         op(x, None, *args, "outgoing", 1e-5)
         _noop(x, None, *args, "outgoing", 1e-5)
+        _noop_registered(x, None, *args, "outgoing", 1e-5)
         tmu(x, "outgoing", None, **w)
     # The library call alone, on buffers allocated once (what the op adds around it is PyTorch's).
     from . import _torch
@@ -217,6 +259,7 @@ def bench_host_time(dtype, g, calls: int = 50, rounds: int = 200) -> dict:
 
     variants = {
         "noop_custom_op": lambda: _noop(x, None, *args, "outgoing", 1e-5),
+        "noop_registered_op": lambda: _noop_registered(x, None, *args, "outgoing", 1e-5),
         "trimul_op": lambda: op(x, None, *args, "outgoing", 1e-5),
         "trimul_function": lambda: tmu(x, "outgoing", None, **w),
         # precision="default" is the same computation without the short path for prepared weights.
@@ -237,6 +280,10 @@ def bench_host_time(dtype, g, calls: int = 50, rounds: int = 200) -> dict:
     base = samples["noop_custom_op"]
     for k in ("trimul_op", "trimul_function", "trimul_function_full_checks"):
         out[f"{k}_minus_noop_us"] = statistics.median(a - b for a, b in zip(samples[k], base))
+    # The registered op against a no-op with the same registrations.
+    out["trimul_op_minus_noop_registered_us"] = statistics.median(
+        a - b for a, b in zip(samples["trimul_op"], samples["noop_registered_op"])
+    )
     print("host time per call at N=256: " + ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in out.items()))
     return out
 
