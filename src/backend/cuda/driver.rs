@@ -83,6 +83,12 @@ pub(crate) fn nvrtc_missing() -> Error {
     }
 }
 
+/// Host element types valid for any bit pattern, which copies from the device may fill: what host
+/// staging copies (f32, and 16-bit words).
+pub(crate) trait Word: Copy {}
+impl Word for f32 {}
+impl Word for u16 {}
+
 /// Device memory of `len` elements of `T`: owned by the backend and freed on drop, or (made by
 /// `DeviceBuffer::borrowed`) a view of memory the caller owns, which is never freed here.
 pub struct DeviceBuffer<T> {
@@ -197,6 +203,45 @@ impl<T> DeviceBuffer<T> {
         }
         self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         // SAFETY: lengths match; we synchronise before returning, so `dst` outlives the copy.
+        unsafe {
+            cu::memcpy_dtoh_async(dst, self.ptr, stream).ctx("cuMemcpyDtoHAsync")?;
+            cu::stream::synchronize(stream).ctx("cuStreamSynchronize")
+        }
+    }
+
+    /// Asynchronous copy of host words (f32 or 16-bit) into the start of this buffer on
+    /// `stream` (host staging keeps 16-bit tensors in f32 buffers). Checks that they fit.
+    ///
+    /// # Safety
+    /// `src` stays alive and unchanged until `stream` has run the copy.
+    pub(crate) unsafe fn upload_words_async<U: Word>(&mut self, src: &[U], stream: CUstream) -> Result<()> {
+        if std::mem::size_of_val(src) as u64 > self.bytes() {
+            return Err(Error::Shape(format!(
+                "upload of {} bytes into a buffer of {}",
+                std::mem::size_of_val(src),
+                self.bytes()
+            )));
+        }
+        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        // SAFETY: the bytes fit our allocation (checked above); `src` outlives the copy (this
+        // function's contract).
+        unsafe { cu::memcpy_htod_async(self.ptr, src, stream) }.ctx("cuMemcpyHtoDAsync")
+    }
+
+    /// Copy of the start of this buffer into host words (f32 or 16-bit) after all work on
+    /// `stream`; waits. Checks that they fit.
+    pub(crate) fn download_words<U: Word>(&self, dst: &mut [U], stream: CUstream) -> Result<()> {
+        if std::mem::size_of_val(dst) as u64 > self.bytes() {
+            return Err(Error::Shape(format!(
+                "download of {} bytes from a buffer of {}",
+                std::mem::size_of_val(dst),
+                self.bytes()
+            )));
+        }
+        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        // SAFETY: the bytes lie inside our allocation (checked above); `dst` is borrowed
+        // exclusively and a `Word` is valid for any bit pattern; we
+        // synchronise before returning, so `dst` outlives the copy.
         unsafe {
             cu::memcpy_dtoh_async(dst, self.ptr, stream).ctx("cuMemcpyDtoHAsync")?;
             cu::stream::synchronize(stream).ctx("cuStreamSynchronize")
