@@ -229,6 +229,25 @@ pub struct DeviceIo {
     pub workspace: Option<DeviceSpan>,
 }
 
+/// Host memory that host staging copies to and from a backend's buffers: f32, or 16-bit words
+/// (bf16 or f16 bit patterns, as the problem's precision says).
+#[derive(Copy, Clone, Debug)]
+pub enum HostWords<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// 16-bit words.
+    Half(&'a [u16]),
+}
+
+/// [`HostWords`] to copy into.
+#[derive(Debug)]
+pub enum HostWordsMut<'a> {
+    /// f32 values.
+    F32(&'a mut [f32]),
+    /// 16-bit words.
+    Half(&'a mut [u16]),
+}
+
 /// Where one forward's x, mask and y lie, in the memory of the backend that runs it (see
 /// [`ForwardIo`]).
 #[derive(Debug)]

@@ -11,7 +11,7 @@ use crate::memory::{self, ExecPlan, MemoryNeeds};
 pub use crate::problem::Precision;
 use crate::problem::{Config, Direction, Problem, Shape};
 pub use crate::staging::IoElement;
-use crate::staging::{check_host, HostStaging};
+use crate::staging::{check_host, Host, HostStaging, On};
 use crate::weights::Weights;
 
 /// Per-layer options. The precision of `x` and `y` is their element type (see [`IoElement`]).
@@ -83,9 +83,13 @@ impl<B: Backend> Layer<B> {
         weights.validate()?;
         crate::problem::check_eps(options.eps)?;
         let prepared = backend.prepare(weights)?;
-        Ok(Layer {
+        Ok(Self::with_prepared(backend, weights.config(), options, prepared))
+    }
+
+    fn with_prepared(backend: &B, config: Config, options: Options, prepared: B::Prepared) -> Self {
+        Layer {
             backend: backend.clone(),
-            config: weights.config(),
+            config,
             options,
             prepared,
             workspace: None,
@@ -93,7 +97,7 @@ impl<B: Backend> Layer<B> {
             budget: None,
             caller_ws: None,
             staging: HostStaging::new(),
-        })
+        }
     }
 
     /// Device bytes [`Layer::from_device_weights`] needs as storage for a layer of `config`
@@ -122,17 +126,7 @@ impl<B: Backend> Layer<B> {
         crate::problem::check_eps(options.eps)?;
         // SAFETY: forwarded from this function's contract.
         let prepared = unsafe { backend.prepare_device(weights, storage, stream)? };
-        Ok(Layer {
-            backend: backend.clone(),
-            config: weights.config,
-            options,
-            prepared,
-            workspace: None,
-            planned_for: None,
-            budget: None,
-            caller_ws: None,
-            staging: HostStaging::new(),
-        })
+        Ok(Self::with_prepared(backend, weights.config, options, prepared))
     }
 
     /// Replaces this layer's weights with `weights` prepared on the device into `storage` (as
@@ -409,8 +403,9 @@ impl<B: Backend> Layer<B> {
     ) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?.with_io(T::PRECISION);
         check_host(&problem, T::PRECISION, Some(x.len()), mask, y.len())?;
-        let (backend, prepared, ws, staging) = self.parts_for(&problem, true)?;
-        staging.run(backend, prepared, ws, &problem, Some(T::words(x)), mask, T::words_mut(y))
+        let (backend, prepared, workspace, staging) = self.parts_for(&problem, true)?;
+        let on = On { backend, prepared, workspace, problem: &problem };
+        staging.run(on, Host { x: Some(T::words(x)), mask, y: T::words_mut(y) })
     }
 
     /// One forward whose output overwrites its input: on return `xy` holds `y`. The largest
@@ -420,8 +415,9 @@ impl<B: Backend> Layer<B> {
     pub fn forward_in_place<T: IoElement>(&mut self, xy: &mut [T], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?.in_place(true).with_io(T::PRECISION);
         check_host(&problem, T::PRECISION, None, mask, xy.len())?;
-        let (backend, prepared, ws, staging) = self.parts_for(&problem, true)?;
-        staging.run(backend, prepared, ws, &problem, None, mask, T::words_mut(xy))
+        let (backend, prepared, workspace, staging) = self.parts_for(&problem, true)?;
+        let on = On { backend, prepared, workspace, problem: &problem };
+        staging.run(on, Host { x: None, mask, y: T::words_mut(xy) })
     }
 
     /// [`Layer::forward_in_place`] on a backend buffer: enqueues the work, `xy` holds `y` after

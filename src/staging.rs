@@ -114,7 +114,8 @@ impl<B: Backend> HostStaging<B> {
     }
 
     /// One forward on host slices through `backend` with a workspace of its own (see the module
-    /// docs); returns when `y` holds the result.
+    /// docs): `x` (`None` in place: `y` holds x, for a problem made in place), the mask and `y`.
+    /// Returns when `y` holds the result.
     #[allow(clippy::too_many_arguments)]
     pub fn forward<T: IoElement>(
         &mut self,
@@ -122,76 +123,45 @@ impl<B: Backend> HostStaging<B> {
         prepared: &B::Prepared,
         workspace: &mut B::Workspace,
         problem: &Problem,
-        x: &[T],
+        x: Option<&[T]>,
         mask: Option<&[f32]>,
         y: &mut [T],
     ) -> Result<()> {
-        check_host(problem, T::PRECISION, Some(x.len()), mask, y.len())?;
-        self.run(backend, prepared, workspace, problem, Some(T::words(x)), mask, T::words_mut(y))
+        check_host(problem, T::PRECISION, x.map(<[T]>::len), mask, y.len())?;
+        let on = On { backend, prepared, workspace, problem };
+        self.run(on, Host { x: x.map(T::words), mask, y: T::words_mut(y) })
     }
 
-    /// [`HostStaging::forward`] in place: `xy` holds x, then y (`problem` made in place).
-    pub fn forward_in_place<T: IoElement>(
-        &mut self,
-        backend: &B,
-        prepared: &B::Prepared,
-        workspace: &mut B::Workspace,
-        problem: &Problem,
-        xy: &mut [T],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        check_host(problem, T::PRECISION, None, mask, xy.len())?;
-        self.run(backend, prepared, workspace, problem, None, mask, T::words_mut(xy))
-    }
-
-    /// The forward on slices already checked ([`check_host`]); `x` `None` in place.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn run(
-        &mut self,
-        backend: &B,
-        prepared: &B::Prepared,
-        workspace: &mut B::Workspace,
-        problem: &Problem,
-        x: Option<HostWords<'_>>,
-        mask: Option<&[f32]>,
-        y: HostWordsMut<'_>,
-    ) -> Result<()> {
-        if problem.io != Precision::F32Io && !backend.half_io_native(prepared) {
-            return self.widened(backend, prepared, workspace, problem, x, mask, y);
+    /// The forward `on` a backend, on slices already checked ([`check_host`]).
+    pub(crate) fn run(&mut self, on: On<'_, B>, host: Host<'_>) -> Result<()> {
+        if on.problem.io != Precision::F32Io && !on.backend.half_io_native(on.prepared) {
+            return self.widened(on, host);
         }
-        if backend.host_io_staged() {
-            return self.staged(backend, prepared, workspace, problem, x, mask, y);
+        if on.backend.host_io_staged() {
+            return self.staged(on, host);
         }
         // The backend computes on host memory: the slices are its operands as they lie.
+        let Host { x, mask, y } = host;
         let io = match (x, y) {
             (Some(HostWords::F32(x)), HostWordsMut::F32(y)) => ForwardIo::host(x, mask, y),
             (None, HostWordsMut::F32(y)) => ForwardIo::host_in_place(y, mask),
             _ => {
                 return Err(Error::Internal(format!(
                     "the {} backend computes on host memory in f32, yet says it keeps {} x and y",
-                    backend.kind(),
-                    problem.io
+                    on.backend.kind(),
+                    on.problem.io
                 )))
             }
         };
-        backend.forward(prepared, workspace, problem, io)
+        on.backend.forward(on.prepared, on.workspace, on.problem, io)
     }
 
     /// 16-bit x widened to an f32 copy, the forward in f32 (same math: the kernels round nothing
     /// at the I/O), y rounded back to 16 bits.
-    #[allow(clippy::too_many_arguments)]
-    fn widened(
-        &mut self,
-        backend: &B,
-        prepared: &B::Prepared,
-        workspace: &mut B::Workspace,
-        problem: &Problem,
-        x: Option<HostWords<'_>>,
-        mask: Option<&[f32]>,
-        y: HostWordsMut<'_>,
-    ) -> Result<()> {
-        let io = problem.io;
-        let wide = problem.with_io(Precision::F32Io);
+    fn widened(&mut self, on: On<'_, B>, Host { x, mask, y }: Host<'_>) -> Result<()> {
+        let io = on.problem.io;
+        let wide = on.problem.with_io(Precision::F32Io);
+        let on = On { problem: &wide, ..on };
         let decode = |bits: &[u16]| -> Result<Vec<f32>> {
             let mut v = crate::hostmem::try_vec(bits.len(), 0f32, "f32 copy of x")?;
             v.iter_mut().zip(bits).for_each(|(d, &b)| *d = io.decode_half(b));
@@ -202,21 +172,13 @@ impl<B: Backend> HostStaging<B> {
             (Some(HostWords::Half(x)), HostWordsMut::Half(y)) => {
                 let xf = decode(x)?;
                 let mut yf = crate::hostmem::try_vec(y.len(), 0f32, "f32 y")?;
-                self.run(
-                    backend,
-                    prepared,
-                    workspace,
-                    &wide,
-                    Some(HostWords::F32(&xf)),
-                    mask,
-                    HostWordsMut::F32(&mut yf),
-                )?;
+                self.run(on, Host { x: Some(HostWords::F32(&xf)), mask, y: HostWordsMut::F32(&mut yf) })?;
                 encode(&yf, y);
                 Ok(())
             }
             (None, HostWordsMut::Half(xy)) => {
                 let mut f = decode(xy)?;
-                self.run(backend, prepared, workspace, &wide, None, mask, HostWordsMut::F32(&mut f))?;
+                self.run(on, Host { x: None, mask, y: HostWordsMut::F32(&mut f) })?;
                 encode(&f, xy);
                 Ok(())
             }
@@ -225,17 +187,8 @@ impl<B: Backend> HostStaging<B> {
     }
 
     /// x and the mask uploaded into the kept buffers, the forward enqueued on them, y downloaded.
-    #[allow(clippy::too_many_arguments)]
-    fn staged(
-        &mut self,
-        backend: &B,
-        prepared: &B::Prepared,
-        workspace: &mut B::Workspace,
-        problem: &Problem,
-        x: Option<HostWords<'_>>,
-        mask: Option<&[f32]>,
-        y: HostWordsMut<'_>,
-    ) -> Result<()> {
+    fn staged(&mut self, on: On<'_, B>, Host { x, mask, y }: Host<'_>) -> Result<()> {
+        let On { backend, prepared, workspace, problem } = on;
         // Checked before any staging is made or kept: a workspace of another problem would leave
         // buffers of the wrong size behind for the calls that fit it.
         if !backend.workspace_fits(workspace, problem) {
@@ -299,6 +252,21 @@ impl<B: Backend> HostStaging<B> {
         }
         result
     }
+}
+
+/// What a forward runs on: the backend, its prepared weights and workspace, and the problem.
+pub(crate) struct On<'a, B: Backend> {
+    pub(crate) backend: &'a B,
+    pub(crate) prepared: &'a B::Prepared,
+    pub(crate) workspace: &'a mut B::Workspace,
+    pub(crate) problem: &'a Problem,
+}
+
+/// One forward's host slices: x (`None` in place: y holds x), the mask and y.
+pub(crate) struct Host<'a> {
+    pub(crate) x: Option<HostWords<'a>>,
+    pub(crate) mask: Option<&'a [f32]>,
+    pub(crate) y: HostWordsMut<'a>,
 }
 
 /// Makes `slot` a buffer of `slots` f32 slots unless it is one; `what` names it in an error.

@@ -213,10 +213,10 @@ fn chunked_workspaces_refuse_other_weights() {
     let inputs = suite::generate_inputs(&case, s ^ 33);
     let mut y = vec![f32::NAN; inputs.x.len()];
     let mut staging = HostStaging::new();
-    let e = staging.forward(&b, &pb, &mut ws, &problem, &inputs.x, None, &mut y).unwrap_err().to_string();
+    let e = staging.forward(&b, &pb, &mut ws, &problem, Some(&inputs.x), None, &mut y).unwrap_err().to_string();
     assert!(e.contains("other prepared weights"), "{e}");
     // With its own weights the same workspace computes the reference.
-    staging.forward(&b, &pa, &mut ws, &problem, &inputs.x, None, &mut y).unwrap();
+    staging.forward(&b, &pa, &mut ws, &problem, Some(&inputs.x), None, &mut y).unwrap();
     let cmp = reference::check(&wa, &problem, &inputs.x, None, &y, TOL, TOL).unwrap();
     assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{cmp}");
 }
@@ -565,7 +565,7 @@ fn a_chunked_workspace_planned_for_f32_y_is_not_used_for_16_bit_y() {
     let inputs = suite::generate_inputs(&case, 77);
     let x: Vec<half::bf16> = inputs.x.iter().map(|&v| half::bf16::from_f32(v)).collect();
     let mut y = vec![half::bf16::ZERO; x.len()];
-    let r = HostStaging::new().forward(&b, &prep, &mut ws, &p16, &x, None, &mut y);
+    let r = HostStaging::new().forward(&b, &prep, &mut ws, &p16, Some(&x), None, &mut y);
     let e = r.expect_err("an f32-planned workspace ran a 16-bit problem").to_string();
     assert!(e.contains("workspace"), "{e}");
 }
@@ -599,7 +599,8 @@ fn f32_entry_points_refuse_16_bit_problems() {
         .to_string();
     assert!(e.contains("f32 forward"), "{e}");
     let mut y = vec![0f32; inputs.x.len()];
-    let e = HostStaging::new().forward(&b, &prep, &mut ws, &p16, &inputs.x, None, &mut y).unwrap_err().to_string();
+    let e =
+        HostStaging::new().forward(&b, &prep, &mut ws, &p16, Some(&inputs.x), None, &mut y).unwrap_err().to_string();
     assert!(e.contains("f32 forward"), "{e}");
 }
 

@@ -35,7 +35,8 @@ pub(crate) mod params;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod staged_plan;
 
-use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo};
+use crate::device_io::{DeviceOperands, DeviceSpan, DeviceWeights, ForwardIo, Operands};
+pub use crate::device_io::{HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;
 use crate::problem::{Config, Problem};
@@ -81,32 +82,35 @@ pub struct MemoryInfo {
     pub total: u64,
 }
 
-/// Host memory that host staging copies to and from a backend's buffers: f32, or 16-bit words
-/// (bf16 or f16 bit patterns, as the problem's precision says).
-#[derive(Copy, Clone, Debug)]
-pub enum HostWords<'a> {
-    /// f32 values.
-    F32(&'a [f32]),
-    /// 16-bit words.
-    Half(&'a [u16]),
-}
-
-/// [`HostWords`] to copy into.
-#[derive(Debug)]
-pub enum HostWordsMut<'a> {
-    /// f32 values.
-    F32(&'a mut [f32]),
-    /// 16-bit words.
-    Half(&'a mut [u16]),
-}
-
 /// The error of a GPU backend given host slices: they reach it through the layer's host staging.
 #[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
-pub(crate) fn host_operands(kind: BackendKind) -> Error {
+fn host_operands(kind: BackendKind) -> Error {
     Error::InvalidArgument(format!(
         "the {kind} backend computes on device memory: host slices go through the layer's host staging \
          (Layer::forward_into, trimul::staging::HostStaging)"
     ))
+}
+
+/// What a GPU backend's forward takes from its I/O, after [`ForwardIo::check`]: the device
+/// operands (which carry the contract of the `ForwardIo` constructor that made them: live
+/// allocations of the backend's context with the problem's element counts, y apart from x and
+/// the mask unless in place, alive until the stream has run the work) and the workspace span to
+/// bind, if any. `in_caller_memory`: the workspace lives in caller memory, so a span is needed.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+pub(crate) fn device_operands(
+    io: &ForwardIo<'_>,
+    problem: &Problem,
+    kind: BackendKind,
+    in_caller_memory: bool,
+) -> Result<(DeviceOperands, Option<DeviceSpan>)> {
+    io.check(problem)?;
+    let Operands::Device(operands) = io.operands() else {
+        return Err(host_operands(kind));
+    };
+    if in_caller_memory && io.workspace().is_none() {
+        return Err(Error::InvalidArgument("this workspace lives in caller memory: pass its span".into()));
+    }
+    Ok((*operands, io.workspace()))
 }
 
 /// Weights prepared for the layer `prepared` serve only problems of that layer, and only valid

@@ -60,8 +60,8 @@ use self::kernels::Kernels;
 use super::gemm::GemmSpec;
 use super::params::FusedInputLayout;
 use super::staged_plan::ChunkedPlan;
-use super::{check_prepared_for, host_operands, Backend, Ceilings, DeviceInfo, HostWords, HostWordsMut, MemoryInfo};
-use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, Operands, SPAN_ALIGN};
+use super::{check_prepared_for, device_operands, Backend, Ceilings, DeviceInfo, MemoryInfo};
+use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;
 use crate::problem::{Config, Precision, Problem};
@@ -760,19 +760,11 @@ impl Backend for CudaBackend {
 
     unsafe fn upload_async(&self, src: HostWords<'_>, dst: &mut DeviceBuffer<f32>) -> Result<()> {
         // SAFETY: `src` outlives the copy (this method's contract); the buffer checks the fit.
-        unsafe {
-            match src {
-                HostWords::F32(v) => dst.upload_words_async(v, self.stream()),
-                HostWords::Half(v) => dst.upload_words_async(v, self.stream()),
-            }
-        }
+        unsafe { dst.upload_host_async(src, self.stream()) }
     }
 
     fn download_words(&self, src: &DeviceBuffer<f32>, dst: HostWordsMut<'_>) -> Result<()> {
-        match dst {
-            HostWordsMut::F32(v) => src.download_words(v, self.stream()),
-            HostWordsMut::Half(v) => src.download_words(v, self.stream()),
-        }
+        src.download_host(dst, self.stream())
     }
 
     fn buffer_io<'a>(
@@ -794,24 +786,14 @@ impl Backend for CudaBackend {
         problem: &Problem,
         io: ForwardIo<'_>,
     ) -> Result<()> {
-        io.check(problem)?;
-        let Operands::Device(d) = io.operands() else {
-            return Err(host_operands(BackendKind::Cuda));
-        };
-        match io.workspace() {
-            Some(span) => workspace.bind(span)?,
-            None if workspace.caller_base.is_some() => {
-                return Err(Error::InvalidArgument("this workspace lives in caller memory: pass its span".into()))
-            }
-            None => {}
+        let (d, span) = device_operands(&io, problem, BackendKind::Cuda, workspace.caller_base.is_some())?;
+        if let Some(span) = span {
+            workspace.bind(span)?;
         }
         let stream = io.stream().map_or(self.stream(), |s| s as CUstream);
-        // SAFETY: device operands are live allocations of this context with the problem's
-        // element counts, y aliasing neither x nor the mask unless in place, alive until the
-        // stream has run the work: the contract of the `ForwardIo` constructor that made them,
-        // with the counts checked above where the memory knows them. The workspace's buffers are
-        // its own allocations or views into the span just bound, which that contract keeps alive
-        // and unshared.
+        // SAFETY: `d` carries its constructor's contract (see `device_operands`); the workspace's
+        // buffers are its own allocations or views into the span just bound, which that
+        // contract keeps alive and unshared.
         unsafe { self.enqueue(prepared, workspace, problem, d.x(), d.mask(), d.y(), stream) }
     }
 

@@ -61,10 +61,10 @@ use super::params::{
 };
 use super::staged_plan::{ChunkedPlan, StagedBuffers, StagedStep};
 use super::{
-    check_device_forward, check_prepared_for, check_same_weights, host_operands, Backend, Ceilings, DeviceInfo,
-    HostWords, HostWordsMut, MemoryInfo,
+    check_device_forward, check_prepared_for, check_same_weights, device_operands, Backend, Ceilings, DeviceInfo,
+    MemoryInfo,
 };
-use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, Operands, SPAN_ALIGN};
+use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::memory::ExecPlan;
 use crate::problem::{Config, Formulation, Precision, Problem};
@@ -1169,34 +1169,22 @@ impl Backend for HipBackend {
         problem: &Problem,
         io: ForwardIo<'_>,
     ) -> Result<()> {
-        io.check(problem)?;
-        let Operands::Device(d) = io.operands() else {
-            return Err(host_operands(BackendKind::Hip));
-        };
+        let (d, span) = device_operands(&io, problem, BackendKind::Hip, workspace.caller_base.is_some())?;
         let stream = io.stream().map_or(self.stream(), |s| s as sys::hipStream_t);
-        match io.workspace() {
-            Some(span) => {
-                workspace.bind(span)?;
-                // The ones vector of af3's bias update lives in the caller's memory too: written
-                // on the call's stream before the stages read it.
-                if let Layout::OnePass(OnePass { ones: Some(ones), plan, .. }) = &workspace.layout {
-                    self.bind()?;
-                    let kp = fill_params(ones.addr(), plan.rows, 1.0, self.prepare_grid(plan.rows as u64));
-                    // SAFETY: `ones` lies in the span just bound (the I/O's contract keeps it
-                    // alive and unshared) and holds `rows` f32 values.
-                    unsafe { launch_prepare(&self.ctx.kernels.prepare_weights, stream, &kp)? };
-                }
+        if let Some(span) = span {
+            workspace.bind(span)?;
+            // The ones vector of af3's bias update lives in the caller's memory too: written on
+            // the call's stream before the stages read it.
+            if let Layout::OnePass(OnePass { ones: Some(ones), plan, .. }) = &workspace.layout {
+                self.bind()?;
+                let kp = fill_params(ones.addr(), plan.rows, 1.0, self.prepare_grid(plan.rows as u64));
+                // SAFETY: `ones` lies in the span just bound (the I/O's contract keeps it alive
+                // and unshared) and holds `rows` f32 values.
+                unsafe { launch_prepare(&self.ctx.kernels.prepare_weights, stream, &kp)? };
             }
-            None if workspace.caller_base.is_some() => {
-                return Err(Error::InvalidArgument("this workspace lives in caller memory: pass its span".into()))
-            }
-            None => {}
         }
-        // SAFETY: device operands are live allocations of this device with the problem's element
-        // counts, y aliasing neither x nor the mask unless in place, alive until the stream has
-        // run the work: the contract of the `ForwardIo` constructor that made them, with the
-        // counts checked above where the memory knows them. The workspace's buffers are its own
-        // allocations or views into the span just bound.
+        // SAFETY: `d` and the span carry the contract of the I/O's constructor (see
+        // `device_operands`); the workspace's buffers are its own or views into that span.
         unsafe { self.enqueue(prepared, workspace, problem, d.x(), d.mask(), d.y(), stream) }
     }
 
