@@ -2,7 +2,7 @@
 //! `cargo run --release --example cpu_speed -- [N B C H] [repeats]`.
 use std::time::Instant;
 use trimul::backend::cpu::{gemm_ceiling_gflops, CpuBackend};
-use trimul::{Backend, Config, Direction, Formulation, Problem, Shape, Weights};
+use trimul::{Backend, Config, Direction, Formulation, ForwardIo, Problem, Shape, Weights};
 
 /// User+system CPU seconds of this process (Linux), to see through other load on shared machines.
 fn cpu_secs() -> f64 {
@@ -28,12 +28,12 @@ fn main() -> trimul::Result<()> {
     let mut ws = be.workspace(&prep, &p, None)?;
     let x = trimul::rand::Rng::new(2).normal_vec(p.x_len(), 1.0);
     let mut y = vec![0.0f32; x.len()];
-    be.forward_host(&prep, &mut ws, &p, &x, None, &mut y)?;
+    be.forward(&prep, &mut ws, &p, ForwardIo::host(&x, None, &mut y))?;
     let c0 = cpu_secs();
     let mut times: Vec<f64> = (0..reps)
         .map(|_| {
             let t = Instant::now();
-            be.forward_host(&prep, &mut ws, &p, &x, None, &mut y).map(|_| t.elapsed().as_secs_f64())
+            be.forward(&prep, &mut ws, &p, ForwardIo::host(&x, None, &mut y)).map(|_| t.elapsed().as_secs_f64())
         })
         .collect::<trimul::Result<_>>()?;
     times.sort_by(f64::total_cmp);
@@ -63,7 +63,7 @@ fn main() -> trimul::Result<()> {
     let mut ratios: Vec<f64> = (0..reps)
         .map(|_| {
             let t = Instant::now();
-            be.forward_host(&prep, &mut ws, &p, &x, None, &mut y).map(|_| {
+            be.forward(&prep, &mut ws, &p, ForwardIo::host(&x, None, &mut y)).map(|_| {
                 let got = p.flops() / t.elapsed().as_secs_f64() / 1e9;
                 got / gemm_ceiling_gflops(2048, 1)
             })

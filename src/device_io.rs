@@ -13,7 +13,7 @@
 //! contiguous and row-major. A caller holding cudarc memory passes `CudaSlice`'s device pointer.
 
 use crate::error::{Error, Result};
-use crate::problem::{Config, Formulation, Precision, Shape};
+use crate::problem::{Config, Formulation, Precision, Problem, Shape};
 
 /// Element type of a tensor the caller holds.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -227,6 +227,243 @@ pub struct DeviceIo {
     /// [`Layer::device_workspace_bytes`](crate::Layer::device_workspace_bytes) bytes; `None`:
     /// the layer allocates and keeps its own.
     pub workspace: Option<DeviceSpan>,
+}
+
+/// Host memory that host staging copies to and from a backend's buffers: f32, or 16-bit words
+/// (bf16 or f16 bit patterns, as the problem's precision says).
+#[derive(Copy, Clone, Debug)]
+pub enum HostWords<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// 16-bit words.
+    Half(&'a [u16]),
+}
+
+/// [`HostWords`] to copy into.
+#[derive(Debug)]
+pub enum HostWordsMut<'a> {
+    /// f32 values.
+    F32(&'a mut [f32]),
+    /// 16-bit words.
+    Half(&'a mut [u16]),
+}
+
+/// Where one forward's x, mask and y lie, in the memory of the backend that runs it (see
+/// [`ForwardIo`]).
+#[derive(Debug)]
+pub enum Operands<'a> {
+    /// Host slices: the memory of a backend that computes on the host (the CPU). `x: None` runs
+    /// in place: `y` holds x on entry.
+    Host {
+        /// `x`, or `None` in place.
+        x: Option<&'a [f32]>,
+        /// The mask, or none.
+        mask: Option<&'a [f32]>,
+        /// `y` (in place: x, overwritten).
+        y: &'a mut [f32],
+    },
+    /// Device addresses of a GPU backend's context.
+    Device(DeviceOperands),
+}
+
+/// x, mask and y at device addresses ([`Operands::Device`]); `y == x` in place. Made only by
+/// the constructors of [`ForwardIo`], so that a descriptor's addresses always carry the promise
+/// of one of them.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DeviceOperands {
+    x: u64,
+    mask: Option<u64>,
+    y: u64,
+    /// What the memory is known to hold: element counts of x, the mask and y for buffers (which
+    /// know their lengths), or the B and N the caller described ([`DeviceIo::shape`]).
+    extent: Extent,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Extent {
+    Lens { x: usize, mask: Option<usize>, y: usize },
+    Shape(Shape),
+}
+
+impl DeviceOperands {
+    /// Address of x.
+    pub fn x(&self) -> u64 {
+        self.x
+    }
+
+    /// Address of the mask, 0 for none (the kernels' convention).
+    pub fn mask(&self) -> u64 {
+        self.mask.unwrap_or(0)
+    }
+
+    /// Address of y (x's in place).
+    pub fn y(&self) -> u64 {
+        self.y
+    }
+}
+
+/// One forward's I/O, as [`Backend::forward`](crate::Backend::forward) takes it: x, the mask and
+/// y (or x overwritten in place) in the backend's memory, their element type, the stream the work
+/// is enqueued on and the workspace in caller memory, if any.
+///
+/// Host slices ([`ForwardIo::host`]) are the CPU backend's memory; GPU backends get device
+/// addresses: their own buffers (`Backend::buffer_io`), the layer's host staging (slices copied
+/// to the device above the backends, `src/staging.rs`), or the caller's memory
+/// ([`ForwardIo::device`], unsafe: addresses carry no lifetime). [`ForwardIo::check`] holds
+/// every check of the I/O against the problem, once for all of them.
+#[derive(Debug)]
+pub struct ForwardIo<'a> {
+    operands: Operands<'a>,
+    io: Precision,
+    stream: Option<u64>,
+    workspace: Option<DeviceSpan>,
+}
+
+impl<'a> ForwardIo<'a> {
+    /// f32 host slices, y apart from x.
+    pub fn host(x: &'a [f32], mask: Option<&'a [f32]>, y: &'a mut [f32]) -> Self {
+        ForwardIo::of(Operands::Host { x: Some(x), mask, y }, Precision::F32Io)
+    }
+
+    /// An f32 host slice holding x, overwritten by y.
+    pub fn host_in_place(xy: &'a mut [f32], mask: Option<&'a [f32]>) -> Self {
+        ForwardIo::of(Operands::Host { x: None, mask, y: xy }, Precision::F32Io)
+    }
+
+    /// Caller device memory as `io` describes it: its stream, and its workspace span if any.
+    ///
+    /// # Safety
+    /// `io.x`, `io.y` (and the mask) are live device allocations of the backend's context that
+    /// runs the descriptor, holding the element counts of `io.shape` in `io.io` (the mask f32),
+    /// `y` aliasing neither unless it is `x` in place; the workspace span, if any, is a live
+    /// allocation of its size used by nothing else; all stay alive until `io.stream` has run the
+    /// work, and `io.stream` belongs to that context.
+    pub unsafe fn device(io: &DeviceIo) -> ForwardIo<'static> {
+        ForwardIo {
+            operands: Operands::Device(DeviceOperands {
+                x: io.x,
+                mask: io.mask,
+                y: io.y,
+                extent: Extent::Shape(io.shape),
+            }),
+            io: io.io,
+            stream: Some(io.stream),
+            workspace: io.workspace,
+        }
+    }
+
+    /// Device buffers of `(address, element count)`, x `None` in place (y holds x), x and y in
+    /// `io`, on the backend's own stream. For the backends' `buffer_io` and the host staging.
+    ///
+    /// # Safety
+    /// The addresses are allocations of the backend that runs the descriptor, of at least the
+    /// given element counts, borrowed for `'a`, and not freed before the work enqueued on them
+    /// has run (the backends' buffers are freed through calls that wait for it).
+    pub(crate) unsafe fn device_buffers(
+        x: Option<(u64, usize)>,
+        mask: Option<(u64, usize)>,
+        y: (u64, usize),
+        io: Precision,
+    ) -> Self {
+        let x = x.unwrap_or(y);
+        let extent = Extent::Lens { x: x.1, mask: mask.map(|m| m.1), y: y.1 };
+        let operands = DeviceOperands { x: x.0, mask: mask.map(|m| m.0), y: y.0, extent };
+        ForwardIo::of(Operands::Device(operands), io)
+    }
+
+    fn of(operands: Operands<'a>, io: Precision) -> Self {
+        ForwardIo { operands, io, stream: None, workspace: None }
+    }
+
+    /// Where x, the mask and y are.
+    pub fn operands(&self) -> &Operands<'a> {
+        &self.operands
+    }
+
+    /// The operands, by value (host slices come back with their borrows).
+    pub fn into_operands(self) -> Operands<'a> {
+        self.operands
+    }
+
+    /// Element type of x and y.
+    pub fn io(&self) -> Precision {
+        self.io
+    }
+
+    /// The stream to enqueue on (`None`: the backend's own).
+    pub fn stream(&self) -> Option<u64> {
+        self.stream
+    }
+
+    /// The workspace span in caller memory (`None`: the workspace's own buffers).
+    pub fn workspace(&self) -> Option<DeviceSpan> {
+        self.workspace
+    }
+
+    /// Whether y is x.
+    pub fn in_place(&self) -> bool {
+        match &self.operands {
+            Operands::Host { x, .. } => x.is_none(),
+            Operands::Device(d) => d.x == d.y,
+        }
+    }
+
+    /// Checks the I/O against `problem`: element counts (where the memory knows them; caller
+    /// memory's B and N), the mask's presence, in place or not, and the element type. The one
+    /// place these are checked, whichever memory the forward runs on.
+    pub fn check(&self, problem: &Problem) -> Result<()> {
+        match &self.operands {
+            Operands::Host { x, mask, y } => {
+                problem.check_lengths(x.map_or(y.len(), <[f32]>::len), mask.map(<[f32]>::len), y.len())?
+            }
+            Operands::Device(d) => match d.extent {
+                Extent::Lens { x, mask, y } => problem.check_lengths(x, mask, y)?,
+                Extent::Shape(shape) => {
+                    problem.validate()?;
+                    if shape != problem.shape || d.mask.is_some() != problem.masked {
+                        return Err(Error::InvalidArgument(format!(
+                            "device I/O of B={} N={} ({}) does not describe the problem's B={} N={} ({})",
+                            shape.batch,
+                            shape.n,
+                            if d.mask.is_some() { "masked" } else { "no mask" },
+                            problem.shape.batch,
+                            problem.shape.n,
+                            if problem.masked { "masked" } else { "no mask" },
+                        )));
+                    }
+                }
+            },
+        }
+        check_in_place(self.in_place(), problem)?;
+        check_io_precision(self.io, problem.io)
+    }
+}
+
+/// The error for I/O in place (one tensor for x and y) or not, given a problem that is the other.
+pub(crate) fn check_in_place(in_place: bool, problem: &Problem) -> Result<()> {
+    match (in_place, problem.in_place) {
+        (true, false) => Err(Error::InvalidArgument(
+            "y is x (an in-place forward), but the problem was not made with in_place(true); out of place, y must \
+             not alias x"
+                .into(),
+        )),
+        (false, true) => Err(Error::InvalidArgument(
+            "the problem is in place (in_place(true)): an in-place forward needs y = x, one tensor".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The error for x and y in `given` precision given a problem in another.
+pub(crate) fn check_io_precision(given: Precision, problem: Precision) -> Result<()> {
+    if given == problem {
+        return Ok(());
+    }
+    let what = match given {
+        Precision::F32Io => "an f32".to_string(),
+        other => format!("a 16-bit ({other})"),
+    };
+    Err(Error::Dtype(format!("{what} forward was given a problem in {problem}")))
 }
 
 /// Element types cudarc holds that [`DType`] names: `f32`, `half::bf16`, `half::f16`.

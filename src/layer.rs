@@ -1,13 +1,17 @@
-//! The public layer API: weights prepared once on a device, forwards on host slices or on
-//! backend buffers, workspaces reused across calls of the same shape.
+//! The public layer API: weights prepared once on a device, forwards on host slices (staged to
+//! the device once, above the backends: [`crate::staging`]), on backend buffers or on caller
+//! device memory, workspaces reused across calls of the same shape. Every forward ends in the
+//! backend's one entry, [`Backend::forward`], with a [`ForwardIo`] of the backend's memory.
 
 use crate::backend::{cpu::CpuBackend, Backend};
 use crate::device::Device;
-use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};
+use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, ForwardIo};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::{self, ExecPlan, MemoryNeeds};
 pub use crate::problem::Precision;
 use crate::problem::{Config, Direction, Problem, Shape};
+pub use crate::staging::IoElement;
+use crate::staging::{check_host, Host, HostStaging, On};
 use crate::weights::Weights;
 
 /// Per-layer options. The precision of `x` and `y` is their element type (see [`IoElement`]).
@@ -50,112 +54,6 @@ impl Options {
     }
 }
 
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::bf16 {}
-    impl Sealed for half::f16 {}
-}
-
-/// Element types `x` and `y` can be passed in: `f32` ([`Precision::F32Io`]), [`half::bf16`]
-/// ([`Precision::Bf16Io`]) and [`half::f16`] ([`Precision::F16Io`]). The mask is always `f32`.
-/// How a backend runs each: see [`Backend::forward_host_half`].
-pub trait IoElement: sealed::Sealed + Copy + Default + Send + Sync + 'static {
-    /// The I/O precision this element type stands for.
-    const PRECISION: Precision;
-
-    #[doc(hidden)]
-    fn forward_host<B: Backend>(
-        backend: &B,
-        prepared: &B::Prepared,
-        workspace: &mut B::Workspace,
-        problem: &Problem,
-        x: &[Self],
-        mask: Option<&[f32]>,
-        y: &mut [Self],
-    ) -> Result<()>;
-
-    #[doc(hidden)]
-    fn forward_host_in_place<B: Backend>(
-        backend: &B,
-        prepared: &B::Prepared,
-        workspace: &mut B::Workspace,
-        problem: &Problem,
-        xy: &mut [Self],
-        mask: Option<&[f32]>,
-    ) -> Result<()>;
-}
-
-impl IoElement for f32 {
-    const PRECISION: Precision = Precision::F32Io;
-
-    fn forward_host<B: Backend>(
-        backend: &B,
-        prepared: &B::Prepared,
-        workspace: &mut B::Workspace,
-        problem: &Problem,
-        x: &[f32],
-        mask: Option<&[f32]>,
-        y: &mut [f32],
-    ) -> Result<()> {
-        backend.forward_host(prepared, workspace, problem, x, mask, y)
-    }
-
-    fn forward_host_in_place<B: Backend>(
-        backend: &B,
-        prepared: &B::Prepared,
-        workspace: &mut B::Workspace,
-        problem: &Problem,
-        xy: &mut [f32],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        backend.forward_host_in_place(prepared, workspace, problem, xy, mask)
-    }
-}
-
-macro_rules! half_io_element {
-    ($t:ty, $p:expr) => {
-        impl IoElement for $t {
-            const PRECISION: Precision = $p;
-
-            fn forward_host<B: Backend>(
-                backend: &B,
-                prepared: &B::Prepared,
-                workspace: &mut B::Workspace,
-                problem: &Problem,
-                x: &[$t],
-                mask: Option<&[f32]>,
-                y: &mut [$t],
-            ) -> Result<()> {
-                use half::slice::HalfFloatSliceExt;
-                backend.forward_host_half(
-                    prepared,
-                    workspace,
-                    problem,
-                    x.reinterpret_cast(),
-                    mask,
-                    y.reinterpret_cast_mut(),
-                )
-            }
-
-            fn forward_host_in_place<B: Backend>(
-                backend: &B,
-                prepared: &B::Prepared,
-                workspace: &mut B::Workspace,
-                problem: &Problem,
-                xy: &mut [$t],
-                mask: Option<&[f32]>,
-            ) -> Result<()> {
-                use half::slice::HalfFloatSliceExt;
-                backend.forward_host_half_in_place(prepared, workspace, problem, xy.reinterpret_cast_mut(), mask)
-            }
-        }
-    };
-}
-
-half_io_element!(half::bf16, Precision::Bf16Io);
-half_io_element!(half::f16, Precision::F16Io);
-
 /// A layer on one statically known backend. Use this type to run on backend buffers
 /// ([`Layer::forward_buffers`]); use [`TriMul`] when the backend is chosen at run time.
 pub struct Layer<B: Backend> {
@@ -175,6 +73,8 @@ pub struct Layer<B: Backend> {
     /// span) and the bytes it needs; kept apart from `workspace` so that the two kinds of call
     /// do not replan each other's.
     caller_ws: Option<(B::Workspace, u64)>,
+    /// Device copies of host x, mask and y for the host forwards, dropped with `workspace`.
+    staging: HostStaging<B>,
 }
 
 impl<B: Backend> Layer<B> {
@@ -183,16 +83,21 @@ impl<B: Backend> Layer<B> {
         weights.validate()?;
         crate::problem::check_eps(options.eps)?;
         let prepared = backend.prepare(weights)?;
-        Ok(Layer {
+        Ok(Self::with_prepared(backend, weights.config(), options, prepared))
+    }
+
+    fn with_prepared(backend: &B, config: Config, options: Options, prepared: B::Prepared) -> Self {
+        Layer {
             backend: backend.clone(),
-            config: weights.config(),
+            config,
             options,
             prepared,
             workspace: None,
             planned_for: None,
             budget: None,
             caller_ws: None,
-        })
+            staging: HostStaging::new(),
+        }
     }
 
     /// Device bytes [`Layer::from_device_weights`] needs as storage for a layer of `config`
@@ -221,16 +126,7 @@ impl<B: Backend> Layer<B> {
         crate::problem::check_eps(options.eps)?;
         // SAFETY: forwarded from this function's contract.
         let prepared = unsafe { backend.prepare_device(weights, storage, stream)? };
-        Ok(Layer {
-            backend: backend.clone(),
-            config: weights.config,
-            options,
-            prepared,
-            workspace: None,
-            planned_for: None,
-            budget: None,
-            caller_ws: None,
-        })
+        Ok(Self::with_prepared(backend, weights.config, options, prepared))
     }
 
     /// Replaces this layer's weights with `weights` prepared on the device into `storage` (as
@@ -256,8 +152,7 @@ impl<B: Backend> Layer<B> {
         // SAFETY: forwarded from this function's contract.
         self.prepared = unsafe { self.backend.prepare_device(weights, storage, stream)? };
         // A chunked workspace of the layer's own holds copies of the old weights.
-        self.workspace = None;
-        self.planned_for = None;
+        self.drop_workspace();
         Ok(())
     }
 
@@ -285,23 +180,23 @@ impl<B: Backend> Layer<B> {
     /// workspace the layer allocates and keeps. Returns once the work is enqueued.
     ///
     /// # Safety
-    /// As [`Backend::forward_device`]: the addresses are live device allocations of this layer's
+    /// As [`ForwardIo::device`]: the addresses are live device allocations of this layer's
     /// context with the element counts of `io.shape` (x and y in `io.io`, the mask f32), `y`
     /// aliasing neither, all alive until `io.stream` has run the work. A forward of this layer
     /// on another stream must not run concurrently when the layer's own workspace is used.
     pub unsafe fn forward_device(&mut self, io: &DeviceIo) -> Result<()> {
         let problem = self.problem(io.shape, io.mask.is_some())?.with_io(io.io);
+        // SAFETY: this function's contract is the constructor's.
+        let fio = unsafe { ForwardIo::device(io) };
         match io.workspace {
             Some(span) => {
                 let (backend, prepared, ws, bytes) = self.caller_parts(&problem)?;
                 span.check("the workspace", bytes)?;
-                // SAFETY: forwarded from this function's contract.
-                unsafe { backend.forward_device(prepared, ws, &problem, io) }
+                backend.forward(prepared, ws, &problem, fio)
             }
             None => {
-                let (backend, prepared, ws) = self.parts(&problem)?;
-                // SAFETY: forwarded from this function's contract.
-                unsafe { backend.forward_device(prepared, ws, &problem, io) }
+                let (backend, prepared, ws, _) = self.parts(&problem)?;
+                backend.forward(prepared, ws, &problem, fio)
             }
         }
     }
@@ -375,7 +270,7 @@ impl<B: Backend> Layer<B> {
     pub fn set_memory_budget(&mut self, bytes: Option<u64>) {
         if self.budget != bytes {
             self.budget = bytes;
-            self.workspace = None;
+            self.drop_workspace();
             self.caller_ws = None;
         }
     }
@@ -448,27 +343,34 @@ impl<B: Backend> Layer<B> {
         })
     }
 
-    /// The backend, the prepared weights and a workspace that fits `problem`, made anew only
-    /// when the shape changed.
-    fn parts(&mut self, problem: &Problem) -> Result<(&B, &B::Prepared, &mut B::Workspace)> {
+    /// The backend, the prepared weights, a workspace that fits `problem` (made anew only when
+    /// the shape changed) and the host staging.
+    fn parts(&mut self, problem: &Problem) -> Result<Parts<'_, B>> {
         self.parts_for(problem, false)
     }
 
-    fn parts_for(&mut self, problem: &Problem, host_io: bool) -> Result<(&B, &B::Prepared, &mut B::Workspace)> {
+    fn parts_for(&mut self, problem: &Problem, host_io: bool) -> Result<Parts<'_, B>> {
         let planned_for = Some((problem.masked, problem.in_place, problem.io, host_io));
         let fits = self.planned_for == planned_for
             && matches!(&self.workspace, Some(ws) if self.backend.workspace_fits(ws, problem));
         if !fits {
-            // Free the old workspace before planning and allocating the new one.
-            self.workspace = None;
-            self.planned_for = None;
+            // Free the old workspace (and the staging beside it) before planning and allocating
+            // the new one.
+            self.drop_workspace();
             let limit = self.workspace_limit(problem, host_io)?;
             self.workspace = Some(self.backend.workspace(&self.prepared, problem, limit)?);
             self.planned_for = planned_for;
         }
-        let Layer { backend, prepared, workspace, .. } = self;
+        let Layer { backend, prepared, workspace, staging, .. } = self;
         let ws = workspace.as_mut().ok_or_else(|| Error::InvalidArgument("workspace missing".into()))?;
-        Ok((backend, prepared, ws))
+        Ok((backend, prepared, ws, staging))
+    }
+
+    /// Frees the workspace and the host staging made for it.
+    fn drop_workspace(&mut self) {
+        self.workspace = None;
+        self.planned_for = None;
+        self.staging.clear();
     }
 
     /// One forward on host slices (`x`: `[B,N,N,C]`, `mask`: `[B,N,N]`, `y`: `[B,N,N,C]`), with
@@ -482,9 +384,10 @@ impl<B: Backend> Layer<B> {
         shape: Shape,
     ) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?.with_io(T::PRECISION);
-        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        let (backend, prepared, ws) = self.parts_for(&problem, true)?;
-        T::forward_host(backend, prepared, ws, &problem, x, mask, y)
+        check_host(&problem, T::PRECISION, Some(x.len()), mask, y.len())?;
+        let (backend, prepared, workspace, staging) = self.parts_for(&problem, true)?;
+        let on = On { backend, prepared, workspace, problem: &problem };
+        staging.run(on, Host { x: Some(T::words(x)), mask, y: T::words_mut(y) })
     }
 
     /// One forward whose output overwrites its input: on return `xy` holds `y`. The largest
@@ -493,9 +396,10 @@ impl<B: Backend> Layer<B> {
     /// a failure during the work, treat `xy` as undefined (it may hold `x`, or part of `y`).
     pub fn forward_in_place<T: IoElement>(&mut self, xy: &mut [T], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?.in_place(true).with_io(T::PRECISION);
-        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
-        let (backend, prepared, ws) = self.parts_for(&problem, true)?;
-        T::forward_host_in_place(backend, prepared, ws, &problem, xy, mask)
+        check_host(&problem, T::PRECISION, None, mask, xy.len())?;
+        let (backend, prepared, workspace, staging) = self.parts_for(&problem, true)?;
+        let on = On { backend, prepared, workspace, problem: &problem };
+        staging.run(on, Host { x: None, mask, y: T::words_mut(xy) })
     }
 
     /// [`Layer::forward_in_place`] on a backend buffer: enqueues the work, `xy` holds `y` after
@@ -507,9 +411,7 @@ impl<B: Backend> Layer<B> {
         shape: Shape,
     ) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?.in_place(true);
-        problem.check_lengths(B::buffer_len(xy), mask.map(B::buffer_len), B::buffer_len(xy))?;
-        let (backend, prepared, ws) = self.parts(&problem)?;
-        backend.forward_in_place(prepared, ws, &problem, xy, mask)
+        self.forward_io(&problem, B::buffer_io(None, mask, xy))
     }
 
     /// Enqueues one forward on backend buffers; call [`Backend::synchronize`] (or download)
@@ -522,11 +424,21 @@ impl<B: Backend> Layer<B> {
         shape: Shape,
     ) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?;
-        problem.check_lengths(B::buffer_len(x), mask.map(B::buffer_len), B::buffer_len(y))?;
-        let (backend, prepared, ws) = self.parts(&problem)?;
-        backend.forward(prepared, ws, &problem, x, mask, y)
+        self.forward_io(&problem, B::buffer_io(Some(x), mask, y))
+    }
+
+    /// A forward on the backend's memory with the layer's own workspace. The I/O is checked
+    /// before the workspace is planned, so that a bad call allocates nothing.
+    fn forward_io(&mut self, problem: &Problem, io: ForwardIo<'_>) -> Result<()> {
+        io.check(problem)?;
+        let (backend, prepared, ws, _) = self.parts(problem)?;
+        backend.forward(prepared, ws, problem, io)
     }
 }
+
+/// What a forward needs of a layer: the backend, the prepared weights, the workspace and the host
+/// staging, borrowed together.
+type Parts<'a, B> = (&'a B, &'a <B as Backend>::Prepared, &'a mut <B as Backend>::Workspace, &'a mut HostStaging<B>);
 
 /// Forwards on the CUDA backend's 16-bit device buffers. They are defined here, with the layer,
 /// rather than in `backend::cuda`: the layer sits above the backends, and a backend that extended
@@ -547,11 +459,7 @@ impl Layer<crate::backend::cuda::CudaBackend> {
         io: Precision,
     ) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?.with_io(io);
-        // Checked before the workspace is planned, so that a bad call allocates nothing.
-        problem.check_lengths(x.len(), mask.map(|m| m.len()), y.len())?;
-        crate::backend::half_io(&problem)?;
-        let (backend, prepared, ws) = self.parts(&problem)?;
-        backend.forward_half(prepared, ws, &problem, x, mask, y)
+        self.forward_io(&problem, Self::half_io(Some(x), mask, y, io)?)
     }
 
     /// [`forward_buffers_half`](Self::forward_buffers_half) with `y` written over `x` (same
@@ -566,11 +474,20 @@ impl Layer<crate::backend::cuda::CudaBackend> {
         io: Precision,
     ) -> Result<()> {
         let problem = self.problem(shape, mask.is_some())?.in_place(true).with_io(io);
-        // Checked before the workspace is planned, so that a bad call allocates nothing.
-        problem.check_lengths(xy.len(), mask.map(|m| m.len()), xy.len())?;
-        crate::backend::half_io(&problem)?;
-        let (backend, prepared, ws) = self.parts(&problem)?;
-        backend.forward_half_in_place(prepared, ws, &problem, xy, mask)
+        self.forward_io(&problem, Self::half_io(None, mask, xy, io)?)
+    }
+
+    /// The I/O of 16-bit buffers, refused for `io` f32 (the buffers hold 16-bit words).
+    fn half_io<'a>(
+        x: Option<&'a crate::backend::cuda::DeviceBuffer<u16>>,
+        mask: Option<&'a crate::backend::cuda::DeviceBuffer<f32>>,
+        y: &'a mut crate::backend::cuda::DeviceBuffer<u16>,
+        io: Precision,
+    ) -> Result<ForwardIo<'a>> {
+        if io == Precision::F32Io {
+            return Err(Error::Dtype("16-bit device buffers were given with the precision f32-io".into()));
+        }
+        Ok(crate::backend::cuda::CudaBackend::half_buffer_io(x, mask, y, io))
     }
 }
 

@@ -38,6 +38,7 @@ pub mod problem;
 pub mod rand;
 pub mod reference;
 pub mod report;
+pub mod staging;
 pub mod suite;
 pub mod units;
 pub mod weights;
@@ -48,7 +49,10 @@ pub(crate) mod test_seed;
 
 pub use backend::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 pub use device::Device;
-pub use device_io::{DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights};
+pub use device_io::{
+    DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceOperands, DeviceSpan, DeviceTensor, DeviceWeights, ForwardIo,
+    Operands,
+};
 pub use error::{BackendKind, Error, Result};
 pub use io::{NamingScheme, PairInput};
 pub use layer::{IoElement, Layer, Options, Precision, TriMul};

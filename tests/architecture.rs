@@ -80,6 +80,8 @@ const LAYERS: &[(&str, Layer)] = &[
     // The backend chosen at run time: names every backend, used by the layer and the CLI.
     ("device", Layer::Api),
     ("layer", Layer::Api),
+    // Host staging for the layer's host forwards: above the backends, beside the layer.
+    ("staging", Layer::Api),
     (LIB_ROOT, Layer::Api),
     ("report", Layer::Top),
     (BIN_ROOT, Layer::Top),

@@ -400,7 +400,7 @@ fn bad_inputs_are_errors_not_panics() {
     let mut ws = b.workspace(&other_prepared, &problem, None).unwrap();
     let x = b.alloc(8 * 8 * 128).unwrap();
     let mut y = b.alloc(8 * 8 * 128).unwrap();
-    let e = b.forward(&prepared, &mut ws, &problem, &x, None, &mut y).unwrap_err();
+    let e = b.forward(&prepared, &mut ws, &problem, CudaBackend::buffer_io(Some(&x), None, &mut y)).unwrap_err();
     assert!(e.to_string().contains("weights prepared for"), "{e}");
 }
 
@@ -612,6 +612,6 @@ fn budget_errors_come_before_any_work() {
     let mut xy = b.alloc(inputs.x.len()).unwrap();
     b.upload(&inputs.x, &mut xy).unwrap();
     let prep = b.prepare(&weights).unwrap();
-    let e = b.forward_in_place(&prep, &mut ws, &problem, &mut xy, None).unwrap_err();
+    let e = b.forward(&prep, &mut ws, &problem, CudaBackend::buffer_io(None, None, &mut xy)).unwrap_err();
     assert!(e.to_string().contains("in_place"), "{e}");
 }

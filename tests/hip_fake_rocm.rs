@@ -28,6 +28,7 @@ use std::process::Command;
 use trimul::backend::hip::HipBackend;
 use trimul::backend::hip::HipKernelOutput;
 use trimul::reference;
+use trimul::staging::HostStaging;
 use trimul::suite::{self, Case, Dist};
 
 #[path = "support/seed.rs"]
@@ -205,10 +206,11 @@ fn chunked_workspaces_refuse_other_weights() {
     let mut ws = b.workspace(&pa, &problem, Some(narrow)).unwrap();
     let inputs = suite::generate_inputs(&case, s ^ 33);
     let mut y = vec![f32::NAN; inputs.x.len()];
-    let e = b.forward_host(&pb, &mut ws, &problem, &inputs.x, None, &mut y).unwrap_err().to_string();
+    let mut staging = HostStaging::new();
+    let e = staging.forward(&b, &pb, &mut ws, &problem, Some(&inputs.x), None, &mut y).unwrap_err().to_string();
     assert!(e.contains("other prepared weights"), "{e}");
     // With its own weights the same workspace computes the reference.
-    b.forward_host(&pa, &mut ws, &problem, &inputs.x, None, &mut y).unwrap();
+    staging.forward(&b, &pa, &mut ws, &problem, Some(&inputs.x), None, &mut y).unwrap();
     let cmp = reference::check(&wa, &problem, &inputs.x, None, &y, TOL, TOL).unwrap();
     assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{cmp}");
 }
@@ -506,9 +508,9 @@ fn a_chunked_workspace_planned_for_f32_y_is_not_used_for_16_bit_y() {
     }
     let mut ws = found.expect("no f32 plan with left/right filling more than 16-bit y");
     let inputs = suite::generate_inputs(&case, 77);
-    let x: Vec<u16> = inputs.x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-    let mut y = vec![0u16; x.len()];
-    let r = b.forward_host_half(&prep, &mut ws, &p16, &x, None, &mut y);
+    let x: Vec<half::bf16> = inputs.x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let mut y = vec![half::bf16::ZERO; x.len()];
+    let r = HostStaging::new().forward(&b, &prep, &mut ws, &p16, Some(&x), None, &mut y);
     let e = r.expect_err("an f32-planned workspace ran a 16-bit problem").to_string();
     assert!(e.contains("workspace"), "{e}");
 }
@@ -531,12 +533,16 @@ fn f32_entry_points_refuse_16_bit_problems() {
     let mut xd = b.alloc(inputs.x.len()).unwrap();
     b.upload(&inputs.x, &mut xd).unwrap();
     let mut yd = b.alloc(inputs.x.len()).unwrap();
-    let e = b.forward(&prep, &mut ws, &p16, &xd, None, &mut yd).unwrap_err().to_string();
+    let e = b.forward(&prep, &mut ws, &p16, HipBackend::buffer_io(Some(&xd), None, &mut yd)).unwrap_err().to_string();
     assert!(e.contains("f32 forward"), "{e}");
-    let e = b.forward_in_place(&prep, &mut ws, &p16.in_place(true), &mut yd, None).unwrap_err().to_string();
+    let e = b
+        .forward(&prep, &mut ws, &p16.in_place(true), HipBackend::buffer_io(None, None, &mut yd))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("f32 forward"), "{e}");
     let mut y = vec![0f32; inputs.x.len()];
-    let e = b.forward_host(&prep, &mut ws, &p16, &inputs.x, None, &mut y).unwrap_err().to_string();
+    let e =
+        HostStaging::new().forward(&b, &prep, &mut ws, &p16, Some(&inputs.x), None, &mut y).unwrap_err().to_string();
     assert!(e.contains("f32 forward"), "{e}");
 }
 

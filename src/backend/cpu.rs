@@ -71,6 +71,7 @@ use rayon::prelude::*;
 
 use super::host_gemm::{matmul, MatMut, MatRef, Parallelism};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
+use crate::device_io::{ForwardIo, Operands};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::ExecPlan;
 use crate::problem::{Config, Direction, Formulation, Problem, Shape};
@@ -367,55 +368,34 @@ impl Backend for CpuBackend {
         copy_checked(src, dst)
     }
 
+    fn buffer_io<'a>(x: Option<&'a Vec<f32>>, mask: Option<&'a Vec<f32>>, y: &'a mut Vec<f32>) -> ForwardIo<'a> {
+        let mask = mask.map(Vec::as_slice);
+        match x {
+            Some(x) => ForwardIo::host(x, mask, y),
+            None => ForwardIo::host_in_place(y, mask),
+        }
+    }
+
+    /// Host slices only: they are this backend's memory, read and written where they lie (no
+    /// copy of x or y). In place, each sub-block's rows of x are read before its rows of y are
+    /// written over them (see the module docs).
     fn forward(
         &self,
         prepared: &CpuPrepared,
         workspace: &mut CpuWorkspace,
         problem: &Problem,
-        x: &Vec<f32>,
-        mask: Option<&Vec<f32>>,
-        y: &mut Vec<f32>,
+        io: ForwardIo<'_>,
     ) -> Result<()> {
-        self.forward_host(prepared, workspace, problem, x, mask.map(Vec::as_slice), y)
-    }
-
-    fn forward_host(
-        &self,
-        prepared: &CpuPrepared,
-        workspace: &mut CpuWorkspace,
-        problem: &Problem,
-        x: &[f32],
-        mask: Option<&[f32]>,
-        y: &mut [f32],
-    ) -> Result<()> {
-        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        check_call(self, prepared, workspace, problem, x.len(), mask)?;
-        run(prepared, workspace, problem, x, mask)?;
-        output(prepared, workspace, Some(x), y)
-    }
-
-    fn forward_in_place(
-        &self,
-        prepared: &CpuPrepared,
-        workspace: &mut CpuWorkspace,
-        problem: &Problem,
-        xy: &mut Vec<f32>,
-        mask: Option<&Vec<f32>>,
-    ) -> Result<()> {
-        self.forward_host_in_place(prepared, workspace, problem, xy, mask.map(Vec::as_slice))
-    }
-
-    fn forward_host_in_place(
-        &self,
-        prepared: &CpuPrepared,
-        workspace: &mut CpuWorkspace,
-        problem: &Problem,
-        xy: &mut [f32],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        check_call(self, prepared, workspace, problem, xy.len(), mask)?;
-        run(prepared, workspace, problem, xy, mask)?;
-        output(prepared, workspace, None, xy)
+        if let Operands::Device(_) = io.operands() {
+            return Err(super::no_device_io(BackendKind::Cpu));
+        }
+        io.check(problem)?;
+        let Operands::Host { x, mask, y } = io.into_operands() else {
+            return Err(super::no_device_io(BackendKind::Cpu));
+        };
+        check_call(self, prepared, workspace, problem)?;
+        run(prepared, workspace, problem, x.unwrap_or(&*y), mask)?;
+        output(prepared, workspace, x, y)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -499,17 +479,10 @@ pub fn gemm_ceiling_gflops(n: usize, repeats: usize) -> f64 {
     times.get(times.len() / 2).map_or(f64::NAN, |t| 2.0 * (n as f64).powi(3) / t / 1e9)
 }
 
-/// The checks every forward makes before touching memory.
-fn check_call(
-    be: &CpuBackend,
-    prepared: &CpuPrepared,
-    workspace: &mut CpuWorkspace,
-    problem: &Problem,
-    x_len: usize,
-    mask: Option<&[f32]>,
-) -> Result<()> {
+/// The checks of the weights and the workspace every forward makes before touching memory (the
+/// I/O's are [`ForwardIo::check`]'s).
+fn check_call(be: &CpuBackend, prepared: &CpuPrepared, workspace: &mut CpuWorkspace, problem: &Problem) -> Result<()> {
     check_config(prepared, problem)?;
-    problem.check_lengths(x_len, mask.map(<[f32]>::len), x_len)?;
     if !be.workspace_fits(workspace, problem) {
         return Err(Error::InvalidArgument(format!(
             "workspace was made for B={} N={} and {:?}, not for this problem",
@@ -1005,7 +978,7 @@ mod tests {
         let prep = be.prepare(w)?;
         let mut ws = be.workspace(&prep, pr, None)?;
         let mut y = vec![f32::NAN; x.len()];
-        be.forward_host(&prep, &mut ws, pr, x, mask, &mut y)?;
+        be.forward(&prep, &mut ws, pr, ForwardIo::host(x, mask, &mut y))?;
         Ok(y)
     }
 
@@ -1096,22 +1069,22 @@ mod tests {
         let mut ws = be.workspace(&prep, &pr, None).unwrap();
         let mut y1 = vec![0.0; x.len()];
         let mut y2 = vec![0.0; x.len()];
-        be.forward_host(&prep, &mut ws, &pr, &x, None, &mut y1).unwrap();
+        be.forward(&prep, &mut ws, &pr, ForwardIo::host(&x, None, &mut y1)).unwrap();
         let x2: Vec<f32> = x.iter().map(|v| v * 0.5 - 0.25).collect();
-        be.forward_host(&prep, &mut ws, &pr, &x2, None, &mut y2).unwrap();
-        be.forward_host(&prep, &mut ws, &pr, &x, None, &mut y2).unwrap();
+        be.forward(&prep, &mut ws, &pr, ForwardIo::host(&x2, None, &mut y2)).unwrap();
+        be.forward(&prep, &mut ws, &pr, ForwardIo::host(&x, None, &mut y2)).unwrap();
         assert_eq!(y1, y2, "a reused workspace must not leak state between calls");
 
         let other = Problem::new(pr.config, Shape::new(1, 11), pr.direction, false).unwrap();
         assert!(!be.workspace_fits(&ws, &other));
         let mut y3 = vec![0.0; other.x_len()];
         let x3 = vec![0.5; other.x_len()];
-        assert!(be.forward_host(&prep, &mut ws, &other, &x3, None, &mut y3).is_err());
+        assert!(be.forward(&prep, &mut ws, &other, ForwardIo::host(&x3, None, &mut y3)).is_err());
         let incoming = Problem::new(pr.config, pr.shape, Direction::Incoming, true).unwrap();
         assert!(be.workspace_fits(&ws, &incoming));
         // Lengths and mask presence are checked even when called directly.
-        assert!(be.forward_host(&prep, &mut ws, &incoming, &x, None, &mut y1).is_err());
-        assert!(be.forward_host(&prep, &mut ws, &pr, &x[1..], None, &mut y1).is_err());
+        assert!(be.forward(&prep, &mut ws, &incoming, ForwardIo::host(&x, None, &mut y1)).is_err());
+        assert!(be.forward(&prep, &mut ws, &pr, ForwardIo::host(&x[1..], None, &mut y1)).is_err());
         let bytes = be.workspace_bytes(&prep, &pr);
         let floats = ws.left.len() + ws.right.len() + ws.t.len() + ws.scratch.len();
         assert_eq!(bytes, 4 * floats as u64);

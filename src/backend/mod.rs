@@ -6,9 +6,13 @@
 //!   matrix, cast and transposed for that backend, uploaded;
 //! - *workspaces* hold every intermediate for one problem shape and are reused across calls, so a
 //!   forward allocates nothing;
-//! - [`Backend::forward`] enqueues work on backend buffers and may return before it finishes;
-//!   [`Backend::synchronize`] is the explicit sync point; [`Backend::forward_host`] is the
-//!   synchronous convenience on host slices.
+//! - [`Backend::forward`] is the one forward entry: it enqueues work on the I/O a [`ForwardIo`]
+//!   describes (the backend's buffers, caller device memory with its stream and workspace, or
+//!   host slices where the backend computes on the host) and may return before it finishes;
+//!   [`Backend::synchronize`] is the explicit sync point. Forwards on host slices for GPU
+//!   backends are staged above the backends, once for all of them (`src/staging.rs`: uploads
+//!   into buffers kept across calls, 16-bit widened where [`Backend::half_io_native`] says so),
+//!   with the copies of [`Backend::upload_async`] and [`Backend::download_words`].
 //!
 //! Runtime choice is an enum, not a trait object: [`crate::Device`] (in `src/device.rs`, above
 //! the backends) forwards to the compiled-in backends. Detection order is HIP, then CUDA, then
@@ -31,10 +35,11 @@ pub(crate) mod params;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod staged_steps;
 
-use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights};
+use crate::device_io::{DeviceOperands, DeviceSpan, DeviceWeights, ForwardIo, Operands};
+pub use crate::device_io::{HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::ExecPlan;
-use crate::problem::{Config, Precision, Problem};
+use crate::problem::{Config, Problem};
 use crate::weights::Weights;
 
 /// Environment variable that forces a backend (`cpu`, `cuda` or `hip`).
@@ -77,67 +82,35 @@ pub struct MemoryInfo {
     pub total: u64,
 }
 
-/// The 16-bit I/O precision of `problem`, or the error for a problem in f32.
-pub(crate) fn half_io(problem: &Problem) -> Result<Precision> {
-    match problem.io {
-        p @ (Precision::Bf16Io | Precision::F16Io) => Ok(p),
-        other => Err(Error::Dtype(format!("a 16-bit forward was given a problem in {other}"))),
-    }
+/// The error of a GPU backend given host slices: they reach it through the layer's host staging.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+fn host_operands(kind: BackendKind) -> Error {
+    Error::InvalidArgument(format!(
+        "the {kind} backend computes on device memory: host slices go through the layer's host staging \
+         (Layer::forward_into, trimul::staging::HostStaging)"
+    ))
 }
 
-/// The error for an f32 entry point (f32 buffers or slices) given a problem in 16-bit I/O: its
-/// kernels would read and write the buffers as 16-bit.
-#[cfg(any(feature = "cuda", feature = "rocm"))]
-pub(crate) fn f32_io(problem: &Problem) -> Result<()> {
-    if problem.io == Precision::F32Io {
-        Ok(())
-    } else {
-        Err(Error::Dtype(format!("an f32 forward was given a problem in {}", problem.io)))
-    }
-}
-
-/// [`Backend::forward_host_half`] through f32 on the host: x widened, [`Backend::forward_host`],
-/// y rounded (same math; the device holds f32 copies). The trait's default, and what a backend
-/// whose kernels read 16-bit I/O only on some paths falls back to on the others.
-pub(crate) fn widened_host_half<B: Backend>(
-    backend: &B,
-    prepared: &B::Prepared,
-    workspace: &mut B::Workspace,
+/// What a GPU backend's forward takes from its I/O, after [`ForwardIo::check`]: the device
+/// operands (which carry the contract of the `ForwardIo` constructor that made them: live
+/// allocations of the backend's context with the problem's element counts, y apart from x and
+/// the mask unless in place, alive until the stream has run the work) and the workspace span to
+/// bind, if any. `in_caller_memory`: the workspace lives in caller memory, so a span is needed.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+pub(crate) fn device_operands(
+    io: &ForwardIo<'_>,
     problem: &Problem,
-    x: &[u16],
-    mask: Option<&[f32]>,
-    y: &mut [u16],
-) -> Result<()> {
-    problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-    let io = half_io(problem)?;
-    let mut xf = crate::hostmem::try_vec(x.len(), 0f32, "f32 copy of x")?;
-    xf.iter_mut().zip(x).for_each(|(d, &b)| *d = io.decode_half(b));
-    let mut yf = crate::hostmem::try_vec(y.len(), 0f32, "f32 y")?;
-    backend.forward_host(prepared, workspace, &problem.with_io(Precision::F32Io), &xf, mask, &mut yf)?;
-    for (d, &v) in y.iter_mut().zip(&yf) {
-        *d = io.encode_half(v);
+    kind: BackendKind,
+    in_caller_memory: bool,
+) -> Result<(DeviceOperands, Option<DeviceSpan>)> {
+    io.check(problem)?;
+    let Operands::Device(operands) = io.operands() else {
+        return Err(host_operands(kind));
+    };
+    if in_caller_memory && io.workspace().is_none() {
+        return Err(Error::InvalidArgument("this workspace lives in caller memory: pass its span".into()));
     }
-    Ok(())
-}
-
-/// [`widened_host_half`] in place.
-pub(crate) fn widened_host_half_in_place<B: Backend>(
-    backend: &B,
-    prepared: &B::Prepared,
-    workspace: &mut B::Workspace,
-    problem: &Problem,
-    xy: &mut [u16],
-    mask: Option<&[f32]>,
-) -> Result<()> {
-    problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
-    let io = half_io(problem)?;
-    let mut f = crate::hostmem::try_vec(xy.len(), 0f32, "f32 copy of x")?;
-    f.iter_mut().zip(xy.iter()).for_each(|(d, &b)| *d = io.decode_half(b));
-    backend.forward_host_in_place(prepared, workspace, &problem.with_io(Precision::F32Io), &mut f, mask)?;
-    for (d, &v) in xy.iter_mut().zip(&f) {
-        *d = io.encode_half(v);
-    }
-    Ok(())
+    Ok((*operands, io.workspace()))
 }
 
 /// Weights prepared for the layer `prepared` serve only problems of that layer, and only valid
@@ -199,7 +172,7 @@ pub(crate) fn check_device_forward(prepared: &Config, problem: &Problem, x: u64,
 }
 
 /// The error of a backend without forwards on caller device memory.
-fn no_device_io(kind: BackendKind) -> Error {
+pub(crate) fn no_device_io(kind: BackendKind) -> Error {
     Error::InvalidArgument(match kind {
         BackendKind::Cpu => "the CPU backend works on host slices: it has no device memory to be given".into(),
         other => format!("forwards on caller device memory are not built for the {other} backend yet"),
@@ -248,17 +221,17 @@ pub trait Backend: Clone + Send + Sync {
     /// The plan a workspace was made with.
     fn exec_plan(workspace: &Self::Workspace) -> ExecPlan;
 
-    /// Whether [`Backend::forward_host`] copies `x`, the mask and `y` into device buffers of its
-    /// own (GPU backends), which a memory plan made for a host forward must leave room for.
+    /// Whether forwards on host slices copy `x`, the mask and `y` into device buffers (GPU
+    /// backends, through the host staging), which a memory plan made for a host forward must
+    /// leave room for; false where the backend computes on host memory (the CPU).
     fn host_io_staged(&self) -> bool {
         false
     }
 
     /// Whether 16-bit `x` and `y` stay 16-bit in this backend's memory for a layer with these
     /// prepared weights (CUDA's fused kernels read and write them; on HIP, input_norm and the
-    /// MFMA output kernel), or are widened to f32 copies first, as the default
-    /// [`Backend::forward_host_half`] does; memory budgets count the f32 bytes then, and
-    /// [`Backend::forward_device`] refuses 16-bit device I/O.
+    /// MFMA output kernel), or are widened to f32 copies first by the host staging; memory
+    /// budgets count the f32 bytes then, and [`Backend::forward`] refuses 16-bit device I/O.
     fn half_io_native(&self, prepared: &Self::Prepared) -> bool {
         let _ = prepared;
         false
@@ -289,83 +262,48 @@ pub trait Backend: Clone + Send + Sync {
     /// Copy a buffer into host memory of the same length; waits for pending work.
     fn download(&self, src: &Self::Buffer, dst: &mut [f32]) -> Result<()>;
 
-    /// Enqueue one forward on backend buffers. May return before the work completes.
-    /// `x` and `mask` are read only; `y` must not alias them.
+    /// Copies host words into the start of `dst` on the backend's stream; may return before
+    /// the copy has run. Host staging (`src/staging.rs`) uploads x and the mask with it; a
+    /// 16-bit tensor of `n` words sits in a buffer of `n.div_ceil(2)` f32 slots. Backends that
+    /// read host memory where it lies ([`Backend::host_io_staged`] false) have nothing to stage.
+    ///
+    /// # Safety
+    /// `src` stays alive and unchanged until the backend's stream has run the copy: until a
+    /// later [`Backend::download_words`] or [`Backend::synchronize`] on this backend returns.
+    unsafe fn upload_async(&self, src: HostWords<'_>, dst: &mut Self::Buffer) -> Result<()> {
+        let _ = (src, dst);
+        Err(Error::InvalidArgument(format!("the {} backend reads host memory itself: nothing to stage", self.kind())))
+    }
+
+    /// Copies the start of `src` into host words after the work enqueued on the backend's
+    /// stream; waits for it.
+    fn download_words(&self, src: &Self::Buffer, dst: HostWordsMut<'_>) -> Result<()> {
+        let _ = (src, dst);
+        Err(Error::InvalidArgument(format!("the {} backend reads host memory itself: nothing to stage", self.kind())))
+    }
+
+    /// A forward's I/O on this backend's buffers: `x` (`None` in place: `y` holds x), the mask
+    /// and `y`, f32, on the backend's stream.
+    fn buffer_io<'a>(
+        x: Option<&'a Self::Buffer>,
+        mask: Option<&'a Self::Buffer>,
+        y: &'a mut Self::Buffer,
+    ) -> ForwardIo<'a>;
+
+    /// Enqueues one forward on the I/O `io` describes (see [`ForwardIo`]): the backend's own
+    /// buffers, host slices (the CPU's memory; GPU backends get them through the layer's host
+    /// staging) or caller device memory with a stream and a workspace span. May return before
+    /// the work completes. With `io.workspace()`, `workspace` must come from
+    /// [`Backend::caller_workspace`] and is bound to that span; without, it is one of
+    /// [`Backend::workspace`]'s. Checks the I/O against the problem ([`ForwardIo::check`]) and
+    /// the weights and workspace against both before anything is enqueued.
     fn forward(
         &self,
         prepared: &Self::Prepared,
         workspace: &mut Self::Workspace,
         problem: &Problem,
-        x: &Self::Buffer,
-        mask: Option<&Self::Buffer>,
-        y: &mut Self::Buffer,
+        io: ForwardIo<'_>,
     ) -> Result<()>;
-
-    /// One forward on host slices; returns when `y` holds the result.
-    fn forward_host(
-        &self,
-        prepared: &Self::Prepared,
-        workspace: &mut Self::Workspace,
-        problem: &Problem,
-        x: &[f32],
-        mask: Option<&[f32]>,
-        y: &mut [f32],
-    ) -> Result<()>;
-
-    /// Enqueue one forward whose output `y` overwrites its input `x` (`xy`), for a problem made
-    /// with [`Problem::in_place`]. Backends without in-place support say so in the error.
-    fn forward_in_place(
-        &self,
-        prepared: &Self::Prepared,
-        workspace: &mut Self::Workspace,
-        problem: &Problem,
-        xy: &mut Self::Buffer,
-        mask: Option<&Self::Buffer>,
-    ) -> Result<()> {
-        let _ = (prepared, workspace, problem, xy, mask);
-        Err(Error::InvalidArgument(format!("the {} backend has no in-place mode", self.kind())))
-    }
-
-    /// [`Backend::forward_in_place`] on a host slice; returns when `xy` holds `y`.
-    fn forward_host_in_place(
-        &self,
-        prepared: &Self::Prepared,
-        workspace: &mut Self::Workspace,
-        problem: &Problem,
-        xy: &mut [f32],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        let _ = (prepared, workspace, problem, xy, mask);
-        Err(Error::InvalidArgument(format!("the {} backend has no in-place mode", self.kind())))
-    }
-
-    /// One forward on host slices holding `x` and `y` as 16-bit floats: bf16 or f16 bit
-    /// patterns, as `problem.io` says. The default converts to f32 on the host around
-    /// [`Backend::forward_host`] (same math; the device holds f32 copies); backends whose
-    /// kernels read and write half precision override it.
-    fn forward_host_half(
-        &self,
-        prepared: &Self::Prepared,
-        workspace: &mut Self::Workspace,
-        problem: &Problem,
-        x: &[u16],
-        mask: Option<&[f32]>,
-        y: &mut [u16],
-    ) -> Result<()> {
-        widened_host_half(self, prepared, workspace, problem, x, mask, y)
-    }
-
-    /// [`Backend::forward_host_in_place`] for 16-bit `xy` (see [`Backend::forward_host_half`]).
-    fn forward_host_half_in_place(
-        &self,
-        prepared: &Self::Prepared,
-        workspace: &mut Self::Workspace,
-        problem: &Problem,
-        xy: &mut [u16],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        widened_host_half_in_place(self, prepared, workspace, problem, xy, mask)
-    }
 
     /// Device bytes [`Backend::prepare_device`] needs for a layer of `config` (`biases`: whether
     /// any linear layer has one).
@@ -397,7 +335,7 @@ pub trait Backend: Clone + Send + Sync {
 
     /// A workspace for `problem` whose buffers will live in caller memory, and the bytes that
     /// memory must hold. Planned once (buffers and GEMM plans); each
-    /// [`Backend::forward_device`] binds it to the span it is given. `limit` caps its bytes.
+    /// [`Backend::forward`] binds it to the span its I/O gives. `limit` caps its bytes.
     fn caller_workspace(
         &self,
         prepared: &Self::Prepared,
@@ -405,26 +343,6 @@ pub trait Backend: Clone + Send + Sync {
         limit: Option<u64>,
     ) -> Result<(Self::Workspace, u64)> {
         let _ = (prepared, problem, limit);
-        Err(no_device_io(self.kind()))
-    }
-
-    /// Enqueues one forward on caller device memory (see [`DeviceIo`]) on `io.stream`. With
-    /// `io.workspace`, `workspace` must come from [`Backend::caller_workspace`] and is bound to
-    /// that span; without, it is one of [`Backend::workspace`]'s.
-    ///
-    /// # Safety
-    /// `io.x`, `io.y` (and the mask) are live device allocations of this context holding the
-    /// problem's element counts in `io.io` (the mask f32), `y` aliasing neither; the workspace
-    /// span, if any, is a live allocation of its size used by nothing else; all stay alive until
-    /// `io.stream` has run the work, and `io.stream` belongs to this context.
-    unsafe fn forward_device(
-        &self,
-        prepared: &Self::Prepared,
-        workspace: &mut Self::Workspace,
-        problem: &Problem,
-        io: &DeviceIo,
-    ) -> Result<()> {
-        let _ = (prepared, workspace, problem, io);
         Err(no_device_io(self.kind()))
     }
 

@@ -491,13 +491,23 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
                 }
                 let timed = time_calls(backend, plan, sets, progress, |k| {
                     let prepared = set.prepare()?;
-                    backend.forward(prepared.get(), &mut workspace, &problem, &xs[k], masks[k].as_ref(), &mut ys[k])
+                    backend.forward(
+                        prepared.get(),
+                        &mut workspace,
+                        &problem,
+                        B::buffer_io(Some(&xs[k]), masks[k].as_ref(), &mut ys[k]),
+                    )
                 })?;
                 (samples, telemetry) = (timed.samples, timed.telemetry);
                 // The device-prepared path is checked too: the last call's y (set 0 holds the
                 // checked inputs) must equal the host-prepared forward's, bit for bit.
                 let prepared = set.prepare()?;
-                backend.forward(prepared.get(), &mut workspace, &problem, &xs[0], masks[0].as_ref(), &mut ys[0])?;
+                backend.forward(
+                    prepared.get(),
+                    &mut workspace,
+                    &problem,
+                    B::buffer_io(Some(&xs[0]), masks[0].as_ref(), &mut ys[0]),
+                )?;
                 let mut fresh = vec![0.0f32; x_len];
                 backend.download(&ys[0], &mut fresh)?;
                 if fresh.iter().map(|v| v.to_bits()).ne(checked_y.iter().map(|v| v.to_bits())) {
@@ -521,8 +531,12 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
                     let mut held = Vec::with_capacity(1);
                     let ms = backend.elapsed_ms(&mut || {
                         let prepared = backend.prepare(&weights)?;
-                        let r =
-                            backend.forward(&prepared, &mut workspace, &problem, &xs[k], masks[k].as_ref(), &mut ys[k]);
+                        let r = backend.forward(
+                            &prepared,
+                            &mut workspace,
+                            &problem,
+                            B::buffer_io(Some(&xs[k]), masks[k].as_ref(), &mut ys[k]),
+                        );
                         held.push(prepared);
                         r
                     })?;

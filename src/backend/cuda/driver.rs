@@ -11,6 +11,7 @@ use std::sync::Arc;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::{self, CUdeviceptr, CUstream};
 
+use crate::device_io::{HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 
 /// A driver error with the failing call's name.
@@ -201,6 +202,57 @@ impl<T> DeviceBuffer<T> {
             cu::memcpy_dtoh_async(dst, self.ptr, stream).ctx("cuMemcpyDtoHAsync")?;
             cu::stream::synchronize(stream).ctx("cuStreamSynchronize")
         }
+    }
+
+    /// Asynchronous copy of host words (f32, or 16-bit in an f32 buffer: host staging) into the
+    /// start of this buffer on `stream`. Checks that they fit.
+    ///
+    /// # Safety
+    /// `src` stays alive and unchanged until `stream` has run the copy.
+    pub(crate) unsafe fn upload_host_async(&mut self, src: HostWords<'_>, stream: CUstream) -> Result<()> {
+        let bytes = match src {
+            HostWords::F32(v) => std::mem::size_of_val(v),
+            HostWords::Half(v) => std::mem::size_of_val(v),
+        };
+        self.check_fits(bytes, "upload")?;
+        // SAFETY: the bytes fit our allocation (checked above); `src` outlives the copy (this
+        // function's contract).
+        unsafe {
+            match src {
+                HostWords::F32(v) => cu::memcpy_htod_async(self.ptr, v, stream),
+                HostWords::Half(v) => cu::memcpy_htod_async(self.ptr, v, stream),
+            }
+        }
+        .ctx("cuMemcpyHtoDAsync")
+    }
+
+    /// Copy of the start of this buffer into host words after all work on `stream`; waits.
+    /// Checks that they fit.
+    pub(crate) fn download_host(&self, dst: HostWordsMut<'_>, stream: CUstream) -> Result<()> {
+        let bytes = match &dst {
+            HostWordsMut::F32(v) => std::mem::size_of_val(*v),
+            HostWordsMut::Half(v) => std::mem::size_of_val(*v),
+        };
+        self.check_fits(bytes, "download")?;
+        // SAFETY: the bytes lie inside our allocation (checked above); `dst` is borrowed
+        // exclusively and its types (f32, u16) are valid for any bit pattern; we synchronise
+        // before returning, so `dst` outlives the copy.
+        unsafe {
+            match dst {
+                HostWordsMut::F32(v) => cu::memcpy_dtoh_async(v, self.ptr, stream),
+                HostWordsMut::Half(v) => cu::memcpy_dtoh_async(v, self.ptr, stream),
+            }
+            .ctx("cuMemcpyDtoHAsync")?;
+            cu::stream::synchronize(stream).ctx("cuStreamSynchronize")
+        }
+    }
+
+    /// The error for a copy of `bytes` that does not fit this buffer; binds the context.
+    fn check_fits(&self, bytes: usize, what: &str) -> Result<()> {
+        if bytes as u64 > self.bytes() {
+            return Err(Error::Shape(format!("{what} of {bytes} bytes with a buffer of {}", self.bytes())));
+        }
+        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")
     }
 
     /// Fill every byte with `value` on `stream` (used to poison outputs in tests and checks).

@@ -13,7 +13,7 @@
 //!    `output_norm`, a cuBLASLt GEMM and `output_gate`.
 //!
 //! Files: this one holds the backend's construction (device, libraries, kernels, settings),
-//! workspace planning, host staging and the [`Backend`] implementation; `context.rs` the device
+//! workspace planning and the [`Backend`] implementation; `context.rs` the device
 //! state the other parts read ([`CudaBackend`], [`OutputGate`]); `workspace.rs` the prepared
 //! weights, the workspaces and the fused kernels' builds and shared-memory sizes; `forward.rs` the
 //! one-pass plan's launches and the kernel choices; `chunked.rs` the plans that keep a forward
@@ -25,8 +25,9 @@
 //! `M × (H or G)` halves, plus the caller's x and y. The portable path's chunk scratch lives
 //! inside t, which is unused until the contraction; the GEMMs borrow their workspace from buffers
 //! that are dead at that point (y before the output stage, right after the contraction). Nothing
-//! is allocated inside a forward and nothing waits on the host, except the copies of
-//! [`Backend::forward_host`].
+//! is allocated inside a forward and nothing waits on the host. Forwards on host slices are
+//! staged above the backends (`src/staging.rs`), with the copies of [`Backend::upload_async`]
+//! and [`Backend::download_words`].
 
 mod blas;
 mod chunked;
@@ -41,7 +42,7 @@ mod workspace;
 pub use context::{CudaBackend, OutputGate};
 use context::{Inner, MAX_GEMM_WORKSPACE};
 pub use tuning::{Tuning, TuningEntry, TuningTable};
-use workspace::{BlasInput, FusedInput, HostIo, Layout, Staging};
+use workspace::{BlasInput, FusedInput, Layout};
 pub use workspace::{CudaPrepared, CudaWorkspace};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -58,8 +59,8 @@ use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair, Timel
 use self::kernels::Kernels;
 use super::gemm::GemmSpec;
 use super::params::FusedInputLayout;
-use super::{check_prepared_for, f32_io, Backend, Ceilings, DeviceInfo, MemoryInfo};
-use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
+use super::{check_prepared_for, device_operands, Backend, Ceilings, DeviceInfo, MemoryInfo};
+use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::{Blas, Capabilities, ExecPlan, InputStage, Plan};
 use crate::problem::{Config, Precision, Problem};
@@ -349,87 +350,6 @@ impl CudaBackend {
     }
 }
 
-/// The error for an in-place entry point given a problem that is not in place.
-fn require_in_place(problem: &Problem) -> Result<()> {
-    if problem.in_place {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument("forward_in_place needs a problem made with in_place(true)".into()))
-    }
-}
-
-impl CudaBackend {
-    /// A host forward through the workspace's staging buffers of element type `T` (`slot`
-    /// picks them): x (and the mask) copied to the device, the forward enqueued, y copied back.
-    /// The buffers are made on first use and kept with the workspace.
-    fn staged_forward<T: Copy>(
-        &self,
-        prepared: &CudaPrepared,
-        workspace: &mut CudaWorkspace,
-        problem: &Problem,
-        io: HostIo<'_, T>,
-        mask: Option<&[f32]>,
-        slot: fn(&mut CudaWorkspace) -> &mut Option<Staging<T>>,
-    ) -> Result<()> {
-        let stream = self.stream();
-        let (len, in_place) = match &io {
-            HostIo::OutOfPlace { x, .. } => (x.len(), false),
-            HostIo::InPlace(xy) => (xy.len(), true),
-        };
-        // Checked before any staging is made or kept: a workspace of another shape would leave
-        // staging of the wrong size behind for the calls that fit it.
-        check_prepared_for(&prepared.config, problem)?;
-        if !self.workspace_fits(workspace, problem) {
-            return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
-        }
-        // In place, one device tensor for x and y: the reason to run in place.
-        let mut staging = match slot(workspace).take() {
-            Some(s) if s.x.len() == len => s,
-            _ => Staging { x: self.alloc_buffer(len)?, mask: None, y: None },
-        };
-        if !in_place && staging.y.is_none() {
-            staging.y = Some(self.alloc_buffer(len)?);
-        }
-        if let Some(m) = mask {
-            if staging.mask.is_none() {
-                staging.mask = Some(self.alloc_buffer(m.len())?);
-            }
-        }
-        let result = (|| {
-            match &io {
-                HostIo::OutOfPlace { x, .. } => staging.x.upload_async(x, stream)?,
-                HostIo::InPlace(xy) => staging.x.upload_async(xy, stream)?,
-            }
-            if let (Some(m), Some(md)) = (mask, staging.mask.as_mut()) {
-                md.upload_async(m, stream)?;
-            }
-            let mask_ptr = if mask.is_some() { staging.mask.as_ref().map_or(0, |m| m.ptr()) } else { 0 };
-            let y_ptr = match (&staging.y, in_place) {
-                (_, true) => staging.x.ptr(),
-                (Some(y), false) => y.ptr(),
-                (None, false) => return Err(Error::InvalidArgument("staging y missing".into())),
-            };
-            // SAFETY: the staging buffers are live allocations sized for this problem (made for
-            // this workspace's shape and element type), distinct from each other except x and y
-            // in place, which the in-place plan expects; the download below waits for the
-            // stream, so the host slices outlive every copy.
-            unsafe { self.enqueue(prepared, workspace, problem, staging.x.ptr(), mask_ptr, y_ptr, stream)? };
-            match io {
-                HostIo::OutOfPlace { y, .. } => staging.y.as_ref().map_or(Ok(()), |ys| ys.download(y, stream)),
-                HostIo::InPlace(xy) => staging.x.download(xy, stream),
-            }
-        })();
-        if result.is_err() {
-            // Copies from the host slices may still be queued behind the failed step; they must
-            // not outlive this call's borrows.
-            // SAFETY: a plain wait on this backend's own live stream.
-            let _ = unsafe { cu::stream::synchronize(stream) };
-        }
-        *slot(workspace) = Some(staging);
-        result
-    }
-}
-
 impl CudaBackend {
     /// Copies 16-bit values (bf16 or f16 bit patterns) into a device buffer of the same length;
     /// waits for the copy.
@@ -454,46 +374,20 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// Enqueues one forward on device buffers holding `x` and `y` in the 16-bit precision
-    /// `problem.io`, on the backend's stream: [`Layer::forward_buffers_half`](crate::Layer::forward_buffers_half)
-    /// after it has planned the workspace. Safe: the buffers are this backend's own allocations,
-    /// whose lengths are checked here.
-    pub(crate) fn forward_half(
-        &self,
-        prepared: &CudaPrepared,
-        ws: &mut CudaWorkspace,
-        problem: &Problem,
-        x: &DeviceBuffer<u16>,
-        mask: Option<&DeviceBuffer<f32>>,
-        y: &mut DeviceBuffer<u16>,
-    ) -> Result<()> {
-        problem.check_lengths(x.len(), mask.map(|m| m.len()), y.len())?;
-        crate::backend::half_io(problem)?;
-        // SAFETY: the buffers are live allocations of this backend with lengths checked above;
-        // `y` is borrowed mutably so it cannot alias x or mask; the workspace outlives the work
-        // (its buffers are freed through cuMemFree, which waits for pending work).
-        unsafe { self.enqueue(prepared, ws, problem, x.ptr(), mask.map_or(0, |m| m.ptr()), y.ptr(), self.stream()) }
-    }
-
-    /// [`forward_half`](Self::forward_half) with `y` written over `x` (`problem` is in place):
-    /// [`Layer::forward_buffers_half_in_place`](crate::Layer::forward_buffers_half_in_place)
-    /// after it has planned the workspace.
-    pub(crate) fn forward_half_in_place(
-        &self,
-        prepared: &CudaPrepared,
-        ws: &mut CudaWorkspace,
-        problem: &Problem,
-        xy: &mut DeviceBuffer<u16>,
-        mask: Option<&DeviceBuffer<f32>>,
-    ) -> Result<()> {
-        require_in_place(problem)?;
-        problem.check_lengths(xy.len(), mask.map(|m| m.len()), xy.len())?;
-        crate::backend::half_io(problem)?;
-        // SAFETY: `xy` is a live allocation of this backend, borrowed mutably (nothing else can
-        // read or write it meanwhile) and passed as both x and y of an in-place problem, which
-        // `enqueue` checks; the lengths were checked above; the workspace outlives the work (its
-        // buffers are freed through cuMemFree, which waits for pending work).
-        unsafe { self.enqueue(prepared, ws, problem, xy.ptr(), mask.map_or(0, |m| m.ptr()), xy.ptr(), self.stream()) }
+    /// A forward's I/O on device buffers holding `x` and `y` in the 16-bit precision `io` (`x`
+    /// `None` in place: `y` holds x), the mask f32, on the backend's stream: what
+    /// [`Layer::forward_buffers_half`](crate::Layer::forward_buffers_half) runs.
+    pub(crate) fn half_buffer_io<'a>(
+        x: Option<&'a DeviceBuffer<u16>>,
+        mask: Option<&'a DeviceBuffer<f32>>,
+        y: &'a mut DeviceBuffer<u16>,
+        io: Precision,
+    ) -> ForwardIo<'a> {
+        let arg = |b: &DeviceBuffer<u16>| (b.ptr(), b.len());
+        // SAFETY: the buffers are this backend's allocations of the lengths given, borrowed for
+        // 'a (y mutably, so nothing else reads or writes it meanwhile); they are freed through
+        // cuMemFree, which waits for the work enqueued on them.
+        unsafe { ForwardIo::device_buffers(x.map(arg), mask.map(|m| (m.ptr(), m.len())), arg(y), io) }
     }
 }
 
@@ -599,8 +493,6 @@ impl CudaBackend {
             )?,
             output_tail: None,
             plan,
-            staging: None,
-            half_staging: None,
             tuning,
             output_gate: self.output_gate(),
             switches: self.switches(),
@@ -880,99 +772,43 @@ impl Backend for CudaBackend {
         src.download(dst, self.stream())
     }
 
+    unsafe fn upload_async(&self, src: HostWords<'_>, dst: &mut DeviceBuffer<f32>) -> Result<()> {
+        // SAFETY: `src` outlives the copy (this method's contract); the buffer checks the fit.
+        unsafe { dst.upload_host_async(src, self.stream()) }
+    }
+
+    fn download_words(&self, src: &DeviceBuffer<f32>, dst: HostWordsMut<'_>) -> Result<()> {
+        src.download_host(dst, self.stream())
+    }
+
+    fn buffer_io<'a>(
+        x: Option<&'a DeviceBuffer<f32>>,
+        mask: Option<&'a DeviceBuffer<f32>>,
+        y: &'a mut DeviceBuffer<f32>,
+    ) -> ForwardIo<'a> {
+        let arg = |b: &DeviceBuffer<f32>| (b.ptr(), b.len());
+        // SAFETY: the buffers are this backend's allocations of the lengths given, borrowed for
+        // 'a (y mutably, so it aliases neither x nor the mask); they are freed through cuMemFree,
+        // which waits for the work enqueued on them.
+        unsafe { ForwardIo::device_buffers(x.map(arg), mask.map(arg), arg(y), Precision::F32Io) }
+    }
+
     fn forward(
         &self,
         prepared: &CudaPrepared,
         workspace: &mut CudaWorkspace,
         problem: &Problem,
-        x: &DeviceBuffer<f32>,
-        mask: Option<&DeviceBuffer<f32>>,
-        y: &mut DeviceBuffer<f32>,
+        io: ForwardIo<'_>,
     ) -> Result<()> {
-        problem.check_lengths(x.len(), mask.map(|m| m.len()), y.len())?;
-        f32_io(problem)?;
-        // SAFETY: the buffers are live allocations of this backend with lengths checked above;
-        // `y` is borrowed mutably so it cannot alias x or mask; the workspace is borrowed for the
-        // call and its buffers outlive the stream work because dropping them frees through
-        // cuMemFree, which waits for pending work.
-        unsafe {
-            self.enqueue(prepared, workspace, problem, x.ptr(), mask.map_or(0, |m| m.ptr()), y.ptr(), self.stream())
+        let (d, span) = device_operands(&io, problem, BackendKind::Cuda, workspace.caller_base.is_some())?;
+        if let Some(span) = span {
+            workspace.bind(span)?;
         }
-    }
-
-    fn forward_host(
-        &self,
-        prepared: &CudaPrepared,
-        workspace: &mut CudaWorkspace,
-        problem: &Problem,
-        x: &[f32],
-        mask: Option<&[f32]>,
-        y: &mut [f32],
-    ) -> Result<()> {
-        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        f32_io(problem)?;
-        self.staged_forward(prepared, workspace, problem, HostIo::OutOfPlace { x, y }, mask, |w| &mut w.staging)
-    }
-
-    fn forward_in_place(
-        &self,
-        prepared: &CudaPrepared,
-        workspace: &mut CudaWorkspace,
-        problem: &Problem,
-        xy: &mut DeviceBuffer<f32>,
-        mask: Option<&DeviceBuffer<f32>>,
-    ) -> Result<()> {
-        problem.check_lengths(xy.len(), mask.map(|m| m.len()), xy.len())?;
-        require_in_place(problem)?;
-        f32_io(problem)?;
-        // SAFETY: as in `forward`; x and y are the same live allocation, which the in-place plan
-        // expects (every read of x is ordered before the write of the same rows of y).
-        unsafe {
-            self.enqueue(prepared, workspace, problem, xy.ptr(), mask.map_or(0, |m| m.ptr()), xy.ptr(), self.stream())
-        }
-    }
-
-    fn forward_host_in_place(
-        &self,
-        prepared: &CudaPrepared,
-        workspace: &mut CudaWorkspace,
-        problem: &Problem,
-        xy: &mut [f32],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
-        require_in_place(problem)?;
-        f32_io(problem)?;
-        self.staged_forward(prepared, workspace, problem, HostIo::InPlace(xy), mask, |w| &mut w.staging)
-    }
-
-    /// 16-bit x and y stay 16-bit on the device: the fused kernels read and write them.
-    fn forward_host_half(
-        &self,
-        prepared: &CudaPrepared,
-        workspace: &mut CudaWorkspace,
-        problem: &Problem,
-        x: &[u16],
-        mask: Option<&[f32]>,
-        y: &mut [u16],
-    ) -> Result<()> {
-        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        crate::backend::half_io(problem)?;
-        self.staged_forward(prepared, workspace, problem, HostIo::OutOfPlace { x, y }, mask, |w| &mut w.half_staging)
-    }
-
-    fn forward_host_half_in_place(
-        &self,
-        prepared: &CudaPrepared,
-        workspace: &mut CudaWorkspace,
-        problem: &Problem,
-        xy: &mut [u16],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
-        require_in_place(problem)?;
-        crate::backend::half_io(problem)?;
-        self.staged_forward(prepared, workspace, problem, HostIo::InPlace(xy), mask, |w| &mut w.half_staging)
+        let stream = io.stream().map_or(self.stream(), |s| s as CUstream);
+        // SAFETY: `d` carries its constructor's contract (see `device_operands`); the workspace's
+        // buffers are its own allocations or views into the span just bound, which that
+        // contract keeps alive and unshared.
+        unsafe { self.enqueue(prepared, workspace, problem, d.x(), d.mask(), d.y(), stream) }
     }
 
     fn prepared_device_bytes(&self, config: &Config, biases: bool) -> Result<u64> {
@@ -992,30 +828,6 @@ impl Backend for CudaBackend {
         limit: Option<u64>,
     ) -> Result<(CudaWorkspace, u64)> {
         self.plan_caller_workspace(prepared, problem, limit)
-    }
-
-    unsafe fn forward_device(
-        &self,
-        prepared: &CudaPrepared,
-        workspace: &mut CudaWorkspace,
-        problem: &Problem,
-        io: &DeviceIo,
-    ) -> Result<()> {
-        if io.io != problem.io || io.shape != problem.shape || io.mask.is_some() != problem.masked {
-            return Err(Error::InvalidArgument(format!("device I/O {io:?} does not describe {problem:?}")));
-        }
-        match io.workspace {
-            Some(span) => workspace.bind(span)?,
-            None if workspace.caller_base.is_some() => {
-                return Err(Error::InvalidArgument("this workspace lives in caller memory: pass its span".into()))
-            }
-            None => {}
-        }
-        // SAFETY: the addresses are live allocations of this context with the problem's lengths,
-        // alive until the stream has run the work (this method's contract); the workspace's
-        // buffers are its own allocations or views into the span just bound, which the contract
-        // keeps alive and unshared.
-        unsafe { self.enqueue(prepared, workspace, problem, io.x, io.mask.unwrap_or(0), io.y, io.stream as CUstream) }
     }
 
     fn synchronize(&self) -> Result<()> {

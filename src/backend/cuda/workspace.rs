@@ -1,6 +1,6 @@
 //! Prepared weights and workspaces: what the plans allocate and fill and the launches read (the
 //! fused kernels' builds and shared-memory sizes, the one-pass scratch, the chunked and staged
-//! layouts, the host staging buffers).
+//! layouts).
 
 use std::sync::atomic::Ordering;
 
@@ -205,10 +205,6 @@ pub struct CudaWorkspace {
     pub(super) output: MatmulPlan,
     /// Chunked: the last row chunk when it is shorter.
     pub(super) output_tail: Option<MatmulPlan>,
-    /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use...
-    pub(super) staging: Option<Staging<f32>>,
-    /// ...and for [`Backend::forward_host_half`].
-    pub(super) half_staging: Option<Staging<u16>>,
     /// The choices this workspace was planned and is run with.
     pub(super) tuning: Tuning,
     /// [`CudaBackend::set_output_gate`] when it was planned (a one-pass workspace has a gate
@@ -272,21 +268,4 @@ impl Staged {
 pub(super) struct BlasInput {
     pub(super) proj_full: MatmulPlan,
     pub(super) proj_tail: Option<MatmulPlan>,
-}
-
-pub(super) struct Staging<T> {
-    pub(super) x: DeviceBuffer<T>,
-    pub(super) mask: Option<DeviceBuffer<f32>>,
-    /// None for in-place forwards (y is x).
-    pub(super) y: Option<DeviceBuffer<T>>,
-}
-
-/// The caller's host tensors of one forward.
-pub(super) enum HostIo<'a, T> {
-    OutOfPlace {
-        x: &'a [T],
-        y: &'a mut [T],
-    },
-    /// y is written over x.
-    InPlace(&'a mut [T]),
 }

@@ -27,8 +27,9 @@
 //! The stage kernels (`hip/*.hip`) share their source with the CUDA backend (`common/`), the
 //! GEMMs share their layout math (`GemmSpec`); so both backends compute the same thing in the
 //! same order, and what the H100 tests prove about the shared parts holds here too. Nothing is
-//! allocated inside a forward and nothing waits on the host, except the copies of
-//! [`Backend::forward_host`].
+//! allocated inside a forward and nothing waits on the host; forwards on host slices are staged
+//! above the backends (`src/staging.rs`), with the copies of [`Backend::upload_async`] and
+//! [`Backend::download_words`].
 //!
 //! `unsafe` lives in `sys` (loading), `result` (calls) and the enqueue/launch/GEMM helpers of
 //! this file, each with its justification.
@@ -58,9 +59,10 @@ use super::params::{
 };
 use super::staged_steps::{self, StagedBuffers, StagedStep};
 use super::{
-    check_device_forward, check_prepared_for, check_same_weights, f32_io, Backend, Ceilings, DeviceInfo, MemoryInfo,
+    check_device_forward, check_prepared_for, check_same_weights, device_operands, Backend, Ceilings, DeviceInfo,
+    MemoryInfo,
 };
-use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, SPAN_ALIGN};
+use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::ExecPlan;
 use crate::plan::{Blas, Buffer, Capabilities, InputStage, Plan};
@@ -179,8 +181,6 @@ impl HipPrepared {
 pub struct HipWorkspace {
     problem: Problem,
     layout: Layout,
-    /// Device copies of x, mask and y for [`Backend::forward_host`], made on first use.
-    host_io: Option<HostIo>,
     /// The prepared weights a chunked workspace holds copies of (`None` for one pass).
     weights_of: Option<u64>,
     /// For a workspace in caller memory ([`HipBackend::plan_caller_workspace`]), the address its
@@ -222,13 +222,6 @@ impl Layout {
             Layout::Chunked(c) => c.plan.workspace_bytes(),
         }
     }
-}
-
-struct HostIo {
-    x: DeviceMem,
-    mask: Option<DeviceMem>,
-    /// None for in-place forwards (y is x).
-    y: Option<DeviceMem>,
 }
 
 /// `len` f32 values in device memory.
@@ -486,19 +479,6 @@ impl HipBackend {
         })
     }
 
-    fn check_fits(&self, what: &str, needed: u64) -> Result<()> {
-        let (free, _) = result::mem_get_info(self.ctx.api)?;
-        if needed > free {
-            return Err(Error::OutOfMemory {
-                backend: BackendKind::Hip,
-                what: what.to_string(),
-                needed,
-                available: free,
-            });
-        }
-        Ok(())
-    }
-
     /// Blocks of a `prepare_weights` launch over `elements` elements: a grid stride of two
     /// blocks per compute unit at most.
     fn prepare_grid(&self, elements: u64) -> u32 {
@@ -592,91 +572,10 @@ impl HipBackend {
         let ws = HipWorkspace {
             problem: *problem,
             layout: Layout::OnePass(one),
-            host_io: None,
             weights_of: None,
             caller_base: Some((0, end)),
         };
         Ok((ws, end))
-    }
-
-    /// A forward on host slices through device copies kept in the workspace, x and y in
-    /// `problem.io` (f32, or 16-bit words where the kernels read and write them); `y: None` runs
-    /// in place (the result stays in the device copy of x for the caller to download).
-    fn host_forward<T: result::Plain>(
-        &self,
-        prepared: &HipPrepared,
-        workspace: &mut HipWorkspace,
-        problem: &Problem,
-        x: &[T],
-        mask: Option<&[f32]>,
-        y: Option<&mut [T]>,
-    ) -> Result<()> {
-        if std::mem::size_of::<T>() != problem.io.io_bytes() {
-            return Err(Error::Dtype(format!(
-                "{} host slices staged as {}-byte elements",
-                problem.io,
-                std::mem::size_of::<T>()
-            )));
-        }
-        self.bind()?;
-        let x_bytes = std::mem::size_of_val(x);
-        let mut io = match workspace.host_io.take() {
-            Some(io) if io.x.bytes() == x_bytes => io,
-            _ => {
-                self.check_fits("a device copy of x", x_bytes as u64)?;
-                HostIo { x: self.alloc_mem(x_bytes)?, mask: None, y: None }
-            }
-        };
-        if y.is_some() && io.y.as_ref().is_none_or(|d| d.bytes() != x_bytes) {
-            io.y = None;
-            self.check_fits("a device copy of y", x_bytes as u64)?;
-            io.y = Some(self.alloc_mem(x_bytes)?);
-        }
-        if let Some(m) = mask {
-            if io.mask.as_ref().is_none_or(|d| d.bytes() != std::mem::size_of_val(m)) {
-                io.mask = None;
-                io.mask = Some(self.alloc_mem(std::mem::size_of_val(m))?);
-            }
-        }
-        let run = (|| {
-            io.x.upload(&self.ctx.stream, 0, x)?;
-            let mut mask_addr = 0;
-            if let (Some(hm), Some(dm)) = (mask, io.mask.as_ref()) {
-                dm.upload(&self.ctx.stream, 0, hm)?;
-                mask_addr = dm.addr();
-            }
-            let y_dev = match (&y, &io.y) {
-                (Some(_), Some(yd)) => yd.addr(),
-                _ => io.x.addr(),
-            };
-            // SAFETY: the staging buffers are live allocations of this backend sized for this
-            // problem in its I/O precision, distinct from each other and from the workspace
-            // (y = x only in place); the download below waits for the stream, so the host slices
-            // outlive every copy.
-            unsafe { self.enqueue(prepared, workspace, problem, io.x.addr(), mask_addr, y_dev, self.stream())? };
-            match (y, &io.y) {
-                (Some(yh), Some(yd)) => yd.download(&self.ctx.stream, 0, yh),
-                _ => self.synchronize(),
-            }
-        })();
-        workspace.host_io = Some(io);
-        run
-    }
-
-    /// The in-place host forward: x's device copy becomes y, downloaded into `xy`.
-    fn host_forward_in_place<T: result::Plain>(
-        &self,
-        prepared: &HipPrepared,
-        workspace: &mut HipWorkspace,
-        problem: &Problem,
-        xy: &mut [T],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        let x = xy.to_vec();
-        self.host_forward(prepared, workspace, problem, &x, mask, None).and_then(|()| {
-            let io = workspace.host_io.as_ref().ok_or_else(|| Error::InvalidArgument("staging missing".into()))?;
-            io.x.download(&self.ctx.stream, 0, xy)
-        })
     }
 
     /// Enqueues one forward (module docs) on `stream`.
@@ -1166,7 +1065,7 @@ impl Backend for HipBackend {
             }
         };
         let weights_of = matches!(layout, Layout::Chunked(_)).then_some(prepared.id);
-        Ok(HipWorkspace { problem: *problem, layout, host_io: None, weights_of, caller_base: None })
+        Ok(HipWorkspace { problem: *problem, layout, weights_of, caller_base: None })
     }
 
     fn workspace_fits(&self, ws: &HipWorkspace, problem: &Problem) -> bool {
@@ -1224,111 +1123,55 @@ impl Backend for HipBackend {
         src.mem.download(&self.ctx.stream, 0, dst)
     }
 
+    unsafe fn upload_async(&self, src: HostWords<'_>, dst: &mut HipBuffer) -> Result<()> {
+        self.bind()?;
+        // HIP's copies wait for themselves (`DeviceMem::upload`): nothing is left queued.
+        match src {
+            HostWords::F32(v) => dst.mem.upload(&self.ctx.stream, 0, v),
+            HostWords::Half(v) => dst.mem.upload(&self.ctx.stream, 0, v),
+        }
+    }
+
+    fn download_words(&self, src: &HipBuffer, dst: HostWordsMut<'_>) -> Result<()> {
+        self.bind()?;
+        match dst {
+            HostWordsMut::F32(v) => src.mem.download(&self.ctx.stream, 0, v),
+            HostWordsMut::Half(v) => src.mem.download(&self.ctx.stream, 0, v),
+        }
+    }
+
+    fn buffer_io<'a>(x: Option<&'a HipBuffer>, mask: Option<&'a HipBuffer>, y: &'a mut HipBuffer) -> ForwardIo<'a> {
+        let arg = |b: &HipBuffer| (b.mem.addr(), b.len);
+        // SAFETY: the buffers are this backend's allocations of the lengths given, borrowed for
+        // 'a (y mutably, so it aliases neither x nor the mask); they are freed through hipFree,
+        // which waits for the work enqueued on them.
+        unsafe { ForwardIo::device_buffers(x.map(arg), mask.map(arg), arg(y), Precision::F32Io) }
+    }
+
     fn forward(
         &self,
         prepared: &HipPrepared,
         workspace: &mut HipWorkspace,
         problem: &Problem,
-        x: &HipBuffer,
-        mask: Option<&HipBuffer>,
-        y: &mut HipBuffer,
+        io: ForwardIo<'_>,
     ) -> Result<()> {
-        problem.check_lengths(x.len, mask.map(|m| m.len), y.len)?;
-        f32_io(problem)?;
-        // SAFETY: the buffers are live allocations of this backend with lengths checked above;
-        // `y` is borrowed mutably so it aliases neither x nor mask; the workspace is borrowed for
-        // the call and its buffers outlive the stream work because dropping them frees through
-        // hipFree, which waits for pending work.
-        unsafe {
-            self.enqueue(
-                prepared,
-                workspace,
-                problem,
-                x.mem.addr(),
-                mask.map_or(0, |m| m.mem.addr()),
-                y.mem.addr(),
-                self.stream(),
-            )
+        let (d, span) = device_operands(&io, problem, BackendKind::Hip, workspace.caller_base.is_some())?;
+        let stream = io.stream().map_or(self.stream(), |s| s as sys::hipStream_t);
+        if let Some(span) = span {
+            workspace.bind(span)?;
+            // The ones vector of af3's bias update lives in the caller's memory too: written on
+            // the call's stream before the stages read it.
+            if let Layout::OnePass(OnePass { ones: Some(ones), plan, .. }) = &workspace.layout {
+                self.bind()?;
+                let kp = fill_params(ones.addr(), plan.rows, 1.0, self.prepare_grid(plan.rows as u64));
+                // SAFETY: `ones` lies in the span just bound (the I/O's contract keeps it alive
+                // and unshared) and holds `rows` f32 values.
+                unsafe { launch_prepare(&self.ctx.kernels.prepare_weights, stream, &kp)? };
+            }
         }
-    }
-
-    fn forward_host(
-        &self,
-        prepared: &HipPrepared,
-        workspace: &mut HipWorkspace,
-        problem: &Problem,
-        x: &[f32],
-        mask: Option<&[f32]>,
-        y: &mut [f32],
-    ) -> Result<()> {
-        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        f32_io(problem)?;
-        self.host_forward(prepared, workspace, problem, x, mask, Some(y))
-    }
-
-    fn forward_in_place(
-        &self,
-        prepared: &HipPrepared,
-        workspace: &mut HipWorkspace,
-        problem: &Problem,
-        xy: &mut HipBuffer,
-        mask: Option<&HipBuffer>,
-    ) -> Result<()> {
-        problem.check_lengths(xy.len, mask.map(|m| m.len), xy.len)?;
-        f32_io(problem)?;
-        // SAFETY: as in `forward`; x and y are one live allocation, which the in-place problem
-        // allows (stage 1 reads x before stage 3 writes y).
-        unsafe {
-            let xy = xy.mem.addr();
-            self.enqueue(prepared, workspace, problem, xy, mask.map_or(0, |m| m.mem.addr()), xy, self.stream())
-        }
-    }
-
-    fn forward_host_in_place(
-        &self,
-        prepared: &HipPrepared,
-        workspace: &mut HipWorkspace,
-        problem: &Problem,
-        xy: &mut [f32],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
-        f32_io(problem)?;
-        self.host_forward_in_place(prepared, workspace, problem, xy, mask)
-    }
-
-    fn forward_host_half(
-        &self,
-        prepared: &HipPrepared,
-        workspace: &mut HipWorkspace,
-        problem: &Problem,
-        x: &[u16],
-        mask: Option<&[f32]>,
-        y: &mut [u16],
-    ) -> Result<()> {
-        if !self.half_io_native(prepared) {
-            // The rocBLAS output path writes f32 y: widened on the host (which checks the same).
-            return super::widened_host_half(self, prepared, workspace, problem, x, mask, y);
-        }
-        problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-        crate::backend::half_io(problem)?;
-        self.host_forward(prepared, workspace, problem, x, mask, Some(y))
-    }
-
-    fn forward_host_half_in_place(
-        &self,
-        prepared: &HipPrepared,
-        workspace: &mut HipWorkspace,
-        problem: &Problem,
-        xy: &mut [u16],
-        mask: Option<&[f32]>,
-    ) -> Result<()> {
-        if !self.half_io_native(prepared) {
-            return super::widened_host_half_in_place(self, prepared, workspace, problem, xy, mask);
-        }
-        problem.check_lengths(xy.len(), mask.map(<[f32]>::len), xy.len())?;
-        crate::backend::half_io(problem)?;
-        self.host_forward_in_place(prepared, workspace, problem, xy, mask)
+        // SAFETY: `d` and the span carry the contract of the I/O's constructor (see
+        // `device_operands`); the workspace's buffers are its own or views into that span.
+        unsafe { self.enqueue(prepared, workspace, problem, d.x(), d.mask(), d.y(), stream) }
     }
 
     fn buffer_addr(buffer: &HipBuffer) -> Option<u64> {
@@ -1356,41 +1199,6 @@ impl Backend for HipBackend {
         limit: Option<u64>,
     ) -> Result<(HipWorkspace, u64)> {
         self.plan_caller_workspace(prepared, problem, limit)
-    }
-
-    unsafe fn forward_device(
-        &self,
-        prepared: &HipPrepared,
-        workspace: &mut HipWorkspace,
-        problem: &Problem,
-        io: &DeviceIo,
-    ) -> Result<()> {
-        if io.io != problem.io || io.shape != problem.shape || io.mask.is_some() != problem.masked {
-            return Err(Error::InvalidArgument(format!("device I/O {io:?} does not describe {problem:?}")));
-        }
-        let stream = io.stream as sys::hipStream_t;
-        match io.workspace {
-            Some(span) => {
-                workspace.bind(span)?;
-                // The ones vector of af3's bias update lives in the caller's memory too: written
-                // on the call's stream before the stages read it.
-                if let Layout::OnePass(OnePass { ones: Some(ones), plan, .. }) = &workspace.layout {
-                    self.bind()?;
-                    let kp = fill_params(ones.addr(), plan.rows, 1.0, self.prepare_grid(plan.rows as u64));
-                    // SAFETY: `ones` lies in the span just bound (this method's contract keeps it
-                    // alive and unshared) and holds `rows` f32 values.
-                    unsafe { launch_prepare(&self.ctx.kernels.prepare_weights, stream, &kp)? };
-                }
-            }
-            None if workspace.caller_base.is_some() => {
-                return Err(Error::InvalidArgument("this workspace lives in caller memory: pass its span".into()))
-            }
-            None => {}
-        }
-        // SAFETY: the addresses are live allocations of this device with the problem's lengths,
-        // alive until the stream has run the work (this method's contract); the workspace's
-        // buffers are its own allocations or views into the span just bound.
-        unsafe { self.enqueue(prepared, workspace, problem, io.x, io.mask.unwrap_or(0), io.y, stream) }
     }
 
     fn synchronize(&self) -> Result<()> {
