@@ -155,7 +155,7 @@ impl Blocking {
 pub struct CpuWorkspace {
     config: Config,
     shape: Shape,
-    plan: Blocking,
+    blocking: Blocking,
     /// `[B, hc, N²]`: one hidden chunk of the left and right projections.
     left: Vec<f32>,
     right: Vec<f32>,
@@ -167,20 +167,20 @@ pub struct CpuWorkspace {
 }
 
 /// Element counts of the workspace tensors: left, right, t, scratch.
-fn workspace_lens(config: &Config, shape: &Shape, plan: &Blocking) -> [u128; 4] {
+fn workspace_lens(config: &Config, shape: &Shape, blocking: &Blocking) -> [u128; 4] {
     let m = shape.rows() as u128;
-    let chunk = m * plan.hc as u128;
-    let scratch = plan.subs as u128 * plan.chunk as u128;
+    let chunk = m * blocking.hc as u128;
+    let scratch = blocking.subs as u128 * blocking.chunk as u128;
     [chunk, chunk, m * config.h as u128, scratch]
 }
 
-fn workspace_bytes_of(config: &Config, shape: &Shape, plan: &Blocking) -> u128 {
-    workspace_lens(config, shape, plan).iter().sum::<u128>() * 4
+fn workspace_bytes_of(config: &Config, shape: &Shape, blocking: &Blocking) -> u128 {
+    workspace_lens(config, shape, blocking).iter().sum::<u128>() * 4
 }
 
 fn plan_bytes(problem: &Problem, hc: usize) -> u64 {
-    let plan = Blocking::new(&problem.config, &problem.shape, rayon::current_num_threads(), hc);
-    u64::try_from(workspace_bytes_of(&problem.config, &problem.shape, &plan)).unwrap_or(u64::MAX)
+    let blocking = Blocking::new(&problem.config, &problem.shape, rayon::current_num_threads(), hc);
+    u64::try_from(workspace_bytes_of(&problem.config, &problem.shape, &blocking)).unwrap_or(u64::MAX)
 }
 
 /// A zeroed f32 vector, or `OutOfMemory` if the allocator refuses.
@@ -308,13 +308,13 @@ impl Backend for CpuBackend {
                 available: lim,
             });
         };
-        let plan = Blocking::new(&config, &shape, rayon::current_num_threads(), hc);
+        let blocking = Blocking::new(&config, &shape, rayon::current_num_threads(), hc);
         let avail = available.unwrap_or(0);
-        let [l, r, t, s] = workspace_lens(&config, &shape, &plan);
+        let [l, r, t, s] = workspace_lens(&config, &shape, &blocking);
         Ok(CpuWorkspace {
             config,
             shape,
-            plan,
+            blocking,
             left: try_zeroed(l, "left projection chunk [B,hc,N,N]", avail)?,
             right: try_zeroed(r, "right projection chunk [B,hc,N,N]", avail)?,
             t: try_zeroed(t, "contraction [B,H,N,N]", avail)?,
@@ -329,7 +329,7 @@ impl Backend for CpuBackend {
 
     fn workspace_bytes(&self, _prepared: &CpuPrepared, problem: &Problem) -> u64 {
         if problem.validate().is_err() {
-            return u64::MAX; // no plan for a problem Problem::new refuses
+            return u64::MAX; // no blocking for a problem Problem::new refuses
         }
         plan_bytes(problem, problem.config.h)
     }
@@ -342,13 +342,13 @@ impl Backend for CpuBackend {
     }
 
     fn exec_plan(ws: &CpuWorkspace) -> ExecPlan {
-        let plan = ws.plan;
+        let blocking = ws.blocking;
         ExecPlan {
-            hidden_chunk: plan.hc,
-            hidden_passes: ws.config.h.div_ceil(plan.hc),
-            output_rows: plan.super_rows().min(ws.shape.rows()),
+            hidden_chunk: blocking.hc,
+            hidden_passes: ws.config.h.div_ceil(blocking.hc),
+            output_rows: blocking.super_rows().min(ws.shape.rows()),
             gate_recomputed: true,
-            workspace_bytes: u64::try_from(workspace_bytes_of(&ws.config, &ws.shape, &plan)).unwrap_or(u64::MAX),
+            workspace_bytes: u64::try_from(workspace_bytes_of(&ws.config, &ws.shape, &blocking)).unwrap_or(u64::MAX),
         }
     }
 
@@ -495,7 +495,7 @@ fn check_call(be: &CpuBackend, prepared: &CpuPrepared, workspace: &mut CpuWorksp
 
 /// Every hidden pass: the chunk's projections, then its channels of the contraction.
 fn run(prep: &CpuPrepared, ws: &mut CpuWorkspace, problem: &Problem, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
-    let (h, hc) = (prep.config.h, ws.plan.hc);
+    let (h, hc) = (prep.config.h, ws.blocking.hc);
     for h0 in (0..h).step_by(hc) {
         let n = hc.min(h - h0);
         project(prep, ws, x, mask, h0, n)?;
@@ -687,8 +687,8 @@ fn project(
     let Config { c, h, .. } = prep.config;
     let np = ws.shape.n * ws.shape.n;
     let m_total = ws.shape.rows();
-    let Blocking { rows, chunk, .. } = ws.plan;
-    let super_rows = ws.plan.super_rows();
+    let Blocking { rows, chunk, .. } = ws.blocking;
+    let super_rows = ws.blocking.super_rows();
     let eps = ws.eps;
     let CpuWorkspace { left, right, scratch, .. } = ws;
 
@@ -809,8 +809,8 @@ fn output(prep: &CpuPrepared, ws: &mut CpuWorkspace, x: Option<&[f32]>, y: &mut 
     let g = prep.config.gate_width();
     let np = ws.shape.n * ws.shape.n;
     let m_total = ws.shape.rows();
-    let Blocking { rows, chunk, .. } = ws.plan;
-    let super_rows = ws.plan.super_rows();
+    let Blocking { rows, chunk, .. } = ws.blocking;
+    let super_rows = ws.blocking.super_rows();
     let eps = ws.eps;
     let CpuWorkspace { t, scratch, .. } = ws;
     let t = t.as_slice();

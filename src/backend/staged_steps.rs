@@ -8,7 +8,8 @@
 
 use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{self, KernelParams};
-use crate::plan::Plan;
+use crate::error::{Error, Result};
+use crate::plan::{Buffer, InputStage, Plan};
 use crate::problem::Problem;
 
 /// Positions per block of `input_gating` when it computes only the gate (no shared memory).
@@ -53,7 +54,11 @@ pub enum StagedStep {
 /// then one contraction `Gemm` per batch into the pass's channels of t; after `PassesDone`, per
 /// row chunk `Norm`, the out-gate `Gemm`, `Gating` with H = 0 into the gate chunk, `Output`.
 /// `base` carries x, mask, y, the LayerNorm parameters and the shape.
-pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBuffers) -> Vec<StagedStep> {
+/// Fails on any other kind of plan.
+pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBuffers) -> Result<Vec<StagedStep>> {
+    if plan.caps.input != InputStage::Staged || plan.is_one_pass() {
+        return Err(Error::Internal(format!("a staged chunked forward was given another plan: {:?}", plan.caps)));
+    }
     let (c, h, g) = (plan.c, plan.h, plan.g);
     let (batch, n) = (problem.shape.batch, problem.shape.n);
     let nn = n * n;
@@ -61,9 +66,13 @@ pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBu
     let mut steps = Vec::new();
 
     // Phase A. Left/right live in y out of place when they fit there, else in scratch.
-    let at = |r: crate::plan::Region| r.at(if plan.left_right_in_y() { base.y } else { bufs.scratch });
-    let (left, right) = (at(plan.left), at(plan.right));
-    let proj = plan.proj.map_or(0, |r| r.at(bufs.scratch));
+    let base_of = |b: Buffer| match b {
+        Buffer::Y => base.y,
+        Buffer::Scratch => bufs.scratch,
+        _ => 0,
+    };
+    let (left, right) = (Plan::address(plan.left, base_of), Plan::address(plan.right, base_of));
+    let proj = Plan::address(Plan::require(plan.proj, "proj")?, base_of);
     let pass_bias = plan.pass_bias_offset;
     for (h0, hn) in plan.passes() {
         let w = bufs.pass_w + (4 * h0 * c * 2) as u64;
@@ -100,8 +109,8 @@ pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBu
     steps.push(StagedStep::PassesDone);
 
     // Phase B.
-    let gate = plan.gate.map_or(0, |r| r.at(bufs.scratch));
-    let a = plan.a.at(bufs.scratch);
+    let gate = Plan::address(Plan::require(plan.gate, "gate")?, base_of);
+    let a = Plan::address(plan.a, base_of);
     let w_gate = bufs.w_in + (4 * h * c * 2) as u64;
     let gate_bias = if bufs.proj_bias != 0 { bufs.proj_bias + (4 * h * 4) as u64 } else { 0 };
     for (r0, rows) in plan.output_chunks() {
@@ -125,7 +134,7 @@ pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBu
         steps.push(StagedStep::Gating { params: gp, tile_rows: GATE_TILE_ROWS, smem: 0 });
         steps.push(StagedStep::Output(chunk));
     }
-    steps
+    Ok(steps)
 }
 
 #[cfg(test)]
@@ -206,7 +215,7 @@ mod tests {
                     let mut t_written = vec![0u32; b * h];
                     let mut out_rows = vec![0u32; m];
                     let mut passes_done = false;
-                    for step in steps(&plan, &p, &base, bufs) {
+                    for step in steps(&plan, &p, &base, bufs).unwrap() {
                         match step {
                             StagedStep::Norm(q) => {
                                 inside(q.x + q.row0 as u64 * c as u64 * e, q.rows as u64 * c as u64 * e, "x");

@@ -6,8 +6,8 @@
 //! allocation; when even the narrowest plan does not fit, the error names the bytes needed and
 //! available ([`crate::Error::OutOfMemory`]).
 
-// Defined with `fmt_bytes` in the foundation module of byte counts; kept here, where the CLI,
-// the Python bindings and the fuzz tests have always found it.
+// Defined with `fmt_bytes` in the foundation module of byte counts; offered here beside the
+// budgets it parses (the CLI's `--max-memory`).
 pub use crate::units::parse_bytes;
 
 /// How one forward is split to fit its memory limit.

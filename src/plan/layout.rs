@@ -16,8 +16,8 @@
 //!
 //! Regions ([`Region`]) name a buffer ([`Buffer`]) and an offset into it; a backend allocates
 //! each buffer of non-zero size ([`Plan::buffer_bytes`]) or carves it from caller memory, and
-//! resolves a region to `base(buffer) + offset`. Every byte count a backend allocates or
-//! reports comes from here ([`Plan::workspace_bytes`]).
+//! resolves a region to `base(buffer) + offset` ([`Plan::address`]). Every byte count a backend
+//! allocates or reports comes from here ([`Plan::workspace_bytes`]).
 
 use crate::error::{Error, Result};
 use crate::problem::{Formulation, Problem};
@@ -83,8 +83,9 @@ pub enum Buffer {
     Right,
     /// One-pass with a stored gate: `[M, G]` f16.
     Gate,
-    /// A rocBLAS one-pass plan's z and proj when they do not go inside t.
-    Staging,
+    /// A rocBLAS one-pass plan's z and proj (the projection's input and output) when they do
+    /// not go inside t.
+    Projection,
     /// Chunked: the regions of each phase in turn.
     Scratch,
     /// Staged chunked: each pass's rows of the gated projections, `[4H, C]` f16, then their
@@ -190,8 +191,8 @@ pub struct Plan {
     pub left_bytes: usize,
     /// Bytes of [`Buffer::Gate`] (0: none).
     pub gate_bytes: usize,
-    /// Bytes of [`Buffer::Staging`] (0: none).
-    pub staging_bytes: usize,
+    /// Bytes of [`Buffer::Projection`] (0: none).
+    pub projection_bytes: usize,
     /// Bytes of [`Buffer::Scratch`] (0: none).
     pub scratch_bytes: usize,
     /// Bytes of [`Buffer::PassWeights`] (0: none).
@@ -254,7 +255,7 @@ impl Plan {
             t_bytes: mul(&[rows, cfg.h, 2])?,
             left_bytes: 0,
             gate_bytes: 0,
-            staging_bytes: 0,
+            projection_bytes: 0,
             scratch_bytes: 0,
             pass_weights_bytes: 0,
             gemm_ws_bytes: 0,
@@ -337,9 +338,9 @@ impl Plan {
             }
         };
         let proj_offset = aligned(chunk_rows * c * 2);
-        let buffer = if in_t { Buffer::T } else { Buffer::Staging };
+        let buffer = if in_t { Buffer::T } else { Buffer::Projection };
         if !in_t {
-            self.staging_bytes = proj_offset + chunk_rows * p * 2;
+            self.projection_bytes = proj_offset + chunk_rows * p * 2;
         }
         self.input_rows = chunk_rows;
         self.z = Some(Region::new(buffer, 0, chunk_rows * c * 2));
@@ -423,14 +424,14 @@ impl Plan {
     /// The narrowest chunked plan: the fewest channels per pass and the shortest row chunk the
     /// input stage takes.
     pub fn narrowest(problem: &Problem, caps: Capabilities) -> Result<Plan> {
-        let (channels, rows) = Plan::steps(caps);
+        let (channels, rows) = Plan::granularity(caps);
         Plan::chunked(problem, caps, channels, problem.shape.rows().min(rows))
     }
 
     /// The widest chunked plan whose workspace fits `limit` bytes ([`super::budget::widest_fit`]),
     /// or `None`.
     pub fn widest_chunked(problem: &Problem, caps: Capabilities, limit: u64) -> Result<Option<Plan>> {
-        let (channels, rows) = Plan::steps(caps);
+        let (channels, rows) = Plan::granularity(caps);
         let fit = super::budget::widest_fit(
             problem.config.h,
             channels,
@@ -444,11 +445,23 @@ impl Plan {
     }
 
     /// The granularity of hidden passes and row chunks of an input stage.
-    fn steps(caps: Capabilities) -> (usize, usize) {
+    fn granularity(caps: Capabilities) -> (usize, usize) {
         match caps.input {
             InputStage::Fused => (FUSED_CHANNEL_STEP, FUSED_ROW_STEP),
             InputStage::Staged => (STAGED_CHANNEL_STEP, STAGED_ROW_STEP),
         }
+    }
+
+    /// The address of `region`, given where each buffer starts (`base`: the caller's y for
+    /// [`Buffer::Y`], the workspace's allocations for the others).
+    pub fn address(region: Region, base: impl Fn(Buffer) -> u64) -> u64 {
+        region.at(base(region.buffer))
+    }
+
+    /// `region`, or the error naming what this plan lacks (a backend ran a plan of another
+    /// kind than the one it was made for).
+    pub fn require(region: Option<Region>, what: &str) -> Result<Region> {
+        region.ok_or_else(|| Error::Internal(format!("the plan has no {what}")))
     }
 
     /// Bytes of `buffer` (0: the plan has none; the caller's y is not the workspace's).
@@ -457,7 +470,7 @@ impl Plan {
             Buffer::T => self.t_bytes,
             Buffer::Left | Buffer::Right => self.left_bytes,
             Buffer::Gate => self.gate_bytes,
-            Buffer::Staging => self.staging_bytes,
+            Buffer::Projection => self.projection_bytes,
             Buffer::Scratch => self.scratch_bytes,
             Buffer::PassWeights => self.pass_weights_bytes,
             Buffer::GemmWorkspace => self.gemm_ws_bytes,
@@ -472,7 +485,7 @@ impl Plan {
         Buffer::Right,
         Buffer::Gate,
         Buffer::T,
-        Buffer::Staging,
+        Buffer::Projection,
         Buffer::Scratch,
         Buffer::PassWeights,
         Buffer::GemmWorkspace,
@@ -520,12 +533,15 @@ impl Plan {
         self.passes().flat_map(move |(h0, hn)| (0..4).map(move |part| (4 * h0 + part * hn, part * h + h0, hn)))
     }
 
-    /// Whether a workspace made for this plan serves `problem`: the same buffers and regions
-    /// (left and right inside y need room for them in y's I/O precision).
-    pub fn serves(&self, problem: &Problem) -> bool {
+    /// Whether a workspace made for this plan serves `problem` on a backend with `caps`: the
+    /// same buffers and regions (left and right inside y need room for them in y's I/O
+    /// precision).
+    pub fn serves(&self, problem: &Problem, caps: Capabilities) -> bool {
         let cfg = problem.config;
-        self.rows == problem.shape.rows()
-            && (self.c, self.h, self.g) == (cfg.c, cfg.h, cfg.gate_width())
+        self.caps == caps
+            && self.rows == problem.shape.rows()
+            && (self.c, self.h, self.g, self.p) == (cfg.c, cfg.h, cfg.gate_width(), cfg.fused_proj_width())
+            && self.af3 == (cfg.formulation == Formulation::Af3)
             && self.in_place == problem.in_place
             && (!self.left_right_in_y()
                 || problem.shape.rows().saturating_mul(cfg.c).saturating_mul(problem.io.io_bytes()) >= self.right.end())
@@ -623,9 +639,21 @@ mod tests {
             }
             assert_eq!(next, m, "{what}");
         }
-        if plan.caps.input == InputStage::Staged && !plan.is_one_pass() {
-            assert!(plan.output_chunks().all(|(r0, _)| r0 % STAGED_ROW_STEP == 0), "{what}");
+        if plan.caps.input == InputStage::Staged {
+            // The stage kernels store runs of 8 positions (16 bytes) where a tile starts
+            // 8-aligned, else one by one: chunks of 64 positions or more start 64-aligned.
+            if plan.input_rows >= STAGED_ROW_STEP {
+                assert!(plan.input_chunks().all(|(r0, _)| r0 % STAGED_ROW_STEP == 0), "{what}");
+            }
+            if !plan.is_one_pass() {
+                assert!(plan.output_chunks().all(|(r0, _)| r0 % STAGED_ROW_STEP == 0), "{what}");
+            }
         }
+        if plan.is_one_pass() && m >= 4096 {
+            // No staging grows t beyond the contraction's output: the memory bound holds.
+            assert_eq!(plan.t_bytes, m * h * 2, "{what}");
+        }
+        assert!(plan.serves(p, plan.caps), "{what}");
         assert_eq!(plan.summary().workspace_bytes, plan.workspace_bytes());
     }
 
@@ -713,6 +741,25 @@ mod tests {
     }
 
     #[test]
+    fn a_plan_serves_only_the_problems_it_was_made_for() {
+        let caps = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
+        let p = problem(Formulation::GpuMode, 1, 48, 128, 128);
+        let plan = Plan::narrowest(&p, caps).unwrap();
+        assert!(plan.left_right_in_y() && plan.serves(&p, caps));
+        // Another shape, the other formulation (af3's bias GEMMs need the ones vector), another
+        // backend, in place (x is read by every pass: left and right cannot sit in it).
+        assert!(!plan.serves(&problem(Formulation::GpuMode, 1, 40, 128, 128), caps));
+        assert!(!plan.serves(&problem(Formulation::Af3, 1, 48, 128, 128), caps));
+        assert!(!plan.serves(&p, Capabilities { input: InputStage::Staged, blas: Blas::CublasLt }));
+        assert!(!plan.serves(&p.in_place(true), caps));
+        // Left and right fill f32 y exactly here: 16-bit y has room for half of them.
+        let tight = problem(Formulation::GpuMode, 1, 16, 8, 32);
+        let plan = Plan::narrowest(&tight, caps).unwrap();
+        assert!(plan.left_right_in_y() && plan.serves(&tight, caps));
+        assert!(!plan.serves(&tight.with_io(Precision::Bf16Io), caps));
+    }
+
+    #[test]
     fn pass_copies_place_every_gated_row_once() {
         let p = problem(Formulation::Af3, 1, 8, 16, 40);
         let caps = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
@@ -731,6 +778,69 @@ mod tests {
                     assert_eq!(dst[4 * h0 + part * hn + r], Some(part * 40 + h0 + r));
                 }
             }
+        }
+    }
+}
+
+/// The plans chosen before the one plan type existed (the four types it replaced, at commit
+/// b018ae5), for problems from a single position to N = 8192 and limits from the narrowest plan
+/// to none: every choice and byte count must stay as it was, since a different chunking or
+/// cuBLASLt workspace gives different bits.
+#[cfg(test)]
+mod pinned {
+    use super::*;
+    use crate::problem::{Config, Direction, Precision, Shape};
+
+    #[test]
+    fn plans_are_those_chosen_before_the_one_plan_type() {
+        let fused = Capabilities { input: InputStage::Fused, blas: Blas::CublasLt };
+        let cublas = Capabilities { input: InputStage::Staged, blas: Blas::CublasLt };
+        let rocblas = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
+        let cases = [
+            (Formulation::GpuMode, 1, 1, 768, 128, false, Precision::F32Io),
+            (Formulation::Af3, 1, 33, 128, 128, false, Precision::F32Io),
+            (Formulation::Af3, 2, 33, 64, 40, true, Precision::F32Io),
+            (Formulation::GpuMode, 2, 256, 128, 128, false, Precision::Bf16Io),
+            (Formulation::GpuMode, 1, 1024, 384, 128, true, Precision::F32Io),
+            (Formulation::Af3, 1, 1024, 768, 128, false, Precision::Bf16Io),
+            (Formulation::GpuMode, 1, 4096, 128, 128, false, Precision::F32Io),
+            (Formulation::GpuMode, 1, 8192, 128, 128, true, Precision::Bf16Io),
+        ];
+        let mut lines = Vec::new();
+        for (i, &(f, b, n, c, h, in_place, io)) in cases.iter().enumerate() {
+            let p = Problem::new(Config::new(f, c, h).unwrap(), Shape::new(b, n), Direction::Outgoing, true)
+                .unwrap()
+                .in_place(in_place)
+                .with_io(io);
+            let one = Plan::one_pass(&p, cublas, false).unwrap();
+            lines.push(format!("CASE {i} cublas_one_pass input_rows={} t_bytes={}", one.input_rows, one.t_bytes));
+            let narrowest = |caps| Plan::narrowest(&p, caps).unwrap().workspace_bytes();
+            for extra in [0u64, 1 << 20, 1 << 26, 1 << 32, u64::MAX / 4] {
+                for (name, caps) in [("fused", fused), ("staged_cublas", cublas), ("staged_rocblas", rocblas)] {
+                    if let Some(q) = Plan::widest_chunked(&p, caps, narrowest(caps) + extra).unwrap() {
+                        lines.push(format!(
+                            "CASE {i} {name} {extra} hc={} out_rows={} t={} scratch={} bytes={}",
+                            q.hidden_chunk,
+                            q.output_rows,
+                            q.t_bytes,
+                            q.scratch_bytes,
+                            q.workspace_bytes()
+                        ));
+                    }
+                }
+            }
+            let one = Plan::one_pass(&p, rocblas, false).unwrap();
+            lines.push(format!(
+                "CASE {i} rocblas_one_pass input_rows={} in_t={} bytes={}",
+                one.input_rows,
+                one.z.unwrap().buffer == Buffer::T,
+                one.workspace_bytes()
+            ));
+        }
+        let before: Vec<&str> = include_str!("testdata/plans-b018ae5.txt").lines().collect();
+        assert_eq!(lines.len(), before.len());
+        for (now, then) in lines.iter().zip(&before) {
+            assert_eq!(now, then);
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
 use crate::backend::staged_steps::{self, StagedBuffers, StagedStep};
 use crate::error::{Error, Result};
-use crate::plan::Plan;
+use crate::plan::{Buffer, Plan};
 use crate::problem::Problem;
 
 impl CudaBackend {
@@ -96,7 +96,7 @@ impl CudaBackend {
         };
         // One plan per distinct GEMM the steps run (their addresses do not matter here).
         let bufs = StagedBuffers { scratch: 0, pass_w: 0, t: 0, w_in: 0, proj_bias: 0 };
-        for step in staged_steps::steps(&plan, problem, &KernelParams::default(), bufs) {
+        for step in staged_steps::steps(&plan, problem, &KernelParams::default(), bufs)? {
             match step {
                 StagedStep::Gemm { spec, .. } => add(spec, Elem::F16, false)?,
                 StagedStep::Output(chunk) => add(GemmSpec::output(chunk.rows as usize, c, h), Elem::F32, out_bias)?,
@@ -167,7 +167,7 @@ impl CudaBackend {
         // SAFETY (every launch and GEMM below): the steps' addresses lie inside the workspace's
         // buffers, the prepared weights and the call's x, mask and y, as the plan lays them out
         // (`staged_steps::tests::steps_stay_inside_their_buffers_and_cover_the_problem`).
-        for step in staged_steps::steps(&ws.plan, &problem, base, bufs) {
+        for step in staged_steps::steps(&ws.plan, &problem, base, bufs)? {
             match step {
                 StagedStep::Norm(p) => {
                     let grid = ceil_div(p.rows as usize, INPUT_NORM_ROWS_PER_BLOCK as usize);
@@ -229,12 +229,14 @@ impl CudaBackend {
         // channels of t, one strided-batched GEMM per batch (t's channels of a pass are
         // contiguous within a batch only).
         let plan = ws.plan.clone();
-        let lr_base = if plan.left_right_in_y() { base.y } else { scratch };
-        let (left, right) = (plan.left.at(lr_base), plan.right.at(lr_base));
-        let cws_region = plan
-            .contraction_ws
-            .ok_or_else(|| Error::Internal("a chunked plan without a contraction workspace".into()))?;
-        let cws = cws_region.at(scratch);
+        let base_of = |b: Buffer| match b {
+            Buffer::Y => base.y,
+            Buffer::Scratch => scratch,
+            _ => 0,
+        };
+        let (left, right) = (Plan::address(plan.left, base_of), Plan::address(plan.right, base_of));
+        let cws_region = Plan::require(plan.contraction_ws, "contraction workspace")?;
+        let cws = Plan::address(cws_region, base_of);
         for (h0, n) in plan.passes() {
             let kp = KernelParams {
                 row0: 0,
@@ -266,10 +268,9 @@ impl CudaBackend {
 
         // Phase B: per row chunk, the gate from x, LN_H (⊙ gate), the output GEMM (+ bias) into
         // y's rows, and af3's gate.
-        let (Some(gate), Some(ows)) = (plan.gate, plan.output_ws) else {
-            return Err(Error::Internal("a chunked plan without its output-stage regions".into()));
-        };
-        let (gate, a, ows_len, ows) = (gate.at(scratch), plan.a.at(scratch), ows.bytes, ows.at(scratch));
+        let (gate, ows) = (Plan::require(plan.gate, "gate")?, Plan::require(plan.output_ws, "output workspace")?);
+        let (gate, a) = (Plan::address(gate, base_of), Plan::address(plan.a, base_of));
+        let (ows_len, ows) = (ows.bytes, Plan::address(ows, base_of));
         let fused_output = self.fused_output_for(&ws.problem, ws.tuning);
         for (r0, rows) in plan.output_chunks() {
             let chunk = KernelParams { row0: r0 as i64, rows: rows as i64, gate, a, buf_row0: r0 as i64, ..fused };

@@ -21,6 +21,7 @@ use super::workspace::{
 use crate::backend::params::{self, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
 use crate::backend::{check_device_forward, check_same_weights, Backend};
 use crate::error::{Error, Result};
+use crate::plan::{Buffer, Plan};
 use crate::problem::{Formulation, Precision, Problem};
 
 impl CudaBackend {
@@ -261,7 +262,11 @@ impl CudaBackend {
         self.mark("input (LN, projections, gating)", stream)?;
         // 2. contraction over the B·H matrices; y (or, in place, x) is dead until step 3, so it
         // lends the workspace.
-        ws.contraction.run(&inner.blas, right, left, ws.t.ptr(), 0, y, m * c * problem.io.io_bytes(), stream)?;
+        let cws = Plan::require(ws.plan.contraction_ws, "contraction workspace")?;
+        if cws.buffer != Buffer::Y {
+            return Err(Error::Internal("the one-pass plan's contraction workspace is not y".into()));
+        }
+        ws.contraction.run(&inner.blas, right, left, ws.t.ptr(), 0, cws.at(y), cws.bytes, stream)?;
         self.mark("contraction", stream)?;
 
         if let Some(kp) = from_x_launch {
@@ -272,7 +277,11 @@ impl CudaBackend {
         // and af3's gate kernel.
         let fused_output = self.fused_output_for(problem, ws.tuning);
         let kp = KernelParams { row0: 0, rows: m as i64, ..base };
-        self.enqueue_output(prep, fused_output, &mut ws.output, &kp, right, m * h * 2, stream, true)
+        let ows = Plan::require(ws.plan.output_ws, "output workspace")?;
+        if ows.buffer != Buffer::Right {
+            return Err(Error::Internal("the one-pass plan's output workspace is not right".into()));
+        }
+        self.enqueue_output(prep, fused_output, &mut ws.output, &kp, ows.at(right), ows.bytes, stream, true)
     }
 
     /// The output stage of positions `p.row0 .. p.row0 + p.rows` (`p.gate` and `p.a` hold them
@@ -374,15 +383,19 @@ impl CudaBackend {
         let k = &inner.kernels;
         let h = base.h as usize;
         let t = ws.t.ptr();
-        let (Some(z), Some(proj), Some(gemm_ws)) = (ws.plan.z, ws.plan.proj, ws.plan.projection_ws) else {
-            return Err(Error::InvalidArgument("workspace has no chunked-projection plan".into()));
-        };
+        let (z, proj) = (Plan::require(ws.plan.z, "z")?, Plan::require(ws.plan.proj, "proj")?);
+        let gemm_ws = Plan::require(ws.plan.projection_ws, "projection workspace")?;
+        // The staged one-pass plan keeps [z | proj | gemm ws] inside t.
+        let base_of = |b: Buffer| if b == Buffer::T { t } else { 0 };
+        if [z, proj, gemm_ws].iter().any(|r| r.buffer != Buffer::T) {
+            return Err(Error::Internal("the staged one-pass plan's projection is not inside t".into()));
+        }
         let input_rows = ws.plan.input_rows;
         let Layout::OnePass { blas_input: Some(chunked), .. } = &mut ws.layout else {
             return Err(Error::InvalidArgument("workspace has no chunked-projection plan".into()));
         };
-        // Inside t: [z | proj | gemm ws].
-        let (z, proj, gemm_ws_len, gemm_ws) = (z.at(t), proj.at(t), gemm_ws.bytes, gemm_ws.at(t));
+        let (z, proj) = (Plan::address(z, base_of), Plan::address(proj, base_of));
+        let (gemm_ws_len, gemm_ws) = (gemm_ws.bytes, Plan::address(gemm_ws, base_of));
         let tr = params::gating_tile_rows(h);
         let mut row0 = 0;
         while row0 < m {

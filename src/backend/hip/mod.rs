@@ -201,7 +201,8 @@ struct OnePass {
     right: DeviceMem,
     gate: DeviceMem,
     t: DeviceMem,
-    staging: Option<DeviceMem>,
+    /// z and proj of the projection, when they do not live inside t.
+    projection: Option<DeviceMem>,
     ones: Option<DeviceMem>,
 }
 
@@ -429,13 +430,13 @@ impl HipBackend {
     }
 
     fn one_pass_buffers(&self, plan: Plan) -> Result<OnePass> {
-        let staging = if plan.staging_bytes > 0 { Some(self.alloc_mem(plan.staging_bytes)?) } else { None };
+        let projection = if plan.projection_bytes > 0 { Some(self.alloc_mem(plan.projection_bytes)?) } else { None };
         Ok(OnePass {
             left: self.alloc_mem(plan.left_bytes)?,
             right: self.alloc_mem(plan.left_bytes)?,
             gate: self.alloc_mem(plan.gate_bytes)?,
             t: self.alloc_mem(plan.t_bytes)?,
-            staging,
+            projection,
             ones: self.ones(plan.ones_bytes, plan.rows)?,
             plan,
         })
@@ -548,13 +549,13 @@ impl HipBackend {
             end = (at + bytes.max(1) as u64).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
             DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, at, bytes)
         };
-        let staging = (plan.staging_bytes > 0).then(|| carve(plan.staging_bytes));
+        let projection = (plan.projection_bytes > 0).then(|| carve(plan.projection_bytes));
         let one = OnePass {
             left: carve(plan.left_bytes),
             right: carve(plan.left_bytes),
             gate: carve(plan.gate_bytes),
             t: carve(plan.t_bytes),
-            staging,
+            projection,
             ones: (plan.ones_bytes > 0).then(|| carve(plan.ones_bytes)),
             plan,
         };
@@ -708,20 +709,24 @@ impl HipBackend {
         let plan = &ws.plan;
         let (c, h) = (plan.c, plan.h);
         let k = &self.ctx.kernels;
-        let staging = ws.staging.as_ref().unwrap_or(&ws.t);
+        let t_or_own = ws.projection.as_ref().unwrap_or(&ws.t);
         if poison {
-            for buf in [&ws.left, &ws.right, &ws.gate, &ws.t].into_iter().chain(ws.staging.as_ref()) {
+            for buf in [&ws.left, &ws.right, &ws.gate, &ws.t].into_iter().chain(ws.projection.as_ref()) {
                 // SAFETY: a workspace allocation of this device; `stream` per the contract.
                 unsafe { buf.memset(stream, POISON_BYTE)? };
             }
         }
-        let (Some(z), Some(proj)) = (plan.z, plan.proj) else {
-            return Err(Error::Internal("a rocBLAS one-pass plan without its staging".into()));
+        let (z, proj) = (Plan::require(plan.z, "z")?, Plan::require(plan.proj, "proj")?);
+        let base_of = |b: Buffer| match b {
+            Buffer::T | Buffer::Projection => t_or_own.addr(),
+            _ => 0,
         };
-        debug_assert!(z.buffer == if ws.staging.is_some() { Buffer::Staging } else { Buffer::T });
+        if z.buffer != if ws.projection.is_some() { Buffer::Projection } else { Buffer::T } {
+            return Err(Error::Internal("the projection's z is not where the workspace put it".into()));
+        }
         let base = KernelParams {
-            z: z.at(staging.addr()),
-            proj: proj.at(staging.addr()),
+            z: Plan::address(z, base_of),
+            proj: Plan::address(proj, base_of),
             left: ws.left.addr(),
             right: ws.right.addr(),
             gate: ws.gate.addr(),
@@ -734,7 +739,7 @@ impl HipBackend {
         // workspace allocation sized by `ws.plan` for this problem, or x, mask and y from this
         // function's contract; `stream` is live and `blas` is bound to it.
 
-        // 1. LN_C, projection, gating, chunk by chunk (z and proj in the staging area).
+        // 1. LN_C, projection, gating, chunk by chunk (z and proj inside t or their own buffer).
         let tr = launch_params::gating_tile_rows(h);
         for (row0, rows) in plan.input_chunks() {
             let p = KernelParams { row0: row0 as i64, rows: rows as i64, tile_rows: tr as i32, ..base };
@@ -792,7 +797,7 @@ impl HipBackend {
         // buffers, the prepared weights and the call's x, mask and y, as the plan lays them out
         // (`staged_steps::tests::steps_stay_inside_their_buffers_and_cover_the_problem`); `blas` is
         // bound to `stream`.
-        for step in staged_steps::steps(&ws.plan, problem, base, bufs) {
+        for step in staged_steps::steps(&ws.plan, problem, base, bufs)? {
             match step {
                 StagedStep::Norm(p) => {
                     let grid = (p.rows as usize).div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize);
@@ -953,7 +958,7 @@ impl HipWorkspace {
             Some(&mut o.right),
             Some(&mut o.gate),
             Some(&mut o.t),
-            o.staging.as_mut(),
+            o.projection.as_mut(),
             o.ones.as_mut(),
         ]
         .into_iter()
@@ -1075,10 +1080,10 @@ impl Backend for HipBackend {
             && ws.problem.shape == problem.shape
             && ws.problem.in_place == problem.in_place
             && match &ws.layout {
-                Layout::OnePass(o) => o.plan.serves(problem),
+                Layout::OnePass(o) => o.plan.serves(problem, ROCM_CAPS),
                 // Left and right inside y need room for them in y's I/O precision: a plan made
                 // for f32 y may not hold them in 16-bit y (the widened path runs the other way).
-                Layout::Chunked(ch) => ch.plan.serves(problem),
+                Layout::Chunked(ch) => ch.plan.serves(problem, ROCM_CAPS),
             }
     }
 
@@ -1273,9 +1278,9 @@ impl Backend for HipBackend {
 // ----------------------------------------------------------------------- launches and GEMMs
 //
 // Every device address these helpers pass comes from a `DeviceMem` of a prepared layer, a
-// workspace that `workspace_fits` the problem (its `Plan` equals `Plan::new(problem)`), or a
-// caller buffer whose length `Problem::check_lengths` checked (or whose size the caller of
-// `Backend::forward_device` guarantees); the kernels and GEMMs touch only the index ranges those sizes
+// workspace that `workspace_fits` the problem (its `Plan` serves it: `Plan::serves`), or a
+// caller buffer whose length `ForwardIo::check` checked (or whose size the caller of the unsafe
+// `ForwardIo::device` guarantees); the kernels and GEMMs touch only the index ranges those sizes
 // cover (layouts in common/params.h, spans in `RocblasGemm`). The buffers outlive the work:
 // forward callers hold them until they synchronise, and dropping a `DeviceMem` frees it with
 // hipFree, which waits for the device.
