@@ -27,11 +27,15 @@
 //!   `y`, or in a scratch buffer shared by the two phases), for each way a backend runs its
 //!   input stage ([`InputStage`]).
 //!
+//! - [`shard`]: what each rank holds when the pair tensor is split by rows across GPUs (issue
+//!   29), and the widest hidden pass a rank's budget allows.
+//!
 //! Backends declare what they can do and execute a plan; they do no budget arithmetic of their
 //! own.
 
 pub mod budget;
 pub mod layout;
+pub mod shard;
 
 pub use budget::{margin, parse_bytes, widest_fit, widest_hidden_chunk, ExecPlan, MemoryNeeds};
 pub use layout::{Blas, Buffer, Capabilities, InputStage, Plan, Region};
