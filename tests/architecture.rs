@@ -64,6 +64,7 @@ const LAYERS: &[(&str, Layer)] = &[
     ("kernels", Layer::Foundation),
     // The f64 oracle and the GPU MODE cases: pure functions of problems and weights.
     ("reference", Layer::Foundation),
+    ("reference::gradients", Layer::Foundation),
     ("suite", Layer::Foundation),
     ("backend::cuda::driver", Layer::Ffi),
     ("backend::cuda::blas", Layer::Ffi),

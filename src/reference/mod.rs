@@ -26,7 +26,16 @@
 //! [`check`] compares a backend's `y` with the reference under GPU MODE's rule
 //! `|got − want| ≤ atol + rtol·|want|` ([`compare`]), on every position when `B·N² ≤`
 //! [`FULL_CHECK_ROWS`] and on a sample of at least [`SAMPLE_POSITIONS`] positions otherwise.
+//!
+//! [`backward()`] is the reference of the backward pass: the gradients of a loss with respect to
+//! `x` and every weight and bias ([`Gradients`]), in f64. The math is in `docs/backward.md` and,
+//! next to the code, in `src/reference/gradients.rs`, written independently of the forward's
+//! code; its tests check it against central differences of [`forward`]'s computation.
 #![forbid(unsafe_code)]
+
+mod gradients;
+
+pub use gradients::{Gradients, Linear64, Norm64};
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -157,10 +166,34 @@ enum Side {
     Right,
 }
 
+/// The checks every entry point makes before computing: valid weights of the problem's
+/// configuration, a mask exactly when the problem is masked, and the lengths of `x` and the mask.
+fn check_inputs(weights: &Weights, problem: &Problem, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
+    weights.validate()?;
+    let (w, p) = (weights.config(), problem.config);
+    if w != p {
+        return Err(Error::Weights(format!(
+            "weights are {} with C={} H={}, the problem is {} with C={} H={}",
+            w.formulation, w.c, w.h, p.formulation, p.c, p.h
+        )));
+    }
+    if problem.masked != mask.is_some() {
+        return Err(Error::Shape(format!(
+            "mask: the problem is {}masked but a mask was {}given",
+            if problem.masked { "" } else { "not " },
+            if mask.is_some() { "" } else { "not " }
+        )));
+    }
+    // y has the length of x; only x and the mask are inputs here.
+    problem.check_lengths(x.len(), mask.map(<[f32]>::len), problem.x_len())
+}
+
 /// The weights in f64 and the inputs of one call, with the per-position pieces of the layer.
-struct Model<'a> {
+/// `X` is the element type of `x`: f32 as callers hold it, or f64 where the backward's tests
+/// evaluate the forward at perturbed points (`backward.rs`).
+struct Model<'a, X = f32> {
     problem: Problem,
-    x: &'a [f32],
+    x: &'a [X],
     mask: Option<&'a [f32]>,
     norm_in: Ln,
     left_proj: Lin,
@@ -174,23 +207,7 @@ struct Model<'a> {
 
 impl<'a> Model<'a> {
     fn new(weights: &Weights, problem: &Problem, x: &'a [f32], mask: Option<&'a [f32]>) -> Result<Self> {
-        weights.validate()?;
-        let (w, p) = (weights.config(), problem.config);
-        if w != p {
-            return Err(Error::Weights(format!(
-                "weights are {} with C={} H={}, the problem is {} with C={} H={}",
-                w.formulation, w.c, w.h, p.formulation, p.c, p.h
-            )));
-        }
-        if problem.masked != mask.is_some() {
-            return Err(Error::Shape(format!(
-                "mask: the problem is {}masked but a mask was {}given",
-                if problem.masked { "" } else { "not " },
-                if mask.is_some() { "" } else { "not " }
-            )));
-        }
-        // y has the length of x; only x and the mask are inputs here.
-        problem.check_lengths(x.len(), mask.map(<[f32]>::len), problem.x_len())?;
+        check_inputs(weights, problem, x, mask)?;
         Ok(Model {
             problem: *problem,
             x,
@@ -205,7 +222,9 @@ impl<'a> Model<'a> {
             out_proj: Lin::new(&weights.out_proj),
         })
     }
+}
 
+impl<X: Copy + Into<f64> + Sync> Model<'_, X> {
     fn n(&self) -> usize {
         self.problem.shape.n
     }
@@ -221,7 +240,7 @@ impl<'a> Model<'a> {
     /// `z = LN_C(x[row])` for each row index of `[B, N, N]` in `rows`: `[rows.len(), C]`.
     fn z(&self, rows: &[usize]) -> Vec<f64> {
         let c = self.c();
-        let x: Vec<f64> = rows.iter().flat_map(|&r| &self.x[r * c..(r + 1) * c]).map(|&v| v as f64).collect();
+        let x: Vec<f64> = rows.iter().flat_map(|&r| &self.x[r * c..(r + 1) * c]).map(|&v| v.into()).collect();
         let mut z = vec![0.0; x.len()];
         self.norm_in.apply(&x, &mut z);
         z
@@ -317,7 +336,12 @@ fn contract(left: &[f64], right: &[f64], shape: Shape, h: usize, direction: Dire
 /// The full output `y[B,N,N,C]` in f64, every intermediate materialised. Meant for small cases:
 /// it holds `left`, `right` and `t` (`3·B·N²·H` f64).
 pub fn forward(weights: &Weights, problem: &Problem, x: &[f32], mask: Option<&[f32]>) -> Result<Vec<f64>> {
-    let m = Model::new(weights, problem, x, mask)?;
+    Ok(forward_model(&Model::new(weights, problem, x, mask)?))
+}
+
+/// [`forward`]'s computation on an assembled [`Model`], whatever the element type of its `x`.
+fn forward_model<X: Copy + Into<f64> + Sync>(m: &Model<'_, X>) -> Vec<f64> {
+    let problem = &m.problem;
     let (c, h) = (m.c(), m.h());
     let rows = problem.shape.rows();
     let block_rows = |blk: usize, len: usize| -> Vec<usize> { (blk * BLOCK..blk * BLOCK + len).collect() };
@@ -337,7 +361,30 @@ pub fn forward(weights: &Weights, problem: &Problem, x: &[f32], mask: Option<&[f
         let rows = block_rows(blk, yb.len() / c);
         m.output(&t[rows[0] * h..(rows[0] + rows.len()) * h], &m.z(&rows), yb);
     });
-    Ok(y)
+    y
+}
+
+/// The gradients of `L = Σ dy ⊙ y` with respect to `x` and every weight and bias, where
+/// `y = forward(weights, problem, x, mask)`: the backward pass given `dy = ∂L/∂y` (`[B, N, N, C]`,
+/// the shape of `x`). In f64 from the f32 inputs, like [`forward`]. It holds about twenty
+/// `B·N²·max(C, H)` f64 intermediates, so it is meant for small and medium cases; the
+/// `O(B·H·N³)` contraction products run in parallel over output rows. The mask gets no gradient.
+pub fn backward(
+    weights: &Weights,
+    problem: &Problem,
+    x: &[f32],
+    mask: Option<&[f32]>,
+    dy: &[f32],
+) -> Result<Gradients> {
+    check_inputs(weights, problem, x, mask)?;
+    if dy.len() != problem.x_len() {
+        return Err(Error::Shape(format!(
+            "dy has {} elements, expected {} (the shape of x)",
+            dy.len(),
+            problem.x_len()
+        )));
+    }
+    Ok(gradients::backward_at(&Gradients::at(weights, x), problem, mask, &gradients::widen(dy)))
 }
 
 /// `y` at the given positions only, `[positions.len(), C]` in f64, each computed exactly as
