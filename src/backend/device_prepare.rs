@@ -6,6 +6,7 @@
 //! weight outside f16's range becomes NaN instead of an error: the device path cannot look at
 //! values without waiting for the device.
 
+use crate::backend::caller_workspace::SpanCarver;
 use crate::backend::params::{
     io_dtype, FusedInputLayout, PrepSegment, PrepareParams, PREP_MAX_SEGMENTS, SEG_FUSED_B, SEG_FUSED_W, SEG_PLAIN,
 };
@@ -32,12 +33,8 @@ impl PreparedLayout {
     /// (`out_bias`) on the output projection; `fused` is the fused kernel's layout where it runs.
     pub(crate) fn new(config: &Config, fused: Option<FusedInputLayout>, input_bias: bool, out_bias: bool) -> Self {
         let (c, h, p) = (config.c as u64, config.h as u64, config.fused_proj_width() as u64);
-        let mut end = 0u64;
-        let mut take = |bytes: u64| {
-            let at = end;
-            end = (at + bytes).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
-            at
-        };
+        let mut span = SpanCarver::default();
+        let mut take = |bytes: u64| span.take(bytes);
         let rows = fused.map_or(0, |f| f.rows() as u64);
         let fused_w = take(fused.map_or(0, |f| rows * f.k_pad as u64 * 2));
         let fused_b = (fused.is_some() && input_bias).then(|| take(rows * 4));
@@ -46,7 +43,8 @@ impl PreparedLayout {
         let proj_bias = input_bias.then(|| take(p * 4));
         let out_bias = out_bias.then(|| take(c * 4));
         let norms = [take(c * 4), take(c * 4), take(h * 4), take(h * 4)];
-        PreparedLayout { fused, fused_w, fused_b, w_in, w_out, proj_bias, out_bias, norms, bytes: end.max(SPAN_ALIGN) }
+        let bytes = span.end().max(SPAN_ALIGN);
+        PreparedLayout { fused, fused_w, fused_b, w_in, w_out, proj_bias, out_bias, norms, bytes }
     }
 }
 

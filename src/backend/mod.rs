@@ -18,6 +18,8 @@
 //! the backends) forwards to the compiled-in backends. Detection order is HIP, then CUDA, then
 //! CPU; [`BACKEND_ENV`] (`TRIMUL_BACKEND=cpu|cuda|hip`) overrides it.
 
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) mod caller_workspace;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

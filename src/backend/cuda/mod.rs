@@ -57,10 +57,11 @@ use self::blas::{BlasHandle, Elem, MatmulPlan};
 pub use self::driver::DeviceBuffer;
 use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair, Timeline};
 use self::kernels::Kernels;
+use super::caller_workspace::{self, SpanCarver};
 use super::gemm::GemmSpec;
 use super::params::FusedInputLayout;
 use super::{check_prepared_for, device_operands, Backend, Ceilings, DeviceInfo, MemoryInfo};
-use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut, SPAN_ALIGN};
+use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::{Blas, Capabilities, ExecPlan, InputStage, Plan};
 use crate::problem::{Config, Precision, Problem};
@@ -524,26 +525,14 @@ impl CudaBackend {
                 OutputGate::Auto => self.one_pass_bytes(prepared, problem, false) > limit,
             };
         let inner = &self.inner;
-        let mut end = 0u64;
+        let mut span = SpanCarver::default();
         let mut carve = |len: usize| -> Result<DeviceBuffer<u16>> {
-            let at = end;
-            let bytes = (len.max(1) as u64).checked_mul(2).ok_or_else(|| Error::Shape("workspace too large".into()))?;
-            end = (at + bytes).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
-            Ok(DeviceBuffer::borrowed(&inner.ctx, &inner.tracker, at, len))
+            let bytes = (len as u64).checked_mul(2).ok_or_else(|| Error::Shape("workspace too large".into()))?;
+            Ok(span.carve(bytes, |at| DeviceBuffer::borrowed(&inner.ctx, &inner.tracker, at, len)))
         };
         let plan = self.one_pass_plan(prepared, problem, tuning, gate_from_x)?;
         let mut ws = self.one_pass_workspace(prepared, problem, tuning, plan, &mut carve)?;
-        if end > limit {
-            return Err(Error::OutOfMemory {
-                backend: BackendKind::Cuda,
-                what: format!(
-                    "the one-pass workspace for B={} N={} C={} H={} (workspaces in caller memory are one-pass only)",
-                    problem.shape.batch, problem.shape.n, problem.config.c, problem.config.h
-                ),
-                needed: end,
-                available: limit,
-            });
-        }
+        let end = span.workspace_within(BackendKind::Cuda, problem, Some(limit))?;
         ws.caller_base = Some((0, end));
         Ok((ws, end))
     }
@@ -552,25 +541,18 @@ impl CudaBackend {
 impl CudaWorkspace {
     /// Moves a caller-memory workspace's buffers into `span` (checked: aligned, large enough).
     fn bind(&mut self, span: DeviceSpan) -> Result<()> {
-        let Some((base, bytes)) = self.caller_base else {
-            return Err(Error::InvalidArgument("a workspace span was given to a workspace the layer owns".into()));
-        };
-        span.check("the workspace", bytes)?;
-        if base == span.ptr {
-            return Ok(());
-        }
-        let to = span.ptr;
-        self.t.rebase(base, to)?;
-        match &mut self.layout {
-            Layout::OnePass { left, right, gate, .. } => {
-                for b in [Some(left), Some(right), gate.as_mut()].into_iter().flatten() {
-                    b.rebase(base, to)?;
+        let CudaWorkspace { caller_base, t, layout, .. } = self;
+        caller_workspace::bind(
+            caller_base,
+            span,
+            move || match layout {
+                Layout::OnePass { left, right, gate, .. } => {
+                    Ok([Some(t), Some(left), Some(right), gate.as_mut()].into_iter().flatten())
                 }
-            }
-            _ => return Err(Error::Internal("a caller-memory workspace must be one-pass".into())),
-        }
-        self.caller_base = Some((to, bytes));
-        Ok(())
+                _ => Err(caller_workspace::not_one_pass()),
+            },
+            DeviceBuffer::rebase,
+        )
     }
 }
 

@@ -52,6 +52,7 @@ use std::sync::{Arc, Mutex};
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
 use self::kernels::KernelImage;
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
+use super::caller_workspace::{self, SpanCarver};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
 use super::gemm::GemmSpec;
 use super::params::{
@@ -62,7 +63,7 @@ use super::{
     check_device_forward, check_prepared_for, check_same_weights, device_operands, Backend, Ceilings, DeviceInfo,
     MemoryInfo,
 };
-use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut, SPAN_ALIGN};
+use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::ExecPlan;
 use crate::plan::{Blas, Buffer, Capabilities, InputStage, Plan};
@@ -543,11 +544,9 @@ impl HipBackend {
     ) -> Result<(HipWorkspace, u64)> {
         check_prepared_for(&prepared.config, problem)?;
         let plan = Plan::one_pass(problem, ROCM_CAPS, false)?;
-        let mut end = 0u64;
+        let mut span = SpanCarver::default();
         let mut carve = |bytes: usize| {
-            let at = end;
-            end = (at + bytes.max(1) as u64).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
-            DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, at, bytes)
+            span.carve(bytes as u64, |at| DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, at, bytes))
         };
         let projection = (plan.projection_bytes > 0).then(|| carve(plan.projection_bytes));
         let one = OnePass {
@@ -559,17 +558,7 @@ impl HipBackend {
             ones: (plan.ones_bytes > 0).then(|| carve(plan.ones_bytes)),
             plan,
         };
-        if let Some(limit) = limit.filter(|&l| end > l) {
-            return Err(Error::OutOfMemory {
-                backend: BackendKind::Hip,
-                what: format!(
-                    "the one-pass workspace for B={} N={} (workspaces in caller memory are one-pass only)",
-                    problem.shape.batch, problem.shape.n
-                ),
-                needed: end,
-                available: limit,
-            });
-        }
+        let end = span.workspace_within(BackendKind::Hip, problem, limit)?;
         let ws = HipWorkspace {
             problem: *problem,
             layout: Layout::OnePass(one),
@@ -943,31 +932,19 @@ fn load_kernels(api: &'static sys::HipApi, target_id: &str, force_rtc: bool) -> 
 impl HipWorkspace {
     /// Moves a caller-memory workspace's buffers into `span` (checked: aligned, large enough).
     fn bind(&mut self, span: DeviceSpan) -> Result<()> {
-        let Some((base, bytes)) = self.caller_base else {
-            return Err(Error::InvalidArgument("a workspace span was given to a workspace the layer owns".into()));
-        };
-        span.check("the workspace", bytes)?;
-        if base == span.ptr {
-            return Ok(());
-        }
-        let Layout::OnePass(o) = &mut self.layout else {
-            return Err(Error::Internal("a caller-memory workspace must be one-pass".into()));
-        };
-        for m in [
-            Some(&mut o.left),
-            Some(&mut o.right),
-            Some(&mut o.gate),
-            Some(&mut o.t),
-            o.projection.as_mut(),
-            o.ones.as_mut(),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            m.rebase(base, span.ptr)?;
-        }
-        self.caller_base = Some((span.ptr, bytes));
-        Ok(())
+        let HipWorkspace { caller_base, layout, .. } = self;
+        caller_workspace::bind(
+            caller_base,
+            span,
+            move || match layout {
+                Layout::OnePass(o) => Ok([&mut o.left, &mut o.right, &mut o.gate, &mut o.t]
+                    .into_iter()
+                    .chain(o.projection.as_mut())
+                    .chain(o.ones.as_mut())),
+                Layout::Chunked(_) => Err(caller_workspace::not_one_pass()),
+            },
+            DeviceMem::rebase,
+        )
     }
 }
 
