@@ -574,16 +574,8 @@ impl Backend for CudaBackend {
         // packing below or out-of-bounds reads in a kernel.
         w.validate()?;
         let cfg = w.config();
-        let inputs = w.input_linears();
-        let fused: Vec<f32> = inputs.iter().flat_map(|l| l.weight.iter().copied()).collect();
-        let any_bias = inputs.iter().any(|l| l.bias.is_some());
-        let proj_bias = if any_bias {
-            let b: Vec<f32> =
-                inputs.iter().flat_map(|l| l.bias.clone().unwrap_or_else(|| vec![0.0; l.out_features])).collect();
-            Some(self.upload_f32(&b)?)
-        } else {
-            None
-        };
+        let (fused, proj_bias) = w.fused_input()?;
+        let proj_bias = proj_bias.map(|b| self.upload_f32(&b)).transpose()?;
         debug_assert_eq!(fused.len(), cfg.fused_proj_width() * cfg.c);
         let fused_input = match self.fused_layout(&cfg) {
             Some(layout) => {

@@ -965,16 +965,9 @@ impl Backend for HipBackend {
         w.validate()?;
         self.bind()?;
         let config = w.config();
-        let inputs = w.input_linears();
-        let fused: Vec<f32> = inputs.iter().flat_map(|l| l.weight.iter().copied()).collect();
+        let (fused, proj_bias) = w.fused_input()?;
         debug_assert_eq!(fused.len(), config.fused_proj_width() * config.c);
-        let proj_bias = if inputs.iter().any(|l| l.bias.is_some()) {
-            let b: Vec<f32> =
-                inputs.iter().flat_map(|l| l.bias.clone().unwrap_or_else(|| vec![0.0; l.out_features])).collect();
-            Some(self.upload_f32(&b)?)
-        } else {
-            None
-        };
+        let proj_bias = proj_bias.map(|b| self.upload_f32(&b)).transpose()?;
         let (output, _) = kernels::select_output(&self.ctx.arch, config.h, self.mfma_setting().as_deref());
         let mfma = match output {
             HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
