@@ -137,31 +137,17 @@ pub(crate) fn fill_params(dst: u64, count: usize, value: f32, grid: u32) -> Prep
 mod tests {
     use super::*;
     use crate::device_io::DType;
-    use crate::device_io::DeviceNorm;
     use crate::problem::Formulation;
 
+    /// `w`'s tensors as bf16 at made-up, well separated addresses (nothing is dereferenced).
     fn weights(cfg: Config, bias: bool) -> DeviceWeights {
+        let w = crate::weights::Weights::random(cfg, bias, 1).unwrap();
         let mut next = 0x10_0000u64;
-        let mut t = |len: usize| {
+        DeviceWeights::place(&w, |v| {
             next += 0x10_0000;
-            DeviceTensor::new(next, DType::Bf16, len)
-        };
-        let (c, h, g) = (cfg.c, cfg.h, cfg.gate_width());
-        let mut lin = |out: usize, inp: usize| DeviceLinear { weight: t(out * inp), bias: bias.then(|| t(out)) };
-        let (lp, lg, rp, rg, og, op) = (lin(h, c), lin(h, c), lin(h, c), lin(h, c), lin(g, c), lin(c, h));
-        let mut norm = |n: usize| DeviceNorm { weight: t(n), bias: t(n) };
-        let (ni, no) = (norm(c), norm(h));
-        DeviceWeights {
-            config: cfg,
-            norm_in: ni,
-            left_proj: lp,
-            left_gate: lg,
-            right_proj: rp,
-            right_gate: rg,
-            out_gate: og,
-            norm_out: no,
-            out_proj: op,
-        }
+            Ok(DeviceTensor::new(next, DType::Bf16, v.len()))
+        })
+        .unwrap()
     }
 
     /// Every destination of every segment lies inside the layout's bytes and no two overlap;
