@@ -31,6 +31,8 @@ pub(crate) mod gemm;
 #[cfg(feature = "rocm")]
 pub mod hip;
 // The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) mod gpu_ceilings;
 pub(crate) mod host_gemm;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod params;

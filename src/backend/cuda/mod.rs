@@ -59,6 +59,7 @@ use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair, Timel
 use self::kernels::Kernels;
 use super::caller_workspace::{self, SpanCarver};
 use super::gemm::GemmSpec;
+use super::gpu_ceilings;
 use super::params::FusedInputLayout;
 use super::{check_prepared_for, device_operands, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
@@ -817,10 +818,8 @@ impl Backend for CudaBackend {
 
     fn measure_ceilings(&self) -> Result<Ceilings> {
         let stream = self.stream();
-        // GEMM: f16 operands, f32 accumulation, 8192³, on non-zero data (zeros run faster).
-        let n = 8192;
-        let mut rng = crate::rand::Rng::new(0xCE11);
-        let host: Vec<u16> = (0..n * n).map(|_| half::f16::from_f32(rng.uniform() as f32 - 0.5).to_bits()).collect();
+        let n = gpu_ceilings::GEMM_N;
+        let host = gpu_ceilings::gemm_operand();
         let mut a = self.alloc_buffer::<u16>(n * n)?;
         let mut b = self.alloc_buffer::<u16>(n * n)?;
         a.upload(&host, stream)?;
@@ -829,17 +828,14 @@ impl Backend for CudaBackend {
         let ws = self.alloc_buffer::<u8>(MAX_GEMM_WORKSPACE)?;
         let spec = GemmSpec::projection(n, n, n);
         let mut plan = MatmulPlan::new(&self.inner.blas, spec, Elem::F16, false, MAX_GEMM_WORKSPACE)?;
-        let mut gemm = || {
+        let gemm = || {
             // SAFETY: a, b, d are n×n f16 allocations and ws holds MAX_GEMM_WORKSPACE bytes, all
             // alive until the synchronising timer returns.
             unsafe { plan.run(&self.inner.blas, a.ptr(), b.ptr(), d.ptr(), 0, ws.ptr(), MAX_GEMM_WORKSPACE, stream) }
         };
-        let reps = 10;
-        gemm()?;
-        let gemm_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| gemm()))? / reps as f64;
+        let gemm_ms = gpu_ceilings::mean_ms(self, gemm)?;
         drop((a, b, d, ws));
-        // Copy: 512 MiB device to device, bytes read + written.
-        let len = 512 << 20;
+        let len = gpu_ceilings::COPY_BYTES;
         let mut src = self.alloc_buffer::<u8>(len)?;
         src.memset_async(0x3C, stream)?;
         let dst = self.alloc_buffer::<u8>(len)?;
@@ -847,13 +843,8 @@ impl Backend for CudaBackend {
             // SAFETY: both are `len`-byte allocations of this context, alive until timed work ends.
             unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), len, stream) }.ctx("cuMemcpyDtoDAsync")
         };
-        copy()?;
-        let copy_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| copy()))? / reps as f64;
-        Ok(Ceilings {
-            gemm_tflops: 2.0 * (n as f64).powi(3) / (gemm_ms * 1e-3) / 1e12,
-            gemm_desc: format!("cuBLASLt f16·f16 (f32 accumulate) {n}³"),
-            copy_gbs: 2.0 * len as f64 / (copy_ms * 1e-3) / 1e9,
-        })
+        let copy_ms = gpu_ceilings::mean_ms(self, copy)?;
+        Ok(gpu_ceilings::ceilings("cuBLASLt", gemm_ms, copy_ms))
     }
 
     fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {

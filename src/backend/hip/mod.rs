@@ -55,6 +55,7 @@ use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::caller_workspace::{self, SpanCarver};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
 use super::gemm::GemmSpec;
+use super::gpu_ceilings;
 use super::params::{
     self as launch_params, KernelParams, PrepareParams, INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
 };
@@ -1190,10 +1191,8 @@ impl Backend for HipBackend {
     fn measure_ceilings(&self) -> Result<Ceilings> {
         self.bind()?;
         let stream = self.stream();
-        // GEMM: f16 operands, f32 accumulation, 8192³, on non-zero data (zeros run faster).
-        let n = 8192;
-        let mut rng = crate::rand::Rng::new(0xCE11);
-        let host: Vec<u16> = (0..n * n).map(|_| half::f16::from_f32(rng.uniform() as f32 - 0.5).to_bits()).collect();
+        let n = gpu_ceilings::GEMM_N;
+        let host = gpu_ceilings::gemm_operand();
         let a = self.alloc_mem(2 * n * n)?;
         a.upload(&self.ctx.stream, 0, &host)?;
         let b = self.alloc_mem(2 * n * n)?;
@@ -1204,13 +1203,10 @@ impl Backend for HipBackend {
         // SAFETY: a, b, d are n×n f16 allocations alive until the synchronising timer returns;
         // the handle is bound to our stream.
         let run = || unsafe { gemm(&blas, &g, 1.0, a.addr(), b.addr(), 0.0, d.addr()) };
-        let reps = 10;
-        run()?;
-        let gemm_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| run()))? / reps as f64;
+        let gemm_ms = gpu_ceilings::mean_ms(self, run)?;
         drop(blas);
         drop((a, b, d));
-        // Copy: 512 MiB device to device, bytes read + written.
-        let len = 512 << 20;
+        let len = gpu_ceilings::COPY_BYTES;
         let src = self.alloc_mem(len)?;
         // SAFETY: our allocation, our stream.
         unsafe { src.memset(stream, 0x3C)? };
@@ -1218,13 +1214,8 @@ impl Backend for HipBackend {
         // SAFETY: two distinct `len`-byte allocations of this device, alive until the timed work
         // has finished (elapsed_ms waits for it).
         let copy = || unsafe { result::copy_dtod_async(self.ctx.api, dst.addr(), src.addr(), len, stream) };
-        copy()?;
-        let copy_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| copy()))? / reps as f64;
-        Ok(Ceilings {
-            gemm_tflops: 2.0 * (n as f64).powi(3) / (gemm_ms * 1e-3) / 1e12,
-            gemm_desc: format!("rocBLAS gemm_ex f16·f16 (f32 accumulate) {n}³"),
-            copy_gbs: 2.0 * len as f64 / (copy_ms * 1e-3) / 1e9,
-        })
+        let copy_ms = gpu_ceilings::mean_ms(self, copy)?;
+        Ok(gpu_ceilings::ceilings("rocBLAS gemm_ex", gemm_ms, copy_ms))
     }
 
     fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
