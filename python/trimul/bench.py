@@ -163,8 +163,7 @@ def bench_gpumode(repeats, warmup, g) -> dict:
     return {"shapes": rows, "geomean_ms": geomean}
 
 
-@torch.library.custom_op("trimul_bench::noop", mutates_args=())
-def _noop(
+def _noop_impl(
     x: torch.Tensor,
     mask: Optional[torch.Tensor],
     a: Optional[torch.Tensor],
@@ -182,29 +181,13 @@ def _noop(
     direction: str,
     eps: float,
 ) -> torch.Tensor:
+    """A no-op with trimul's op's signature; registered twice below, bare and with the op's
+    registrations."""
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("trimul_bench::noop_registered", mutates_args=())
-def _noop_registered(
-    x: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    a: Optional[torch.Tensor],
-    b: Optional[torch.Tensor],
-    c: torch.Tensor,
-    d: Optional[torch.Tensor],
-    e: torch.Tensor,
-    f: Optional[torch.Tensor],
-    g: Optional[torch.Tensor],
-    h: Optional[torch.Tensor],
-    i: torch.Tensor,
-    j: Optional[torch.Tensor],
-    k: torch.Tensor,
-    l: Optional[torch.Tensor],  # noqa: E741
-    direction: str,
-    eps: float,
-) -> torch.Tensor:
-    return torch.empty_like(x)
+_noop = torch.library.custom_op("trimul_bench::noop", mutates_args=())(_noop_impl)
+_noop_registered = torch.library.custom_op("trimul_bench::noop_registered", mutates_args=())(_noop_impl)
 
 
 @_noop_registered.register_fake
