@@ -109,7 +109,7 @@ pub struct DeviceNorm {
     pub bias: DeviceTensor,
 }
 
-/// A layer's weights on the device, named as in [`Weights`](crate::Weights) (af3's packed
+/// A layer's weights on the device, named as in [`Weights`] (af3's packed
 /// `p_in`/`g_in` are two tensors each: the `a` rows are `left_*`, the `b` rows `right_*`; a
 /// caller passes addresses inside the packed tensor).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
