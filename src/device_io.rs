@@ -14,6 +14,7 @@
 
 use crate::error::{Error, Result};
 use crate::problem::{Config, Formulation, Precision, Problem, Shape};
+use crate::weights::{Linear, Norm, Weights};
 
 /// Element type of a tensor the caller holds.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
@@ -108,7 +109,7 @@ pub struct DeviceNorm {
     pub bias: DeviceTensor,
 }
 
-/// A layer's weights on the device, named as in [`Weights`](crate::Weights) (af3's packed
+/// A layer's weights on the device, named as in [`Weights`] (af3's packed
 /// `p_in`/`g_in` are two tensors each: the `a` rows are `left_*`, the `b` rows `right_*`; a
 /// caller passes addresses inside the packed tensor).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -134,6 +135,32 @@ pub struct DeviceWeights {
 }
 
 impl DeviceWeights {
+    /// The descriptor of `w`'s tensors where `put` places each one (an upload, say), called for
+    /// every tensor `w` has (biases only where it has them), the error of the first that fails.
+    pub fn place(w: &Weights, mut put: impl FnMut(&[f32]) -> Result<DeviceTensor>) -> Result<DeviceWeights> {
+        let mut lin = |l: &Linear| -> Result<DeviceLinear> {
+            Ok(DeviceLinear { weight: put(&l.weight)?, bias: l.bias.as_deref().map(&mut put).transpose()? })
+        };
+        let (left_proj, left_gate) = (lin(&w.left_proj)?, lin(&w.left_gate)?);
+        let (right_proj, right_gate) = (lin(&w.right_proj)?, lin(&w.right_gate)?);
+        let (out_gate, out_proj) = (lin(&w.out_gate)?, lin(&w.out_proj)?);
+        let mut norm =
+            |n: &Norm| -> Result<DeviceNorm> { Ok(DeviceNorm { weight: put(&n.weight)?, bias: put(&n.bias)? }) };
+        let (norm_in, norm_out) = (norm(&w.norm_in)?, norm(&w.norm_out)?);
+        let config = w.config();
+        Ok(DeviceWeights {
+            config,
+            norm_in,
+            left_proj,
+            left_gate,
+            right_proj,
+            right_gate,
+            out_gate,
+            norm_out,
+            out_proj,
+        })
+    }
+
     /// The five linear layers applied to `z`, in the order of the fused input projection.
     pub fn input_linears(&self) -> [&DeviceLinear; 5] {
         [&self.left_proj, &self.left_gate, &self.right_proj, &self.right_gate, &self.out_gate]

@@ -157,6 +157,24 @@ impl Weights {
         [&self.left_proj, &self.left_gate, &self.right_proj, &self.right_gate, &self.out_gate]
     }
 
+    /// The fused input projection every backend prepares: the weights of
+    /// [`Weights::input_linears`] one after another (`[P, C]`), and their biases the same way
+    /// (`[P]`, zeros for a linear without one), `None` when no input linear has a bias.
+    pub(crate) fn fused_input(&self) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+        let inputs = self.input_linears();
+        let len = inputs.iter().map(|l| l.weight.len()).sum();
+        let mut weight = Vec::new();
+        crate::hostmem::try_reserve(&mut weight, len, "fused projection weights")?;
+        for l in inputs {
+            weight.extend_from_slice(&l.weight);
+        }
+        let bias = inputs
+            .iter()
+            .any(|l| l.bias.is_some())
+            .then(|| inputs.iter().flat_map(|l| l.bias.clone().unwrap_or_else(|| vec![0.0; l.out_features])).collect());
+        Ok((weight, bias))
+    }
+
     /// Checks every tensor against the configuration: shapes, no biases in the gpumode form, finite values. The error names the tensor.
     pub fn validate(&self) -> Result<()> {
         let Config { c, h, formulation } = self.config;

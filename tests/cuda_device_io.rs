@@ -13,8 +13,8 @@ use trimul::suite::{self, Case, Dist};
 mod test_seed;
 use test_seed::this_test_seed as seed;
 use trimul::{
-    Backend, DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights, Direction,
-    Formulation, Layer, Linear, Options, Precision, Shape, Weights,
+    Backend, DType, DeviceIo, DeviceSpan, DeviceTensor, DeviceWeights, Direction, Formulation, Layer, Linear, Options,
+    Precision, Shape, Weights,
 };
 
 #[path = "support/cuda_device.rs"]
@@ -79,10 +79,7 @@ fn to_device(b: &CudaBackend, w: &Weights, dtype: DType, packed: bool) -> Device
         keep.push(buf);
         t
     };
-    let mut lin = |l: &Linear| DeviceLinear { weight: put(&l.weight), bias: l.bias.as_deref().map(&mut put) };
-    let (mut lp, mut lg, mut rp, mut rg) =
-        (lin(&w.left_proj), lin(&w.left_gate), lin(&w.right_proj), lin(&w.right_gate));
-    let (og, op) = (lin(&w.out_gate), lin(&w.out_proj));
+    let mut weights = DeviceWeights::place(w, |v| Ok(put(v))).unwrap();
     if packed {
         let halves = |a: &Linear, b: &Linear| -> Vec<f32> { a.weight.iter().chain(&b.weight).copied().collect() };
         let p_in = put(&halves(&w.left_proj, &w.right_proj));
@@ -90,24 +87,11 @@ fn to_device(b: &CudaBackend, w: &Weights, dtype: DType, packed: bool) -> Device
         let n = w.left_proj.weight.len();
         let at =
             |t: DeviceTensor, row_half: u64| DeviceTensor::new(t.ptr + row_half * (n * dtype.bytes()) as u64, dtype, n);
-        lp.weight = at(p_in, 0);
-        rp.weight = at(p_in, 1);
-        lg.weight = at(g_in, 0);
-        rg.weight = at(g_in, 1);
+        weights.left_proj.weight = at(p_in, 0);
+        weights.right_proj.weight = at(p_in, 1);
+        weights.left_gate.weight = at(g_in, 0);
+        weights.right_gate.weight = at(g_in, 1);
     }
-    let mut norm = |n: &trimul::Norm| DeviceNorm { weight: put(&n.weight), bias: put(&n.bias) };
-    let (ni, no) = (norm(&w.norm_in), norm(&w.norm_out));
-    let weights = DeviceWeights {
-        config: w.config(),
-        norm_in: ni,
-        left_proj: lp,
-        left_gate: lg,
-        right_proj: rp,
-        right_gate: rg,
-        out_gate: og,
-        norm_out: no,
-        out_proj: op,
-    };
     DeviceCopy { _keep: keep, weights }
 }
 

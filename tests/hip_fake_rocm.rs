@@ -472,19 +472,26 @@ fn half_io_tight_budgets_run_chunked_plans() {
     }
 }
 
+/// The MFMA backend, a gpumode layer of C = `c`, H = `h` prepared from seed 5, and `case`'s
+/// outgoing problem with f32 I/O and with bf16 I/O.
+fn f32_and_bf16_problems(
+    c: usize,
+    h: usize,
+    case: Case,
+) -> (HipBackend, Config, Case, <HipBackend as Backend>::Prepared, Problem, Problem) {
+    let b = backend(true);
+    let cfg = Config::new(Formulation::GpuMode, c, h).unwrap();
+    let p32 = Problem::new(cfg, case.shape(), Direction::Outgoing, case.masked).unwrap();
+    let prep = b.prepare(&Weights::random(cfg, false, 5).unwrap()).unwrap();
+    (b, cfg, case, prep, p32, p32.with_io(trimul::Precision::Bf16Io))
+}
+
 /// A chunked workspace planned for f32 y, with left and right inside y, is refused for a 16-bit
 /// problem (16-bit y has half the room; before the fix the forward wrote past y).
 #[test]
 fn a_chunked_workspace_planned_for_f32_y_is_not_used_for_16_bit_y() {
-    use trimul::Precision;
     let Some(_g) = fake_with_code_objects() else { return };
-    let b = backend(true);
-    let cfg = Config::new(Formulation::GpuMode, 32, 24).unwrap();
-    let case = Case::new(10, 2, cfg.c, false, Dist::Normal);
-    let p32 = Problem::new(cfg, case.shape(), Direction::Outgoing, false).unwrap();
-    let p16 = p32.with_io(Precision::Bf16Io);
-    let w = Weights::random(cfg, false, 5).unwrap();
-    let prep = b.prepare(&w).unwrap();
+    let (b, cfg, case, prep, p32, p16) = f32_and_bf16_problems(32, 24, Case::new(10, 2, 32, false, Dist::Normal));
     let m = case.shape().rows();
     let full = b.workspace_bytes(&prep, &p32);
     let narrow = b.min_workspace_bytes(&prep, &p32);
@@ -519,15 +526,8 @@ fn a_chunked_workspace_planned_for_f32_y_is_not_used_for_16_bit_y() {
 /// would read and write the buffers as 16-bit.
 #[test]
 fn f32_entry_points_refuse_16_bit_problems() {
-    use trimul::Precision;
     let Some(_g) = fake_with_code_objects() else { return };
-    let b = backend(true);
-    let cfg = Config::new(Formulation::GpuMode, 32, 16).unwrap();
-    let case = Case::new(8, 1, cfg.c, false, Dist::Normal);
-    let p32 = Problem::new(cfg, case.shape(), Direction::Outgoing, false).unwrap();
-    let p16 = p32.with_io(Precision::Bf16Io);
-    let w = Weights::random(cfg, false, 5).unwrap();
-    let prep = b.prepare(&w).unwrap();
+    let (b, _, case, prep, _, p16) = f32_and_bf16_problems(32, 16, Case::new(8, 1, 32, false, Dist::Normal));
     let mut ws = b.workspace(&prep, &p16, None).unwrap();
     let inputs = suite::generate_inputs(&case, 78);
     let mut xd = b.alloc(inputs.x.len()).unwrap();

@@ -22,7 +22,6 @@ import json
 import math
 import statistics
 import time
-from typing import Optional
 
 import torch
 
@@ -163,48 +162,18 @@ def bench_gpumode(repeats, warmup, g) -> dict:
     return {"shapes": rows, "geomean_ms": geomean}
 
 
-@torch.library.custom_op("trimul_bench::noop", mutates_args=())
-def _noop(
-    x: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    a: Optional[torch.Tensor],
-    b: Optional[torch.Tensor],
-    c: torch.Tensor,
-    d: Optional[torch.Tensor],
-    e: torch.Tensor,
-    f: Optional[torch.Tensor],
-    g: Optional[torch.Tensor],
-    h: Optional[torch.Tensor],
-    i: torch.Tensor,
-    j: Optional[torch.Tensor],
-    k: torch.Tensor,
-    l: Optional[torch.Tensor],  # noqa: E741
-    direction: str,
-    eps: float,
-) -> torch.Tensor:
+def _noop_impl(x, *rest):
+    """A no-op taking trimul's op's arguments; registered twice below, bare and with the op's
+    registrations."""
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("trimul_bench::noop_registered", mutates_args=())
-def _noop_registered(
-    x: torch.Tensor,
-    mask: Optional[torch.Tensor],
-    a: Optional[torch.Tensor],
-    b: Optional[torch.Tensor],
-    c: torch.Tensor,
-    d: Optional[torch.Tensor],
-    e: torch.Tensor,
-    f: Optional[torch.Tensor],
-    g: Optional[torch.Tensor],
-    h: Optional[torch.Tensor],
-    i: torch.Tensor,
-    j: Optional[torch.Tensor],
-    k: torch.Tensor,
-    l: Optional[torch.Tensor],  # noqa: E741
-    direction: str,
-    eps: float,
-) -> torch.Tensor:
-    return torch.empty_like(x)
+# The op's own schema without its name: the no-ops take the same arguments by the same names.
+_OP_SCHEMA = "(" + str(torch.ops.trimul.triangle_multiplicative_update.default._schema).partition("(")[2]
+_noop = torch.library.custom_op("trimul_bench::noop", _noop_impl, mutates_args=(), schema=_OP_SCHEMA)
+_noop_registered = torch.library.custom_op(
+    "trimul_bench::noop_registered", _noop_impl, mutates_args=(), schema=_OP_SCHEMA
+)
 
 
 @_noop_registered.register_fake

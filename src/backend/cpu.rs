@@ -250,19 +250,8 @@ impl Backend for CpuBackend {
         weights.validate()?;
         let config = weights.config();
         let Config { c, h, .. } = config;
-        let w = config.fused_proj_width();
-        let parts =
-            [&weights.left_proj, &weights.left_gate, &weights.right_proj, &weights.right_gate, &weights.out_gate];
-        let mut w_cat = Vec::new();
-        crate::hostmem::try_reserve(&mut w_cat, w * c, "fused projection weights")?;
-        let mut b_cat = Vec::with_capacity(w);
-        for lin in parts {
-            w_cat.extend_from_slice(&lin.weight);
-            match &lin.bias {
-                Some(b) => b_cat.extend_from_slice(b),
-                None => b_cat.extend(std::iter::repeat_n(0.0, lin.out_features)),
-            }
-        }
+        let (w_cat, b_cat) = weights.fused_input()?;
+        let b_cat = b_cat.unwrap_or_else(|| vec![0.0; config.fused_proj_width()]);
         let mut w_out_t = crate::hostmem::try_vec(h * c, 0.0f32, "transposed output weights")?;
         for (o, row) in weights.out_proj.weight.chunks_exact(h).enumerate() {
             for (k, &v) in row.iter().enumerate() {

@@ -6,6 +6,7 @@
 //! weight outside f16's range becomes NaN instead of an error: the device path cannot look at
 //! values without waiting for the device.
 
+use crate::backend::caller_workspace::SpanCarver;
 use crate::backend::params::{
     io_dtype, FusedInputLayout, PrepSegment, PrepareParams, PREP_MAX_SEGMENTS, SEG_FUSED_B, SEG_FUSED_W, SEG_PLAIN,
 };
@@ -32,12 +33,8 @@ impl PreparedLayout {
     /// (`out_bias`) on the output projection; `fused` is the fused kernel's layout where it runs.
     pub(crate) fn new(config: &Config, fused: Option<FusedInputLayout>, input_bias: bool, out_bias: bool) -> Self {
         let (c, h, p) = (config.c as u64, config.h as u64, config.fused_proj_width() as u64);
-        let mut end = 0u64;
-        let mut take = |bytes: u64| {
-            let at = end;
-            end = (at + bytes).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
-            at
-        };
+        let mut span = SpanCarver::default();
+        let mut take = |bytes: u64| span.take(bytes);
         let rows = fused.map_or(0, |f| f.rows() as u64);
         let fused_w = take(fused.map_or(0, |f| rows * f.k_pad as u64 * 2));
         let fused_b = (fused.is_some() && input_bias).then(|| take(rows * 4));
@@ -46,7 +43,8 @@ impl PreparedLayout {
         let proj_bias = input_bias.then(|| take(p * 4));
         let out_bias = out_bias.then(|| take(c * 4));
         let norms = [take(c * 4), take(c * 4), take(h * 4), take(h * 4)];
-        PreparedLayout { fused, fused_w, fused_b, w_in, w_out, proj_bias, out_bias, norms, bytes: end.max(SPAN_ALIGN) }
+        let bytes = span.end().max(SPAN_ALIGN);
+        PreparedLayout { fused, fused_w, fused_b, w_in, w_out, proj_bias, out_bias, norms, bytes }
     }
 }
 
@@ -139,31 +137,17 @@ pub(crate) fn fill_params(dst: u64, count: usize, value: f32, grid: u32) -> Prep
 mod tests {
     use super::*;
     use crate::device_io::DType;
-    use crate::device_io::DeviceNorm;
     use crate::problem::Formulation;
 
+    /// `w`'s tensors as bf16 at made-up, well separated addresses (nothing is dereferenced).
     fn weights(cfg: Config, bias: bool) -> DeviceWeights {
+        let w = crate::weights::Weights::random(cfg, bias, 1).unwrap();
         let mut next = 0x10_0000u64;
-        let mut t = |len: usize| {
+        DeviceWeights::place(&w, |v| {
             next += 0x10_0000;
-            DeviceTensor::new(next, DType::Bf16, len)
-        };
-        let (c, h, g) = (cfg.c, cfg.h, cfg.gate_width());
-        let mut lin = |out: usize, inp: usize| DeviceLinear { weight: t(out * inp), bias: bias.then(|| t(out)) };
-        let (lp, lg, rp, rg, og, op) = (lin(h, c), lin(h, c), lin(h, c), lin(h, c), lin(g, c), lin(c, h));
-        let mut norm = |n: usize| DeviceNorm { weight: t(n), bias: t(n) };
-        let (ni, no) = (norm(c), norm(h));
-        DeviceWeights {
-            config: cfg,
-            norm_in: ni,
-            left_proj: lp,
-            left_gate: lg,
-            right_proj: rp,
-            right_gate: rg,
-            out_gate: og,
-            norm_out: no,
-            out_proj: op,
-        }
+            Ok(DeviceTensor::new(next, DType::Bf16, v.len()))
+        })
+        .unwrap()
     }
 
     /// Every destination of every segment lies inside the layout's bytes and no two overlap;

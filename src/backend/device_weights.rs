@@ -3,9 +3,9 @@
 //! drive [`Backend::prepare_device`] from owned buffers (the benchmark's `--fresh-weights`).
 
 use super::Backend;
-use crate::device_io::{DType, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights};
+use crate::device_io::{DType, DeviceSpan, DeviceTensor, DeviceWeights};
 use crate::error::{Error, Result};
-use crate::weights::{Linear, Norm, Weights};
+use crate::weights::Weights;
 
 /// Device copies of one layer's weight tensors and storage for their preparation.
 pub struct DeviceWeightSet<B: Backend> {
@@ -41,32 +41,13 @@ impl<B: Backend> DeviceWeightSet<B> {
             return Ok(None);
         };
         let mut tensors = Vec::new();
-        let mut put = |v: &[f32]| -> Result<DeviceTensor> {
+        let weights = DeviceWeights::place(w, |v| {
             let mut buf = backend.alloc(v.len())?;
             backend.upload(v, &mut buf)?;
             let t = DeviceTensor::new(addr::<B>(&buf)?, DType::F32, v.len());
             tensors.push(buf);
             Ok(t)
-        };
-        let mut lin = |l: &Linear| -> Result<DeviceLinear> {
-            Ok(DeviceLinear { weight: put(&l.weight)?, bias: l.bias.as_deref().map(&mut put).transpose()? })
-        };
-        let (lp, lg, rp, rg) = (lin(&w.left_proj)?, lin(&w.left_gate)?, lin(&w.right_proj)?, lin(&w.right_gate)?);
-        let (og, op) = (lin(&w.out_gate)?, lin(&w.out_proj)?);
-        let mut norm =
-            |n: &Norm| -> Result<DeviceNorm> { Ok(DeviceNorm { weight: put(&n.weight)?, bias: put(&n.bias)? }) };
-        let (ni, no) = (norm(&w.norm_in)?, norm(&w.norm_out)?);
-        let weights = DeviceWeights {
-            config: w.config(),
-            norm_in: ni,
-            left_proj: lp,
-            left_gate: lg,
-            right_proj: rp,
-            right_gate: rg,
-            out_gate: og,
-            norm_out: no,
-            out_proj: op,
-        };
+        })?;
         let storage = backend.alloc(bytes.div_ceil(4) as usize)?;
         let span = DeviceSpan { ptr: addr::<B>(&storage)?, bytes: B::buffer_len(&storage) as u64 * 4 };
         Ok(Some(DeviceWeightSet { backend: backend.clone(), _tensors: tensors, weights, storage, span }))

@@ -18,6 +18,8 @@
 //! the backends) forwards to the compiled-in backends. Detection order is HIP, then CUDA, then
 //! CPU; [`BACKEND_ENV`] (`TRIMUL_BACKEND=cpu|cuda|hip`) overrides it.
 
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) mod caller_workspace;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -29,6 +31,8 @@ pub(crate) mod gemm;
 #[cfg(feature = "rocm")]
 pub mod hip;
 // The one unsafe call the CPU backend needs (`gemm::gemm`), behind a bounds-checked safe API.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) mod gpu_ceilings;
 pub(crate) mod host_gemm;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod params;

@@ -57,10 +57,12 @@ use self::blas::{BlasHandle, Elem, MatmulPlan};
 pub use self::driver::DeviceBuffer;
 use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair, Timeline};
 use self::kernels::Kernels;
+use super::caller_workspace::{self, SpanCarver};
 use super::gemm::GemmSpec;
+use super::gpu_ceilings;
 use super::params::FusedInputLayout;
 use super::{check_prepared_for, device_operands, Backend, Ceilings, DeviceInfo, MemoryInfo};
-use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut, SPAN_ALIGN};
+use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::{Blas, Capabilities, ExecPlan, InputStage, Plan};
 use crate::problem::{Config, Precision, Problem};
@@ -524,26 +526,14 @@ impl CudaBackend {
                 OutputGate::Auto => self.one_pass_bytes(prepared, problem, false) > limit,
             };
         let inner = &self.inner;
-        let mut end = 0u64;
+        let mut span = SpanCarver::default();
         let mut carve = |len: usize| -> Result<DeviceBuffer<u16>> {
-            let at = end;
-            let bytes = (len.max(1) as u64).checked_mul(2).ok_or_else(|| Error::Shape("workspace too large".into()))?;
-            end = (at + bytes).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
-            Ok(DeviceBuffer::borrowed(&inner.ctx, &inner.tracker, at, len))
+            let bytes = (len as u64).checked_mul(2).ok_or_else(|| Error::Shape("workspace too large".into()))?;
+            Ok(span.carve(bytes, |at| DeviceBuffer::borrowed(&inner.ctx, &inner.tracker, at, len)))
         };
         let plan = self.one_pass_plan(prepared, problem, tuning, gate_from_x)?;
         let mut ws = self.one_pass_workspace(prepared, problem, tuning, plan, &mut carve)?;
-        if end > limit {
-            return Err(Error::OutOfMemory {
-                backend: BackendKind::Cuda,
-                what: format!(
-                    "the one-pass workspace for B={} N={} C={} H={} (workspaces in caller memory are one-pass only)",
-                    problem.shape.batch, problem.shape.n, problem.config.c, problem.config.h
-                ),
-                needed: end,
-                available: limit,
-            });
-        }
+        let end = span.workspace_within(BackendKind::Cuda, problem, Some(limit))?;
         ws.caller_base = Some((0, end));
         Ok((ws, end))
     }
@@ -552,25 +542,18 @@ impl CudaBackend {
 impl CudaWorkspace {
     /// Moves a caller-memory workspace's buffers into `span` (checked: aligned, large enough).
     fn bind(&mut self, span: DeviceSpan) -> Result<()> {
-        let Some((base, bytes)) = self.caller_base else {
-            return Err(Error::InvalidArgument("a workspace span was given to a workspace the layer owns".into()));
-        };
-        span.check("the workspace", bytes)?;
-        if base == span.ptr {
-            return Ok(());
-        }
-        let to = span.ptr;
-        self.t.rebase(base, to)?;
-        match &mut self.layout {
-            Layout::OnePass { left, right, gate, .. } => {
-                for b in [Some(left), Some(right), gate.as_mut()].into_iter().flatten() {
-                    b.rebase(base, to)?;
+        let CudaWorkspace { caller_base, t, layout, .. } = self;
+        caller_workspace::bind(
+            caller_base,
+            span,
+            move || match layout {
+                Layout::OnePass { left, right, gate, .. } => {
+                    Ok([Some(t), Some(left), Some(right), gate.as_mut()].into_iter().flatten())
                 }
-            }
-            _ => return Err(Error::Internal("a caller-memory workspace must be one-pass".into())),
-        }
-        self.caller_base = Some((to, bytes));
-        Ok(())
+                _ => Err(caller_workspace::not_one_pass()),
+            },
+            DeviceBuffer::rebase,
+        )
     }
 }
 
@@ -592,16 +575,8 @@ impl Backend for CudaBackend {
         // packing below or out-of-bounds reads in a kernel.
         w.validate()?;
         let cfg = w.config();
-        let inputs = w.input_linears();
-        let fused: Vec<f32> = inputs.iter().flat_map(|l| l.weight.iter().copied()).collect();
-        let any_bias = inputs.iter().any(|l| l.bias.is_some());
-        let proj_bias = if any_bias {
-            let b: Vec<f32> =
-                inputs.iter().flat_map(|l| l.bias.clone().unwrap_or_else(|| vec![0.0; l.out_features])).collect();
-            Some(self.upload_f32(&b)?)
-        } else {
-            None
-        };
+        let (fused, proj_bias) = w.fused_input()?;
+        let proj_bias = proj_bias.map(|b| self.upload_f32(&b)).transpose()?;
         debug_assert_eq!(fused.len(), cfg.fused_proj_width() * cfg.c);
         let fused_input = match self.fused_layout(&cfg) {
             Some(layout) => {
@@ -843,10 +818,8 @@ impl Backend for CudaBackend {
 
     fn measure_ceilings(&self) -> Result<Ceilings> {
         let stream = self.stream();
-        // GEMM: f16 operands, f32 accumulation, 8192³, on non-zero data (zeros run faster).
-        let n = 8192;
-        let mut rng = crate::rand::Rng::new(0xCE11);
-        let host: Vec<u16> = (0..n * n).map(|_| half::f16::from_f32(rng.uniform() as f32 - 0.5).to_bits()).collect();
+        let n = gpu_ceilings::GEMM_N;
+        let host = gpu_ceilings::gemm_operand();
         let mut a = self.alloc_buffer::<u16>(n * n)?;
         let mut b = self.alloc_buffer::<u16>(n * n)?;
         a.upload(&host, stream)?;
@@ -855,17 +828,14 @@ impl Backend for CudaBackend {
         let ws = self.alloc_buffer::<u8>(MAX_GEMM_WORKSPACE)?;
         let spec = GemmSpec::projection(n, n, n);
         let mut plan = MatmulPlan::new(&self.inner.blas, spec, Elem::F16, false, MAX_GEMM_WORKSPACE)?;
-        let mut gemm = || {
+        let gemm = || {
             // SAFETY: a, b, d are n×n f16 allocations and ws holds MAX_GEMM_WORKSPACE bytes, all
             // alive until the synchronising timer returns.
             unsafe { plan.run(&self.inner.blas, a.ptr(), b.ptr(), d.ptr(), 0, ws.ptr(), MAX_GEMM_WORKSPACE, stream) }
         };
-        let reps = 10;
-        gemm()?;
-        let gemm_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| gemm()))? / reps as f64;
+        let gemm_ms = gpu_ceilings::mean_ms(self, gemm)?;
         drop((a, b, d, ws));
-        // Copy: 512 MiB device to device, bytes read + written.
-        let len = 512 << 20;
+        let len = gpu_ceilings::COPY_BYTES;
         let mut src = self.alloc_buffer::<u8>(len)?;
         src.memset_async(0x3C, stream)?;
         let dst = self.alloc_buffer::<u8>(len)?;
@@ -873,13 +843,8 @@ impl Backend for CudaBackend {
             // SAFETY: both are `len`-byte allocations of this context, alive until timed work ends.
             unsafe { cu::memcpy_dtod_async(dst.ptr(), src.ptr(), len, stream) }.ctx("cuMemcpyDtoDAsync")
         };
-        copy()?;
-        let copy_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| copy()))? / reps as f64;
-        Ok(Ceilings {
-            gemm_tflops: 2.0 * (n as f64).powi(3) / (gemm_ms * 1e-3) / 1e12,
-            gemm_desc: format!("cuBLASLt f16·f16 (f32 accumulate) {n}³"),
-            copy_gbs: 2.0 * len as f64 / (copy_ms * 1e-3) / 1e9,
-        })
+        let copy_ms = gpu_ceilings::mean_ms(self, copy)?;
+        Ok(gpu_ceilings::ceilings("cuBLASLt", gemm_ms, copy_ms))
     }
 
     fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {

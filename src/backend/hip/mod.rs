@@ -52,8 +52,10 @@ use std::sync::{Arc, Mutex};
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
 use self::kernels::KernelImage;
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
+use super::caller_workspace::{self, SpanCarver};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
 use super::gemm::GemmSpec;
+use super::gpu_ceilings;
 use super::params::{
     self as launch_params, KernelParams, PrepareParams, INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
 };
@@ -62,7 +64,7 @@ use super::{
     check_device_forward, check_prepared_for, check_same_weights, device_operands, Backend, Ceilings, DeviceInfo,
     MemoryInfo,
 };
-use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut, SPAN_ALIGN};
+use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::ExecPlan;
 use crate::plan::{Blas, Buffer, Capabilities, InputStage, Plan};
@@ -543,11 +545,9 @@ impl HipBackend {
     ) -> Result<(HipWorkspace, u64)> {
         check_prepared_for(&prepared.config, problem)?;
         let plan = Plan::one_pass(problem, ROCM_CAPS, false)?;
-        let mut end = 0u64;
+        let mut span = SpanCarver::default();
         let mut carve = |bytes: usize| {
-            let at = end;
-            end = (at + bytes.max(1) as u64).div_ceil(SPAN_ALIGN) * SPAN_ALIGN;
-            DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, at, bytes)
+            span.carve(bytes as u64, |at| DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, at, bytes))
         };
         let projection = (plan.projection_bytes > 0).then(|| carve(plan.projection_bytes));
         let one = OnePass {
@@ -559,17 +559,7 @@ impl HipBackend {
             ones: (plan.ones_bytes > 0).then(|| carve(plan.ones_bytes)),
             plan,
         };
-        if let Some(limit) = limit.filter(|&l| end > l) {
-            return Err(Error::OutOfMemory {
-                backend: BackendKind::Hip,
-                what: format!(
-                    "the one-pass workspace for B={} N={} (workspaces in caller memory are one-pass only)",
-                    problem.shape.batch, problem.shape.n
-                ),
-                needed: end,
-                available: limit,
-            });
-        }
+        let end = span.workspace_within(BackendKind::Hip, problem, limit)?;
         let ws = HipWorkspace {
             problem: *problem,
             layout: Layout::OnePass(one),
@@ -943,31 +933,19 @@ fn load_kernels(api: &'static sys::HipApi, target_id: &str, force_rtc: bool) -> 
 impl HipWorkspace {
     /// Moves a caller-memory workspace's buffers into `span` (checked: aligned, large enough).
     fn bind(&mut self, span: DeviceSpan) -> Result<()> {
-        let Some((base, bytes)) = self.caller_base else {
-            return Err(Error::InvalidArgument("a workspace span was given to a workspace the layer owns".into()));
-        };
-        span.check("the workspace", bytes)?;
-        if base == span.ptr {
-            return Ok(());
-        }
-        let Layout::OnePass(o) = &mut self.layout else {
-            return Err(Error::Internal("a caller-memory workspace must be one-pass".into()));
-        };
-        for m in [
-            Some(&mut o.left),
-            Some(&mut o.right),
-            Some(&mut o.gate),
-            Some(&mut o.t),
-            o.projection.as_mut(),
-            o.ones.as_mut(),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            m.rebase(base, span.ptr)?;
-        }
-        self.caller_base = Some((span.ptr, bytes));
-        Ok(())
+        let HipWorkspace { caller_base, layout, .. } = self;
+        caller_workspace::bind(
+            caller_base,
+            span,
+            move || match layout {
+                Layout::OnePass(o) => Ok([&mut o.left, &mut o.right, &mut o.gate, &mut o.t]
+                    .into_iter()
+                    .chain(o.projection.as_mut())
+                    .chain(o.ones.as_mut())),
+                Layout::Chunked(_) => Err(caller_workspace::not_one_pass()),
+            },
+            DeviceMem::rebase,
+        )
     }
 }
 
@@ -988,16 +966,9 @@ impl Backend for HipBackend {
         w.validate()?;
         self.bind()?;
         let config = w.config();
-        let inputs = w.input_linears();
-        let fused: Vec<f32> = inputs.iter().flat_map(|l| l.weight.iter().copied()).collect();
+        let (fused, proj_bias) = w.fused_input()?;
         debug_assert_eq!(fused.len(), config.fused_proj_width() * config.c);
-        let proj_bias = if inputs.iter().any(|l| l.bias.is_some()) {
-            let b: Vec<f32> =
-                inputs.iter().flat_map(|l| l.bias.clone().unwrap_or_else(|| vec![0.0; l.out_features])).collect();
-            Some(self.upload_f32(&b)?)
-        } else {
-            None
-        };
+        let proj_bias = proj_bias.map(|b| self.upload_f32(&b)).transpose()?;
         let (output, _) = kernels::select_output(&self.ctx.arch, config.h, self.mfma_setting().as_deref());
         let mfma = match output {
             HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
@@ -1220,10 +1191,8 @@ impl Backend for HipBackend {
     fn measure_ceilings(&self) -> Result<Ceilings> {
         self.bind()?;
         let stream = self.stream();
-        // GEMM: f16 operands, f32 accumulation, 8192³, on non-zero data (zeros run faster).
-        let n = 8192;
-        let mut rng = crate::rand::Rng::new(0xCE11);
-        let host: Vec<u16> = (0..n * n).map(|_| half::f16::from_f32(rng.uniform() as f32 - 0.5).to_bits()).collect();
+        let n = gpu_ceilings::GEMM_N;
+        let host = gpu_ceilings::gemm_operand();
         let a = self.alloc_mem(2 * n * n)?;
         a.upload(&self.ctx.stream, 0, &host)?;
         let b = self.alloc_mem(2 * n * n)?;
@@ -1234,13 +1203,10 @@ impl Backend for HipBackend {
         // SAFETY: a, b, d are n×n f16 allocations alive until the synchronising timer returns;
         // the handle is bound to our stream.
         let run = || unsafe { gemm(&blas, &g, 1.0, a.addr(), b.addr(), 0.0, d.addr()) };
-        let reps = 10;
-        run()?;
-        let gemm_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| run()))? / reps as f64;
+        let gemm_ms = gpu_ceilings::mean_ms(self, run)?;
         drop(blas);
         drop((a, b, d));
-        // Copy: 512 MiB device to device, bytes read + written.
-        let len = 512 << 20;
+        let len = gpu_ceilings::COPY_BYTES;
         let src = self.alloc_mem(len)?;
         // SAFETY: our allocation, our stream.
         unsafe { src.memset(stream, 0x3C)? };
@@ -1248,13 +1214,8 @@ impl Backend for HipBackend {
         // SAFETY: two distinct `len`-byte allocations of this device, alive until the timed work
         // has finished (elapsed_ms waits for it).
         let copy = || unsafe { result::copy_dtod_async(self.ctx.api, dst.addr(), src.addr(), len, stream) };
-        copy()?;
-        let copy_ms = self.elapsed_ms(&mut || (0..reps).try_for_each(|_| copy()))? / reps as f64;
-        Ok(Ceilings {
-            gemm_tflops: 2.0 * (n as f64).powi(3) / (gemm_ms * 1e-3) / 1e12,
-            gemm_desc: format!("rocBLAS gemm_ex f16·f16 (f32 accumulate) {n}³"),
-            copy_gbs: 2.0 * len as f64 / (copy_ms * 1e-3) / 1e9,
-        })
+        let copy_ms = gpu_ceilings::mean_ms(self, copy)?;
+        Ok(gpu_ceilings::ceilings("rocBLAS gemm_ex", gemm_ms, copy_ms))
     }
 
     fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {

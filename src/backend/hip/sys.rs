@@ -182,248 +182,208 @@ unsafe fn optional_symbol<T: Copy>(lib: &Library, name: &str) -> Option<T> {
     unsafe { lib.get::<T>(cname.as_bytes()) }.ok().map(|s| *s)
 }
 
-// ----------------------------------------------------------------------------------- HIP table
+// ------------------------------------------------------------------------------------ tables
 
-/// The HIP runtime entry points we use.
-pub struct HipApi {
-    /// The file that loaded (for `trimul info`).
-    pub path: String,
-    pub hipInit: unsafe extern "C" fn(c_uint) -> hipError_t,
-    pub hipGetDeviceCount: unsafe extern "C" fn(*mut c_int) -> hipError_t,
-    pub hipDeviceGetAttribute: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> hipError_t,
-    pub hipDeviceGetName: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> hipError_t,
-    pub hipDeviceGetPCIBusId: unsafe extern "C" fn(*mut c_char, c_int, c_int) -> hipError_t,
-    pub hipDeviceTotalMem: unsafe extern "C" fn(*mut usize, c_int) -> hipError_t,
-    /// `hipGetDevicePropertiesR0600` (ROCm ≥ 6): fills a `hipDeviceProp_tR0600`.
-    pub hipGetDevicePropertiesR0600: Option<unsafe extern "C" fn(*mut c_void, c_int) -> hipError_t>,
-    /// `hipGetDevicePropertiesR0000`, or plain `hipGetDeviceProperties` on ROCm 5: the old layout.
-    /// (On ROCm ≥ 6 the plain symbol is the *old* layout too; the header renames calls by macro.)
-    pub hipGetDevicePropertiesR0000: Option<unsafe extern "C" fn(*mut c_void, c_int) -> hipError_t>,
-    pub hipSetDevice: unsafe extern "C" fn(c_int) -> hipError_t,
-    pub hipMalloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> hipError_t,
-    pub hipFree: unsafe extern "C" fn(*mut c_void) -> hipError_t,
-    pub hipMemcpyHtoDAsync: unsafe extern "C" fn(hipDeviceptr_t, *const c_void, usize, hipStream_t) -> hipError_t,
-    pub hipMemcpyDtoHAsync: unsafe extern "C" fn(*mut c_void, hipDeviceptr_t, usize, hipStream_t) -> hipError_t,
-    pub hipMemcpyDtoDAsync: unsafe extern "C" fn(hipDeviceptr_t, hipDeviceptr_t, usize, hipStream_t) -> hipError_t,
-    pub hipMemsetAsync: unsafe extern "C" fn(*mut c_void, c_int, usize, hipStream_t) -> hipError_t,
-    pub hipStreamCreate: unsafe extern "C" fn(*mut hipStream_t) -> hipError_t,
-    pub hipStreamSynchronize: unsafe extern "C" fn(hipStream_t) -> hipError_t,
-    pub hipStreamDestroy: unsafe extern "C" fn(hipStream_t) -> hipError_t,
-    pub hipModuleLoadData: unsafe extern "C" fn(*mut hipModule_t, *const c_void) -> hipError_t,
-    pub hipModuleUnload: unsafe extern "C" fn(hipModule_t) -> hipError_t,
-    pub hipModuleGetFunction: unsafe extern "C" fn(*mut hipFunction_t, hipModule_t, *const c_char) -> hipError_t,
-    #[allow(clippy::type_complexity)]
-    pub hipModuleLaunchKernel: unsafe extern "C" fn(
-        hipFunction_t,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        c_uint,
-        hipStream_t,
-        *mut *mut c_void,
-        *mut *mut c_void,
-    ) -> hipError_t,
-    pub hipEventCreate: unsafe extern "C" fn(*mut hipEvent_t) -> hipError_t,
-    pub hipEventRecord: unsafe extern "C" fn(hipEvent_t, hipStream_t) -> hipError_t,
-    pub hipEventSynchronize: unsafe extern "C" fn(hipEvent_t) -> hipError_t,
-    pub hipEventElapsedTime: unsafe extern "C" fn(*mut c_float, hipEvent_t, hipEvent_t) -> hipError_t,
-    pub hipEventDestroy: unsafe extern "C" fn(hipEvent_t) -> hipError_t,
-    pub hipMemGetInfo: unsafe extern "C" fn(*mut usize, *mut usize) -> hipError_t,
-    pub hipRuntimeGetVersion: unsafe extern "C" fn(*mut c_int) -> hipError_t,
-    pub hipDriverGetVersion: unsafe extern "C" fn(*mut c_int) -> hipError_t,
-    pub hipGetErrorName: unsafe extern "C" fn(hipError_t) -> *const c_char,
-    // Last: the function pointers above point into this library, which must outlive them.
-    _lib: Library,
+/// Declares a table of a library's entry points and its loader from one list: each field is the
+/// symbol of its name with the C signature written beside it, so a name and its signature are
+/// written once. `required` symbols missing from the library are [`Error::MissingSymbol`]
+/// (checked in the order listed); each `optional` one is the first of its names the library has,
+/// or `None`.
+macro_rules! symbol_table {
+    (
+        $(#[$doc:meta])*
+        pub struct $table:ident for $library:literal;
+        required {
+            $( $(#[$rdoc:meta])* $req:ident: fn($($rarg:ty),* $(,)?) -> $rret:ty, )*
+        }
+        optional {
+            $( $(#[$odoc:meta])* $opt:ident [$($alias:literal),+]: fn($($oarg:ty),* $(,)?) -> $oret:ty, )*
+        }
+    ) => {
+        $(#[$doc])*
+        #[allow(clippy::type_complexity)]
+        pub struct $table {
+            /// The file that loaded (for `trimul info`).
+            pub path: String,
+            $( $(#[$rdoc])* pub $req: unsafe extern "C" fn($($rarg),*) -> $rret, )*
+            $( $(#[$odoc])* pub $opt: Option<unsafe extern "C" fn($($oarg),*) -> $oret>, )*
+            // Last: the function pointers above point into this library, which must outlive them.
+            _lib: Library,
+        }
+
+        impl $table {
+            /// Loads the library from the first of `candidates` that opens and resolves every
+            /// entry point. Not cached.
+            pub fn load_from(candidates: &[String]) -> Result<$table, Error> {
+                const LIB: &str = $library;
+                let (lib, path) = open_library(LIB, candidates)?;
+                // SAFETY: each field's type is the C signature that the table's declaration gives
+                // for the symbol of the same name (from the headers its comment names), and the
+                // pointers live as long as `lib`, which the table owns.
+                unsafe {
+                    Ok($table {
+                        path,
+                        $( $req: symbol(&lib, LIB, stringify!($req))?, )*
+                        $( $opt: None $(.or_else(|| optional_symbol(&lib, $alias)))+, )*
+                        _lib: lib,
+                    })
+                }
+            }
+        }
+    };
 }
 
-impl HipApi {
-    /// Loads the HIP runtime from the first of `candidates` that opens. Not cached.
-    pub fn load_from(candidates: &[String]) -> Result<HipApi, Error> {
-        const LIB: &str = "HIP runtime (libamdhip64)";
-        let (lib, path) = open_library(LIB, candidates)?;
-        // SAFETY: every type below is the C signature of the named symbol in hip_runtime_api.h
-        // (ROCm 5.0 to 7.x), and the pointers live as long as `lib`, which the table owns.
-        unsafe {
-            Ok(HipApi {
-                path,
-                hipInit: symbol(&lib, LIB, "hipInit")?,
-                hipGetDeviceCount: symbol(&lib, LIB, "hipGetDeviceCount")?,
-                hipDeviceGetAttribute: symbol(&lib, LIB, "hipDeviceGetAttribute")?,
-                hipDeviceGetName: symbol(&lib, LIB, "hipDeviceGetName")?,
-                hipDeviceGetPCIBusId: symbol(&lib, LIB, "hipDeviceGetPCIBusId")?,
-                hipDeviceTotalMem: symbol(&lib, LIB, "hipDeviceTotalMem")?,
-                hipGetDevicePropertiesR0600: optional_symbol(&lib, "hipGetDevicePropertiesR0600"),
-                hipGetDevicePropertiesR0000: optional_symbol(&lib, "hipGetDevicePropertiesR0000")
-                    .or_else(|| optional_symbol(&lib, "hipGetDeviceProperties")),
-                hipSetDevice: symbol(&lib, LIB, "hipSetDevice")?,
-                hipMalloc: symbol(&lib, LIB, "hipMalloc")?,
-                hipFree: symbol(&lib, LIB, "hipFree")?,
-                hipMemcpyHtoDAsync: symbol(&lib, LIB, "hipMemcpyHtoDAsync")?,
-                hipMemcpyDtoHAsync: symbol(&lib, LIB, "hipMemcpyDtoHAsync")?,
-                hipMemcpyDtoDAsync: symbol(&lib, LIB, "hipMemcpyDtoDAsync")?,
-                hipMemsetAsync: symbol(&lib, LIB, "hipMemsetAsync")?,
-                hipStreamCreate: symbol(&lib, LIB, "hipStreamCreate")?,
-                hipStreamSynchronize: symbol(&lib, LIB, "hipStreamSynchronize")?,
-                hipStreamDestroy: symbol(&lib, LIB, "hipStreamDestroy")?,
-                hipModuleLoadData: symbol(&lib, LIB, "hipModuleLoadData")?,
-                hipModuleUnload: symbol(&lib, LIB, "hipModuleUnload")?,
-                hipModuleGetFunction: symbol(&lib, LIB, "hipModuleGetFunction")?,
-                hipModuleLaunchKernel: symbol(&lib, LIB, "hipModuleLaunchKernel")?,
-                hipEventCreate: symbol(&lib, LIB, "hipEventCreate")?,
-                hipEventRecord: symbol(&lib, LIB, "hipEventRecord")?,
-                hipEventSynchronize: symbol(&lib, LIB, "hipEventSynchronize")?,
-                hipEventElapsedTime: symbol(&lib, LIB, "hipEventElapsedTime")?,
-                hipEventDestroy: symbol(&lib, LIB, "hipEventDestroy")?,
-                hipMemGetInfo: symbol(&lib, LIB, "hipMemGetInfo")?,
-                hipRuntimeGetVersion: symbol(&lib, LIB, "hipRuntimeGetVersion")?,
-                hipDriverGetVersion: symbol(&lib, LIB, "hipDriverGetVersion")?,
-                hipGetErrorName: symbol(&lib, LIB, "hipGetErrorName")?,
-                _lib: lib,
-            })
-        }
+// The C signatures of hip_runtime_api.h (ROCm 5.0 to 7.x).
+symbol_table! {
+    /// The HIP runtime entry points we use.
+    pub struct HipApi for "HIP runtime (libamdhip64)";
+    required {
+        hipInit: fn(c_uint) -> hipError_t,
+        hipGetDeviceCount: fn(*mut c_int) -> hipError_t,
+        hipDeviceGetAttribute: fn(*mut c_int, c_int, c_int) -> hipError_t,
+        hipDeviceGetName: fn(*mut c_char, c_int, c_int) -> hipError_t,
+        hipDeviceGetPCIBusId: fn(*mut c_char, c_int, c_int) -> hipError_t,
+        hipDeviceTotalMem: fn(*mut usize, c_int) -> hipError_t,
+        hipSetDevice: fn(c_int) -> hipError_t,
+        hipMalloc: fn(*mut *mut c_void, usize) -> hipError_t,
+        hipFree: fn(*mut c_void) -> hipError_t,
+        hipMemcpyHtoDAsync: fn(hipDeviceptr_t, *const c_void, usize, hipStream_t) -> hipError_t,
+        hipMemcpyDtoHAsync: fn(*mut c_void, hipDeviceptr_t, usize, hipStream_t) -> hipError_t,
+        hipMemcpyDtoDAsync: fn(hipDeviceptr_t, hipDeviceptr_t, usize, hipStream_t) -> hipError_t,
+        hipMemsetAsync: fn(*mut c_void, c_int, usize, hipStream_t) -> hipError_t,
+        hipStreamCreate: fn(*mut hipStream_t) -> hipError_t,
+        hipStreamSynchronize: fn(hipStream_t) -> hipError_t,
+        hipStreamDestroy: fn(hipStream_t) -> hipError_t,
+        hipModuleLoadData: fn(*mut hipModule_t, *const c_void) -> hipError_t,
+        hipModuleUnload: fn(hipModule_t) -> hipError_t,
+        hipModuleGetFunction: fn(*mut hipFunction_t, hipModule_t, *const c_char) -> hipError_t,
+        hipModuleLaunchKernel: fn(
+            hipFunction_t,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            c_uint,
+            hipStream_t,
+            *mut *mut c_void,
+            *mut *mut c_void,
+        ) -> hipError_t,
+        hipEventCreate: fn(*mut hipEvent_t) -> hipError_t,
+        hipEventRecord: fn(hipEvent_t, hipStream_t) -> hipError_t,
+        hipEventSynchronize: fn(hipEvent_t) -> hipError_t,
+        hipEventElapsedTime: fn(*mut c_float, hipEvent_t, hipEvent_t) -> hipError_t,
+        hipEventDestroy: fn(hipEvent_t) -> hipError_t,
+        hipMemGetInfo: fn(*mut usize, *mut usize) -> hipError_t,
+        hipRuntimeGetVersion: fn(*mut c_int) -> hipError_t,
+        hipDriverGetVersion: fn(*mut c_int) -> hipError_t,
+        hipGetErrorName: fn(hipError_t) -> *const c_char,
+    }
+    optional {
+        /// `hipGetDevicePropertiesR0600` (ROCm ≥ 6): fills a `hipDeviceProp_tR0600`.
+        hipGetDevicePropertiesR0600 ["hipGetDevicePropertiesR0600"]: fn(*mut c_void, c_int) -> hipError_t,
+        /// `hipGetDevicePropertiesR0000`, or plain `hipGetDeviceProperties` on ROCm 5: the old layout.
+        /// (On ROCm ≥ 6 the plain symbol is the *old* layout too; the header renames calls by macro.)
+        hipGetDevicePropertiesR0000 ["hipGetDevicePropertiesR0000", "hipGetDeviceProperties"]:
+            fn(*mut c_void, c_int) -> hipError_t,
     }
 }
 
-// -------------------------------------------------------------------------------- hipRTC table
-
-/// The hipRTC entry points we use.
-pub struct HiprtcApi {
-    pub path: String,
-    #[allow(clippy::type_complexity)]
-    pub hiprtcCreateProgram: unsafe extern "C" fn(
-        *mut hiprtcProgram,
-        *const c_char,
-        *const c_char,
-        c_int,
-        *const *const c_char,
-        *const *const c_char,
-    ) -> hiprtcResult,
-    pub hiprtcCompileProgram: unsafe extern "C" fn(hiprtcProgram, c_int, *const *const c_char) -> hiprtcResult,
-    pub hiprtcGetCodeSize: unsafe extern "C" fn(hiprtcProgram, *mut usize) -> hiprtcResult,
-    pub hiprtcGetCode: unsafe extern "C" fn(hiprtcProgram, *mut c_char) -> hiprtcResult,
-    pub hiprtcGetProgramLogSize: unsafe extern "C" fn(hiprtcProgram, *mut usize) -> hiprtcResult,
-    pub hiprtcGetProgramLog: unsafe extern "C" fn(hiprtcProgram, *mut c_char) -> hiprtcResult,
-    pub hiprtcDestroyProgram: unsafe extern "C" fn(*mut hiprtcProgram) -> hiprtcResult,
-    pub hiprtcGetErrorString: unsafe extern "C" fn(hiprtcResult) -> *const c_char,
-    _lib: Library,
-}
-
-impl HiprtcApi {
-    pub fn load_from(candidates: &[String]) -> Result<HiprtcApi, Error> {
-        const LIB: &str = "hipRTC (libhiprtc)";
-        let (lib, path) = open_library(LIB, candidates)?;
-        // SAFETY: the types are the C signatures in hiprtc.h; the table owns `lib`.
-        unsafe {
-            Ok(HiprtcApi {
-                path,
-                hiprtcCreateProgram: symbol(&lib, LIB, "hiprtcCreateProgram")?,
-                hiprtcCompileProgram: symbol(&lib, LIB, "hiprtcCompileProgram")?,
-                hiprtcGetCodeSize: symbol(&lib, LIB, "hiprtcGetCodeSize")?,
-                hiprtcGetCode: symbol(&lib, LIB, "hiprtcGetCode")?,
-                hiprtcGetProgramLogSize: symbol(&lib, LIB, "hiprtcGetProgramLogSize")?,
-                hiprtcGetProgramLog: symbol(&lib, LIB, "hiprtcGetProgramLog")?,
-                hiprtcDestroyProgram: symbol(&lib, LIB, "hiprtcDestroyProgram")?,
-                hiprtcGetErrorString: symbol(&lib, LIB, "hiprtcGetErrorString")?,
-                _lib: lib,
-            })
-        }
+// The C signatures of hiprtc.h.
+symbol_table! {
+    /// The hipRTC entry points we use.
+    pub struct HiprtcApi for "hipRTC (libhiprtc)";
+    required {
+        hiprtcCreateProgram: fn(
+            *mut hiprtcProgram,
+            *const c_char,
+            *const c_char,
+            c_int,
+            *const *const c_char,
+            *const *const c_char,
+        ) -> hiprtcResult,
+        hiprtcCompileProgram: fn(hiprtcProgram, c_int, *const *const c_char) -> hiprtcResult,
+        hiprtcGetCodeSize: fn(hiprtcProgram, *mut usize) -> hiprtcResult,
+        hiprtcGetCode: fn(hiprtcProgram, *mut c_char) -> hiprtcResult,
+        hiprtcGetProgramLogSize: fn(hiprtcProgram, *mut usize) -> hiprtcResult,
+        hiprtcGetProgramLog: fn(hiprtcProgram, *mut c_char) -> hiprtcResult,
+        hiprtcDestroyProgram: fn(*mut hiprtcProgram) -> hiprtcResult,
+        hiprtcGetErrorString: fn(hiprtcResult) -> *const c_char,
     }
+    optional {}
 }
 
-// ------------------------------------------------------------------------------- rocBLAS table
-
-/// The rocBLAS entry points we use.
-pub struct RocblasApi {
-    pub path: String,
-    pub rocblas_create_handle: unsafe extern "C" fn(*mut rocblas_handle) -> rocblas_status,
-    pub rocblas_destroy_handle: unsafe extern "C" fn(rocblas_handle) -> rocblas_status,
-    pub rocblas_set_stream: unsafe extern "C" fn(rocblas_handle, hipStream_t) -> rocblas_status,
-    #[allow(clippy::type_complexity)]
-    pub rocblas_gemm_ex: unsafe extern "C" fn(
-        rocblas_handle,
-        rocblas_operation,
-        rocblas_operation,
-        rocblas_int,
-        rocblas_int,
-        rocblas_int,
-        *const c_void,
-        *const c_void,
-        rocblas_datatype,
-        rocblas_int,
-        *const c_void,
-        rocblas_datatype,
-        rocblas_int,
-        *const c_void,
-        *const c_void,
-        rocblas_datatype,
-        rocblas_int,
-        *mut c_void,
-        rocblas_datatype,
-        rocblas_int,
-        rocblas_datatype,
-        c_int,
-        i32,
-        u32,
-    ) -> rocblas_status,
-    #[allow(clippy::type_complexity)]
-    pub rocblas_gemm_strided_batched_ex: unsafe extern "C" fn(
-        rocblas_handle,
-        rocblas_operation,
-        rocblas_operation,
-        rocblas_int,
-        rocblas_int,
-        rocblas_int,
-        *const c_void,
-        *const c_void,
-        rocblas_datatype,
-        rocblas_int,
-        rocblas_stride,
-        *const c_void,
-        rocblas_datatype,
-        rocblas_int,
-        rocblas_stride,
-        *const c_void,
-        *const c_void,
-        rocblas_datatype,
-        rocblas_int,
-        rocblas_stride,
-        *mut c_void,
-        rocblas_datatype,
-        rocblas_int,
-        rocblas_stride,
-        rocblas_int,
-        rocblas_datatype,
-        c_int,
-        i32,
-        u32,
-    ) -> rocblas_status,
-    pub rocblas_status_to_string: Option<unsafe extern "C" fn(rocblas_status) -> *const c_char>,
-    pub rocblas_get_version_string: unsafe extern "C" fn(*mut c_char, usize) -> rocblas_status,
-    _lib: Library,
-}
-
-impl RocblasApi {
-    pub fn load_from(candidates: &[String]) -> Result<RocblasApi, Error> {
-        const LIB: &str = "rocBLAS (librocblas)";
-        let (lib, path) = open_library(LIB, candidates)?;
-        // SAFETY: the types are the C signatures in rocblas-functions.h / rocblas-auxiliary.h of
-        // the LP64 build (rocblas_int = int32_t, rocblas_stride = int64_t); the table owns `lib`.
-        unsafe {
-            Ok(RocblasApi {
-                path,
-                rocblas_create_handle: symbol(&lib, LIB, "rocblas_create_handle")?,
-                rocblas_destroy_handle: symbol(&lib, LIB, "rocblas_destroy_handle")?,
-                rocblas_set_stream: symbol(&lib, LIB, "rocblas_set_stream")?,
-                rocblas_gemm_ex: symbol(&lib, LIB, "rocblas_gemm_ex")?,
-                rocblas_gemm_strided_batched_ex: symbol(&lib, LIB, "rocblas_gemm_strided_batched_ex")?,
-                rocblas_status_to_string: optional_symbol(&lib, "rocblas_status_to_string"),
-                rocblas_get_version_string: symbol(&lib, LIB, "rocblas_get_version_string")?,
-                _lib: lib,
-            })
-        }
+// The C signatures of rocblas-functions.h / rocblas-auxiliary.h of the LP64 build
+// (rocblas_int = int32_t, rocblas_stride = int64_t).
+symbol_table! {
+    /// The rocBLAS entry points we use.
+    pub struct RocblasApi for "rocBLAS (librocblas)";
+    required {
+        rocblas_create_handle: fn(*mut rocblas_handle) -> rocblas_status,
+        rocblas_destroy_handle: fn(rocblas_handle) -> rocblas_status,
+        rocblas_set_stream: fn(rocblas_handle, hipStream_t) -> rocblas_status,
+        rocblas_gemm_ex: fn(
+            rocblas_handle,
+            rocblas_operation,
+            rocblas_operation,
+            rocblas_int,
+            rocblas_int,
+            rocblas_int,
+            *const c_void,
+            *const c_void,
+            rocblas_datatype,
+            rocblas_int,
+            *const c_void,
+            rocblas_datatype,
+            rocblas_int,
+            *const c_void,
+            *const c_void,
+            rocblas_datatype,
+            rocblas_int,
+            *mut c_void,
+            rocblas_datatype,
+            rocblas_int,
+            rocblas_datatype,
+            c_int,
+            i32,
+            u32,
+        ) -> rocblas_status,
+        rocblas_gemm_strided_batched_ex: fn(
+            rocblas_handle,
+            rocblas_operation,
+            rocblas_operation,
+            rocblas_int,
+            rocblas_int,
+            rocblas_int,
+            *const c_void,
+            *const c_void,
+            rocblas_datatype,
+            rocblas_int,
+            rocblas_stride,
+            *const c_void,
+            rocblas_datatype,
+            rocblas_int,
+            rocblas_stride,
+            *const c_void,
+            *const c_void,
+            rocblas_datatype,
+            rocblas_int,
+            rocblas_stride,
+            *mut c_void,
+            rocblas_datatype,
+            rocblas_int,
+            rocblas_stride,
+            rocblas_int,
+            rocblas_datatype,
+            c_int,
+            i32,
+            u32,
+        ) -> rocblas_status,
+        rocblas_get_version_string: fn(*mut c_char, usize) -> rocblas_status,
+    }
+    optional {
+        rocblas_status_to_string ["rocblas_status_to_string"]: fn(rocblas_status) -> *const c_char,
     }
 }
 
