@@ -241,9 +241,7 @@ fn kernel_geometry(out: &Path) {
             }
             None => (None, rest.trim()),
         };
-        if value.is_empty()
-            || !value.chars().all(|ch| ch.is_ascii_alphanumeric() || " _+-*/(),".contains(ch))
-        {
+        if value.is_empty() || !value.chars().all(|ch| ch.is_ascii_alphanumeric() || " _+-*/(),".contains(ch)) {
             bad("not integer arithmetic");
         }
         match args {

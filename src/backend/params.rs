@@ -163,21 +163,21 @@ const _: () = assert!(std::mem::offset_of!(OutputParams, t) == 152);
 /// Every field of the three structs with its offset, as `(C struct, field, offset)`, for the test
 /// that compiles `static_assert`s of them against `common/params.h`
 /// (`src/backend/hip/host_tests.rs`).
-#[cfg(test)]
+#[cfg(all(test, feature = "rocm"))]
 pub fn field_offsets() -> Vec<(&'static str, &'static str, usize)> {
     use std::mem::offset_of;
     macro_rules! fields {
         ($c:literal, $t:ty, $($f:ident),*) => { vec![$(($c, stringify!($f), offset_of!($t, $f))),*] };
     }
-    let mut v = fields!(
+    let mut v = fields! {
         "TmParams", CommonParams, x, mask, y, norm_in_w, norm_in_b, norm_out_w, norm_out_b, w_in, w_in_bias, w_out,
         out_bias, row0, rows, batch, n, c, h, g, formulation, eps, io_dtype, k_pad, h_pad, g_pad, reserved
-    );
-    v.extend(fields!(
+    };
+    v.extend(fields! {
         "TmInputParams", InputParams, z, proj, proj_bias, left, right, gate, buf_row0, proj_h, proj_g, tile_rows,
         chunk_begin, chunk_end, lr_h0, lr_h, reserved
-    ));
-    v.extend(fields!("TmOutputParams", OutputParams, t, a, gate, buf_row0, tile_rows, gate_blocks));
+    });
+    v.extend(fields! { "TmOutputParams", OutputParams, t, a, gate, buf_row0, tile_rows, gate_blocks });
     v
 }
 
@@ -256,6 +256,7 @@ impl CommonParams {
     }
 
     /// The element type of x and y ([`IO_F32`], [`IO_BF16`] or [`IO_F16`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA launches
     pub fn io_dtype(&self) -> i32 {
         self.io_dtype
     }
@@ -270,6 +271,7 @@ impl CommonParams {
     }
 
     /// N, C, H and the output-gate width G.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn n(&self) -> usize {
         self.n as usize
     }
@@ -279,6 +281,7 @@ impl CommonParams {
     pub fn h(&self) -> usize {
         self.h as usize
     }
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn g(&self) -> usize {
         self.g as usize
     }

@@ -259,7 +259,8 @@ impl CudaBackend {
         self.mark("contraction", stream)?;
 
         if let Some(common) = from_x_launch {
-            return self.launch_output_from_x(&OutputParams { common, t: ws.t.ptr(), ..OutputParams::default() }, stream);
+            return self
+                .launch_output_from_x(&OutputParams { common, t: ws.t.ptr(), ..OutputParams::default() }, stream);
         }
         // 3. LN_H (+ gate) and the output projection (+ bias, af3 gate): one fused kernel, or
         // LN_H into `a` (= left), the cuBLASLt GEMM (+ bias) into y (right lends the workspace)

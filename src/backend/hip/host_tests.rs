@@ -91,8 +91,12 @@ fn every_stage_is_embedded_with_a_self_contained_source() {
     for s in HIP_STAGES {
         assert!(!s.source.contains("#include \""), "{}: unexpanded include left for hipRTC", s.name);
         assert!(s.source.contains("__global__ void TM_LAUNCH_BOUNDS"), "{}", s.name);
-        // Every stage takes the one params struct, but weight preparation, which takes its own.
-        let params = if s.name == "prepare_weights" { "TmPrepareParams" } else { "TrimulParams" };
+        // Every stage takes its family's params struct, weight preparation its own.
+        let params = match s.name {
+            "prepare_weights" => "TmPrepareParams",
+            "input_norm" | "input_gating" => "TmInputParams",
+            _ => "TmOutputParams",
+        };
         assert!(s.source.contains(&format!("{}(const {params} p", s.name)), "{}: kernel name", s.name);
     }
 }

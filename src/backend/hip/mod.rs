@@ -845,7 +845,8 @@ impl HipBackend {
                     reason: "MFMA output kernel selected but not loaded".into(),
                 })?;
                 // Wout and its bias are in `p.common` (CommonParams::new).
-                let (grid, smem) = (rows.div_ceil(kernels::OUTPUT_PROJECTION_ROWS), kernels::output_projection_smem_bytes(h));
+                let (grid, smem) =
+                    (rows.div_ceil(kernels::OUTPUT_PROJECTION_ROWS), kernels::output_projection_smem_bytes(h));
                 unsafe { launch(kernel, stream, grid, smem, p)? };
             }
             HipKernelOutput::Blas => {
