@@ -88,7 +88,6 @@ struct TmOutputParams : TmParams {
 static_assert(sizeof(TmParams) == 152, "TmParams layout must match src/backend/params.rs");
 static_assert(sizeof(TmInputParams) == 152 + 88, "TmInputParams layout must match src/backend/params.rs");
 static_assert(sizeof(TmOutputParams) == 152 + 40, "TmOutputParams layout must match src/backend/params.rs");
-static_assert(__builtin_offsetof(TmParams, row0) == 88 && __builtin_offsetof(TmParams, batch) == 104 &&
-                  __builtin_offsetof(TmParams, formulation) == 124 && __builtin_offsetof(TmParams, k_pad) == 136,
-              "TmParams layout must match src/backend/params.rs");
+// (Every field's offset is checked against the Rust mirror by src/backend/hip/host_tests.rs: NVRTC
+// has no offsetof.)
 #endif
