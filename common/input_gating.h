@@ -8,12 +8,13 @@
 #pragma once
 
 #define INPUT_GATING_THREADS 256
+static_assert(INPUT_GATING_THREADS == TM_STAGE_THREADS, "common/smem.h");
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_GATING_THREADS) input_gating(const TrimulParams p) {
+extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_GATING_THREADS) input_gating(const TmInputParams p) {
   extern __shared__ float tm_dyn_smem[];
-  const int H = p.h, G = p.g, P = p.p, TR = p.tile_rows;
-  tm_half* sl = (tm_half*)tm_dyn_smem;       // [H][TR + 1]
-  tm_half* sr = sl + H * (TR + 1);            // [H][TR + 1]
+  const int H = p.proj_h, G = p.proj_g, P = 4 * H + G, TR = p.tile_rows;
+  tm_half* sl = (tm_half*)tm_dyn_smem;              // [H][TR + 1]
+  tm_half* sr = sl + TM_INPUT_GATING_TILE(H, TR);    // [H][TR + 1]; TM_INPUT_GATING_SMEM(H, TR) in all
   const tm_i64 first = (tm_i64)tm_bid() * TR;  // chunk-local position of this block's tile
   if (first >= p.rows) return;
   const int nr = (int)((p.rows - first) < TR ? (p.rows - first) : TR);

@@ -9,10 +9,12 @@
 
 #define INPUT_NORM_THREADS 256
 #define INPUT_NORM_ROWS_PER_BLOCK (INPUT_NORM_THREADS / 32)
+static_assert(INPUT_NORM_THREADS == TM_STAGE_THREADS && INPUT_NORM_ROWS_PER_BLOCK == TM_INPUT_NORM_ROWS_PER_BLOCK,
+              "common/smem.h");
 
 // One position's row, x in precision IO.
 template <int IO>
-TM_INLINE void input_norm_row(const TrimulParams& p, tm_i64 local, unsigned lane) {
+TM_INLINE void input_norm_row(const TmInputParams& p, tm_i64 local, unsigned lane) {
   const int C = p.c;
   const tm_i64 first = (p.row0 + local) * (tm_i64)C;  // the row's first element in x
   const void* TM_RESTRICT xr = IO == TM_IO_F32 ? (const void*)(p.x + first) : (const void*)((const tm_half*)p.x + first);
@@ -61,7 +63,7 @@ TM_INLINE void input_norm_row(const TrimulParams& p, tm_i64 local, unsigned lane
   }
 }
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_NORM_THREADS) input_norm(const TrimulParams p) {
+extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_NORM_THREADS) input_norm(const TmInputParams p) {
   const unsigned lane = tm_tid() & 31u;
   const tm_i64 local = (tm_i64)tm_bid() * INPUT_NORM_ROWS_PER_BLOCK + (tm_tid() >> 5);
   if (local >= p.rows) return;  // whole 32-lane groups exit together: the shuffles stay full

@@ -9,13 +9,14 @@
 #pragma once
 
 #define OUTPUT_NORM_THREADS 256
+static_assert(OUTPUT_NORM_THREADS == TM_STAGE_THREADS, "common/smem.h");
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_NORM_THREADS) output_norm(const TrimulParams p) {
+extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_NORM_THREADS) output_norm(const TmOutputParams p) {
   extern __shared__ float tm_dyn_smem[];
   const int H = p.h, TP = p.tile_rows;
-  float* st = tm_dyn_smem;             // [H][TP + 1]
-  float* smean = st + H * (TP + 1);    // [TP]
-  float* srstd = smean + TP;           // [TP]
+  float* st = tm_dyn_smem;                           // [H][TP + 1]
+  float* smean = st + TM_OUTPUT_NORM_TILE(H, TP);    // [TP]
+  float* srstd = smean + TP;                         // [TP]; TM_OUTPUT_NORM_SMEM(H, TP) in all
   const tm_i64 first = p.row0 + (tm_i64)tm_bid() * TP;
   const tm_i64 end = p.row0 + p.rows;
   if (first >= end) return;
@@ -71,7 +72,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_NORM_THREADS) output_norm(con
     }
   }
   tm_sync();
-  if (H % 8 == 0 && (p.af3 || p.g % 8 == 0)) {
+  if (H % 8 == 0 && (p.formulation == TM_AF3 || p.g % 8 == 0)) {
     const int hr = H / 8;
     for (int idx = tid; idx < np * hr; idx += nt) {
       const int r = idx / hr, h0 = (idx - r * hr) * 8;
@@ -82,7 +83,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_NORM_THREADS) output_norm(con
       for (int e = 0; e < 8; ++e) {
         v[e] = (st[(h0 + e) * (TP + 1) + r] - mean) * rstd * p.norm_out_w[h0 + e] + p.norm_out_b[h0 + e];
       }
-      if (!p.af3) {
+      if (p.formulation != TM_AF3) {
         const tm_u128 g = *(const tm_u128*)(p.gate + (row - p.buf_row0) * (tm_i64)p.g + h0);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -100,7 +101,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_NORM_THREADS) output_norm(con
       const int r = idx / H, h = idx - r * H;
       const tm_i64 row = first + r;
       float v = (st[h * (TP + 1) + r] - smean[r]) * srstd[r] * p.norm_out_w[h] + p.norm_out_b[h];
-      if (!p.af3) v *= tm_h2f(p.gate[(row - p.buf_row0) * (tm_i64)p.g + h]);
+      if (p.formulation != TM_AF3) v *= tm_h2f(p.gate[(row - p.buf_row0) * (tm_i64)p.g + h]);
       p.a[(row - p.buf_row0) * (tm_i64)H + h] = tm_f2h(v);
     }
   }

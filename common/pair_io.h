@@ -1,4 +1,4 @@
-// x and y of the portable stages in the three I/O precisions (TrimulParams::io_dtype): f32, bf16
+// x and y of the portable stages in the three I/O precisions (TmParams::io_dtype): f32, bf16
 // or f16, read and written where they lie, so a 16-bit model needs no f32 copies. Element
 // indices count elements of the I/O type. The branch on the precision is uniform across the grid.
 // (The fused CUDA kernels have their own, batched loads: cuda/io.h.)
@@ -36,7 +36,7 @@ TM_INLINE tm_f4 tm_row_x4(const void* TM_RESTRICT row, int c4) {
 }
 
 // y[i] = v, rounded to nearest even where y is 16-bit.
-TM_INLINE void tm_store_y(const TrimulParams& p, tm_i64 i, float v) {
+TM_INLINE void tm_store_y(const TmParams& p, tm_i64 i, float v) {
   if (p.io_dtype == TM_IO_F32) {
     p.y[i] = v;
   } else {

@@ -47,6 +47,20 @@
 #define IP_LN_ROWS_MMA 4
 // Row pitch of the weight ring in halves: 16 bytes of padding keep ldmatrix conflict-free.
 #define IP_LDB (IP_BK + 8)
+static_assert(IP_THREADS == TM_STAGE_THREADS && IP_BM == TM_IP_ROWS && IP_MAX_K == TM_IP_MAX_K, "common/smem.h");
+// The shared memory the bodies below carve (z tile, weight ring, epilogue staging, mask), which
+// the host passes as TM_IP_SMEM(k_pad) and TM_IP_SM90_SMEM(BM, k_pad): affine in k_pad, so the
+// two ends of its range check it for all.
+constexpr int ip_smem_used(int k_pad) {
+  return (IP_BM * (k_pad + 8) + 2 * IP_BN * IP_LDB + IP_BM * (IP_BN + 8)) * 2 + IP_BM * 4;
+}
+constexpr int ip_sm90_smem_used(int bm, int k_pad) {
+  return (bm * k_pad + 2 * IP_BN * IP_BK + bm * (IP_BN + 8)) * 2 + bm * 4 + 1024;
+}
+static_assert(ip_smem_used(64) == TM_IP_SMEM(64) && ip_smem_used(IP_MAX_K) == TM_IP_SMEM(IP_MAX_K), "common/smem.h");
+static_assert(ip_sm90_smem_used(64, 64) == TM_IP_SM90_SMEM(64, 64) &&
+                  ip_sm90_smem_used(IP_BM, IP_MAX_K) == TM_IP_SM90_SMEM(IP_BM, IP_MAX_K),
+              "common/smem.h");
 
 // The prepare step stores HALF of every fused weight and bias (exact: a power of two), so the
 // MMA yields x/2 for each projection and gate x, which is what the tanh form of the sigmoid
@@ -79,7 +93,7 @@ struct IpBLoader {
 };
 
 template <bool SW128>
-__device__ __forceinline__ IpBLoader ip_b_loader(const TrimulParams& p, const tm_half* ring) {
+__device__ __forceinline__ IpBLoader ip_b_loader(const TmInputParams& p, const tm_half* ring) {
   const int row = threadIdx.x >> 3, c16 = threadIdx.x & 7;
   IpBLoader b;
   b.src = p.w_in + (tm_i64)row * p.k_pad + c16 * 8;
@@ -90,7 +104,7 @@ __device__ __forceinline__ IpBLoader ip_b_loader(const TrimulParams& p, const tm
 
 // Issue the cp.async loads of K slice `ks` of column chunk `chunk` into ring stage `stage`.
 template <bool SW128>
-__device__ __forceinline__ void ip_load_b(const TrimulParams& p, const IpBLoader& b, int stage, int chunk, int ks) {
+__device__ __forceinline__ void ip_load_b(const TmInputParams& p, const IpBLoader& b, int stage, int chunk, int ks) {
   const tm_half* src = b.src + (tm_i64)chunk * IP_BN * p.k_pad + ks * IP_BK;
   const unsigned dst = b.dst + stage * IP_BN * (SW128 ? IP_BK : IP_LDB) * 2;
 #pragma unroll
@@ -126,7 +140,7 @@ __device__ __forceinline__ void ip_warp_sums(float (&v)[R]) {
 // channels are the same in every row, so its LN weights are loaded once.
 // FULL: C == KMAX and every row of the tile is a position, so no channel or row is checked.
 template <int KMAX, bool SW128, int BM, int LN_ROWS, int IO, bool FULL>
-__device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
+__device__ __forceinline__ void ip_layernorm_io(const TmInputParams& p, unsigned char* sa, int lda, float* smask,
                                                 tm_i64 tile0, tm_i64 m_total) {
   const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int C = FULL ? KMAX : p.c;
@@ -215,7 +229,7 @@ __device__ __forceinline__ void ip_layernorm_io(const TrimulParams& p, unsigned 
 
 // The prologue for the launch's I/O precision (one uniform branch per block).
 template <int KMAX, bool SW128, int BM, int LN_ROWS, bool FULL>
-__device__ __forceinline__ void ip_layernorm_full(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
+__device__ __forceinline__ void ip_layernorm_full(const TmInputParams& p, unsigned char* sa, int lda, float* smask,
                                                   tm_i64 tile0, tm_i64 m_total) {
   if (p.io_dtype == TM_IO_BF16) {
     ip_layernorm_io<KMAX, SW128, BM, LN_ROWS, TM_IO_BF16, FULL>(p, sa, lda, smask, tile0, m_total);
@@ -231,7 +245,7 @@ __device__ __forceinline__ void ip_layernorm_full(const TrimulParams& p, unsigne
 // (ncu, H100: they were a tenth of the LayerNorm's instructions, as compares and divergence
 // bookkeeping). The mma.sync build keeps the checked form: the unchecked one spills there.
 template <int KMAX, bool SW128, int BM, int LN_ROWS>
-__device__ __forceinline__ void ip_layernorm(const TrimulParams& p, unsigned char* sa, int lda, float* smask,
+__device__ __forceinline__ void ip_layernorm(const TmInputParams& p, unsigned char* sa, int lda, float* smask,
                                              tm_i64 tile0, tm_i64 m_total) {
   if (SW128 && p.c == KMAX && p.k_pad == KMAX && tile0 + BM <= m_total) {
     ip_layernorm_full<KMAX, SW128, BM, LN_ROWS, true>(p, sa, lda, smask, tile0, m_total);
@@ -262,7 +276,7 @@ __device__ __forceinline__ void ip_stage_gating(tm_half* sl, tm_half* sr, int r,
 // the general path steps across batch boundaries per run (ncu, H100: the general index math was a
 // seventh of this kernel's stall samples).
 template <int BM>
-__device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_half* sl, const tm_half* sr, int chunk,
+__device__ __forceinline__ void ip_store_gating(const TmInputParams& p, const tm_half* sl, const tm_half* sr, int chunk,
                                                 tm_i64 tile0, tm_i64 m_total, tm_i64 tb0, tm_i64 trem0, tm_i64 nn,
                                                 int lr_h0, int lr_h) {
   const unsigned tid = threadIdx.x;
@@ -313,7 +327,7 @@ __device__ __forceinline__ void ip_store_gating(const TrimulParams& p, const tm_
 // Stores a gate chunk's staged σ(og) (BM positions x 128 columns from gc0) as 16-byte runs into
 // gate [rows from buf_row0, G]: BM rows x 16 runs of 8 columns, BM/16 per thread.
 template <int BM, bool HINT>
-__device__ __forceinline__ void ip_store_gate(const TrimulParams& p, const tm_half* stage_buf, int gc0, tm_i64 tile0,
+__device__ __forceinline__ void ip_store_gate(const TmInputParams& p, const tm_half* stage_buf, int gc0, tm_i64 tile0,
                                               tm_i64 m_total) {
   const unsigned tid = threadIdx.x;
   const int G = p.g;
@@ -348,7 +362,7 @@ struct IpLaunch {
 
 // REVERSE: blocks take the tiles last to first (below).
 template <int BM, bool REVERSE>
-__device__ __forceinline__ IpLaunch ip_launch(const TrimulParams& p) {
+__device__ __forceinline__ IpLaunch ip_launch(const TmInputParams& p) {
   IpLaunch l;
   // Positions row0 .. m_total of this launch (a row chunk of the output stage's gate pass, or
   // every position); rows past m_total are zeros with mask 0 and are never stored.
@@ -386,7 +400,7 @@ __device__ __forceinline__ float2 ip_add_bias2(const float* bias, int i, float a
 // right of a gating chunk, or the gate.
 // HINT: the gate's stores marked first to evict in L2 (see the builds' entry points).
 template <int BM, bool HINT>
-__device__ __forceinline__ void ip_store_chunk(const TrimulParams& p, const IpLaunch& l, int chunk,
+__device__ __forceinline__ void ip_store_chunk(const TmInputParams& p, const IpLaunch& l, int chunk,
                                                const tm_half* stage_buf) {
   if (chunk < l.n_gating) {
     ip_store_gating<BM>(p, stage_buf, stage_buf + 32 * (BM + 8), chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn,
@@ -399,7 +413,7 @@ __device__ __forceinline__ void ip_store_chunk(const TrimulParams& p, const IpLa
 // Epilogue of one column chunk, mma.sync build (staging only; ip_store_chunk stores): a warp
 // holds 32 rows x 64 columns as acc[m16 tile][n8 tile][4].
 template <bool HAS_BIAS>
-__device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], const TrimulParams& p, const IpLaunch& l,
+__device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], const TmInputParams& p, const IpLaunch& l,
                                                 int chunk, tm_half* stage_buf, const float* smask, int warp_m,
                                                 int warp_n) {
   const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
@@ -455,7 +469,7 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
 // channels of left (rows 0-15) and right (rows 16-31) along the 64 positions, of the gate chunk
 // its 64 columns for each position (row = position). ws_store_wg reads them back.
 template <bool HAS_BIAS, int BM, bool WG_STAGE = false>
-__device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 64 : 32], const TrimulParams& p,
+__device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 64 : 32], const TmInputParams& p,
                                                  const IpLaunch& l, int chunk, tm_half* stage_buf, const float* smask,
                                                  int wg, int wq) {
   constexpr int NW = BM == 128 ? 128 : 64;  // columns per warpgroup
@@ -524,7 +538,7 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
 
 // The sm_80 body: 8 warps of 32 rows x 64 columns (4 x 2) with mma.sync.
 template <int KMAX>
-__device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
+__device__ __forceinline__ void input_projection_body(const TmInputParams& p) {
   extern __shared__ __align__(16) unsigned char ip_smem[];
   const int lda = p.k_pad + 8;  // halves; +16 bytes keeps ldmatrix conflict-free
   tm_half* sa = (tm_half*)ip_smem;                                 // [BM][lda]   z tile
@@ -593,7 +607,7 @@ __device__ __forceinline__ void input_projection_body(const TrimulParams& p) {
 // the tensor cores' own reads, and a warpgroup issues one instruction per k16 step where the
 // mma.sync body issues 22 per warp. Same LayerNorm, epilogues and stores as the sm_80 body.
 template <int KMAX, int BM, int LN_ROWS>
-__device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p) {
+__device__ __forceinline__ void input_projection_sm90_body(const TmInputParams& p) {
 #if defined(TM_HAS_WGMMA)
   extern __shared__ __align__(16) unsigned char ip_smem[];
   // The swizzle atoms must sit on 1024-byte boundaries; the host adds 1024 bytes of slack.
@@ -754,6 +768,7 @@ __device__ __forceinline__ void input_projection_sm90_body(const TrimulParams& p
 #define WS_Z_BYTES (WS_BM * 128 * 2)                         // 16 KB
 #define WS_STAGE_BYTES (2 * 8192)                            // a pair's staging: 8 KB per warpgroup
 #define WS_SMEM_BYTES (WS_W_BYTES + 2 * WS_Z_BYTES + 2 * WS_STAGE_BYTES + 2 * WS_BM * 4 + 2 * 128 * 4 + 1024)
+static_assert(WS_SMEM_BYTES == TM_WS_SMEM && WS_BM == TM_WS_ROWS && WS_THREADS == TM_WS_THREADS, "common/smem.h");
 
 __device__ __forceinline__ void ws_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
@@ -768,11 +783,11 @@ __device__ __forceinline__ int ws_group(int pair, int wg) { return 5 + 2 * pair 
 
 // The k-th tile this block takes (tiles last to first, as the other builds: what is written last
 // is read first by the contraction), and its launch description.
-__device__ __forceinline__ tm_i64 ws_tile0(const TrimulParams& p, int k) {
+__device__ __forceinline__ tm_i64 ws_tile0(const TmInputParams& p, int k) {
   const tm_i64 tiles = p.rows / WS_BM;
   return (tiles - 1 - ((tm_i64)blockIdx.x + (tm_i64)k * gridDim.x)) * WS_BM;
 }
-__device__ __forceinline__ IpLaunch ws_launch(const TrimulParams& p, tm_i64 tile0) {
+__device__ __forceinline__ IpLaunch ws_launch(const TmInputParams& p, tm_i64 tile0) {
   IpLaunch l;
   l.m_total = p.rows;
   l.tile0 = tile0;
@@ -809,7 +824,7 @@ __device__ __forceinline__ int ws_group_channel(int i) {
 }
 
 template <int IO>
-__device__ __forceinline__ void ws_load(const TrimulParams& p, tm_i64 row0, WsRows<IO>& x) {
+__device__ __forceinline__ void ws_load(const TmInputParams& p, tm_i64 row0, WsRows<IO>& x) {
   const unsigned lane = threadIdx.x & 31;
   const tm_i64 row = row0 + (lane >> 3);
 #pragma unroll
@@ -831,7 +846,7 @@ __device__ __forceinline__ void ws_load(const TrimulParams& p, tm_i64 row0, WsRo
 // same pairs ((s0 + s2) + (s1 + s3), each pair in either order: a float sum is commutative); the
 // last three are this layout's shuffles over j.
 template <int IO>
-__device__ __forceinline__ void ws_normalize(const TrimulParams& p, const WsRows<IO>& x, const float* ln_wb,
+__device__ __forceinline__ void ws_normalize(const TmInputParams& p, const WsRows<IO>& x, const float* ln_wb,
                                              unsigned char* z, float* smask, int r0) {
   const unsigned lane = threadIdx.x & 31;
   const int r = r0 + (int)(lane >> 3);
@@ -874,7 +889,7 @@ __device__ __forceinline__ void ws_normalize(const TrimulParams& p, const WsRows
 // The producers' loop: tile k goes to z buffer k % 2 (pair k % 2). x holds the warp's rows of
 // tile 0, loaded while the weights were still arriving.
 template <int IO>
-__device__ __forceinline__ void ws_produce(const TrimulParams& p, unsigned char* zbuf, float* smask,
+__device__ __forceinline__ void ws_produce(const TmInputParams& p, unsigned char* zbuf, float* smask,
                                            const float* ln_wb, int n_k, WsRows<IO>& x) {
   const unsigned warp = threadIdx.x >> 5;
   const int r0 = warp * WS_LN_ROWS;
@@ -896,7 +911,7 @@ __device__ __forceinline__ void ws_produce(const TrimulParams& p, unsigned char*
 // 16 channels (16·wg ..) of left and right, one 16-byte run of 8 positions per thread and side; of
 // the gate chunk its 64 columns, four runs per thread. Each warpgroup stages into and stores from
 // its own 8 KB, so the two warpgroups of a pair synchronise only among their own 128 threads.
-__device__ __forceinline__ void ws_store_wg(const TrimulParams& p, const IpLaunch& l, int chunk,
+__device__ __forceinline__ void ws_store_wg(const TmInputParams& p, const IpLaunch& l, int chunk,
                                             const tm_half* stage_buf, int wg, unsigned t) {
   const unsigned char* st = (const unsigned char*)stage_buf;  // this warpgroup's 8 KB (ip_epilogue_sm90)
   if (chunk < l.n_gating) {
@@ -921,7 +936,7 @@ __device__ __forceinline__ void ws_store_wg(const TrimulParams& p, const IpLaunc
 
 #if defined(TM_HAS_WGMMA)
 // A consumer pair's loop over its tiles (every other one, from `pair`).
-__device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned char* wts, const unsigned char* zbuf,
+__device__ __forceinline__ void ws_consume(const TmInputParams& p, const unsigned char* wts, const unsigned char* zbuf,
                                            const float* smask_all, tm_half* stage_all, int n_k, int pair) {
   const unsigned pt = threadIdx.x - 32 * WS_PRODUCERS - 256 * pair;  // thread within the pair
   const int wq = (pt >> 5) & 3;
@@ -974,7 +989,7 @@ __device__ __forceinline__ void ws_consume(const TrimulParams& p, const unsigned
 // Shapes (the host checks): C = k_pad = H = G = 128, one-pass plan (row0 0, every chunk and
 // channel), rows and N² multiples of 64, so that every tile is full and inside one batch.
 template <int IO>
-__device__ __forceinline__ void input_projection_ws_body(const TrimulParams& p) {
+__device__ __forceinline__ void input_projection_ws_body(const TmInputParams& p) {
 #if defined(TM_HAS_WGMMA)
   extern __shared__ __align__(16) unsigned char ws_smem[];
   // The swizzle atoms must sit on 1024-byte boundaries; the host adds 1024 bytes of slack.
@@ -1022,40 +1037,40 @@ __device__ __forceinline__ void input_projection_ws_body(const TrimulParams& p) 
 
 // k_pad <= 128: two blocks per SM (registers capped at 128, which the small LN prologue allows
 // without spilling)...
-extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(const TmInputParams p) {
   input_projection_body<128>(p);
 }
 
 // ...and k_pad <= 512: one block per SM (z takes up to 130 KB of shared memory) with the
 // registers uncapped.
-extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_wide(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_wide(const TmInputParams p) {
   input_projection_body<IP_MAX_K>(p);
 }
 
 // The same two builds with warpgroup MMA, for sm_90a...
-extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection_sm90(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection_sm90(const TmInputParams p) {
   input_projection_sm90_body<128, IP_BM, IP_LN_ROWS_NARROW>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_sm90_wide(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 1) input_projection_sm90_wide(const TmInputParams p) {
   input_projection_sm90_body<IP_MAX_K, IP_BM, IP_LN_ROWS_WIDE>(p);
 }
 
 // ...and a third for 128 < k_pad <= 448: 64-position blocks, two per SM, so that one block's
 // LayerNorm (DRAM-bound) overlaps the other's MMAs and epilogues.
-extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection_sm90_mid(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection_sm90_mid(const TmInputParams p) {
   input_projection_sm90_body<IP_MAX_K, 64, 2>(p);
 }
 
 // ...and a fourth for k_pad <= 128 with f32 x: 64-position blocks, three per SM (80 registers).
 // The third block hides more of the DRAM latency of f32 x; with 16-bit x the 128-position build
 // stays faster (the host's FusedKernel::launch has the numbers).
-extern "C" __global__ void __launch_bounds__(IP_THREADS, 3) input_projection_sm90_narrow64(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(IP_THREADS, 3) input_projection_sm90_narrow64(const TmInputParams p) {
   input_projection_sm90_body<128, 64, 4>(p);
 }
 
 // ...and the warp-specialised persistent build for C = H = 128 (above), one block per SM.
-extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) input_projection_sm90_ws(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) input_projection_sm90_ws(const TmInputParams p) {
   if (p.io_dtype == TM_IO_BF16) {
     input_projection_ws_body<TM_IO_BF16>(p);
   } else if (p.io_dtype == TM_IO_F16) {

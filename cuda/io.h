@@ -1,4 +1,4 @@
-// x and y in the three I/O precisions (TrimulParams::io_dtype): f32, bf16 or f16. The fused
+// x and y in the three I/O precisions (TmParams::io_dtype): f32, bf16 or f16. The fused
 // kernels read x and write y through these, so one build serves every mode; the branch is
 // uniform across the grid.
 #pragma once
@@ -20,7 +20,7 @@ __device__ __forceinline__ float4 io_widen4(uint2 w) {
 
 // Two consecutive elements of 16-bit y packed in the launch's I/O type (bf16 or f16), rounded to
 // nearest even.
-__device__ __forceinline__ unsigned io_pack_y2(const TrimulParams& p, float v0, float v1) {
+__device__ __forceinline__ unsigned io_pack_y2(const TmParams& p, float v0, float v1) {
   unsigned packed;
   if (p.io_dtype == TM_IO_BF16) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(v1), "f"(v0));
@@ -31,7 +31,7 @@ __device__ __forceinline__ unsigned io_pack_y2(const TrimulParams& p, float v0, 
 }
 
 // Two consecutive elements of y at element `idx` (even), rounded to nearest even.
-__device__ __forceinline__ void io_store_y2(const TrimulParams& p, tm_i64 idx, float v0, float v1) {
+__device__ __forceinline__ void io_store_y2(const TmParams& p, tm_i64 idx, float v0, float v1) {
   if (p.io_dtype == TM_IO_F32) {
     *(float2*)(p.y + idx) = make_float2(v0, v1);
     return;

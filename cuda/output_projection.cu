@@ -41,6 +41,10 @@
 #define OP_TPP (OP_THREADS / OP_BM)  // threads per position in the statistics step
 // t pieces (32 bytes) each thread has in flight in step 1: all of them at H = 128.
 #define OP_T_INFLIGHT (128 * (OP_BM / 16) / OP_THREADS)
+static_assert(OP_THREADS == TM_STAGE_THREADS && OP_BM == TM_OP_ROWS, "common/smem.h");
+// The host passes these layouts' sizes as TM_OP_SMEM (+ TM_OP_SMEM_STAGING for sg): op_smem_layout.
+static_assert((OP_BM + OP_BN) * OP_LD * 2 + (2 * OP_BM + 2 * 128) * 4 == TM_OP_SMEM, "common/smem.h");
+static_assert(OP_BM * OP_LD * 2 == TM_OP_SMEM_STAGING, "common/smem.h");
 
 // i / d for the small divisors of this kernel (H / 8: 2 .. 16): a shift when d is a power of two
 // (H = 16, 32, 64, 128), which the index math of the copies and the normalisation otherwise
@@ -50,7 +54,7 @@ __device__ __forceinline__ int op_div(int i, int d) { return (d & (d - 1)) == 0 
 // Copy Wout rows [c0, c0 + 128) into sw (zeros past C); one cp.async group. HC: H when it is
 // known at compile time (128), else 0.
 template <int HC>
-__device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, int c0) {
+__device__ __forceinline__ void op_load_w(const TmOutputParams& p, tm_half* sw, int c0) {
   const int H = HC ? HC : p.h, pieces_per_row = H / 8;
 #pragma unroll
   for (int i = threadIdx.x; i < OP_BN * pieces_per_row; i += OP_THREADS) {
@@ -66,11 +70,11 @@ __device__ __forceinline__ void op_load_w(const TrimulParams& p, tm_half* sw, in
 }
 
 // Whether the block stages through sg: af3's gate, and 16-bit y on its way out.
-__device__ __forceinline__ bool op_uses_sg(const TrimulParams& p) { return p.af3 || p.io_dtype != TM_IO_F32; }
+__device__ __forceinline__ bool op_uses_sg(const TmOutputParams& p) { return p.formulation == TM_AF3 || p.io_dtype != TM_IO_F32; }
 
 // Copy af3's gate columns [c0, c0 + 128) of the block's rows into sg (zeros past C and past the
 // last position); cp.async without a commit: the caller commits.
-__device__ __forceinline__ void op_load_gate(const TrimulParams& p, tm_half* sg, tm_i64 first, int np, int c0) {
+__device__ __forceinline__ void op_load_gate(const TmOutputParams& p, tm_half* sg, tm_i64 first, int np, int c0) {
 #pragma unroll
   for (int k = 0; k < OP_BM * 16 / OP_THREADS; ++k) {
     const int i = threadIdx.x + k * OP_THREADS, r = i >> 4, col = (i & 15) * 8;
@@ -84,7 +88,7 @@ __device__ __forceinline__ void op_load_gate(const TrimulParams& p, tm_half* sg,
 }
 
 // The 16-bit y staged in sg (columns [c0, c0 + 128) of the block's rows) out as 16-byte runs.
-__device__ __forceinline__ void op_store_y16(const TrimulParams& p, const tm_half* sg, tm_i64 first, int np, int c0) {
+__device__ __forceinline__ void op_store_y16(const TmOutputParams& p, const tm_half* sg, tm_i64 first, int np, int c0) {
 #pragma unroll
   for (int k = 0; k < OP_BM * 16 / OP_THREADS; ++k) {
     const int i = threadIdx.x + k * OP_THREADS, r = i >> 4, col = (i & 15) * 8;
@@ -99,7 +103,7 @@ __device__ __forceinline__ void op_store_y16(const TrimulParams& p, const tm_hal
 // af3's gate comes from sg. Y16: y is 16-bit and goes into sg (each element where this thread
 // read its gate); the caller stores the tile after a barrier.
 template <bool HAS_BIAS, bool AF3, bool Y16>
-__device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (&acc)[2][4][4], tm_half* sg,
+__device__ __forceinline__ void op_epilogue(const TmOutputParams& p, const float (&acc)[2][4][4], tm_half* sg,
                                             tm_i64 first, int np, int c0, int cw, int r0) {
   const int C = p.c;
 #pragma unroll
@@ -134,7 +138,7 @@ __device__ __forceinline__ void op_epilogue(const TrimulParams& p, const float (
 }
 
 template <bool HAS_BIAS, bool AF3>
-__device__ __forceinline__ void op_epilogue_io(const TrimulParams& p, const float (&acc)[2][4][4], tm_half* sg,
+__device__ __forceinline__ void op_epilogue_io(const TmOutputParams& p, const float (&acc)[2][4][4], tm_half* sg,
                                                tm_i64 first, int np, int c0, int cw, int r0) {
   if (p.io_dtype == TM_IO_F32) {
     op_epilogue<HAS_BIAS, AF3, false>(p, acc, sg, first, np, c0, cw, r0);
@@ -145,13 +149,13 @@ __device__ __forceinline__ void op_epilogue_io(const TrimulParams& p, const floa
 
 // Specialised on the bias and the formulation: the branches and the per-element loads of the
 // general form were a fifth of this kernel's instructions (ncu, H100).
-__device__ __forceinline__ void op_epilogue_any(const TrimulParams& p, const float (&acc)[2][4][4], tm_half* sg,
+__device__ __forceinline__ void op_epilogue_any(const TmOutputParams& p, const float (&acc)[2][4][4], tm_half* sg,
                                                 tm_i64 first, int np, int c0, int cw, int r0) {
   if (p.out_bias) {
-    if (p.af3) op_epilogue_io<true, true>(p, acc, sg, first, np, c0, cw, r0);
+    if (p.formulation == TM_AF3) op_epilogue_io<true, true>(p, acc, sg, first, np, c0, cw, r0);
     else op_epilogue_io<true, false>(p, acc, sg, first, np, c0, cw, r0);
   } else {
-    if (p.af3) op_epilogue_io<false, true>(p, acc, sg, first, np, c0, cw, r0);
+    if (p.formulation == TM_AF3) op_epilogue_io<false, true>(p, acc, sg, first, np, c0, cw, r0);
     else op_epilogue_io<false, false>(p, acc, sg, first, np, c0, cw, r0);
   }
 }
@@ -159,13 +163,13 @@ __device__ __forceinline__ void op_epilogue_any(const TrimulParams& p, const flo
 // gpumode's gate for this thread's step-3 items (8 channels of one position each), f16 ones for
 // af3 (its gate applies after the projection) and past the last position.
 template <int HC>
-__device__ __forceinline__ void op_load_gpre(const TrimulParams& p, uint4 (&gpre)[OP_ITEMS], tm_i64 first, int np) {
+__device__ __forceinline__ void op_load_gpre(const TmOutputParams& p, uint4 (&gpre)[OP_ITEMS], tm_i64 first, int np) {
   const int h8 = (HC ? HC : p.h) / 8;
 #pragma unroll
   for (int k = 0; k < OP_ITEMS; ++k) {
     const int i = threadIdx.x + k * OP_THREADS, r = op_div(i, h8);
     gpre[k] = make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);  // f16 ones
-    if (!p.af3 && i < OP_BM * h8 && r < np) {
+    if (p.formulation != TM_AF3 && i < OP_BM * h8 && r < np) {
       const tm_half* src = p.gate + (first + r - p.buf_row0) * (tm_i64)p.g + (i - r * h8) * 8;
       gpre[k] = *(const uint4*)src;
     }
@@ -182,7 +186,7 @@ __device__ __forceinline__ void op_scatter_t(tm_half* sa, const uint4 (&piece)[2
 // 2. statistics, OP_TPP threads per position (adjacent lanes, 8 channels at a time in turn),
 // two passes in f32.
 template <int HC>
-__device__ __forceinline__ void op_stats(const TrimulParams& p, const tm_half* sa, float* smean, float* srstd) {
+__device__ __forceinline__ void op_stats(const TmOutputParams& p, const tm_half* sa, float* smean, float* srstd) {
   const int H = HC ? HC : p.h;
   const int r = threadIdx.x / OP_TPP, part = threadIdx.x % OP_TPP;
   const tm_half* row = sa + r * OP_LD;
@@ -217,7 +221,7 @@ __device__ __forceinline__ void op_stats(const TrimulParams& p, const tm_half* s
 // 3. normalise (⊙ gate for gpumode) in place, 8 channels per thread; positions past np become 0.
 // GATED: multiply by gpre (gpumode; the plain kernel's af3 path passes ones instead).
 template <int HC, bool GATED = true>
-__device__ __forceinline__ void op_normalise(const TrimulParams& p, tm_half* sa, const float* smean,
+__device__ __forceinline__ void op_normalise(const TmOutputParams& p, tm_half* sa, const float* smean,
                                              const float* srstd, const float* snw, const float* snb,
                                              const uint4 (&gpre)[OP_ITEMS], int np) {
   const int h8 = (HC ? HC : p.h) / 8;
@@ -249,7 +253,7 @@ __device__ __forceinline__ void op_normalise(const TrimulParams& p, tm_half* sa,
 
 // 4. one 128-column chunk: the warp's 32 x 32 tile of sa · swᵀ over K = H, f32 accumulators.
 template <int HC>
-__device__ __forceinline__ void op_mma(const TrimulParams& p, float (&acc)[2][4][4], unsigned sa_u, unsigned sw_u,
+__device__ __forceinline__ void op_mma(const TmOutputParams& p, float (&acc)[2][4][4], unsigned sa_u, unsigned sw_u,
                                        int warp_m, int warp_n) {
   const int H = HC ? HC : p.h;
 #pragma unroll
@@ -291,7 +295,7 @@ __device__ __forceinline__ OpSmem op_smem_layout(unsigned char* base) {
 
 // LN_H's weight and bias into shared memory (read by step 3, after at least one barrier).
 template <int HC>
-__device__ __forceinline__ void op_load_ln(const TrimulParams& p, float* snw, float* snb) {
+__device__ __forceinline__ void op_load_ln(const TmOutputParams& p, float* snw, float* snb) {
   for (int h = threadIdx.x; h < (HC ? HC : p.h); h += OP_THREADS) {
     snw[h] = p.norm_out_w[h];
     snb[h] = p.norm_out_b[h];
@@ -301,7 +305,7 @@ __device__ __forceinline__ void op_load_ln(const TrimulParams& p, float* snw, fl
 // The kernel body; HC is H when known at compile time (the common H = 128: every index
 // division and copy loop then resolves at compile time), else 0.
 template <int HC>
-__device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
+__device__ __forceinline__ void output_projection_body(const TmOutputParams& p) {
   extern __shared__ __align__(16) unsigned char op_smem[];
   const OpSmem sm = op_smem_layout(op_smem);
   tm_half *sa = sm.sa, *sw = sm.sw;
@@ -357,7 +361,7 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
     }
   }
 
-  if (p.af3) {
+  if (p.formulation == TM_AF3) {
     op_load_gate(p, sg, first, np, 0);
     asm volatile("cp.async.commit_group;");
   }
@@ -393,7 +397,7 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
     if (op_uses_sg(p)) {
       __syncthreads();  // the tile's 16-bit y complete, and every gate read
       if (p.io_dtype != TM_IO_F32) op_store_y16(p, sg, first, np, c0);
-      if (p.af3 && c0 + OP_BN < C) {
+      if (p.formulation == TM_AF3 && c0 + OP_BN < C) {
         // 16-bit y copied out of sg before the next gate chunk lands on it (f32 y never enters
         // sg, and the barrier above saw every gate read).
         if (p.io_dtype != TM_IO_F32) __syncthreads();
@@ -404,7 +408,7 @@ __device__ __forceinline__ void output_projection_body(const TrimulParams& p) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(const TmOutputParams p) {
   if (p.h == 128) {
     output_projection_body<128>(p);
   } else {
@@ -415,10 +419,12 @@ extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection(co
 // t rows of the resident kernel's prefetch buffer: 64 positions plus 16 bytes of padding, so that
 // the transposing reads (consecutive threads, consecutive channels) spread over the banks.
 #define OP_RAW_LD (OP_BM + 8)
+// The resident kernel's shared memory: op_smem_layout's, then sraw [128][OP_RAW_LD].
+static_assert(TM_OP_SMEM + 128 * OP_RAW_LD * 2 == TM_OP_RESIDENT_SMEM, "common/smem.h");
 
 // The resident kernel's t tile [128 channels][64 positions] into sraw as one cp.async group:
 // 1024 pieces of 16 bytes, 8 consecutive threads per channel's 128-byte run.
-__device__ __forceinline__ void op_prefetch_t(const TrimulParams& p, tm_half* sraw, tm_i64 first) {
+__device__ __forceinline__ void op_prefetch_t(const TmOutputParams& p, tm_half* sraw, tm_i64 first) {
   const tm_i64 nn = (tm_i64)p.n * p.n, b = first / nn, rem = first - b * nn;
 #pragma unroll
   for (int k = 0; k < 128 * (OP_BM / 8) / OP_THREADS; ++k) {
@@ -439,7 +445,7 @@ __device__ __forceinline__ void op_prefetch_t(const TrimulParams& p, tm_half* sr
 __device__ __forceinline__ int opr_perm(int j) { return (j & ~0x1e) | ((j & 0x6) << 2) | ((j >> 2) & 0x6); }
 
 // Copy Wout into sw in the resident kernel's column order (rows past C zero); one cp.async group.
-__device__ __forceinline__ void opr_load_w(const TrimulParams& p, tm_half* sw) {
+__device__ __forceinline__ void opr_load_w(const TmOutputParams& p, tm_half* sw) {
 #pragma unroll
   for (int i = threadIdx.x; i < OP_BN * 16; i += OP_THREADS) {
     const int row = i >> 4, col = (i & 15) * 8, c = opr_perm(row);
@@ -455,7 +461,7 @@ __device__ __forceinline__ void opr_load_w(const TrimulParams& p, tm_half* sw) {
 
 // af3's gate for this thread's rows r0 + 16·mt + 8·half, channels cb .. cb + 7 (one 16-byte
 // load each), loaded at the top of a tile so that its latency runs under the tile's other steps.
-__device__ __forceinline__ void opr_load_gate(const TrimulParams& p, uint4 (&gq)[2][2], tm_i64 first, int cb, int r0) {
+__device__ __forceinline__ void opr_load_gate(const TmOutputParams& p, uint4 (&gq)[2][2], tm_i64 first, int cb, int r0) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -469,7 +475,7 @@ __device__ __forceinline__ void opr_load_gate(const TrimulParams& p, uint4 (&gq)
 // the thread's four rows out from registers (C <= 128, whole tiles: no row or column beyond
 // the layer's but the channels past C, which the whole group of 8 is).
 template <bool AF3, bool Y16, bool HAS_BIAS>
-__device__ __forceinline__ void opr_epilogue(const TrimulParams& p, const float (&acc)[2][4][4],
+__device__ __forceinline__ void opr_epilogue(const TmOutputParams& p, const float (&acc)[2][4][4],
                                              const uint4 (&gq)[2][2], tm_i64 first, int cb, int r0) {
   if (cb >= p.c) return;
   float bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -515,7 +521,7 @@ __device__ __forceinline__ void opr_epilogue(const TrimulParams& p, const float 
 // 16-byte load per row and y leaves from registers. The host guarantees whole tiles inside one
 // batch: rows, row0 and N² multiples of 64.
 template <bool AF3, bool Y16>
-__device__ __forceinline__ void output_projection_resident_body(const TrimulParams& p) {
+__device__ __forceinline__ void output_projection_resident_body(const TmOutputParams& p) {
   extern __shared__ __align__(16) unsigned char opr_smem[];
   const OpSmem sm = op_smem_layout(opr_smem);
   tm_half *sa = sm.sa, *sw = sm.sw;
@@ -572,9 +578,9 @@ __device__ __forceinline__ void output_projection_resident_body(const TrimulPara
   }
 }
 
-extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_resident(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(OP_THREADS, 3) output_projection_resident(const TmOutputParams p) {
   const bool y16 = p.io_dtype != TM_IO_F32;
-  if (p.af3) {
+  if (p.formulation == TM_AF3) {
     if (y16) output_projection_resident_body<true, true>(p);
     else output_projection_resident_body<true, false>(p);
   } else {
@@ -645,6 +651,10 @@ __device__ __forceinline__ OpxSmem opx_smem_layout(unsigned char* base) {
   s.sgb = s.scb + 128;
   return s;
 }
+// Where opx_smem_layout ends, plus the 1024 bytes of alignment slack: what the host passes.
+static_assert(2 * 32768 + 16384 + 128 * OP_RAW_LD * 2 + (8 * OP_BM * 2 + 2 * OP_BM + 5 * 128) * 4 + 1024 ==
+                  TM_OP_XGATE_SMEM,
+              "common/smem.h");
 
 // A [128][128] f16 weight (row J of the tile is row opr_xg_perm(J) of `w`, rows `ld` halves
 // apart) into the 128-byte swizzle: one cp.async per 16-byte piece, no commit.
@@ -657,7 +667,7 @@ __device__ __forceinline__ void opx_load_weight(unsigned char* dst, const tm_hal
 }
 
 // This thread's pieces of a tile's x: rows tid/16 + 16·u, channels 8·(tid % 16) .. + 7.
-__device__ __forceinline__ void opx_load_x(const TrimulParams& p, uint4 (&xr)[OPX_X_PIECES], tm_i64 first) {
+__device__ __forceinline__ void opx_load_x(const TmOutputParams& p, uint4 (&xr)[OPX_X_PIECES], tm_i64 first) {
   const unsigned short* x = (const unsigned short*)p.x;
 #pragma unroll
   for (int u = 0; u < OPX_X_PIECES; ++u) {
@@ -783,7 +793,7 @@ __device__ __forceinline__ void opx_transpose_normalise(const tm_half* sraw, uns
 #endif
 
 template <int IO>
-__device__ __forceinline__ void output_projection_sm90_xgate_body(const TrimulParams& p) {
+__device__ __forceinline__ void output_projection_sm90_xgate_body(const TmOutputParams& p) {
 #if defined(TM_HAS_WGMMA)
   extern __shared__ __align__(16) unsigned char opx_smem[];
   // The swizzle atoms must sit on 1024-byte boundaries; the host adds 1024 bytes of slack.
@@ -878,7 +888,7 @@ __device__ __forceinline__ void output_projection_sm90_xgate_body(const TrimulPa
 // Two blocks per SM: 106 KB of shared memory each (with the alignment slack), 128 registers a
 // thread (ptxas keeps a few loop-invariant addresses in 72 bytes of local memory, reloaded once
 // per tile). af3 only (its gate multiplies y; gpumode's would have to enter LN_H's tile).
-extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection_sm90_xgate(const TrimulParams p) {
+extern "C" __global__ void __launch_bounds__(OP_THREADS, 2) output_projection_sm90_xgate(const TmOutputParams p) {
   if (p.io_dtype == TM_IO_BF16) {
     output_projection_sm90_xgate_body<TM_IO_BF16>(p);
   } else {

@@ -16,7 +16,7 @@
 //   5. epilogue per D element (i, j): y[first + i][c0 + j] (+ bout[c], ⊙ gate for af3), in the
 //      launch's I/O precision (f32, or bf16/f16 rounded to nearest even).
 // Requirements checked by the host (select_output_path): H % 8 == 0, LDS bytes
-// output_projection_smem_bytes(H) <= 64 KiB (H <= 248), 256 threads per block.
+// TM_HIP_OP_SMEM(H) <= 64 KiB (H <= 248), 256 threads per block.
 // Operand layouts: see hip/mfma.h.
 #pragma once
 #include "common/pair_io.h"
@@ -25,9 +25,16 @@
 #define OP_BM 64
 #define OP_WAVES (OUTPUT_PROJECTION_THREADS / 64)
 #define OP_ST_STRIDE (OP_BM + 2)  // f16 per row of st: +2 keeps h-strided reads off one bank
+static_assert(OUTPUT_PROJECTION_THREADS == TM_STAGE_THREADS && OP_BM == TM_HIP_OP_ROWS, "common/smem.h");
+// The LDS the layout below takes for H channels (sa, smean, srstd, st), which the host passes as
+// TM_HIP_OP_SMEM(H): affine in H, so two widths check it for all.
+constexpr int op_lds_bytes(int H) { return 2 * OP_BM * (H + 4) + 2 * 4 * OP_BM + 2 * H * OP_ST_STRIDE; }
+static_assert(op_lds_bytes(8) == TM_HIP_OP_SMEM(8) && op_lds_bytes(248) == TM_HIP_OP_SMEM(248), "common/smem.h");
 
 extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_PROJECTION_THREADS)
-    output_projection(const TrimulParams p, const tm_half* TM_RESTRICT wout, const float* TM_RESTRICT out_bias) {
+    output_projection(const TmOutputParams p) {
+  const tm_half* TM_RESTRICT wout = p.w_out;
+  const float* TM_RESTRICT out_bias = p.out_bias;
   extern __shared__ float tm_dyn_smem[];
   const int H = p.h, C = p.c, G = p.g;
   const int SA = H + 4;  // f16 per row of sa; H % 4 == 0 keeps rows 8-byte aligned
@@ -85,7 +92,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_PROJECTION_THREADS)
     float v = 0.f;
     if (r < np) {
       v = (tm_h2f(st[h * OP_ST_STRIDE + r]) - smean[r]) * srstd[r] * p.norm_out_w[h] + p.norm_out_b[h];
-      if (!p.af3) v *= tm_h2f(p.gate[(first + r - p.buf_row0) * (tm_i64)G + h]);
+      if (p.formulation != TM_AF3) v *= tm_h2f(p.gate[(first + r - p.buf_row0) * (tm_i64)G + h]);
     }
     sa[r * SA + h] = tm_f2h(v);
   }
@@ -122,7 +129,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_PROJECTION_THREADS)
           if (r < np) {
             const tm_i64 row = first + r;
             float v = (half ? acc1[e] : acc0[e]) + bias;
-            if (p.af3) v *= tm_h2f(p.gate[(row - p.buf_row0) * (tm_i64)G + c]);
+            if (p.formulation == TM_AF3) v *= tm_h2f(p.gate[(row - p.buf_row0) * (tm_i64)G + c]);
             tm_store_y(p, row * (tm_i64)C + c, v);
           }
         }

@@ -1,6 +1,15 @@
-//! The host side of `common/params.h`: the one struct every stage kernel takes by value, shared
-//! by the CUDA and HIP backends. Field order, types and size must match the C header; both sides
-//! assert the size (248 bytes).
+//! The host side of `common/params.h`: the structs the stage kernels take by value, shared by
+//! the CUDA and HIP backends. A common part ([`CommonParams`], `TmParams`) that every kernel reads,
+//! built once per forward by [`CommonParams::new`], and one struct per kernel family that extends
+//! it with that family's buffers: [`InputParams`] (`TmInputParams`: input_norm, input_gating, the
+//! fused CUDA input projection) and [`OutputParams`] (`TmOutputParams`: output_norm, output_gate,
+//! the fused output projections). Field order, types and sizes match the C header; both sides
+//! assert the sizes, and `src/backend/hip/host_tests.rs` checks every field's offset.
+//!
+//! Launch geometry and shared-memory sizes come from `common/smem.h` (see [`geometry`]).
+
+use crate::error::{Error, Result};
+use crate::problem::{Formulation, Precision, Problem};
 
 /// `io_dtype` values (`TM_IO_*` in `common/params.h`).
 pub const IO_F32: i32 = 0;
@@ -8,80 +17,296 @@ pub const IO_BF16: i32 = 1;
 pub const IO_F16: i32 = 2;
 
 /// The `io_dtype` of a precision mode.
-pub fn io_dtype(p: crate::problem::Precision) -> i32 {
+pub fn io_dtype(p: Precision) -> i32 {
     match p {
-        crate::problem::Precision::Bf16Io => IO_BF16,
-        crate::problem::Precision::F16Io => IO_F16,
+        Precision::Bf16Io => IO_BF16,
+        Precision::F16Io => IO_F16,
         _ => IO_F32,
     }
 }
 
-/// Mirror of `TrimulParams` in `common/params.h`. Pointers are device addresses (0 = null).
-#[repr(C)]
-#[derive(Copy, Clone, Debug, Default, PartialEq)]
-pub struct KernelParams {
+/// `formulation` values (`TM_GPUMODE`, `TM_AF3` in `common/params.h`).
+const TM_GPUMODE: i32 = 0;
+const TM_AF3: i32 = 1;
+
+/// The kernels' `formulation` of `f`: the one place [`Formulation`] becomes a number.
+const fn formulation_code(f: Formulation) -> i32 {
+    match f {
+        Formulation::GpuMode => TM_GPUMODE,
+        Formulation::Af3 => TM_AF3,
+    }
+}
+
+/// `v` as a kernel's `int`, or an [`Error::Shape`] naming it.
+pub fn to_i32(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Shape(format!("{what} = {v} exceeds the kernels' 32-bit int")))
+}
+
+/// `v` as a kernel's `tm_i64`, or an [`Error::Shape`] naming it.
+pub fn to_i64(v: usize, what: &str) -> Result<i64> {
+    i64::try_from(v).map_err(|_| Error::Shape(format!("{what} = {v} exceeds the kernels' 64-bit int")))
+}
+
+/// The call's pair tensors and the layer's prepared weights, as device addresses (0 = none):
+/// what [`CommonParams::new`] puts beside the problem.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Addresses {
+    /// x and y in the I/O precision; the mask `[M]` f32.
     pub x: u64,
     pub mask: u64,
+    pub y: u64,
     pub norm_in_w: u64,
     pub norm_in_b: u64,
-    pub proj_bias: u64,
     pub norm_out_w: u64,
     pub norm_out_b: u64,
+    /// The output projection `Wout` `[C, H]` f16 and its bias `[C]` f32.
+    pub w_out: u64,
+    pub out_bias: u64,
+}
+
+/// Mirror of `TmParams` in `common/params.h`: the part every kernel reads. Made only by
+/// [`CommonParams::new`] (then [`CommonParams::over`] and [`CommonParams::with_fused`]), which
+/// check every narrowing; read through its accessors. Pointers are device addresses (0 = null).
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct CommonParams {
+    x: u64,
+    mask: u64,
+    y: u64,
+    norm_in_w: u64,
+    norm_in_b: u64,
+    norm_out_w: u64,
+    norm_out_b: u64,
+    /// Fused input projection weights `[4·h_pad + g_pad, k_pad]` f16 (see [`FusedInputLayout`])
+    /// and their bias in the same order (f32, or 0).
+    w_in: u64,
+    w_in_bias: u64,
+    w_out: u64,
+    out_bias: u64,
+    row0: i64,
+    rows: i64,
+    batch: i32,
+    n: i32,
+    c: i32,
+    h: i32,
+    /// Output-gate width: H (gpumode) or C (af3).
+    g: i32,
+    /// `TM_GPUMODE` or `TM_AF3` ([`formulation_code`]).
+    formulation: i32,
+    eps: f32,
+    /// Element type of `x` and `y`: [`IO_F32`], [`IO_BF16`] or [`IO_F16`] (the fused CUDA
+    /// kernels, input_norm and HIP's output_projection read and write all three; every other
+    /// stage takes f32 only).
+    io_dtype: i32,
+    k_pad: i32,
+    h_pad: i32,
+    g_pad: i32,
+    reserved: i32,
+}
+
+/// Mirror of `TmInputParams` in `common/params.h`: the common part and the input stage's buffers.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct InputParams {
+    pub common: CommonParams,
     pub z: u64,
     pub proj: u64,
+    /// `proj`'s bias `[4·proj_h + proj_g]` f32 (added by input_gating), or 0.
+    pub proj_bias: u64,
     pub left: u64,
     pub right: u64,
     pub gate: u64,
-    pub t: u64,
-    pub a: u64,
-    pub y: u64,
-    /// First position of the chunk this launch covers.
-    pub row0: i64,
-    /// Positions in the chunk.
-    pub rows: i64,
-    pub batch: i32,
-    pub n: i32,
-    pub c: i32,
-    pub h: i32,
-    /// Output-gate width: H (gpumode) or C (af3).
-    pub g: i32,
-    /// Fused projection width 4H + G.
-    pub p: i32,
-    /// 1 for af3 (gate after the output projection), 0 for gpumode.
-    pub af3: i32,
-    /// Positions per block (input_gating, output_norm) or grid size (output_gate).
-    pub tile_rows: i32,
-    pub eps: f32,
-    /// Element type of `x` and `y`: [`IO_F32`], [`IO_BF16`] or [`IO_F16`] (the fused CUDA
-    /// kernels read and write all three; every other stage takes f32 only).
-    pub io_dtype: i32,
-    /// Fused input projection weights `[4·h_pad + g_pad, k_pad]` f16 (see `FusedInputLayout`).
-    pub w_in: u64,
-    /// Their bias in the same order, f32, or 0.
-    pub w_in_bias: u64,
-    pub k_pad: i32,
-    pub h_pad: i32,
-    pub g_pad: i32,
-    pub reserved2: i32,
-    /// First position held by the `gate` and `a` buffers (row-chunked output stage), else 0.
+    /// First position `gate` holds (0 in the one-pass plan: every position).
     pub buf_row0: i64,
+    /// input_gating: the channels of left and right and the gate columns this launch gates
+    /// (`proj` has `4·proj_h + proj_g` columns).
+    pub proj_h: i32,
+    pub proj_g: i32,
+    /// input_gating: positions per block.
+    pub tile_rows: i32,
     /// Column chunks of the fused input kernel to run: `[chunk_begin, chunk_end)`, 0 = all.
     pub chunk_begin: i32,
     pub chunk_end: i32,
     /// `left`/`right` hold hidden channels `lr_h0 .. lr_h0 + lr_h` as `[B, lr_h, N, N]` (0 = all).
     pub lr_h0: i32,
     pub lr_h: i32,
-    /// Fused output stage: `Wout` `[C, H]` f16 and its bias `[C]` f32 (0 = none).
-    pub w_out: u64,
-    pub out_bias: u64,
+    pub reserved: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<KernelParams>() == 248);
+/// Mirror of `TmOutputParams` in `common/params.h`: the common part and the output stage's
+/// buffers.
+#[repr(C)]
+#[derive(Copy, Clone, Debug, Default, PartialEq)]
+pub struct OutputParams {
+    pub common: CommonParams,
+    pub t: u64,
+    pub a: u64,
+    pub gate: u64,
+    /// First position `gate` and `a` hold (0 in the one-pass plan).
+    pub buf_row0: i64,
+    /// output_norm: positions per block.
+    pub tile_rows: i32,
+    /// output_gate: blocks in its grid (the stride of its grid-stride loop).
+    pub gate_blocks: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<CommonParams>() == 152);
+const _: () = assert!(std::mem::offset_of!(CommonParams, row0) == 88);
+const _: () = assert!(std::mem::offset_of!(CommonParams, batch) == 104);
+const _: () = assert!(std::mem::offset_of!(CommonParams, formulation) == 124);
+const _: () = assert!(std::mem::offset_of!(CommonParams, k_pad) == 136);
+const _: () = assert!(std::mem::size_of::<InputParams>() == 152 + 88);
+const _: () = assert!(std::mem::offset_of!(InputParams, z) == 152);
+const _: () = assert!(std::mem::size_of::<OutputParams>() == 152 + 40);
+const _: () = assert!(std::mem::offset_of!(OutputParams, t) == 152);
+
+/// Every field of the three structs with its offset, as `(C struct, field, offset)`, for the test
+/// that compiles `static_assert`s of them against `common/params.h`
+/// (`src/backend/hip/host_tests.rs`).
+#[cfg(all(test, feature = "rocm"))]
+pub fn field_offsets() -> Vec<(&'static str, &'static str, usize)> {
+    use std::mem::offset_of;
+    macro_rules! fields {
+        ($c:literal, $t:ty, $($f:ident),*) => { vec![$(($c, stringify!($f), offset_of!($t, $f))),*] };
+    }
+    let mut v = fields! {
+        "TmParams", CommonParams, x, mask, y, norm_in_w, norm_in_b, norm_out_w, norm_out_b, w_in, w_in_bias, w_out,
+        out_bias, row0, rows, batch, n, c, h, g, formulation, eps, io_dtype, k_pad, h_pad, g_pad, reserved
+    };
+    v.extend(fields! {
+        "TmInputParams", InputParams, z, proj, proj_bias, left, right, gate, buf_row0, proj_h, proj_g, tile_rows,
+        chunk_begin, chunk_end, lr_h0, lr_h, reserved
+    });
+    v.extend(fields! { "TmOutputParams", OutputParams, t, a, gate, buf_row0, tile_rows, gate_blocks });
+    v
+}
+
+/// A struct a stage kernel takes as its one argument by value (the kernel's family's struct).
+pub trait StageParams: Copy + private::Sealed {}
+impl StageParams for InputParams {}
+impl StageParams for OutputParams {}
+mod private {
+    pub trait Sealed {}
+    impl Sealed for super::InputParams {}
+    impl Sealed for super::OutputParams {}
+}
+
+impl CommonParams {
+    /// The common part of every launch of `problem`'s forward, over all its positions: the shape,
+    /// formulation, eps and I/O precision, each narrowing checked, and the addresses `at`.
+    pub fn new(problem: &Problem, at: Addresses) -> Result<Self> {
+        let cfg = &problem.config;
+        // The kernels compute proj's width 4H + G in 32 bits (input_gating).
+        to_i32(cfg.fused_proj_width(), "P = 4H + G")?;
+        Ok(CommonParams {
+            x: at.x,
+            mask: at.mask,
+            y: at.y,
+            norm_in_w: at.norm_in_w,
+            norm_in_b: at.norm_in_b,
+            norm_out_w: at.norm_out_w,
+            norm_out_b: at.norm_out_b,
+            w_in: 0,
+            w_in_bias: 0,
+            w_out: at.w_out,
+            out_bias: at.out_bias,
+            row0: 0,
+            rows: to_i64(problem.shape.rows(), "B·N·N")?,
+            batch: to_i32(problem.shape.batch, "B")?,
+            n: to_i32(problem.shape.n, "N")?,
+            c: to_i32(cfg.c, "C")?,
+            h: to_i32(cfg.h, "H")?,
+            g: to_i32(cfg.gate_width(), "G")?,
+            formulation: formulation_code(cfg.formulation),
+            eps: problem.eps,
+            io_dtype: io_dtype(problem.io),
+            k_pad: 0,
+            h_pad: 0,
+            g_pad: 0,
+            reserved: 0,
+        })
+    }
+
+    /// The same for positions `row0 .. row0 + rows`.
+    pub fn over(self, row0: usize, rows: usize) -> Result<Self> {
+        Ok(CommonParams { row0: to_i64(row0, "first position")?, rows: to_i64(rows, "positions")?, ..self })
+    }
+
+    /// The same with the fused input kernel's weights `w` (`[4·h_pad + g_pad, k_pad]` f16 in
+    /// `layout`'s order) and their bias (or 0).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the fused input kernel is CUDA's
+    pub fn with_fused(self, layout: &FusedInputLayout, w: u64, bias: u64) -> Result<Self> {
+        Ok(CommonParams {
+            w_in: w,
+            w_in_bias: bias,
+            k_pad: to_i32(layout.k_pad, "padded C")?,
+            h_pad: to_i32(layout.h_pad, "padded H")?,
+            g_pad: to_i32(layout.g_pad, "padded G")?,
+            ..self
+        })
+    }
+
+    /// The formulation [`CommonParams::new`] was given.
+    pub fn formulation(&self) -> Formulation {
+        if self.formulation == TM_AF3 {
+            Formulation::Af3
+        } else {
+            Formulation::GpuMode
+        }
+    }
+
+    /// The element type of x and y ([`IO_F32`], [`IO_BF16`] or [`IO_F16`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA launches
+    pub fn io_dtype(&self) -> i32 {
+        self.io_dtype
+    }
+
+    /// x (the tests check the steps' addresses) and y.
+    #[cfg(test)]
+    pub fn x(&self) -> u64 {
+        self.x
+    }
+    pub fn y(&self) -> u64 {
+        self.y
+    }
+
+    /// N, C, H and the output-gate width G.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn n(&self) -> usize {
+        self.n as usize
+    }
+    pub fn c(&self) -> usize {
+        self.c as usize
+    }
+    pub fn h(&self) -> usize {
+        self.h as usize
+    }
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn g(&self) -> usize {
+        self.g as usize
+    }
+
+    /// First position and number of positions of the launch.
+    pub fn row0(&self) -> usize {
+        self.row0 as usize
+    }
+    pub fn rows(&self) -> usize {
+        self.rows as usize
+    }
+}
+
+/// Launch geometry and shared-memory sizes of the kernels, generated by build.rs from
+/// `common/smem.h` (the kernels assert their layouts against the same file): names and formulas
+/// as written there, on `usize`.
+#[allow(non_snake_case, dead_code, unused_parens, clippy::all)]
+pub mod geometry {
+    include!(concat!(env!("OUT_DIR"), "/smem.rs"));
+}
 
 /// Threads per block of every portable stage (the `*_THREADS` constants of `common/*.h`).
-pub const STAGE_THREADS: u32 = 256;
+pub const STAGE_THREADS: u32 = geometry::TM_STAGE_THREADS as u32;
 /// Positions per block of `input_norm` (one 32-lane group per position).
-pub const INPUT_NORM_ROWS_PER_BLOCK: u32 = STAGE_THREADS / 32;
+pub const INPUT_NORM_ROWS_PER_BLOCK: u32 = geometry::TM_INPUT_NORM_ROWS_PER_BLOCK as u32;
 
 /// Positions per block for `input_gating`: two `[H][TR+1]` f16 tiles within 40 KiB of shared memory.
 pub fn gating_tile_rows(h: usize) -> usize {
@@ -90,7 +315,7 @@ pub fn gating_tile_rows(h: usize) -> usize {
 
 /// Dynamic shared memory of `input_gating` for a tile of `tr` positions.
 pub fn gating_smem_bytes(h: usize, tr: usize) -> usize {
-    2 * h * (tr + 1) * 2
+    geometry::TM_INPUT_GATING_SMEM(h, tr)
 }
 
 /// Positions per block for `output_norm`: an `[H][TP+1]` f32 tile within 40 KiB.
@@ -100,7 +325,7 @@ pub fn output_norm_tile_rows(h: usize) -> usize {
 
 /// Dynamic shared memory of `output_norm` for a tile of `tp` positions.
 pub fn output_norm_smem_bytes(h: usize, tp: usize) -> usize {
-    4 * (h * (tp + 1) + 2 * tp)
+    geometry::TM_OUTPUT_NORM_SMEM(h, tp)
 }
 
 #[cfg(test)]
@@ -139,10 +364,10 @@ pub struct FusedInputLayout {
 
 /// Largest padded C the fused input kernel keeps resident in shared memory.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the fused input kernel is CUDA's
-pub const FUSED_INPUT_MAX_K: usize = 512;
+pub const FUSED_INPUT_MAX_K: usize = geometry::TM_IP_MAX_K;
 /// Positions per block of the fused input kernel.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub const FUSED_INPUT_ROWS: usize = 128;
+pub const FUSED_INPUT_ROWS: usize = geometry::TM_IP_ROWS;
 // The plans chunk rows for the fused kernels in multiples of one block.
 const _: () = assert!(FUSED_INPUT_ROWS == crate::plan::layout::FUSED_ROW_STEP);
 

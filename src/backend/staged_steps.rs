@@ -7,7 +7,7 @@
 #![forbid(unsafe_code)]
 
 use crate::backend::gemm::GemmSpec;
-use crate::backend::params::{self, KernelParams};
+use crate::backend::params::{self, to_i32, to_i64, CommonParams, InputParams, OutputParams};
 use crate::error::{Error, Result};
 use crate::plan::{Buffer, InputStage, Plan};
 use crate::problem::Problem;
@@ -35,27 +35,27 @@ pub struct StagedBuffers {
 /// shapes and order are written once, for both backends, and checked on the host.
 #[derive(Clone, Debug, PartialEq)]
 pub enum StagedStep {
-    /// `input_norm` of `params.rows` positions from `params.row0` into `params.z`.
-    Norm(KernelParams),
+    /// `input_norm` of `params.common.rows()` positions from `params.common.row0()` into `params.z`.
+    Norm(InputParams),
     /// An f16 GEMM with f32 accumulation: `D = op(A)·op(B)` as `spec` says (projections and the
     /// contraction of one pass and batch).
     Gemm { spec: GemmSpec, a: u64, b: u64, d: u64 },
     /// `input_gating` with `tile_rows` positions per block and `smem` bytes of shared memory.
-    Gating { params: KernelParams, tile_rows: usize, smem: usize },
+    Gating { params: InputParams, tile_rows: usize, smem: usize },
     /// Every hidden pass is done: `t` is complete (a backend may mark its timeline here).
     PassesDone,
     /// The output stage of positions `row0 .. row0 + rows`: `gate` and `a` hold them from
     /// `buf_row0`, `t` is whole, y is written at those rows.
-    Output(KernelParams),
+    Output(OutputParams),
 }
 
 /// The forward of `problem` under a staged chunked `plan` as steps: per hidden pass, per row chunk `Norm`, the pass's
 /// projection `Gemm` and `Gating` with H = the pass width into left/right `[B, hn, N, N]`,
 /// then one contraction `Gemm` per batch into the pass's channels of t; after `PassesDone`, per
 /// row chunk `Norm`, the out-gate `Gemm`, `Gating` with H = 0 into the gate chunk, `Output`.
-/// `base` carries x, mask, y, the LayerNorm parameters and the shape.
+/// `base` carries x, mask, y, the LayerNorm parameters and the shape ([`CommonParams::new`]).
 /// Fails on any other kind of plan.
-pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBuffers) -> Result<Vec<StagedStep>> {
+pub fn steps(plan: &Plan, problem: &Problem, base: &CommonParams, bufs: StagedBuffers) -> Result<Vec<StagedStep>> {
     if plan.caps.input != InputStage::Staged || plan.is_one_pass() {
         return Err(Error::Internal(format!("a staged chunked forward was given another plan: {:?}", plan.caps)));
     }
@@ -67,7 +67,7 @@ pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBu
 
     // Phase A. Left/right live in y out of place when they fit there, else in scratch.
     let base_of = |b: Buffer| match b {
-        Buffer::Y => base.y,
+        Buffer::Y => base.y(),
         Buffer::Scratch => bufs.scratch,
         _ => 0,
     };
@@ -79,20 +79,17 @@ pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBu
         let bias = if bufs.proj_bias != 0 { bufs.pass_w + (pass_bias + 4 * h0 * 4) as u64 } else { 0 };
         let tile_rows = params::gating_tile_rows(hn);
         for (row0, rows) in plan.input_chunks() {
-            let p = KernelParams {
+            // The pass's channels of left and right, no gate.
+            let p = InputParams {
+                common: base.over(row0, rows)?,
                 z,
                 proj,
                 left,
                 right,
                 proj_bias: bias,
-                gate: 0,
-                h: hn as i32,
-                g: 0,
-                p: (4 * hn) as i32,
-                row0: row0 as i64,
-                rows: rows as i64,
-                tile_rows: tile_rows as i32,
-                ..*base
+                proj_h: to_i32(hn, "a pass's channels")?,
+                tile_rows: to_i32(tile_rows, "positions per block")?,
+                ..InputParams::default()
             };
             steps.push(StagedStep::Norm(p));
             steps.push(StagedStep::Gemm { spec: GemmSpec::projection(rows, c, 4 * hn), a: w, b: z, d: proj });
@@ -114,21 +111,21 @@ pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBu
     let w_gate = bufs.w_in + (4 * h * c * 2) as u64;
     let gate_bias = if bufs.proj_bias != 0 { bufs.proj_bias + (4 * h * 4) as u64 } else { 0 };
     for (r0, rows) in plan.output_chunks() {
-        let chunk = KernelParams {
+        let common = base.over(r0, rows)?;
+        let buf_row0 = to_i64(r0, "first position of a chunk")?;
+        // input_gating of the gate alone: only σ(z·Wogᵀ + b) into the gate chunk.
+        let gp = InputParams {
+            common,
             z,
             proj,
             gate,
-            a,
-            t: bufs.t,
-            left: 0,
-            right: 0,
-            row0: r0 as i64,
-            rows: rows as i64,
-            buf_row0: r0 as i64,
-            ..*base
+            buf_row0,
+            proj_bias: gate_bias,
+            proj_g: to_i32(g, "G")?,
+            tile_rows: to_i32(GATE_TILE_ROWS, "positions per block")?,
+            ..InputParams::default()
         };
-        // input_gating with H = 0: only σ(z·Wogᵀ + b) into the gate chunk.
-        let gp = KernelParams { h: 0, p: g as i32, proj_bias: gate_bias, tile_rows: GATE_TILE_ROWS as i32, ..chunk };
+        let chunk = OutputParams { common, t: bufs.t, a, gate, buf_row0, ..OutputParams::default() };
         steps.push(StagedStep::Norm(gp));
         steps.push(StagedStep::Gemm { spec: GemmSpec::projection(rows, c, g), a: w_gate, b: z, d: proj });
         steps.push(StagedStep::Gating { params: gp, tile_rows: GATE_TILE_ROWS, smem: 0 });
@@ -140,6 +137,7 @@ pub fn steps(plan: &Plan, problem: &Problem, base: &KernelParams, bufs: StagedBu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::params::Addresses;
     use crate::plan::{Blas, Capabilities, InputStage};
     use crate::problem::{Config, Direction, Formulation, Precision, Shape};
 
@@ -180,15 +178,7 @@ mod tests {
                 for plan in [Plan::narrowest(&p, caps).unwrap(), Plan::chunked(&p, caps, 16, 128).unwrap()] {
                     let what = format!("{p:?}: {plan:?}");
                     let y = if in_place { X } else { Y };
-                    let base = KernelParams {
-                        x: X,
-                        y,
-                        batch: b as i32,
-                        n: n as i32,
-                        c: c as i32,
-                        h: h as i32,
-                        ..Default::default()
-                    };
+                    let base = CommonParams::new(&p, Addresses { x: X, y, ..Addresses::default() }).unwrap();
                     let bufs = StagedBuffers {
                         scratch: SCRATCH,
                         pass_w: PASS_W,
@@ -218,9 +208,10 @@ mod tests {
                     for step in steps(&plan, &p, &base, bufs).unwrap() {
                         match step {
                             StagedStep::Norm(q) => {
-                                inside(q.x + q.row0 as u64 * c as u64 * e, q.rows as u64 * c as u64 * e, "x");
-                                inside(q.z, q.rows as u64 * c as u64 * 2, "z");
-                                assert!(q.z + q.rows as u64 * c as u64 * 2 <= q.proj, "{what}: z runs into proj");
+                                let (row0, rows) = (q.common.row0() as u64, q.common.rows() as u64);
+                                inside(q.common.x() + row0 * c as u64 * e, rows * c as u64 * e, "x");
+                                inside(q.z, rows * c as u64 * 2, "z");
+                                assert!(q.z + rows * c as u64 * 2 <= q.proj, "{what}: z runs into proj");
                             }
                             StagedStep::Gemm { spec, a, b: bb, d } => {
                                 let (ar, ac) = spec.a_dims();
@@ -238,35 +229,39 @@ mod tests {
                                 }
                             }
                             StagedStep::Gating { params: q, tile_rows, smem } => {
-                                let (hn, gq, pq) = (q.h as u64, q.g as u64, q.p as u64);
+                                let (hn, gq) = (q.proj_h as u64, q.proj_g as u64);
+                                let pq = 4 * hn + gq;
+                                let rows = q.common.rows() as u64;
                                 assert!(
-                                    tile_rows >= 1 && smem == params::gating_smem_bytes(q.h as usize, tile_rows),
+                                    tile_rows >= 1
+                                        && tile_rows == q.tile_rows as usize
+                                        && smem == params::gating_smem_bytes(hn as usize, tile_rows),
                                     "{what}"
                                 );
-                                inside(q.proj, q.rows as u64 * pq * 2, "proj");
+                                inside(q.proj, rows * pq * 2, "proj");
                                 if q.proj_bias != 0 {
                                     inside(q.proj_bias, pq * 4, "bias");
                                 }
                                 inside(q.left, m as u64 * hn * 2, "left");
                                 inside(q.right, m as u64 * hn * 2, "right");
-                                let brow = (q.row0 - q.buf_row0) as u64;
-                                inside(q.gate + brow * gq * 2, q.rows as u64 * gq * 2, "gate");
+                                let brow = q.common.row0() as u64 - q.buf_row0 as u64;
+                                inside(q.gate + brow * gq * 2, rows * gq * 2, "gate");
                                 if hn > 0 && q.left >= SCRATCH {
-                                    assert!(q.proj + q.rows as u64 * pq * 2 <= q.left, "{what}: proj runs into left");
+                                    assert!(q.proj + rows * pq * 2 <= q.left, "{what}: proj runs into left");
                                 }
                             }
                             StagedStep::PassesDone => passes_done = true,
                             StagedStep::Output(q) => {
                                 assert!(passes_done, "{what}: output before t is complete");
-                                let (r0, rows) = (q.row0 as usize, q.rows as usize);
+                                let (r0, rows) = (q.common.row0(), q.common.rows());
                                 inside(q.t, (m * h * 2) as u64, "t");
                                 inside(
-                                    q.gate + ((q.row0 - q.buf_row0) as u64) * g as u64 * 2,
+                                    q.gate + (r0 as u64 - q.buf_row0 as u64) * g as u64 * 2,
                                     (rows * g * 2) as u64,
                                     "gate chunk",
                                 );
                                 inside(q.a, (rows * h * 2) as u64, "a chunk");
-                                inside(q.y + r0 as u64 * c as u64 * e, rows as u64 * c as u64 * e, "y rows");
+                                inside(q.common.y() + r0 as u64 * c as u64 * e, rows as u64 * c as u64 * e, "y rows");
                                 assert!(
                                     q.gate + (rows * g * 2) as u64 <= q.a || q.a + (rows * h * 2) as u64 <= q.gate,
                                     "{what}"

@@ -321,16 +321,23 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     check_guards(name.c_str());
     return status();
   }
-  const TrimulParams p = *(const TrimulParams*)args[0];
+  // The input stage's kernels take TmInputParams, the output stage's TmOutputParams; both begin
+  // with the common TmParams.
+  const bool input = name == "input_norm" || name == "input_gating";
+  const TmInputParams in = input ? *(const TmInputParams*)args[0] : TmInputParams{};
+  const TmOutputParams out = input ? TmOutputParams{} : *(const TmOutputParams*)args[0];
+  const TmParams& p = input ? (const TmParams&)in : (const TmParams&)out;
   // Every buffer the kernel will touch must lie in device memory *before* it runs: the emulated
   // kernel writes host memory directly, so a bad pointer must be refused, not executed.
-  const size_t M = (size_t)p.batch * p.n * p.n, C = p.c, H = p.h, G = p.g, P = p.p;
+  const size_t M = (size_t)p.batch * p.n * p.n, C = p.c, H = p.h, G = p.g;
   const size_t rows = (size_t)p.rows, row0 = (size_t)p.row0;
   if (p.row0 < 0 || p.rows < 0 || row0 + rows > M) fail(name + ": rows outside the problem");
+  if (p.formulation != TM_GPUMODE && p.formulation != TM_AF3) fail(name + ": bad formulation");
   // gate and a hold the positions buf_row0 .. (every position in a one-pass plan, one row chunk
   // in a chunked plan): a launch touches its rows of them, counted from buf_row0.
-  if (p.buf_row0 < 0 || p.buf_row0 > p.row0) fail(name + ": buf_row0 after the launch's first row");
-  const size_t brow = row0 - (size_t)p.buf_row0;
+  const tm_i64 buf_row0 = input ? in.buf_row0 : out.buf_row0;
+  if (buf_row0 < 0 || buf_row0 > p.row0) fail(name + ": buf_row0 after the launch's first row");
+  const size_t brow = row0 - (size_t)buf_row0;
   // x and y in the launch's I/O precision; output_gate (the rocBLAS path) reads and writes f32 y.
   if (p.io_dtype != TM_IO_F32 && p.io_dtype != TM_IO_BF16 && p.io_dtype != TM_IO_F16) fail(name + ": bad io_dtype");
   const size_t io = p.io_dtype == TM_IO_F32 ? 4 : 2;
@@ -341,26 +348,35 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
   const char* yb = (const char*)p.y;
   if (name == "input_norm") {
     need(xb + row0 * C * io, rows * C * io, "input_norm x");
-    need(p.z, rows * C * 2, "input_norm z");
+    need(in.z, rows * C * 2, "input_norm z");
     need(p.norm_in_w, C * 4, "input_norm weight");
     need(p.norm_in_b, C * 4, "input_norm bias");
   } else if (name == "input_gating") {
-    need(p.proj, rows * P * 2, "input_gating proj");
+    // The channels and gate columns this launch gates (a hidden pass's, or the gate alone).
+    const size_t GH = in.proj_h, GG = in.proj_g, P = 4 * GH + GG;
+    if (in.proj_h < 0 || in.proj_g < 0 || in.tile_rows < 1) fail(name + ": bad widths or tile");
+    need(in.proj, rows * P * 2, "input_gating proj");
     if (p.mask) need(p.mask, M * 4, "input_gating mask");
-    if (p.proj_bias) need(p.proj_bias, P * 4, "input_gating bias");
-    need(p.left, M * H * 2, "input_gating left");
-    need(p.right, M * H * 2, "input_gating right");
-    need(p.gate + brow * G, rows * G * 2, "input_gating gate");
+    if (in.proj_bias) need(in.proj_bias, P * 4, "input_gating bias");
+    need(in.left, M * GH * 2, "input_gating left");
+    need(in.right, M * GH * 2, "input_gating right");
+    need(in.gate + brow * GG, rows * GG * 2, "input_gating gate");
   } else if (name == "output_norm" || name == "output_projection") {
-    need(p.t, M * H * 2, "t");
-    need(p.gate + brow * G, rows * G * 2, "gate");
+    need(out.t, M * H * 2, "t");
+    need(out.gate + brow * G, rows * G * 2, "gate");
     need(p.norm_out_w, H * 4, "LN_H weight");
     need(p.norm_out_b, H * 4, "LN_H bias");
-    if (name == "output_norm") need(p.a + brow * H, rows * H * 2, "output_norm a");
-    if (name == "output_projection") need(yb + row0 * C * io, rows * C * io, "output_projection y");
+    if (name == "output_norm") need(out.a + brow * H, rows * H * 2, "output_norm a");
+    if (name == "output_projection") {
+      need(yb + row0 * C * io, rows * C * io, "output_projection y");
+      need(p.w_out, C * H * 2, "output_projection wout");
+      if (p.out_bias) need(p.out_bias, C * 4, "output_projection bias");
+    }
   } else if (name == "output_gate") {
+    // The grid-stride loop strides by the grid the kernel is told, which must be the launch's.
+    if (out.gate_blocks != (int)gx) fail(name + ": gate_blocks is not the grid size");
     need(p.y + row0 * C, rows * C * 4, "output_gate y");
-    need(p.gate + brow * C, rows * C * 2, "output_gate gate");
+    need(out.gate + brow * C, rows * C * 2, "output_gate gate");
   }
   if (!violation.empty()) return status();
   bool lds_overrun = false;
@@ -369,19 +385,15 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     for (size_t i = smem; i < sizeof(tm_dyn_smem); ++i) lds_overrun |= lds[i] != 0xff;
   };
   if (name == "input_norm") {
-    emu::launch(gx, bx, [&] { input_norm(p); }, after);
+    emu::launch(gx, bx, [&] { input_norm(in); }, after);
   } else if (name == "input_gating") {
-    emu::launch(gx, bx, [&] { input_gating(p); }, after);
+    emu::launch(gx, bx, [&] { input_gating(in); }, after);
   } else if (name == "output_norm") {
-    emu::launch(gx, bx, [&] { output_norm(p); }, after);
+    emu::launch(gx, bx, [&] { output_norm(out); }, after);
   } else if (name == "output_gate") {
-    emu::launch(gx, bx, [&] { output_gate(p); }, after);
+    emu::launch(gx, bx, [&] { output_gate(out); }, after);
   } else if (name == "output_projection") {
-    const tm_half* wout = *(const tm_half* const*)args[1];
-    const float* bias = *(const float* const*)args[2];
-    need(wout, (size_t)p.c * p.h * 2, "output_projection wout");
-    if (bias) need(bias, (size_t)p.c * 4, "output_projection bias");
-    emu::launch(gx, bx, [&] { output_projection(p, wout, bias); }, after);
+    emu::launch(gx, bx, [&] { output_projection(out); }, after);
   } else {
     fail("launch of unknown kernel " + name);
     return kFail;

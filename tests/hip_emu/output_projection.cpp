@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   std::memcpy(&sentinel, &sentinel_bits, 4);
   std::vector<float> y((size_t)(M * C), sentinel);
 
-  TrimulParams p;
+  TmOutputParams p;
   std::memset(&p, 0, sizeof(p));
   p.norm_out_w = w.data();
   p.norm_out_b = b.data();
@@ -62,19 +62,19 @@ int main(int argc, char** argv) {
   p.c = C;
   p.h = H;
   p.g = G;
-  p.p = 4 * H + G;
-  p.af3 = af3;
+  p.formulation = af3 ? TM_AF3 : TM_GPUMODE;
   p.eps = 1e-5f;
-  const float* bias_ptr = with_bias ? bias.data() : nullptr;
+  p.w_out = wout.data();
+  p.out_bias = with_bias ? bias.data() : nullptr;
 
   const unsigned grid = (unsigned)((rows + OP_BM - 1) / OP_BM);
   bool lds_overrun = false;
   for (unsigned blk = 0; blk < grid; ++blk) {
     // One block per launch so the LDS beyond SMEM_BYTES can be checked after each.
-    TrimulParams pb = p;
+    TmOutputParams pb = p;
     pb.row0 = p.row0 + (long long)blk * OP_BM;
     pb.rows = std::min<long long>(OP_BM, p.row0 + p.rows - pb.row0);
-    emu::launch(1, OUTPUT_PROJECTION_THREADS, [&] { output_projection(pb, wout.data(), bias_ptr); });
+    emu::launch(1, OUTPUT_PROJECTION_THREADS, [&] { output_projection(pb); });
     const unsigned char* lds = (const unsigned char*)tm_dyn_smem;
     for (size_t i = smem; i < sizeof(tm_dyn_smem); ++i) lds_overrun |= lds[i] != 0xff;
   }

@@ -11,7 +11,9 @@ use super::context::{ceil_div, CudaBackend};
 use super::driver::DriverResult;
 use super::workspace::{CudaPrepared, CudaWorkspace, Layout, Staged};
 use crate::backend::gemm::GemmSpec;
-use crate::backend::params::{KernelParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
+use crate::backend::params::{
+    to_i32, to_i64, Addresses, CommonParams, InputParams, OutputParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS,
+};
 use crate::backend::staged_steps::{self, StagedBuffers, StagedStep};
 use crate::error::{Error, Result};
 use crate::plan::{Buffer, Plan};
@@ -96,10 +98,11 @@ impl CudaBackend {
         };
         // One plan per distinct GEMM the steps run (their addresses do not matter here).
         let bufs = StagedBuffers { scratch: 0, pass_w: 0, t: 0, w_in: 0, proj_bias: 0 };
-        for step in staged_steps::steps(&plan, problem, &KernelParams::default(), bufs)? {
+        let base = CommonParams::new(problem, Addresses::default())?;
+        for step in staged_steps::steps(&plan, problem, &base, bufs)? {
             match step {
                 StagedStep::Gemm { spec, .. } => add(spec, Elem::F16, false)?,
-                StagedStep::Output(chunk) => add(GemmSpec::output(chunk.rows as usize, c, h), Elem::F32, out_bias)?,
+                StagedStep::Output(chunk) => add(GemmSpec::output(chunk.common.rows(), c, h), Elem::F32, out_bias)?,
                 _ => {}
             }
         }
@@ -144,7 +147,7 @@ impl CudaBackend {
         &self,
         prep: &CudaPrepared,
         ws: &mut CudaWorkspace,
-        base: &KernelParams,
+        base: &CommonParams,
         stream: CUstream,
     ) -> Result<()> {
         let inner = &self.inner;
@@ -170,19 +173,19 @@ impl CudaBackend {
         for step in staged_steps::steps(&ws.plan, &problem, base, bufs)? {
             match step {
                 StagedStep::Norm(p) => {
-                    let grid = ceil_div(p.rows as usize, INPUT_NORM_ROWS_PER_BLOCK as usize);
+                    let grid = ceil_div(p.common.rows(), INPUT_NORM_ROWS_PER_BLOCK as usize);
                     k.input_norm.launch(grid, STAGE_THREADS, 0, stream, &p)?;
                 }
                 StagedStep::Gemm { spec, a, b, d } => {
                     st.gemm(spec, Elem::F16, false)?.run(&inner.blas, a, b, d, 0, gws, gws_len, stream)?;
                 }
                 StagedStep::Gating { params, tile_rows, smem } => {
-                    let grid = ceil_div(params.rows as usize, tile_rows);
+                    let grid = ceil_div(params.common.rows(), tile_rows);
                     k.input_gating.launch(grid, STAGE_THREADS, smem as u32, stream, &params)?;
                 }
                 StagedStep::PassesDone => self.mark("hidden passes (stage kernels, cuBLASLt)", stream)?,
                 StagedStep::Output(chunk) => {
-                    let spec = GemmSpec::output(chunk.rows as usize, c, h);
+                    let spec = GemmSpec::output(chunk.common.rows(), c, h);
                     let gemm = st.gemm(spec, Elem::F32, prep.out_bias.is_some())?;
                     self.enqueue_output(prep, fused_output, gemm, &chunk, gws, gws_len, stream, false)?;
                 }
@@ -205,7 +208,7 @@ impl CudaBackend {
         prep: &CudaPrepared,
         ws: &mut CudaWorkspace,
         scratch: CUdeviceptr,
-        base: &KernelParams,
+        base: &CommonParams,
         m: usize,
         stream: CUstream,
     ) -> Result<()> {
@@ -213,16 +216,9 @@ impl CudaBackend {
         let (Some(f), Some(kernel)) = (prep.fused.as_ref(), self.chunk_kernel(prep, ws.tuning)) else {
             return Err(Error::InvalidArgument("a chunked plan needs the fused input kernel".into()));
         };
-        let h = base.h as usize;
+        let h = base.h();
         let (batch, nn) = (ws.problem.shape.batch, ws.problem.shape.n * ws.problem.shape.n);
-        let fused = KernelParams {
-            w_in: f.w.ptr(),
-            w_in_bias: f.bias.as_ref().map_or(0, |b| b.ptr()),
-            k_pad: f.layout.k_pad as i32,
-            h_pad: f.layout.h_pad as i32,
-            g_pad: f.layout.g_pad as i32,
-            ..*base
-        };
+        let fused = base.with_fused(&f.layout, f.w.ptr(), f.bias.as_ref().map_or(0, |b| b.ptr()))?;
         let n_gating = f.layout.h_pad / 32;
 
         // Phase A: per hidden pass, left/right of its channels for every position, then its
@@ -230,7 +226,7 @@ impl CudaBackend {
         // contiguous within a batch only).
         let plan = ws.plan.clone();
         let base_of = |b: Buffer| match b {
-            Buffer::Y => base.y,
+            Buffer::Y => base.y(),
             Buffer::Scratch => scratch,
             _ => 0,
         };
@@ -238,16 +234,15 @@ impl CudaBackend {
         let cws_region = Plan::require(plan.contraction_ws, "contraction workspace")?;
         let cws = Plan::address(cws_region, base_of);
         for (h0, n) in plan.passes() {
-            let kp = KernelParams {
-                row0: 0,
-                rows: m as i64,
+            let kp = InputParams {
+                common: fused.over(0, m)?,
                 left,
                 right,
-                chunk_begin: (h0 / 32) as i32,
-                chunk_end: (h0 + n).div_ceil(32) as i32,
-                lr_h0: h0 as i32,
-                lr_h: n as i32,
-                ..fused
+                chunk_begin: to_i32(h0 / 32, "first column chunk")?,
+                chunk_end: to_i32((h0 + n).div_ceil(32), "last column chunk")?,
+                lr_h0: to_i32(h0, "first channel of a pass")?,
+                lr_h: to_i32(n, "channels of a pass")?,
+                ..InputParams::default()
             };
             kernel.launch(m, stream, &kp)?;
             let gemm = if n == plan.hidden_chunk {
@@ -273,11 +268,16 @@ impl CudaBackend {
         let (ows_len, ows) = (ows.bytes, Plan::address(ows, base_of));
         let fused_output = self.fused_output_for(&ws.problem, ws.tuning);
         for (r0, rows) in plan.output_chunks() {
-            let chunk = KernelParams { row0: r0 as i64, rows: rows as i64, gate, a, buf_row0: r0 as i64, ..fused };
-            let kp = KernelParams {
-                chunk_begin: n_gating as i32,
-                chunk_end: (n_gating + f.layout.g_pad / 128) as i32,
-                ..chunk
+            let (common, buf_row0) = (fused.over(r0, rows)?, to_i64(r0, "first position of a chunk")?);
+            let chunk = OutputParams { common, t: ws.t.ptr(), a, gate, buf_row0, ..OutputParams::default() };
+            // The gate's column chunks alone.
+            let kp = InputParams {
+                common,
+                gate,
+                buf_row0,
+                chunk_begin: to_i32(n_gating, "first gate column chunk")?,
+                chunk_end: to_i32(n_gating + f.layout.g_pad / 128, "last gate column chunk")?,
+                ..InputParams::default()
             };
             kernel.launch(rows, stream, &kp)?;
             let gemm = if rows == plan.output_rows {

@@ -18,7 +18,10 @@ use super::workspace::{
     output_projection_smem, CudaPrepared, CudaWorkspace, FusedInput, FusedKernel, InputBuild, Layout, WsBuild,
     OUTPUT_PROJECTION_ROWS, OUTPUT_RESIDENT_SMEM, OUTPUT_XGATE_SMEM, WS_SMEM_BYTES,
 };
-use crate::backend::params::{self, KernelParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS};
+use crate::backend::params::{
+    self, to_i32, Addresses, CommonParams, InputParams, OutputParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK,
+    STAGE_THREADS,
+};
 use crate::backend::{check_device_forward, check_same_weights, Backend};
 use crate::error::{Error, Result};
 use crate::plan::{Buffer, Plan};
@@ -73,55 +76,41 @@ impl CudaBackend {
     ///
     /// # Safety
     /// As [`CudaBackend::enqueue`]: every pointer in `kp` is live and sized for the rows.
-    pub(super) unsafe fn launch_output(
-        &self,
-        k: &kernels::Stage,
-        prep: &CudaPrepared,
-        kp: &KernelParams,
-        stream: CUstream,
-    ) -> Result<()> {
-        let kp =
-            KernelParams { w_out: prep.w_out.ptr(), out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()), ..*kp };
+    pub(super) unsafe fn launch_output(&self, k: &kernels::Stage, kp: &OutputParams, stream: CUstream) -> Result<()> {
         // Programmatic dependents of the contraction (or the gate pass): Wout and the LN_H
         // parameters load under its tail.
         let pdl = self.inner.kernels.pdl;
-        if let Some((resident, grid)) = self.resident_output(&kp) {
+        if let Some((resident, grid)) = self.resident_output(kp) {
             self.inner.resident_launches.fetch_add(1, Ordering::Relaxed);
-            return resident.launch_dependent(grid, STAGE_THREADS, OUTPUT_RESIDENT_SMEM, stream, &kp, pdl);
+            return resident.launch_dependent(grid, STAGE_THREADS, OUTPUT_RESIDENT_SMEM, stream, kp, pdl);
         }
+        let p = &kp.common;
         k.launch_dependent(
-            ceil_div(kp.rows as usize, OUTPUT_PROJECTION_ROWS),
+            ceil_div(p.rows(), OUTPUT_PROJECTION_ROWS),
             STAGE_THREADS,
-            output_projection_smem(kp.af3 != 0, kp.io_dtype),
+            output_projection_smem(p.formulation() == Formulation::Af3, p.io_dtype()),
             stream,
-            &kp,
+            kp,
             pdl,
         )
     }
 
     /// Enqueues af3's output stage that makes the gate from x (`output_projection_sm90_xgate`,
-    /// [`CudaBackend::gate_from_x_for`]) for all `kp.rows` positions; `kp` is the fused input
-    /// kernel's launch, whose w_in, bias and pads name the gate's weights.
+    /// [`CudaBackend::gate_from_x_for`]) for all `kp`'s positions; `kp.common` is the fused input
+    /// kernel's, whose w_in, bias and pads name the gate's weights.
     ///
     /// # Safety
     /// As [`CudaBackend::enqueue`]: every pointer in `kp` is live and sized for the rows.
-    pub(super) unsafe fn launch_output_from_x(
-        &self,
-        prep: &CudaPrepared,
-        kp: &KernelParams,
-        stream: CUstream,
-    ) -> Result<()> {
+    pub(super) unsafe fn launch_output_from_x(&self, kp: &OutputParams, stream: CUstream) -> Result<()> {
         let inner = &self.inner;
         let k = inner.kernels.output_projection_sm90_xgate.as_ref().ok_or_else(|| {
             Error::InvalidArgument("this workspace needs the output kernel that makes the gate from x".into())
         })?;
-        let kp =
-            KernelParams { w_out: prep.w_out.ptr(), out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()), ..*kp };
-        let grid = u32::try_from(kp.rows as usize / OUTPUT_PROJECTION_ROWS)
+        let grid = u32::try_from(kp.common.rows() / OUTPUT_PROJECTION_ROWS)
             .unwrap_or(u32::MAX)
             .min(2 * inner.info.compute_units);
         inner.xgate_launches.fetch_add(1, Ordering::Relaxed);
-        k.launch_dependent(grid, STAGE_THREADS, OUTPUT_XGATE_SMEM, stream, &kp, inner.kernels.pdl)?;
+        k.launch_dependent(grid, STAGE_THREADS, OUTPUT_XGATE_SMEM, stream, kp, inner.kernels.pdl)?;
         self.mark("output stage (LayerNorm, gate from x, projection)", stream)
     }
 
@@ -130,20 +119,20 @@ impl CudaBackend {
     /// precision), whole 64-position tiles inside one batch, and room for three blocks per SM.
     /// With two per SM the resident form lost to the plain kernel (H100, NOTES.md), so GPUs with
     /// less shared memory keep the plain one.
-    pub(super) fn resident_output(&self, kp: &KernelParams) -> Option<(&kernels::Stage, u32)> {
+    pub(super) fn resident_output(&self, kp: &OutputParams) -> Option<(&kernels::Stage, u32)> {
         let k = self.inner.kernels.output_projection_resident.as_ref()?;
-        let rows = OUTPUT_PROJECTION_ROWS as i64;
-        let nn = kp.n as i64 * kp.n as i64;
-        let takes = kp.h == 128
-            && kp.c <= 128
-            && kp.rows % rows == 0
-            && kp.row0 % rows == 0
+        let (p, rows) = (&kp.common, OUTPUT_PROJECTION_ROWS);
+        let nn = p.n() * p.n();
+        let takes = p.h() == 128
+            && p.c() <= 128
+            && p.rows() % rows == 0
+            && p.row0() % rows == 0
             && nn % rows == 0
             && self.inner.resident_output.load(Ordering::Relaxed);
         if !takes || !self.blocks_fit(3, OUTPUT_RESIDENT_SMEM as usize) {
             return None;
         }
-        let tiles = u32::try_from(kp.rows / rows).ok()?;
+        let tiles = u32::try_from(p.rows() / rows).ok()?;
         Some((k, tiles.min(3 * self.inner.info.compute_units)))
     }
 
@@ -172,7 +161,7 @@ impl CudaBackend {
         let inner = &self.inner;
         inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         let cfg = problem.config;
-        let (c, h, g, p) = (cfg.c, cfg.h, cfg.gate_width(), cfg.fused_proj_width());
+        let (c, h, g) = (cfg.c, cfg.h, cfg.gate_width());
         let m = problem.shape.rows();
         if inner.poison.load(Ordering::Relaxed) {
             ws.t.memset_async(POISON_BYTE, stream)?;
@@ -189,27 +178,20 @@ impl CudaBackend {
                 cu::memset_d8_async(y, POISON_BYTE, m * c * problem.io.io_bytes(), stream).ctx("cuMemsetD8Async(y)")?;
             }
         }
-        let base = KernelParams {
-            x,
-            mask,
-            norm_in_w: prep.norm_in_w.ptr(),
-            norm_in_b: prep.norm_in_b.ptr(),
-            proj_bias: prep.proj_bias.as_ref().map_or(0, |b| b.ptr()),
-            norm_out_w: prep.norm_out_w.ptr(),
-            norm_out_b: prep.norm_out_b.ptr(),
-            t: ws.t.ptr(),
-            y,
-            batch: problem.shape.batch as i32,
-            n: problem.shape.n as i32,
-            c: c as i32,
-            h: h as i32,
-            g: g as i32,
-            p: p as i32,
-            af3: i32::from(cfg.formulation == Formulation::Af3),
-            eps: problem.eps,
-            io_dtype: params::io_dtype(problem.io),
-            ..KernelParams::default()
-        };
+        let base = CommonParams::new(
+            problem,
+            Addresses {
+                x,
+                mask,
+                y,
+                norm_in_w: prep.norm_in_w.ptr(),
+                norm_in_b: prep.norm_in_b.ptr(),
+                norm_out_w: prep.norm_out_w.ptr(),
+                norm_out_b: prep.norm_out_b.ptr(),
+                w_out: prep.w_out.ptr(),
+                out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()),
+            },
+        )?;
 
         self.mark("start", stream)?;
         let (left, right, gate) = match &ws.layout {
@@ -222,7 +204,6 @@ impl CudaBackend {
             }
             Layout::Staged(_) => return self.enqueue_staged(prep, ws, &base, stream),
         };
-        let base = KernelParams { left, right, gate, a: left, ..base };
         // 1. LN_C, input projections and gating.
         let fused = match (&prep.fused, self.fused_kernel_for(prep, problem, ws.tuning)) {
             (Some(f), Some(kernel)) if matches!(ws.layout, Layout::OnePass { blas_input: None, .. }) => {
@@ -231,32 +212,40 @@ impl CudaBackend {
             _ => None,
         };
         let gate_from_x = gate == 0;
-        // With the gate made from x, the input kernel's launch: the output stage reads w_in's gate
-        // rows, their bias and the pads from it.
+        // With the gate made from x, the input kernel's common part: the output stage reads w_in's
+        // gate rows, their bias and the pads from it.
         let mut from_x_launch = None;
         if let Some((f, kernel)) = fused {
             // One pass: x read once, left/right (and the gate, unless the output stage makes it
             // from x: then only the gating column chunks run) written once.
-            let kp = KernelParams {
-                row0: 0,
-                rows: m as i64,
-                w_in: f.w.ptr(),
-                w_in_bias: f.bias.as_ref().map_or(0, |b| b.ptr()),
-                k_pad: f.layout.k_pad as i32,
-                h_pad: f.layout.h_pad as i32,
-                g_pad: f.layout.g_pad as i32,
+            let common = base.with_fused(&f.layout, f.w.ptr(), f.bias.as_ref().map_or(0, |b| b.ptr()))?;
+            let kp = InputParams {
+                common,
+                left,
+                right,
+                gate,
                 // The gating column chunks alone (32 channels of left and right each), no gate.
-                chunk_end: if gate_from_x { (f.layout.h_pad / 32) as i32 } else { 0 },
-                ..base
+                chunk_end: if gate_from_x { to_i32(f.layout.h_pad / 32, "gating column chunks")? } else { 0 },
+                ..InputParams::default()
             };
             kernel.launch(m, stream, &kp)?;
-            from_x_launch = gate_from_x.then_some(kp);
+            from_x_launch = gate_from_x.then_some(common);
         } else if gate_from_x {
             return Err(Error::InvalidArgument(
                 "this workspace was planned for the fused input kernel, which is off now".into(),
             ));
         } else {
-            self.enqueue_blas_input(prep, ws, &base, m, stream)?;
+            let input = InputParams {
+                common: base,
+                left,
+                right,
+                gate,
+                proj_bias: prep.proj_bias.as_ref().map_or(0, |b| b.ptr()),
+                proj_h: to_i32(h, "H")?,
+                proj_g: to_i32(g, "G")?,
+                ..InputParams::default()
+            };
+            self.enqueue_blas_input(prep, ws, &input, m, stream)?;
         }
 
         self.mark("input (LN, projections, gating)", stream)?;
@@ -269,14 +258,15 @@ impl CudaBackend {
         ws.contraction.run(&inner.blas, right, left, ws.t.ptr(), 0, cws.at(y), cws.bytes, stream)?;
         self.mark("contraction", stream)?;
 
-        if let Some(kp) = from_x_launch {
-            return self.launch_output_from_x(prep, &kp, stream);
+        if let Some(common) = from_x_launch {
+            return self
+                .launch_output_from_x(&OutputParams { common, t: ws.t.ptr(), ..OutputParams::default() }, stream);
         }
         // 3. LN_H (+ gate) and the output projection (+ bias, af3 gate): one fused kernel, or
         // LN_H into `a` (= left), the cuBLASLt GEMM (+ bias) into y (right lends the workspace)
         // and af3's gate kernel.
         let fused_output = self.fused_output_for(problem, ws.tuning);
-        let kp = KernelParams { row0: 0, rows: m as i64, ..base };
+        let kp = OutputParams { common: base, t: ws.t.ptr(), a: left, gate, buf_row0: 0, ..OutputParams::default() };
         let ows = Plan::require(ws.plan.output_ws, "output workspace")?;
         if ows.buffer != Buffer::Right {
             return Err(Error::Internal("the one-pass plan's output workspace is not right".into()));
@@ -284,21 +274,21 @@ impl CudaBackend {
         self.enqueue_output(prep, fused_output, &mut ws.output, &kp, ows.at(right), ows.bytes, stream, true)
     }
 
-    /// The output stage of positions `p.row0 .. p.row0 + p.rows` (`p.gate` and `p.a` hold them
-    /// from `p.buf_row0`, t is whole): the fused kernel `fused` when there is one, else LN_H into
+    /// The output stage of `p`'s positions (`p.gate` and `p.a` hold them from `p.buf_row0`, t is
+    /// whole): the fused kernel `fused` when there is one, else LN_H into
     /// `p.a`, the cuBLASLt GEMM `gemm` (+ bias, workspace `gemm_ws`) into y's rows and af3's gate
     /// kernel. `marks`: record the one-pass plan's stage names on the timeline.
     ///
     /// # Safety
     /// As [`CudaBackend::enqueue`]; the buffers in `p` hold those rows, `gemm` is the output GEMM
-    /// of `p.rows` rows and `gemm_ws` holds `gemm_ws_len` bytes.
+    /// of that many rows and `gemm_ws` holds `gemm_ws_len` bytes.
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn enqueue_output(
         &self,
         prep: &CudaPrepared,
         fused: Option<&kernels::Stage>,
         gemm: &mut MatmulPlan,
-        p: &KernelParams,
+        p: &OutputParams,
         gemm_ws: CUdeviceptr,
         gemm_ws_len: usize,
         stream: CUstream,
@@ -306,13 +296,13 @@ impl CudaBackend {
     ) -> Result<()> {
         let mark = |name| if marks { self.mark(name, stream) } else { Ok(()) };
         if let Some(op) = fused {
-            self.launch_output(op, prep, p, stream)?;
+            self.launch_output(op, p, stream)?;
             return mark("output stage (LayerNorm, gate, projection)");
         }
         let k = &self.inner.kernels;
-        let (rows, c, h) = (p.rows as usize, p.c as usize, p.h as usize);
+        let (rows, c, h) = (p.common.rows(), p.common.c(), p.common.h());
         let tp = params::output_norm_tile_rows(h);
-        let np = KernelParams { tile_rows: tp as i32, ..*p };
+        let np = OutputParams { tile_rows: to_i32(tp, "positions per block")?, ..*p };
         let smem = params::output_norm_smem_bytes(h, tp) as u32;
         k.output_norm.launch(ceil_div(rows, tp), STAGE_THREADS, smem, stream, &np)?;
         mark("output LayerNorm")?;
@@ -320,12 +310,12 @@ impl CudaBackend {
             return Err(Error::InvalidArgument(format!("no output plan for a chunk of {rows} rows")));
         }
         let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
-        let y = p.y + (p.row0 as u64) * (c as u64) * 4;
+        let y = p.common.y() + (p.common.row0() as u64) * (c as u64) * 4;
         gemm.run(&self.inner.blas, prep.w_out.ptr(), p.a, y, bias, gemm_ws, gemm_ws_len, stream)?;
         mark("output GEMM")?;
-        if p.af3 != 0 {
+        if p.common.formulation() == Formulation::Af3 {
             let grid = ceil_div(rows * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
-            let gp = KernelParams { tile_rows: grid as i32, ..*p };
+            let gp = OutputParams { gate_blocks: to_i32(grid as usize, "output_gate blocks")?, ..*p };
             k.output_gate.launch(grid, STAGE_THREADS, 0, stream, &gp)?;
             mark("output gate")?;
         }
@@ -370,18 +360,19 @@ impl CudaBackend {
     /// the scratch inside the t buffer.
     ///
     /// # Safety
-    /// As [`CudaBackend::enqueue`]; `base` holds that call's pointers.
+    /// As [`CudaBackend::enqueue`]; `base` holds that call's pointers, left, right, the gate and
+    /// the projection's bias.
     pub(super) unsafe fn enqueue_blas_input(
         &self,
         prep: &CudaPrepared,
         ws: &mut CudaWorkspace,
-        base: &KernelParams,
+        base: &InputParams,
         m: usize,
         stream: CUstream,
     ) -> Result<()> {
         let inner = &self.inner;
         let k = &inner.kernels;
-        let h = base.h as usize;
+        let h = base.common.h();
         let t = ws.t.ptr();
         let (z, proj) = (Plan::require(ws.plan.z, "z")?, Plan::require(ws.plan.proj, "proj")?);
         let gemm_ws = Plan::require(ws.plan.projection_ws, "projection workspace")?;
@@ -400,7 +391,13 @@ impl CudaBackend {
         let mut row0 = 0;
         while row0 < m {
             let rows = input_rows.min(m - row0);
-            let kp = KernelParams { row0: row0 as i64, rows: rows as i64, z, proj, tile_rows: tr as i32, ..*base };
+            let kp = InputParams {
+                common: base.common.over(row0, rows)?,
+                z,
+                proj,
+                tile_rows: to_i32(tr, "positions per block")?,
+                ..*base
+            };
             k.input_norm.launch(ceil_div(rows, INPUT_NORM_ROWS_PER_BLOCK as usize), STAGE_THREADS, 0, stream, &kp)?;
             let plan = if rows == input_rows {
                 &mut chunked.proj_full

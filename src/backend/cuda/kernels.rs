@@ -14,7 +14,7 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use super::driver::{nvrtc_missing, nvrtc_present, DriverResult};
-use crate::backend::params::KernelParams;
+use crate::backend::params::StageParams;
 use crate::error::{Error, Result};
 use crate::kernels::{find, EmbeddedStage, CUDA_STAGES};
 
@@ -237,15 +237,17 @@ impl Stage {
     /// Launches the stage with `params` by value.
     ///
     /// # Safety
-    /// Every pointer in `params` that the stage dereferences must be a live device allocation of
-    /// the size the params' shape implies, until the stream has run the kernel.
-    pub(crate) unsafe fn launch(
+    /// `P` is the struct the stage declares (`TmInputParams` for the input stage's kernels,
+    /// `TmOutputParams` for the output stage's); every pointer in `params` that the stage
+    /// dereferences must be a live device allocation of the size the params' shape implies, until
+    /// the stream has run the kernel.
+    pub(crate) unsafe fn launch<P: StageParams>(
         &self,
         grid: u32,
         block: u32,
         smem: u32,
         stream: CUstream,
-        params: &KernelParams,
+        params: &P,
     ) -> Result<()> {
         // SAFETY: forwarded from this function's contract.
         unsafe { self.launch_dependent(grid, block, smem, stream, params, false) }
@@ -259,17 +261,16 @@ impl Stage {
     ///
     /// # Safety
     /// As [`Stage::launch`].
-    pub(crate) unsafe fn launch_dependent(
+    pub(crate) unsafe fn launch_dependent<P: StageParams>(
         &self,
         grid: u32,
         block: u32,
         smem: u32,
         stream: CUstream,
-        params: &KernelParams,
+        params: &P,
         pdl: bool,
     ) -> Result<()> {
-        // SAFETY: forwarded from this function's contract; every stage but prepare_weights
-        // takes one KernelParams by value.
+        // SAFETY: forwarded from this function's contract: P is the stage's parameter struct.
         unsafe { self.launch_with(grid, block, smem, stream, params, pdl) }
     }
 

@@ -12,36 +12,27 @@ use super::driver::DeviceBuffer;
 use super::kernels;
 use super::tuning::Tuning;
 use crate::backend::gemm::GemmSpec;
-use crate::backend::params::{self, FusedInputLayout, KernelParams, FUSED_INPUT_ROWS, STAGE_THREADS};
+use crate::backend::params::{self, geometry, FusedInputLayout, InputParams, STAGE_THREADS};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::problem::{Config, Problem};
 
-/// Positions per block and dynamic shared memory of the fused output kernel
-/// (`cuda/output_projection.cu`: the a tile and one 128-column Wout chunk, 136 halves per row,
-/// plus mean and rstd per position).
-pub(super) const OUTPUT_PROJECTION_ROWS: usize = 64;
-/// sa [64][136] and sw [128][136] (halves), mean and rstd [64], LN_H weight and bias [128] (f32),
-/// and for af3 or 16-bit y the staging tile sg [64][136] (halves) of the gate and y.
+// Block sizes and shared memory of the fused kernels: `common/smem.h`, which the kernels assert
+// their layouts against ([`params::geometry`]).
+
+/// Positions per block of the fused output kernels (`cuda/output_projection.cu`).
+pub(super) const OUTPUT_PROJECTION_ROWS: usize = geometry::TM_OP_ROWS;
+/// Dynamic shared memory of the fused output kernel: the a tile, one 128-column Wout chunk, the
+/// statistics and LN_H's parameters, and for af3 or 16-bit y the staging tile of the gate and y.
 pub(super) const fn output_projection_smem(af3: bool, io_dtype: i32) -> u32 {
-    let base = (OUTPUT_PROJECTION_ROWS + 128) * 136 * 2 + 2 * OUTPUT_PROJECTION_ROWS * 4 + 2 * 128 * 4;
-    let staging = if af3 || io_dtype != params::IO_F32 { OUTPUT_PROJECTION_ROWS * 136 * 2 } else { 0 };
-    (base + staging) as u32
+    let staging = if af3 || io_dtype != params::IO_F32 { geometry::TM_OP_SMEM_STAGING } else { 0 };
+    (geometry::TM_OP_SMEM + staging) as u32
 }
-
-/// Shared memory of `output_projection_sm90_xgate` (`OpxSmem` in `cuda/output_projection.cu`):
-/// Wout and the gate weights (2 × 32 KB, swizzled), z / LN_H(t) (16 KB), the t tile `[128][72]`
-/// halves, the statistics' partial sums `[8][64][2]`, mean and rstd `[64]` and five `[128]` f32
-/// vectors, plus 1024 bytes to align the swizzled tiles.
-pub(super) const OUTPUT_XGATE_SMEM: u32 = (2 * 32768
-    + 16384
-    + 128 * 72 * 2
-    + (8 * OUTPUT_PROJECTION_ROWS * 2 + 2 * OUTPUT_PROJECTION_ROWS + 5 * 128) * 4
-    + 1024) as u32;
-
-/// Shared memory of the resident output kernel: sa, sw, the statistics and LN_H parameters as in
-/// [`output_projection_smem`], plus the next tile's t `[128][72]` (halves).
-pub(super) const OUTPUT_RESIDENT_SMEM: u32 = output_projection_smem(false, params::IO_F32) + 128 * 72 * 2;
+/// Shared memory of `output_projection_sm90_xgate` (`OpxSmem` in `cuda/output_projection.cu`).
+pub(super) const OUTPUT_XGATE_SMEM: u32 = geometry::TM_OP_XGATE_SMEM as u32;
+/// Shared memory of the resident output kernel: [`output_projection_smem`]'s for f32 y, plus the
+/// next tile's t.
+pub(super) const OUTPUT_RESIDENT_SMEM: u32 = geometry::TM_OP_RESIDENT_SMEM as u32;
 
 /// Weights fused, cast to f16 and uploaded once.
 pub struct CudaPrepared {
@@ -100,14 +91,14 @@ impl FusedKernel<'_> {
     ///
     /// # Safety
     /// As [`kernels::Stage::launch`].
-    pub(super) unsafe fn launch(&self, rows: usize, stream: CUstream, kp: &KernelParams) -> Result<()> {
+    pub(super) unsafe fn launch(&self, rows: usize, stream: CUstream, kp: &InputParams) -> Result<()> {
         if let Some(ws) = self.ws.filter(|ws| ws.takes(rows, kp)) {
             let grid = (rows / WS_ROWS).min(ws.sms as usize) as u32;
             ws.launches.fetch_add(1, Ordering::Relaxed);
             return ws.stage.launch_dependent(grid, WS_THREADS, WS_SMEM_BYTES, stream, kp, self.pdl);
         }
         let b = match self.f32_x {
-            Some(b) if kp.io_dtype == params::IO_F32 => b,
+            Some(b) if kp.common.io_dtype() == params::IO_F32 => b,
             _ => self.build,
         };
         b.stage.launch_dependent(ceil_div(rows, b.rows), STAGE_THREADS, b.smem, stream, kp, self.pdl)
@@ -124,11 +115,10 @@ pub(super) struct WsBuild<'a> {
     pub(super) launches: &'a std::sync::atomic::AtomicU64,
 }
 
-pub(super) const WS_THREADS: u32 = 1024;
-pub(super) const WS_ROWS: usize = 64;
-/// Weights 5 × 32 KB, z 2 × 16 KB, staging 4 × 8 KB, masks 2 × 256 bytes, LN_C's weight and bias
-/// 1024 bytes, and 1024 bytes to align the swizzled tiles: 226.5 KB of the SM's 227.
-pub(super) const WS_SMEM_BYTES: u32 = 5 * 32768 + 2 * 16384 + 4 * 8192 + 2 * 256 + 1024 + 1024;
+pub(super) const WS_THREADS: u32 = geometry::TM_WS_THREADS as u32;
+pub(super) const WS_ROWS: usize = geometry::TM_WS_ROWS;
+/// All weights, z, staging, masks and LN_C's parameters: 226.5 KB of the SM's 227.
+pub(super) const WS_SMEM_BYTES: u32 = geometry::TM_WS_SMEM as u32;
 
 impl WsBuild<'_> {
     /// Whether the build takes this launch: C = H = G = 128 (checked with the layout), the
@@ -138,19 +128,20 @@ impl WsBuild<'_> {
     /// at every size measured, in every I/O precision (H100, 16 producer warps, against the two-
     /// and three-blocks-per-SM builds: gpumode f32 256,2,128 0.194 → 0.183 ms, 1024,1,128 1.428 →
     /// 1.378 ms, N = 4096 42.9 → 41.6 ms; af3 bf16 1024,1,128 1.342 → 1.240 ms).
-    pub(super) fn takes(&self, rows: usize, kp: &KernelParams) -> bool {
-        let nn = kp.n as usize * kp.n as usize;
-        kp.c == 128
-            && kp.h == 128
-            && kp.g == 128
-            && kp.row0 == 0
+    pub(super) fn takes(&self, rows: usize, kp: &InputParams) -> bool {
+        let p = &kp.common;
+        let nn = p.n() * p.n();
+        p.c() == 128
+            && p.h() == 128
+            && p.g() == 128
+            && p.row0() == 0
             && kp.buf_row0 == 0
-            && kp.rows as usize == rows
+            && p.rows() == rows
             && kp.chunk_begin == 0
             // Every column chunk, or the four gating ones (the output stage makes the gate).
             && matches!(kp.chunk_end, 0 | 4 | 5)
             && kp.lr_h0 == 0
-            && (kp.lr_h == 0 || kp.lr_h == kp.h)
+            && (kp.lr_h == 0 || kp.lr_h == 128)
             && rows > 0
             && rows % WS_ROWS == 0
             && nn % WS_ROWS == 0
@@ -171,20 +162,13 @@ impl FusedInput {
     }
 
     pub(super) fn smem_bytes_of(layout: &FusedInputLayout) -> usize {
-        let rows = FUSED_INPUT_ROWS;
-        let a = rows * (layout.k_pad + 8) * 2;
-        let ring = 2 * 128 * (64 + 8) * 2;
-        a + ring + Self::staging_bytes(rows) + rows * 4
+        geometry::TM_IP_SMEM(layout.k_pad)
     }
 
     /// The same for the wgmma builds with `rows` positions per block: unpadded swizzled tiles,
     /// plus 1024 bytes to align them.
     pub(super) fn smem_bytes_sm90_rows(&self, rows: usize) -> usize {
-        rows * self.layout.k_pad * 2 + 2 * 128 * 64 * 2 + Self::staging_bytes(rows) + rows * 4 + 1024
-    }
-
-    pub(super) fn staging_bytes(rows: usize) -> usize {
-        (2 * 32 * (rows + 8) * 2).max(rows * (128 + 8) * 2)
+        geometry::TM_IP_SM90_SMEM(rows, self.layout.k_pad)
     }
 }
 

@@ -4,7 +4,8 @@
 //! - the embedded code objects (one linked ELF per stage for gfx942 and gfx90a), their metadata,
 //!   and `v_mfma` in the MFMA kernel's disassembly;
 //! - that the embedded sources (what hipRTC gets) are self-contained and compile for other archs;
-//! - that the device-side `TrimulParams` layout equals the Rust mirror, field by field;
+//! - that the device-side `TmParams`, `TmInputParams` and `TmOutputParams` layouts equal the Rust
+//!   mirrors, field by field;
 //! - the MFMA output kernel's real source, run on the CPU through tests/hip_emu, against f64;
 //! - rocBLAS argument construction: a host model of `rocblas_gemm_ex` semantics driven only by
 //!   the arguments we pass computes exactly the products of SPEC.md and of `GemmSpec::run_host`
@@ -26,7 +27,7 @@ use crate::backend::hip::blas::{bias_update_spec, DataType, RocblasGemm};
 use crate::backend::hip::kernels::{self, KernelImage, HIP_BUILD, HIP_STAGES};
 use crate::backend::hip::sys::{self, ROCBLAS_OPERATION_NONE, ROCBLAS_OPERATION_TRANSPOSE};
 use crate::backend::hip::{arch, HipBackend};
-use crate::backend::params::KernelParams;
+use crate::backend::params::{self, InputParams, OutputParams};
 use crate::kernels::HIP_PREBUILT_ARCHS;
 use crate::rand::Rng;
 use crate::{suite, BackendKind, Device, Direction, Error, Formulation};
@@ -90,8 +91,12 @@ fn every_stage_is_embedded_with_a_self_contained_source() {
     for s in HIP_STAGES {
         assert!(!s.source.contains("#include \""), "{}: unexpanded include left for hipRTC", s.name);
         assert!(s.source.contains("__global__ void TM_LAUNCH_BOUNDS"), "{}", s.name);
-        // Every stage takes the one params struct, but weight preparation, which takes its own.
-        let params = if s.name == "prepare_weights" { "TmPrepareParams" } else { "TrimulParams" };
+        // Every stage takes its family's params struct, weight preparation its own.
+        let params = match s.name {
+            "prepare_weights" => "TmPrepareParams",
+            "input_norm" | "input_gating" => "TmInputParams",
+            _ => "TmOutputParams",
+        };
         assert!(s.source.contains(&format!("{}(const {params} p", s.name)), "{}: kernel name", s.name);
     }
 }
@@ -178,13 +183,13 @@ fn code_object_metadata_matches_the_launches() {
             assert_eq!(field(".private_segment_fixed_size"), "0", "{s} {a}");
             assert_eq!(field(".vgpr_spill_count"), "0", "{s} {a}");
             assert_eq!(field(".max_flat_workgroup_size"), "256", "{s} {a}: launches use 256 threads");
-            // The first kernel argument is its params struct by value, at the size of the Rust
-            // mirror (TrimulParams, or TmPrepareParams for weight preparation).
+            // The one kernel argument is its family's params struct by value, at the size of the
+            // Rust mirror (TmInputParams, TmOutputParams, or TmPrepareParams for weight preparation).
             let first_arg = notes.split(".args:").nth(1).unwrap_or_default();
-            let bytes = if s == "prepare_weights" {
-                std::mem::size_of::<crate::backend::params::PrepareParams>()
-            } else {
-                std::mem::size_of::<KernelParams>()
+            let bytes = match s {
+                "prepare_weights" => std::mem::size_of::<params::PrepareParams>(),
+                "input_norm" | "input_gating" => std::mem::size_of::<InputParams>(),
+                _ => std::mem::size_of::<OutputParams>(),
             };
             let size = format!(".size:           {bytes}");
             assert!(first_arg.contains(&size), "{s} {a}: params size\n{first_arg}");
@@ -220,47 +225,22 @@ fn embedded_sources_compile_as_hiprtc_would_see_them() {
 #[test]
 fn device_side_params_layout_equals_the_rust_mirror() {
     let Some(clang) = clang() else { return skip("no clang++-19 with the AMDGPU target") };
-    use std::mem::offset_of;
-    let fields = [
-        ("x", offset_of!(KernelParams, x)),
-        ("mask", offset_of!(KernelParams, mask)),
-        ("norm_in_w", offset_of!(KernelParams, norm_in_w)),
-        ("norm_in_b", offset_of!(KernelParams, norm_in_b)),
-        ("proj_bias", offset_of!(KernelParams, proj_bias)),
-        ("norm_out_w", offset_of!(KernelParams, norm_out_w)),
-        ("norm_out_b", offset_of!(KernelParams, norm_out_b)),
-        ("z", offset_of!(KernelParams, z)),
-        ("proj", offset_of!(KernelParams, proj)),
-        ("left", offset_of!(KernelParams, left)),
-        ("right", offset_of!(KernelParams, right)),
-        ("gate", offset_of!(KernelParams, gate)),
-        ("t", offset_of!(KernelParams, t)),
-        ("a", offset_of!(KernelParams, a)),
-        ("y", offset_of!(KernelParams, y)),
-        ("row0", offset_of!(KernelParams, row0)),
-        ("rows", offset_of!(KernelParams, rows)),
-        ("batch", offset_of!(KernelParams, batch)),
-        ("n", offset_of!(KernelParams, n)),
-        ("c", offset_of!(KernelParams, c)),
-        ("h", offset_of!(KernelParams, h)),
-        ("g", offset_of!(KernelParams, g)),
-        ("p", offset_of!(KernelParams, p)),
-        ("af3", offset_of!(KernelParams, af3)),
-        ("tile_rows", offset_of!(KernelParams, tile_rows)),
-        ("eps", offset_of!(KernelParams, eps)),
-        ("io_dtype", offset_of!(KernelParams, io_dtype)),
-        ("w_in", offset_of!(KernelParams, w_in)),
-        ("w_in_bias", offset_of!(KernelParams, w_in_bias)),
-        ("k_pad", offset_of!(KernelParams, k_pad)),
-        ("h_pad", offset_of!(KernelParams, h_pad)),
-        ("g_pad", offset_of!(KernelParams, g_pad)),
-        ("reserved2", offset_of!(KernelParams, reserved2)),
-    ];
-    let mut src = String::from("#include \"common/compat.h\"\n#include \"common/params.h\"\n");
-    for (f, off) in fields {
-        src += &format!("static_assert(__builtin_offsetof(TrimulParams, {f}) == {off}, \"{f}\");\n");
+    // offsetof on the derived structs (not standard-layout) is what the Itanium ABI lays out, which
+    // every compiler of these kernels follows; clang warns that the standard does not promise it.
+    let mut src = String::from(
+        "#include \"common/compat.h\"\n#include \"common/params.h\"\n\
+         #pragma clang diagnostic ignored \"-Winvalid-offsetof\"\n",
+    );
+    for (st, f, off) in params::field_offsets() {
+        src += &format!("static_assert(__builtin_offsetof({st}, {f}) == {off}, \"{st}::{f}\");\n");
     }
-    src += &format!("static_assert(sizeof(TrimulParams) == {}, \"size\");\n", std::mem::size_of::<KernelParams>());
+    for (st, size) in [
+        ("TmParams", std::mem::size_of::<params::CommonParams>()),
+        ("TmInputParams", std::mem::size_of::<InputParams>()),
+        ("TmOutputParams", std::mem::size_of::<OutputParams>()),
+    ] {
+        src += &format!("static_assert(sizeof({st}) == {size}, \"{st} size\");\n");
+    }
     let file = tmpdir("params").join("params_layout.hip");
     std::fs::write(&file, src).unwrap();
     for a in ARCHS {

@@ -113,17 +113,16 @@ pub const MFMA_ENV: &str = "TRIMUL_HIP_MFMA";
 /// rocBLAS path is the default and the MFMA kernel is opt-in.
 pub const MFMA_OUTPUT_VALIDATED: bool = false;
 
-/// Threads per block and positions per block of `output_projection` (`hip/output_projection.h`).
-pub const OUTPUT_PROJECTION_THREADS: u32 = 256;
-pub const OUTPUT_PROJECTION_ROWS: usize = 64;
+/// Positions per block of `output_projection` (`hip/output_projection.h`; it runs
+/// [`crate::backend::params::STAGE_THREADS`] threads per block, as every stage does).
+pub const OUTPUT_PROJECTION_ROWS: usize = crate::backend::params::geometry::TM_HIP_OP_ROWS;
 /// LDS per workgroup on gfx90a and gfx942.
 pub const LDS_BYTES: usize = 64 * 1024;
 
 /// Dynamic LDS of `output_projection` for hidden width `h`: the f16 A tile `[64][h+4]`, mean and
-/// rstd `[64]` f32 each, and the f16 t tile `[h][64+2]`.
+/// rstd `[64]` f32 each, and the f16 t tile `[h][64+2]` (`TM_HIP_OP_SMEM` in `common/smem.h`).
 pub fn output_projection_smem_bytes(h: usize) -> usize {
-    let bm = OUTPUT_PROJECTION_ROWS;
-    2 * bm * (h + 4) + 2 * 4 * bm + 2 * h * (bm + 2)
+    crate::backend::params::geometry::TM_HIP_OP_SMEM(h)
 }
 
 /// Chooses the output path for `arch` and hidden width `h`; the string says why (for `info`).

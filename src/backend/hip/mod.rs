@@ -57,7 +57,8 @@ use super::device_prepare::{fill_params, params as prepare_params, PreparedLayou
 use super::gemm::GemmSpec;
 use super::gpu_ceilings;
 use super::params::{
-    self as launch_params, KernelParams, PrepareParams, INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
+    self as launch_params, to_i32, Addresses, CommonParams, InputParams, OutputParams, PrepareParams, StageParams,
+    INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
 };
 use super::staged_steps::{self, StagedBuffers, StagedStep};
 use super::{
@@ -627,37 +628,24 @@ impl HipBackend {
         y: u64,
         stream: sys::hipStream_t,
     ) -> Result<()> {
-        let Config { c, h, .. } = problem.config;
-        let (b, n) = (problem.shape.batch, problem.shape.n);
+        let Config { c, .. } = problem.config;
         let m = problem.shape.rows();
         let api = self.ctx.api;
         let poison = self.ctx.poison.load(Ordering::Relaxed);
-        let int =
-            |v: usize, what: &str| i32::try_from(v).map_err(|_| Error::Shape(format!("{what} = {v} exceeds i32")));
-        let base = KernelParams {
-            x,
-            mask,
-            norm_in_w: prep.norm_in_w.addr(),
-            norm_in_b: prep.norm_in_b.addr(),
-            proj_bias: prep.proj_bias.as_ref().map_or(0, DeviceMem::addr),
-            norm_out_w: prep.norm_out_w.addr(),
-            norm_out_b: prep.norm_out_b.addr(),
-            y,
-            row0: 0,
-            rows: m as i64,
-            batch: int(b, "B")?,
-            n: int(n, "N")?,
-            c: int(c, "C")?,
-            h: int(h, "H")?,
-            g: int(problem.config.gate_width(), "G")?,
-            p: int(problem.config.fused_proj_width(), "P")?,
-            af3: i32::from(problem.config.formulation == Formulation::Af3),
-            tile_rows: 0,
-            eps: problem.eps,
-            io_dtype: launch_params::io_dtype(problem.io),
-            // The fused-input fields belong to the CUDA input_projection kernel; unused here.
-            ..KernelParams::default()
-        };
+        let base = CommonParams::new(
+            problem,
+            Addresses {
+                x,
+                mask,
+                y,
+                norm_in_w: prep.norm_in_w.addr(),
+                norm_in_b: prep.norm_in_b.addr(),
+                norm_out_w: prep.norm_out_w.addr(),
+                norm_out_b: prep.norm_out_b.addr(),
+                w_out: prep.w_out.addr(),
+                out_bias: prep.out_bias.as_ref().map_or(0, DeviceMem::addr),
+            },
+        )?;
         if problem.io != Precision::F32Io && prep.output != HipKernelOutput::Mfma {
             // input_norm reads 16-bit x, but the rocBLAS output GEMM writes f32 y.
             return Err(Error::Dtype(format!(
@@ -692,7 +680,7 @@ impl HipBackend {
         prep: &HipPrepared,
         ws: &OnePass,
         problem: &Problem,
-        base: &KernelParams,
+        base: &CommonParams,
         poison: bool,
         stream: sys::hipStream_t,
     ) -> Result<()> {
@@ -714,30 +702,33 @@ impl HipBackend {
         if z.buffer != if ws.projection.is_some() { Buffer::Projection } else { Buffer::T } {
             return Err(Error::Internal("the projection's z is not where the workspace put it".into()));
         }
-        let base = KernelParams {
+        let tr = launch_params::gating_tile_rows(h);
+        let input = InputParams {
+            common: *base,
             z: Plan::address(z, base_of),
             proj: Plan::address(proj, base_of),
+            proj_bias: prep.proj_bias.as_ref().map_or(0, DeviceMem::addr),
             left: ws.left.addr(),
             right: ws.right.addr(),
             gate: ws.gate.addr(),
-            t: ws.t.addr(),
-            a: ws.left.addr(),
-            ..*base
+            proj_h: to_i32(h, "H")?,
+            proj_g: to_i32(plan.g, "G")?,
+            tile_rows: to_i32(tr, "positions per block")?,
+            ..InputParams::default()
         };
 
-        // SAFETY (all launches and GEMMs below): every address in `base` is a prepared-weight or
-        // workspace allocation sized by `ws.plan` for this problem, or x, mask and y from this
-        // function's contract; `stream` is live and `blas` is bound to it.
+        // SAFETY (all launches and GEMMs below): every address in `input` and the output stage's
+        // is a prepared-weight or workspace allocation sized by `ws.plan` for this problem, or x,
+        // mask and y from this function's contract; `stream` is live and `blas` is bound to it.
 
         // 1. LN_C, projection, gating, chunk by chunk (z and proj inside t or their own buffer).
-        let tr = launch_params::gating_tile_rows(h);
         for (row0, rows) in plan.input_chunks() {
-            let p = KernelParams { row0: row0 as i64, rows: rows as i64, tile_rows: tr as i32, ..base };
+            let p = InputParams { common: base.over(row0, rows)?, ..input };
             let g = RocblasGemm::from_spec(&GemmSpec::projection(rows, c, plan.p), DataType::F16, DataType::F16)?;
             // SAFETY: the invariant stated at the top of this section holds for these addresses.
             unsafe {
                 launch(&self.ctx.kernels.input_norm, stream, rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize), 0, &p)?;
-                gemm(blas, &g, 1.0, prep.w_in.addr(), base.z, 0.0, base.proj)?;
+                gemm(blas, &g, 1.0, prep.w_in.addr(), input.z, 0.0, input.proj)?;
                 launch(&k.input_gating, stream, rows.div_ceil(tr), launch_params::gating_smem_bytes(h, tr), &p)?;
             }
         }
@@ -749,8 +740,16 @@ impl HipBackend {
         unsafe { gemm(blas, &g, 1.0, ws.right.addr(), ws.left.addr(), 0.0, ws.t.addr())? };
 
         // 3. Output stage of every position.
+        let output = OutputParams {
+            common: *base,
+            t: ws.t.addr(),
+            a: ws.left.addr(),
+            gate: ws.gate.addr(),
+            buf_row0: 0,
+            ..OutputParams::default()
+        };
         // SAFETY: as above; `a` (= left) holds M·H halves and the gate every position.
-        unsafe { self.enqueue_output(blas, prep, &base, ws.ones.as_ref(), stream) }
+        unsafe { self.enqueue_output(blas, prep, &output, ws.ones.as_ref(), stream) }
     }
 
     /// A plan within a memory limit: the steps of [`staged_steps::steps`] with our launches and
@@ -765,7 +764,7 @@ impl HipBackend {
         prep: &HipPrepared,
         ws: &Chunked,
         problem: &Problem,
-        base: &KernelParams,
+        base: &CommonParams,
         poison: bool,
         stream: sys::hipStream_t,
     ) -> Result<()> {
@@ -790,7 +789,7 @@ impl HipBackend {
         for step in staged_steps::steps(&ws.plan, problem, base, bufs)? {
             match step {
                 StagedStep::Norm(p) => {
-                    let grid = (p.rows as usize).div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize);
+                    let grid = p.common.rows().div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize);
                     unsafe { launch(&k.input_norm, stream, grid, 0, &p)? };
                 }
                 StagedStep::Gemm { spec, a, b, d } => {
@@ -798,7 +797,7 @@ impl HipBackend {
                     unsafe { gemm(blas, &g, 1.0, a, b, 0.0, d)? };
                 }
                 StagedStep::Gating { params, tile_rows, smem } => {
-                    let grid = (params.rows as usize).div_ceil(tile_rows);
+                    let grid = params.common.rows().div_ceil(tile_rows);
                     unsafe { launch(&k.input_gating, stream, grid, smem, &params)? };
                 }
                 StagedStep::PassesDone => {}
@@ -810,25 +809,24 @@ impl HipBackend {
         Ok(())
     }
 
-    /// The output stage of positions `p.row0 .. p.row0 + p.rows`: the gate (and, on the rocBLAS
-    /// path, the operand `a`) in buffers holding positions from `p.buf_row0`, t whole, y written
-    /// at those rows.
+    /// The output stage of `p`'s positions: the gate (and, on the rocBLAS path, the operand `a`)
+    /// in buffers holding positions from `p.buf_row0`, t whole, y written at those rows.
     ///
     /// # Safety
-    /// As for [`HipBackend::enqueue_stages`]; `p.gate` and `p.a` hold `p.rows` positions, `ones`
-    /// at least `p.rows` f32 ones.
+    /// As for [`HipBackend::enqueue_stages`]; `p.gate` and `p.a` hold `p`'s positions, `ones`
+    /// at least that many f32 ones.
     unsafe fn enqueue_output(
         &self,
         blas: &BlasHandle,
         prep: &HipPrepared,
-        p: &KernelParams,
+        p: &OutputParams,
         ones: Option<&DeviceMem>,
         stream: sys::hipStream_t,
     ) -> Result<()> {
         let k = &self.ctx.kernels;
-        let (rows, c, h) = (p.rows as usize, p.c as usize, p.h as usize);
+        let (rows, c, h) = (p.common.rows(), p.common.c(), p.common.h());
         // f32 y: only the rocBLAS branch below uses this, and 16-bit I/O is refused there.
-        let y = p.y + (p.row0 as u64) * (c as u64) * 4;
+        let y = p.common.y() + (p.common.row0() as u64) * (c as u64) * 4;
         // SAFETY (every launch and GEMM below): the addresses satisfy this function's contract.
         match prep.output {
             HipKernelOutput::Mfma => {
@@ -836,13 +834,14 @@ impl HipBackend {
                     arch: self.ctx.arch.clone(),
                     reason: "MFMA output kernel selected but not loaded".into(),
                 })?;
-                let p = KernelParams { tile_rows: kernels::OUTPUT_PROJECTION_ROWS as i32, ..*p };
-                let bias = prep.out_bias.as_ref().map_or(0, DeviceMem::addr);
-                unsafe { launch_output_projection(kernel, stream, rows, h, &p, prep.w_out.addr(), bias)? };
+                // Wout and its bias are in `p.common` (CommonParams::new).
+                let (grid, smem) =
+                    (rows.div_ceil(kernels::OUTPUT_PROJECTION_ROWS), kernels::output_projection_smem_bytes(h));
+                unsafe { launch(kernel, stream, grid, smem, p)? };
             }
             HipKernelOutput::Blas => {
                 let tp = launch_params::output_norm_tile_rows(h);
-                let np = KernelParams { tile_rows: tp as i32, ..*p };
+                let np = OutputParams { tile_rows: to_i32(tp, "positions per block")?, ..*p };
                 let g = RocblasGemm::from_spec(&GemmSpec::output(rows, c, h), DataType::F16, DataType::F32)?;
                 unsafe {
                     launch(
@@ -861,9 +860,9 @@ impl HipBackend {
                     let g = RocblasGemm::from_spec(&bias_update_spec(rows, c), DataType::F32, DataType::F32)?;
                     unsafe { gemm(blas, &g, 1.0, bias.addr(), ones.addr(), 1.0, y)? };
                 }
-                if p.af3 != 0 {
+                if p.common.formulation() == Formulation::Af3 {
                     let grid = (rows * c).div_ceil(STAGE_THREADS as usize * 8).clamp(1, OUTPUT_GATE_MAX_GRID);
-                    let gp = KernelParams { tile_rows: grid as i32, ..*p };
+                    let gp = OutputParams { gate_blocks: to_i32(grid, "output_gate blocks")?, ..*p };
                     unsafe { launch(&k.output_gate, stream, grid, 0, &gp)? };
                 }
             }
@@ -1246,22 +1245,24 @@ impl Backend for HipBackend {
 // forward callers hold them until they synchronise, and dropping a `DeviceMem` frees it with
 // hipFree, which waits for the device.
 
-/// Launches a portable stage (`kernel(TrimulParams)`) with `STAGE_THREADS` threads per block.
+/// Launches a stage (`kernel(TmInputParams)` or `kernel(TmOutputParams)`) with `STAGE_THREADS`
+/// threads per block.
 ///
 /// # Safety
-/// The addresses in `params` satisfy the invariant above; `stream` is live.
-unsafe fn launch(
+/// `P` is the struct the stage declares; the addresses in `params` satisfy the invariant above;
+/// `stream` is live.
+unsafe fn launch<P: StageParams>(
     kernel: &Kernel,
     stream: sys::hipStream_t,
     grid: usize,
     smem: usize,
-    params: &KernelParams,
+    params: &P,
 ) -> Result<()> {
     let (grid, smem) = geometry(kernel, grid, smem)?;
     let mut p = *params;
-    let mut args = [(&mut p as *mut KernelParams).cast::<c_void>()];
-    // SAFETY: one argument, a TrimulParams by value, as the stage is declared; the addresses in it
-    // satisfy the invariant stated above this section.
+    let mut args = [(&mut p as *mut P).cast::<c_void>()];
+    // SAFETY: one argument, the stage's parameter struct by value (this function's contract); the
+    // addresses in it satisfy the invariant stated above this section.
     unsafe { kernel.launch(stream, grid, STAGE_THREADS, smem, &mut args) }
 }
 
@@ -1277,33 +1278,6 @@ unsafe fn launch_prepare(kernel: &Kernel, stream: sys::hipStream_t, p: &PrepareP
     // SAFETY: one argument, a TmPrepareParams by value (mirrored by PrepareParams), as the kernel
     // is declared; the addresses in it are this function's contract.
     unsafe { kernel.launch(stream, grid, PREP_THREADS, 0, &mut args) }
-}
-
-/// Launches `output_projection(TrimulParams, const half* wout, const float* out_bias)`.
-///
-/// # Safety
-/// As for [`launch`]; `w_out` is a `[C, H]` f16 allocation, `out_bias` a `[C]` f32 one or 0.
-unsafe fn launch_output_projection(
-    kernel: &Kernel,
-    stream: sys::hipStream_t,
-    rows: usize,
-    h: usize,
-    params: &KernelParams,
-    w_out: u64,
-    out_bias: u64,
-) -> Result<()> {
-    let (grid, smem) =
-        geometry(kernel, rows.div_ceil(kernels::OUTPUT_PROJECTION_ROWS), kernels::output_projection_smem_bytes(h))?;
-    let (mut p, mut w, mut bias) = (*params, w_out, out_bias);
-    let mut args = [
-        (&mut p as *mut KernelParams).cast::<c_void>(),
-        (&mut w as *mut u64).cast::<c_void>(),
-        (&mut bias as *mut u64).cast::<c_void>(),
-    ];
-    // SAFETY: three arguments matching the kernel's declaration (a device pointer is 8 bytes);
-    // w_out is the prepared [C, H] f16 matrix and out_bias a [C] f32 vector or null; the rest as
-    // stated above this section.
-    unsafe { kernel.launch(stream, grid, kernels::OUTPUT_PROJECTION_THREADS, smem, &mut args) }
 }
 
 /// Grid and LDS size as the launch API takes them, with HIP's limits checked.
