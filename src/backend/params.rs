@@ -343,6 +343,52 @@ mod tests {
         assert_eq!(gating_tile_rows(128), 64);
         assert_eq!(output_norm_tile_rows(128), 64);
     }
+
+    /// `common/smem.h` gives every launch the shared memory and block sizes the hand-kept Rust
+    /// copies it replaced gave (their formulas, copied here as they were).
+    #[test]
+    fn geometry_equals_the_sizes_launched_before() {
+        use geometry::*;
+        let staging = |rows: usize| (2 * 32 * (rows + 8) * 2).max(rows * (128 + 8) * 2);
+        for k_pad in (64..=512).step_by(64) {
+            assert_eq!(TM_IP_SMEM(k_pad), 128 * (k_pad + 8) * 2 + 2 * 128 * (64 + 8) * 2 + staging(128) + 128 * 4);
+            for rows in [64, 128] {
+                let old = rows * k_pad * 2 + 2 * 128 * 64 * 2 + staging(rows) + rows * 4 + 1024;
+                assert_eq!(TM_IP_SM90_SMEM(rows, k_pad), old);
+            }
+        }
+        for h in 1..=256 {
+            assert_eq!(TM_HIP_OP_SMEM(h), 2 * 64 * (h + 4) + 2 * 4 * 64 + 2 * h * (64 + 2));
+            for tr in 1..=64 {
+                assert_eq!(gating_smem_bytes(h, tr), 2 * h * (tr + 1) * 2);
+                assert_eq!(output_norm_smem_bytes(h, tr), 4 * (h * (tr + 1) + 2 * tr));
+            }
+        }
+        assert_eq!(TM_WS_SMEM, 5 * 32768 + 2 * 16384 + 4 * 8192 + 2 * 256 + 1024 + 1024);
+        assert_eq!(TM_OP_SMEM, (64 + 128) * 136 * 2 + 2 * 64 * 4 + 2 * 128 * 4);
+        assert_eq!(TM_OP_SMEM_STAGING, 64 * 136 * 2);
+        assert_eq!(TM_OP_RESIDENT_SMEM, TM_OP_SMEM + 128 * 72 * 2);
+        assert_eq!(TM_OP_XGATE_SMEM, 2 * 32768 + 16384 + 128 * 72 * 2 + (8 * 64 * 2 + 2 * 64 + 5 * 128) * 4 + 1024);
+        assert_eq!((TM_STAGE_THREADS, TM_INPUT_NORM_ROWS_PER_BLOCK, TM_IP_ROWS, TM_IP_MAX_K), (256, 8, 128, 512));
+        assert_eq!((TM_WS_THREADS, TM_WS_ROWS, TM_OP_ROWS, TM_HIP_OP_ROWS), (1024, 64, 64, 64));
+    }
+
+    /// The builder names the value that does not fit the kernels' ints.
+    #[test]
+    fn builder_checks_narrowing() {
+        use crate::problem::{Config, Direction, Shape};
+        let problem = |c: usize, n: usize| {
+            Problem::new(Config::new(Formulation::Af3, c, 8).unwrap(), Shape::new(1, n), Direction::Outgoing, false)
+                .unwrap()
+        };
+        let p = CommonParams::new(&problem(16, 4), Addresses { x: 1, y: 2, ..Addresses::default() }).unwrap();
+        assert_eq!((p.c(), p.h(), p.g(), p.rows(), p.formulation()), (16, 8, 16, 16, Formulation::Af3));
+        assert_eq!(p.formulation, TM_AF3);
+        let over = p.over(4, 8).unwrap();
+        assert_eq!((over.row0(), over.rows(), over.y()), (4, 8, 2));
+        assert!(matches!(to_i32(1 << 31, "H"), Err(Error::Shape(m)) if m.contains("H = 2147483648")));
+        assert_eq!(to_i32((1 << 31) - 1, "H").unwrap(), i32::MAX);
+    }
 }
 
 /// The weight order of the fused input-projection kernel (`cuda/input_projection.cu`).
