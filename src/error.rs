@@ -170,6 +170,15 @@ pub enum Error {
     #[error("internal error (please report): {0}")]
     Internal(String),
 
+    /// The operation exists, but this backend does not implement it (yet).
+    #[error("{what} is not available on the {backend} backend yet")]
+    Unsupported {
+        /// The backend asked.
+        backend: BackendKind,
+        /// The operation, e.g. `the backward pass`.
+        what: String,
+    },
+
     /// A forward on finite inputs gave NaN or infinite outputs: an intermediate overflowed the
     /// precision it is held in (see [`crate::finite`]). Raised by [`crate::finite::check_output`],
     /// never by a forward itself.

@@ -7,6 +7,7 @@ use crate::backend::{cpu::CpuBackend, Backend};
 use crate::device::Device;
 use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, ForwardIo};
 use crate::error::{BackendKind, Error, Result};
+use crate::gradients::Gradients;
 use crate::plan::{self, ExecPlan, MemoryNeeds};
 pub use crate::problem::Precision;
 use crate::problem::{Config, Direction, Problem, Shape};
@@ -427,6 +428,34 @@ impl<B: Backend> Layer<B> {
         self.forward_io(&problem, B::buffer_io(Some(x), mask, y))
     }
 
+    /// The gradients of a scalar loss `L` with respect to `x` and every weight and bias, given
+    /// `dy = ∂L/∂y`, on host slices in f32 (`x`, `dy`: `[B,N,N,C]`; `mask`: `[B,N,N]`, the one
+    /// the forward used). The forward's intermediates are recomputed from `x`; nothing the
+    /// caller passes is modified. The mask is data and gets no gradient. Only the CPU backend
+    /// has a backward so far; the others return [`crate::Error::Unsupported`].
+    pub fn backward(&mut self, x: &[f32], mask: Option<&[f32]>, dy: &[f32], shape: Shape) -> Result<Gradients> {
+        let problem = self.problem(shape, mask.is_some())?;
+        for (name, len) in [("x", x.len()), ("dy", dy.len())] {
+            if len != problem.x_len() {
+                return Err(Error::Shape(format!(
+                    "{name} has {len} elements, expected B·N·N·C = {} for {shape:?} and C = {}",
+                    problem.x_len(),
+                    self.config.c
+                )));
+            }
+        }
+        if let Some(m) = mask {
+            if m.len() != shape.rows() {
+                return Err(Error::Shape(format!(
+                    "the mask has {} elements, expected B·N·N = {}",
+                    m.len(),
+                    shape.rows()
+                )));
+            }
+        }
+        self.backend.backward(&self.prepared, &problem, x, mask, dy)
+    }
+
     /// A forward on the backend's memory with the layer's own workspace. The I/O is checked
     /// before the workspace is planned, so that a bad call allocates nothing.
     fn forward_io(&mut self, problem: &Problem, io: ForwardIo<'_>) -> Result<()> {
@@ -575,6 +604,11 @@ impl TriMul {
     /// See [`Layer::forward_in_place`].
     pub fn forward_in_place<T: IoElement>(&mut self, xy: &mut [T], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
         with_layer!(self, l => l.forward_in_place(xy, mask, shape))
+    }
+
+    /// See [`Layer::backward`].
+    pub fn backward(&mut self, x: &[f32], mask: Option<&[f32]>, dy: &[f32], shape: Shape) -> Result<Gradients> {
+        with_layer!(self, l => l.backward(x, mask, dy, shape))
     }
 
     /// See [`Layer::set_memory_budget`].

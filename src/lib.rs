@@ -29,6 +29,7 @@ pub mod device;
 pub mod device_io;
 pub mod error;
 pub mod finite;
+pub mod gradients;
 pub mod hostmem;
 pub mod io;
 pub mod kernels;
@@ -54,6 +55,7 @@ pub use device_io::{
     Operands,
 };
 pub use error::{BackendKind, Error, Result};
+pub use gradients::Gradients;
 pub use io::{NamingScheme, PairInput};
 pub use layer::{IoElement, Layer, Options, Precision, TriMul};
 pub use plan::{ExecPlan, MemoryNeeds};

@@ -52,6 +52,7 @@ const LAYERS: &[(&str, Layer)] = &[
     ("error", Layer::Foundation),
     ("problem", Layer::Foundation),
     ("weights", Layer::Foundation),
+    ("gradients", Layer::Foundation),
     ("device_io", Layer::Foundation),
     ("hostmem", Layer::Foundation),
     ("rand", Layer::Foundation),

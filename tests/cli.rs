@@ -76,6 +76,40 @@ fn check_quick_passes_on_cpu() {
     }
 }
 
+#[test]
+fn check_grad_compares_every_gradient_on_cpu() {
+    let o = trimul(&[
+        "check",
+        "--backend",
+        "cpu",
+        "--suite",
+        "quick",
+        "--seed",
+        "12",
+        "--formulation",
+        "af3",
+        "--direction",
+        "incoming",
+        "--grad",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("check --grad --json is JSON");
+    let n = trimul::suite::quick_test_cases().len() as u64;
+    assert_eq!((v["passed"].as_u64(), v["failed"].as_u64(), v["grad"].as_bool()), (Some(n), Some(0), Some(true)));
+    for case in v["cases"].as_array().unwrap() {
+        let grads = case["gradients"].as_array().expect("every case has its gradients");
+        let names: Vec<&str> = grads.iter().map(|g| g["name"].as_str().unwrap()).collect();
+        // x, two LayerNorms and six linear layers, each with its bias in af3: 2 + 2 + 12 + 1.
+        assert_eq!(names.len(), 17, "{names:?}");
+        assert!(names.contains(&"x") && names.contains(&"out_proj.bias"), "{names:?}");
+        for g in grads {
+            let rel = g["rel_l2"].as_f64().unwrap();
+            assert!(rel > 0.0 && rel < 1e-4, "{g}");
+        }
+    }
+}
+
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_without_the_feature_is_a_usage_error() {

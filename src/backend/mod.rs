@@ -42,6 +42,7 @@ pub(crate) mod staged_steps;
 use crate::device_io::{DeviceOperands, DeviceSpan, DeviceWeights, ForwardIo, Operands};
 pub use crate::device_io::{HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
+use crate::gradients::Gradients;
 use crate::plan::ExecPlan;
 use crate::problem::{Config, Problem};
 use crate::weights::Weights;
@@ -308,6 +309,22 @@ pub trait Backend: Clone + Send + Sync {
         problem: &Problem,
         io: ForwardIo<'_>,
     ) -> Result<()>;
+
+    /// The gradients of a scalar loss `L` with respect to `x` and every weight and bias, given
+    /// `dy = ∂L/∂y`, on host slices in f32 (`x`, `dy`: `[B,N,N,C]`, `mask`: `[B,N,N]`). The
+    /// forward's intermediates are recomputed from `x`. The caller has checked the lengths
+    /// against `problem`. Backends without a backward return [`Error::Unsupported`].
+    fn backward(
+        &self,
+        prepared: &Self::Prepared,
+        problem: &Problem,
+        x: &[f32],
+        mask: Option<&[f32]>,
+        dy: &[f32],
+    ) -> Result<Gradients> {
+        let _ = (prepared, problem, x, mask, dy);
+        Err(Error::Unsupported { backend: self.kind(), what: "the backward pass".into() })
+    }
 
     /// Device bytes [`Backend::prepare_device`] needs for a layer of `config` (`biases`: whether
     /// any linear layer has one).

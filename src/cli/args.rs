@@ -97,6 +97,10 @@ pub struct CheckArgs {
     /// Seed of the inputs and weights (default: from the clock; printed, so a run can be replayed).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Check the backward pass instead of the forward: every gradient (x and each weight and
+    /// bias, for a random dy) against the f64 reference, on the suite's cases with N ≤ 256.
+    #[arg(long)]
+    pub grad: bool,
     /// Print one JSON document instead of text.
     #[arg(long)]
     pub json: bool,

@@ -8,6 +8,12 @@
 //! Unwritten output cannot pass by accident: the host `y` starts as NaN and GPU backends
 //! NaN-poison their outputs and intermediates before every forward.
 //!
+//! With `--grad` it checks the backward pass instead: for a random `dy` (seeded like the
+//! inputs) every gradient, of `x` and of each weight and bias, against
+//! `trimul::reference::backward` in f64, passing when each tensor's relative L2 error is at
+//! most [`GRAD_RTOL_L2`] with no NaN the reference lacks. Only cases with N ≤ [`GRAD_MAX_N`]
+//! run: the reference keeps about twenty `B·N²·max(C, H)` f64 tensors.
+//!
 //! `--json` writes one object: `schema_version` ([`CHECK_SCHEMA_VERSION`]) first, then the tool
 //! (name, version, commit), the backend and device, suite, formulation, direction, seed,
 //! tolerances, pass and fail counts, and one entry per case (shape, seeds, the comparison or the
@@ -18,6 +24,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use serde::Serialize;
+use trimul::rand::Rng;
 use trimul::report::{fmt_err, json_f64, ToolInfo};
 use trimul::suite::{self, Case};
 use trimul::{reference, BackendKind, Device, Direction, Formulation, Options, TriMul, Weights};
@@ -30,6 +37,13 @@ use super::seed::{clock_seed, SeedStream};
 /// GPU MODE's tolerances.
 const RTOL: f64 = 2e-2;
 const ATOL: f64 = 2e-2;
+
+/// A gradient passes when its relative L2 error against the f64 reference is at most this
+/// (issue 28's bar for f32 I/O).
+pub const GRAD_RTOL_L2: f64 = 2e-3;
+
+/// `--grad` runs the cases with N up to this.
+pub const GRAD_MAX_N: usize = 256;
 
 /// Version of the `check --json` layout. Version 1 is the first to carry the field; files
 /// without it come from earlier builds, with the same fields otherwise.
@@ -45,6 +59,8 @@ struct Report {
     formulation: Formulation,
     direction: Direction,
     seed: u64,
+    /// Whether the backward pass was checked (`--grad`) rather than the forward.
+    grad: bool,
     rtol: f64,
     atol: f64,
     passed: usize,
@@ -71,6 +87,12 @@ struct CaseResult {
     /// Wall time of the forward on host slices, uploads and downloads included.
     #[serde(skip_serializing_if = "Option::is_none")]
     forward_ms: Option<f64>,
+    /// With `--grad`: each gradient's comparison, in `trimul::Gradients::tensors` order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gradients: Option<Vec<GradientJson>>,
+    /// With `--grad`: wall time of the backward on host slices.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backward_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
 }
@@ -93,14 +115,28 @@ struct ComparisonJson {
     worst: Option<(usize, f32, f64)>,
 }
 
+#[derive(Serialize)]
+struct GradientJson {
+    name: String,
+    #[serde(serialize_with = "json_f64")]
+    max_abs: f64,
+    #[serde(serialize_with = "json_f64")]
+    rel_l2: f64,
+    nan_mismatch: usize,
+    passed: bool,
+}
+
 pub fn run(args: &CheckArgs) -> CliResult {
     let device = open_device(args.backend)?;
     let formulation = Formulation::from(args.formulation);
     let direction = Direction::from(args.direction);
-    let (suite_name, cases) = match args.suite {
+    let (suite_name, mut cases) = match args.suite {
         CheckSuite::Gpumode => ("gpumode", suite::test_cases()),
         CheckSuite::Quick => ("quick", suite::quick_test_cases()),
     };
+    if args.grad {
+        cases.retain(|c| c.n <= GRAD_MAX_N);
+    }
     let seed = args.seed.unwrap_or_else(clock_seed);
     let info = device.info();
     let summary = device_summary(device.kind(), &info);
@@ -112,11 +148,22 @@ pub fn run(args: &CheckArgs) -> CliResult {
             device.kind(),
             cases.len()
         ))?;
-        progress.out(&format!("tolerance: every element within {ATOL:.0e} + {RTOL:.0e}·|ref| of the f64 reference"))?;
-        progress.out(&format!(
-            "{:<28} {:>9} {:>9} {:>10} {:<7} {:>6} {:>9}",
-            "case", "max abs", "rel L2", "checked", "", "result", "fwd ms"
-        ))?;
+        if args.grad {
+            progress.out(&format!(
+                "backward: every gradient within {GRAD_RTOL_L2:.0e} relative L2 of the f64 reference (cases with N ≤ {GRAD_MAX_N})"
+            ))?;
+            progress.out(&format!(
+                "{:<28} {:<20} {:>9} {:>6} {:>9}",
+                "case", "worst gradient", "rel L2", "result", "bwd ms"
+            ))?;
+        } else {
+            progress
+                .out(&format!("tolerance: every element within {ATOL:.0e} + {RTOL:.0e}·|ref| of the f64 reference"))?;
+            progress.out(&format!(
+                "{:<28} {:>9} {:>9} {:>10} {:<7} {:>6} {:>9}",
+                "case", "max abs", "rel L2", "checked", "", "result", "fwd ms"
+            ))?;
+        }
     }
     device.set_poison(true);
     let mut seeds = SeedStream::new(seed);
@@ -124,7 +171,11 @@ pub fn run(args: &CheckArgs) -> CliResult {
     for case in &cases {
         progress.set_message(case.name());
         let (input_seed, weights_seed) = (seeds.next(), seeds.next());
-        let result = run_case(&device, case, formulation, direction, input_seed, weights_seed);
+        let result = if args.grad {
+            run_grad_case(&device, case, formulation, direction, input_seed, weights_seed)
+        } else {
+            run_case(&device, case, formulation, direction, input_seed, weights_seed)
+        };
         if !args.json {
             progress.out(&row(&result))?;
         }
@@ -146,8 +197,9 @@ pub fn run(args: &CheckArgs) -> CliResult {
             formulation,
             direction,
             seed,
-            rtol: RTOL,
-            atol: ATOL,
+            grad: args.grad,
+            rtol: if args.grad { GRAD_RTOL_L2 } else { RTOL },
+            atol: if args.grad { 0.0 } else { ATOL },
             passed,
             failed,
             cases: results,
@@ -155,7 +207,13 @@ pub fn run(args: &CheckArgs) -> CliResult {
     } else {
         emit(&format!("{passed} passed, {failed} failed"))?;
         if failed > 0 {
-            eprintln!("replay with: trimul check --backend {} --suite {suite_name} --seed {seed}", device.kind());
+            let grad = if args.grad { " --grad" } else { "" };
+            eprintln!(
+                "replay with: trimul check --backend {} --suite {suite_name} --formulation {} --direction {}{grad} --seed {seed}",
+                device.kind(),
+                formulation,
+                direction
+            );
         }
     }
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::from(EXIT_FAILED) })
@@ -171,21 +229,7 @@ fn run_case(
     input_seed: u64,
     weights_seed: u64,
 ) -> CaseResult {
-    let mut result = CaseResult {
-        name: case.name(),
-        batch: case.batch,
-        n: case.n,
-        c: case.c,
-        h: case.h,
-        masked: case.masked,
-        dist: case.dist.as_str(),
-        input_seed,
-        weights_seed,
-        passed: false,
-        comparison: None,
-        forward_ms: None,
-        error: None,
-    };
+    let mut result = empty_result(case, input_seed, weights_seed);
     let outcome = (|| -> trimul::Result<(reference::Comparison, f64)> {
         let problem = case.problem(formulation, direction)?;
         // af3 weights carry biases here so the bias paths are checked too.
@@ -219,7 +263,100 @@ fn run_case(
     result
 }
 
+/// One case's backward: every gradient for a random `dy` against the f64 reference.
+fn run_grad_case(
+    device: &Device,
+    case: &Case,
+    formulation: Formulation,
+    direction: Direction,
+    input_seed: u64,
+    weights_seed: u64,
+) -> CaseResult {
+    let mut result = empty_result(case, input_seed, weights_seed);
+    let outcome = (|| -> trimul::Result<(Vec<GradientJson>, f64)> {
+        let problem = case.problem(formulation, direction)?;
+        let weights = Weights::random(problem.config, formulation == Formulation::Af3, weights_seed)?;
+        let inputs = suite::generate_inputs(case, input_seed);
+        let dy = Rng::new(input_seed ^ DY_SEED).normal_vec(problem.x_len(), 1.0);
+        let mut layer = TriMul::new(device, &weights, Options::new(direction))?;
+        let start = Instant::now();
+        let got = layer.backward(&inputs.x, inputs.mask.as_deref(), &dy, case.shape())?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        let want = reference::backward(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &dy)?;
+        let (got, want) = (got.tensors(), want.tensors());
+        if got.len() != want.len() || got.iter().zip(&want).any(|(g, w)| g.0 != w.0) {
+            return Err(trimul::Error::Internal("the backward returned other tensors than the reference".into()));
+        }
+        let grads = got
+            .iter()
+            .zip(&want)
+            .map(|((name, g), (_, w))| {
+                let cmp = reference::compare(g, w, 0.0, f64::INFINITY);
+                let passed = cmp.rel_l2 <= GRAD_RTOL_L2 && cmp.nan_mismatch == 0 && g.len() == w.len();
+                GradientJson {
+                    name: name.clone(),
+                    max_abs: cmp.max_abs,
+                    rel_l2: cmp.rel_l2,
+                    nan_mismatch: cmp.nan_mismatch,
+                    passed,
+                }
+            })
+            .collect();
+        Ok((grads, ms))
+    })();
+    match outcome {
+        Ok((grads, ms)) => {
+            result.passed = grads.iter().all(|g| g.passed);
+            result.backward_ms = Some(ms);
+            result.gradients = Some(grads);
+        }
+        Err(e) => result.error = Some(e.to_string()),
+    }
+    result
+}
+
+/// Mixed into a case's input seed to draw its `dy`.
+const DY_SEED: u64 = 0xD1_D1_D1;
+
+fn empty_result(case: &Case, input_seed: u64, weights_seed: u64) -> CaseResult {
+    CaseResult {
+        name: case.name(),
+        batch: case.batch,
+        n: case.n,
+        c: case.c,
+        h: case.h,
+        masked: case.masked,
+        dist: case.dist.as_str(),
+        input_seed,
+        weights_seed,
+        passed: false,
+        comparison: None,
+        forward_ms: None,
+        gradients: None,
+        backward_ms: None,
+        error: None,
+    }
+}
+
 fn row(r: &CaseResult) -> String {
+    if let Some(grads) = &r.gradients {
+        // The failing gradient furthest past the bar, or the worst one when all pass.
+        let worst = grads.iter().max_by(|a, b| a.rel_l2.total_cmp(&b.rel_l2).then(b.passed.cmp(&a.passed)));
+        let (name, e) = worst.map_or(("-", f64::NAN), |g| (g.name.as_str(), g.rel_l2));
+        let mut line = format!(
+            "{:<28} {:<20} {:>9} {:>6} {:>9.1}",
+            r.name,
+            name,
+            fmt_err(e),
+            if r.passed { "pass" } else { "FAIL" },
+            r.backward_ms.unwrap_or(f64::NAN)
+        );
+        let failing: Vec<&str> = grads.iter().filter(|g| !g.passed).map(|g| g.name.as_str()).collect();
+        if !failing.is_empty() {
+            line.push_str(&format!("  (failing: {})", failing.join(", ")));
+        }
+        return line;
+    }
     match (&r.comparison, &r.error) {
         (Some(c), _) => {
             let mut line = format!(

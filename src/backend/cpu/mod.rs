@@ -69,10 +69,18 @@
 
 use rayon::prelude::*;
 
+mod backward;
+mod elementwise;
+mod prepared;
+
+pub use self::prepared::CpuPrepared;
+
+use self::elementwise::{gated, layer_norm_rows, sigmoid, simd};
 use super::host_gemm::{matmul, MatMut, MatRef, Parallelism};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::device_io::{ForwardIo, Operands};
 use crate::error::{BackendKind, Error, Result};
+use crate::gradients::Gradients;
 use crate::plan::ExecPlan;
 use crate::problem::{Config, Direction, Formulation, Problem, Shape};
 use crate::weights::Weights;
@@ -98,26 +106,6 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend
     }
-}
-
-/// Weights laid out for the CPU GEMMs.
-#[derive(Clone, Debug)]
-pub struct CpuPrepared {
-    config: Config,
-    norm_in_w: Vec<f32>,
-    norm_in_b: Vec<f32>,
-    /// `Wcat`, `[4H + G, C]` row-major: rows are left value, left gate, right value, right gate
-    /// (H each) and the output gate (G). The GEMM reads it as `Wcatᵀ` with unit row stride,
-    /// the layout `gemm` packs fastest for this product (measured: ~5% over `[C, 4H+G]`).
-    w_cat: Vec<f32>,
-    /// Fused projection biases `[4H + G]`; zeros where a layer has none.
-    b_cat: Vec<f32>,
-    norm_out_w: Vec<f32>,
-    norm_out_b: Vec<f32>,
-    /// `Woutᵀ`, `[H, C]` row-major.
-    w_out_t: Vec<f32>,
-    /// Output projection bias `[C]` (af3 `bz`); zeros when absent.
-    b_out: Vec<f32>,
 }
 
 /// How positions and hidden channels are blocked for one problem, thread count and memory limit
@@ -247,40 +235,11 @@ impl Backend for CpuBackend {
     }
 
     fn prepare(&self, weights: &Weights) -> Result<CpuPrepared> {
-        weights.validate()?;
-        let config = weights.config();
-        let Config { c, h, .. } = config;
-        let (w_cat, b_cat) = weights.fused_input()?;
-        let b_cat = b_cat.unwrap_or_else(|| vec![0.0; config.fused_proj_width()]);
-        let mut w_out_t = crate::hostmem::try_vec(h * c, 0.0f32, "transposed output weights")?;
-        for (o, row) in weights.out_proj.weight.chunks_exact(h).enumerate() {
-            for (k, &v) in row.iter().enumerate() {
-                w_out_t[k * c + o] = v;
-            }
-        }
-        Ok(CpuPrepared {
-            config,
-            norm_in_w: weights.norm_in.weight.clone(),
-            norm_in_b: weights.norm_in.bias.clone(),
-            w_cat,
-            b_cat,
-            norm_out_w: weights.norm_out.weight.clone(),
-            norm_out_b: weights.norm_out.bias.clone(),
-            w_out_t,
-            b_out: weights.out_proj.bias.clone().unwrap_or_else(|| vec![0.0; c]),
-        })
+        CpuPrepared::new(weights)
     }
 
     fn prepared_bytes(&self, p: &CpuPrepared) -> u64 {
-        let floats = p.norm_in_w.len()
-            + p.norm_in_b.len()
-            + p.w_cat.len()
-            + p.b_cat.len()
-            + p.norm_out_w.len()
-            + p.norm_out_b.len()
-            + p.w_out_t.len()
-            + p.b_out.len();
-        floats as u64 * 4
+        p.bytes()
     }
 
     fn workspace(&self, prepared: &CpuPrepared, problem: &Problem, limit: Option<u64>) -> Result<CpuWorkspace> {
@@ -385,6 +344,18 @@ impl Backend for CpuBackend {
         check_call(self, prepared, workspace, problem)?;
         run(prepared, workspace, problem, x.unwrap_or(&*y), mask)?;
         output(prepared, workspace, x, y)
+    }
+
+    fn backward(
+        &self,
+        prepared: &CpuPrepared,
+        problem: &Problem,
+        x: &[f32],
+        mask: Option<&[f32]>,
+        dy: &[f32],
+    ) -> Result<Gradients> {
+        check_config(prepared, problem)?;
+        backward::backward(prepared, problem, x, mask, dy)
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -503,117 +474,6 @@ fn copy_checked(src: &[f32], dst: &mut [f32]) -> Result<()> {
     }
     dst.copy_from_slice(src);
     Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------
-// Element-wise kernels. Plain loops over slices, written so LLVM vectorises them.
-
-/// `eˣ` in f32 without branches, so loops that call it vectorise (`libm`'s `expf` is a scalar
-/// call). Range reduction `x = n·ln2 + r` with `|r| ≤ ln2/2` (ln2 split in two so `n·LN2_HI` is
-/// exact), a degree-7 Taylor polynomial for `eʳ` (truncation below 6e-9 relative) in Horner form
-/// with fused multiply-adds, and `2ⁿ` built from its exponent bits. Relative error about 2 ulp.
-/// NaN stays NaN: `clamp` keeps NaN and every later step propagates it. Inputs are clamped to
-/// [-87, 88] so `2ⁿ` stays a normal number: the result saturates at e⁸⁸ ≈ 1.7e38 and
-/// e⁻⁸⁷ ≈ 1.6e-38, which moves σ by < 1e-37.
-///
-/// `mul_add` becomes one FMA instruction inside [`simd`] on AVX2 and Arm CPUs (a third fewer
-/// operations than separate multiply and add); only on x86 CPUs without FMA does it fall back to
-/// the slower but exact `fmaf` library call.
-#[inline(always)]
-fn exp_f32(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    // 355/512: 9 significant bits, so n·LN2_HI is exact for |n| < 2¹⁵.
-    const LN2_HI: f32 = 0.693_359_4;
-    // ln 2 − LN2_HI.
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // 1.5·2²³: adding it rounds to an integer and leaves that integer in the low mantissa bits.
-    const SHIFTER: f32 = 12_582_912.0;
-    let x = x.clamp(-87.0, 88.0);
-    let shifted = x.mul_add(LOG2_E, SHIFTER);
-    let n = shifted - SHIFTER;
-    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
-    let mut p = 1.0 / 5040.0f32;
-    for coef in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = p.mul_add(r, coef);
-    }
-    let n_int = shifted.to_bits() as i32 - SHIFTER.to_bits() as i32;
-    p * f32::from_bits(((n_int + 127) << 23) as u32)
-}
-
-#[inline(always)]
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + exp_f32(-x))
-}
-
-/// Runs `f` inside a function compiled for the best x86 (AVX2+FMA) or Arm SIMD level this CPU
-/// has, chosen at run time by `pulp`, so the element-wise loops inlined into `f` vectorise to
-/// full-width registers instead of the SSE2 baseline of a portable build (2× on the gates).
-/// Everything called inside must be `#[inline(always)]` to be compiled for that level.
-#[inline(always)]
-fn simd<R>(f: impl FnOnce() -> R) -> R {
-    pulp::Arch::new().dispatch(f)
-}
-
-/// `dst = σ(gate + bg) ⊙ (val + bv) ⊙ mask`.
-#[inline(always)]
-fn gated(dst: &mut [f32], val: &[f32], gate: &[f32], bv: f32, bg: f32, mask: Option<&[f32]>) {
-    match mask {
-        Some(mask) => {
-            for (((d, &v), &g), &m) in dst.iter_mut().zip(val).zip(gate).zip(mask) {
-                *d = sigmoid(g + bg) * (v + bv) * m;
-            }
-        }
-        None => {
-            for ((d, &v), &g) in dst.iter_mut().zip(val).zip(gate) {
-                *d = sigmoid(g + bg) * (v + bv);
-            }
-        }
-    }
-}
-
-/// Sum of a slice in f64, with eight independent accumulators so the loop vectorises.
-#[inline(always)]
-fn sum_f64(v: &[f32]) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let chunks = v.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|&a| a as f64).sum();
-    for ch in chunks {
-        for (a, &b) in acc.iter_mut().zip(ch) {
-            *a += b as f64;
-        }
-    }
-    acc.iter().sum::<f64>() + tail
-}
-
-/// `Σ (v − mean)²` in f64 (the second pass of a two-pass variance: no cancellation).
-#[inline(always)]
-fn sum_sq_dev_f64(v: &[f32], mean: f64) -> f64 {
-    let mut acc = [0.0f64; 8];
-    let chunks = v.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|&a| (a as f64 - mean) * (a as f64 - mean)).sum();
-    for ch in chunks {
-        for (a, &b) in acc.iter_mut().zip(ch) {
-            let d = b as f64 - mean;
-            *a += d * d;
-        }
-    }
-    acc.iter().sum::<f64>() + tail
-}
-
-/// LayerNorm of each row of `x` (rows of `w.len()` values) into `out`. Mean and variance are
-/// two-pass in f64: Cauchy inputs put values of 1e4 next to values of 1e-2 in one row, where a
-/// one-pass f32 `E[x²] − E[x]²` loses every digit.
-#[inline(always)]
-fn layer_norm_rows(x: &[f32], out: &mut [f32], w: &[f32], b: &[f32], eps: f64) {
-    let width = w.len();
-    for (xr, zr) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
-        let mean = sum_f64(xr) / width as f64;
-        let var = sum_sq_dev_f64(xr, mean) / width as f64;
-        let rstd = 1.0 / (var + eps).sqrt();
-        for (((z, &v), &wi), &bi) in zr.iter_mut().zip(xr).zip(w).zip(b) {
-            *z = ((v as f64 - mean) * rstd) as f32 * wi + bi;
-        }
-    }
 }
 
 /// One run of consecutive positions `m0 + off .. m0 + off + len` that stays inside one batch
@@ -926,6 +786,7 @@ fn norm_out_block(prep: &CpuPrepared, t: &[f32], u: &mut [f32], r0: usize, q: us
 mod tests {
     //! Unit tests of this module's pieces and edge cases, judged against the f64 reference
     //! (`crate::reference`); the GPU MODE suite runs through tests/conformance.
+    use super::elementwise::exp_f32;
     use super::*;
     use crate::rand::Rng;
     use crate::reference;

@@ -1,0 +1,680 @@
+//! The CPU backward pass: every gradient of `L` given `dy`, in f32, recomputing the forward's
+//! intermediates from `x` (the "recompute everything" mode of `docs/backward.md`, which derives
+//! each line below).
+//!
+//! # Math (per row `r`, `⊙` elementwise, `Σ_r` over all `M = B·N²` rows)
+//! ```text
+//! A  x̂, ρ_x, z = LN_C(x);  P = z·Wcatᵀ + bcat;  left = pL⊙σ(qL)⊙m,  right = pR⊙σ(qR)⊙m
+//! B  t = L·Rᵀ (outgoing) or Lᵀ·R (incoming), per (b, h)
+//! C  t̂, ρ_t, u = LN_H(t)
+//!    gpumode: o = σ(P_G), v = u⊙o, dv = dy·Wout, dWout = Σ_r dyᵀ·v, du = dv⊙o, dG = dv⊙u⊙o(1−o)
+//!    af3:     g = σ(P_G), s = u·Wzᵀ + bz, ds = dy⊙g, dWz = Σ_r dsᵀ·u, dbz = Σ_r ds,
+//!             du = ds·Wz, dG = dy⊙s⊙g(1−g)
+//!    dγ_out = Σ_r du⊙t̂, dβ_out = Σ_r du, dt = ρ_t·(ĝ − mean(ĝ) − t̂·mean(ĝ⊙t̂)), ĝ = du⊙γ_out
+//! D  outgoing dL = dT·R, dR = dTᵀ·L;  incoming dL = R·dTᵀ, dR = L·dT, per (b, h)
+//! E  dp = dleft⊙σ(q)⊙m, dq = dleft⊙p⊙m⊙σ(q)(1−σ(q)) (left and right), D = [dpL dqL dpR dqR dG]
+//!    dWcat = Σ_r Dᵀ·z, dbcat = Σ_r D, dz = D·Wcat
+//!    dγ_in = Σ_r dz⊙x̂, dβ_in = Σ_r dz, dx = ρ_x·(ĝ − mean(ĝ) − x̂·mean(ĝ⊙x̂)), ĝ = dz⊙γ_in
+//! ```
+//!
+//! # Layout and threading
+//! Stages A, C and E run over blocks of [`ROWS`] consecutive rows in parallel, each with its own
+//! scratch; B and D run one `N × N × N` GEMM per `(b, h)` in parallel. Tensors a row-block stage
+//! writes are position-major (`left`, `right`, `dt`: `[M, H]`; the gate gradient `[M, G]`), so
+//! each block owns one contiguous run; tensors a `(b, h)` stage writes are hidden-major (`t`,
+//! `dleft`, `dright`: `[B, H, N²]`), so each slice owns one. The GEMMs read the other layout
+//! through strides. Memory: six `M·H` tensors, `M·G` and `dx`, all f32.
+//!
+//! # Precision
+//! GEMMs and storage are f32; LayerNorm statistics and the per-row means of the LayerNorm
+//! backward are f64. A weight gradient sums over all `M` rows (a million at N = 1024): each
+//! block's GEMM sums its 128 rows in f32, and the blocks are summed in f64.
+#![forbid(unsafe_code)]
+
+use rayon::prelude::*;
+
+use super::elementwise::{sigmoid, simd, sum_f64, sum_sq_dev_f64};
+use super::prepared::CpuPrepared;
+use crate::backend::host_gemm::{matmul, MatMut, MatRef, Parallelism};
+use crate::error::Result;
+use crate::gradients::Gradients;
+use crate::hostmem::try_vec;
+use crate::problem::{Direction, Formulation, Problem};
+use crate::weights::{Linear, Norm};
+
+/// Rows per block of the row-parallel stages (A, C, E): a block's `z`, `P` and gradients stay
+/// inside a core's L2 at C = H = 128.
+const ROWS: usize = 128;
+
+/// The sizes every stage uses.
+#[derive(Copy, Clone)]
+struct Dims {
+    c: usize,
+    h: usize,
+    /// Output gate width `G`.
+    g: usize,
+    /// Fused projection width `4H + G`.
+    f: usize,
+    n: usize,
+    n2: usize,
+    eps: f64,
+}
+
+/// Gradients of `L = Σ dy ⊙ y` for `x` (`[B,N,N,C]`), `mask` (`[B,N,N]`, none: all ones) and
+/// `dy` (`[B,N,N,C]`); the caller has checked the lengths against `problem`.
+pub(super) fn backward(
+    prep: &CpuPrepared,
+    problem: &Problem,
+    x: &[f32],
+    mask: Option<&[f32]>,
+    dy: &[f32],
+) -> Result<Gradients> {
+    let config = problem.config;
+    let n = problem.shape.n;
+    let d = Dims {
+        c: config.c,
+        h: config.h,
+        g: config.gate_width(),
+        f: config.fused_proj_width(),
+        n,
+        n2: n * n,
+        eps: f64::from(problem.eps),
+    };
+    let m = problem.shape.rows();
+    let mh = m * d.h;
+    let mut left = try_vec(mh, 0.0f32, "backward: left")?;
+    let mut right = try_vec(mh, 0.0f32, "backward: right")?;
+    project_lr(prep, &d, x, mask, &mut left, &mut right)?;
+    let mut t = try_vec(mh, 0.0f32, "backward: t")?;
+    contract(&d, problem.direction, &left, &right, &mut t)?;
+
+    let mut dt = try_vec(mh, 0.0f32, "backward: dt")?;
+    let mut dgate = try_vec(m * d.g, 0.0f32, "backward: output gate gradient")?;
+    let out_sums = output_backward(prep, &d, problem.config.formulation, x, dy, &t, &mut dt, &mut dgate)?;
+    drop(t);
+
+    let (mut dleft, mut dright) = (try_vec(mh, 0.0f32, "backward: dleft")?, try_vec(mh, 0.0f32, "backward: dright")?);
+    contract_backward(&d, problem.direction, &dt, &left, &right, &mut dleft, &mut dright)?;
+    drop((dt, left, right));
+
+    let mut dx = try_vec(m * d.c, 0.0f32, "backward: dx")?;
+    let in_sums = input_backward(prep, &d, x, mask, &dleft, &dright, &dgate, &mut dx)?;
+    Ok(assemble(prep, &d, dx, &in_sums, &out_sums))
+}
+
+/// Per-block scratch of the row stages.
+struct Scratch {
+    xhat: Vec<f32>,
+    rho: Vec<f64>,
+    z: Vec<f32>,
+    p: Vec<f32>,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    prod: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(d: &Dims) -> Scratch {
+        let wide = d.f.max(d.c).max(d.h);
+        Scratch {
+            xhat: vec![0.0; ROWS * d.c],
+            rho: vec![0.0; ROWS],
+            z: vec![0.0; ROWS * d.c],
+            p: vec![0.0; ROWS * d.f],
+            a: vec![0.0; ROWS * wide],
+            b: vec![0.0; ROWS * wide],
+            prod: vec![0.0; d.f.max(d.c) * d.c.max(d.h)],
+        }
+    }
+}
+
+/// Sums over rows, accumulated in f64 across blocks.
+#[derive(Clone)]
+struct Sums(Vec<Vec<f64>>);
+
+impl Sums {
+    fn zeros(lens: &[usize]) -> Sums {
+        Sums(lens.iter().map(|&l| vec![0.0; l]).collect())
+    }
+
+    fn merge(mut self, other: Sums) -> Sums {
+        for (a, b) in self.0.iter_mut().zip(other.0) {
+            for (x, y) in a.iter_mut().zip(b) {
+                *x += y;
+            }
+        }
+        self
+    }
+
+    fn add(&mut self, i: usize, v: &[f32]) {
+        for (a, &b) in self.0[i].iter_mut().zip(v) {
+            *a += f64::from(b);
+        }
+    }
+
+    fn f32(&self, i: usize) -> Vec<f32> {
+        self.0[i].iter().map(|&v| v as f32).collect()
+    }
+}
+
+/// LN_C of a block's rows of `x`: `x̂` and `ρ` (kept for the backward) and `z = x̂⊙γ + β`.
+fn norm_in(prep: &CpuPrepared, d: &Dims, xb: &[f32], s: &mut Scratch) {
+    let rows = xb.len() / d.c;
+    normalise(xb, d.c, d.eps, &mut s.xhat[..rows * d.c], &mut s.rho[..rows]);
+    simd(|| {
+        for (zr, xr) in s.z[..rows * d.c].chunks_exact_mut(d.c).zip(s.xhat.chunks_exact(d.c)) {
+            for (((z, &v), &w), &b) in zr.iter_mut().zip(xr).zip(&prep.norm_in_w).zip(&prep.norm_in_b) {
+                *z = v * w + b;
+            }
+        }
+    });
+}
+
+/// `v̂ = (v − μ)·ρ` per row of `width` values, statistics two-pass in f64.
+fn normalise(v: &[f32], width: usize, eps: f64, hat: &mut [f32], rho: &mut [f64]) {
+    simd(|| {
+        for ((vr, hr), r) in v.chunks_exact(width).zip(hat.chunks_exact_mut(width)).zip(rho.iter_mut()) {
+            let mean = sum_f64(vr) / width as f64;
+            let var = sum_sq_dev_f64(vr, mean) / width as f64;
+            *r = 1.0 / (var + eps).sqrt();
+            for (h, &x) in hr.iter_mut().zip(vr) {
+                *h = ((f64::from(x) - mean) * *r) as f32;
+            }
+        }
+    });
+}
+
+/// The LayerNorm backward of one block: `dv = ρ·(ĝ − mean(ĝ) − v̂·mean(ĝ⊙v̂))` with `ĝ = dout⊙γ`,
+/// and the block's `Σ dout⊙v̂` and `Σ dout` into sums `iw` and `ib`.
+fn norm_backward(
+    dout: &[f32],
+    hat: &[f32],
+    rho: &[f64],
+    gamma: &[f32],
+    dv: &mut [f32],
+    sums: &mut Sums,
+    (iw, ib): (usize, usize),
+) {
+    let width = gamma.len();
+    simd(|| {
+        for (((dr, hr), &r), out) in
+            dout.chunks_exact(width).zip(hat.chunks_exact(width)).zip(rho).zip(dv.chunks_exact_mut(width))
+        {
+            let (mut mg, mut mgh) = (0.0f64, 0.0f64);
+            for ((&g, &h), &w) in dr.iter().zip(hr).zip(gamma) {
+                let gh = f64::from(g) * f64::from(w);
+                mg += gh;
+                mgh += gh * f64::from(h);
+            }
+            let (mg, mgh) = (mg / width as f64, mgh / width as f64);
+            for (((o, &g), &h), &w) in out.iter_mut().zip(dr).zip(hr).zip(gamma) {
+                *o = (r * (f64::from(g) * f64::from(w) - mg - f64::from(h) * mgh)) as f32;
+            }
+            for ((a, &g), &h) in sums.0[iw].iter_mut().zip(dr).zip(hr) {
+                *a += f64::from(g) * f64::from(h);
+            }
+            for (a, &g) in sums.0[ib].iter_mut().zip(dr) {
+                *a += f64::from(g);
+            }
+        }
+    });
+}
+
+/// `out[rows, w1 − w0] = z·Wcat[w0..w1]ᵀ + bcat[w0..w1]`.
+fn project(prep: &CpuPrepared, d: &Dims, z: &[f32], rows: usize, w0: usize, w1: usize, out: &mut [f32]) -> Result<()> {
+    let width = w1 - w0;
+    let dst = MatMut::new(&mut out[..rows * width], rows, width, width, 1)?;
+    let lhs = MatRef::new(z, rows, d.c, d.c, 1)?;
+    let rhs = MatRef::new(&prep.w_cat[w0 * d.c..w1 * d.c], d.c, width, 1, d.c)?;
+    matmul(dst, lhs, rhs, Parallelism::None)?;
+    simd(|| {
+        for row in out[..rows * width].chunks_exact_mut(width) {
+            for (v, &b) in row.iter_mut().zip(&prep.b_cat[w0..w1]) {
+                *v += b;
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Stage A: `left` and `right`, position-major `[M, H]`.
+fn project_lr(
+    prep: &CpuPrepared,
+    d: &Dims,
+    x: &[f32],
+    mask: Option<&[f32]>,
+    left: &mut [f32],
+    right: &mut [f32],
+) -> Result<()> {
+    let h = d.h;
+    left.par_chunks_mut(ROWS * h).zip(right.par_chunks_mut(ROWS * h)).enumerate().try_for_each_init(
+        || Scratch::new(d),
+        |s, (blk, (lb, rb))| {
+            let rows = lb.len() / h;
+            let r0 = blk * ROWS;
+            norm_in(prep, d, &x[r0 * d.c..(r0 + rows) * d.c], s);
+            project(prep, d, &s.z[..rows * d.c], rows, 0, 4 * h, &mut s.p)?;
+            simd(|| {
+                for (r, (lr, rr)) in lb.chunks_exact_mut(h).zip(rb.chunks_exact_mut(h)).enumerate() {
+                    let m = mask.map_or(1.0, |mk| mk[r0 + r]);
+                    let p = &s.p[r * 4 * h..(r + 1) * 4 * h];
+                    for k in 0..h {
+                        lr[k] = p[k] * sigmoid(p[h + k]) * m;
+                        rr[k] = p[2 * h + k] * sigmoid(p[3 * h + k]) * m;
+                    }
+                }
+            });
+            Ok(())
+        },
+    )
+}
+
+/// The `N × N` matrix of batch `b`, hidden channel `h` of a position-major `[M, H]` tensor,
+/// transposed when `transpose`.
+fn channel<'a>(v: &'a [f32], d: &Dims, b: usize, h: usize, transpose: bool) -> Result<MatRef<'a>> {
+    let (rs, cs) = (d.n * d.h, d.h);
+    let (rs, cs) = if transpose { (cs, rs) } else { (rs, cs) };
+    MatRef::new(&v[b * d.n2 * d.h + h..], d.n, d.n, rs, cs)
+}
+
+/// Stage B: `t`, hidden-major `[B, H, N²]`.
+fn contract(d: &Dims, dir: Direction, left: &[f32], right: &[f32], t: &mut [f32]) -> Result<()> {
+    t.par_chunks_mut(d.n2).enumerate().try_for_each(|(bh, tc)| {
+        let (b, h) = (bh / d.h, bh % d.h);
+        let out = MatMut::new(tc, d.n, d.n, d.n, 1)?;
+        let outgoing = dir == Direction::Outgoing;
+        // Outgoing T = L·Rᵀ, incoming T = Lᵀ·R.
+        let lhs = channel(left, d, b, h, !outgoing)?;
+        let rhs = channel(right, d, b, h, outgoing)?;
+        matmul(out, lhs, rhs, Parallelism::None)
+    })
+}
+
+/// Stage D: `dleft` and `dright`, hidden-major `[B, H, N²]`.
+fn contract_backward(
+    d: &Dims,
+    dir: Direction,
+    dt: &[f32],
+    left: &[f32],
+    right: &[f32],
+    dleft: &mut [f32],
+    dright: &mut [f32],
+) -> Result<()> {
+    let outgoing = dir == Direction::Outgoing;
+    // Outgoing dL = dT·R, dR = dTᵀ·L; incoming dL = R·dTᵀ, dR = L·dT.
+    dleft.par_chunks_mut(d.n2).enumerate().try_for_each(|(bh, out)| {
+        let (b, h) = (bh / d.h, bh % d.h);
+        let out = MatMut::new(out, d.n, d.n, d.n, 1)?;
+        let (lhs, rhs) = if outgoing {
+            (channel(dt, d, b, h, false)?, channel(right, d, b, h, false)?)
+        } else {
+            (channel(right, d, b, h, false)?, channel(dt, d, b, h, true)?)
+        };
+        matmul(out, lhs, rhs, Parallelism::None)
+    })?;
+    dright.par_chunks_mut(d.n2).enumerate().try_for_each(|(bh, out)| {
+        let (b, h) = (bh / d.h, bh % d.h);
+        let out = MatMut::new(out, d.n, d.n, d.n, 1)?;
+        let (lhs, rhs) = if outgoing {
+            (channel(dt, d, b, h, true)?, channel(left, d, b, h, false)?)
+        } else {
+            (channel(left, d, b, h, false)?, channel(dt, d, b, h, false)?)
+        };
+        matmul(out, lhs, rhs, Parallelism::None)
+    })
+}
+
+/// Rows `r0 .. r0 + rows` of a hidden-major `[B, H, N²]` tensor, position-major into `out`.
+fn gather(v: &[f32], d: &Dims, r0: usize, rows: usize, out: &mut [f32]) {
+    for (r, o) in out[..rows * d.h].chunks_exact_mut(d.h).enumerate() {
+        let q = r0 + r;
+        let (b, p) = (q / d.n2, q % d.n2);
+        for (h, o) in o.iter_mut().enumerate() {
+            *o = v[(b * d.h + h) * d.n2 + p];
+        }
+    }
+}
+
+/// Sums of the output stage: the output projection's weight `[C, H]` and bias `[C]`, LN_H's
+/// weight and bias `[H]`.
+const OUT_W: usize = 0;
+const OUT_B: usize = 1;
+const NORM_OUT_W: usize = 2;
+const NORM_OUT_B: usize = 3;
+
+/// Stage C: the output projection, gate and LN_H backward; writes `dt` (`[M, H]`) and the output
+/// gate's pre-activation gradient (`[M, G]`).
+#[allow(clippy::too_many_arguments)]
+fn output_backward(
+    prep: &CpuPrepared,
+    d: &Dims,
+    form: Formulation,
+    x: &[f32],
+    dy: &[f32],
+    t: &[f32],
+    dt: &mut [f32],
+    dgate: &mut [f32],
+) -> Result<Sums> {
+    let (c, h, g) = (d.c, d.h, d.g);
+    let lens = [c * h, c, h, h];
+    dt.par_chunks_mut(ROWS * h)
+        .zip(dgate.par_chunks_mut(ROWS * g))
+        .enumerate()
+        .try_fold(
+            || (Scratch::new(d), Sums::zeros(&lens)),
+            |(mut s, mut sums), (blk, (dtb, dgb))| -> Result<(Scratch, Sums)> {
+                let rows = dtb.len() / h;
+                let r0 = blk * ROWS;
+                let dyb = &dy[r0 * c..(r0 + rows) * c];
+                norm_in(prep, d, &x[r0 * c..(r0 + rows) * c], &mut s);
+                // The gate pre-activation P_G into s.p, [rows, G].
+                project(prep, d, &s.z[..rows * c], rows, 4 * h, d.f, &mut s.p)?;
+                // t̂ into s.a, its ρ into rho_t; u into s.b.
+                let mut tb = vec![0.0f32; rows * h];
+                gather(t, d, r0, rows, &mut tb);
+                let mut rho_t = vec![0.0f64; rows];
+                normalise(&tb, h, d.eps, &mut s.a[..rows * h], &mut rho_t);
+                let that = &s.a[..rows * h];
+                let u = &mut s.b[..rows * h];
+                simd(|| {
+                    for (ur, tr) in u.chunks_exact_mut(h).zip(that.chunks_exact(h)) {
+                        for (((u, &v), &w), &b) in ur.iter_mut().zip(tr).zip(&prep.norm_out_w).zip(&prep.norm_out_b) {
+                            *u = v * w + b;
+                        }
+                    }
+                });
+                let u = &s.b[..rows * h];
+                // du into tb (t itself is no longer needed: t̂ and ρ_t are kept).
+                let du = &mut tb;
+                let wout = MatRef::new(&prep.w_out_t, c, h, 1, c)?; // Wout [C, H]
+                match form {
+                    Formulation::GpuMode => {
+                        // o = σ(P_G), v = u⊙o; dv = dy·Wout; dWout += dyᵀ·v.
+                        let mut v = vec![0.0f32; rows * h];
+                        simd(|| {
+                            for ((v, &u), &q) in v.iter_mut().zip(u).zip(&s.p[..rows * h]) {
+                                *v = u * sigmoid(q);
+                            }
+                        });
+                        let prod = &mut s.prod[..c * h];
+                        matmul(
+                            MatMut::new(prod, c, h, h, 1)?,
+                            MatRef::new(dyb, c, rows, 1, c)?,
+                            MatRef::new(&v, rows, h, h, 1)?,
+                            Parallelism::None,
+                        )?;
+                        sums.add(OUT_W, prod);
+                        let mut dv = v;
+                        matmul(
+                            MatMut::new(&mut dv, rows, h, h, 1)?,
+                            MatRef::new(dyb, rows, c, c, 1)?,
+                            wout,
+                            Parallelism::None,
+                        )?;
+                        simd(|| {
+                            for ((((du, &dv), &u), &q), dg) in
+                                du.iter_mut().zip(&dv).zip(u).zip(&s.p[..rows * h]).zip(dgb.iter_mut())
+                            {
+                                let o = sigmoid(q);
+                                *du = dv * o;
+                                *dg = dv * u * o * (1.0 - o);
+                            }
+                        });
+                    }
+                    Formulation::Af3 => {
+                        // g = σ(P_G), s = u·Wzᵀ + bz; ds = dy⊙g; dWz += dsᵀ·u; dbz += Σ ds; du = ds·Wz.
+                        let mut sv = vec![0.0f32; rows * c];
+                        matmul(
+                            MatMut::new(&mut sv, rows, c, c, 1)?,
+                            MatRef::new(u, rows, h, h, 1)?,
+                            MatRef::new(&prep.w_out_t, h, c, c, 1)?,
+                            Parallelism::None,
+                        )?;
+                        let mut ds = vec![0.0f32; rows * c];
+                        simd(|| {
+                            for (r, ((dsr, dgr), svr)) in
+                                ds.chunks_exact_mut(c).zip(dgb.chunks_exact_mut(c)).zip(sv.chunks_exact(c)).enumerate()
+                            {
+                                let dyr = &dyb[r * c..(r + 1) * c];
+                                let pr = &s.p[r * c..(r + 1) * c];
+                                for k in 0..c {
+                                    let gate = sigmoid(pr[k]);
+                                    let sk = svr[k] + prep.b_out[k];
+                                    dsr[k] = dyr[k] * gate;
+                                    dgr[k] = dyr[k] * sk * gate * (1.0 - gate);
+                                }
+                            }
+                        });
+                        let prod = &mut s.prod[..c * h];
+                        matmul(
+                            MatMut::new(prod, c, h, h, 1)?,
+                            MatRef::new(&ds, c, rows, 1, c)?,
+                            MatRef::new(u, rows, h, h, 1)?,
+                            Parallelism::None,
+                        )?;
+                        sums.add(OUT_W, prod);
+                        for dsr in ds.chunks_exact(c) {
+                            sums.add(OUT_B, dsr);
+                        }
+                        matmul(
+                            MatMut::new(du, rows, h, h, 1)?,
+                            MatRef::new(&ds, rows, c, c, 1)?,
+                            wout,
+                            Parallelism::None,
+                        )?;
+                    }
+                }
+                norm_backward(du, that, &rho_t, &prep.norm_out_w, dtb, &mut sums, (NORM_OUT_W, NORM_OUT_B));
+                Ok((s, sums))
+            },
+        )
+        .map(|r| r.map(|(_, sums)| sums))
+        .try_reduce(|| Sums::zeros(&lens), |a, b| Ok(a.merge(b)))
+}
+
+/// Sums of the input stage: the fused projection's weight `[4H + G, C]` and bias `[4H + G]`,
+/// LN_C's weight and bias `[C]`.
+const CAT_W: usize = 0;
+const CAT_B: usize = 1;
+const NORM_IN_W: usize = 2;
+const NORM_IN_B: usize = 3;
+
+/// Stage E: the gated projections' and LN_C's backward; writes `dx`.
+#[allow(clippy::too_many_arguments)]
+fn input_backward(
+    prep: &CpuPrepared,
+    d: &Dims,
+    x: &[f32],
+    mask: Option<&[f32]>,
+    dleft: &[f32],
+    dright: &[f32],
+    dgate: &[f32],
+    dx: &mut [f32],
+) -> Result<Sums> {
+    let (c, h, g, f) = (d.c, d.h, d.g, d.f);
+    let lens = [f * c, f, c, c];
+    dx.par_chunks_mut(ROWS * c)
+        .enumerate()
+        .try_fold(
+            || (Scratch::new(d), Sums::zeros(&lens)),
+            |(mut s, mut sums), (blk, dxb)| -> Result<(Scratch, Sums)> {
+                let rows = dxb.len() / c;
+                let r0 = blk * ROWS;
+                norm_in(prep, d, &x[r0 * c..(r0 + rows) * c], &mut s);
+                project(prep, d, &s.z[..rows * c], rows, 0, 4 * h, &mut s.p)?;
+                let (dl, dr) = (&mut s.a[..rows * h], &mut s.b[..rows * h]);
+                gather(dleft, d, r0, rows, dl);
+                gather(dright, d, r0, rows, dr);
+                // D = [dpL dqL dpR dqR dG], [rows, F].
+                let mut dcat = vec![0.0f32; rows * f];
+                simd(|| {
+                    for (r, dc) in dcat.chunks_exact_mut(f).enumerate() {
+                        let m = mask.map_or(1.0, |mk| mk[r0 + r]);
+                        let p = &s.p[r * 4 * h..(r + 1) * 4 * h];
+                        for (side, dsrc) in [(0, &dl[r * h..(r + 1) * h]), (2 * h, &dr[r * h..(r + 1) * h])] {
+                            for k in 0..h {
+                                let sg = sigmoid(p[side + h + k]);
+                                let dm = dsrc[k] * m;
+                                dc[side + k] = dm * sg;
+                                dc[side + h + k] = dm * p[side + k] * sg * (1.0 - sg);
+                            }
+                        }
+                        dc[4 * h..].copy_from_slice(&dgate[(r0 + r) * g..(r0 + r + 1) * g]);
+                    }
+                });
+                // dWcat += Dᵀ·z; dbcat += Σ D; dz = D·Wcat.
+                let prod = &mut s.prod[..f * c];
+                matmul(
+                    MatMut::new(prod, f, c, c, 1)?,
+                    MatRef::new(&dcat, f, rows, 1, f)?,
+                    MatRef::new(&s.z[..rows * c], rows, c, c, 1)?,
+                    Parallelism::None,
+                )?;
+                sums.add(CAT_W, prod);
+                for dc in dcat.chunks_exact(f) {
+                    sums.add(CAT_B, dc);
+                }
+                let mut dz = vec![0.0f32; rows * c];
+                matmul(
+                    MatMut::new(&mut dz, rows, c, c, 1)?,
+                    MatRef::new(&dcat, rows, f, f, 1)?,
+                    MatRef::new(&prep.w_cat, f, c, c, 1)?,
+                    Parallelism::None,
+                )?;
+                norm_backward(
+                    &dz,
+                    &s.xhat[..rows * c],
+                    &s.rho[..rows],
+                    &prep.norm_in_w,
+                    dxb,
+                    &mut sums,
+                    (NORM_IN_W, NORM_IN_B),
+                );
+                Ok((s, sums))
+            },
+        )
+        .map(|r| r.map(|(_, sums)| sums))
+        .try_reduce(|| Sums::zeros(&lens), |a, b| Ok(a.merge(b)))
+}
+
+/// The gradients in [`Gradients`]' layout, with a bias gradient exactly where the weights have
+/// a bias.
+fn assemble(prep: &CpuPrepared, d: &Dims, dx: Vec<f32>, input: &Sums, output: &Sums) -> Gradients {
+    let (c, h) = (d.c, d.h);
+    let w_cat = input.f32(CAT_W);
+    let b_cat = input.f32(CAT_B);
+    let fused = |i: usize, w0: usize, w1: usize| {
+        let bias = prep.biases[i].then(|| b_cat[w0..w1].to_vec());
+        Linear::new(w_cat[w0 * c..w1 * c].to_vec(), bias, w1 - w0, c)
+    };
+    Gradients {
+        x: dx,
+        norm_in: Norm { weight: input.f32(NORM_IN_W), bias: input.f32(NORM_IN_B) },
+        left_proj: fused(0, 0, h),
+        left_gate: fused(1, h, 2 * h),
+        right_proj: fused(2, 2 * h, 3 * h),
+        right_gate: fused(3, 3 * h, 4 * h),
+        out_gate: fused(4, 4 * h, d.f),
+        norm_out: Norm { weight: output.f32(NORM_OUT_W), bias: output.f32(NORM_OUT_B) },
+        out_proj: Linear::new(output.f32(OUT_W), prep.biases[5].then(|| output.f32(OUT_B)), c, h),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The CPU backward against the f64 reference backward (`crate::reference::backward`, itself
+    //! checked by finite differences), tensor by tensor, on fresh random inputs.
+    use super::super::CpuBackend;
+    use crate::backend::Backend;
+    use crate::problem::{Config, Direction, Formulation, Problem, Shape};
+    use crate::rand::Rng;
+    use crate::reference;
+    use crate::weights::Weights;
+
+    struct Case {
+        f: Formulation,
+        dir: Direction,
+        b: usize,
+        n: usize,
+        c: usize,
+        h: usize,
+        masked: bool,
+        biases: bool,
+        cauchy: bool,
+    }
+
+    /// The largest relative L2 error over every gradient tensor, with its name; checks that the
+    /// two sides name the same tensors.
+    fn worst(cs: &Case, seed: u64) -> (f64, String) {
+        let seed = seed ^ crate::test_seed::this_test_seed();
+        let cfg = Config::new(cs.f, cs.c, cs.h).unwrap();
+        let w = Weights::random(cfg, cs.biases, seed).unwrap();
+        let pr = Problem::new(cfg, Shape::new(cs.b, cs.n), cs.dir, cs.masked).unwrap();
+        let mut rng = Rng::new(seed ^ 0x5EED);
+        let x = if cs.cauchy { rng.cauchy_vec(pr.x_len(), 2.0) } else { rng.normal_vec(pr.x_len(), 1.0) };
+        let mask = cs.masked.then(|| rng.mask_vec(pr.mask_len()));
+        let dy = rng.normal_vec(pr.x_len(), 1.0);
+        let be = CpuBackend::new();
+        let prep = be.prepare(&w).unwrap();
+        let got = be.backward(&prep, &pr, &x, mask.as_deref(), &dy).unwrap();
+        got.check_against(&w, pr.x_len()).unwrap();
+        let want = reference::backward(&w, &pr, &x, mask.as_deref(), &dy).unwrap();
+        let (got, want) = (got.tensors(), want.tensors());
+        let got_names: Vec<&String> = got.iter().map(|(n, _)| n).collect();
+        let want_names: Vec<&String> = want.iter().map(|(n, _)| n).collect();
+        assert_eq!(got_names, want_names);
+        let mut worst = (0.0, String::new());
+        for ((name, g), (_, r)) in got.iter().zip(&want) {
+            let e = reference::compare(g, r, 0.0, f64::INFINITY).rel_l2;
+            if e.is_nan() || e > worst.0 {
+                worst = (e, name.clone());
+            }
+        }
+        worst
+    }
+
+    /// f32 storage and GEMMs with f64 statistics and block sums: the measured worst over the
+    /// cases below is 8e-7; 1e-4 leaves room for other CPUs' GEMM orderings, while a wrong term
+    /// (the mask dropped from `dp`, a transposed `dT` in `dR`, `σ` for `σ'` in the gate, the
+    /// LayerNorm backward without `mean(ĝ)`, a missing bias sum) fails every case by far.
+    const TOL: f64 = 1e-4;
+
+    #[test]
+    fn matches_the_f64_reference_everywhere() {
+        let mut seed = 0;
+        for f in [Formulation::GpuMode, Formulation::Af3] {
+            for biases in [false, true] {
+                if biases && f == Formulation::GpuMode {
+                    continue;
+                }
+                for dir in [Direction::Outgoing, Direction::Incoming] {
+                    for (masked, cauchy) in [(false, false), (true, false), (true, true)] {
+                        seed += 1;
+                        // C ≠ H so a swapped width fails; N not a multiple of anything.
+                        let cs = Case { f, dir, b: 2, n: 7, c: 12, h: 8, masked, biases, cauchy };
+                        let (e, name) = worst(&cs, seed);
+                        eprintln!(
+                            "{f:?} {dir:?} biases {biases} masked {masked} cauchy {cauchy}: worst {name} {e:.2e}"
+                        );
+                        assert!(
+                            e < TOL,
+                            "{f:?} {dir:?} biases {biases} masked {masked} cauchy {cauchy}: {name} off by {e:.2e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn several_row_blocks_and_wider_layers() {
+        // 2·23² = 1058 rows: eight full blocks of 128 and a partial one, so the block sums and
+        // the last block's bounds are exercised.
+        for (f, dir) in [(Formulation::Af3, Direction::Incoming), (Formulation::GpuMode, Direction::Outgoing)] {
+            let biases = f == Formulation::Af3;
+            let cs = Case { f, dir, b: 2, n: 23, c: 32, h: 16, masked: true, biases, cauchy: false };
+            let (e, name) = worst(&cs, 99);
+            assert!(e < TOL, "{f:?} {dir:?}: {name} off by {e:.2e}");
+        }
+    }
+}
