@@ -263,6 +263,114 @@ impl HostLayer {
             .map_err(to_py)
         })
     }
+
+    /// The gradients of a loss given dy = ∂L/∂y, for host f32 tensors: x and dy `[b, n, n, C]`,
+    /// the mask `[b, n, n]` f32 (address 0: none). `outs` has 17 entries, `(address, elements,
+    /// dtype)` or `None`: the gradient of x, then those of the 16 weights in the canonical order.
+    /// Each given entry must be f32 with exactly its tensor's element count (a bias entry only
+    /// where the layer has that bias) and receives the gradient; `None` entries are skipped.
+    /// Nothing is written before every entry has been checked.
+    #[pyo3(signature = (x, x_len, mask, mask_len, dy, dy_len, b, n, outs))]
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        py: Python<'_>,
+        x: u64,
+        x_len: usize,
+        mask: u64,
+        mask_len: usize,
+        dy: u64,
+        dy_len: usize,
+        b: usize,
+        n: usize,
+        outs: Vec<Entry>,
+    ) -> PyResult<()> {
+        let (len, xlen) = check_io(self.c, b, n, (x, x_len), (mask, mask_len), (dy, dy_len))?;
+        if !x.is_multiple_of(4) || !dy.is_multiple_of(4) || !mask.is_multiple_of(4) {
+            return Err(PyValueError::new_err("x, dy and the mask must be aligned to 4 bytes"));
+        }
+        let outs: [Entry; 17] = outs.try_into().map_err(|v: Vec<Entry>| {
+            PyValueError::new_err(format!("{} gradient entries given, expected 17", v.len()))
+        })?;
+        for (i, (ptr, _, code)) in outs.iter().enumerate().filter_map(|(i, e)| e.map(|e| (i, e))) {
+            if code != 0 || ptr == 0 || !ptr.is_multiple_of(4) {
+                return Err(PyValueError::new_err(format!(
+                    "the gradient entry of {} must be a non-null, aligned f32 tensor",
+                    grad_name(i)
+                )));
+            }
+        }
+        py.detach(|| -> PyResult<()> {
+            let mut layer = self.lock()?;
+            // SAFETY: x, dy (B·N·N·C f32 each) and the mask (B·N·N f32) are host tensors alive for
+            // this call (module docs); they are only read.
+            let (xs, dys, mask) = unsafe {
+                (
+                    std::slice::from_raw_parts(x as *const f32, xlen),
+                    std::slice::from_raw_parts(dy as *const f32, xlen),
+                    (mask != 0).then(|| std::slice::from_raw_parts(mask as *const f32, len)),
+                )
+            };
+            let g = layer.backward(xs, mask, dys, Shape::new(b, n)).map_err(to_py)?;
+            let tensors = gradient_slots(&g);
+            for (i, (entry, t)) in outs.iter().zip(&tensors).enumerate() {
+                match (entry, t) {
+                    (Some((_, elems, _)), Some(t)) if *elems == t.len() => {}
+                    (Some((_, elems, _)), Some(t)) => {
+                        return Err(PyValueError::new_err(format!(
+                            "the gradient entry of {} has {elems} elements, expected {}",
+                            grad_name(i),
+                            t.len()
+                        )))
+                    }
+                    (Some(_), None) => {
+                        return Err(PyValueError::new_err(format!(
+                            "a gradient entry for {} was given, but the layer has no such bias",
+                            grad_name(i)
+                        )))
+                    }
+                    (None, _) => {}
+                }
+            }
+            for (entry, t) in outs.iter().zip(&tensors) {
+                if let (Some((ptr, elems, _)), Some(t)) = (entry, t) {
+                    // SAFETY: the caller's entry is a host f32 tensor of `elems` elements (checked
+                    // equal to the gradient's length), alive for this call and written by no one
+                    // else meanwhile (module docs).
+                    unsafe { std::slice::from_raw_parts_mut(*ptr as *mut f32, *elems) }.copy_from_slice(t);
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The name of gradient slot `i` of [`HostLayer::backward`]: `x`, then [`WEIGHT_NAMES`].
+fn grad_name(i: usize) -> &'static str {
+    if i == 0 {
+        "x"
+    } else {
+        WEIGHT_NAMES[i - 1]
+    }
+}
+
+/// The gradients in [`HostLayer::backward`]'s 17 slots (`None`: a bias the layer lacks).
+fn gradient_slots(g: &trimul::Gradients) -> [Option<&[f32]>; 17] {
+    fn norm(n: &Norm) -> [Option<&[f32]>; 2] {
+        [Some(&n.weight[..]), Some(&n.bias[..])]
+    }
+    fn lin(l: &Linear) -> [Option<&[f32]>; 2] {
+        [Some(&l.weight[..]), l.bias.as_deref()]
+    }
+    let [niw, nib] = norm(&g.norm_in);
+    let [now, nob] = norm(&g.norm_out);
+    let [lpw, lpb] = lin(&g.left_proj);
+    let [lgw, lgb] = lin(&g.left_gate);
+    let [rpw, rpb] = lin(&g.right_proj);
+    let [rgw, rgb] = lin(&g.right_gate);
+    let [ogw, ogb] = lin(&g.out_gate);
+    let [opw, opb] = lin(&g.out_proj);
+    [Some(&g.x[..]), niw, nib, lpw, lpb, lgw, lgb, rpw, rpb, rgw, rgb, ogw, ogb, now, nob, opw, opb]
 }
 
 /// Checks the element counts the caller gives for x `[b, n, n, c]`, the mask `[b, n, n]` (address

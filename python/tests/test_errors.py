@@ -138,3 +138,29 @@ def test_numpy_arrays_at_unaligned_addresses_are_copied_not_misread():
     xa[...] = x.numpy()
     wn = {k: v.numpy() for k, v in w.items()}
     np.testing.assert_array_equal(tmu(xa, **wn), tmu(x.numpy(), **wn))
+
+
+def test_native_backward_checks_its_gradient_entries():
+    """The compiled backward refuses a malformed call, naming the entry, before writing anything."""
+    from trimul import _trimul
+    from trimul._torch import _entries
+
+    c, h, n = 8, 4, 3
+    w = af3_weights(c, h, False, salt=42)
+    layer = _trimul.HostLayer("af3", c, h, "outgoing", 1e-5, _entries([w.get(k) for k in AF3_WEIGHTS]), "cpu")
+    x, dy = pair((1, n, n, c), salt=43), pair((1, n, n, c), salt=44)
+    dx = torch.full_like(x, 7.0)
+    io = (x.data_ptr(), x.numel(), 0, 0, dy.data_ptr(), dy.numel(), 1, n)
+    whole = (dx.data_ptr(), dx.numel(), 0)
+    with pytest.raises(ValueError, match="16 gradient entries given, expected 17"):
+        layer.backward(*io, [whole] + [None] * 15)
+    with pytest.raises(ValueError, match="gradient entry of x has 71 elements, expected 72"):
+        layer.backward(*io, [(dx.data_ptr(), 71, 0)] + [None] * 16)
+    with pytest.raises(ValueError, match="the gradient entry of x must be a non-null, aligned f32 tensor"):
+        layer.backward(*io, [(dx.data_ptr(), dx.numel(), 1)] + [None] * 16)
+    bias = torch.empty(h)
+    with pytest.raises(ValueError, match="left_proj.bias was given, but the layer has no such bias"):
+        layer.backward(*io, [whole, None, None, None, (bias.data_ptr(), h, 0)] + [None] * 12)
+    assert bool((dx == 7.0).all()), "nothing written by a refused call"
+    layer.backward(*io, [whole] + [None] * 16)
+    assert not bool((dx == 7.0).any())

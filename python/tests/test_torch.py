@@ -44,6 +44,34 @@ def test_gradients_match_f64_autograd(device, dtype, bound, direction):
     assert max(errors.values()) <= bound, errors
 
 
+@pytest.mark.parametrize("without", [None, "norm_in_weight"])
+def test_cpu_gradients_come_from_the_native_backward(monkeypatch, without):
+    """On CPU tensors the backward is the library's (no recomputation through PyTorch), with
+    every gradient against f64 autograd; a LayerNorm weight left out gets its default."""
+    c, h, n = 24, 16, 9
+    w = af3_weights(c, h, True, salt=70)
+    if without:
+        w[without] = None
+    leaves = {k: None if v is None else v.detach().clone().requires_grad_(True) for k, v in w.items()}
+    x = pair((2, n, n, c), salt=71).requires_grad_(True)
+    mask = random_mask((2, n, n), salt=72)
+    g = pair((2, n, n, c), salt=73)
+
+    def recomputed(*args, **kwargs):
+        raise AssertionError("the CPU backward recomputed the forward through PyTorch")
+
+    monkeypatch.setattr(trimul._torch.reference, "af3", recomputed)
+    (tmu(x, "incoming", mask, eps=1e-3, **leaves) * g).sum().backward()
+    monkeypatch.undo()
+    ref = {k: None if v is None else v.detach().double().requires_grad_(True) for k, v in w.items()}
+    xr = x.detach().double().requires_grad_(True)
+    y = reference.af3(xr, mask.double(), *[ref.get(k) for k in AF3_WEIGHTS], "incoming", 1e-3)
+    (y * g.double()).sum().backward()
+    errors = {"x": rel(x.grad, xr.grad)} | {k: rel(leaves[k].grad, ref[k].grad) for k in w if w[k] is not None}
+    assert max(errors.values()) <= 1e-5, errors
+    assert min(errors.values()) > 0.0, "f32 against f64 cannot agree exactly"
+
+
 def test_gradient_only_for_what_requires_it(device):
     c, h, n = 16, 16, 8
     w = af3_weights(c, h, False, salt=54, device=device)

@@ -491,9 +491,91 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    """Recomputes the forward with PyTorch operations in float32 and differentiates it."""
+    """CPU tensors: the library's native backward. Elsewhere (until the GPU backends have one):
+    the forward recomputed with PyTorch operations in float32 and differentiated."""
     x, mask, *w = ctx.saved_tensors
     need = ctx.needs_input_grad
+    slots = [(0, x)] + list(zip(_WEIGHT_SLOTS, w))
+    if not any(t is not None and need[i] for i, t in slots):
+        return (None,) * 16
+    if x.device.type == "cpu":
+        # An op of its own, so that tracing (torch.compile, opcheck) sees one opaque call.
+        given = _backward_op(grad, x, mask, *w, ctx.direction, ctx.eps)
+        grads = dict(zip([i for i, t in slots if t is not None], given))
+    else:
+        grads = _recomputed_backward(x, mask, w, ctx.direction, ctx.eps, grad, need)
+    out = [None] * 16
+    for i, t in slots:
+        if t is not None and need[i]:
+            out[i] = grads[i].to(t.dtype)
+    return tuple(out)
+
+
+@torch.library.custom_op("trimul::triangle_multiplicative_update_backward", mutates_args=())
+def _backward_op(
+    grad: Tensor,
+    x: Tensor,
+    mask: Optional[Tensor],
+    norm_in_weight: Optional[Tensor],
+    norm_in_bias: Optional[Tensor],
+    p_in_weight: Tensor,
+    p_in_bias: Optional[Tensor],
+    g_in_weight: Tensor,
+    g_in_bias: Optional[Tensor],
+    norm_out_weight: Optional[Tensor],
+    norm_out_bias: Optional[Tensor],
+    p_out_weight: Tensor,
+    p_out_bias: Optional[Tensor],
+    g_out_weight: Tensor,
+    g_out_bias: Optional[Tensor],
+    direction: str,
+    eps: float,
+) -> list[Tensor]:
+    """The library's native backward on CPU tensors, given grad = dL/dy: float32 gradients of x
+    and of each weight that is not None, in the argument order. The forward's arguments were
+    checked when it ran; this op is only called from its autograd formula."""
+    w = [
+        norm_in_weight,
+        norm_in_bias,
+        p_in_weight,
+        p_in_bias,
+        g_in_weight,
+        g_in_bias,
+        norm_out_weight,
+        norm_out_bias,
+        p_out_weight,
+        p_out_bias,
+        g_out_weight,
+        g_out_bias,
+    ]
+    if x.device.type != "cpu":
+        raise ValueError(f"the native backward runs on CPU tensors so far; x is on {x.device}")
+    c, h = x.shape[-1], p_in_weight.shape[0] // 2
+    host_w = [None if t is None else t.detach().contiguous() for t in _prepared_weights(w, c, h, x.device)]
+    layer = _trimul.HostLayer("af3", c, h, direction, eps, _entries(host_w), "cpu")
+    x32 = x.detach().to(torch.float32).contiguous()
+    dy = grad.detach().to(torch.float32).contiguous()
+    m = None if mask is None else mask.detach().to(torch.float32).contiguous()
+    dx = torch.empty(x.shape, dtype=torch.float32)
+    gw = [None if t is None else torch.empty(t.shape, dtype=torch.float32) for t in w]
+    entries = [_whole(dx, "x gradient")] + _entries(gw)
+    m_ptr, m_len = (0, 0) if m is None else (m.data_ptr(), m.numel())
+    layer.backward(
+        x32.data_ptr(), x32.numel(), m_ptr, m_len, dy.data_ptr(), dy.numel(), x.shape[0], x.shape[1], entries
+    )
+    return [dx] + [g for g in gw if g is not None]
+
+
+@_backward_op.register_fake
+def _(grad, x, mask, *rest):
+    given = [t for t in rest[:12] if t is not None]
+    return [torch.empty(x.shape, dtype=torch.float32, device=x.device)] + [
+        torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in given
+    ]
+
+
+def _recomputed_backward(x, mask, w, direction, eps, grad, need) -> dict:
+    """Every needed gradient by PyTorch autograd of the formula in float32, by slot."""
     with torch.enable_grad():
 
         def leaf(t, slot):
@@ -504,14 +586,11 @@ def _backward(ctx, grad):
         xs = leaf(x, 0)
         ws = [leaf(t, i) for t, i in zip(w, _WEIGHT_SLOTS)]
         m = None if mask is None else mask.detach().to(torch.float32)
-        y = reference.af3(xs, m, *ws, ctx.direction, ctx.eps)
+        y = reference.af3(xs, m, *ws, direction, eps)
         slots = [(0, x, xs)] + [(i, t, s) for i, t, s in zip(_WEIGHT_SLOTS, w, ws)]
-        wanted = [(i, t, s) for i, t, s in slots if t is not None and need[i]]
-        grads = torch.autograd.grad(y, [s for _, _, s in wanted], grad.to(torch.float32)) if wanted else ()
-    out = [None] * 16
-    for (i, t, _), g in zip(wanted, grads):
-        out[i] = g.to(t.dtype)
-    return tuple(out)
+        wanted = [(i, s) for i, t, s in slots if t is not None and need[i]]
+        grads = torch.autograd.grad(y, [s for _, s in wanted], grad.to(torch.float32)) if wanted else ()
+    return {i: g for (i, _), g in zip(wanted, grads)}
 
 
 _op.register_autograd(_backward, setup_context=_setup_context)

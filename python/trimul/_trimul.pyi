@@ -1,6 +1,7 @@
 """Type stubs of the compiled module (python/src/lib.rs). Addresses are ints (`data_ptr()`,
 `ctypes.data`); dtype codes 0 = float32, 1 = bfloat16, 2 = float16; weights are 16 entries in
-the order of WEIGHT_NAMES, each None or (address, elements, dtype code)."""
+the order of WEIGHT_NAMES, each None or (address, elements, dtype code). Every tensor is passed
+as its address and its element count, which the library checks against the shape."""
 
 from typing import Optional
 
@@ -22,9 +23,26 @@ class HostLayer:
     ) -> None: ...
     @property
     def backend(self) -> str: ...
-    def forward(self, x: int, mask: int, y: int, b: int, n: int, io: int) -> None: ...
+    def forward(
+        self, x: int, x_len: int, mask: int, mask_len: int, y: int, y_len: int, b: int, n: int, io: int
+    ) -> None: ...
+    def backward(
+        self,
+        x: int,
+        x_len: int,
+        mask: int,
+        mask_len: int,
+        dy: int,
+        dy_len: int,
+        b: int,
+        n: int,
+        outs: list[Entry],
+    ) -> None:
+        """float32 gradients into `outs`: 17 entries, x's then the 16 weights' (None: skipped)."""
 
-class CudaLayer:
+class _DeviceLayer:
+    """CudaLayer and HipLayer: caller memory on the device, launches on the caller's stream."""
+
     def __init__(
         self,
         device: int,
@@ -39,12 +57,46 @@ class CudaLayer:
         stream: int,
     ) -> None: ...
     def reprepare(self, weights: list[Entry], storage: int, storage_bytes: int, stream: int) -> None: ...
+    def forward_fresh(
+        self,
+        weights: list[Entry],
+        storage: int,
+        storage_bytes: int,
+        x: int,
+        x_len: int,
+        mask: int,
+        mask_len: int,
+        y: int,
+        y_len: int,
+        b: int,
+        n: int,
+        io: int,
+        ws: int,
+        ws_bytes: int,
+        stream: int,
+    ) -> None: ...
     def workspace_bytes(self, b: int, n: int, masked: bool, io: int) -> int: ...
     def forward(
-        self, x: int, mask: int, y: int, b: int, n: int, io: int, ws: int, ws_bytes: int, stream: int
+        self,
+        x: int,
+        x_len: int,
+        mask: int,
+        mask_len: int,
+        y: int,
+        y_len: int,
+        b: int,
+        n: int,
+        io: int,
+        ws: int,
+        ws_bytes: int,
+        stream: int,
     ) -> None: ...
 
+class CudaLayer(_DeviceLayer): ...
+class HipLayer(_DeviceLayer): ...
+
 def cuda_prepared_bytes(device: int, formulation: str, c: int, h: int, biases: bool) -> int: ...
+def hip_prepared_bytes(device: int, formulation: str, c: int, h: int, biases: bool) -> int: ...
 def cuda_set_poison(device: int, on: bool) -> None: ...
 def cuda_info(device: int) -> str: ...
 def compiled_backends() -> list[str]: ...
