@@ -435,24 +435,6 @@ impl<B: Backend> Layer<B> {
     /// has a backward so far; the others return [`crate::Error::Unsupported`].
     pub fn backward(&mut self, x: &[f32], mask: Option<&[f32]>, dy: &[f32], shape: Shape) -> Result<Gradients> {
         let problem = self.problem(shape, mask.is_some())?;
-        for (name, len) in [("x", x.len()), ("dy", dy.len())] {
-            if len != problem.x_len() {
-                return Err(Error::Shape(format!(
-                    "{name} has {len} elements, expected B·N·N·C = {} for {shape:?} and C = {}",
-                    problem.x_len(),
-                    self.config.c
-                )));
-            }
-        }
-        if let Some(m) = mask {
-            if m.len() != shape.rows() {
-                return Err(Error::Shape(format!(
-                    "the mask has {} elements, expected B·N·N = {}",
-                    m.len(),
-                    shape.rows()
-                )));
-            }
-        }
         self.backend.backward(&self.prepared, &problem, x, mask, dy)
     }
 

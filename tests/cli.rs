@@ -97,6 +97,7 @@ fn check_grad_compares_every_gradient_on_cpu() {
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("check --grad --json is JSON");
     let n = trimul::suite::quick_test_cases().len() as u64;
     assert_eq!((v["passed"].as_u64(), v["failed"].as_u64(), v["grad"].as_bool()), (Some(n), Some(0), Some(true)));
+    assert_eq!(v["grad_rel_l2_max"].as_f64(), Some(2e-3));
     for case in v["cases"].as_array().unwrap() {
         let grads = case["gradients"].as_array().expect("every case has its gradients");
         let names: Vec<&str> = grads.iter().map(|g| g["name"].as_str().unwrap()).collect();

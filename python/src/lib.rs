@@ -285,7 +285,7 @@ impl HostLayer {
         n: usize,
         outs: Vec<Entry>,
     ) -> PyResult<()> {
-        let (len, xlen) = check_io(self.c, b, n, (x, x_len), (mask, mask_len), (dy, dy_len))?;
+        let (len, xlen) = check_pair_io(self.c, b, n, (x, x_len), (mask, mask_len), ("dy", (dy, dy_len)))?;
         if !x.is_multiple_of(4) || !dy.is_multiple_of(4) || !mask.is_multiple_of(4) {
             return Err(PyValueError::new_err("x, dy and the mask must be aligned to 4 bytes"));
         }
@@ -383,13 +383,25 @@ fn check_io(
     mask: (u64, usize),
     y: (u64, usize),
 ) -> PyResult<(usize, usize)> {
+    check_pair_io(c, b, n, x, mask, ("y", y))
+}
+
+/// [`check_io`] with the second `[b, n, n, c]` tensor's name (`y`, or the backward's `dy`).
+fn check_pair_io(
+    c: usize,
+    b: usize,
+    n: usize,
+    x: (u64, usize),
+    mask: (u64, usize),
+    (y_name, y): (&str, (u64, usize)),
+) -> PyResult<(usize, usize)> {
     let len =
         b.checked_mul(n).and_then(|v| v.checked_mul(n)).ok_or_else(|| PyValueError::new_err("B·N·N overflows"))?;
     let xlen = len.checked_mul(c).ok_or_else(|| PyValueError::new_err("B·N·N·C overflows"))?;
     if x.0 == 0 || y.0 == 0 {
-        return Err(PyValueError::new_err("x and y must be non-null addresses"));
+        return Err(PyValueError::new_err(format!("x and {y_name} must be non-null addresses")));
     }
-    for (name, got, want) in [("x", x.1, xlen), ("y", y.1, xlen)] {
+    for (name, got, want) in [("x", x.1, xlen), (y_name, y.1, xlen)] {
         if got != want {
             return Err(PyValueError::new_err(format!(
                 "{name} has {got} elements, expected B·N·N·C = {b}·{n}·{n}·{c} = {want}"

@@ -164,3 +164,42 @@ def test_native_backward_checks_its_gradient_entries():
     assert bool((dx == 7.0).all()), "nothing written by a refused call"
     layer.backward(*io, [whole] + [None] * 16)
     assert not bool((dx == 7.0).any())
+
+
+def test_backward_op_called_directly_checks_its_arguments():
+    """torch.ops.trimul.triangle_multiplicative_update_backward is public: devices, shapes and the
+    weight count are checked before the library reads anything."""
+    op = torch.ops.trimul.triangle_multiplicative_update_backward
+    c, h, n = 8, 4, 3
+    w = af3_weights(c, h, False, salt=45)
+    ws = [w.get(k) for k in AF3_WEIGHTS]
+    x, g = pair((1, n, n, c), salt=46), pair((1, n, n, c), salt=47)
+    grads = op(g, x, None, ws, "outgoing", 1e-5)
+    assert [t.shape for t in grads] == [x.shape] + [t.shape for t in ws if t is not None]
+    with pytest.raises(ValueError, match="grad has shape"):
+        op(g.reshape(1, n * n * c), x, None, ws, "outgoing", 1e-5)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., N, N, C\]"):
+        op(g[:, :, :2], x[:, :, :2], None, ws, "outgoing", 1e-5)
+    with pytest.raises(ValueError, match="11 weights given, expected 12"):
+        op(g, x, None, ws[:11], "outgoing", 1e-5)
+    with pytest.raises(ValueError, match="mask"):
+        op(g, x, torch.ones(1, n, n + 1), ws, "outgoing", 1e-5)
+    if cuda_available():
+        with pytest.raises(ValueError, match="p_in_weight is on cuda"):
+            op(g, x, None, [t if k != "p_in_weight" else t.cuda() for k, t in zip(AF3_WEIGHTS, ws)], "outgoing", 1e-5)
+        with pytest.raises(ValueError, match="grad is on cuda"):
+            op(g.cuda(), x, None, ws, "outgoing", 1e-5)
+
+
+def test_native_backward_names_dy():
+    from trimul import _trimul
+    from trimul._torch import _entries
+
+    c, h, n = 8, 4, 3
+    w = af3_weights(c, h, False, salt=48)
+    layer = _trimul.HostLayer("af3", c, h, "outgoing", 1e-5, _entries([w.get(k) for k in AF3_WEIGHTS]), "cpu")
+    x = pair((1, n, n, c), salt=49)
+    with pytest.raises(ValueError, match="dy has 71 elements"):
+        layer.backward(x.data_ptr(), x.numel(), 0, 0, x.data_ptr(), 71, 1, n, [None] * 17)
+    with pytest.raises(ValueError, match="x and dy must be non-null"):
+        layer.backward(x.data_ptr(), x.numel(), 0, 0, 0, x.numel(), 1, n, [None] * 17)

@@ -44,18 +44,27 @@ def test_gradients_match_f64_autograd(device, dtype, bound, direction):
     assert max(errors.values()) <= bound, errors
 
 
-@pytest.mark.parametrize("without", [None, "norm_in_weight"])
-def test_cpu_gradients_come_from_the_native_backward(monkeypatch, without):
+@pytest.mark.parametrize(
+    "without, masked, biases, lead",
+    [
+        (None, True, True, ()),
+        ("norm_in_weight", True, True, ()),
+        (None, False, False, (2, 3)),
+        ("norm_out_bias", False, True, ()),
+    ],
+)
+def test_cpu_gradients_come_from_the_native_backward(monkeypatch, without, masked, biases, lead):
     """On CPU tensors the backward is the library's (no recomputation through PyTorch), with
-    every gradient against f64 autograd; a LayerNorm weight left out gets its default."""
+    every gradient against f64 autograd: LayerNorm weights left out (their defaults), no mask, no
+    biases, leading batch dims."""
     c, h, n = 24, 16, 9
-    w = af3_weights(c, h, True, salt=70)
+    w = af3_weights(c, h, biases, salt=70)
     if without:
         w[without] = None
     leaves = {k: None if v is None else v.detach().clone().requires_grad_(True) for k, v in w.items()}
-    x = pair((2, n, n, c), salt=71).requires_grad_(True)
-    mask = random_mask((2, n, n), salt=72)
-    g = pair((2, n, n, c), salt=73)
+    x = pair(lead + (n, n, c), salt=71).requires_grad_(True)
+    mask = random_mask(lead + (n, n), salt=72) if masked else None
+    g = pair(lead + (n, n, c), salt=73)
 
     def recomputed(*args, **kwargs):
         raise AssertionError("the CPU backward recomputed the forward through PyTorch")
@@ -65,7 +74,7 @@ def test_cpu_gradients_come_from_the_native_backward(monkeypatch, without):
     monkeypatch.undo()
     ref = {k: None if v is None else v.detach().double().requires_grad_(True) for k, v in w.items()}
     xr = x.detach().double().requires_grad_(True)
-    y = reference.af3(xr, mask.double(), *[ref.get(k) for k in AF3_WEIGHTS], "incoming", 1e-3)
+    y = reference.af3(xr, None if mask is None else mask.double(), *[ref.get(k) for k in AF3_WEIGHTS], "incoming", 1e-3)
     (y * g.double()).sum().backward()
     errors = {"x": rel(x.grad, xr.grad)} | {k: rel(leaves[k].grad, ref[k].grad) for k in w if w[k] is not None}
     assert max(errors.values()) <= 1e-5, errors

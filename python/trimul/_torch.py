@@ -500,7 +500,7 @@ def _backward(ctx, grad):
         return (None,) * 16
     if x.device.type == "cpu":
         # An op of its own, so that tracing (torch.compile, opcheck) sees one opaque call.
-        given = _backward_op(grad, x, mask, *w, ctx.direction, ctx.eps)
+        given = _backward_op(grad, x, mask, list(w), ctx.direction, ctx.eps)
         grads = dict(zip([i for i, t in slots if t is not None], given))
     else:
         grads = _recomputed_backward(x, mask, w, ctx.direction, ctx.eps, grad, need)
@@ -513,44 +513,14 @@ def _backward(ctx, grad):
 
 @torch.library.custom_op("trimul::triangle_multiplicative_update_backward", mutates_args=())
 def _backward_op(
-    grad: Tensor,
-    x: Tensor,
-    mask: Optional[Tensor],
-    norm_in_weight: Optional[Tensor],
-    norm_in_bias: Optional[Tensor],
-    p_in_weight: Tensor,
-    p_in_bias: Optional[Tensor],
-    g_in_weight: Tensor,
-    g_in_bias: Optional[Tensor],
-    norm_out_weight: Optional[Tensor],
-    norm_out_bias: Optional[Tensor],
-    p_out_weight: Tensor,
-    p_out_bias: Optional[Tensor],
-    g_out_weight: Tensor,
-    g_out_bias: Optional[Tensor],
-    direction: str,
-    eps: float,
+    grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list[Optional[Tensor]], direction: str, eps: float
 ) -> list[Tensor]:
-    """The library's native backward on CPU tensors, given grad = dL/dy: float32 gradients of x
-    and of each weight that is not None, in the argument order. The forward's arguments were
-    checked when it ran; this op is only called from its autograd formula."""
-    w = [
-        norm_in_weight,
-        norm_in_bias,
-        p_in_weight,
-        p_in_bias,
-        g_in_weight,
-        g_in_bias,
-        norm_out_weight,
-        norm_out_bias,
-        p_out_weight,
-        p_out_bias,
-        g_out_weight,
-        g_out_bias,
-    ]
-    if x.device.type != "cpu":
-        raise ValueError(f"the native backward runs on CPU tensors so far; x is on {x.device}")
-    c, h = x.shape[-1], p_in_weight.shape[0] // 2
+    """The library's native backward on CPU tensors, given grad = dL/dy and the forward's twelve
+    weights in signature order (`AF3_WEIGHTS`): float32 gradients of x and of each weight that is
+    not None, in that order. The forward's arguments were checked when it ran; this op is only
+    called from its autograd formula."""
+    _check_backward_args(grad, x, mask, w)
+    c, h = x.shape[-1], w[2].shape[0] // 2
     host_w = [None if t is None else t.detach().contiguous() for t in _prepared_weights(w, c, h, x.device)]
     layer = _trimul.HostLayer("af3", c, h, direction, eps, _entries(host_w), "cpu")
     x32 = x.detach().to(torch.float32).contiguous()
@@ -566,9 +536,25 @@ def _backward_op(
     return [dx] + [g for g in gw if g is not None]
 
 
+def _check_backward_args(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list) -> None:
+    """What the backward op needs of its arguments when called directly: CPU tensors (the
+    library reads them as host memory), x `[B, N, N, C]`, grad of x's shape, the mask `[B, N, N]`,
+    twelve weights with the forward's shapes."""
+    if len(w) != 12:
+        raise ValueError(f"{len(w)} weights given, expected 12 ({', '.join(_args.AF3_WEIGHTS)})")
+    named = [("grad", grad), ("x", x), ("mask", mask)] + list(zip(_args.AF3_WEIGHTS, w))
+    for name, t in named:
+        if t is not None and (not isinstance(t, torch.Tensor) or t.device.type != "cpu"):
+            where = getattr(t, "device", type(t).__name__)
+            raise ValueError(f"the native backward takes CPU tensors so far; {name} is on {where}")
+    if grad.shape != x.shape:
+        raise ValueError(f"grad has shape {tuple(grad.shape)}, expected x's {tuple(x.shape)}")
+    _args.check_af3_shapes(x.shape, None if mask is None else mask.shape, dict(zip(_args.AF3_WEIGHTS, w)))
+
+
 @_backward_op.register_fake
-def _(grad, x, mask, *rest):
-    given = [t for t in rest[:12] if t is not None]
+def _(grad, x, mask, w, direction, eps):
+    given = [t for t in w if t is not None]
     return [torch.empty(x.shape, dtype=torch.float32, device=x.device)] + [
         torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in given
     ]

@@ -154,6 +154,31 @@ pub(crate) fn check_same_weights(holds: Option<u64>, prepared: u64) -> Result<()
     }
 }
 
+/// Checks a backward's host operands against `problem`: `x` and `dy` of `B·N·N·C` values each, a
+/// mask of `B·N·N` exactly when the problem is masked. Every backend's backward runs it first.
+pub(crate) fn check_backward_io(problem: &Problem, x: &[f32], mask: Option<&[f32]>, dy: &[f32]) -> Result<()> {
+    let (shape, c) = (problem.shape, problem.config.c);
+    for (name, len) in [("x", x.len()), ("dy", dy.len())] {
+        if len != problem.x_len() {
+            return Err(Error::Shape(format!(
+                "{name} has {len} elements, expected B·N·N·C = {}·{}·{}·{c} = {}",
+                shape.batch,
+                shape.n,
+                shape.n,
+                problem.x_len()
+            )));
+        }
+    }
+    match (mask, problem.masked) {
+        (Some(m), true) if m.len() != shape.rows() => {
+            Err(Error::Shape(format!("the mask has {} elements, expected B·N·N = {}", m.len(), shape.rows())))
+        }
+        (Some(_), true) | (None, false) => Ok(()),
+        (None, true) => Err(Error::InvalidArgument("the problem is masked but no mask was given".into())),
+        (Some(_), false) => Err(Error::InvalidArgument("a mask was given for an unmasked problem".into())),
+    }
+}
+
 /// The checks a device forward makes before it launches anything: the weights were prepared for
 /// this problem's layer (their sizes are the kernels' loop bounds), `y` is `x` exactly when the
 /// problem is in place, and every device pointer is 16-byte aligned (the stage kernels load and

@@ -30,7 +30,7 @@ use trimul::suite::{self, Case};
 use trimul::{reference, BackendKind, Device, Direction, Formulation, Options, TriMul, Weights};
 
 use super::args::{open_device, CheckArgs, CheckSuite};
-use super::exit::{CliResult, EXIT_FAILED};
+use super::exit::{CliError, CliResult, EXIT_FAILED};
 use super::output::{device_summary, emit, emit_json, Progress};
 use super::seed::{clock_seed, SeedStream};
 
@@ -61,8 +61,12 @@ struct Report {
     seed: u64,
     /// Whether the backward pass was checked (`--grad`) rather than the forward.
     grad: bool,
+    /// The forward's rule (`--grad` runs do not use it).
     rtol: f64,
     atol: f64,
+    /// With `--grad`: the largest relative L2 error a gradient may have.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grad_rel_l2_max: Option<f64>,
     passed: usize,
     failed: usize,
     cases: Vec<CaseResult>,
@@ -128,6 +132,12 @@ struct GradientJson {
 
 pub fn run(args: &CheckArgs) -> CliResult {
     let device = open_device(args.backend)?;
+    if args.grad && device.kind() != BackendKind::Cpu {
+        return Err(CliError::usage(format!(
+            "--grad: the backward pass runs on the CPU backend only so far, not on {} (use --backend cpu)",
+            device.kind()
+        )));
+    }
     let formulation = Formulation::from(args.formulation);
     let direction = Direction::from(args.direction);
     let (suite_name, mut cases) = match args.suite {
@@ -198,8 +208,9 @@ pub fn run(args: &CheckArgs) -> CliResult {
             direction,
             seed,
             grad: args.grad,
-            rtol: if args.grad { GRAD_RTOL_L2 } else { RTOL },
-            atol: if args.grad { 0.0 } else { ATOL },
+            rtol: RTOL,
+            atol: ATOL,
+            grad_rel_l2_max: args.grad.then_some(GRAD_RTOL_L2),
             passed,
             failed,
             cases: results,
@@ -231,11 +242,8 @@ fn run_case(
 ) -> CaseResult {
     let mut result = empty_result(case, input_seed, weights_seed);
     let outcome = (|| -> trimul::Result<(reference::Comparison, f64)> {
-        let problem = case.problem(formulation, direction)?;
-        // af3 weights carry biases here so the bias paths are checked too.
-        let weights = Weights::random(problem.config, formulation == Formulation::Af3, weights_seed)?;
-        let inputs = suite::generate_inputs(case, input_seed);
-        let mut layer = TriMul::new(device, &weights, Options::new(direction))?;
+        let (problem, weights, inputs, mut layer) =
+            setup(device, case, formulation, direction, input_seed, weights_seed)?;
         // NaN, so an element the backend never writes fails the comparison.
         let mut y = vec![f32::NAN; problem.x_len()];
         let start = Instant::now();
@@ -274,11 +282,9 @@ fn run_grad_case(
 ) -> CaseResult {
     let mut result = empty_result(case, input_seed, weights_seed);
     let outcome = (|| -> trimul::Result<(Vec<GradientJson>, f64)> {
-        let problem = case.problem(formulation, direction)?;
-        let weights = Weights::random(problem.config, formulation == Formulation::Af3, weights_seed)?;
-        let inputs = suite::generate_inputs(case, input_seed);
+        let (problem, weights, inputs, mut layer) =
+            setup(device, case, formulation, direction, input_seed, weights_seed)?;
         let dy = Rng::new(input_seed ^ DY_SEED).normal_vec(problem.x_len(), 1.0);
-        let mut layer = TriMul::new(device, &weights, Options::new(direction))?;
         let start = Instant::now();
         let got = layer.backward(&inputs.x, inputs.mask.as_deref(), &dy, case.shape())?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
@@ -313,6 +319,23 @@ fn run_grad_case(
         Err(e) => result.error = Some(e.to_string()),
     }
     result
+}
+
+/// A case's problem, random weights (af3's with biases, so the bias paths are checked too),
+/// inputs and layer.
+fn setup(
+    device: &Device,
+    case: &Case,
+    formulation: Formulation,
+    direction: Direction,
+    input_seed: u64,
+    weights_seed: u64,
+) -> trimul::Result<(trimul::Problem, Weights, suite::Inputs, TriMul)> {
+    let problem = case.problem(formulation, direction)?;
+    let weights = Weights::random(problem.config, formulation == Formulation::Af3, weights_seed)?;
+    let inputs = suite::generate_inputs(case, input_seed);
+    let layer = TriMul::new(device, &weights, Options::new(direction))?;
+    Ok((problem, weights, inputs, layer))
 }
 
 /// Mixed into a case's input seed to draw its `dy`.

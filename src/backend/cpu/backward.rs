@@ -23,7 +23,14 @@
 //! writes are position-major (`left`, `right`, `dt`: `[M, H]`; the gate gradient `[M, G]`), so
 //! each block owns one contiguous run; tensors a `(b, h)` stage writes are hidden-major (`t`,
 //! `dleft`, `dright`: `[B, H, N²]`), so each slice owns one. The GEMMs read the other layout
-//! through strides. Memory: six `M·H` tensors, `M·G` and `dx`, all f32.
+//! through strides. Memory: at most five `M·H` tensors at once (`left`, `right`, `t` or `dt`,
+//! `dleft`, `dright`), `M·G` and `dx`, all f32, plus per-thread block scratch; the backward is not
+//! chunked and does not follow the layer's memory budget.
+//!
+//! # Work
+//! Besides the backward proper (`2F`, `docs/backward.md`), it recomputes the forward's
+//! contraction and the left/right projections (stage A), the gate projection (C) and the four
+//! projections again (E): LN_C runs three times and the `4H` part of the input projection twice.
 //!
 //! # Precision
 //! GEMMs and storage are f32; LayerNorm statistics and the per-row means of the LayerNorm
@@ -61,7 +68,8 @@ struct Dims {
 }
 
 /// Gradients of `L = Σ dy ⊙ y` for `x` (`[B,N,N,C]`), `mask` (`[B,N,N]`, none: all ones) and
-/// `dy` (`[B,N,N,C]`); the caller has checked the lengths against `problem`.
+/// `dy` (`[B,N,N,C]`); the caller has checked them against `problem`
+/// (`backend::check_backward_io`).
 pub(super) fn backward(
     prep: &CpuPrepared,
     problem: &Problem,
@@ -634,9 +642,10 @@ mod tests {
     }
 
     /// f32 storage and GEMMs with f64 statistics and block sums: the measured worst over the
-    /// cases below is 8e-7; 1e-4 leaves room for other CPUs' GEMM orderings, while a wrong term
-    /// (the mask dropped from `dp`, a transposed `dT` in `dR`, `σ` for `σ'` in the gate, the
-    /// LayerNorm backward without `mean(ĝ)`, a missing bias sum) fails every case by far.
+    /// cases below is 8e-7; 1e-4 leaves room for other CPUs' GEMM orderings. Each of these wrong
+    /// terms failed both tests (checked by hand): the mask dropped from `dp`, a transposed `dT` in
+    /// `dR`, `σ` for `σ'` in the gpumode gate, the LayerNorm backward without `mean(ĝ)`, no bias
+    /// sums.
     const TOL: f64 = 1e-4;
 
     #[test]
@@ -676,5 +685,28 @@ mod tests {
             let (e, name) = worst(&cs, 99);
             assert!(e < TOL, "{f:?} {dir:?}: {name} off by {e:.2e}");
         }
+    }
+
+    #[test]
+    fn a_direct_call_checks_its_operands() {
+        // Backend::backward is public: wrong lengths and a mask that does not match the problem
+        // are errors naming the operand, never a panic.
+        let cfg = Config::new(Formulation::Af3, 8, 4).unwrap();
+        let w = Weights::random(cfg, true, 5).unwrap();
+        let be = CpuBackend::new();
+        let prep = be.prepare(&w).unwrap();
+        let masked = Problem::new(cfg, Shape::new(1, 3), Direction::Outgoing, true).unwrap();
+        let plain = Problem::new(cfg, Shape::new(1, 3), Direction::Outgoing, false).unwrap();
+        let (x, dy, mask) = (vec![0.5f32; 72], vec![1.0f32; 72], vec![1.0f32; 9]);
+        let err = |r: crate::error::Result<crate::gradients::Gradients>| r.unwrap_err().to_string();
+        assert!(err(be.backward(&prep, &masked, &x[1..], Some(&mask), &dy)).contains("x has 71 elements"));
+        assert!(err(be.backward(&prep, &masked, &x, Some(&mask), &dy[..70])).contains("dy has 70 elements"));
+        assert!(err(be.backward(&prep, &masked, &x, Some(&mask[1..]), &dy)).contains("the mask has 8 elements"));
+        assert!(err(be.backward(&prep, &masked, &x, None, &dy)).contains("no mask was given"));
+        assert!(err(be.backward(&prep, &plain, &x, Some(&mask), &dy)).contains("unmasked problem"));
+        let other = Weights::random(Config::new(Formulation::Af3, 8, 8).unwrap(), true, 5).unwrap();
+        let wrong = Problem::new(other.config(), Shape::new(1, 3), Direction::Outgoing, false).unwrap();
+        assert!(be.backward(&prep, &wrong, &x, None, &dy).is_err(), "weights prepared for another H");
+        assert!(be.backward(&prep, &masked, &x, Some(&mask), &dy).is_ok());
     }
 }

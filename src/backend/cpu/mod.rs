@@ -355,6 +355,7 @@ impl Backend for CpuBackend {
         dy: &[f32],
     ) -> Result<Gradients> {
         check_config(prepared, problem)?;
+        super::check_backward_io(problem, x, mask, dy)?;
         backward::backward(prepared, problem, x, mask, dy)
     }
 
