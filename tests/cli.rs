@@ -77,6 +77,24 @@ fn check_quick_passes_on_cpu() {
 }
 
 #[test]
+fn bench_grad_times_the_backward_on_cpu() {
+    let dir = TempDir::new("bench-grad");
+    let json = dir.path("grad.json");
+    let o = cpu_quick_bench(&json, &["--n", "512", "--repeats", "1", "--grad"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("× the forward; forward + backward"), "{}", stdout(&o));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let shapes = v["shapes"].as_array().unwrap();
+    assert_eq!(shapes.len(), 1);
+    let (fwd, bwd) = (shapes[0]["median_ms"].as_f64().unwrap(), shapes[0]["backward_median_ms"].as_f64().unwrap());
+    // The backward recomputes the forward and does twice its GEMM work on top.
+    assert!(bwd > fwd, "backward {bwd} ms, forward {fwd} ms");
+    // Refused where it cannot run, before anything is timed.
+    let o = cpu_quick_bench(&json, &["--grad", "--in-place"]);
+    assert_usage_error(&o, "--grad cannot be combined");
+}
+
+#[test]
 fn check_grad_compares_every_gradient_on_cpu() {
     let o = trimul(&[
         "check",

@@ -152,6 +152,10 @@ pub struct BenchArgs {
     /// kernels read and write them directly).
     #[arg(long, default_value = "f32-io", value_parser = parse_precision_arg)]
     pub precision: trimul::Precision,
+    /// Also time the backward pass (every gradient for a random dy), after the forward, with
+    /// the same calls; the CPU backend only so far.
+    #[arg(long)]
+    pub grad: bool,
 }
 
 fn parse_precision_arg(s: &str) -> std::result::Result<trimul::Precision, String> {

@@ -71,6 +71,8 @@ struct Plan {
     precision: Precision,
     /// Clock and power readings around each shape's timing, where the backend has a probe.
     probe: Option<NvidiaSmi>,
+    /// `--grad`: time the backward too.
+    grad: bool,
 }
 
 enum Outcome {
@@ -122,7 +124,18 @@ pub fn run(args: &BenchArgs) -> CliResult {
         in_place: args.in_place,
         precision: args.precision,
         probe: None,
+        grad: args.grad,
     };
+    if plan.grad {
+        if gpu {
+            return Err(CliError::usage(format!(
+                "--grad: the backward pass runs on the CPU backend only so far, not on {kind} (use --backend cpu)"
+            )));
+        }
+        if plan.fresh_weights || plan.in_place || plan.budget.is_some() {
+            return Err(CliError::usage("--grad cannot be combined with --fresh-weights, --in-place or --max-memory"));
+        }
+    }
     if plan.precision != Precision::F32Io {
         if kind != BackendKind::Cuda {
             return Err(CliError::usage(format!(
@@ -139,7 +152,8 @@ pub fn run(args: &BenchArgs) -> CliResult {
     let (probe, telemetry) = open_probe(&device);
     let plan = Plan { probe, ..plan };
 
-    let progress = Progress::bar(cases.len() as u64 * u64::from(1 + plan.warmup + plan.repeats));
+    let calls_per_case = u64::from(1 + plan.warmup + plan.repeats) * if plan.grad { 2 } else { 1 };
+    let progress = Progress::bar(cases.len() as u64 * calls_per_case);
     progress.out(&format!(
         "trimul bench: {kind} ({}), suite {suite_name} ({} shapes), {} {}, {}, seed {seed}",
         device_summary(kind, &info),
@@ -210,6 +224,14 @@ pub fn run(args: &BenchArgs) -> CliResult {
                 progress.out(&row(&m))?;
                 if let Some(line) = plan_line(&m.result) {
                     progress.out(&line)?;
+                }
+                if let Some(ms) = m.result.backward_median_ms {
+                    progress.out(&format!(
+                        "{:<28} backward {ms:.3} ms median, {:.2}× the forward; forward + backward {:.3} ms",
+                        "",
+                        ms / m.result.median_ms,
+                        ms + m.result.median_ms
+                    ))?;
                 }
                 max_sets = max_sets.max(m.sets);
                 if !gpu && (m.result.n, m.result.batch, m.result.c) == SPEED_BAR_KEY {
@@ -450,6 +472,10 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
     let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, RTOL, ATOL)?;
     // Kept for comparing the device-prepared path's output with (--fresh-weights on a GPU).
     let checked_y = if plan.fresh_weights { y } else { Vec::new() };
+    // --grad: the host x and mask the backward reads (it takes host slices), and a dy.
+    let grad_inputs = plan.grad.then(|| {
+        (inputs.x.clone(), inputs.mask.clone(), trimul::rand::Rng::new(input_seed ^ 0xD1).normal_vec(x_len, 1.0))
+    });
     progress.inc(1);
 
     let used_ws = exec_plan.map_or(ws_bytes, |p| p.workspace_bytes);
@@ -470,6 +496,7 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
     let calls = (plan.warmup + plan.repeats) as usize;
     let mut samples = Vec::with_capacity(plan.repeats as usize);
     let mut telemetry = None;
+    let mut backward_ms = None;
     if plan.fresh_weights {
         // The leaderboard's way: weight preparation inside every timed call.
         match DeviceWeightSet::upload(backend, &weights)? {
@@ -559,10 +586,26 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
             }
         })?;
         (samples, telemetry) = (timed.samples, timed.telemetry);
+        backend.synchronize()?;
+        backward_ms = match &grad_inputs {
+            Some((x, mask, dy)) => {
+                progress.set_message(format!("{}: timing the backward", case.name()));
+                let mut times = Vec::with_capacity(plan.repeats as usize);
+                for i in 0..plan.warmup + plan.repeats {
+                    let ms = backend.elapsed_ms(&mut || layer.backward(x, mask.as_deref(), dy, shape).map(drop))?;
+                    if i >= plan.warmup {
+                        times.push(ms);
+                    }
+                    progress.inc(1);
+                }
+                Some(trimul::report::SampleStats::from_samples(&times)?.median)
+            }
+            None => None,
+        };
     }
     backend.synchronize()?;
-
     let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
+        .with_backward(backward_ms)
         .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
         .with_memory(peak, Some(used_ws))
         .with_plan(plan.budget, exec_plan, plan.in_place)

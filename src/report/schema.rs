@@ -424,6 +424,10 @@ pub struct ShapeResult {
     /// ([`BenchRun::telemetry`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub telemetry: Option<ShapeTelemetry>,
+    /// `trimul bench --grad`: median milliseconds of one backward (all gradients for a random
+    /// `dy`), timed as the forward is, after it; the forward's statistics above are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "lenient_opt_f64")]
+    pub backward_median_ms: Option<f64>,
 }
 
 impl ShapeResult {
@@ -472,7 +476,14 @@ impl ShapeResult {
             exec_plan: None,
             in_place: false,
             telemetry: None,
+            backward_median_ms: None,
         })
+    }
+
+    /// Records the backward's median time (`trimul bench --grad`).
+    pub fn with_backward(mut self, median_ms: Option<f64>) -> ShapeResult {
+        self.backward_median_ms = median_ms;
+        self
     }
 
     /// Records the correctness check against the reference.
