@@ -19,11 +19,12 @@
 //!
 //! # Layout and threading
 //! Stages A, C and E run over blocks of [`ROWS`] consecutive rows in parallel, each with its own
-//! scratch; B and D run one `N × N × N` GEMM per `(b, h)` in parallel. Tensors a row-block stage
-//! writes are position-major (`left`, `right`, `dt`: `[M, H]`; the gate gradient `[M, G]`), so
-//! each block owns one contiguous run; tensors a `(b, h)` stage writes are hidden-major (`t`,
-//! `dleft`, `dright`: `[B, H, N²]`), so each slice owns one. The GEMMs read the other layout
-//! through strides. Memory: at most five `M·H` tensors at once (`left`, `right`, `t` or `dt`,
+//! scratch; B and D run one `N × N × N` GEMM per `(b, h)` in parallel. A row-block stage writes
+//! position-major tensors (`left`, `right`, `dt`: `[M, H]`; the gate gradient `[M, G]`), so each
+//! block owns one contiguous run; `left`, `right` and `dt` are then transposed to hidden-major
+//! `[B, H, N²]`, the layout the `(b, h)` stages read and write (`t`, `dleft`, `dright`), so that
+//! every GEMM operand is a unit-stride matrix. The row stages gather what they read of `t`,
+//! `dleft` and `dright` per block. Memory: at most five `M·H` tensors at once (`left`, `right`, `t` or `dt`,
 //! `dleft`, `dright`), `M·G` and `dx`, all f32, plus per-thread block scratch; the backward is not
 //! chunked and does not follow the layer's memory budget.
 //!
@@ -93,13 +94,22 @@ pub(super) fn backward(
     let mut left = try_vec(mh, 0.0f32, "backward: left")?;
     let mut right = try_vec(mh, 0.0f32, "backward: right")?;
     project_lr(prep, &d, x, mask, &mut left, &mut right)?;
-    let mut t = try_vec(mh, 0.0f32, "backward: t")?;
+    // Hidden-major for the GEMMs, one tensor at a time through one spare buffer.
+    let mut spare = try_vec(mh, 0.0f32, "backward: t")?;
+    hidden_major(&d, &left, &mut spare);
+    std::mem::swap(&mut left, &mut spare);
+    hidden_major(&d, &right, &mut spare);
+    std::mem::swap(&mut right, &mut spare);
+    let mut t = spare;
     contract(&d, problem.direction, &left, &right, &mut t)?;
 
-    let mut dt = try_vec(mh, 0.0f32, "backward: dt")?;
+    let mut dt_rows = try_vec(mh, 0.0f32, "backward: dt")?;
     let mut dgate = try_vec(m * d.g, 0.0f32, "backward: output gate gradient")?;
-    let out_sums = output_backward(prep, &d, problem.config.formulation, x, dy, &t, &mut dt, &mut dgate)?;
-    drop(t);
+    let out_sums = output_backward(prep, &d, problem.config.formulation, x, dy, &t, &mut dt_rows, &mut dgate)?;
+    // t is dead: dt, hidden-major, goes into its buffer.
+    hidden_major(&d, &dt_rows, &mut t);
+    drop(dt_rows);
+    let dt = t;
 
     let (mut dleft, mut dright) = (try_vec(mh, 0.0f32, "backward: dleft")?, try_vec(mh, 0.0f32, "backward: dright")?);
     contract_backward(&d, problem.direction, &dt, &left, &right, &mut dleft, &mut dright)?;
@@ -110,7 +120,9 @@ pub(super) fn backward(
     Ok(assemble(prep, &d, dx, &in_sums, &out_sums))
 }
 
-/// Per-block scratch of the row stages.
+/// Scratch of the row stages, made once per rayon task and reused by its blocks (allocating per
+/// block put large `mmap`/`munmap` pairs, and their TLB shootdowns, in every block: on 16
+/// threads the backward ran at 8–12× the forward's time instead of about 4×).
 struct Scratch {
     xhat: Vec<f32>,
     rho: Vec<f64>,
@@ -119,6 +131,16 @@ struct Scratch {
     a: Vec<f32>,
     b: Vec<f32>,
     prod: Vec<f32>,
+    /// `[ROWS, H]`: a block's rows of t, then du.
+    t: Vec<f32>,
+    rho_t: Vec<f64>,
+    /// `[ROWS, max(C, H)]` each: gpumode's v/dv, af3's s and ds.
+    e1: Vec<f32>,
+    e2: Vec<f32>,
+    /// `[ROWS, 4H + G]`: the pre-activation gradients.
+    dcat: Vec<f32>,
+    /// `[ROWS, C]`.
+    dz: Vec<f32>,
 }
 
 impl Scratch {
@@ -132,6 +154,12 @@ impl Scratch {
             a: vec![0.0; ROWS * wide],
             b: vec![0.0; ROWS * wide],
             prod: vec![0.0; d.f.max(d.c) * d.c.max(d.h)],
+            t: vec![0.0; ROWS * d.h],
+            rho_t: vec![0.0; ROWS],
+            e1: vec![0.0; ROWS * d.c.max(d.h)],
+            e2: vec![0.0; ROWS * d.c.max(d.h)],
+            dcat: vec![0.0; ROWS * d.f],
+            dz: vec![0.0; ROWS * d.c],
         }
     }
 }
@@ -277,12 +305,26 @@ fn project_lr(
     )
 }
 
-/// The `N × N` matrix of batch `b`, hidden channel `h` of a position-major `[M, H]` tensor,
+/// A position-major `[M, H]` tensor into hidden-major `[B, H, N²]` `out`, in parallel over the
+/// `(b, h)` slices. The GEMMs of stages B and D then read unit-stride rows: through strides of
+/// `H` the `gemm` crate's packing touched one cache line per element, which bound those stages
+/// by memory bandwidth once many threads ran them (the backward took 10–12× the forward's time
+/// on 16 threads, 4.6× on 2).
+fn hidden_major(d: &Dims, pm: &[f32], out: &mut [f32]) {
+    out.par_chunks_mut(d.n2).enumerate().for_each(|(bh, o)| {
+        let (b, h) = (bh / d.h, bh % d.h);
+        let src = &pm[b * d.n2 * d.h..(b + 1) * d.n2 * d.h];
+        for (v, row) in o.iter_mut().zip(src.chunks_exact(d.h)) {
+            *v = row[h];
+        }
+    });
+}
+
+/// The `N × N` matrix of batch `b`, hidden channel `h` of a hidden-major `[B, H, N²]` tensor,
 /// transposed when `transpose`.
 fn channel<'a>(v: &'a [f32], d: &Dims, b: usize, h: usize, transpose: bool) -> Result<MatRef<'a>> {
-    let (rs, cs) = (d.n * d.h, d.h);
-    let (rs, cs) = if transpose { (cs, rs) } else { (rs, cs) };
-    MatRef::new(&v[b * d.n2 * d.h + h..], d.n, d.n, rs, cs)
+    let (rs, cs) = if transpose { (1, d.n) } else { (d.n, 1) };
+    MatRef::new(&v[(b * d.h + h) * d.n2..(b * d.h + h + 1) * d.n2], d.n, d.n, rs, cs)
 }
 
 /// Stage B: `t`, hidden-major `[B, H, N²]`.
@@ -378,10 +420,10 @@ fn output_backward(
                 // The gate pre-activation P_G into s.p, [rows, G].
                 project(prep, d, &s.z[..rows * c], rows, 4 * h, d.f, &mut s.p)?;
                 // t̂ into s.a, its ρ into rho_t; u into s.b.
-                let mut tb = vec![0.0f32; rows * h];
-                gather(t, d, r0, rows, &mut tb);
-                let mut rho_t = vec![0.0f64; rows];
-                normalise(&tb, h, d.eps, &mut s.a[..rows * h], &mut rho_t);
+                let tb = &mut s.t[..rows * h];
+                gather(t, d, r0, rows, tb);
+                let rho_t = &mut s.rho_t[..rows];
+                normalise(tb, h, d.eps, &mut s.a[..rows * h], rho_t);
                 let that = &s.a[..rows * h];
                 let u = &mut s.b[..rows * h];
                 simd(|| {
@@ -393,12 +435,12 @@ fn output_backward(
                 });
                 let u = &s.b[..rows * h];
                 // du into tb (t itself is no longer needed: t̂ and ρ_t are kept).
-                let du = &mut tb;
+                let du = &mut s.t[..rows * h];
                 let wout = MatRef::new(&prep.w_out_t, c, h, 1, c)?; // Wout [C, H]
                 match form {
                     Formulation::GpuMode => {
                         // o = σ(P_G), v = u⊙o; dv = dy·Wout; dWout += dyᵀ·v.
-                        let mut v = vec![0.0f32; rows * h];
+                        let v = &mut s.e1[..rows * h];
                         simd(|| {
                             for ((v, &u), &q) in v.iter_mut().zip(u).zip(&s.p[..rows * h]) {
                                 *v = u * sigmoid(q);
@@ -408,20 +450,20 @@ fn output_backward(
                         matmul(
                             MatMut::new(prod, c, h, h, 1)?,
                             MatRef::new(dyb, c, rows, 1, c)?,
-                            MatRef::new(&v, rows, h, h, 1)?,
+                            MatRef::new(v, rows, h, h, 1)?,
                             Parallelism::None,
                         )?;
                         sums.add(OUT_W, prod);
-                        let mut dv = v;
+                        let dv = v;
                         matmul(
-                            MatMut::new(&mut dv, rows, h, h, 1)?,
+                            MatMut::new(dv, rows, h, h, 1)?,
                             MatRef::new(dyb, rows, c, c, 1)?,
                             wout,
                             Parallelism::None,
                         )?;
                         simd(|| {
                             for ((((du, &dv), &u), &q), dg) in
-                                du.iter_mut().zip(&dv).zip(u).zip(&s.p[..rows * h]).zip(dgb.iter_mut())
+                                du.iter_mut().zip(&*dv).zip(u).zip(&s.p[..rows * h]).zip(dgb.iter_mut())
                             {
                                 let o = sigmoid(q);
                                 *du = dv * o;
@@ -431,14 +473,14 @@ fn output_backward(
                     }
                     Formulation::Af3 => {
                         // g = σ(P_G), s = u·Wzᵀ + bz; ds = dy⊙g; dWz += dsᵀ·u; dbz += Σ ds; du = ds·Wz.
-                        let mut sv = vec![0.0f32; rows * c];
+                        let sv = &mut s.e1[..rows * c];
                         matmul(
-                            MatMut::new(&mut sv, rows, c, c, 1)?,
+                            MatMut::new(sv, rows, c, c, 1)?,
                             MatRef::new(u, rows, h, h, 1)?,
                             MatRef::new(&prep.w_out_t, h, c, c, 1)?,
                             Parallelism::None,
                         )?;
-                        let mut ds = vec![0.0f32; rows * c];
+                        let ds = &mut s.e2[..rows * c];
                         simd(|| {
                             for (r, ((dsr, dgr), svr)) in
                                 ds.chunks_exact_mut(c).zip(dgb.chunks_exact_mut(c)).zip(sv.chunks_exact(c)).enumerate()
@@ -456,7 +498,7 @@ fn output_backward(
                         let prod = &mut s.prod[..c * h];
                         matmul(
                             MatMut::new(prod, c, h, h, 1)?,
-                            MatRef::new(&ds, c, rows, 1, c)?,
+                            MatRef::new(ds, c, rows, 1, c)?,
                             MatRef::new(u, rows, h, h, 1)?,
                             Parallelism::None,
                         )?;
@@ -466,13 +508,13 @@ fn output_backward(
                         }
                         matmul(
                             MatMut::new(du, rows, h, h, 1)?,
-                            MatRef::new(&ds, rows, c, c, 1)?,
+                            MatRef::new(ds, rows, c, c, 1)?,
                             wout,
                             Parallelism::None,
                         )?;
                     }
                 }
-                norm_backward(du, that, &rho_t, &prep.norm_out_w, dtb, &mut sums, (NORM_OUT_W, NORM_OUT_B));
+                norm_backward(du, that, rho_t, &prep.norm_out_w, dtb, &mut sums, (NORM_OUT_W, NORM_OUT_B));
                 Ok((s, sums))
             },
         )
@@ -514,7 +556,7 @@ fn input_backward(
                 gather(dleft, d, r0, rows, dl);
                 gather(dright, d, r0, rows, dr);
                 // D = [dpL dqL dpR dqR dG], [rows, F].
-                let mut dcat = vec![0.0f32; rows * f];
+                let dcat = &mut s.dcat[..rows * f];
                 simd(|| {
                     for (r, dc) in dcat.chunks_exact_mut(f).enumerate() {
                         let m = mask.map_or(1.0, |mk| mk[r0 + r]);
@@ -534,7 +576,7 @@ fn input_backward(
                 let prod = &mut s.prod[..f * c];
                 matmul(
                     MatMut::new(prod, f, c, c, 1)?,
-                    MatRef::new(&dcat, f, rows, 1, f)?,
+                    MatRef::new(dcat, f, rows, 1, f)?,
                     MatRef::new(&s.z[..rows * c], rows, c, c, 1)?,
                     Parallelism::None,
                 )?;
@@ -542,15 +584,15 @@ fn input_backward(
                 for dc in dcat.chunks_exact(f) {
                     sums.add(CAT_B, dc);
                 }
-                let mut dz = vec![0.0f32; rows * c];
+                let dz = &mut s.dz[..rows * c];
                 matmul(
-                    MatMut::new(&mut dz, rows, c, c, 1)?,
-                    MatRef::new(&dcat, rows, f, f, 1)?,
+                    MatMut::new(dz, rows, c, c, 1)?,
+                    MatRef::new(dcat, rows, f, f, 1)?,
                     MatRef::new(&prep.w_cat, f, c, c, 1)?,
                     Parallelism::None,
                 )?;
                 norm_backward(
-                    &dz,
+                    dz,
                     &s.xhat[..rows * c],
                     &s.rho[..rows],
                     &prep.norm_in_w,
