@@ -66,7 +66,14 @@ struct Dims {
     n: usize,
     n2: usize,
     eps: f64,
+    /// Row blocks a rayon task takes at least: about [`TASKS_PER_THREAD`] tasks per thread, so
+    /// that the scratch and f64 sums each task makes and merges (about 2 MiB at C = H = 128) are
+    /// made a few times per thread, not once per block.
+    min_blocks: usize,
 }
+
+/// Tasks per thread in the row stages: more than one so rayon can balance uneven threads.
+const TASKS_PER_THREAD: usize = 4;
 
 /// Gradients of `L = Σ dy ⊙ y` for `x` (`[B,N,N,C]`), `mask` (`[B,N,N]`, none: all ones) and
 /// `dy` (`[B,N,N,C]`); the caller has checked them against `problem`
@@ -88,6 +95,12 @@ pub(super) fn backward(
         n,
         n2: n * n,
         eps: f64::from(problem.eps),
+        min_blocks: problem
+            .shape
+            .rows()
+            .div_ceil(ROWS)
+            .div_ceil(rayon::current_num_threads() * TASKS_PER_THREAD)
+            .max(1),
     };
     let m = problem.shape.rows();
     let mh = m * d.h;
@@ -120,9 +133,8 @@ pub(super) fn backward(
     Ok(assemble(prep, &d, dx, &in_sums, &out_sums))
 }
 
-/// Scratch of the row stages, made once per rayon task and reused by its blocks (allocating per
-/// block put large `mmap`/`munmap` pairs, and their TLB shootdowns, in every block: on 16
-/// threads the backward ran at 8–12× the forward's time instead of about 4×).
+/// Scratch of the row stages, made once per rayon task and reused by its blocks (no allocation
+/// per block).
 struct Scratch {
     xhat: Vec<f32>,
     rho: Vec<f64>,
@@ -283,33 +295,35 @@ fn project_lr(
     right: &mut [f32],
 ) -> Result<()> {
     let h = d.h;
-    left.par_chunks_mut(ROWS * h).zip(right.par_chunks_mut(ROWS * h)).enumerate().try_for_each_init(
-        || Scratch::new(d),
-        |s, (blk, (lb, rb))| {
-            let rows = lb.len() / h;
-            let r0 = blk * ROWS;
-            norm_in(prep, d, &x[r0 * d.c..(r0 + rows) * d.c], s);
-            project(prep, d, &s.z[..rows * d.c], rows, 0, 4 * h, &mut s.p)?;
-            simd(|| {
-                for (r, (lr, rr)) in lb.chunks_exact_mut(h).zip(rb.chunks_exact_mut(h)).enumerate() {
-                    let m = mask.map_or(1.0, |mk| mk[r0 + r]);
-                    let p = &s.p[r * 4 * h..(r + 1) * 4 * h];
-                    for k in 0..h {
-                        lr[k] = p[k] * sigmoid(p[h + k]) * m;
-                        rr[k] = p[2 * h + k] * sigmoid(p[3 * h + k]) * m;
+    left.par_chunks_mut(ROWS * h)
+        .zip(right.par_chunks_mut(ROWS * h))
+        .enumerate()
+        .with_min_len(d.min_blocks)
+        .try_for_each_init(
+            || Scratch::new(d),
+            |s, (blk, (lb, rb))| {
+                let rows = lb.len() / h;
+                let r0 = blk * ROWS;
+                norm_in(prep, d, &x[r0 * d.c..(r0 + rows) * d.c], s);
+                project(prep, d, &s.z[..rows * d.c], rows, 0, 4 * h, &mut s.p)?;
+                simd(|| {
+                    for (r, (lr, rr)) in lb.chunks_exact_mut(h).zip(rb.chunks_exact_mut(h)).enumerate() {
+                        let m = mask.map_or(1.0, |mk| mk[r0 + r]);
+                        let p = &s.p[r * 4 * h..(r + 1) * 4 * h];
+                        for k in 0..h {
+                            lr[k] = p[k] * sigmoid(p[h + k]) * m;
+                            rr[k] = p[2 * h + k] * sigmoid(p[3 * h + k]) * m;
+                        }
                     }
-                }
-            });
-            Ok(())
-        },
-    )
+                });
+                Ok(())
+            },
+        )
 }
 
 /// A position-major `[M, H]` tensor into hidden-major `[B, H, N²]` `out`, in parallel over the
-/// `(b, h)` slices. The GEMMs of stages B and D then read unit-stride rows: through strides of
-/// `H` the `gemm` crate's packing touched one cache line per element, which bound those stages
-/// by memory bandwidth once many threads ran them (the backward took 10–12× the forward's time
-/// on 16 threads, 4.6× on 2).
+/// `(b, h)` slices, so that the GEMMs of stages B and D read unit-stride operands (through a
+/// stride of `H`, packing an operand touches one cache line per element).
 fn hidden_major(d: &Dims, pm: &[f32], out: &mut [f32]) {
     out.par_chunks_mut(d.n2).enumerate().for_each(|(bh, o)| {
         let (b, h) = (bh / d.h, bh % d.h);
@@ -410,6 +424,7 @@ fn output_backward(
     dt.par_chunks_mut(ROWS * h)
         .zip(dgate.par_chunks_mut(ROWS * g))
         .enumerate()
+        .with_min_len(d.min_blocks)
         .try_fold(
             || (Scratch::new(d), Sums::zeros(&lens)),
             |(mut s, mut sums), (blk, (dtb, dgb))| -> Result<(Scratch, Sums)> {
@@ -545,6 +560,7 @@ fn input_backward(
     let lens = [f * c, f, c, c];
     dx.par_chunks_mut(ROWS * c)
         .enumerate()
+        .with_min_len(d.min_blocks)
         .try_fold(
             || (Scratch::new(d), Sums::zeros(&lens)),
             |(mut s, mut sums), (blk, dxb)| -> Result<(Scratch, Sums)> {
