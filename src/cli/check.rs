@@ -182,9 +182,9 @@ pub fn run(args: &CheckArgs) -> CliResult {
         progress.set_message(case.name());
         let (input_seed, weights_seed) = (seeds.next(), seeds.next());
         let result = if args.grad {
-            run_grad_case(&device, case, formulation, direction, input_seed, weights_seed)
+            run_grad_case(&CaseRun { device: &device, case, formulation, direction, input_seed, weights_seed })
         } else {
-            run_case(&device, case, formulation, direction, input_seed, weights_seed)
+            run_case(&CaseRun { device: &device, case, formulation, direction, input_seed, weights_seed })
         };
         if !args.json {
             progress.out(&row(&result))?;
@@ -230,20 +230,24 @@ pub fn run(args: &CheckArgs) -> CliResult {
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::from(EXIT_FAILED) })
 }
 
-/// One case end to end. Errors from the forward or the reference become a failed case with
-/// the message, so the other cases still run and the summary counts it.
-fn run_case(
-    device: &Device,
-    case: &Case,
+/// One case of a run: the device, the case, the layer's formulation and direction, and the seeds
+/// of its inputs and weights.
+struct CaseRun<'a> {
+    device: &'a Device,
+    case: &'a Case,
     formulation: Formulation,
     direction: Direction,
     input_seed: u64,
     weights_seed: u64,
-) -> CaseResult {
-    let mut result = empty_result(case, input_seed, weights_seed);
+}
+
+/// One case end to end. Errors from the forward or the reference become a failed case with
+/// the message, so the other cases still run and the summary counts it.
+fn run_case(run: &CaseRun) -> CaseResult {
+    let case = run.case;
+    let mut result = empty_result(case, run.input_seed, run.weights_seed);
     let outcome = (|| -> trimul::Result<(reference::Comparison, f64)> {
-        let (problem, weights, inputs, mut layer) =
-            setup(device, case, formulation, direction, input_seed, weights_seed)?;
+        let (problem, weights, inputs, mut layer) = setup(run)?;
         // NaN, so an element the backend never writes fails the comparison.
         let mut y = vec![f32::NAN; problem.x_len()];
         let start = Instant::now();
@@ -272,19 +276,12 @@ fn run_case(
 }
 
 /// One case's backward: every gradient for a random `dy` against the f64 reference.
-fn run_grad_case(
-    device: &Device,
-    case: &Case,
-    formulation: Formulation,
-    direction: Direction,
-    input_seed: u64,
-    weights_seed: u64,
-) -> CaseResult {
-    let mut result = empty_result(case, input_seed, weights_seed);
+fn run_grad_case(run: &CaseRun) -> CaseResult {
+    let case = run.case;
+    let mut result = empty_result(case, run.input_seed, run.weights_seed);
     let outcome = (|| -> trimul::Result<(Vec<GradientJson>, f64)> {
-        let (problem, weights, inputs, mut layer) =
-            setup(device, case, formulation, direction, input_seed, weights_seed)?;
-        let dy = Rng::new(input_seed ^ DY_SEED).normal_vec(problem.x_len(), 1.0);
+        let (problem, weights, inputs, mut layer) = setup(run)?;
+        let dy = Rng::new(run.input_seed ^ DY_SEED).normal_vec(problem.x_len(), 1.0);
         let start = Instant::now();
         let got = layer.backward(&inputs.x, inputs.mask.as_deref(), &dy, case.shape())?;
         let ms = start.elapsed().as_secs_f64() * 1e3;
@@ -323,18 +320,11 @@ fn run_grad_case(
 
 /// A case's problem, random weights (af3's with biases, so the bias paths are checked too),
 /// inputs and layer.
-fn setup(
-    device: &Device,
-    case: &Case,
-    formulation: Formulation,
-    direction: Direction,
-    input_seed: u64,
-    weights_seed: u64,
-) -> trimul::Result<(trimul::Problem, Weights, suite::Inputs, TriMul)> {
-    let problem = case.problem(formulation, direction)?;
-    let weights = Weights::random(problem.config, formulation == Formulation::Af3, weights_seed)?;
-    let inputs = suite::generate_inputs(case, input_seed);
-    let layer = TriMul::new(device, &weights, Options::new(direction))?;
+fn setup(run: &CaseRun) -> trimul::Result<(trimul::Problem, Weights, suite::Inputs, TriMul)> {
+    let problem = run.case.problem(run.formulation, run.direction)?;
+    let weights = Weights::random(problem.config, run.formulation == Formulation::Af3, run.weights_seed)?;
+    let inputs = suite::generate_inputs(run.case, run.input_seed);
+    let layer = TriMul::new(run.device, &weights, Options::new(run.direction))?;
     Ok((problem, weights, inputs, layer))
 }
 
