@@ -337,8 +337,9 @@ pub trait Backend: Clone + Send + Sync {
 
     /// The gradients of a scalar loss `L` with respect to `x` and every weight and bias, given
     /// `dy = ∂L/∂y`, on host slices in f32 (`x`, `dy`: `[B,N,N,C]`, `mask`: `[B,N,N]`). The
-    /// forward's intermediates are recomputed from `x`. The caller has checked the lengths
-    /// against `problem`. Backends without a backward return [`Error::Unsupported`].
+    /// forward's intermediates are recomputed from `x`. Operands that do not match `problem`
+    /// are an error before any work (`check_backward_io`). Backends without a backward return
+    /// [`Error::Unsupported`].
     fn backward(
         &self,
         prepared: &Self::Prepared,
