@@ -517,8 +517,9 @@ def _backward_op(
 ) -> list[Tensor]:
     """The library's native backward on CPU tensors, given grad = dL/dy and the forward's twelve
     weights in signature order (`AF3_WEIGHTS`): float32 gradients of x and of each weight that is
-    not None, in that order. The forward's arguments were checked when it ran; this op is only
-    called from its autograd formula."""
+    not None, in that order. Autograd calls it with what the forward checked; called directly
+    (it is public, as torch.ops.trimul.triangle_multiplicative_update_backward) it checks its
+    arguments first."""
     _check_backward_args(grad, x, mask, w)
     c, h = x.shape[-1], w[2].shape[0] // 2
     host_w = [None if t is None else t.detach().contiguous() for t in _prepared_weights(w, c, h, x.device)]
