@@ -748,35 +748,17 @@ fn assemble(prep: &CpuPrepared, d: &Dims, dx: Vec<f32>, input: &Sums, output: &S
 mod tests {
     //! The CPU backward against the f64 reference backward (`crate::reference::backward`, itself
     //! checked by finite differences), tensor by tensor, on fresh random inputs.
+    use super::super::test_cases::{inputs, Case};
     use super::super::CpuBackend;
     use crate::backend::Backend;
     use crate::problem::{Config, Direction, Formulation, Problem, Shape};
-    use crate::rand::Rng;
     use crate::reference;
     use crate::weights::Weights;
-
-    struct Case {
-        f: Formulation,
-        dir: Direction,
-        b: usize,
-        n: usize,
-        c: usize,
-        h: usize,
-        masked: bool,
-        biases: bool,
-        cauchy: bool,
-    }
 
     /// The largest relative L2 error over every gradient tensor, with its name; checks that the
     /// two sides name the same tensors.
     fn worst(cs: &Case, seed: u64) -> (f64, String) {
-        let seed = seed ^ crate::test_seed::this_test_seed();
-        let cfg = Config::new(cs.f, cs.c, cs.h).unwrap();
-        let w = Weights::random(cfg, cs.biases, seed).unwrap();
-        let pr = Problem::new(cfg, Shape::new(cs.b, cs.n), cs.dir, cs.masked).unwrap();
-        let mut rng = Rng::new(seed ^ 0x5EED);
-        let x = if cs.cauchy { rng.cauchy_vec(pr.x_len(), 2.0) } else { rng.normal_vec(pr.x_len(), 1.0) };
-        let mask = cs.masked.then(|| rng.mask_vec(pr.mask_len()));
+        let (w, pr, x, mask, mut rng) = inputs(cs, seed);
         let dy = rng.normal_vec(pr.x_len(), 1.0);
         let be = CpuBackend::new();
         let prep = be.prepare(&w).unwrap();

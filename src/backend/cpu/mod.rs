@@ -72,6 +72,8 @@ use rayon::prelude::*;
 mod backward;
 mod elementwise;
 mod prepared;
+#[cfg(test)]
+mod test_cases;
 
 pub use self::prepared::CpuPrepared;
 
@@ -788,40 +790,12 @@ mod tests {
     //! Unit tests of this module's pieces and edge cases, judged against the f64 reference
     //! (`crate::reference`); the GPU MODE suite runs through tests/conformance.
     use super::elementwise::exp_f32;
+    use super::test_cases::{case, inputs, Case};
     use super::*;
-    use crate::rand::Rng;
     use crate::reference;
 
     fn oracle(w: &Weights, pr: &Problem, x: &[f32], mask: Option<&[f32]>) -> Vec<f64> {
         reference::forward(w, pr, x, mask).unwrap()
-    }
-
-    struct Case {
-        f: Formulation,
-        dir: Direction,
-        b: usize,
-        n: usize,
-        c: usize,
-        h: usize,
-        masked: bool,
-        biases: bool,
-        cauchy: bool,
-    }
-
-    fn case(f: Formulation, dir: Direction, b: usize, n: usize, c: usize, h: usize) -> Case {
-        Case { f, dir, b, n, c, h, masked: false, biases: false, cauchy: false }
-    }
-
-    /// Weights, problem, x and mask of `cs`: fresh each run, `seed` keeps a test's cases apart.
-    fn inputs(cs: &Case, seed: u64) -> (Weights, Problem, Vec<f32>, Option<Vec<f32>>) {
-        let seed = seed ^ crate::test_seed::this_test_seed();
-        let cfg = Config::new(cs.f, cs.c, cs.h).unwrap();
-        let w = Weights::random(cfg, cs.biases, seed).unwrap();
-        let pr = Problem::new(cfg, Shape::new(cs.b, cs.n), cs.dir, cs.masked).unwrap();
-        let mut rng = Rng::new(seed ^ 0xABCD);
-        let x = if cs.cauchy { rng.cauchy_vec(pr.x_len(), 2.0) } else { rng.normal_vec(pr.x_len(), 1.0) };
-        let mask = cs.masked.then(|| rng.mask_vec(pr.mask_len()));
-        (w, pr, x, mask)
     }
 
     fn run_cpu(w: &Weights, pr: &Problem, x: &[f32], mask: Option<&[f32]>) -> Result<Vec<f32>> {
@@ -838,7 +812,7 @@ mod tests {
     }
 
     fn check(cs: Case, seed: u64) {
-        let (w, pr, x, mask) = inputs(&cs, seed);
+        let (w, pr, x, mask, _) = inputs(&cs, seed);
         let y = run_cpu(&w, &pr, &x, mask.as_deref()).unwrap();
         let want = oracle(&w, &pr, &x, mask.as_deref());
         // f32 throughout lands near 1e-7 relative L2; elementwise far inside GPU MODE's 2e-2.
@@ -863,7 +837,7 @@ mod tests {
     #[test]
     fn layer_norm_eps_is_the_problems() {
         for f in [Formulation::GpuMode, Formulation::Af3] {
-            let (w, pr, x, _) = inputs(&case(f, Direction::Outgoing, 1, 8, 16, 8), 11);
+            let (w, pr, x, _, _) = inputs(&case(f, Direction::Outgoing, 1, 8, 16, 8), 11);
             let x: Vec<f32> = x.iter().map(|v| v * 1e-2).collect();
             let wide = pr.with_eps(1e-2);
             let y = run_cpu(&w, &wide, &x, None).unwrap();
@@ -895,7 +869,7 @@ mod tests {
     #[test]
     fn thread_count_does_not_change_results() {
         let cs = Case { masked: true, biases: true, ..case(Formulation::Af3, Direction::Outgoing, 2, 40, 12, 9) };
-        let (w, pr, x, mask) = inputs(&cs, 10);
+        let (w, pr, x, mask, _) = inputs(&cs, 10);
         let ys: Vec<Vec<f32>> = [1, 3]
             .iter()
             .map(|&t| {
@@ -914,7 +888,7 @@ mod tests {
     #[test]
     fn workspace_is_reused_and_checked() {
         let cs = case(Formulation::GpuMode, Direction::Outgoing, 1, 10, 8, 8);
-        let (w, pr, x, _) = inputs(&cs, 11);
+        let (w, pr, x, _, _) = inputs(&cs, 11);
         let be = CpuBackend::new();
         let prep = be.prepare(&w).unwrap();
         let mut ws = be.workspace(&prep, &pr, None).unwrap();
@@ -959,7 +933,7 @@ mod tests {
     #[test]
     fn nan_propagates_where_the_math_says() {
         let cs = case(Formulation::GpuMode, Direction::Outgoing, 2, 6, 8, 4);
-        let (w, pr, mut x, _) = inputs(&cs, 13);
+        let (w, pr, mut x, _, _) = inputs(&cs, 13);
         // Position (b=1, i=2, j=4): left row i=2 and right row j... → t[1, 2, :] and t[1, :, 2].
         x[((6 + 2) * 6 + 4) * 8 + 3] = f32::NAN;
         let y = run_cpu(&w, &pr, &x, None).unwrap();
@@ -972,7 +946,7 @@ mod tests {
     #[test]
     fn incoming_is_outgoing_on_the_transpose() {
         let cs = Case { masked: true, ..case(Formulation::Af3, Direction::Incoming, 2, 11, 6, 5) };
-        let (w, pr, x, mask) = inputs(&cs, 14);
+        let (w, pr, x, mask, _) = inputs(&cs, 14);
         let (n, c) = (11, 6);
         let swap = |v: &[f32], width: usize| {
             let mut out = vec![0.0; v.len()];
