@@ -2,7 +2,9 @@
 //! recorded after every stage (`CudaBackend::record_stages`), printed as milliseconds per stage.
 //! The numbers behind the stage columns of `docs/perf/NOTES.md`.
 //!
-//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io] [NxB[xC],...] [samples] [ranks]`
+//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io|grad] [NxB[xC],...] [samples] [ranks]`
+//!
+//! `grad` in place of the precision times the backward's steps instead (f32 x and dy).
 //!
 //! The optional third argument replaces the benchmark shapes with others (C defaults to 128),
 //! e.g. `248x2,256x2,264x2` to see how a stage's time follows the number of positions. The
@@ -18,7 +20,10 @@ fn main() -> trimul::Result<()> {
     use trimul::{suite, Backend, Direction, Formulation, Layer, Options, Precision, Weights};
 
     let formulation: Formulation = std::env::args().nth(1).as_deref().unwrap_or("gpumode").parse()?;
-    let io: Precision = std::env::args().nth(2).as_deref().unwrap_or("f32-io").parse()?;
+    // `grad` in place of the precision: the backward's steps (f32) instead of the forward's.
+    let grad = std::env::args().nth(2).as_deref() == Some("grad");
+    let io: Precision =
+        if grad { Precision::F32Io } else { std::env::args().nth(2).as_deref().unwrap_or("f32-io").parse()? };
     let b = CudaBackend::new(0)?;
     println!("{} ({}), {formulation}, {io}", b.info().name, b.info().arch);
     let cases = match std::env::args().nth(3) {
@@ -73,9 +78,16 @@ fn main() -> trimul::Result<()> {
             b.upload_bits(&bits, &mut x16)?;
             half = Some((x16, b.alloc_buffer::<u16>(bits.len())?));
         }
-        let mut forward = |layer: &mut Layer<CudaBackend>| match half.as_mut() {
-            None => layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape()),
-            Some((x16, y16)) => layer.forward_buffers_half(x16, mask.as_ref(), y16, case.shape(), io),
+        let mut dy_dx = None;
+        if grad {
+            let mut dy = b.alloc(inputs.x.len())?;
+            b.upload(&trimul::rand::Rng::new(3).normal_vec(inputs.x.len(), 1.0), &mut dy)?;
+            dy_dx = Some((dy, b.alloc(inputs.x.len())?));
+        }
+        let mut forward = |layer: &mut Layer<CudaBackend>| match (half.as_mut(), dy_dx.as_mut()) {
+            (_, Some((dy, dx))) => layer.backward_buffers(&x, mask.as_ref(), dy, dx, case.shape()).map(drop),
+            (None, None) => layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape()),
+            (Some((x16, y16)), None) => layer.forward_buffers_half(x16, mask.as_ref(), y16, case.shape(), io),
         };
         for _ in 0..3 {
             forward(&mut layer)?;

@@ -431,11 +431,49 @@ impl<B: Backend> Layer<B> {
     /// The gradients of a scalar loss `L` with respect to `x` and every weight and bias, given
     /// `dy = ∂L/∂y`, on host slices in f32 (`x`, `dy`: `[B,N,N,C]`; `mask`: `[B,N,N]`, the one
     /// the forward used). The forward's intermediates are recomputed from `x`; nothing the
-    /// caller passes is modified. The mask is data and gets no gradient. Only the CPU backend
-    /// has a backward so far; the others return [`crate::Error::Unsupported`].
+    /// caller passes is modified. The mask is data and gets no gradient. The CPU and CUDA backends
+    /// have a backward; the HIP backend returns [`crate::Error::Unsupported`] so far.
     pub fn backward(&mut self, x: &[f32], mask: Option<&[f32]>, dy: &[f32], shape: Shape) -> Result<Gradients> {
         let problem = self.problem(shape, mask.is_some())?;
         self.backend.backward(&self.prepared, &problem, x, mask, dy)
+    }
+
+    /// [`Layer::backward`] on the backend's f32 buffers: `∂L/∂x` into `dx`, the weight and bias
+    /// gradients returned with an empty `x` ([`Backend::backward_buffers`]). Waits for the work.
+    pub fn backward_buffers(
+        &mut self,
+        x: &B::Buffer,
+        mask: Option<&B::Buffer>,
+        dy: &B::Buffer,
+        dx: &mut B::Buffer,
+        shape: Shape,
+    ) -> Result<Gradients> {
+        let problem = self.problem(shape, mask.is_some())?;
+        self.backend.backward_buffers(&self.prepared, &problem, x, mask, dy, dx)
+    }
+
+    /// [`Layer::backward_buffers`] on caller device memory, stream and workspace
+    /// ([`Backend::backward_device`]): for bindings whose tensors the backend did not allocate.
+    /// `io` is `(x, mask, dy, dx)`, the mask 0 when there is none.
+    ///
+    /// # Safety
+    /// As [`Backend::backward_device`].
+    pub unsafe fn backward_device(
+        &mut self,
+        io: (u64, u64, u64, u64),
+        shape: Shape,
+        stream: u64,
+        workspace: Option<DeviceSpan>,
+    ) -> Result<Gradients> {
+        let problem = self.problem(shape, io.1 != 0)?;
+        // SAFETY: forwarded from this method's contract.
+        unsafe { self.backend.backward_device(&self.prepared, &problem, io, stream, workspace) }
+    }
+
+    /// Bytes of the workspace a [`Layer::backward_device`] of this shape needs.
+    pub fn backward_workspace_bytes(&self, shape: Shape, masked: bool) -> Result<u64> {
+        let problem = self.problem(shape, masked)?;
+        self.backend.backward_workspace_bytes(&self.prepared, &problem)
     }
 
     /// A forward on the backend's memory with the layer's own workspace. The I/O is checked

@@ -615,3 +615,64 @@ fn budget_errors_come_before_any_work() {
     let e = b.forward(&prep, &mut ws, &problem, CudaBackend::buffer_io(None, None, &mut xy)).unwrap_err();
     assert!(e.to_string().contains("in_place"), "{e}");
 }
+
+/// The CUDA backward (issue 28) against the f64 reference: every gradient within issue 28's 2e-3
+/// (its GEMMs run in TF32), with poisoned intermediates; sizes off every tile (N = 13, C = 40,
+/// H = 24, B = 2) as well as a whole-tile af3 case; the same gradients from `backward_buffers`
+/// (the cached buffers) and from `backward_device` with a caller workspace; refusals named.
+#[test]
+fn backward_matches_the_f64_reference() {
+    let Some(b) = cuda() else { return };
+    let s = seed();
+    let cases = [
+        (Formulation::Af3, true, Direction::Incoming, Case::new(13, 2, 40, true, Dist::Normal), 24),
+        (Formulation::GpuMode, false, Direction::Outgoing, Case::new(13, 2, 40, false, Dist::Cauchy), 24),
+        (Formulation::Af3, true, Direction::Outgoing, Case::new(64, 1, 128, true, Dist::Normal), 128),
+    ];
+    for (f, biases, dir, case, h) in cases {
+        let w = Weights::random(trimul::Config::new(f, case.c, h).unwrap(), biases, s).unwrap();
+        let inputs = suite::generate_inputs(&case, s ^ 1);
+        let dy = trimul::rand::Rng::new(s ^ 2).normal_vec(inputs.x.len(), 1.0);
+        let shape = case.shape();
+        let mut layer = Layer::new(&b, &w, Options::new(dir)).unwrap();
+        let got = layer.backward(&inputs.x, inputs.mask.as_deref(), &dy, shape).unwrap();
+        got.check_against(&w, inputs.x.len()).unwrap();
+        let problem = layer.problem(shape, inputs.mask.is_some()).unwrap();
+        let want = reference::backward(&w, &problem, &inputs.x, inputs.mask.as_deref(), &dy).unwrap();
+        for ((name, g), (_, r)) in got.tensors().iter().zip(want.tensors()) {
+            let e = reference::compare(g, r, 0.0, f64::INFINITY);
+            assert!(e.nan_mismatch == 0 && e.rel_l2 > 0.0 && e.rel_l2 <= 2e-3, "{} {f:?} {name}: {e:?}", case.name());
+        }
+        // The device paths: the backend's kept buffers, then a caller workspace (poisoned too).
+        let up = |v: &[f32]| {
+            let mut d = b.alloc(v.len()).unwrap();
+            b.upload(v, &mut d).unwrap();
+            d
+        };
+        let (x, dyd) = (up(&inputs.x), up(&dy));
+        let mask = inputs.mask.as_deref().map(up);
+        let mut dx = b.alloc(inputs.x.len()).unwrap();
+        let g2 = layer.backward_buffers(&x, mask.as_ref(), &dyd, &mut dx, shape).unwrap();
+        let mut dx_host = vec![0f32; inputs.x.len()];
+        b.download(&dx, &mut dx_host).unwrap();
+        assert!(g2.x.is_empty() && dx_host == got.x, "{}: backward_buffers gave another dx", case.name());
+        assert_eq!(g2.tensors()[1..], got.tensors()[1..], "{}: backward_buffers' weight gradients", case.name());
+        let bytes = layer.backward_workspace_bytes(shape, mask.is_some()).unwrap();
+        let ws = b.alloc_buffer::<u8>(bytes as usize).unwrap();
+        let dx2 = b.alloc(inputs.x.len()).unwrap();
+        let io = (x.ptr(), mask.as_ref().map_or(0, |m| m.ptr()), dyd.ptr(), dx2.ptr());
+        let span = trimul::DeviceSpan { ptr: ws.ptr(), bytes };
+        // SAFETY: every pointer is a live allocation of this backend holding the shape's elements
+        // (the workspace its reported bytes), unused by anything else until the call returns.
+        let g3 = unsafe { layer.backward_device(io, shape, 0, Some(span)) }.unwrap();
+        b.download(&dx2, &mut dx_host).unwrap();
+        assert!(dx_host == got.x && g3.tensors()[1..] == got.tensors()[1..], "{}: caller workspace", case.name());
+        let small = trimul::DeviceSpan { ptr: ws.ptr(), bytes: bytes - 256 };
+        // SAFETY: as above; the call is refused before anything is launched.
+        let e = unsafe { layer.backward_device(io, shape, 0, Some(small)) }.unwrap_err();
+        assert!(e.to_string().contains("workspace"), "{e}");
+        let e = layer.backward_buffers(&x, mask.as_ref(), &dyd, &mut b.alloc(7).unwrap(), shape).unwrap_err();
+        assert!(e.to_string().contains("dx has 7 elements"), "{e}");
+    }
+    b.free_backward_buffers();
+}

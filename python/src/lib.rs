@@ -289,17 +289,7 @@ impl HostLayer {
         if !x.is_multiple_of(4) || !dy.is_multiple_of(4) || !mask.is_multiple_of(4) {
             return Err(PyValueError::new_err("x, dy and the mask must be aligned to 4 bytes"));
         }
-        let outs: [Entry; 17] = outs.try_into().map_err(|v: Vec<Entry>| {
-            PyValueError::new_err(format!("{} gradient entries given, expected 17", v.len()))
-        })?;
-        for (i, (ptr, _, code)) in outs.iter().enumerate().filter_map(|(i, e)| e.map(|e| (i, e))) {
-            if code != 0 || ptr == 0 || !ptr.is_multiple_of(4) {
-                return Err(PyValueError::new_err(format!(
-                    "the gradient entry of {} must be a non-null, aligned f32 tensor",
-                    grad_name(i)
-                )));
-            }
-        }
+        let outs = gradient_entries::<17>(outs, 0)?;
         py.detach(|| -> PyResult<()> {
             let mut layer = self.lock()?;
             // SAFETY: x, dy (B·N·N·C f32 each) and the mask (B·N·N f32) are host tensors alive for
@@ -312,37 +302,64 @@ impl HostLayer {
                 )
             };
             let g = layer.backward(xs, mask, dys, Shape::new(b, n)).map_err(to_py)?;
-            let tensors = gradient_slots(&g);
-            for (i, (entry, t)) in outs.iter().zip(&tensors).enumerate() {
-                match (entry, t) {
-                    (Some((_, elems, _)), Some(t)) if *elems == t.len() => {}
-                    (Some((_, elems, _)), Some(t)) => {
-                        return Err(PyValueError::new_err(format!(
-                            "the gradient entry of {} has {elems} elements, expected {}",
-                            grad_name(i),
-                            t.len()
-                        )))
-                    }
-                    (Some(_), None) => {
-                        return Err(PyValueError::new_err(format!(
-                            "a gradient entry for {} was given, but the layer has no such bias",
-                            grad_name(i)
-                        )))
-                    }
-                    (None, _) => {}
-                }
-            }
-            for (entry, t) in outs.iter().zip(&tensors) {
-                if let (Some((ptr, elems, _)), Some(t)) = (entry, t) {
-                    // SAFETY: the caller's entry is a host f32 tensor of `elems` elements (checked
-                    // equal to the gradient's length), alive for this call and written by no one
-                    // else meanwhile (module docs).
-                    unsafe { std::slice::from_raw_parts_mut(*ptr as *mut f32, *elems) }.copy_from_slice(t);
-                }
-            }
-            Ok(())
+            // SAFETY: the entries are host f32 tensors alive for this call (module docs).
+            unsafe { write_gradients(&outs, &gradient_slots(&g), 0) }
         })
     }
+}
+
+/// The gradient entries of a backward (`N` of them from slot `first` of [`grad_name`]'s order),
+/// each `None` or a non-null, aligned f32 tensor.
+fn gradient_entries<const N: usize>(outs: Vec<Entry>, first: usize) -> PyResult<[Entry; N]> {
+    let outs: [Entry; N] = outs
+        .try_into()
+        .map_err(|v: Vec<Entry>| PyValueError::new_err(format!("{} gradient entries given, expected {N}", v.len())))?;
+    for (i, (ptr, _, code)) in outs.iter().enumerate().filter_map(|(i, e)| e.map(|e| (i, e))) {
+        if code != 0 || ptr == 0 || !ptr.is_multiple_of(4) {
+            return Err(PyValueError::new_err(format!(
+                "the gradient entry of {} must be a non-null, aligned f32 tensor",
+                grad_name(first + i)
+            )));
+        }
+    }
+    Ok(outs)
+}
+
+/// Copies each gradient into its caller entry (slots from `first`), after checking every entry
+/// against its gradient's length, so that nothing is written when one does not match.
+///
+/// # Safety
+/// Each entry is a host f32 tensor of its stated element count, alive for the call and written by
+/// no one else meanwhile.
+unsafe fn write_gradients(outs: &[Entry], tensors: &[Option<&[f32]>], first: usize) -> PyResult<()> {
+    let tensors = &tensors[first..];
+    for (i, (entry, t)) in outs.iter().zip(tensors).enumerate() {
+        match (entry, t) {
+            (Some((_, elems, _)), Some(t)) if *elems == t.len() => {}
+            (Some((_, elems, _)), Some(t)) => {
+                return Err(PyValueError::new_err(format!(
+                    "the gradient entry of {} has {elems} elements, expected {}",
+                    grad_name(first + i),
+                    t.len()
+                )))
+            }
+            (Some(_), None) => {
+                return Err(PyValueError::new_err(format!(
+                    "a gradient entry for {} was given, but the layer has no such bias",
+                    grad_name(first + i)
+                )))
+            }
+            (None, _) => {}
+        }
+    }
+    for (entry, t) in outs.iter().zip(tensors) {
+        if let (Some((ptr, elems, _)), Some(t)) = (entry, t) {
+            // SAFETY: the caller's entry is a host f32 tensor of `elems` elements (checked equal
+            // to the gradient's length), alive and unshared (this function's contract).
+            unsafe { std::slice::from_raw_parts_mut(*ptr as *mut f32, *elems) }.copy_from_slice(t);
+        }
+    }
+    Ok(())
 }
 
 /// The name of gradient slot `i` of [`HostLayer::backward`]: `x`, then [`WEIGHT_NAMES`].
@@ -602,6 +619,49 @@ macro_rules! device_layer {
                     )));
                 }
                 layer.device_workspace_bytes(Shape::new(b, n), masked, p).map_err(to_py)
+            }
+
+            /// Bytes of the workspace a `backward` of this shape needs.
+            fn backward_workspace_bytes(&self, b: usize, n: usize, masked: bool) -> PyResult<u64> {
+                self.lock()?.backward_workspace_bytes(Shape::new(b, n), masked).map_err(to_py)
+            }
+
+            /// The native backward on `stream`: x, dy and dx `[b, n, n, C]` f32 device tensors,
+            /// the mask `[b, n, n]` f32 (0: none), the workspace at `ws` (`ws_bytes` ≥
+            /// `backward_workspace_bytes`); the 16 weight-gradient entries (host f32 tensors in
+            /// the canonical order, `None`: not wanted) receive the weights' gradients. Waits
+            /// for the work.
+            #[allow(clippy::too_many_arguments)]
+            fn backward(
+                &self,
+                py: Python<'_>,
+                x: (u64, usize),
+                mask: (u64, usize),
+                dy: (u64, usize),
+                dx: (u64, usize),
+                b: usize,
+                n: usize,
+                outs: Vec<Entry>,
+                ws: (u64, u64),
+                stream: u64,
+            ) -> PyResult<()> {
+                let c = self.lock()?.config().c;
+                check_pair_io(c, b, n, x, mask, ("dy", dy))?;
+                check_pair_io(c, b, n, x, mask, ("dx", dx))?;
+                let outs = gradient_entries::<16>(outs, 1)?;
+                let workspace = DeviceSpan { ptr: ws.0, bytes: ws.1 };
+                py.detach(|| {
+                    let mut layer = self.lock()?;
+                    // SAFETY: x, mask, dy, dx and the workspace are live device tensors of this
+                    // device with the element counts checked above, dx and the workspace fresh
+                    // allocations (the caller's), all alive until this returns (module docs).
+                    let g = unsafe {
+                        layer.backward_device((x.0, mask.0, dy.0, dx.0), Shape::new(b, n), stream, Some(workspace))
+                    }
+                    .map_err(to_py)?;
+                    // SAFETY: the entries are host f32 tensors alive for this call (module docs).
+                    unsafe { write_gradients(&outs, &gradient_slots(&g), 1) }
+                })
             }
 
             /// Enqueues y = TriMul(x) on `stream`: x and y `[b, n, n, C]` in `io`, the mask

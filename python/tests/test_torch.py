@@ -25,7 +25,11 @@ def rel(a, b):
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
 def test_gradients_match_f64_autograd(device, dtype, bound, direction):
-    """Gradients for x and every weight against PyTorch autograd of the same formula in f64."""
+    """Gradients for x and every weight against PyTorch autograd of the same formula in f64. The
+    CUDA backward's GEMMs run in TF32 (docs/backward.md): float32 gradients within the 2e-3 of
+    issue 28's bar there."""
+    if device.type == "cuda" and dtype == torch.float32:
+        bound = 2e-3
     b, n, c, h = 1, 16, 32, 16
     w = af3_weights(c, h, True, salt=50, dtype=dtype, device=device)
     x = pair((b, n, n, c), salt=51, dtype=dtype, device=device)
@@ -53,21 +57,21 @@ def test_gradients_match_f64_autograd(device, dtype, bound, direction):
         ("norm_out_bias", False, True, ()),
     ],
 )
-def test_cpu_gradients_come_from_the_native_backward(monkeypatch, without, masked, biases, lead):
-    """On CPU tensors the backward is the library's (no recomputation through PyTorch), with
-    every gradient against f64 autograd: LayerNorm weights left out (their defaults), no mask, no
-    biases, leading batch dims."""
+def test_gradients_come_from_the_native_backward(monkeypatch, device, without, masked, biases, lead):
+    """On CPU and CUDA tensors the backward is the library's (no recomputation through PyTorch),
+    with every gradient against f64 autograd: LayerNorm weights left out (their defaults), no
+    mask, no biases, leading batch dims. CPU f32 throughout: 1e-5; CUDA's TF32 GEMMs: 2e-3."""
     c, h, n = 24, 16, 9
-    w = af3_weights(c, h, biases, salt=70)
+    w = af3_weights(c, h, biases, salt=70, device=device)
     if without:
         w[without] = None
     leaves = {k: None if v is None else v.detach().clone().requires_grad_(True) for k, v in w.items()}
-    x = pair(lead + (n, n, c), salt=71).requires_grad_(True)
-    mask = random_mask(lead + (n, n), salt=72) if masked else None
-    g = pair(lead + (n, n, c), salt=73)
+    x = pair(lead + (n, n, c), salt=71, device=device).requires_grad_(True)
+    mask = random_mask(lead + (n, n), salt=72, device=device) if masked else None
+    g = pair(lead + (n, n, c), salt=73, device=device)
 
     def recomputed(*args, **kwargs):
-        raise AssertionError("the CPU backward recomputed the forward through PyTorch")
+        raise AssertionError("the native backward recomputed the forward through PyTorch")
 
     monkeypatch.setattr(trimul._torch.reference, "af3", recomputed)
     (tmu(x, "incoming", mask, eps=1e-3, **leaves) * g).sum().backward()
@@ -77,8 +81,36 @@ def test_cpu_gradients_come_from_the_native_backward(monkeypatch, without, maske
     y = reference.af3(xr, None if mask is None else mask.double(), *[ref.get(k) for k in AF3_WEIGHTS], "incoming", 1e-3)
     (y * g.double()).sum().backward()
     errors = {"x": rel(x.grad, xr.grad)} | {k: rel(leaves[k].grad, ref[k].grad) for k in w if w[k] is not None}
-    assert max(errors.values()) <= 1e-5, errors
+    assert x.grad.device == x.device and all(leaves[k].grad.device == x.device for k in w if w[k] is not None)
+    assert max(errors.values()) <= (1e-5 if device.type == "cpu" else 2e-3), errors
     assert min(errors.values()) > 0.0, "f32 against f64 cannot agree exactly"
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+def test_cuda_native_backward_at_n_1024(direction):
+    """Issue 28's bar at scale: N = 1024, C = H = 128, af3 with biases, masked, float32 (weight
+    gradients sum over a million positions), every gradient within 2e-3 of PyTorch f64 autograd
+    of the same formula (on the GPU)."""
+    c = h = 128
+    n = 1024
+    dev = torch.device("cuda")
+    w = af3_weights(c, h, True, salt=80, device=dev)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in w.items()}
+    x = pair((1, n, n, c), salt=81, device=dev).requires_grad_(True)
+    mask = random_mask((1, n, n), salt=82, device=dev)
+    g = pair((1, n, n, c), salt=83, device=dev)
+    (tmu(x, direction, mask, **leaves) * g).sum().backward()
+    got = {"x": x.grad} | {k: leaves[k].grad for k in w}
+    del leaves
+    ref = {k: v.detach().double().requires_grad_(True) for k, v in w.items()}
+    xr = x.detach().double().requires_grad_(True)
+    y = reference.af3(xr, mask.double(), *[ref.get(k) for k in AF3_WEIGHTS], direction, 1e-5)
+    (y * g.double()).sum().backward()
+    del y
+    errors = {"x": rel(got["x"], xr.grad)} | {k: rel(got[k], ref[k].grad) for k in w}
+    print(f"N = 1024 {direction}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    assert max(errors.values()) <= 2e-3, errors
 
 
 def test_gradient_only_for_what_requires_it(device):

@@ -490,15 +490,24 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, mask, *w)
 
 
+def _native_backward(x: Tensor) -> bool:
+    """Whether the library's backward takes x's device: the CPU, and CUDA outside a CUDA-graph
+    capture (the native backward waits for its work, which a capture cannot hold). ROCm has no
+    native backward yet."""
+    if x.device.type == "cpu":
+        return True
+    return x.is_cuda and not _HIP and not _capturing()
+
+
 def _backward(ctx, grad):
-    """CPU tensors: the library's native backward. Elsewhere (until the GPU backends have one):
-    the forward recomputed with PyTorch operations in float32 and differentiated."""
+    """The library's native backward where it runs (`_native_backward`); elsewhere the forward
+    recomputed with PyTorch operations in float32 and differentiated."""
     x, mask, *w = ctx.saved_tensors
     need = ctx.needs_input_grad
     slots = [(0, x)] + list(zip(_WEIGHT_SLOTS, w))
     if not any(t is not None and need[i] for i, t in slots):
         return (None,) * 16
-    if x.device.type == "cpu":
+    if _native_backward(x):
         # An op of its own, so that tracing (torch.compile, opcheck) sees one opaque call.
         given = _backward_op(grad, x, mask, list(w), ctx.direction, ctx.eps)
         grads = dict(zip([i for i, t in slots if t is not None], given))
@@ -515,12 +524,15 @@ def _backward(ctx, grad):
 def _backward_op(
     grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list[Optional[Tensor]], direction: str, eps: float
 ) -> list[Tensor]:
-    """The library's native backward on CPU tensors, given grad = dL/dy and the forward's twelve
-    weights in signature order (`AF3_WEIGHTS`): float32 gradients of x and of each weight that is
-    not None, in that order. Autograd calls it with what the forward checked; called directly
-    (it is public, as torch.ops.trimul.triangle_multiplicative_update_backward) it checks its
-    arguments first."""
+    """The library's native backward on CPU or CUDA tensors, given grad = dL/dy and the forward's
+    twelve weights in signature order (`AF3_WEIGHTS`): float32 gradients of x and of each weight
+    that is not None, in that order, on x's device. Autograd calls it with what the forward
+    checked; called directly (it is public, as
+    torch.ops.trimul.triangle_multiplicative_update_backward) it checks its arguments first."""
     _check_backward_args(grad, x, mask, w)
+    if x.is_cuda:
+        with torch.cuda.device(x.get_device()):
+            return _cuda_backward(grad, x, mask, w, direction, eps)
     c, h = x.shape[-1], w[2].shape[0] // 2
     host_w = [None if t is None else t.detach().contiguous() for t in _prepared_weights(w, c, h, x.device)]
     layer = _trimul.HostLayer("af3", c, h, direction, eps, _entries(host_w), "cpu")
@@ -537,17 +549,49 @@ def _backward_op(
     return [dx] + [g for g in gw if g is not None]
 
 
+def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, direction: str, eps: float) -> list:
+    """The native backward on CUDA tensors, on the current stream: x, grad and the mask as float32
+    copies, dx and the workspace from PyTorch's allocator; the weight gradients come back through
+    host memory (a few hundred KiB) and are copied to the device."""
+    index = x.get_device()
+    stream = _raw_stream(index)
+    e = _cuda_prepare(x, list(w), direction, eps, index, stream)
+    x32 = x.detach().to(torch.float32).contiguous()
+    dy = grad.detach().to(torch.float32).contiguous()
+    m = None if mask is None else mask.detach().to(torch.float32).contiguous()
+    b, n = x.shape[0], x.shape[1]
+    dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    nbytes = e.layer.backward_workspace_bytes(b, n, m is not None)
+    ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    gw = [None if t is None else torch.empty(t.shape, dtype=torch.float32) for t in w]
+    e.layer.backward(
+        (x32.data_ptr(), x32.numel()),
+        (0, 0) if m is None else (m.data_ptr(), m.numel()),
+        (dy.data_ptr(), dy.numel()),
+        (dx.data_ptr(), dx.numel()),
+        b,
+        n,
+        _entries(gw),
+        (ws.data_ptr(), nbytes),
+        stream,
+    )
+    return [dx] + [g.to(x.device) for g in gw if g is not None]
+
+
 def _check_backward_args(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list) -> None:
-    """What the backward op needs of its arguments when called directly: CPU tensors (the
-    library reads them as host memory), x `[B, N, N, C]`, grad of x's shape, the mask `[B, N, N]`,
-    twelve weights with the forward's shapes."""
+    """What the backward op needs of its arguments when called directly: tensors on x's device,
+    the CPU or (on a CUDA build of PyTorch) a CUDA device, x `[B, N, N, C]`, grad of x's shape,
+    the mask `[B, N, N]`, twelve weights with the forward's shapes."""
     if len(w) != 12:
         raise ValueError(f"{len(w)} weights given, expected 12 ({', '.join(_args.AF3_WEIGHTS)})")
-    named = [("grad", grad), ("x", x), ("mask", mask)] + list(zip(_args.AF3_WEIGHTS, w))
+    if not isinstance(x, torch.Tensor) or not (x.device.type == "cpu" or (x.is_cuda and not _HIP)):
+        where = getattr(x, "device", type(x).__name__)
+        raise ValueError(f"the native backward takes CPU or CUDA tensors so far; x is on {where}")
+    named = [("grad", grad), ("mask", mask)] + list(zip(_args.AF3_WEIGHTS, w))
     for name, t in named:
-        if t is not None and (not isinstance(t, torch.Tensor) or t.device.type != "cpu"):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.device != x.device):
             where = getattr(t, "device", type(t).__name__)
-            raise ValueError(f"the native backward takes CPU tensors so far; {name} is on {where}")
+            raise ValueError(f"{name} is on {where}, x on {x.device}: the backward takes tensors on one device")
     if grad.shape != x.shape:
         raise ValueError(f"grad has shape {tuple(grad.shape)}, expected x's {tuple(x.shape)}")
     _args.check_af3_shapes(x.shape, None if mask is None else mask.shape, dict(zip(_args.AF3_WEIGHTS, w)))

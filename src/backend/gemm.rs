@@ -96,6 +96,44 @@ impl GemmSpec {
         }
     }
 
+    /// A row-major product `D[m, n] = op(U)·op(V)` (`op(U)` is `m × k`, `op(V)` is `k × n`),
+    /// where `U` is stored `[m, k]` row-major with leading dimension `ldu`, or `[k, m]` when
+    /// `u_t` (then `op(U) = Uᵀ`), and likewise `V` (`[k, n]`, or `[n, k]` when `v_t`), `D` with
+    /// leading dimension `ldd`: the column-major `Dᵀ = op(V)ᵀ·op(U)ᵀ`, so A = V and B = U. The
+    /// backward's GEMMs are written this way (`cuda/backward.rs`).
+    // The CUDA backward's so far; the HIP backend has no backward yet.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn row_major(
+        m: usize,
+        n: usize,
+        k: usize,
+        (u_t, ldu): (bool, usize),
+        (v_t, ldv): (bool, usize),
+        ldd: usize,
+    ) -> Self {
+        GemmSpec {
+            m: n,
+            n: m,
+            k,
+            trans_a: v_t,
+            trans_b: u_t,
+            lda: ldv,
+            ldb: ldu,
+            ldd,
+            batch: 1,
+            stride_a: 0,
+            stride_b: 0,
+            stride_d: 0,
+        }
+    }
+
+    /// The same product for `batch` matrices, `U`, `V` and `D` each `stride` elements apart.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn batched(self, batch: usize, stride: usize) -> Self {
+        let s = if batch > 1 { stride } else { 0 };
+        GemmSpec { batch, stride_a: s, stride_b: s, stride_d: s, ..self }
+    }
+
     /// Rows and columns of A and B as stored (column-major), for layout descriptors.
     pub fn a_dims(&self) -> (usize, usize) {
         if self.trans_a {
@@ -182,6 +220,38 @@ mod tests {
                             })
                             .sum();
                         assert!(close(t[s * n * n + i * n + j], want), "{dir} t[{s}][{i},{j}]");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn row_major_products_in_every_transposition() {
+        let (m, n, k, batch) = (5, 7, 4, 2);
+        let mut r = Rng::new(4);
+        for (u_t, v_t) in [(false, false), (true, false), (false, true), (true, true)] {
+            // Leading dimensions one wider than the rows, so a swapped ld shows.
+            let (ldu, ldv, ldd) = (if u_t { m } else { k } + 1, if v_t { k } else { n } + 1, n + 1);
+            let (urows, vrows) = (if u_t { k } else { m }, if v_t { n } else { k });
+            let (su, sv, sd) = (urows * ldu, vrows * ldv, m * ldd);
+            let stride = su.max(sv).max(sd);
+            let u = r.normal_vec(batch * stride, 1.0);
+            let v = r.normal_vec(batch * stride, 1.0);
+            let mut d = vec![0f32; batch * stride];
+            GemmSpec::row_major(m, n, k, (u_t, ldu), (v_t, ldv), ldd).batched(batch, stride).run_host(&v, &u, &mut d);
+            for b in 0..batch {
+                let o = b * stride;
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|l| {
+                                let uv = if u_t { u[o + l * ldu + i] } else { u[o + i * ldu + l] };
+                                let vv = if v_t { v[o + j * ldv + l] } else { v[o + l * ldv + j] };
+                                uv as f64 * vv as f64
+                            })
+                            .sum();
+                        assert!(close(d[o + i * ldd + j], want), "u_t {u_t} v_t {v_t} D[{b}][{i},{j}]");
                     }
                 }
             }

@@ -352,6 +352,56 @@ pub trait Backend: Clone + Send + Sync {
         Err(Error::Unsupported { backend: self.kind(), what: "the backward pass".into() })
     }
 
+    /// [`Backend::backward`] on this backend's f32 buffers: writes `∂L/∂x` into `dx` and returns
+    /// the weight and bias gradients (on the host: a few hundred KiB) with an empty `x`. Waits
+    /// for the work. `dx` must not alias `x`, `mask` or `dy` (its `&mut` borrow says so).
+    fn backward_buffers(
+        &self,
+        prepared: &Self::Prepared,
+        problem: &Problem,
+        x: &Self::Buffer,
+        mask: Option<&Self::Buffer>,
+        dy: &Self::Buffer,
+        dx: &mut Self::Buffer,
+    ) -> Result<Gradients> {
+        let _ = (prepared, problem, x, mask, dy, dx);
+        Err(Error::Unsupported { backend: self.kind(), what: "the backward pass".into() })
+    }
+
+    /// [`Backend::backward_buffers`] on caller device memory and the caller's stream (a raw
+    /// `CUstream`/`hipStream_t`, 0: the backend's own), for bindings whose tensors the backend did
+    /// not allocate: `x`, `dy` and `dx` are `[B,N,N,C]` f32, `mask` `[B,N,N]` f32 or 0. The
+    /// intermediates are carved from `workspace` (at least [`Backend::backward_workspace_bytes`])
+    /// when given, else allocated by the backend and kept for the next backward. Waits for the
+    /// work.
+    ///
+    /// # Safety
+    /// Each non-zero pointer, and the workspace, is a device allocation of this backend's device
+    /// holding the problem's element count (the span's bytes), alive and not used by anyone else
+    /// until this returns; `dx` and the workspace overlap none of the others.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn backward_device(
+        &self,
+        prepared: &Self::Prepared,
+        problem: &Problem,
+        (x, mask, dy, dx): (u64, u64, u64, u64),
+        stream: u64,
+        workspace: Option<DeviceSpan>,
+    ) -> Result<Gradients> {
+        let _ = (prepared, problem, x, mask, dy, dx, stream, workspace);
+        Err(Error::Unsupported { backend: self.kind(), what: "the backward pass on device memory".into() })
+    }
+
+    /// Bytes of the caller workspace a [`Backend::backward_device`] of `problem` needs.
+    fn backward_workspace_bytes(&self, prepared: &Self::Prepared, problem: &Problem) -> Result<u64> {
+        let _ = (prepared, problem);
+        Err(Error::Unsupported { backend: self.kind(), what: "the backward pass on device memory".into() })
+    }
+
+    /// Frees what the last backward kept for the next one of the same sizes (GPU backends keep
+    /// their intermediates between backward calls, as a layer keeps its forward workspace).
+    fn free_backward_buffers(&self) {}
+
     /// Device bytes [`Backend::prepare_device`] needs for a layer of `config` (`biases`: whether
     /// any linear layer has one).
     fn prepared_device_bytes(&self, config: &Config, biases: bool) -> Result<u64> {

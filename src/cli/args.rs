@@ -153,7 +153,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "f32-io", value_parser = parse_precision_arg)]
     pub precision: trimul::Precision,
     /// Also time the backward pass (every gradient for a random dy), after the forward, with
-    /// the same calls; the CPU backend only so far.
+    /// the same calls, and report its peak memory on a GPU; CPU and CUDA backends, f32 I/O.
     #[arg(long)]
     pub grad: bool,
 }

@@ -127,13 +127,16 @@ pub fn run(args: &BenchArgs) -> CliResult {
         grad: args.grad,
     };
     if plan.grad {
-        if gpu {
-            return Err(CliError::usage(format!(
-                "--grad: the backward pass runs on the CPU backend only so far, not on {kind} (use --backend cpu)"
-            )));
+        if kind == BackendKind::Hip {
+            return Err(CliError::usage(
+                "--grad: the backward pass runs on the CPU and CUDA backends so far, not on hip (use --backend cpu)",
+            ));
         }
-        if plan.fresh_weights || plan.in_place || plan.budget.is_some() {
-            return Err(CliError::usage("--grad cannot be combined with --fresh-weights, --in-place or --max-memory"));
+        if plan.fresh_weights || plan.in_place || plan.budget.is_some() || plan.precision != Precision::F32Io {
+            return Err(CliError::usage(
+                "--grad cannot be combined with --fresh-weights, --in-place, --max-memory or 16-bit --precision \
+                 (the backward takes f32 x and dy so far)",
+            ));
         }
     }
     if plan.precision != Precision::F32Io {
@@ -226,8 +229,12 @@ pub fn run(args: &BenchArgs) -> CliResult {
                     progress.out(&line)?;
                 }
                 if let Some(ms) = m.result.backward_median_ms {
+                    let peak = m
+                        .result
+                        .backward_peak_device_bytes
+                        .map_or(String::new(), |b| format!("; the backward's own peak memory {}", fmt_bytes(b)));
                     progress.out(&format!(
-                        "{:<28} backward {ms:.3} ms median, {:.2}× the forward; forward + backward {:.3} ms",
+                        "{:<28} backward {ms:.3} ms median, {:.2}× the forward; forward + backward {:.3} ms{peak}",
                         "",
                         ms / m.result.median_ms,
                         ms + m.result.median_ms
@@ -472,10 +479,13 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
     let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, RTOL, ATOL)?;
     // Kept for comparing the device-prepared path's output with (--fresh-weights on a GPU).
     let checked_y = if plan.fresh_weights { y } else { Vec::new() };
-    // --grad: the host x and mask the backward reads (it takes host slices), and a dy.
-    let grad_inputs = plan.grad.then(|| {
-        (inputs.x.clone(), inputs.mask.clone(), trimul::rand::Rng::new(input_seed ^ 0xD1).normal_vec(x_len, 1.0))
-    });
+    // --grad: a dy and a dx on the backend (the backward reads x and the mask from set 0).
+    let mut grad_buffers = if plan.grad {
+        let dy = trimul::rand::Rng::new(input_seed ^ 0xD1).normal_vec(x_len, 1.0);
+        Some((upload(&dy)?, backend.alloc(x_len)?))
+    } else {
+        None
+    };
     progress.inc(1);
 
     let used_ws = exec_plan.map_or(ws_bytes, |p| p.workspace_bytes);
@@ -496,7 +506,7 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
     let calls = (plan.warmup + plan.repeats) as usize;
     let mut samples = Vec::with_capacity(plan.repeats as usize);
     let mut telemetry = None;
-    let mut backward_ms = None;
+    let mut backward = (None, None);
     if plan.fresh_weights {
         // The leaderboard's way: weight preparation inside every timed call.
         match DeviceWeightSet::upload(backend, &weights)? {
@@ -587,25 +597,30 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
         })?;
         (samples, telemetry) = (timed.samples, timed.telemetry);
         backend.synchronize()?;
-        backward_ms = match &grad_inputs {
-            Some((x, mask, dy)) => {
-                progress.set_message(format!("{}: timing the backward", case.name()));
-                let mut times = Vec::with_capacity(plan.repeats as usize);
-                for i in 0..plan.warmup + plan.repeats {
-                    let ms = backend.elapsed_ms(&mut || layer.backward(x, mask.as_deref(), dy, shape).map(drop))?;
-                    if i >= plan.warmup {
-                        times.push(ms);
-                    }
-                    progress.inc(1);
+        if let Some((dy, dx)) = grad_buffers.as_mut() {
+            progress.set_message(format!("{}: timing the backward", case.name()));
+            let mut times = Vec::with_capacity(plan.repeats as usize);
+            backend.reset_peak_memory();
+            let held = backend.peak_memory();
+            for i in 0..plan.warmup + plan.repeats {
+                let ms = backend
+                    .elapsed_ms(&mut || layer.backward_buffers(&xs[0], masks[0].as_ref(), dy, dx, shape).map(drop))?;
+                if i >= plan.warmup {
+                    times.push(ms);
                 }
-                Some(trimul::report::SampleStats::from_samples(&times)?.median)
+                progress.inc(1);
             }
-            None => None,
-        };
+            backward = (
+                Some(trimul::report::SampleStats::from_samples(&times)?.median),
+                backend.peak_memory().zip(held).map(|(peak, held)| peak.saturating_sub(held)),
+            );
+            // Not held into the next shape's forward, whose peak memory is reported.
+            backend.free_backward_buffers();
+        }
     }
     backend.synchronize()?;
     let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &samples, ceilings)?
-        .with_backward(backward_ms)
+        .with_backward(backward.0, backward.1)
         .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
         .with_memory(peak, Some(used_ws))
         .with_plan(plan.budget, exec_plan, plan.in_place)

@@ -132,11 +132,10 @@ struct GradientJson {
 
 pub fn run(args: &CheckArgs) -> CliResult {
     let device = open_device(args.backend)?;
-    if args.grad && device.kind() != BackendKind::Cpu {
-        return Err(CliError::usage(format!(
-            "--grad: the backward pass runs on the CPU backend only so far, not on {} (use --backend cpu)",
-            device.kind()
-        )));
+    if args.grad && device.kind() == BackendKind::Hip {
+        return Err(CliError::usage(
+            "--grad: the backward pass runs on the CPU and CUDA backends so far, not on hip (use --backend cpu)",
+        ));
     }
     let formulation = Formulation::from(args.formulation);
     let direction = Direction::from(args.direction);

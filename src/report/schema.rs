@@ -428,6 +428,10 @@ pub struct ShapeResult {
     /// `dy`), timed as the forward is, after it; the forward's statistics above are unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none", with = "lenient_opt_f64")]
     pub backward_median_ms: Option<f64>,
+    /// `trimul bench --grad` on a GPU: the most device memory a backward allocated beyond what
+    /// the run held before it (its intermediates; not the weights, x, dy and dx).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backward_peak_device_bytes: Option<u64>,
 }
 
 impl ShapeResult {
@@ -477,12 +481,14 @@ impl ShapeResult {
             in_place: false,
             telemetry: None,
             backward_median_ms: None,
+            backward_peak_device_bytes: None,
         })
     }
 
-    /// Records the backward's median time (`trimul bench --grad`).
-    pub fn with_backward(mut self, median_ms: Option<f64>) -> ShapeResult {
+    /// Records the backward's median time and peak device memory (`trimul bench --grad`).
+    pub fn with_backward(mut self, median_ms: Option<f64>, peak_device_bytes: Option<u64>) -> ShapeResult {
         self.backward_median_ms = median_ms;
+        self.backward_peak_device_bytes = peak_device_bytes;
         self
     }
 

@@ -361,6 +361,24 @@ impl Backend for CpuBackend {
         backward::backward(prepared, problem, x, mask, dy)
     }
 
+    fn backward_buffers(
+        &self,
+        prepared: &CpuPrepared,
+        problem: &Problem,
+        x: &Vec<f32>,
+        mask: Option<&Vec<f32>>,
+        dy: &Vec<f32>,
+        dx: &mut Vec<f32>,
+    ) -> Result<Gradients> {
+        if dx.len() != problem.x_len() {
+            return Err(Error::Shape(format!("dx has {} elements, expected {}", dx.len(), problem.x_len())));
+        }
+        let mut g = self.backward(prepared, problem, x, mask.map(|m| &m[..]), dy)?;
+        dx.copy_from_slice(&g.x);
+        g.x = Vec::new();
+        Ok(g)
+    }
+
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }

@@ -185,7 +185,30 @@ impl MatmulPlan {
         max_workspace: usize,
         rank: usize,
     ) -> Result<Self> {
-        let desc = lt::create_matmul_desc(cublasComputeType_t::CUBLAS_COMPUTE_32F, cudaDataType::CUDA_R_32F)
+        Self::build(handle, spec, Elem::F16, d_type, bias, max_workspace, rank)
+    }
+
+    /// A GEMM on f32 A, B and D on the tensor cores in TF32 (inputs rounded to a 10-bit
+    /// mantissa, as f16's, with f32's range; f32 accumulation): the backward's products, whose
+    /// operands (gradients) have no range a 16-bit format is sure to hold.
+    pub(crate) fn tf32(handle: &BlasHandle, spec: GemmSpec, max_workspace: usize) -> Result<Self> {
+        Self::build(handle, spec, Elem::F32, Elem::F32, false, max_workspace, 0)
+    }
+
+    fn build(
+        handle: &BlasHandle,
+        spec: GemmSpec,
+        ab_type: Elem,
+        d_type: Elem,
+        bias: bool,
+        max_workspace: usize,
+        rank: usize,
+    ) -> Result<Self> {
+        let compute = match ab_type {
+            Elem::F16 => cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            Elem::F32 => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        };
+        let desc = lt::create_matmul_desc(compute, cudaDataType::CUDA_R_32F)
             .map_err(|e| blas_err("cublasLtMatmulDescCreate", e))?;
         // cublasOperation_t as a 32-bit int: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1.
         let (ta, tb) = (i32::from(spec.trans_a), i32::from(spec.trans_b));
@@ -218,8 +241,8 @@ impl MatmulPlan {
         }
         let (ar, ac) = spec.a_dims();
         let (br, bc) = spec.b_dims();
-        let a = layout(Elem::F16, ar, ac, spec.lda, spec.batch, spec.stride_a)?;
-        let b = layout(Elem::F16, br, bc, spec.ldb, spec.batch, spec.stride_b)?;
+        let a = layout(ab_type, ar, ac, spec.lda, spec.batch, spec.stride_a)?;
+        let b = layout(ab_type, br, bc, spec.ldb, spec.batch, spec.stride_b)?;
         let d = layout(d_type, spec.m, spec.n, spec.ldd, spec.batch, spec.stride_d)?;
 
         let pref = lt::create_matmul_pref().map_err(|e| blas_err("cublasLtMatmulPreferenceCreate", e))?;

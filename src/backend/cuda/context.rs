@@ -95,6 +95,9 @@ pub(super) struct Inner {
     pub(super) output_gate: std::sync::atomic::AtomicU8,
     /// Launches of that output kernel so far (as `resident_launches`).
     pub(super) xgate_launches: std::sync::atomic::AtomicU64,
+    /// The last backward's intermediates, kept for the next backward of the same sizes
+    /// ([`CudaBackend::free_backward_buffers`] drops them).
+    pub(super) backward_buffers: std::sync::Mutex<Option<(super::backward::BackwardKey, super::backward::Buffers)>>,
 }
 
 /// An NVIDIA GPU with its stream, cuBLASLt handle and loaded kernels. Cheap to clone.

@@ -50,14 +50,32 @@ pub(crate) struct Kernels {
     /// af3's output stage making the output gate from x (wgmma, sm_90a; 16-bit x, C = H = 128):
     /// the input stage then writes no gate.
     pub output_projection_sm90_xgate: Option<Stage>,
+    /// The backward pass's kernels (`common/backward.h`).
+    pub backward: BackwardKernels,
     /// Whether the fused kernels are launched as programmatic dependents of the kernel before
     /// them ([`Stage::launch_dependent`]): sm_90, unless `TRIMUL_CUDA_PDL=0`.
     pub pdl: bool,
     /// Largest dynamic shared memory a block may use (bytes).
     pub max_smem: usize,
-    /// Where the loaded kernels came from, in words ("all 15 kernels prebuilt (nvcc fatbin)" on
+    /// Where the loaded kernels came from, in words ("all 25 kernels prebuilt (nvcc fatbin)" on
     /// an H100, or which ones NVRTC compiled at run time), for `trimul info` ([`describe_origin`]).
     pub origin: String,
+}
+
+/// The entry points of the `backward` stage, in the order a backward launches them.
+pub(crate) struct BackwardKernels {
+    pub input_norm: Stage,
+    pub gating: Stage,
+    /// Takes `TM_BWD_T_SMEM(H)` bytes of dynamic shared memory (limit raised to the opt-in
+    /// maximum), as `output_norm_grad`.
+    pub output_norm: Stage,
+    pub output_gate: Stage,
+    pub output_norm_grad: Stage,
+    pub gating_grad: Stage,
+    pub input_norm_grad: Stage,
+    pub column_partials: Stage,
+    pub column_finish: Stage,
+    pub widen: Stage,
 }
 
 pub(crate) struct Stage {
@@ -151,7 +169,37 @@ impl Kernels {
             })?;
             load_stage(ctx, stage, entry, cc, &mut origin)
         };
+        let optin = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .ctx("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)")? as usize;
+        let raise = |stage: Stage| -> Result<Stage> {
+            // SAFETY: `stage.raw` is a live function of a loaded module; the attribute takes a
+            // byte count no larger than the device's opt-in limit.
+            unsafe {
+                cu::function::set_function_attribute(
+                    stage.raw,
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    optin as i32,
+                )
+            }
+            .ctx("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+            Ok(stage)
+        };
+        let mut bwd = |entry: &str| get(&format!("backward:backward_{entry}"));
+        let backward = BackwardKernels {
+            input_norm: bwd("input_norm")?,
+            gating: bwd("gating")?,
+            output_norm: raise(bwd("output_norm")?)?,
+            output_gate: bwd("output_gate")?,
+            output_norm_grad: raise(bwd("output_norm_grad")?)?,
+            gating_grad: bwd("gating_grad")?,
+            input_norm_grad: bwd("input_norm_grad")?,
+            column_partials: bwd("column_partials")?,
+            column_finish: bwd("column_finish")?,
+            widen: bwd("widen")?,
+        };
         let k = Kernels {
+            backward,
             input_norm: get("input_norm")?,
             input_gating: get("input_gating")?,
             output_norm: get("output_norm")?,
@@ -171,9 +219,6 @@ impl Kernels {
             max_smem: 48 * 1024,
             origin: String::new(),
         };
-        let optin = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .ctx("cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)")? as usize;
         let mut big_smem = |name: &str| -> Result<Option<Stage>> {
             if cc.0 < 8 {
                 return Ok(None);

@@ -29,6 +29,7 @@
 //! staged above the backends (`src/staging.rs`), with the copies of [`Backend::upload_async`]
 //! and [`Backend::download_words`].
 
+mod backward;
 mod blas;
 mod chunked;
 mod context;
@@ -64,6 +65,7 @@ use super::params::FusedInputLayout;
 use super::{check_prepared_for, device_operands, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
+use crate::gradients::Gradients;
 use crate::plan::{Blas, Capabilities, ExecPlan, InputStage, Plan};
 use crate::problem::{Config, Precision, Problem};
 use crate::weights::Weights;
@@ -165,6 +167,7 @@ impl CudaBackend {
                 tuning_override: std::sync::Mutex::new(None),
                 smem_per_sm,
                 timeline: std::sync::Mutex::new(None),
+                backward_buffers: std::sync::Mutex::new(None),
                 resident_output: AtomicBool::new(
                     std::env::var("TRIMUL_CUDA_RESIDENT_OUTPUT").map_or(true, |v| v.trim() != "0"),
                 ),
@@ -601,6 +604,7 @@ impl Backend for CudaBackend {
             norm_in_b: self.upload_f32(&w.norm_in.bias)?,
             norm_out_w: self.upload_f32(&w.norm_out.weight)?,
             norm_out_b: self.upload_f32(&w.norm_out.bias)?,
+            biases: w.linears().map(|(_, l)| l.bias.is_some()),
         })
     }
 
@@ -784,6 +788,109 @@ impl Backend for CudaBackend {
         // buffers are its own allocations or views into the span just bound, which that
         // contract keeps alive and unshared.
         unsafe { self.enqueue(prepared, workspace, problem, d.x(), d.mask(), d.y(), stream) }
+    }
+
+    fn backward(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        x: &[f32],
+        mask: Option<&[f32]>,
+        dy: &[f32],
+    ) -> Result<Gradients> {
+        check_prepared_for(&prepared.config, problem)?;
+        super::check_backward_io(problem, x, mask, dy)?;
+        let upload = |v: &[f32]| self.upload_f32(v);
+        let (xd, dyd) = (upload(x)?, upload(dy)?);
+        let maskd = mask.map(upload).transpose()?;
+        let mut dx = self.alloc_buffer::<f32>(x.len())?;
+        let mut g = self.backward_buffers(prepared, problem, &xd, maskd.as_ref(), &dyd, &mut dx)?;
+        g.x = vec![0f32; x.len()];
+        dx.download(&mut g.x, self.stream())?;
+        Ok(g)
+    }
+
+    fn backward_buffers(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        x: &DeviceBuffer<f32>,
+        mask: Option<&DeviceBuffer<f32>>,
+        dy: &DeviceBuffer<f32>,
+        dx: &mut DeviceBuffer<f32>,
+    ) -> Result<Gradients> {
+        check_prepared_for(&prepared.config, problem)?;
+        let len = problem.x_len();
+        for (name, have, want) in [
+            ("x", x.len(), len),
+            ("dy", dy.len(), len),
+            ("dx", dx.len(), len),
+            ("the mask", mask.map_or(0, |m| m.len()), if problem.masked { problem.shape.rows() } else { 0 }),
+        ] {
+            if have != want {
+                return Err(Error::Shape(format!("{name} has {have} elements, expected {want}")));
+            }
+        }
+        if mask.is_some() != problem.masked {
+            return Err(Error::InvalidArgument(
+                if problem.masked {
+                    "the problem is masked but no mask was given"
+                } else {
+                    "a mask was given for an unmasked problem"
+                }
+                .into(),
+            ));
+        }
+        // SAFETY: the buffers are this backend's allocations of the lengths checked above,
+        // borrowed until this call returns, which waits for the work (the download of the sums);
+        // `dx` is borrowed mutably, so it aliases none of the others.
+        unsafe {
+            self.backward_device(prepared, problem, (x.ptr(), mask.map_or(0, |m| m.ptr()), dy.ptr(), dx.ptr()), 0, None)
+        }
+    }
+
+    unsafe fn backward_device(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        (x, mask, dy, dx): (u64, u64, u64, u64),
+        stream: u64,
+        workspace: Option<DeviceSpan>,
+    ) -> Result<Gradients> {
+        check_prepared_for(&prepared.config, problem)?;
+        if (mask != 0) != problem.masked {
+            return Err(Error::InvalidArgument(
+                if problem.masked {
+                    "the problem is masked but no mask was given"
+                } else {
+                    "a mask was given for an unmasked problem"
+                }
+                .into(),
+            ));
+        }
+        for (name, ptr) in [("x", x), ("dy", dy), ("dx", dx)] {
+            if ptr == 0 || ptr % 16 != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be a non-null, 16-byte aligned device pointer (got {ptr:#x})"
+                )));
+            }
+        }
+        if mask % 4 != 0 {
+            return Err(Error::InvalidArgument(format!("the mask must be 4-byte aligned (got {mask:#x})")));
+        }
+        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        let stream = if stream == 0 { self.stream() } else { stream as CUstream };
+        // SAFETY: forwarded from this method's contract.
+        unsafe { self.backward_on_device(prepared, problem, (x, mask, dy, dx), stream, workspace) }
+    }
+
+    fn backward_workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> Result<u64> {
+        check_prepared_for(&prepared.config, problem)?;
+        self.backward_span_bytes(problem)
+    }
+
+    fn free_backward_buffers(&self) {
+        self.drop_backward_buffers();
     }
 
     fn prepared_device_bytes(&self, config: &Config, biases: bool) -> Result<u64> {

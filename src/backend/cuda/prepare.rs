@@ -66,6 +66,10 @@ impl CudaBackend {
             norm_in_b: view(self, base + layout.norms[1], c),
             norm_out_w: view(self, base + layout.norms[2], h),
             norm_out_b: view(self, base + layout.norms[3], h),
+            biases: {
+                let [a, b, c, d, e] = w.input_linears().map(|l| l.bias.is_some());
+                [a, b, c, d, e, w.out_proj.bias.is_some()]
+            },
         })
     }
 }

@@ -54,6 +54,9 @@ pub struct CudaPrepared {
     pub(super) norm_in_b: DeviceBuffer<f32>,
     pub(super) norm_out_w: DeviceBuffer<f32>,
     pub(super) norm_out_b: DeviceBuffer<f32>,
+    /// Which linear layers have a bias, in [`Weights::linears`](crate::Weights::linears) order:
+    /// the backward returns a bias gradient exactly for those.
+    pub(super) biases: [bool; 6],
 }
 
 /// One build of the fused input kernel: its entry point, dynamic shared memory and positions

@@ -1,0 +1,353 @@
+// The backward pass's element-wise, LayerNorm and reduction kernels; the GEMMs between them are
+// the BLAS library's (src/backend/cuda/backward.rs orders the steps; docs/backward.md derives
+// every line). With `m` a position, `⊙` element-wise and `σ` the logistic function:
+//
+//   backward_input_norm       z = LN_C(x) = x̂⊙γ + β, and (μ, ρ) per position
+//   backward_gating           left = pL⊙σ(qL)⊙mask, right = pR⊙σ(qR)⊙mask   (P = z·Wcatᵀ + bcat)
+//   backward_output_norm      u = LN_H(t) = t̂⊙γ + β, (μ, ρ) per position; gpumode v = u⊙σ(P_G)
+//   backward_output_gate      af3:     ds = dy⊙g, dG = dy⊙(s + bz)⊙g(1 − g),  g = σ(P_G)
+//                             gpumode: du = dv⊙o, dG = dv⊙u⊙o(1 − o),      o = σ(P_G)
+//   backward_output_norm_grad dt = ρ·(ĝ − mean(ĝ) − t̂·mean(ĝ⊙t̂)), ĝ = du⊙γ;  du ← du⊙t̂
+//   backward_gating_grad      dpX = dX⊙σ(qX)⊙mask, dqX = dX⊙pX⊙mask⊙σ(qX)(1 − σ(qX)), X = L, R
+//   backward_input_norm_grad  dx = ρ·(ĝ − mean(ĝ) − x̂·mean(ĝ⊙x̂)), ĝ = dz⊙γ;  dz ← dz⊙x̂
+//   backward_widen            the f16 prepared weights to f32
+//   backward_column_partials, backward_column_finish
+//                             Σ over positions of each column of an [M, W] matrix (the bias and
+//                             LayerNorm-weight gradients), in f64, in a fixed order
+//
+// Everything is f32. Position-major tensors are [M, W] row-major; left, right, t (then dt) are
+// hidden-major [B, H, N²], the layout of the contraction's batched GEMMs. The kernels that move
+// data between the two layouts take TM_BWD_TILE consecutive positions per block and go through
+// shared memory, so that both the hidden-major side (consecutive positions) and the
+// position-major side (consecutive channels) are read and written in whole 128-byte lines.
+#pragma once
+
+#define TM_BWD_THREADS 256
+#define TM_BWD_WARPS (TM_BWD_THREADS / 32)
+#define TM_BWD_TILE 32
+// Rows of a warp-per-position kernel's block.
+#define TM_BWD_ROWS_PER_BLOCK TM_BWD_WARPS
+
+// The one argument of the per-position kernels (mirrored by `BackwardParams` in
+// src/backend/cuda/backward.rs: the same fields in the same order).
+typedef struct {
+  const float* x;           // [M, C]
+  const float* dy;          // [M, C]
+  const float* mask;        // [M]; null: no mask
+  const float* norm_in_w;   // [C]
+  const float* norm_in_b;   // [C]
+  const float* norm_out_w;  // [H]
+  const float* norm_out_b;  // [H]
+  const float* proj_bias;   // [F]; null: no input bias
+  const float* out_bias;    // [C]; null: no output bias
+  float* z;                 // [M, C] LN_C(x)
+  float* stats_x;           // [M, 2] LN_C's mean and 1/σ
+  float* p;                 // [M, F] z·Wcatᵀ (without bcat)
+  float* left;              // [B, H, N²]
+  float* right;             // [B, H, N²]
+  float* t;                 // [B, H, N²] t, then dt
+  float* u;                 // [M, H] LN_H(t)
+  float* stats_t;           // [M, 2] LN_H's mean and 1/σ
+  float* e;                 // af3: [M, C] s = u·Wzᵀ, then ds; gpumode: [M, H] v
+  float* du;                // [M, H] du (gpumode: dv first), then du⊙t̂
+  float* dcat;              // [M, F] [dpL dqL dpR dqR dG]
+  float* dz;                // [M, C] dcat·Wcat, then dz⊙x̂
+  float* dx;                // [M, C]
+  tm_i64 rows;              // M = B·N²
+  tm_i64 n2;                // N²
+  int c;
+  int h;
+  int f;                    // 4H + G
+  int af3;                  // 1: af3, 0: gpumode
+  float eps;
+  int pad_;
+} TmBackwardParams;
+
+// The hidden-major index of (position `row`, channel `h`).
+TM_INLINE tm_i64 tm_bwd_hidden(const TmBackwardParams& p, tm_i64 row, int h) {
+  const tm_i64 b = row / p.n2;
+  return (b * p.h + h) * p.n2 + (row - b * p.n2);
+}
+
+// Loads channels [h0, h0 + hn) of the tile's positions from a hidden-major tensor into
+// `s[h − h0][r]` (row stride TM_BWD_TILE + 1: conflict-free both ways); zeros past the last
+// position. Lane = position, warp = channel: each warp reads 32 consecutive positions.
+TM_INLINE void tm_bwd_load_hidden(const TmBackwardParams& p, const float* TM_RESTRICT src, float* s, tm_i64 first,
+                                  int h0, int hn) {
+  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
+  const tm_i64 row = first + lane;
+  for (int hl = warp; hl < hn; hl += TM_BWD_WARPS) {
+    s[hl * (TM_BWD_TILE + 1) + lane] = row < p.rows ? src[tm_bwd_hidden(p, row, h0 + hl)] : 0.f;
+  }
+}
+
+// The reverse: `s[h − h0][r]` into the hidden-major tensor.
+TM_INLINE void tm_bwd_store_hidden(const TmBackwardParams& p, float* TM_RESTRICT dst, const float* s, tm_i64 first,
+                                   int h0, int hn) {
+  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
+  const tm_i64 row = first + lane;
+  if (row >= p.rows) return;
+  for (int hl = warp; hl < hn; hl += TM_BWD_WARPS) {
+    dst[tm_bwd_hidden(p, row, h0 + hl)] = s[hl * (TM_BWD_TILE + 1) + lane];
+  }
+}
+
+TM_INLINE float tm_bwd_bias(const float* b, int i) { return b ? b[i] : 0.f; }
+
+// One warp per position: z = LN_C(x), two-pass statistics in f32 (Cauchy rows cancel in E[x²]).
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm(const TmBackwardParams p) {
+  const int lane = (int)(tm_tid() & 31u);
+  const tm_i64 row = (tm_i64)tm_bid() * TM_BWD_ROWS_PER_BLOCK + (tm_tid() >> 5);
+  if (row >= p.rows) return;  // whole warps leave together
+  const int C = p.c;
+  const float* TM_RESTRICT xr = p.x + row * C;
+  float s = 0.f;
+  for (int c = lane; c < C; c += 32) s += xr[c];
+  const float mean = tm_group32_sum(s) / (float)C;
+  float q = 0.f;
+  for (int c = lane; c < C; c += 32) q += (xr[c] - mean) * (xr[c] - mean);
+  const float rstd = tm_rsqrt(tm_group32_sum(q) / (float)C + p.eps);
+  float* TM_RESTRICT zr = p.z + row * C;
+  for (int c = lane; c < C; c += 32) zr[c] = (xr[c] - mean) * rstd * p.norm_in_w[c] + p.norm_in_b[c];
+  if (lane == 0) {
+    p.stats_x[2 * row] = mean;
+    p.stats_x[2 * row + 1] = rstd;
+  }
+}
+
+// left and right, hidden-major, from P's first 4H columns, 32 channels at a time.
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_gating(const TmBackwardParams p) {
+  __shared__ float sl[32 * (TM_BWD_TILE + 1)];
+  __shared__ float sr[32 * (TM_BWD_TILE + 1)];
+  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
+  const tm_i64 first = (tm_i64)tm_bid() * TM_BWD_TILE;
+  const int H = p.h;
+  for (int h0 = 0; h0 < H; h0 += 32) {
+    const int h = h0 + lane, hn = H - h0 < 32 ? H - h0 : 32;
+    for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
+      const tm_i64 row = first + r;
+      float l = 0.f, rr = 0.f;
+      if (row < p.rows && h < H) {
+        const float* TM_RESTRICT pr = p.p + row * p.f;
+        const float m = p.mask ? p.mask[row] : 1.f;
+        const float pl = pr[h] + tm_bwd_bias(p.proj_bias, h);
+        const float ql = pr[H + h] + tm_bwd_bias(p.proj_bias, H + h);
+        const float pq = pr[2 * H + h] + tm_bwd_bias(p.proj_bias, 2 * H + h);
+        const float qr = pr[3 * H + h] + tm_bwd_bias(p.proj_bias, 3 * H + h);
+        l = pl * tm_sigmoid(ql) * m;
+        rr = pq * tm_sigmoid(qr) * m;
+      }
+      sl[lane * (TM_BWD_TILE + 1) + r] = l;
+      sr[lane * (TM_BWD_TILE + 1) + r] = rr;
+    }
+    tm_sync();
+    tm_bwd_store_hidden(p, p.left, sl, first, h0, hn);
+    tm_bwd_store_hidden(p, p.right, sr, first, h0, hn);
+    tm_sync();
+  }
+}
+
+// Dynamic shared memory of the two kernels that hold a tile's whole t: [H][TILE + 1] floats.
+#define TM_BWD_T_SMEM(H) ((H) * (TM_BWD_TILE + 1) * 4)
+
+// u = LN_H(t) and its statistics; gpumode's v = u⊙σ(P_G) too.
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_norm(const TmBackwardParams p) {
+  extern __shared__ float tm_dyn_smem[];
+  float* st = tm_dyn_smem;
+  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
+  const tm_i64 first = (tm_i64)tm_bid() * TM_BWD_TILE;
+  const int H = p.h;
+  tm_bwd_load_hidden(p, p.t, st, first, 0, H);
+  tm_sync();
+  for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
+    const tm_i64 row = first + r;
+    if (row >= p.rows) break;  // uniform per warp
+    float s = 0.f;
+    for (int h = lane; h < H; h += 32) s += st[h * (TM_BWD_TILE + 1) + r];
+    const float mean = tm_group32_sum(s) / (float)H;
+    float q = 0.f;
+    for (int h = lane; h < H; h += 32) {
+      const float d = st[h * (TM_BWD_TILE + 1) + r] - mean;
+      q += d * d;
+    }
+    const float rstd = tm_rsqrt(tm_group32_sum(q) / (float)H + p.eps);
+    for (int h = lane; h < H; h += 32) {
+      const float u = (st[h * (TM_BWD_TILE + 1) + r] - mean) * rstd * p.norm_out_w[h] + p.norm_out_b[h];
+      p.u[row * H + h] = u;
+      if (!p.af3) {
+        const int gc = 4 * H + h;
+        p.e[row * H + h] = u * tm_sigmoid(p.p[row * p.f + gc] + tm_bwd_bias(p.proj_bias, gc));
+      }
+    }
+    if (lane == 0) {
+      p.stats_t[2 * row] = mean;
+      p.stats_t[2 * row + 1] = rstd;
+    }
+  }
+}
+
+// The output gate's backward, one thread per element of the gate (af3 [M, C], gpumode [M, H]).
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_gate(const TmBackwardParams p) {
+  const int H = p.h, W = p.af3 ? p.c : p.h;
+  const tm_i64 i = (tm_i64)tm_bid() * TM_BWD_THREADS + tm_tid();
+  if (i < p.rows * W) {
+    const tm_i64 row = i / W;
+    const int col = (int)(i - row * W), gc = 4 * H + col;
+    const float g = tm_sigmoid(p.p[row * p.f + gc] + tm_bwd_bias(p.proj_bias, gc));
+    if (p.af3) {
+      const float dy = p.dy[i], s = p.e[i] + tm_bwd_bias(p.out_bias, col);
+      p.e[i] = dy * g;
+      p.dcat[row * p.f + gc] = dy * s * g * (1.f - g);
+    } else {
+      const float dv = p.du[i];
+      p.du[i] = dv * g;
+      p.dcat[row * p.f + gc] = dv * p.u[i] * g * (1.f - g);
+    }
+  }
+}
+
+// LN_H's backward: dt (hidden-major, over t) from du and t; du becomes du⊙t̂ for γ's gradient
+// (β's, Σ du, is summed before this kernel).
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_norm_grad(const TmBackwardParams p) {
+  extern __shared__ float tm_dyn_smem[];
+  float* st = tm_dyn_smem;
+  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
+  const tm_i64 first = (tm_i64)tm_bid() * TM_BWD_TILE;
+  const int H = p.h;
+  tm_bwd_load_hidden(p, p.t, st, first, 0, H);
+  tm_sync();
+  for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
+    const tm_i64 row = first + r;
+    if (row >= p.rows) break;
+    const float mean = p.stats_t[2 * row], rstd = p.stats_t[2 * row + 1];
+    float sg = 0.f, sgh = 0.f;
+    for (int h = lane; h < H; h += 32) {
+      const float th = (st[h * (TM_BWD_TILE + 1) + r] - mean) * rstd;
+      const float g = p.du[row * H + h] * p.norm_out_w[h];
+      sg += g;
+      sgh += g * th;
+    }
+    const float mg = tm_group32_sum(sg) / (float)H, mgh = tm_group32_sum(sgh) / (float)H;
+    for (int h = lane; h < H; h += 32) {
+      float* cell = st + h * (TM_BWD_TILE + 1) + r;
+      const float th = (*cell - mean) * rstd;
+      const float du = p.du[row * H + h];
+      *cell = rstd * (du * p.norm_out_w[h] - mg - th * mgh);
+      p.du[row * H + h] = du * th;
+    }
+  }
+  tm_sync();
+  tm_bwd_store_hidden(p, p.t, st, first, 0, H);
+}
+
+// The gated projections' backward: dcat's first 4H columns from dleft and dright (hidden-major,
+// in `left`/`right`'s place: the caller passes them there) and P.
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_gating_grad(const TmBackwardParams p) {
+  __shared__ float sl[32 * (TM_BWD_TILE + 1)];
+  __shared__ float sr[32 * (TM_BWD_TILE + 1)];
+  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
+  const tm_i64 first = (tm_i64)tm_bid() * TM_BWD_TILE;
+  const int H = p.h;
+  for (int h0 = 0; h0 < H; h0 += 32) {
+    const int h = h0 + lane, hn = H - h0 < 32 ? H - h0 : 32;
+    tm_bwd_load_hidden(p, p.left, sl, first, h0, hn);
+    tm_bwd_load_hidden(p, p.right, sr, first, h0, hn);
+    tm_sync();
+    for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
+      const tm_i64 row = first + r;
+      if (row >= p.rows || h >= H) continue;
+      const float* TM_RESTRICT pr = p.p + row * p.f;
+      float* TM_RESTRICT dr = p.dcat + row * p.f;
+      const float m = p.mask ? p.mask[row] : 1.f;
+      const float d[2] = {sl[lane * (TM_BWD_TILE + 1) + r] * m, sr[lane * (TM_BWD_TILE + 1) + r] * m};
+#pragma unroll
+      for (int side = 0; side < 2; ++side) {
+        const int cv = 2 * side * H + h, cg = cv + H;
+        const float pv = pr[cv] + tm_bwd_bias(p.proj_bias, cv);
+        const float sg = tm_sigmoid(pr[cg] + tm_bwd_bias(p.proj_bias, cg));
+        dr[cv] = d[side] * sg;
+        dr[cg] = d[side] * pv * sg * (1.f - sg);
+      }
+    }
+    tm_sync();
+  }
+}
+
+// LN_C's backward, one warp per position: dx from dz, x and the statistics; dz becomes dz⊙x̂ for
+// γ's gradient (β's, Σ dz, is summed before this kernel).
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_grad(const TmBackwardParams p) {
+  const int lane = (int)(tm_tid() & 31u);
+  const tm_i64 row = (tm_i64)tm_bid() * TM_BWD_ROWS_PER_BLOCK + (tm_tid() >> 5);
+  if (row >= p.rows) return;
+  const int C = p.c;
+  const float mean = p.stats_x[2 * row], rstd = p.stats_x[2 * row + 1];
+  const float* TM_RESTRICT xr = p.x + row * C;
+  float* TM_RESTRICT dzr = p.dz + row * C;
+  float sg = 0.f, sgh = 0.f;
+  for (int c = lane; c < C; c += 32) {
+    const float g = dzr[c] * p.norm_in_w[c];
+    sg += g;
+    sgh += g * (xr[c] - mean) * rstd;
+  }
+  const float mg = tm_group32_sum(sg) / (float)C, mgh = tm_group32_sum(sgh) / (float)C;
+  float* TM_RESTRICT dxr = p.dx + row * C;
+  for (int c = lane; c < C; c += 32) {
+    const float xh = (xr[c] - mean) * rstd, dz = dzr[c];
+    dxr[c] = rstd * (dz * p.norm_in_w[c] - mg - xh * mgh);
+    dzr[c] = dz * xh;
+  }
+}
+
+// Column sums of an [rows, cols] matrix with leading dimension ld (mirrored by `ColumnSums`).
+typedef struct {
+  const float* a;
+  double* partial;  // [row_blocks, cols]
+  float* out;       // [cols]
+  tm_i64 rows;
+  int cols;
+  int ld;
+  int row_blocks;
+  int pad_;
+} TmColumnSums;
+
+// Block (row block rb, 32-column chunk cb): each warp sums every 8th row of the block's range
+// for 32 consecutive columns in f64, then the 8 warps are added in a fixed order.
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_column_partials(const TmColumnSums s) {
+  __shared__ double red[TM_BWD_WARPS * 32];
+  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
+  const int chunks = (s.cols + 31) / 32;
+  const int rb = (int)tm_bid() / chunks, cb = (int)tm_bid() - rb * chunks;
+  const tm_i64 per = (s.rows + s.row_blocks - 1) / s.row_blocks;
+  const tm_i64 r0 = rb * per, r1 = r0 + per < s.rows ? r0 + per : s.rows;
+  const int col = cb * 32 + lane;
+  double acc = 0.0;
+  if (col < s.cols)
+    for (tm_i64 r = r0 + warp; r < r1; r += TM_BWD_WARPS) acc += (double)s.a[r * s.ld + col];
+  red[warp * 32 + lane] = acc;
+  tm_sync();
+  if (warp == 0 && col < s.cols) {
+    double t = 0.0;
+    for (int w = 0; w < TM_BWD_WARPS; ++w) t += red[w * 32 + lane];
+    s.partial[(tm_i64)rb * s.cols + col] = t;
+  }
+}
+
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_column_finish(const TmColumnSums s) {
+  const int col = (int)(tm_bid() * TM_BWD_THREADS + tm_tid());
+  if (col >= s.cols) return;
+  double t = 0.0;
+  for (int rb = 0; rb < s.row_blocks; ++rb) t += s.partial[(tm_i64)rb * s.cols + col];
+  s.out[col] = (float)t;
+}
+
+// f16 words to f32 (the prepared weights, for the TF32 GEMMs); mirrored by `Widen`.
+typedef struct {
+  const unsigned short* src;
+  float* dst;
+  tm_i64 n;
+} TmWiden;
+
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_widen(const TmWiden w) {
+  const tm_i64 i = (tm_i64)tm_bid() * TM_BWD_THREADS + tm_tid();
+  if (i < w.n) w.dst[i] = tm_h2f(w.src[i]);
+}

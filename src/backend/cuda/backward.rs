@@ -1,0 +1,564 @@
+//! The CUDA backward pass: every gradient of `L` given `dy`, recomputing the forward's
+//! intermediates from `x` (`docs/backward.md` derives the math; `common/backward.h` has the
+//! kernels and the same lines per kernel). cuBLASLt does the GEMMs, our kernels everything
+//! between them.
+//!
+//! # Steps (`M = B·N²` positions, `F = 4H + G`; gpumode's differences in brackets)
+//! ```text
+//!  1 input_norm        z = LN_C(x), (μ, ρ)_x                    [M, C]
+//!  2 GEMM              P = z·Wcatᵀ                              [M, F]
+//!  3 gating            left, right                              [B, H, N²]
+//!  4 GEMM (B·H)        t = contraction(left, right)             [B, H, N²]
+//!  5 output_norm       u = LN_H(t), (μ, ρ)_t   [v = u⊙σ(P_G)]   [M, H]
+//!  6 GEMM              s = u·Wzᵀ               [dWout = dyᵀ·v]
+//!  7 output_gate       ds, dG                  [GEMM dv = dy·Wout; output_gate: du, dG]
+//!  8 GEMM              dWz = dsᵀ·u; Σ ds → dbz [Σ dy → dbout]
+//!  9 GEMM              du = ds·Wz
+//! 10 Σ du → dβ_out; output_norm_grad: dt (over t), du⊙t̂; Σ du⊙t̂ → dγ_out
+//! 11 GEMM (B·H)        dleft, dright
+//! 12 gating_grad       dcat[:, :4H]
+//! 13 GEMM              dWcat = dcatᵀ·z; Σ dcat → dbcat
+//! 14 GEMM              dz = dcat·Wcat
+//! 15 Σ dz → dβ_in; input_norm_grad: dx, dz⊙x̂; Σ dz⊙x̂ → dγ_in
+//! ```
+//!
+//! # Precision and memory
+//! The kernels compute and store in f32, with the column sums (bias and LayerNorm-weight
+//! gradients) in f64 in a fixed order. The GEMMs read f32 and run on the tensor cores in TF32
+//! (10-bit mantissa, as the forward's f16 operands, but f32's range, which gradients need) with
+//! f32 accumulation, including the weight gradients' sums over all `M` positions. The weights are
+//! the prepared f16 ones, widened. Every intermediate is a whole f32 tensor, allocated per call:
+//! about `(2C + 2F + 7H + max(C, H))·4` bytes per position (10 KiB at C = H = 128), nothing
+//! chunked; the x, dy and dx tensors are the caller's.
+
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+
+use super::blas::MatmulPlan;
+use super::context::{ceil_div, CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
+use super::driver::DeviceBuffer;
+use super::kernels::Stage;
+use super::workspace::CudaPrepared;
+use crate::backend::gemm::GemmSpec;
+use crate::device_io::{DeviceSpan, SPAN_ALIGN};
+use crate::error::{Error, Result};
+use crate::gradients::Gradients;
+use crate::problem::{Direction, Formulation, Problem};
+use crate::weights::{Linear, Norm};
+
+/// Threads per block of every backward kernel (`TM_BWD_THREADS`).
+const THREADS: u32 = 256;
+/// Positions per block of the warp-per-position kernels (`TM_BWD_ROWS_PER_BLOCK`).
+const ROWS_PER_BLOCK: usize = 8;
+/// Positions per block of the kernels that go through hidden-major tensors (`TM_BWD_TILE`).
+const TILE: usize = 32;
+/// Most row blocks of a column sum's first pass (its partial sums: this × the widest matrix's
+/// columns, f64).
+const MAX_ROW_BLOCKS: usize = 1024;
+
+/// `TmBackwardParams` of `common/backward.h`, field for field.
+#[repr(C)]
+#[derive(Copy, Clone, Default)]
+struct BackwardParams {
+    x: u64,
+    dy: u64,
+    mask: u64,
+    norm_in_w: u64,
+    norm_in_b: u64,
+    norm_out_w: u64,
+    norm_out_b: u64,
+    proj_bias: u64,
+    out_bias: u64,
+    z: u64,
+    stats_x: u64,
+    p: u64,
+    left: u64,
+    right: u64,
+    t: u64,
+    u: u64,
+    stats_t: u64,
+    e: u64,
+    du: u64,
+    dcat: u64,
+    dz: u64,
+    dx: u64,
+    rows: i64,
+    n2: i64,
+    c: i32,
+    h: i32,
+    f: i32,
+    af3: i32,
+    eps: f32,
+    pad: i32,
+}
+
+/// `TmColumnSums`.
+#[repr(C)]
+#[derive(Copy, Clone)]
+struct ColumnSums {
+    a: u64,
+    partial: u64,
+    out: u64,
+    rows: i64,
+    cols: i32,
+    ld: i32,
+    row_blocks: i32,
+    pad: i32,
+}
+
+/// `TmWiden`.
+#[repr(C)]
+#[derive(Copy, Clone)]
+struct Widen {
+    src: u64,
+    dst: u64,
+    n: i64,
+}
+
+/// The sums and products that make the weight gradients, as offsets (in floats) into one device
+/// buffer, downloaded in one copy at the end.
+#[derive(Copy, Clone)]
+struct Outputs {
+    w_cat: usize,
+    b_cat: usize,
+    norm_in_w: usize,
+    norm_in_b: usize,
+    w_out: usize,
+    b_out: usize,
+    norm_out_w: usize,
+    norm_out_b: usize,
+    len: usize,
+}
+
+impl Outputs {
+    fn new(c: usize, h: usize, f: usize) -> Outputs {
+        let mut at = 0;
+        let mut next = |len: usize| {
+            let o = at;
+            at += len;
+            o
+        };
+        let o = Outputs {
+            w_cat: next(f * c),
+            b_cat: next(f),
+            norm_in_w: next(c),
+            norm_in_b: next(c),
+            w_out: next(c * h),
+            b_out: next(c),
+            norm_out_w: next(h),
+            norm_out_b: next(h),
+            len: 0,
+        };
+        Outputs { len: at, ..o }
+    }
+}
+
+/// Positions per chunk of a weight gradient's sum over all `M` positions: about
+/// [`WEIGHT_CHUNKS`] chunks, each one GEMM of a strided batch (a weight gradient is a small
+/// matrix, one or a few output tiles: one GEMM over all `M` would run on that many SMs), its f32
+/// partial sums then added in f64.
+fn chunk_rows(m: usize) -> usize {
+    m.div_ceil(WEIGHT_CHUNKS).max(1)
+}
+
+/// Target chunks of a weight gradient's sum (about one per SM of an H100).
+const WEIGHT_CHUNKS: usize = 128;
+
+/// What a set of backward buffers was sized for: batch, N, C, H, F.
+pub(super) type BackwardKey = (usize, usize, usize, usize, usize);
+
+fn key(problem: &Problem) -> BackwardKey {
+    let cfg = problem.config;
+    (problem.shape.batch, problem.shape.n, cfg.c, cfg.h, cfg.fused_proj_width())
+}
+
+/// One backward's device tensors (module docs: what each holds), kept by the backend for the
+/// next backward of the same sizes.
+pub(super) struct Buffers {
+    z: DeviceBuffer<f32>,
+    stats_x: DeviceBuffer<f32>,
+    p: DeviceBuffer<f32>,
+    left: DeviceBuffer<f32>,
+    right: DeviceBuffer<f32>,
+    t: DeviceBuffer<f32>,
+    u: DeviceBuffer<f32>,
+    stats_t: DeviceBuffer<f32>,
+    e: DeviceBuffer<f32>,
+    du: DeviceBuffer<f32>,
+    dcat: DeviceBuffer<f32>,
+    dleft: DeviceBuffer<f32>,
+    dright: DeviceBuffer<f32>,
+    dz: DeviceBuffer<f32>,
+    w_cat: DeviceBuffer<f32>,
+    w_out: DeviceBuffer<f32>,
+    /// The weight gradients' per-chunk f32 sums, `[chunks + 1, widest weight]`.
+    weight_partial: DeviceBuffer<f32>,
+    partial: DeviceBuffer<f64>,
+    sums: DeviceBuffer<f32>,
+    gemm_ws: DeviceBuffer<u8>,
+}
+
+/// Where a backward's buffers come from: the backend's own allocations, views into a caller's
+/// workspace span (each 256-byte aligned), or nowhere (counting the span's bytes).
+enum Source {
+    Own,
+    Span { at: u64, end: u64 },
+    Count(u64),
+}
+
+impl Source {
+    fn take<T>(&mut self, be: &CudaBackend, len: usize) -> Result<DeviceBuffer<T>> {
+        let bytes = ((len.max(1) * std::mem::size_of::<T>()) as u64).next_multiple_of(SPAN_ALIGN);
+        let view = |ptr| DeviceBuffer::borrowed(&be.inner.ctx, &be.inner.tracker, ptr, len);
+        match self {
+            Source::Own => be.alloc_buffer::<T>(len),
+            Source::Span { at, end } => {
+                if *at + bytes > *end {
+                    return Err(Error::InvalidArgument("the backward's workspace is too small".into()));
+                }
+                let b = view(*at);
+                *at += bytes;
+                Ok(b)
+            }
+            // A view of nothing, never dereferenced: only the byte count is wanted.
+            Source::Count(total) => {
+                *total += bytes;
+                Ok(view(0))
+            }
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Bytes of the workspace span a backward of `problem` carves its buffers from
+    /// ([`Backend::backward_device`](crate::Backend) with a workspace).
+    pub(super) fn backward_span_bytes(&self, problem: &Problem) -> Result<u64> {
+        let out = Outputs::new(problem.config.c, problem.config.h, problem.config.fused_proj_width());
+        let mut count = Source::Count(0);
+        drop(self.backward_buffers_from(problem, &out, &mut count)?);
+        match count {
+            Source::Count(total) => Ok(total),
+            _ => Err(Error::Internal("the backward's byte count was not counted".into())),
+        }
+    }
+
+    /// One backward's tensors, from `src`.
+    fn backward_buffers_from(&self, problem: &Problem, out: &Outputs, src: &mut Source) -> Result<Buffers> {
+        let cfg = problem.config;
+        let m = problem.shape.rows();
+        let (c, h, f) = (cfg.c, cfg.h, cfg.fused_proj_width());
+        let widest = (f * c).max(c * h);
+        let chunks = m / chunk_rows(m) + 1;
+        let mut a = |len: usize| src.take::<f32>(self, len);
+        Ok(Buffers {
+            z: a(m * c)?,
+            stats_x: a(2 * m)?,
+            p: a(m * f)?,
+            left: a(m * h)?,
+            right: a(m * h)?,
+            t: a(m * h)?,
+            u: a(m * h)?,
+            stats_t: a(2 * m)?,
+            e: a(m * c.max(h))?,
+            du: a(m * h)?,
+            dcat: a(m * f)?,
+            dleft: a(m * h)?,
+            dright: a(m * h)?,
+            dz: a(m * c)?,
+            w_cat: a(f * c)?,
+            w_out: a(c * h)?,
+            weight_partial: a(chunks * widest)?,
+            sums: a(out.len)?,
+            partial: src.take::<f64>(self, (MAX_ROW_BLOCKS * f.max(c).max(h)).max(widest))?,
+            gemm_ws: src.take::<u8>(self, MAX_GEMM_WORKSPACE)?,
+        })
+    }
+
+    /// With poisoning on, fills every intermediate with NaN, so that an element a step fails to
+    /// write shows in the gradients.
+    fn poison_backward_buffers(&self, b: &mut Buffers, stream: CUstream) -> Result<()> {
+        if self.inner.poison.load(std::sync::atomic::Ordering::Relaxed) {
+            for buf in [
+                &mut b.z,
+                &mut b.stats_x,
+                &mut b.p,
+                &mut b.left,
+                &mut b.right,
+                &mut b.t,
+                &mut b.u,
+                &mut b.stats_t,
+                &mut b.e,
+                &mut b.du,
+                &mut b.dcat,
+                &mut b.dleft,
+                &mut b.dright,
+                &mut b.dz,
+                &mut b.w_cat,
+                &mut b.w_out,
+                &mut b.weight_partial,
+                &mut b.sums,
+            ] {
+                buf.memset_async(POISON_BYTE, stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops the buffers the last backward kept: the next backward allocates its own again.
+    pub(super) fn drop_backward_buffers(&self) {
+        if let Ok(mut cache) = self.inner.backward_buffers.lock() {
+            *cache = None;
+        }
+    }
+
+    /// Enqueues the backward on device memory: `x`, `dy` and `dx` are `[M, C]` f32, `mask` `[M]`
+    /// f32 or 0; `b` (sized for the problem) holds the weight gradients in `sums`, at `out`'s
+    /// offsets, once the stream has run.
+    ///
+    /// # Safety
+    /// `x`, `dy`, `mask` (when non-zero) and `dx` are live device allocations of those sizes
+    /// until the stream has run the work; `dx` aliases none of the others.
+    unsafe fn enqueue_backward(
+        &self,
+        prep: &CudaPrepared,
+        problem: &Problem,
+        (x, mask, dy, dx): (CUdeviceptr, CUdeviceptr, CUdeviceptr, CUdeviceptr),
+        out: &Outputs,
+        b: &Buffers,
+        stream: CUstream,
+    ) -> Result<()> {
+        let cfg = problem.config;
+        let (c, h, f) = (cfg.c, cfg.h, cfg.fused_proj_width());
+        let (n, m) = (problem.shape.n, problem.shape.rows());
+        let (n2, bh) = (n * n, problem.shape.batch * h);
+        let af3 = cfg.formulation == Formulation::Af3;
+        let k = &self.inner.kernels.backward;
+        let blas = &self.inner.blas;
+        let opt = |o: &Option<DeviceBuffer<f32>>| o.as_ref().map_or(0, |b| b.ptr());
+        let p = BackwardParams {
+            x,
+            dy,
+            mask,
+            norm_in_w: prep.norm_in_w.ptr(),
+            norm_in_b: prep.norm_in_b.ptr(),
+            norm_out_w: prep.norm_out_w.ptr(),
+            norm_out_b: prep.norm_out_b.ptr(),
+            proj_bias: opt(&prep.proj_bias),
+            out_bias: opt(&prep.out_bias),
+            z: b.z.ptr(),
+            stats_x: b.stats_x.ptr(),
+            p: b.p.ptr(),
+            left: b.left.ptr(),
+            right: b.right.ptr(),
+            t: b.t.ptr(),
+            u: b.u.ptr(),
+            stats_t: b.stats_t.ptr(),
+            e: b.e.ptr(),
+            du: b.du.ptr(),
+            dcat: b.dcat.ptr(),
+            dz: b.dz.ptr(),
+            dx,
+            rows: m as i64,
+            n2: n2 as i64,
+            c: c as i32,
+            h: h as i32,
+            f: f as i32,
+            af3: i32::from(af3),
+            eps: problem.eps,
+            pad: 0,
+        };
+        let t_smem = (h * (TILE + 1) * 4) as u32;
+        let warp_rows = ceil_div(m, ROWS_PER_BLOCK);
+        let tiles = ceil_div(m, TILE);
+        let rm = GemmSpec::row_major;
+        let launch = |stage: &Stage, grid: u32, smem: u32, params: &BackwardParams| {
+            // SAFETY: every pointer in `params` is a live allocation of the size its field's
+            // comment in `TmBackwardParams` gives for this problem (the caller's by this
+            // function's contract, the rest allocated above for this problem), until the stream
+            // has run the launch; `BackwardParams` mirrors the struct the kernel takes.
+            unsafe { stage.launch_with(grid, THREADS, smem, stream, params, false) }
+        };
+        let gemm = |spec: GemmSpec, u: CUdeviceptr, v: CUdeviceptr, d: CUdeviceptr| -> Result<()> {
+            let mut plan = MatmulPlan::tf32(blas, spec, MAX_GEMM_WORKSPACE)?;
+            // SAFETY: `u`, `v` and `d` hold the matrices `spec` describes (the row-major shapes
+            // at each call below); the workspace holds MAX_GEMM_WORKSPACE bytes; all live
+            // until the stream has run the call.
+            unsafe { plan.run(blas, v, u, d, 0, b.gemm_ws.ptr(), MAX_GEMM_WORKSPACE, stream) }
+        };
+        let column_sum_of = |a: CUdeviceptr, rows: usize, cols: usize, ld: usize, to: usize| -> Result<()> {
+            let row_blocks = rows.div_ceil(256).clamp(1, MAX_ROW_BLOCKS);
+            let s = ColumnSums {
+                a,
+                partial: b.partial.ptr(),
+                out: b.sums.ptr() + (to * 4) as u64,
+                rows: rows as i64,
+                cols: cols as i32,
+                ld: ld as i32,
+                row_blocks: row_blocks as i32,
+                pad: 0,
+            };
+            let chunks = cols.div_ceil(32);
+            // SAFETY: `a` holds `rows` rows of `ld ≥ cols` floats; `partial` holds row_blocks ×
+            // cols doubles (sized for the widest sum) and `sums` `out.len` floats (`to + cols`
+            // within it); `ColumnSums` mirrors `TmColumnSums`. The two launches are stream-ordered.
+            unsafe {
+                k.column_partials.launch_with((row_blocks * chunks) as u32, THREADS, 0, stream, &s, false)?;
+                k.column_finish.launch_with(ceil_div(cols, THREADS as usize), THREADS, 0, stream, &s, false)
+            }
+        };
+        let column_sum = |a: CUdeviceptr, cols: usize, ld: usize, to: usize| column_sum_of(a, m, cols, ld, to);
+        // dW[wa, wb] = Σ_r U[r, :wa]ᵀ·V[r, :wb] over all M rows (U, V position-major with leading
+        // dimensions lu, lv), in chunks of `rows` positions: one strided batch of GEMMs for the
+        // whole chunks and one for the rest, each into its own f32 partial, summed in f64.
+        let weight_grad = |(u, wa, lu): (CUdeviceptr, usize, usize), (v, wb, lv): (CUdeviceptr, usize, usize), to| {
+            let rows = chunk_rows(m);
+            let (whole, rest) = (m / rows, m % rows);
+            let part = b.weight_partial.ptr();
+            let spec = rm(wa, wb, rows, (true, lu), (false, lv), wb);
+            let batched = GemmSpec {
+                batch: whole,
+                stride_a: if whole > 1 { rows * lv } else { 0 },
+                stride_b: if whole > 1 { rows * lu } else { 0 },
+                stride_d: if whole > 1 { wa * wb } else { 0 },
+                ..spec
+            };
+            gemm(batched, u, v, part)?;
+            if rest > 0 {
+                let (at_u, at_v) = ((whole * rows * lu * 4) as u64, (whole * rows * lv * 4) as u64);
+                let tail = rm(wa, wb, rest, (true, lu), (false, lv), wb);
+                gemm(tail, u + at_u, v + at_v, part + (whole * wa * wb * 4) as u64)?;
+            }
+            column_sum_of(part, whole + usize::from(rest > 0), wa * wb, wa * wb, to)
+        };
+        for (src, dst, len) in [(prep.w_in.ptr(), b.w_cat.ptr(), f * c), (prep.w_out.ptr(), b.w_out.ptr(), c * h)] {
+            let w = Widen { src, dst, n: len as i64 };
+            // SAFETY: `src` holds `len` f16 words (the prepared weights), `dst` `len` floats.
+            unsafe { k.widen.launch_with(ceil_div(len, THREADS as usize), THREADS, 0, stream, &w, false)? };
+        }
+        let outgoing = problem.direction == Direction::Outgoing;
+
+        self.mark("start", stream)?;
+        // 1-5: the forward, recomputed, keeping what the backward reads.
+        launch(&k.input_norm, warp_rows, 0, &p)?;
+        gemm(rm(m, f, c, (false, c), (true, c), f), b.z.ptr(), b.w_cat.ptr(), b.p.ptr())?;
+        self.mark("LN_C and the input projection", stream)?;
+        launch(&k.gating, tiles, 0, &p)?;
+        self.mark("gating", stream)?;
+        // Outgoing t = L·Rᵀ, incoming t = Lᵀ·R, per (b, h).
+        let square = |u_t: bool, v_t: bool| rm(n, n, n, (u_t, n), (v_t, n), n).batched(bh, n2);
+        gemm(square(!outgoing, outgoing), b.left.ptr(), b.right.ptr(), b.t.ptr())?;
+        self.mark("contraction", stream)?;
+        launch(&k.output_norm, tiles, t_smem, &p)?;
+        self.mark("LN_H", stream)?;
+
+        // 6-9: the output projection and gate.
+        if af3 {
+            gemm(rm(m, c, h, (false, h), (true, h), c), b.u.ptr(), b.w_out.ptr(), b.e.ptr())?;
+            launch(&k.output_gate, ceil_div(m * c, THREADS as usize), 0, &p)?;
+            weight_grad((b.e.ptr(), c, c), (b.u.ptr(), h, h), out.w_out)?;
+            column_sum(b.e.ptr(), c, c, out.b_out)?;
+            gemm(rm(m, h, c, (false, c), (false, h), h), b.e.ptr(), b.w_out.ptr(), b.du.ptr())?;
+        } else {
+            weight_grad((dy, c, c), (b.e.ptr(), h, h), out.w_out)?;
+            column_sum(dy, c, c, out.b_out)?;
+            gemm(rm(m, h, c, (false, c), (false, h), h), dy, b.w_out.ptr(), b.du.ptr())?;
+            launch(&k.output_gate, ceil_div(m * h, THREADS as usize), 0, &p)?;
+        }
+
+        self.mark("output projection and gate backward", stream)?;
+        // 10: LN_H.
+        column_sum(b.du.ptr(), h, h, out.norm_out_b)?;
+        launch(&k.output_norm_grad, tiles, t_smem, &p)?;
+        column_sum(b.du.ptr(), h, h, out.norm_out_w)?;
+        self.mark("LN_H backward", stream)?;
+
+        // 11: the contraction. Outgoing dL = dT·R, dR = dTᵀ·L; incoming dL = R·dTᵀ, dR = L·dT.
+        let dt = b.t.ptr();
+        if outgoing {
+            gemm(square(false, false), dt, b.right.ptr(), b.dleft.ptr())?;
+            gemm(square(true, false), dt, b.left.ptr(), b.dright.ptr())?;
+        } else {
+            gemm(square(false, true), b.right.ptr(), dt, b.dleft.ptr())?;
+            gemm(square(false, false), b.left.ptr(), dt, b.dright.ptr())?;
+        }
+
+        self.mark("contraction backward", stream)?;
+        // 12-15: the input projections and LN_C.
+        launch(&k.gating_grad, tiles, 0, &BackwardParams { left: b.dleft.ptr(), right: b.dright.ptr(), ..p })?;
+        self.mark("gating backward", stream)?;
+        weight_grad((b.dcat.ptr(), f, f), (b.z.ptr(), c, c), out.w_cat)?;
+        column_sum(b.dcat.ptr(), f, f, out.b_cat)?;
+        self.mark("input weight gradients", stream)?;
+        gemm(rm(m, c, f, (false, f), (false, c), c), b.dcat.ptr(), b.w_cat.ptr(), b.dz.ptr())?;
+        self.mark("dz = dcat·Wcat", stream)?;
+        column_sum(b.dz.ptr(), c, c, out.norm_in_b)?;
+        launch(&k.input_norm_grad, warp_rows, 0, &p)?;
+        column_sum(b.dz.ptr(), c, c, out.norm_in_w)?;
+        self.mark("LN_C backward", stream)
+    }
+
+    /// The backward on device memory, on `stream` (see
+    /// [`Backend::backward_buffers`](crate::Backend)), its buffers carved from `workspace` or
+    /// else the backend's own (kept for the next backward of the same sizes): runs it, waits,
+    /// and returns the weight gradients.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue_backward`].
+    pub(super) unsafe fn backward_on_device(
+        &self,
+        prep: &CudaPrepared,
+        problem: &Problem,
+        io: (CUdeviceptr, CUdeviceptr, CUdeviceptr, CUdeviceptr),
+        stream: CUstream,
+        workspace: Option<DeviceSpan>,
+    ) -> Result<Gradients> {
+        let cfg = problem.config;
+        let (c, h, f) = (cfg.c, cfg.h, cfg.fused_proj_width());
+        let out = Outputs::new(c, h, f);
+        let run = |bufs: &mut Buffers| -> Result<Vec<f32>> {
+            self.poison_backward_buffers(bufs, stream)?;
+            // SAFETY: forwarded from this function's contract; `bufs` was sized for this problem.
+            unsafe { self.enqueue_backward(prep, problem, io, &out, bufs, stream)? };
+            let mut sums = vec![0f32; out.len];
+            // Waits for the backward: the buffers are free for the next call once this returns.
+            bufs.sums.download(&mut sums, stream)?;
+            Ok(sums)
+        };
+        let sums = match workspace {
+            Some(span) => {
+                span.check("the backward's workspace", self.backward_span_bytes(problem)?)?;
+                let mut src = Source::Span { at: span.ptr, end: span.ptr + span.bytes };
+                run(&mut self.backward_buffers_from(problem, &out, &mut src)?)?
+            }
+            None => {
+                let mut cache =
+                    self.inner.backward_buffers.lock().map_err(|_| {
+                        Error::Internal("a backward panicked while holding the backward buffers".into())
+                    })?;
+                let mut bufs = match cache.take() {
+                    Some((k, bufs)) if k == key(problem) => bufs,
+                    // Other sizes: those are freed first, so that they do not count against the new.
+                    _ => self.backward_buffers_from(problem, &out, &mut Source::Own)?,
+                };
+                let sums = run(&mut bufs)?;
+                *cache = Some((key(problem), bufs));
+                sums
+            }
+        };
+        let seg = |at: usize, len: usize| sums[at..at + len].to_vec();
+        let fused = |i: usize, w0: usize, w1: usize| {
+            let bias = prep.biases[i].then(|| seg(out.b_cat + w0, w1 - w0));
+            Linear::new(seg(out.w_cat + w0 * c, (w1 - w0) * c), bias, w1 - w0, c)
+        };
+        Ok(Gradients {
+            x: Vec::new(),
+            norm_in: Norm { weight: seg(out.norm_in_w, c), bias: seg(out.norm_in_b, c) },
+            left_proj: fused(0, 0, h),
+            left_gate: fused(1, h, 2 * h),
+            right_proj: fused(2, 2 * h, 3 * h),
+            right_gate: fused(3, 3 * h, 4 * h),
+            out_gate: fused(4, 4 * h, f),
+            norm_out: Norm { weight: seg(out.norm_out_w, h), bias: seg(out.norm_out_b, h) },
+            out_proj: Linear::new(seg(out.w_out, c * h), prep.biases[5].then(|| seg(out.b_out, c)), c, h),
+        })
+    }
+}
