@@ -7,13 +7,14 @@
 //   backward_output_norm      u = LN_H(t) = t̂⊙γ + β, (μ, ρ) per position; gpumode v = u⊙σ(P_G)
 //   backward_output_gate      af3:     ds = dy⊙g, dG = dy⊙(s + bz)⊙g(1 − g),  g = σ(P_G)
 //                             gpumode: du = dv⊙o, dG = dv⊙u⊙o(1 − o),      o = σ(P_G)
-//   backward_output_norm_grad dt = ρ·(ĝ − mean(ĝ) − t̂·mean(ĝ⊙t̂)), ĝ = du⊙γ;  du ← du⊙t̂
+//   backward_output_norm_grad dt = ρ·(ĝ − mean(ĝ) − t̂·mean(ĝ⊙t̂)), ĝ = du⊙γ;  Σ du⊙t̂, Σ du
 //   backward_gating_grad      dpX = dX⊙σ(qX)⊙mask, dqX = dX⊙pX⊙mask⊙σ(qX)(1 − σ(qX)), X = L, R
-//   backward_input_norm_grad  dx = ρ·(ĝ − mean(ĝ) − x̂·mean(ĝ⊙x̂)), ĝ = dz⊙γ;  dz ← dz⊙x̂
+//   backward_input_norm_grad  dx = ρ·(ĝ − mean(ĝ) − x̂·mean(ĝ⊙x̂)), ĝ = dz⊙γ;  Σ dz⊙x̂, Σ dz
 //   backward_widen            the f16 prepared weights to f32
 //   backward_column_partials, backward_column_finish
-//                             Σ over positions of each column of an [M, W] matrix (the bias and
-//                             LayerNorm-weight gradients), in f64, in a fixed order
+//                             Σ over positions of each column of an [M, W] matrix (the bias
+//                             gradients) or of the LayerNorm kernels' partial sums, in f64, in a
+//                             fixed order
 //
 // Everything is f32. Position-major tensors are [M, W] row-major; left, right, t (then dt) are
 // hidden-major [B, H, N²], the layout of the contraction's batched GEMMs. The kernels that move
@@ -49,10 +50,11 @@ typedef struct {
   float* u;                 // [M, H] LN_H(t)
   float* stats_t;           // [M, 2] LN_H's mean and 1/σ
   float* e;                 // af3: [M, C] s = u·Wzᵀ, then ds; gpumode: [M, H] v
-  float* du;                // [M, H] du (gpumode: dv first), then du⊙t̂
+  float* du;                // [M, H] du (gpumode: dv first)
   float* dcat;              // [M, F] [dpL dqL dpR dqR dG]
-  float* dz;                // [M, C] dcat·Wcat, then dz⊙x̂
+  float* dz;                // [M, C] dcat·Wcat
   float* dx;                // [M, C]
+  double* partial;          // [blocks, 2W] the LayerNorm backward kernels' per-block column sums
   tm_i64 rows;              // M = B·N²
   tm_i64 n2;                // N²
   int c;
@@ -60,7 +62,7 @@ typedef struct {
   int f;                    // 4H + G
   int af3;                  // 1: af3, 0: gpumode
   float eps;
-  int pad_;
+  int blocks;               // grid of the LayerNorm backward kernels, which loop over positions
 } TmBackwardParams;
 
 // The hidden-major index of (position `row`, channel `h`).
@@ -206,38 +208,69 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_gate
   }
 }
 
-// LN_H's backward: dt (hidden-major, over t) from du and t; du becomes du⊙t̂ for γ's gradient
-// (β's, Σ du, is summed before this kernel).
+// The LayerNorm backward kernels' column sums, γ's gradient Σ du⊙v̂ and β's Σ du over all
+// positions: each warp adds its positions into its own row of `acc` ([warps][2W] floats in
+// shared memory: [0, W) for γ, [W, 2W) for β; each lane owns its columns, so no atomics), and
+// the block's warps are added in f64 into its row of `partial` (backward_column_finish adds
+// the blocks' rows). The grid is `blocks` and each block loops over positions.
+TM_INLINE void tm_bwd_zero_acc(float* acc, int w) {
+  for (int i = (int)tm_tid(); i < TM_BWD_WARPS * 2 * w; i += TM_BWD_THREADS) acc[i] = 0.f;
+  tm_sync();
+}
+
+TM_INLINE void tm_bwd_flush_acc(const TmBackwardParams& p, const float* acc, int w) {
+  tm_sync();
+  for (int i = (int)tm_tid(); i < 2 * w; i += TM_BWD_THREADS) {
+    double t = 0.0;
+    for (int k = 0; k < TM_BWD_WARPS; ++k) t += (double)acc[k * 2 * w + i];
+    p.partial[(tm_i64)tm_bid() * 2 * w + i] = t;
+  }
+}
+
+// Dynamic shared memory of backward_output_norm_grad: the tile's t and the accumulators.
+#define TM_BWD_T_ACC_SMEM(H) (TM_BWD_T_SMEM(H) + TM_BWD_WARPS * 2 * (H) * 4)
+
+// LN_H's backward: dt (hidden-major, over t) from du and t, tile after tile; the column sums of
+// du⊙t̂ and du.
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_norm_grad(const TmBackwardParams p) {
   extern __shared__ float tm_dyn_smem[];
-  float* st = tm_dyn_smem;
-  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
-  const tm_i64 first = (tm_i64)tm_bid() * TM_BWD_TILE;
   const int H = p.h;
-  tm_bwd_load_hidden(p, p.t, st, first, 0, H);
-  tm_sync();
-  for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
-    const tm_i64 row = first + r;
-    if (row >= p.rows) break;
-    const float mean = p.stats_t[2 * row], rstd = p.stats_t[2 * row + 1];
-    float sg = 0.f, sgh = 0.f;
-    for (int h = lane; h < H; h += 32) {
-      const float th = (st[h * (TM_BWD_TILE + 1) + r] - mean) * rstd;
-      const float g = p.du[row * H + h] * p.norm_out_w[h];
-      sg += g;
-      sgh += g * th;
+  float* st = tm_dyn_smem;
+  float* acc = st + H * (TM_BWD_TILE + 1);
+  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
+  float* wacc = acc + warp * 2 * H;
+  tm_bwd_zero_acc(acc, H);
+  const tm_i64 tiles = (p.rows + TM_BWD_TILE - 1) / TM_BWD_TILE;
+  for (tm_i64 tile = tm_bid(); tile < tiles; tile += p.blocks) {
+    const tm_i64 first = tile * TM_BWD_TILE;
+    tm_bwd_load_hidden(p, p.t, st, first, 0, H);
+    tm_sync();
+    for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
+      const tm_i64 row = first + r;
+      if (row >= p.rows) break;
+      const float mean = p.stats_t[2 * row], rstd = p.stats_t[2 * row + 1];
+      float sg = 0.f, sgh = 0.f;
+      for (int h = lane; h < H; h += 32) {
+        const float th = (st[h * (TM_BWD_TILE + 1) + r] - mean) * rstd;
+        const float g = p.du[row * H + h] * p.norm_out_w[h];
+        sg += g;
+        sgh += g * th;
+      }
+      const float mg = tm_group32_sum(sg) / (float)H, mgh = tm_group32_sum(sgh) / (float)H;
+      for (int h = lane; h < H; h += 32) {
+        float* cell = st + h * (TM_BWD_TILE + 1) + r;
+        const float th = (*cell - mean) * rstd;
+        const float du = p.du[row * H + h];
+        *cell = rstd * (du * p.norm_out_w[h] - mg - th * mgh);
+        wacc[h] += du * th;
+        wacc[H + h] += du;
+      }
     }
-    const float mg = tm_group32_sum(sg) / (float)H, mgh = tm_group32_sum(sgh) / (float)H;
-    for (int h = lane; h < H; h += 32) {
-      float* cell = st + h * (TM_BWD_TILE + 1) + r;
-      const float th = (*cell - mean) * rstd;
-      const float du = p.du[row * H + h];
-      *cell = rstd * (du * p.norm_out_w[h] - mg - th * mgh);
-      p.du[row * H + h] = du * th;
-    }
+    tm_sync();
+    tm_bwd_store_hidden(p, p.t, st, first, 0, H);
+    tm_sync();  // the next tile's loads overwrite st
   }
-  tm_sync();
-  tm_bwd_store_hidden(p, p.t, st, first, 0, H);
+  tm_bwd_flush_acc(p, acc, H);
 }
 
 // The gated projections' backward: dcat's first 4H columns from dleft and dright (hidden-major,
@@ -273,29 +306,38 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_gating_grad
   }
 }
 
-// LN_C's backward, one warp per position: dx from dz, x and the statistics; dz becomes dz⊙x̂ for
-// γ's gradient (β's, Σ dz, is summed before this kernel).
+// Dynamic shared memory of backward_input_norm_grad: the accumulators.
+#define TM_BWD_ACC_SMEM(C) (TM_BWD_WARPS * 2 * (C) * 4)
+
+// LN_C's backward, one warp per position, blocks looping over positions: dx from dz, x and the
+// statistics; the column sums of dz⊙x̂ and dz.
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_grad(const TmBackwardParams p) {
-  const int lane = (int)(tm_tid() & 31u);
-  const tm_i64 row = (tm_i64)tm_bid() * TM_BWD_ROWS_PER_BLOCK + (tm_tid() >> 5);
-  if (row >= p.rows) return;
+  extern __shared__ float tm_dyn_smem[];
   const int C = p.c;
-  const float mean = p.stats_x[2 * row], rstd = p.stats_x[2 * row + 1];
-  const float* TM_RESTRICT xr = p.x + row * C;
-  float* TM_RESTRICT dzr = p.dz + row * C;
-  float sg = 0.f, sgh = 0.f;
-  for (int c = lane; c < C; c += 32) {
-    const float g = dzr[c] * p.norm_in_w[c];
-    sg += g;
-    sgh += g * (xr[c] - mean) * rstd;
+  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
+  float* acc = tm_dyn_smem;
+  float* wacc = acc + warp * 2 * C;
+  tm_bwd_zero_acc(acc, C);
+  for (tm_i64 row = (tm_i64)tm_bid() * TM_BWD_WARPS + warp; row < p.rows; row += (tm_i64)p.blocks * TM_BWD_WARPS) {
+    const float mean = p.stats_x[2 * row], rstd = p.stats_x[2 * row + 1];
+    const float* TM_RESTRICT xr = p.x + row * C;
+    const float* TM_RESTRICT dzr = p.dz + row * C;
+    float sg = 0.f, sgh = 0.f;
+    for (int c = lane; c < C; c += 32) {
+      const float g = dzr[c] * p.norm_in_w[c];
+      sg += g;
+      sgh += g * (xr[c] - mean) * rstd;
+    }
+    const float mg = tm_group32_sum(sg) / (float)C, mgh = tm_group32_sum(sgh) / (float)C;
+    float* TM_RESTRICT dxr = p.dx + row * C;
+    for (int c = lane; c < C; c += 32) {
+      const float xh = (xr[c] - mean) * rstd, dz = dzr[c];
+      dxr[c] = rstd * (dz * p.norm_in_w[c] - mg - xh * mgh);
+      wacc[c] += dz * xh;
+      wacc[C + c] += dz;
+    }
   }
-  const float mg = tm_group32_sum(sg) / (float)C, mgh = tm_group32_sum(sgh) / (float)C;
-  float* TM_RESTRICT dxr = p.dx + row * C;
-  for (int c = lane; c < C; c += 32) {
-    const float xh = (xr[c] - mean) * rstd, dz = dzr[c];
-    dxr[c] = rstd * (dz * p.norm_in_w[c] - mg - xh * mgh);
-    dzr[c] = dz * xh;
-  }
+  tm_bwd_flush_acc(p, acc, C);
 }
 
 // Column sums of an [rows, cols] matrix with leading dimension ld (mirrored by `ColumnSums`).

@@ -14,22 +14,26 @@
 //!  7 output_gate       ds, dG                  [GEMM dv = dy·Wout; output_gate: du, dG]
 //!  8 GEMM              dWz = dsᵀ·u; Σ ds → dbz [Σ dy → dbout]
 //!  9 GEMM              du = ds·Wz
-//! 10 Σ du → dβ_out; output_norm_grad: dt (over t), du⊙t̂; Σ du⊙t̂ → dγ_out
-//! 11 GEMM (B·H)        dleft, dright
+//! 10 output_norm_grad dt (over t); Σ du⊙t̂ → dγ_out, Σ du → dβ_out
+//! 11 GEMM (B·H)        dleft, dright (over u and du)
 //! 12 gating_grad       dcat[:, :4H]
 //! 13 GEMM              dWcat = dcatᵀ·z; Σ dcat → dbcat
-//! 14 GEMM              dz = dcat·Wcat
-//! 15 Σ dz → dβ_in; input_norm_grad: dx, dz⊙x̂; Σ dz⊙x̂ → dγ_in
+//! 14 GEMM              dz = dcat·Wcat (over s)
+//! 15 input_norm_grad   dx; Σ dz⊙x̂ → dγ_in, Σ dz → dβ_in
 //! ```
 //!
 //! # Precision and memory
-//! The kernels compute and store in f32, with the column sums (bias and LayerNorm-weight
-//! gradients) in f64 in a fixed order. The GEMMs read f32 and run on the tensor cores in TF32
+//! The kernels compute and store in f32. The column sums (bias and LayerNorm-weight gradients)
+//! add f32 partial sums in f64 in a fixed order: the bias sums per 256-position block (skipped
+//! for biases the layer lacks), the LayerNorm sums per warp inside the LayerNorm backward
+//! kernels. The GEMMs read f32 and run on the tensor cores in TF32
 //! (10-bit mantissa, as the forward's f16 operands, but f32's range, which gradients need) with
 //! f32 accumulation, including the weight gradients' sums over all `M` positions. The weights are
-//! the prepared f16 ones, widened. Every intermediate is a whole f32 tensor, allocated per call:
-//! about `(2C + 2F + 7H + max(C, H))·4` bytes per position (10 KiB at C = H = 128), nothing
-//! chunked; the x, dy and dx tensors are the caller's.
+//! the prepared f16 ones, widened. Every intermediate is a whole f32 tensor, the later ones over
+//! earlier ones that are dead by then: about `(C + 2F + 5H + max(C, H))·4` bytes per position
+//! (8.5 KiB at C = H = 128), nothing chunked; the x, dy and dx tensors are the caller's. The
+//! buffers come from a caller's workspace span, or else from the backend, which keeps them for
+//! the next backward of the same sizes (`Backend::free_backward_buffers`).
 
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
@@ -47,8 +51,10 @@ use crate::weights::{Linear, Norm};
 
 /// Threads per block of every backward kernel (`TM_BWD_THREADS`).
 const THREADS: u32 = 256;
-/// Positions per block of the warp-per-position kernels (`TM_BWD_ROWS_PER_BLOCK`).
+/// Positions per block of the warp-per-position kernels (`TM_BWD_ROWS_PER_BLOCK`), and warps
+/// per block (`TM_BWD_WARPS`).
 const ROWS_PER_BLOCK: usize = 8;
+const WARPS: usize = 8;
 /// Positions per block of the kernels that go through hidden-major tensors (`TM_BWD_TILE`).
 const TILE: usize = 32;
 /// Most row blocks of a column sum's first pass (its partial sums: this × the widest matrix's
@@ -81,6 +87,7 @@ struct BackwardParams {
     dcat: u64,
     dz: u64,
     dx: u64,
+    partial: u64,
     rows: i64,
     n2: i64,
     c: i32,
@@ -88,7 +95,7 @@ struct BackwardParams {
     f: i32,
     af3: i32,
     eps: f32,
-    pad: i32,
+    blocks: i32,
 }
 
 /// `TmColumnSums`.
@@ -115,7 +122,8 @@ struct Widen {
 }
 
 /// The sums and products that make the weight gradients, as offsets (in floats) into one device
-/// buffer, downloaded in one copy at the end.
+/// buffer, downloaded in one copy at the end. Each LayerNorm's weight and bias are adjacent: the
+/// LayerNorm backward kernels' sums land as one `[γ | β]` row.
 #[derive(Copy, Clone)]
 struct Outputs {
     w_cat: usize,
@@ -185,9 +193,6 @@ pub(super) struct Buffers {
     e: DeviceBuffer<f32>,
     du: DeviceBuffer<f32>,
     dcat: DeviceBuffer<f32>,
-    dleft: DeviceBuffer<f32>,
-    dright: DeviceBuffer<f32>,
-    dz: DeviceBuffer<f32>,
     w_cat: DeviceBuffer<f32>,
     w_out: DeviceBuffer<f32>,
     /// The weight gradients' per-chunk f32 sums, `[chunks + 1, widest weight]`.
@@ -261,14 +266,11 @@ impl CudaBackend {
             e: a(m * c.max(h))?,
             du: a(m * h)?,
             dcat: a(m * f)?,
-            dleft: a(m * h)?,
-            dright: a(m * h)?,
-            dz: a(m * c)?,
             w_cat: a(f * c)?,
             w_out: a(c * h)?,
             weight_partial: a(chunks * widest)?,
             sums: a(out.len)?,
-            partial: src.take::<f64>(self, (MAX_ROW_BLOCKS * f.max(c).max(h)).max(widest))?,
+            partial: src.take::<f64>(self, (MAX_ROW_BLOCKS * f.max(2 * c).max(2 * h)).max(widest))?,
             gemm_ws: src.take::<u8>(self, MAX_GEMM_WORKSPACE)?,
         })
     }
@@ -289,9 +291,6 @@ impl CudaBackend {
                 &mut b.e,
                 &mut b.du,
                 &mut b.dcat,
-                &mut b.dleft,
-                &mut b.dright,
-                &mut b.dz,
                 &mut b.w_cat,
                 &mut b.w_out,
                 &mut b.weight_partial,
@@ -355,8 +354,10 @@ impl CudaBackend {
             e: b.e.ptr(),
             du: b.du.ptr(),
             dcat: b.dcat.ptr(),
-            dz: b.dz.ptr(),
+            // dz goes where s/ds (or v) was: dead after the output stage.
+            dz: b.e.ptr(),
             dx,
+            partial: b.partial.ptr(),
             rows: m as i64,
             n2: n2 as i64,
             c: c as i32,
@@ -364,9 +365,19 @@ impl CudaBackend {
             f: f as i32,
             af3: i32::from(af3),
             eps: problem.eps,
-            pad: 0,
+            blocks: 0,
         };
         let t_smem = (h * (TILE + 1) * 4) as u32;
+        // The LayerNorm backward kernels: blocks that loop over positions, as many as fit at once
+        // (at most MAX_ROW_BLOCKS, the partial sums' rows), each with its accumulators.
+        let acc_smem = |w: usize| WARPS * 2 * w * 4;
+        let resident = |smem: usize, work: usize| {
+            let per_sm = (self.inner.smem_per_sm / smem.max(1)).clamp(1, 8);
+            (per_sm * self.inner.info.compute_units as usize).min(MAX_ROW_BLOCKS).min(work).max(1)
+        };
+        let out_grad_smem = h * (TILE + 1) * 4 + acc_smem(h);
+        let out_grad_blocks = resident(out_grad_smem, m.div_ceil(TILE));
+        let in_grad_blocks = resident(acc_smem(c), m.div_ceil(WARPS));
         let warp_rows = ceil_div(m, ROWS_PER_BLOCK);
         let tiles = ceil_div(m, TILE);
         let rm = GemmSpec::row_major;
@@ -406,6 +417,24 @@ impl CudaBackend {
             }
         };
         let column_sum = |a: CUdeviceptr, cols: usize, ld: usize, to: usize| column_sum_of(a, m, cols, ld, to);
+        // The LayerNorm backward kernels' per-block sums of [γ | β] (2w columns) into `to`.
+        let finish = |blocks: usize, w: usize, to: usize| -> Result<()> {
+            let s = ColumnSums {
+                a: 0,
+                partial: b.partial.ptr(),
+                out: b.sums.ptr() + (to * 4) as u64,
+                rows: 0,
+                cols: (2 * w) as i32,
+                ld: 0,
+                row_blocks: blocks as i32,
+                pad: 0,
+            };
+            // SAFETY: the kernel before wrote `blocks` rows of 2w doubles into `partial` (sized
+            // for MAX_ROW_BLOCKS of them); `sums` holds γ's and then β's gradient at `to`.
+            unsafe { k.column_finish.launch_with(ceil_div(2 * w, THREADS as usize), THREADS, 0, stream, &s, false) }
+        };
+        let any_input_bias = prep.biases[..5].iter().any(|&b| b);
+        let out_bias = prep.biases[5];
         // dW[wa, wb] = Σ_r U[r, :wa]ᵀ·V[r, :wb] over all M rows (U, V position-major with leading
         // dimensions lu, lv), in chunks of `rows` positions: one strided batch of GEMMs for the
         // whole chunks and one for the rest, each into its own f32 partial, summed in f64.
@@ -455,44 +484,60 @@ impl CudaBackend {
             gemm(rm(m, c, h, (false, h), (true, h), c), b.u.ptr(), b.w_out.ptr(), b.e.ptr())?;
             launch(&k.output_gate, ceil_div(m * c, THREADS as usize), 0, &p)?;
             weight_grad((b.e.ptr(), c, c), (b.u.ptr(), h, h), out.w_out)?;
-            column_sum(b.e.ptr(), c, c, out.b_out)?;
+            if out_bias {
+                column_sum(b.e.ptr(), c, c, out.b_out)?;
+            }
             gemm(rm(m, h, c, (false, c), (false, h), h), b.e.ptr(), b.w_out.ptr(), b.du.ptr())?;
         } else {
             weight_grad((dy, c, c), (b.e.ptr(), h, h), out.w_out)?;
-            column_sum(dy, c, c, out.b_out)?;
+            if out_bias {
+                column_sum(dy, c, c, out.b_out)?;
+            }
             gemm(rm(m, h, c, (false, c), (false, h), h), dy, b.w_out.ptr(), b.du.ptr())?;
             launch(&k.output_gate, ceil_div(m * h, THREADS as usize), 0, &p)?;
         }
 
         self.mark("output projection and gate backward", stream)?;
         // 10: LN_H.
-        column_sum(b.du.ptr(), h, h, out.norm_out_b)?;
-        launch(&k.output_norm_grad, tiles, t_smem, &p)?;
-        column_sum(b.du.ptr(), h, h, out.norm_out_w)?;
+        launch(
+            &k.output_norm_grad,
+            out_grad_blocks as u32,
+            out_grad_smem as u32,
+            &BackwardParams { blocks: out_grad_blocks as i32, ..p },
+        )?;
+        finish(out_grad_blocks, h, out.norm_out_w)?;
         self.mark("LN_H backward", stream)?;
 
         // 11: the contraction. Outgoing dL = dT·R, dR = dTᵀ·L; incoming dL = R·dTᵀ, dR = L·dT.
+        // dleft and dright go where u and du were (dead after LN_H's backward).
         let dt = b.t.ptr();
+        let (dleft, dright) = (b.u.ptr(), b.du.ptr());
         if outgoing {
-            gemm(square(false, false), dt, b.right.ptr(), b.dleft.ptr())?;
-            gemm(square(true, false), dt, b.left.ptr(), b.dright.ptr())?;
+            gemm(square(false, false), dt, b.right.ptr(), dleft)?;
+            gemm(square(true, false), dt, b.left.ptr(), dright)?;
         } else {
-            gemm(square(false, true), b.right.ptr(), dt, b.dleft.ptr())?;
-            gemm(square(false, false), b.left.ptr(), dt, b.dright.ptr())?;
+            gemm(square(false, true), b.right.ptr(), dt, dleft)?;
+            gemm(square(false, false), b.left.ptr(), dt, dright)?;
         }
 
         self.mark("contraction backward", stream)?;
         // 12-15: the input projections and LN_C.
-        launch(&k.gating_grad, tiles, 0, &BackwardParams { left: b.dleft.ptr(), right: b.dright.ptr(), ..p })?;
+        launch(&k.gating_grad, tiles, 0, &BackwardParams { left: dleft, right: dright, ..p })?;
         self.mark("gating backward", stream)?;
         weight_grad((b.dcat.ptr(), f, f), (b.z.ptr(), c, c), out.w_cat)?;
-        column_sum(b.dcat.ptr(), f, f, out.b_cat)?;
+        if any_input_bias {
+            column_sum(b.dcat.ptr(), f, f, out.b_cat)?;
+        }
         self.mark("input weight gradients", stream)?;
-        gemm(rm(m, c, f, (false, f), (false, c), c), b.dcat.ptr(), b.w_cat.ptr(), b.dz.ptr())?;
+        gemm(rm(m, c, f, (false, f), (false, c), c), b.dcat.ptr(), b.w_cat.ptr(), p.dz)?;
         self.mark("dz = dcat·Wcat", stream)?;
-        column_sum(b.dz.ptr(), c, c, out.norm_in_b)?;
-        launch(&k.input_norm_grad, warp_rows, 0, &p)?;
-        column_sum(b.dz.ptr(), c, c, out.norm_in_w)?;
+        launch(
+            &k.input_norm_grad,
+            in_grad_blocks as u32,
+            acc_smem(c) as u32,
+            &BackwardParams { blocks: in_grad_blocks as i32, ..p },
+        )?;
+        finish(in_grad_blocks, c, out.norm_in_w)?;
         self.mark("LN_C backward", stream)
     }
 

@@ -67,7 +67,7 @@ pub(crate) struct BackwardKernels {
     pub input_norm: Stage,
     pub gating: Stage,
     /// Takes `TM_BWD_T_SMEM(H)` bytes of dynamic shared memory (limit raised to the opt-in
-    /// maximum), as `output_norm_grad`.
+    /// maximum), as `output_norm_grad` and `input_norm_grad` (their tiles and accumulators).
     pub output_norm: Stage,
     pub output_gate: Stage,
     pub output_norm_grad: Stage,
@@ -193,7 +193,7 @@ impl Kernels {
             output_gate: bwd("output_gate")?,
             output_norm_grad: raise(bwd("output_norm_grad")?)?,
             gating_grad: bwd("gating_grad")?,
-            input_norm_grad: bwd("input_norm_grad")?,
+            input_norm_grad: raise(bwd("input_norm_grad")?)?,
             column_partials: bwd("column_partials")?,
             column_finish: bwd("column_finish")?,
             widen: bwd("widen")?,
