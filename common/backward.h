@@ -28,6 +28,10 @@
 #define TM_BWD_TILE 32
 // Rows of a warp-per-position kernel's block.
 #define TM_BWD_ROWS_PER_BLOCK TM_BWD_WARPS
+// Resident blocks per multiprocessor the tile kernels are compiled for (their registers capped to
+// fit): fully unrolled, the gating kernels took 64-76 registers, three or four blocks per SM, and
+// reached half of the DRAM bandwidth (ncu, H100).
+#define TM_BWD_TILE_BLOCKS 6
 
 // The one argument of the per-position kernels (mirrored by `BackwardParams` in
 // src/backend/cuda/backward.rs: the same fields in the same order).
@@ -118,7 +122,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm(
 }
 
 // left and right, hidden-major, from P's first 4H columns, 32 channels at a time.
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_gating(const TmBackwardParams p) {
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating(const TmBackwardParams p) {
   __shared__ float sl[32 * (TM_BWD_TILE + 1)];
   __shared__ float sr[32 * (TM_BWD_TILE + 1)];
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
@@ -126,6 +130,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_gating(cons
   const int H = p.h;
   for (int h0 = 0; h0 < H; h0 += 32) {
     const int h = h0 + lane, hn = H - h0 < 32 ? H - h0 : 32;
+#pragma unroll 1
     for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
       const tm_i64 row = first + r;
       float l = 0.f, rr = 0.f;
@@ -153,7 +158,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_gating(cons
 #define TM_BWD_T_SMEM(H) ((H) * (TM_BWD_TILE + 1) * 4)
 
 // u = LN_H(t) and its statistics; gpumode's v = u⊙σ(P_G) too.
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_norm(const TmBackwardParams p) {
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm(const TmBackwardParams p) {
   extern __shared__ float tm_dyn_smem[];
   float* st = tm_dyn_smem;
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
@@ -232,7 +237,7 @@ TM_INLINE void tm_bwd_flush_acc(const TmBackwardParams& p, const float* acc, int
 
 // LN_H's backward: dt (hidden-major, over t) from du and t, tile after tile; the column sums of
 // du⊙t̂ and du.
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_norm_grad(const TmBackwardParams p) {
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_grad(const TmBackwardParams p) {
   extern __shared__ float tm_dyn_smem[];
   const int H = p.h;
   float* st = tm_dyn_smem;
@@ -275,7 +280,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_norm
 
 // The gated projections' backward: dcat's first 4H columns from dleft and dright (hidden-major,
 // in `left`/`right`'s place: the caller passes them there) and P.
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_gating_grad(const TmBackwardParams p) {
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad(const TmBackwardParams p) {
   __shared__ float sl[32 * (TM_BWD_TILE + 1)];
   __shared__ float sr[32 * (TM_BWD_TILE + 1)];
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
@@ -286,6 +291,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_gating_grad
     tm_bwd_load_hidden(p, p.left, sl, first, h0, hn);
     tm_bwd_load_hidden(p, p.right, sr, first, h0, hn);
     tm_sync();
+#pragma unroll 1
     for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
       const tm_i64 row = first + r;
       if (row >= p.rows || h >= H) continue;

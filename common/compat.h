@@ -21,6 +21,9 @@
 #endif
 #define TM_INLINE __attribute__((device, always_inline)) inline
 #define TM_LAUNCH_BOUNDS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))
+// With a minimum of `b` resident blocks per multiprocessor: CUDA caps the registers to fit them;
+// on AMD only the work-group size is declared.
+#define TM_LAUNCH_BOUNDS_MIN(n, b) __attribute__((amdgpu_flat_work_group_size(1, n)))
 #define TM_RESTRICT __restrict__
 
 TM_INLINE unsigned tm_tid() { return __builtin_amdgcn_workitem_id_x(); }
@@ -52,6 +55,7 @@ typedef long long tm_i64;
 #define TRIMUL_CUDA 1
 #define TM_INLINE __device__ __forceinline__
 #define TM_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+#define TM_LAUNCH_BOUNDS_MIN(n, b) __launch_bounds__(n, b)
 #define TM_RESTRICT __restrict__
 
 TM_INLINE unsigned tm_tid() { return threadIdx.x; }
