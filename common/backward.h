@@ -100,6 +100,23 @@ TM_INLINE void tm_bwd_store_hidden(const TmBackwardParams& p, float* TM_RESTRICT
 
 TM_INLINE float tm_bwd_bias(const float* b, int i) { return b ? b[i] : 0.f; }
 
+// A tile kernel thread's place: its lane and 32-lane group, and the tile's first position.
+typedef struct {
+  int lane, warp;
+  tm_i64 first;
+} TmBwdTile;
+
+TM_INLINE TmBwdTile tm_bwd_tile() {
+  TmBwdTile t;
+  t.lane = (int)(tm_tid() & 31u);
+  t.warp = (int)(tm_tid() >> 5);
+  t.first = (tm_i64)tm_bid() * TM_BWD_TILE;
+  return t;
+}
+
+// Dynamic shared memory of the two gating kernels: two [32][TILE + 1] float tiles.
+#define TM_BWD_GATING_SMEM (2 * 32 * (TM_BWD_TILE + 1) * 4)
+
 // One warp per position: z = LN_C(x), two-pass statistics in f32 (Cauchy rows cancel in E[x²]).
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm(const TmBackwardParams p) {
   const int lane = (int)(tm_tid() & 31u);
@@ -123,11 +140,12 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm(
 
 // left and right, hidden-major, from P's first 4H columns, 32 channels at a time.
 extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating(const TmBackwardParams p) {
-  __shared__ float sl[32 * (TM_BWD_TILE + 1)];
-  __shared__ float sr[32 * (TM_BWD_TILE + 1)];
-  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
-  const tm_i64 first = (tm_i64)tm_bid() * TM_BWD_TILE;
-  const int H = p.h;
+  extern __shared__ float tm_dyn_smem[];
+  float* sl = tm_dyn_smem;
+  float* sr = sl + 32 * (TM_BWD_TILE + 1);
+  const TmBwdTile tile = tm_bwd_tile();
+  const int lane = tile.lane, warp = tile.warp, H = p.h;
+  const tm_i64 first = tile.first;
   for (int h0 = 0; h0 < H; h0 += 32) {
     const int h = h0 + lane, hn = H - h0 < 32 ? H - h0 : 32;
 #pragma unroll 1
@@ -281,11 +299,12 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
 // The gated projections' backward: dcat's first 4H columns from dleft and dright (hidden-major,
 // in `left`/`right`'s place: the caller passes them there) and P.
 extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad(const TmBackwardParams p) {
-  __shared__ float sl[32 * (TM_BWD_TILE + 1)];
-  __shared__ float sr[32 * (TM_BWD_TILE + 1)];
-  const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
-  const tm_i64 first = (tm_i64)tm_bid() * TM_BWD_TILE;
-  const int H = p.h;
+  extern __shared__ float tm_dyn_smem[];
+  const TmBwdTile tile = tm_bwd_tile();
+  const int lane = tile.lane, warp = tile.warp, H = p.h;
+  const tm_i64 first = tile.first;
+  float* sl = tm_dyn_smem;
+  float* sr = sl + 32 * (TM_BWD_TILE + 1);
   for (int h0 = 0; h0 < H; h0 += 32) {
     const int h = h0 + lane, hn = H - h0 < 32 ? H - h0 : 32;
     tm_bwd_load_hidden(p, p.left, sl, first, h0, hn);
@@ -360,8 +379,12 @@ typedef struct {
 
 // Block (row block rb, 32-column chunk cb): each warp sums every 8th row of the block's range
 // for 32 consecutive columns in f64, then the 8 warps are added in a fixed order.
+// Dynamic shared memory of backward_column_partials: the warps' f64 sums.
+#define TM_BWD_PARTIALS_SMEM (TM_BWD_WARPS * 32 * 8)
+
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_column_partials(const TmColumnSums s) {
-  __shared__ double red[TM_BWD_WARPS * 32];
+  extern __shared__ float tm_dyn_smem[];
+  double* red = (double*)tm_dyn_smem;
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
   const int chunks = (s.cols + 31) / 32;
   const int rb = (int)tm_bid() / chunks, cb = (int)tm_bid() - rb * chunks;

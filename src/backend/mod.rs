@@ -169,13 +169,21 @@ pub(crate) fn check_backward_io(problem: &Problem, x: &[f32], mask: Option<&[f32
             )));
         }
     }
-    match (mask, problem.masked) {
-        (Some(m), true) if m.len() != shape.rows() => {
+    check_backward_mask(problem, mask.is_some())?;
+    match mask {
+        Some(m) if m.len() != shape.rows() => {
             Err(Error::Shape(format!("the mask has {} elements, expected B·N·N = {}", m.len(), shape.rows())))
         }
-        (Some(_), true) | (None, false) => Ok(()),
-        (None, true) => Err(Error::InvalidArgument("the problem is masked but no mask was given".into())),
-        (Some(_), false) => Err(Error::InvalidArgument("a mask was given for an unmasked problem".into())),
+        _ => Ok(()),
+    }
+}
+
+/// A backward's mask is given exactly when its problem is masked.
+pub(crate) fn check_backward_mask(problem: &Problem, given: bool) -> Result<()> {
+    match (given, problem.masked) {
+        (true, false) => Err(Error::InvalidArgument("a mask was given for an unmasked problem".into())),
+        (false, true) => Err(Error::InvalidArgument("the problem is masked but no mask was given".into())),
+        _ => Ok(()),
     }
 }
 

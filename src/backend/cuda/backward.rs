@@ -57,6 +57,10 @@ const ROWS_PER_BLOCK: usize = 8;
 const WARPS: usize = 8;
 /// Positions per block of the kernels that go through hidden-major tensors (`TM_BWD_TILE`).
 const TILE: usize = 32;
+/// Dynamic shared memory of the gating kernels (`TM_BWD_GATING_SMEM`) and of the column sums'
+/// first pass (`TM_BWD_PARTIALS_SMEM`).
+const GATING_SMEM: u32 = 2 * 32 * (TILE as u32 + 1) * 4;
+const PARTIALS_SMEM: u32 = 8 * 32 * 8;
 /// Most row blocks of a column sum's first pass (its partial sums: this × the widest matrix's
 /// columns, f64).
 const MAX_ROW_BLOCKS: usize = 1024;
@@ -412,7 +416,14 @@ impl CudaBackend {
             // cols doubles (sized for the widest sum) and `sums` `out.len` floats (`to + cols`
             // within it); `ColumnSums` mirrors `TmColumnSums`. The two launches are stream-ordered.
             unsafe {
-                k.column_partials.launch_with((row_blocks * chunks) as u32, THREADS, 0, stream, &s, false)?;
+                k.column_partials.launch_with(
+                    (row_blocks * chunks) as u32,
+                    THREADS,
+                    PARTIALS_SMEM,
+                    stream,
+                    &s,
+                    false,
+                )?;
                 k.column_finish.launch_with(ceil_div(cols, THREADS as usize), THREADS, 0, stream, &s, false)
             }
         };
@@ -470,7 +481,7 @@ impl CudaBackend {
         launch(&k.input_norm, warp_rows, 0, &p)?;
         gemm(rm(m, f, c, (false, c), (true, c), f), b.z.ptr(), b.w_cat.ptr(), b.p.ptr())?;
         self.mark("LN_C and the input projection", stream)?;
-        launch(&k.gating, tiles, 0, &p)?;
+        launch(&k.gating, tiles, GATING_SMEM, &p)?;
         self.mark("gating", stream)?;
         // Outgoing t = L·Rᵀ, incoming t = Lᵀ·R, per (b, h).
         let square = |u_t: bool, v_t: bool| rm(n, n, n, (u_t, n), (v_t, n), n).batched(bh, n2);
@@ -522,7 +533,7 @@ impl CudaBackend {
 
         self.mark("contraction backward", stream)?;
         // 12-15: the input projections and LN_C.
-        launch(&k.gating_grad, tiles, 0, &BackwardParams { left: dleft, right: dright, ..p })?;
+        launch(&k.gating_grad, tiles, GATING_SMEM, &BackwardParams { left: dleft, right: dright, ..p })?;
         self.mark("gating backward", stream)?;
         weight_grad((b.dcat.ptr(), f, f), (b.z.ptr(), c, c), out.w_cat)?;
         if any_input_bias {

@@ -223,18 +223,7 @@ impl Kernels {
             if cc.0 < 8 {
                 return Ok(None);
             }
-            let stage = get(name)?;
-            // SAFETY: `stage.raw` is a live function of a loaded module; the attribute takes a
-            // byte count no larger than the device's opt-in limit.
-            unsafe {
-                cu::function::set_function_attribute(
-                    stage.raw,
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    optin as i32,
-                )
-            }
-            .ctx("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
-            Ok(Some(stage))
+            Ok(Some(raise(get(name)?)?))
         };
         let input_projection = big_smem("input_projection")?;
         let input_projection_wide = big_smem("input_projection:input_projection_wide")?;

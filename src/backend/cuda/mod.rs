@@ -825,21 +825,11 @@ impl Backend for CudaBackend {
             ("x", x.len(), len),
             ("dy", dy.len(), len),
             ("dx", dx.len(), len),
-            ("the mask", mask.map_or(0, |m| m.len()), if problem.masked { problem.shape.rows() } else { 0 }),
+            ("the mask", mask.map_or(0, |m| m.len()), if mask.is_some() { problem.shape.rows() } else { 0 }),
         ] {
             if have != want {
                 return Err(Error::Shape(format!("{name} has {have} elements, expected {want}")));
             }
-        }
-        if mask.is_some() != problem.masked {
-            return Err(Error::InvalidArgument(
-                if problem.masked {
-                    "the problem is masked but no mask was given"
-                } else {
-                    "a mask was given for an unmasked problem"
-                }
-                .into(),
-            ));
         }
         // SAFETY: the buffers are this backend's allocations of the lengths checked above,
         // borrowed until this call returns, which waits for the work (the download of the sums);
@@ -858,16 +848,7 @@ impl Backend for CudaBackend {
         workspace: Option<DeviceSpan>,
     ) -> Result<Gradients> {
         check_prepared_for(&prepared.config, problem)?;
-        if (mask != 0) != problem.masked {
-            return Err(Error::InvalidArgument(
-                if problem.masked {
-                    "the problem is masked but no mask was given"
-                } else {
-                    "a mask was given for an unmasked problem"
-                }
-                .into(),
-            ));
-        }
+        super::check_backward_mask(problem, mask != 0)?;
         for (name, ptr) in [("x", x), ("dy", dy), ("dx", dx)] {
             if ptr == 0 || ptr % 16 != 0 {
                 return Err(Error::InvalidArgument(format!(
