@@ -675,4 +675,10 @@ fn backward_matches_the_f64_reference() {
         assert!(e.to_string().contains("dx has 7 elements"), "{e}");
     }
     b.free_backward_buffers();
+    // Widths whose LayerNorm kernels would not fit shared memory are refused up front.
+    let w = Weights::random(trimul::Config::new(Formulation::Af3, 8, 2048).unwrap(), false, s).unwrap();
+    let mut layer = Layer::new(&b, &w, Options::new(Direction::Outgoing)).unwrap();
+    let x = vec![0.5f32; 2 * 2 * 8];
+    let e = layer.backward(&x, None, &x, Shape::new(1, 2)).unwrap_err();
+    assert!(matches!(e, trimul::Error::Unsupported { .. }) && e.to_string().contains("H = 2048"), "{e}");
 }

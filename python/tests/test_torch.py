@@ -87,6 +87,35 @@ def test_gradients_come_from_the_native_backward(monkeypatch, device, without, m
 
 
 @pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+def test_cuda_backward_follows_the_callers_stream():
+    """The native backward runs on PyTorch's current stream, also the default one (handle 0):
+    with that stream held busy before the backward, the weights it prepares there and the
+    float32 copies of x and grad it makes there are written before the backward reads them; a
+    view of x at an odd offset (accepted by the forward) is accepted too."""
+    c, h, n = 24, 16, 9
+    dev = torch.device("cuda")
+    w = af3_weights(c, h, True, salt=90, device=dev)
+    base = pair((1 + n * n * c,), salt=91, device=dev)
+    x = base[1:].view(1, n, n, c).detach().requires_grad_(True)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in w.items()}
+    g = pair((1, n, n, c), salt=92, device=dev)
+    for stream in (torch.cuda.default_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream):
+            y = tmu(x, "outgoing", None, **leaves)
+            torch.cuda._sleep(1 << 26)  # tens of milliseconds of GPU work queued before it
+            (y * g).sum().backward()
+        torch.cuda.synchronize()
+        ref = {k: v.detach().double().requires_grad_(True) for k, v in w.items()}
+        xr = x.detach().double().requires_grad_(True)
+        (reference.af3(xr, None, *[ref.get(k) for k in AF3_WEIGHTS], "outgoing", 1e-5) * g.double()).sum().backward()
+        errors = {"x": rel(x.grad, xr.grad)} | {k: rel(leaves[k].grad, ref[k].grad) for k in w}
+        assert max(errors.values()) <= 2e-3, (stream, errors)
+        x.grad = None
+        for v in leaves.values():
+            v.grad = None
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
 def test_cuda_native_backward_at_n_1024(direction):
     """Issue 28's bar at scale: N = 1024, C = H = 128, af3 with biases, masked, float32 (weight

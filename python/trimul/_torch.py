@@ -11,6 +11,7 @@ library's host-memory API.
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 import os
 import sys
@@ -491,9 +492,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _native_backward(x: Tensor) -> bool:
-    """Whether the library's backward takes x's device: the CPU, and CUDA outside a CUDA-graph
-    capture (the native backward waits for its work, which a capture cannot hold). ROCm has no
-    native backward yet."""
+    """Whether the library's backward op takes x's device: the CPU, and CUDA outside a CUDA-graph
+    capture (the native backward waits for its work, which a capture cannot hold; the op checks
+    again when it runs, for graphs captured after tracing). ROCm has no native backward yet."""
     if x.device.type == "cpu":
         return True
     return x.is_cuda and not _HIP and not _capturing()
@@ -520,7 +521,17 @@ def _backward(ctx, grad):
     return tuple(out)
 
 
-@torch.library.custom_op("trimul::triangle_multiplicative_update_backward", mutates_args=())
+# The native CUDA backward waits for its work (the weight gradients come back through host
+# memory): a CUDA graph cannot hold it. Tagged so, torch.compile's CUDA-graph trees leave the op
+# out of their graphs (PyTorch >= 2.7 has the tag); inside a capture it recomputes instead.
+_UNSAFE_IN_GRAPHS = (
+    {"tags": (torch.Tag.cudagraph_unsafe,)}
+    if hasattr(torch.Tag, "cudagraph_unsafe") and "tags" in inspect.signature(torch.library.custom_op).parameters
+    else {}
+)
+
+
+@torch.library.custom_op("trimul::triangle_multiplicative_update_backward", mutates_args=(), **_UNSAFE_IN_GRAPHS)
 def _backward_op(
     grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list[Optional[Tensor]], direction: str, eps: float
 ) -> list[Tensor]:
@@ -531,6 +542,10 @@ def _backward_op(
     torch.ops.trimul.triangle_multiplicative_update_backward) it checks its arguments first."""
     _check_backward_args(grad, x, mask, w)
     if x.is_cuda:
+        if _capturing():
+            given = [i for i, t in zip(_WEIGHT_SLOTS, w) if t is not None]
+            grads = _recomputed_backward(x, mask, w, direction, eps, grad, [True] * 16)
+            return [grads[0]] + [grads[i] for i in given]
         with torch.cuda.device(x.get_device()):
             return _cuda_backward(grad, x, mask, w, direction, eps)
     c, h = x.shape[-1], w[2].shape[0] // 2
@@ -556,9 +571,10 @@ def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, dir
     index = x.get_device()
     stream = _raw_stream(index)
     e = _cuda_prepare(x, list(w), direction, eps, index, stream)
-    x32 = x.detach().to(torch.float32).contiguous()
-    dy = grad.detach().to(torch.float32).contiguous()
-    m = None if mask is None else mask.detach().to(torch.float32).contiguous()
+    # Contiguous and 16-byte aligned, as the forward's inputs (a view at an odd offset is copied).
+    x32 = _contiguous(x.detach().to(torch.float32))
+    dy = _contiguous(grad.detach().to(torch.float32))
+    m = None if mask is None else _contiguous(mask.detach().to(torch.float32))
     b, n = x.shape[0], x.shape[1]
     dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     nbytes = e.layer.backward_workspace_bytes(b, n, m is not None)

@@ -377,8 +377,8 @@ pub trait Backend: Clone + Send + Sync {
     }
 
     /// [`Backend::backward_buffers`] on caller device memory and the caller's stream (a raw
-    /// `CUstream`/`hipStream_t`, 0: the backend's own), for bindings whose tensors the backend did
-    /// not allocate: `x`, `dy` and `dx` are `[B,N,N,C]` f32, `mask` `[B,N,N]` f32 or 0. The
+    /// `CUstream`/`hipStream_t` as an integer, 0 the legacy default stream, as
+    /// [`crate::DeviceIo::stream`]), for bindings whose tensors the backend did not allocate: `x`, `dy` and `dx` are `[B,N,N,C]` f32, `mask` `[B,N,N]` f32 or 0. The
     /// intermediates are carved from `workspace` (at least [`Backend::backward_workspace_bytes`])
     /// when given, else allocated by the backend and kept for the next backward. Waits for the
     /// work.

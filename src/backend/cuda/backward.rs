@@ -23,10 +23,10 @@
 //! ```
 //!
 //! # Precision and memory
-//! The kernels compute and store in f32. The column sums (bias and LayerNorm-weight gradients)
-//! add f32 partial sums in f64 in a fixed order: the bias sums per 256-position block (skipped
-//! for biases the layer lacks), the LayerNorm sums per warp inside the LayerNorm backward
-//! kernels. The GEMMs read f32 and run on the tensor cores in TF32
+//! The kernels compute and store in f32. The column sums are f64 in a fixed order: the bias
+//! sums (skipped for biases the layer lacks) in f64 from the start, per row block then across
+//! blocks; the LayerNorm-weight sums f32 per warp inside the LayerNorm backward kernels, then
+//! f64. The GEMMs read f32 and run on the tensor cores in TF32
 //! (10-bit mantissa, as the forward's f16 operands, but f32's range, which gradients need) with
 //! f32 accumulation, including the weight gradients' sums over all `M` positions. The weights are
 //! the prepared f16 ones, widened. Every intermediate is a whole f32 tensor, the later ones over
@@ -64,6 +64,18 @@ const PARTIALS_SMEM: u32 = 8 * 32 * 8;
 /// Most row blocks of a column sum's first pass (its partial sums: this × the widest matrix's
 /// columns, f64).
 const MAX_ROW_BLOCKS: usize = 1024;
+
+/// Dynamic shared memory of `backward_input_norm_grad` (`TM_BWD_ACC_SMEM`): per-warp sums of
+/// `2w` columns.
+fn acc_smem(w: usize) -> usize {
+    WARPS * 2 * w * 4
+}
+
+/// Dynamic shared memory of `backward_output_norm_grad` (`TM_BWD_T_ACC_SMEM`): a tile of t and
+/// the sums (`backward_output_norm` needs less: the tile alone).
+fn output_norm_grad_smem(h: usize) -> usize {
+    h * (TILE + 1) * 4 + acc_smem(h)
+}
 
 /// `TmBackwardParams` of `common/backward.h`, field for field.
 #[repr(C)]
@@ -238,6 +250,25 @@ impl Source {
 }
 
 impl CudaBackend {
+    /// Refuses a backward whose LayerNorm kernels would need more shared memory per block than
+    /// the GPU has (they hold a 32-position tile of t, and per-warp column sums): H ≤ 1185 and
+    /// C ≤ 3632 on an H100, before anything is enqueued.
+    pub(super) fn check_backward_fits(&self, problem: &Problem) -> Result<()> {
+        let (c, h) = (problem.config.c, problem.config.h);
+        let max = self.inner.kernels.max_smem;
+        let need = [("H", h, output_norm_grad_smem(h)), ("C", c, acc_smem(c))];
+        match need.into_iter().find(|&(_, _, bytes)| bytes > max) {
+            Some((name, v, bytes)) => Err(Error::Unsupported {
+                backend: crate::error::BackendKind::Cuda,
+                what: format!(
+                    "the backward pass at {name} = {v} (its LayerNorm kernels need {bytes} bytes of shared memory \
+                     per block; this GPU has {max})"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Bytes of the workspace span a backward of `problem` carves its buffers from
     /// ([`Backend::backward_device`](crate::Backend) with a workspace).
     pub(super) fn backward_span_bytes(&self, problem: &Problem) -> Result<u64> {
@@ -374,12 +405,11 @@ impl CudaBackend {
         let t_smem = (h * (TILE + 1) * 4) as u32;
         // The LayerNorm backward kernels: blocks that loop over positions, as many as fit at once
         // (at most MAX_ROW_BLOCKS, the partial sums' rows), each with its accumulators.
-        let acc_smem = |w: usize| WARPS * 2 * w * 4;
         let resident = |smem: usize, work: usize| {
             let per_sm = (self.inner.smem_per_sm / smem.max(1)).clamp(1, 8);
             (per_sm * self.inner.info.compute_units as usize).min(MAX_ROW_BLOCKS).min(work).max(1)
         };
-        let out_grad_smem = h * (TILE + 1) * 4 + acc_smem(h);
+        let out_grad_smem = output_norm_grad_smem(h);
         let out_grad_blocks = resident(out_grad_smem, m.div_ceil(TILE));
         let in_grad_blocks = resident(acc_smem(c), m.div_ceil(WARPS));
         let warp_rows = ceil_div(m, ROWS_PER_BLOCK);
@@ -571,9 +601,17 @@ impl CudaBackend {
         let (c, h, f) = (cfg.c, cfg.h, cfg.fused_proj_width());
         let out = Outputs::new(c, h, f);
         let run = |bufs: &mut Buffers| -> Result<Vec<f32>> {
-            self.poison_backward_buffers(bufs, stream)?;
             // SAFETY: forwarded from this function's contract; `bufs` was sized for this problem.
-            unsafe { self.enqueue_backward(prep, problem, io, &out, bufs, stream)? };
+            let enqueued = self
+                .poison_backward_buffers(bufs, stream)
+                .and_then(|()| unsafe { self.enqueue_backward(prep, problem, io, &out, bufs, stream) });
+            if let Err(e) = enqueued {
+                // What was enqueued before the failure still writes dx and the buffers: wait for
+                // it, so that the caller's memory is free when this returns, as promised.
+                // SAFETY: a live stream of this context (the caller's or the backend's).
+                let _ = unsafe { cudarc::driver::result::stream::synchronize(stream) };
+                return Err(e);
+            }
             let mut sums = vec![0f32; out.len];
             // Waits for the backward: the buffers are free for the next call once this returns.
             bufs.sums.download(&mut sums, stream)?;

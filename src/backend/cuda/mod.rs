@@ -833,9 +833,11 @@ impl Backend for CudaBackend {
         }
         // SAFETY: the buffers are this backend's allocations of the lengths checked above,
         // borrowed until this call returns, which waits for the work (the download of the sums);
-        // `dx` is borrowed mutably, so it aliases none of the others.
+        // `dx` is borrowed mutably, so it aliases none of the others. The backend's own stream:
+        // its buffers were written there.
         unsafe {
-            self.backward_device(prepared, problem, (x.ptr(), mask.map_or(0, |m| m.ptr()), dy.ptr(), dx.ptr()), 0, None)
+            let io = (x.ptr(), mask.map_or(0, |m| m.ptr()), dy.ptr(), dx.ptr());
+            self.backward_device(prepared, problem, io, self.stream() as u64, None)
         }
     }
 
@@ -859,10 +861,11 @@ impl Backend for CudaBackend {
         if mask % 4 != 0 {
             return Err(Error::InvalidArgument(format!("the mask must be 4-byte aligned (got {mask:#x})")));
         }
+        self.check_backward_fits(problem)?;
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
-        let stream = if stream == 0 { self.stream() } else { stream as CUstream };
-        // SAFETY: forwarded from this method's contract.
-        unsafe { self.backward_on_device(prepared, problem, (x, mask, dy, dx), stream, workspace) }
+        // SAFETY: forwarded from this method's contract; 0 is the legacy default stream (the
+        // null CUstream), as in a forward on caller memory.
+        unsafe { self.backward_on_device(prepared, problem, (x, mask, dy, dx), stream as CUstream, workspace) }
     }
 
     fn backward_workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> Result<u64> {
