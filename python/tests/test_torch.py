@@ -116,6 +116,35 @@ def test_cuda_backward_follows_the_callers_stream():
 
 
 @pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+def test_training_step_under_cuda_graph_trees():
+    """torch.compile(mode="reduce-overhead") records the compiled forward and backward in CUDA
+    graphs: the native backward op, which waits for its work, is kept out of them (or recomputes
+    if it ever runs inside a capture), and every step's gradients equal eager's."""
+    c, h, n = 32, 16, 8
+    dev = torch.device("cuda")
+    w = af3_weights(c, h, False, salt=95, device=dev)
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in w.items()}
+    x = pair((1, n, n, c), salt=96, device=dev)
+
+    def step(x):
+        return tmu(x, "outgoing", None, **leaves).square().sum()
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    steps = []
+    for _ in range(3):
+        for v in leaves.values():
+            v.grad = None
+        compiled(x).backward()
+        steps.append({k: v.grad.clone() for k, v in leaves.items()})
+    for v in leaves.values():
+        v.grad = None
+    step(x).backward()
+    for got in steps:
+        errors = {k: rel(got[k], leaves[k].grad) for k in leaves}
+        assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
 def test_cuda_native_backward_at_n_1024(direction):
     """Issue 28's bar at scale: N = 1024, C = H = 128, af3 with biases, masked, float32 (weight
