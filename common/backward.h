@@ -55,7 +55,8 @@ typedef struct {
   float* stats_t;           // [M, 2] LN_H's mean and 1/σ
   float* e;                 // af3: [M, C] s = u·Wzᵀ, then ds; gpumode: [M, H] v
   float* du;                // [M, H] du (gpumode: dv first)
-  float* dcat;              // [M, F] [dpL dqL dpR dqR dG]
+  float* dcat;              // [M, F] [dpL dqL dpR dqR dG]; may be p itself (each element of P is
+                            // read by the thread that then writes its gradient)
   float* dz;                // [M, C] dcat·Wcat
   float* dx;                // [M, C]
   double* partial;          // [blocks, 2W] the LayerNorm backward kernels' per-block column sums
@@ -314,8 +315,10 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
     for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
       const tm_i64 row = first + r;
       if (row >= p.rows || h >= H) continue;
-      const float* TM_RESTRICT pr = p.p + row * p.f;
-      float* TM_RESTRICT dr = p.dcat + row * p.f;
+      // dcat is written over P (the caller passes one buffer): each element is read, then
+      // written by the same thread, so the pointers may alias (no restrict).
+      const float* pr = p.p + row * p.f;
+      float* dr = p.dcat + row * p.f;
       const float m = p.mask ? p.mask[row] : 1.f;
       const float d[2] = {sl[lane * (TM_BWD_TILE + 1) + r] * m, sr[lane * (TM_BWD_TILE + 1) + r] * m};
 #pragma unroll

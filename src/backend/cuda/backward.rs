@@ -16,7 +16,8 @@
 //!  9 GEMM              du = ds·Wz
 //! 10 output_norm_grad dt (over t); Σ du⊙t̂ → dγ_out, Σ du → dβ_out
 //! 11 GEMM (B·H)        dleft, dright (over u and du)
-//! 12 gating_grad       dcat[:, :4H]
+//! 12 gating_grad       dcat[:, :4H] (dcat over P, column by column: output_gate writes dG over
+//!                      P_G, gating_grad the rest over P's first 4H columns)
 //! 13 GEMM              dWcat = dcatᵀ·z; Σ dcat → dbcat
 //! 14 GEMM              dz = dcat·Wcat (over s)
 //! 15 input_norm_grad   dx; Σ dz⊙x̂ → dγ_in, Σ dz → dβ_in
@@ -30,8 +31,8 @@
 //! (10-bit mantissa, as the forward's f16 operands, but f32's range, which gradients need) with
 //! f32 accumulation, including the weight gradients' sums over all `M` positions. The weights are
 //! the prepared f16 ones, widened. Every intermediate is a whole f32 tensor, the later ones over
-//! earlier ones that are dead by then: about `(C + 2F + 5H + max(C, H))·4` bytes per position
-//! (8.5 KiB at C = H = 128), nothing chunked; the x, dy and dx tensors are the caller's. The
+//! earlier ones that are dead by then: about `(C + F + 5H + max(C, H))·4` bytes per position
+//! (6 KiB at C = H = 128), nothing chunked; the x, dy and dx tensors are the caller's. The
 //! buffers come from a caller's workspace span, or else from the backend, which keeps them for
 //! the next backward of the same sizes (`Backend::free_backward_buffers`).
 
@@ -208,7 +209,6 @@ pub(super) struct Buffers {
     stats_t: DeviceBuffer<f32>,
     e: DeviceBuffer<f32>,
     du: DeviceBuffer<f32>,
-    dcat: DeviceBuffer<f32>,
     w_cat: DeviceBuffer<f32>,
     w_out: DeviceBuffer<f32>,
     /// The weight gradients' per-chunk f32 sums, `[chunks + 1, widest weight]`.
@@ -300,7 +300,6 @@ impl CudaBackend {
             stats_t: a(2 * m)?,
             e: a(m * c.max(h))?,
             du: a(m * h)?,
-            dcat: a(m * f)?,
             w_cat: a(f * c)?,
             w_out: a(c * h)?,
             weight_partial: a(chunks * widest)?,
@@ -325,7 +324,6 @@ impl CudaBackend {
                 &mut b.stats_t,
                 &mut b.e,
                 &mut b.du,
-                &mut b.dcat,
                 &mut b.w_cat,
                 &mut b.w_out,
                 &mut b.weight_partial,
@@ -388,7 +386,7 @@ impl CudaBackend {
             stats_t: b.stats_t.ptr(),
             e: b.e.ptr(),
             du: b.du.ptr(),
-            dcat: b.dcat.ptr(),
+            dcat: b.p.ptr(),
             // dz goes where s/ds (or v) was: dead after the output stage.
             dz: b.e.ptr(),
             dx,
@@ -565,12 +563,12 @@ impl CudaBackend {
         // 12-15: the input projections and LN_C.
         launch(&k.gating_grad, tiles, GATING_SMEM, &BackwardParams { left: dleft, right: dright, ..p })?;
         self.mark("gating backward", stream)?;
-        weight_grad((b.dcat.ptr(), f, f), (b.z.ptr(), c, c), out.w_cat)?;
+        weight_grad((p.dcat, f, f), (b.z.ptr(), c, c), out.w_cat)?;
         if any_input_bias {
-            column_sum(b.dcat.ptr(), f, f, out.b_cat)?;
+            column_sum(p.dcat, f, f, out.b_cat)?;
         }
         self.mark("input weight gradients", stream)?;
-        gemm(rm(m, c, f, (false, f), (false, c), c), b.dcat.ptr(), b.w_cat.ptr(), p.dz)?;
+        gemm(rm(m, c, f, (false, f), (false, c), c), p.dcat, b.w_cat.ptr(), p.dz)?;
         self.mark("dz = dcat·Wcat", stream)?;
         launch(
             &k.input_norm_grad,
