@@ -29,9 +29,10 @@
 // Rows of a warp-per-position kernel's block.
 #define TM_BWD_ROWS_PER_BLOCK TM_BWD_WARPS
 // Resident blocks per multiprocessor the tile kernels are compiled for (their registers capped to
-// fit): fully unrolled, the gating kernels took 64-76 registers, three or four blocks per SM, and
-// reached half of the DRAM bandwidth (ncu, H100).
-#define TM_BWD_TILE_BLOCKS 6
+// fit, 32; output_norm_grad spills 8 bytes): fully unrolled, the gating kernels took 64-76
+// registers, three or four blocks per SM, and reached half of the DRAM bandwidth (ncu, H100);
+// 6 blocks (40 registers) and then 8 each took a tenth off those kernels (docs/perf/NOTES.md).
+#define TM_BWD_TILE_BLOCKS 8
 
 // The one argument of the per-position kernels (mirrored by `BackwardParams` in
 // src/backend/cuda/backward.rs: the same fields in the same order).
