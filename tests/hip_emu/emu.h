@@ -27,6 +27,7 @@
 #define __shared__
 #define TM_INLINE inline
 #define TM_LAUNCH_BOUNDS(n)
+#define TM_LAUNCH_BOUNDS_MIN(n, b)
 #define TM_RESTRICT __restrict__
 
 typedef long long tm_i64;

@@ -654,3 +654,90 @@ impl CudaBackend {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::mem::{offset_of, size_of};
+    use std::process::{Command, Stdio};
+
+    use super::{
+        acc_smem, output_norm_grad_smem, BackwardParams, ColumnSums, Widen, GATING_SMEM, PARTIALS_SMEM, ROWS_PER_BLOCK,
+        THREADS, TILE, WARPS,
+    };
+
+    /// The Rust mirrors of `TmBackwardParams`, `TmColumnSums` and `TmWiden` equal the C structs
+    /// field by field, and the geometry and shared-memory sizes the launches use equal the
+    /// kernels' macros: a host clang checks `static_assert`s of every offset and size against
+    /// `common/backward.h`, compiled with the CPU emulation's portability layer
+    /// (`tests/hip_emu/emu.h`; the structs hold only pointers, 64- and 32-bit integers and floats,
+    /// laid out alike by nvcc, hipcc and the host compiler). A test that cannot find clang prints
+    /// `SKIPPED`, or fails under `TRIMUL_REQUIRE_HIP_CLANG` (CI).
+    #[test]
+    fn kernel_argument_structs_equal_their_rust_mirrors() {
+        macro_rules! fields {
+            ($c:literal, $t:ty, $($f:ident),*) => { vec![$(($c, stringify!($f), offset_of!($t, $f))),*] };
+        }
+        let mut v = fields! {
+            "TmBackwardParams", BackwardParams, x, dy, mask, norm_in_w, norm_in_b, norm_out_w, norm_out_b,
+            proj_bias, out_bias, z, stats_x, p, left, right, t, u, stats_t, e, du, dcat, dz, dx, partial, rows,
+            n2, c, h, f, af3, eps, blocks
+        };
+        v.extend(fields! { "TmColumnSums", ColumnSums, a, partial, out, rows, cols, ld, row_blocks });
+        v.extend(fields! { "TmWiden", Widen, src, dst, n });
+        let mut src = String::from("#include \"tests/hip_emu/emu.h\"\n#include \"common/backward.h\"\n");
+        for (st, f, off) in v {
+            src += &format!("static_assert(__builtin_offsetof({st}, {f}) == {off}, \"{st}::{f}\");\n");
+        }
+        // The launch geometry and shared-memory sizes the Rust side uses, against the macros.
+        for (mac, v) in [
+            ("TM_BWD_THREADS", THREADS as usize),
+            ("TM_BWD_TILE", TILE),
+            ("TM_BWD_WARPS", WARPS),
+            ("TM_BWD_ROWS_PER_BLOCK", ROWS_PER_BLOCK),
+            ("TM_BWD_GATING_SMEM", GATING_SMEM as usize),
+            ("TM_BWD_PARTIALS_SMEM", PARTIALS_SMEM as usize),
+            ("TM_BWD_ACC_SMEM(40)", acc_smem(40)),
+            ("TM_BWD_T_ACC_SMEM(24)", output_norm_grad_smem(24)),
+        ] {
+            src += &format!("static_assert({mac} == {v}, \"{mac}\");\n");
+        }
+        for (st, size) in [
+            ("TmBackwardParams", size_of::<BackwardParams>()),
+            ("TmColumnSums", size_of::<ColumnSums>()),
+            ("TmWiden", size_of::<Widen>()),
+        ] {
+            src += &format!("static_assert(sizeof({st}) == {size}, \"{st} size\");\n");
+        }
+        let cxx = std::env::var_os("TRIMUL_HOST_CXX").map(std::path::PathBuf::from).or_else(|| {
+            ["clang++-19", "clang++"].into_iter().map(std::path::PathBuf::from).find(|c| {
+                Command::new(c)
+                    .arg("--version")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success())
+            })
+        });
+        let Some(cxx) = cxx else {
+            assert!(
+                std::env::var_os("TRIMUL_REQUIRE_HIP_CLANG").is_none(),
+                "TRIMUL_REQUIRE_HIP_CLANG is set but no clang++"
+            );
+            let _ =
+                writeln!(std::io::stderr(), "SKIPPED: no host clang++ to check the backward's kernel argument structs");
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("trimul-bwd-layout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("layout.cpp");
+        std::fs::write(&file, src).unwrap();
+        let root = env!("CARGO_MANIFEST_DIR");
+        let out = Command::new(&cxx).args(["-std=c++20", "-fsyntax-only", "-I", root]).arg(&file).output().unwrap();
+        assert!(
+            out.status.success(),
+            "the kernels' structs differ from the Rust mirrors:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
