@@ -9,7 +9,8 @@
 //!   backend through its host-slice API (the CPU, or a GPU backend that stages the copies).
 //! - `CudaLayer` and `HipLayer`: weights, tensors and workspace in device memory owned by the
 //!   caller (PyTorch's caching allocator), every launch on the caller's stream, nothing allocated
-//!   or synchronised here.
+//!   or synchronised here, except that `backward` waits for its work (it returns the weight
+//!   gradients in host memory).
 //!
 //! Weights arrive as 16 entries in the canonical order of [`WEIGHT_NAMES`], each `None` or
 //! `(address, elements, dtype)` with dtype 0 = f32, 1 = bf16, 2 = f16.

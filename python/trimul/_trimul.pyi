@@ -76,6 +76,22 @@ class _DeviceLayer:
         stream: int,
     ) -> None: ...
     def workspace_bytes(self, b: int, n: int, masked: bool, io: int) -> int: ...
+    def backward_workspace_bytes(self, b: int, n: int, masked: bool) -> int: ...
+    def backward(
+        self,
+        x: tuple[int, int],
+        mask: tuple[int, int],
+        dy: tuple[int, int],
+        dx: tuple[int, int],
+        b: int,
+        n: int,
+        outs: list[Entry],
+        ws: tuple[int, int],
+        stream: int,
+    ) -> None:
+        """The native backward on `stream` (CUDA; HIP raises that it has none yet): (address,
+        elements) of x, mask, dy and dx (float32 device tensors), 16 host float32 entries for the
+        weights' gradients, the workspace (address, bytes); waits for the work."""
     def forward(
         self,
         x: int,
