@@ -39,7 +39,7 @@
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use super::blas::MatmulPlan;
-use super::context::{ceil_div, CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
+use super::context::{ceil_div, BackwardSizes, CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
 use super::driver::DeviceBuffer;
 use super::kernels::Stage;
 use super::workspace::CudaPrepared;
@@ -188,17 +188,15 @@ fn chunk_rows(m: usize) -> usize {
 /// Target chunks of a weight gradient's sum (about one per SM of an H100).
 const WEIGHT_CHUNKS: usize = 128;
 
-/// What a set of backward buffers was sized for: batch, N, C, H, F.
-pub(super) type BackwardKey = (usize, usize, usize, usize, usize);
-
-fn key(problem: &Problem) -> BackwardKey {
+/// What a kept backward block is sized for.
+fn key(problem: &Problem) -> BackwardSizes {
     let cfg = problem.config;
     (problem.shape.batch, problem.shape.n, cfg.c, cfg.h, cfg.fused_proj_width())
 }
 
-/// One backward's device tensors (module docs: what each holds), kept by the backend for the
-/// next backward of the same sizes.
-pub(super) struct Buffers {
+/// One backward's device tensors (module docs: what each holds): views into one block, the
+/// caller's workspace span or the one the backend keeps for the next backward of the same sizes.
+struct Buffers {
     z: DeviceBuffer<f32>,
     stats_x: DeviceBuffer<f32>,
     p: DeviceBuffer<f32>,
@@ -218,10 +216,9 @@ pub(super) struct Buffers {
     gemm_ws: DeviceBuffer<u8>,
 }
 
-/// Where a backward's buffers come from: the backend's own allocations, views into a caller's
-/// workspace span (each 256-byte aligned), or nowhere (counting the span's bytes).
+/// Where a backward's buffers come from: views into a block of device memory (each 256-byte
+/// aligned), or nowhere (counting the block's bytes).
 enum Source {
-    Own,
     Span { at: u64, end: u64 },
     Count(u64),
 }
@@ -231,7 +228,6 @@ impl Source {
         let bytes = ((len.max(1) * std::mem::size_of::<T>()) as u64).next_multiple_of(SPAN_ALIGN);
         let view = |ptr| DeviceBuffer::borrowed(&be.inner.ctx, &be.inner.tracker, ptr, len);
         match self {
-            Source::Own => be.alloc_buffer::<T>(len),
             Source::Span { at, end } => {
                 if *at + bytes > *end {
                     return Err(Error::InvalidArgument("the backward's workspace is too small".into()));
@@ -337,8 +333,8 @@ impl CudaBackend {
 
     /// Drops the buffers the last backward kept: the next backward allocates its own again.
     pub(super) fn drop_backward_buffers(&self) {
-        if let Ok(mut cache) = self.inner.backward_buffers.lock() {
-            *cache = None;
+        if let Ok(mut kept) = self.inner.backward_block.lock() {
+            *kept = None;
         }
     }
 
@@ -615,25 +611,26 @@ impl CudaBackend {
             bufs.sums.download(&mut sums, stream)?;
             Ok(sums)
         };
+        let bytes = self.backward_span_bytes(problem)?;
+        let carve = |span: DeviceSpan| -> Result<Buffers> {
+            span.check("the backward's workspace", bytes)?;
+            self.backward_buffers_from(problem, &out, &mut Source::Span { at: span.ptr, end: span.ptr + span.bytes })
+        };
         let sums = match workspace {
-            Some(span) => {
-                span.check("the backward's workspace", self.backward_span_bytes(problem)?)?;
-                let mut src = Source::Span { at: span.ptr, end: span.ptr + span.bytes };
-                run(&mut self.backward_buffers_from(problem, &out, &mut src)?)?
-            }
+            Some(span) => run(&mut carve(span)?)?,
             None => {
-                let mut cache =
-                    self.inner.backward_buffers.lock().map_err(|_| {
+                let mut kept =
+                    self.inner.backward_block.lock().map_err(|_| {
                         Error::Internal("a backward panicked while holding the backward buffers".into())
                     })?;
-                let mut bufs = match cache.take() {
-                    Some((k, bufs)) if k == key(problem) => bufs,
-                    // Other sizes: those are freed first, so that they do not count against the new.
-                    _ => self.backward_buffers_from(problem, &out, &mut Source::Own)?,
+                let block = match kept.take() {
+                    Some((k, block)) if k == key(problem) => block,
+                    // Other sizes: that block is freed first, so that it does not count against the new.
+                    _ => self.alloc_buffer::<u8>(bytes as usize)?,
                 };
-                let sums = run(&mut bufs)?;
-                *cache = Some((key(problem), bufs));
-                sums
+                let sums = run(&mut carve(DeviceSpan { ptr: block.ptr(), bytes })?);
+                *kept = Some((key(problem), block));
+                sums?
             }
         };
         let seg = |at: usize, len: usize| sums[at..at + len].to_vec();

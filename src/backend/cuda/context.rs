@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::blas::BlasHandle;
-use super::driver::{AllocTracker, Timeline};
+use super::driver::{AllocTracker, DeviceBuffer, Timeline};
 use super::kernels::Kernels;
 use super::tuning::{Tuning, TuningTable};
 use crate::backend::DeviceInfo;
@@ -61,6 +61,9 @@ impl OutputGate {
     }
 }
 
+/// What a kept backward block was sized for: batch, N, C, H, F.
+pub(super) type BackwardSizes = (usize, usize, usize, usize, usize);
+
 pub(super) struct Inner {
     pub(super) ctx: Arc<CudaContext>,
     pub(super) stream: Arc<CudaStream>,
@@ -95,9 +98,10 @@ pub(super) struct Inner {
     pub(super) output_gate: std::sync::atomic::AtomicU8,
     /// Launches of that output kernel so far (as `resident_launches`).
     pub(super) xgate_launches: std::sync::atomic::AtomicU64,
-    /// The last backward's intermediates, kept for the next backward of the same sizes
-    /// ([`CudaBackend::free_backward_buffers`] drops them).
-    pub(super) backward_buffers: std::sync::Mutex<Option<(super::backward::BackwardKey, super::backward::Buffers)>>,
+    /// The block the last backward carved its intermediates from, with the sizes it was made
+    /// for (batch, N, C, H, F), kept for the next backward of the same sizes
+    /// (`Backend::free_backward_buffers` drops it).
+    pub(super) backward_block: std::sync::Mutex<Option<(BackwardSizes, DeviceBuffer<u8>)>>,
 }
 
 /// An NVIDIA GPU with its stream, cuBLASLt handle and loaded kernels. Cheap to clone.

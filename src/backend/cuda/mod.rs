@@ -167,7 +167,7 @@ impl CudaBackend {
                 tuning_override: std::sync::Mutex::new(None),
                 smem_per_sm,
                 timeline: std::sync::Mutex::new(None),
-                backward_buffers: std::sync::Mutex::new(None),
+                backward_block: std::sync::Mutex::new(None),
                 resident_output: AtomicBool::new(
                     std::env::var("TRIMUL_CUDA_RESIDENT_OUTPUT").map_or(true, |v| v.trim() != "0"),
                 ),
