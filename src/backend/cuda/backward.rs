@@ -277,7 +277,7 @@ impl CudaBackend {
         }
     }
 
-    /// One backward's tensors, from `src`.
+    /// One backward's tensors, carved in order from `src` (or counted).
     fn backward_buffers_from(&self, problem: &Problem, out: &Outputs, src: &mut Source) -> Result<Buffers> {
         let cfg = problem.config;
         let m = problem.shape.rows();
@@ -331,7 +331,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Drops the buffers the last backward kept: the next backward allocates its own again.
+    /// Drops the block the last backward kept: the next backward allocates one again.
     pub(super) fn drop_backward_buffers(&self) {
         if let Ok(mut kept) = self.inner.backward_block.lock() {
             *kept = None;
