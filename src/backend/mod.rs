@@ -154,12 +154,19 @@ pub(crate) fn check_same_weights(holds: Option<u64>, prepared: u64) -> Result<()
     }
 }
 
-/// Checks a backward's host operands against `problem`: `x` and `dy` of `B·N·N·C` values each, a
-/// mask of `B·N·N` exactly when the problem is masked. Every backend's backward runs it first.
-pub(crate) fn check_backward_io(problem: &Problem, x: &[f32], mask: Option<&[f32]>, dy: &[f32]) -> Result<()> {
+/// Checks the lengths of a backward's operands against `problem`: `x` and `dy` (and `dx`, where
+/// the caller passes one) of `B·N·N·C` values each, a mask of `B·N·N` exactly when the problem is
+/// masked. Every backend's backward on slices or buffers runs it first.
+pub(crate) fn check_backward_io(
+    problem: &Problem,
+    x: usize,
+    mask: Option<usize>,
+    dy: usize,
+    dx: Option<usize>,
+) -> Result<()> {
     let (shape, c) = (problem.shape, problem.config.c);
-    for (name, len) in [("x", x.len()), ("dy", dy.len())] {
-        if len != problem.x_len() {
+    for (name, len) in [("x", Some(x)), ("dy", Some(dy)), ("dx", dx)] {
+        if let Some(len) = len.filter(|&l| l != problem.x_len()) {
             return Err(Error::Shape(format!(
                 "{name} has {len} elements, expected B·N·N·C = {}·{}·{}·{c} = {}",
                 shape.batch,
@@ -171,8 +178,8 @@ pub(crate) fn check_backward_io(problem: &Problem, x: &[f32], mask: Option<&[f32
     }
     check_backward_mask(problem, mask.is_some())?;
     match mask {
-        Some(m) if m.len() != shape.rows() => {
-            Err(Error::Shape(format!("the mask has {} elements, expected B·N·N = {}", m.len(), shape.rows())))
+        Some(m) if m != shape.rows() => {
+            Err(Error::Shape(format!("the mask has {m} elements, expected B·N·N = {}", shape.rows())))
         }
         _ => Ok(()),
     }
@@ -378,16 +385,15 @@ pub trait Backend: Clone + Send + Sync {
 
     /// [`Backend::backward_buffers`] on caller device memory and the caller's stream (a raw
     /// `CUstream`/`hipStream_t` as an integer, 0 the legacy default stream, as
-    /// [`crate::DeviceIo::stream`]), for bindings whose tensors the backend did not allocate: `x`, `dy` and `dx` are `[B,N,N,C]` f32, `mask` `[B,N,N]` f32 or 0. The
-    /// intermediates are carved from `workspace` (at least [`Backend::backward_workspace_bytes`])
-    /// when given, else allocated by the backend and kept for the next backward. Waits for the
-    /// work.
+    /// [`crate::DeviceIo::stream`]), for bindings whose tensors the backend did not allocate:
+    /// `x`, `dy` and `dx` are `[B,N,N,C]` f32, `mask` `[B,N,N]` f32 or 0. The intermediates are
+    /// carved from `workspace` (at least [`Backend::backward_workspace_bytes`]) when given, else
+    /// from a block the backend allocates and keeps for the next backward. Waits for the work.
     ///
     /// # Safety
     /// Each non-zero pointer, and the workspace, is a device allocation of this backend's device
     /// holding the problem's element count (the span's bytes), alive and not used by anyone else
     /// until this returns; `dx` and the workspace overlap none of the others.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn backward_device(
         &self,
         prepared: &Self::Prepared,

@@ -357,7 +357,7 @@ impl Backend for CpuBackend {
         dy: &[f32],
     ) -> Result<Gradients> {
         check_config(prepared, problem)?;
-        super::check_backward_io(problem, x, mask, dy)?;
+        super::check_backward_io(problem, x.len(), mask.map(<[f32]>::len), dy.len(), None)?;
         backward::backward(prepared, problem, x, mask, dy)
     }
 
@@ -370,9 +370,7 @@ impl Backend for CpuBackend {
         dy: &Vec<f32>,
         dx: &mut Vec<f32>,
     ) -> Result<Gradients> {
-        if dx.len() != problem.x_len() {
-            return Err(Error::Shape(format!("dx has {} elements, expected {}", dx.len(), problem.x_len())));
-        }
+        super::check_backward_io(problem, x.len(), mask.map(Vec::len), dy.len(), Some(dx.len()))?;
         let mut g = self.backward(prepared, problem, x, mask.map(|m| &m[..]), dy)?;
         dx.copy_from_slice(&g.x);
         g.x = Vec::new();

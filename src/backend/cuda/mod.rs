@@ -799,7 +799,7 @@ impl Backend for CudaBackend {
         dy: &[f32],
     ) -> Result<Gradients> {
         check_prepared_for(&prepared.config, problem)?;
-        super::check_backward_io(problem, x, mask, dy)?;
+        super::check_backward_io(problem, x.len(), mask.map(<[f32]>::len), dy.len(), None)?;
         let upload = |v: &[f32]| self.upload_f32(v);
         let (xd, dyd) = (upload(x)?, upload(dy)?);
         let maskd = mask.map(upload).transpose()?;
@@ -820,17 +820,7 @@ impl Backend for CudaBackend {
         dx: &mut DeviceBuffer<f32>,
     ) -> Result<Gradients> {
         check_prepared_for(&prepared.config, problem)?;
-        let len = problem.x_len();
-        for (name, have, want) in [
-            ("x", x.len(), len),
-            ("dy", dy.len(), len),
-            ("dx", dx.len(), len),
-            ("the mask", mask.map_or(0, |m| m.len()), if mask.is_some() { problem.shape.rows() } else { 0 }),
-        ] {
-            if have != want {
-                return Err(Error::Shape(format!("{name} has {have} elements, expected {want}")));
-            }
-        }
+        super::check_backward_io(problem, x.len(), mask.map(DeviceBuffer::len), dy.len(), Some(dx.len()))?;
         // SAFETY: the buffers are this backend's allocations of the lengths checked above,
         // borrowed until this call returns, which waits for the work (the download of the sums);
         // `dx` is borrowed mutably, so it aliases none of the others. The backend's own stream:
