@@ -25,6 +25,8 @@
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 mod alloc_tracker;
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod collective;
 pub mod device;
 pub mod device_io;
 pub mod error;
@@ -39,6 +41,8 @@ pub mod problem;
 pub mod rand;
 pub mod reference;
 pub mod report;
+#[cfg(feature = "cuda")]
+pub mod sharded;
 pub mod staging;
 pub mod suite;
 pub mod units;

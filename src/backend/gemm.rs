@@ -134,6 +134,37 @@ impl GemmSpec {
         GemmSpec { batch, stride_a: s, stride_b: s, stride_d: s, ..self }
     }
 
+    /// One rank's contraction on a row-sharded pair tensor (`plan::shard`), for `batch`
+    /// consecutive matrices of the `[B, H, N, N]` left, right and t (stride N²), the rank
+    /// holding rows `rows` of the first pair index:
+    ///
+    /// - outgoing: its rows of t, `T[i ∈ rows, j] = Σ_k L[i, k]·R[j, k]`, from its rows of left
+    ///   and *every* row of right (gathered first);
+    /// - incoming: a partial t over its rows of the contracted index for every `(i, j)`,
+    ///   `T[i, j] = Σ_{k ∈ rows} L[k, i]·R[k, j]`, which the ranks then sum by row blocks.
+    ///
+    /// Returns the spec and the element offsets of A (= right), B (= left) and D (= t) within
+    /// each matrix.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA sharded forward's
+    pub fn shard_contraction(
+        direction: Direction,
+        n: usize,
+        rows: std::ops::Range<usize>,
+        batch: usize,
+    ) -> (Self, [usize; 3]) {
+        let (r0, r) = (rows.start, rows.len());
+        match direction {
+            Direction::Outgoing => {
+                let spec = GemmSpec::row_major(r, n, n, (false, n), (true, n), n).batched(batch, n * n);
+                (spec, [0, r0 * n, r0 * n])
+            }
+            Direction::Incoming => {
+                let spec = GemmSpec::row_major(n, n, r, (true, n), (false, n), n).batched(batch, n * n);
+                (spec, [r0 * n, r0 * n, 0])
+            }
+        }
+    }
+
     /// Rows and columns of A and B as stored (column-major), for layout descriptors.
     pub fn a_dims(&self) -> (usize, usize) {
         if self.trans_a {
@@ -222,6 +253,42 @@ mod tests {
                         assert!(close(t[s * n * n + i * n + j], want), "{dir} t[{s}][{i},{j}]");
                     }
                 }
+            }
+        }
+    }
+
+    /// Every rank's piece of a sharded contraction (uneven splits, both directions) puts
+    /// together the whole one: outgoing, each rank's rows of t; incoming, the sum of every
+    /// rank's partial t.
+    #[test]
+    fn shard_contractions_put_together_the_whole() {
+        let (bh, n) = (2, 7);
+        let mut r = Rng::new(5);
+        let left = r.normal_vec(bh * n * n, 1.0);
+        let right = r.normal_vec(bh * n * n, 1.0);
+        for dir in [Direction::Outgoing, Direction::Incoming] {
+            let mut whole = vec![0f32; bh * n * n];
+            GemmSpec::contraction(dir, bh, n).run_host(&right, &left, &mut whole);
+            let mut pieced = vec![0f32; bh * n * n];
+            for rows in crate::plan::shard::row_split(n, 3).unwrap() {
+                let (spec, [oa, ob, od]) = GemmSpec::shard_contraction(dir, n, rows.clone(), bh);
+                let mut t = vec![f32::NAN; bh * n * n];
+                spec.run_host(&right[oa..], &left[ob..], &mut t[od..]);
+                for s in 0..bh {
+                    for i in 0..n {
+                        for j in 0..n {
+                            let at = s * n * n + i * n + j;
+                            match dir {
+                                Direction::Outgoing if rows.contains(&i) => pieced[at] = t[at],
+                                Direction::Outgoing => assert!(t[at].is_nan(), "rank {rows:?} wrote row {i}"),
+                                Direction::Incoming => pieced[at] += t[at],
+                            }
+                        }
+                    }
+                }
+            }
+            for (at, (p, w)) in pieced.iter().zip(&whole).enumerate() {
+                assert!(close(*p, *w as f64), "{dir} t[{at}]: {p} vs {w}");
             }
         }
     }

@@ -101,6 +101,10 @@ pub struct CheckArgs {
     /// bias, for a random dy) against the f64 reference, on the suite's cases with N ≤ 256.
     #[arg(long)]
     pub grad: bool,
+    /// Run each case sharded by rows across this many GPUs of this host (NCCL; CUDA only) and
+    /// compare it with the f64 reference and with the one-GPU forward.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(2..=64))]
+    pub gpus: Option<u32>,
     /// Print one JSON document instead of text.
     #[arg(long)]
     pub json: bool,
@@ -156,6 +160,10 @@ pub struct BenchArgs {
     /// the same calls, and report its peak memory on a GPU; CPU and CUDA backends, f32 I/O.
     #[arg(long)]
     pub grad: bool,
+    /// Time the forward sharded by rows across this many GPUs of this host (NCCL; CUDA only)
+    /// against the one-GPU forward, B = 1, C = H = 128, N from `--n` (default 1024, 2048, 4096).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(2..=64))]
+    pub gpus: Option<u32>,
 }
 
 fn parse_precision_arg(s: &str) -> std::result::Result<trimul::Precision, String> {

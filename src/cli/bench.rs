@@ -97,6 +97,9 @@ pub fn run(args: &BenchArgs) -> CliResult {
     if let Some(path) = &args.json {
         check_output_path("--json", path)?;
     }
+    if let Some(gpus) = args.gpus {
+        return run_gpus(args, gpus as usize);
+    }
     let device = open_device(args.backend)?;
     let kind = device.kind();
     let gpu = kind != BackendKind::Cpu;
@@ -854,4 +857,14 @@ mod half {
             .with_telemetry(timed.telemetry);
         Ok(Outcome::Done(Box::new(Measured { result, sets })))
     }
+}
+
+#[cfg(feature = "cuda")]
+fn run_gpus(args: &BenchArgs, gpus: usize) -> CliResult {
+    super::bench_gpus::run(args, gpus)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_gpus(_: &BenchArgs, _: usize) -> CliResult {
+    Err(CliError::usage("--gpus needs the CUDA backend: rebuild with `--features cuda`"))
 }

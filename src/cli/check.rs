@@ -94,6 +94,12 @@ struct CaseResult {
     /// With `--grad`: each gradient's comparison, in `trimul::Gradients::tensors` order.
     #[serde(skip_serializing_if = "Option::is_none")]
     gradients: Option<Vec<GradientJson>>,
+    /// With `--gpus`: the largest difference between the sharded y and the one-GPU y.
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "json_opt_f64")]
+    one_gpu_max_abs: Option<f64>,
+    /// With `--gpus`: elements of the sharded y outside the tolerance around the one-GPU y.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    one_gpu_bad: Option<usize>,
     /// With `--grad`: wall time of the backward on host slices.
     #[serde(skip_serializing_if = "Option::is_none")]
     backward_ms: Option<f64>,
@@ -132,6 +138,14 @@ struct GradientJson {
 
 pub fn run(args: &CheckArgs) -> CliResult {
     let device = open_device(args.backend)?;
+    let gpus = args.gpus.map(|g| g as usize);
+    if gpus.is_some() && (args.grad || device.kind() != BackendKind::Cuda) {
+        return Err(CliError::usage(format!(
+            "--gpus: the sharded forward runs on the CUDA backend{} (this is {})",
+            if args.grad { ", forward only: no --grad" } else { "" },
+            device.kind()
+        )));
+    }
     if args.grad && device.kind() == BackendKind::Hip {
         return Err(CliError::usage(
             "--grad: the backward pass runs on the CPU and CUDA backends so far, not on hip (use --backend cpu)",
@@ -181,9 +195,9 @@ pub fn run(args: &CheckArgs) -> CliResult {
         progress.set_message(case.name());
         let (input_seed, weights_seed) = (seeds.next(), seeds.next());
         let result = if args.grad {
-            run_grad_case(&CaseRun { device: &device, case, formulation, direction, input_seed, weights_seed })
+            run_grad_case(&CaseRun { device: &device, case, formulation, direction, input_seed, weights_seed, gpus })
         } else {
-            run_case(&CaseRun { device: &device, case, formulation, direction, input_seed, weights_seed })
+            run_case(&CaseRun { device: &device, case, formulation, direction, input_seed, weights_seed, gpus })
         };
         if !args.json {
             progress.out(&row(&result))?;
@@ -238,6 +252,8 @@ struct CaseRun<'a> {
     direction: Direction,
     input_seed: u64,
     weights_seed: u64,
+    /// `--gpus`: run the forward sharded across this many GPUs.
+    gpus: Option<usize>,
 }
 
 /// One case end to end. Errors from the forward or the reference become a failed case with
@@ -245,19 +261,34 @@ struct CaseRun<'a> {
 fn run_case(run: &CaseRun) -> CaseResult {
     let case = run.case;
     let mut result = empty_result(case, run.input_seed, run.weights_seed);
+    let mut one_gpu = None;
     let outcome = (|| -> trimul::Result<(reference::Comparison, f64)> {
         let (problem, weights, inputs, mut layer) = setup(run)?;
         // NaN, so an element the backend never writes fails the comparison.
         let mut y = vec![f32::NAN; problem.x_len()];
         let start = Instant::now();
         layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape())?;
-        let ms = start.elapsed().as_secs_f64() * 1e3;
+        let mut ms = start.elapsed().as_secs_f64() * 1e3;
+        if let Some(gpus) = run.gpus {
+            let (sharded, sharded_ms) = sharded_forward(&weights, &problem, &inputs, gpus)?;
+            let (mut max_abs, mut bad) = (0f64, 0usize);
+            for (&a, &b) in sharded.iter().zip(&y) {
+                let d = (a as f64 - b as f64).abs();
+                max_abs = if d.is_nan() { f64::NAN } else { max_abs.max(d) };
+                bad += usize::from(!(d <= ATOL + RTOL * (b as f64).abs()));
+            }
+            one_gpu = Some((max_abs, bad));
+            (y, ms) = (sharded, sharded_ms);
+        }
         let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, RTOL, ATOL)?;
         Ok((cmp, ms))
     })();
+    if let Some((max_abs, bad)) = one_gpu {
+        (result.one_gpu_max_abs, result.one_gpu_bad) = (Some(max_abs), Some(bad));
+    }
     match outcome {
         Ok((cmp, ms)) => {
-            result.passed = cmp.passed();
+            result.passed = cmp.passed() && one_gpu.is_none_or(|(_, bad)| bad == 0);
             result.forward_ms = Some(ms);
             result.comparison = Some(ComparisonJson {
                 max_abs: cmp.max_abs,
@@ -319,6 +350,27 @@ fn run_grad_case(run: &CaseRun) -> CaseResult {
 
 /// A case's problem, random weights (af3's with biases, so the bias paths are checked too),
 /// inputs and layer.
+/// The case's forward sharded across `gpus` GPUs (poisoned buffers), and its wall time.
+#[cfg(feature = "cuda")]
+fn sharded_forward(
+    weights: &Weights,
+    problem: &trimul::Problem,
+    inputs: &suite::Inputs,
+    gpus: usize,
+) -> trimul::Result<(Vec<f32>, f64)> {
+    let devices: Vec<usize> = (0..gpus).collect();
+    let mut group = trimul::sharded::ShardedGroup::on_local_gpus(weights, problem, &devices)?;
+    group.set_poison(true);
+    let start = Instant::now();
+    let y = group.forward(&inputs.x, inputs.mask.as_deref())?;
+    Ok((y, start.elapsed().as_secs_f64() * 1e3))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn sharded_forward(_: &Weights, _: &trimul::Problem, _: &suite::Inputs, _: usize) -> trimul::Result<(Vec<f32>, f64)> {
+    Err(trimul::Error::NotCompiled { backend: BackendKind::Cuda, feature: "cuda" })
+}
+
 fn setup(run: &CaseRun) -> trimul::Result<(trimul::Problem, Weights, suite::Inputs, TriMul)> {
     let problem = run.case.problem(run.formulation, run.direction)?;
     let weights = Weights::random(problem.config, run.formulation == Formulation::Af3, run.weights_seed)?;
@@ -345,6 +397,8 @@ fn empty_result(case: &Case, input_seed: u64, weights_seed: u64) -> CaseResult {
         comparison: None,
         forward_ms: None,
         gradients: None,
+        one_gpu_max_abs: None,
+        one_gpu_bad: None,
         backward_ms: None,
         error: None,
     }
@@ -381,6 +435,9 @@ fn row(r: &CaseResult) -> String {
                 if r.passed { "pass" } else { "FAIL" },
                 r.forward_ms.unwrap_or(f64::NAN),
             );
+            if let (Some(d), Some(bad)) = (r.one_gpu_max_abs, r.one_gpu_bad) {
+                line.push_str(&format!("  vs 1 GPU: max |Δ| {}, {bad} outside", fmt_err(d)));
+            }
             if !r.passed {
                 line.push_str(&format!("  ({} bad, {} NaN mismatches", c.bad, c.nan_mismatch));
                 if let Some((i, got, want)) = c.worst {
@@ -391,5 +448,12 @@ fn row(r: &CaseResult) -> String {
             line
         }
         (None, e) => format!("{:<28} FAIL  error: {}", r.name, e.as_deref().unwrap_or("unknown")),
+    }
+}
+
+fn json_opt_f64<S: serde::Serializer>(v: &Option<f64>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => json_f64(v, s),
+        None => s.serialize_none(),
     }
 }

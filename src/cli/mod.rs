@@ -13,6 +13,8 @@
 
 mod args;
 mod bench;
+#[cfg(feature = "cuda")]
+mod bench_gpus;
 mod check;
 mod exit;
 mod info;

@@ -48,6 +48,35 @@ pub fn row_split(n: usize, ranks: usize) -> Result<Vec<Range<usize>>> {
         .collect())
 }
 
+/// Each rank's rows as element offsets within one `N × N` matrix of the `[B, H, N, N]`
+/// intermediates: rows `[r0, r1)` are the contiguous halves `[r0·N, r1·N)`, the unit every
+/// exchange moves.
+pub fn matrix_blocks(split: &[Range<usize>], n: usize) -> Vec<Range<usize>> {
+    split.iter().map(|r| r.start * n..r.end * n).collect()
+}
+
+/// Matrices of the `[B, H, N, N]` intermediates per step of the sharded forward's pipeline:
+/// the exchange of one chunk runs on the communication stream while the contraction of the
+/// chunk before (outgoing) or after (incoming) runs on the compute stream.
+pub const CHUNK_MATRICES: usize = 16;
+
+/// The pipeline's chunks of the `matrices = B·H` matrices, in order.
+pub fn matrix_chunks(matrices: usize) -> Vec<Range<usize>> {
+    (0..matrices).step_by(CHUNK_MATRICES).map(|m0| m0..(m0 + CHUNK_MATRICES).min(matrices)).collect()
+}
+
+/// What one rank of today's sharded forward (`backend::cuda`, one pass, every buffer of the
+/// contraction full size) holds besides the caller's x, mask and y, in bytes: left, right and
+/// t as `[B, H, N, N]` f16 each (the gathered operand and the partial sums need every row; the
+/// rank's own rows alone are a third of that), and the output gate of its own positions.
+/// Narrower hidden passes over compact row buffers ([`RankMemory`]) are what N = 16384 needs.
+pub fn full_buffers_bytes(problem: &Problem, rows: &Range<usize>) -> u64 {
+    let (b, n) = (problem.shape.batch as u64, problem.shape.n as u64);
+    let matrices = b * problem.config.h as u64 * n * n;
+    let gate = b * rows.len() as u64 * n * problem.config.gate_width() as u64;
+    (3 * matrices + gate) * 2
+}
+
 /// How the incoming direction exchanges its operands (see the module docs).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum IncomingExchange {
@@ -133,6 +162,18 @@ mod tests {
     fn af3(n: usize, direction: Direction) -> Problem {
         let cfg = Config::new(Formulation::Af3, 128, 128).unwrap();
         Problem::new(cfg, Shape::new(1, n), direction, true).unwrap().with_io(Precision::Bf16Io).in_place(true)
+    }
+
+    #[test]
+    fn blocks_and_chunks_cover_everything_once() {
+        let split = row_split(10, 3).unwrap();
+        assert_eq!(matrix_blocks(&split, 10), vec![0..40, 40..70, 70..100]);
+        assert_eq!(matrix_chunks(40), vec![0..16, 16..32, 32..40]);
+        assert_eq!(matrix_chunks(16), vec![0..16]);
+        let cfg = Config::new(Formulation::Af3, 128, 128).unwrap();
+        let p = Problem::new(cfg, Shape::new(1, 4096), Direction::Outgoing, false).unwrap();
+        // left, right, t: 4 GiB each; the gate of 2048 rows: 2 GiB.
+        assert_eq!(full_buffers_bytes(&p, &(0..2048)), 14 * GIB);
     }
 
     #[test]

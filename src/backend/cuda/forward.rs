@@ -58,18 +58,25 @@ impl CudaBackend {
     /// cuBLASLt's GEMM beats reloading Wout per 128-column chunk.
     pub(super) fn fused_output_for(&self, problem: &Problem, tuning: Tuning) -> Option<&kernels::Stage> {
         let cfg = &problem.config;
+        let k = self.fused_output_fits(problem)?;
+        if problem.io != Precision::F32Io {
+            // The only output path that writes 16-bit y.
+            return Some(k);
+        }
+        let wins = tuning.fused_output.unwrap_or(cfg.c <= 128 || cfg.formulation == Formulation::Af3);
+        (wins && self.inner.fused_output.load(Ordering::Relaxed)).then_some(k)
+    }
+
+    /// The fused output kernel when it takes this configuration, faster or not.
+    pub(super) fn fused_output_fits(&self, problem: &Problem) -> Option<&kernels::Stage> {
+        let cfg = &problem.config;
         let k = self.inner.kernels.output_projection.as_ref()?;
         let fits = cfg.h % 16 == 0
             && cfg.h <= 128
             && cfg.c % 8 == 0
             && output_projection_smem(cfg.formulation == Formulation::Af3, params::io_dtype(problem.io)) as usize
                 <= self.inner.kernels.max_smem;
-        if problem.io != Precision::F32Io {
-            // The only output path that writes 16-bit y.
-            return fits.then_some(k);
-        }
-        let wins = tuning.fused_output.unwrap_or(cfg.c <= 128 || cfg.formulation == Formulation::Af3);
-        (fits && wins && self.inner.fused_output.load(Ordering::Relaxed)).then_some(k)
+        fits.then_some(k)
     }
 
     /// Enqueues the fused output stage for `kp`'s rows (gate at `kp.gate` from `kp.buf_row0`).

@@ -37,11 +37,13 @@ mod driver;
 mod forward;
 mod kernels;
 mod prepare;
+mod shard;
 mod tuning;
 mod workspace;
 
 pub use context::{CudaBackend, OutputGate};
 use context::{Inner, MAX_GEMM_WORKSPACE};
+pub use shard::ShardWorkspace;
 pub use tuning::{Tuning, TuningEntry, TuningTable};
 use workspace::{BlasInput, FusedInput, Layout};
 pub use workspace::{CudaPrepared, CudaWorkspace};
@@ -56,7 +58,8 @@ use cudarc::driver::CudaContext;
 
 use self::blas::{BlasHandle, Elem, MatmulPlan};
 pub use self::driver::DeviceBuffer;
-use self::driver::{probe_libraries, AllocTracker, DriverResult, EventPair, Timeline};
+pub(crate) use self::driver::EventPair;
+use self::driver::{probe_libraries, AllocTracker, DriverResult, Timeline};
 use self::kernels::Kernels;
 use super::caller_workspace::{self, SpanCarver};
 use super::gemm::GemmSpec;

@@ -1,0 +1,341 @@
+//! One rank's forward on a row-sharded pair tensor (issue 29; `plan::shard` has the layout, the
+//! exchanges and the memory arithmetic, `collective` the communicator).
+//!
+//! The rank holds rows `[r0, r1)` of x and y for every batch, `[B, r1 − r0, N, C]`. Its input
+//! and output stages are the one-pass forward's fused kernels over its own positions (per
+//! batch, the positions `(b·N + r0)·N .. (b·N + r1)·N`); only the contraction needs other
+//! ranks' data. Left, right and t are full-size `[B, H, N, N]` f16 buffers on every rank, in
+//! the layout the kernels index by global position, and the contraction runs in chunks of
+//! [`CHUNK_MATRICES`] matrices so that the exchange of one chunk (NCCL, on a second stream)
+//! runs under the GEMM of another:
+//!
+//! - **outgoing**: each rank broadcasts its rows of right to the others, chunk by chunk; the
+//!   GEMM of a chunk (the rank's rows of t from its rows of left and all of right) waits for
+//!   that chunk's exchange only.
+//! - **incoming**: each rank computes, chunk by chunk, the partial t over its own rows of the
+//!   contracted index for every `(i, j)`; each chunk's partials are then summed to the rank that
+//!   owns each row block (an f16 reduction: one more rounding per rank than on one GPU), under
+//!   the next chunk's GEMM.
+//!
+//! The kernels address x, the mask and y by global position; the rank's buffers hold only its
+//! rows, so each batch's launch gets base addresses moved back by the positions before its
+//! first own one (wrapping arithmetic: the kernels only form addresses of positions in the
+//! launch, which are inside the rank's buffers).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::{self as cusys, CUdeviceptr, CUevent, CUstream};
+use cudarc::driver::CudaStream;
+
+use super::blas::{Elem, MatmulPlan};
+use super::context::{CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
+use super::driver::{DeviceBuffer, DriverResult};
+use super::workspace::CudaPrepared;
+use crate::backend::check_prepared_for;
+use crate::backend::gemm::GemmSpec;
+use crate::backend::params::{Addresses, CommonParams, InputParams, OutputParams};
+use crate::collective::Communicator;
+use crate::error::{BackendKind, Error, Result};
+use crate::plan::shard::{full_buffers_bytes, matrix_blocks, matrix_chunks, row_split};
+use crate::problem::{Direction, Problem};
+
+/// The buffers, GEMM plans, second stream and events of one rank's sharded forward of one
+/// problem. Made by [`CudaBackend::shard_workspace`].
+pub struct ShardWorkspace {
+    problem: Problem,
+    split: Vec<Range<usize>>,
+    rank: usize,
+    left: DeviceBuffer<u16>,
+    right: DeviceBuffer<u16>,
+    t: DeviceBuffer<u16>,
+    gate: DeviceBuffer<u16>,
+    gemm_ws: DeviceBuffer<u8>,
+    /// Per chunk of matrices: its GEMM and the element offsets of right, left and t in a matrix.
+    gemms: Vec<(Range<usize>, MatmulPlan, [usize; 3])>,
+    exchange_stream: Arc<CudaStream>,
+    /// One event per chunk, and one for "the input stage is done" / "every exchange is done".
+    chunk_done: Vec<CUevent>,
+    stage_done: CUevent,
+    weights_of: u64,
+}
+
+// SAFETY: the events are plain driver handles usable from any thread with the context bound;
+// every method that records or waits on them takes `&mut self`.
+unsafe impl Send for ShardWorkspace {}
+
+impl Drop for ShardWorkspace {
+    fn drop(&mut self) {
+        for &ev in self.chunk_done.iter().chain([&self.stage_done]) {
+            // SAFETY: created in `shard_workspace`, destroyed once.
+            let _ = unsafe { cu::event::destroy(ev) };
+        }
+    }
+}
+
+impl ShardWorkspace {
+    /// The global problem this rank's part of is planned for.
+    pub fn problem(&self) -> &Problem {
+        &self.problem
+    }
+
+    /// This rank's rows of the first pair index.
+    pub fn rows(&self) -> Range<usize> {
+        self.split[self.rank].clone()
+    }
+
+    /// Device bytes the workspace holds.
+    pub fn bytes(&self) -> u64 {
+        self.left.bytes() + self.right.bytes() + self.t.bytes() + self.gate.bytes() + self.gemm_ws.bytes()
+    }
+}
+
+impl CudaBackend {
+    /// The workspace for rank `rank` of `ranks` of a sharded forward of `problem` (the global
+    /// problem: every row). Refuses, before allocating, what today's sharded forward does not
+    /// take: layers without the fused input and output kernels on this GPU, and buffers that do
+    /// not fit in free memory.
+    pub fn shard_workspace(
+        &self,
+        prep: &CudaPrepared,
+        problem: &Problem,
+        rank: usize,
+        ranks: usize,
+    ) -> Result<ShardWorkspace> {
+        check_prepared_for(&prep.config, problem)?;
+        let split = row_split(problem.shape.n, ranks)?;
+        let rows = split
+            .get(rank)
+            .cloned()
+            .ok_or_else(|| Error::InvalidArgument(format!("rank {rank} of a communicator of {ranks} ranks")))?;
+        let tuning = self.tuning_for(problem);
+        if self.fused_kernel_for(prep, problem, tuning).is_none() || self.fused_output_fits(problem).is_none() {
+            return Err(Error::Unsupported {
+                what: format!(
+                    "a sharded forward of C = {}, H = {} on {} (it runs the fused input and output kernels \
+                     only, which this shape or GPU does not take)",
+                    problem.config.c, problem.config.h, self.inner.info.name
+                ),
+                backend: BackendKind::Cuda,
+            });
+        }
+        let need = full_buffers_bytes(problem, &rows) + MAX_GEMM_WORKSPACE as u64;
+        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        let (free, _) = cu::mem_get_info().ctx("cuMemGetInfo")?;
+        if need > free as u64 {
+            return Err(Error::OutOfMemory {
+                backend: BackendKind::Cuda,
+                what: format!(
+                    "rank {rank}'s sharded forward (left, right and t of every row in f16, the gate of its {} rows)",
+                    rows.len()
+                ),
+                needed: need,
+                available: free as u64,
+            });
+        }
+        let (b, n, h) = (problem.shape.batch, problem.shape.n, problem.config.h);
+        let matrices = b * h;
+        let gate_len = b * rows.len() * n * problem.config.gate_width();
+        let mut gemms = Vec::new();
+        for chunk in matrix_chunks(matrices) {
+            let (spec, offsets) = GemmSpec::shard_contraction(problem.direction, n, rows.clone(), chunk.len());
+            let plan = MatmulPlan::new(&self.inner.blas, spec, Elem::F16, false, MAX_GEMM_WORKSPACE)?;
+            gemms.push((chunk, plan, offsets));
+        }
+        let event = || cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING).ctx("cuEventCreate");
+        Ok(ShardWorkspace {
+            problem: *problem,
+            rank,
+            left: self.alloc_buffer(matrices * n * n)?,
+            right: self.alloc_buffer(matrices * n * n)?,
+            t: self.alloc_buffer(matrices * n * n)?,
+            gate: self.alloc_buffer(gate_len)?,
+            gemm_ws: self.alloc_buffer(MAX_GEMM_WORKSPACE)?,
+            chunk_done: (0..gemms.len()).map(|_| event()).collect::<Result<_>>()?,
+            stage_done: event()?,
+            gemms,
+            split,
+            exchange_stream: self.inner.ctx.new_stream().ctx("cuStreamCreate")?,
+            weights_of: prep.id,
+        })
+    }
+
+    /// Enqueues this rank's part of a sharded forward on `stream`: `x` and `y` hold the rank's
+    /// rows (`[B, r1 − r0, N, C]` in the problem's I/O precision), `mask` (or 0) its rows of the
+    /// mask (`[B, r1 − r0, N]` f32). Every rank of `comm` must enqueue the same forward; the
+    /// exchanges make each rank's stream wait for the others.
+    ///
+    /// # Safety
+    /// The buffers are device allocations of those sizes in this backend's context, alive until
+    /// `stream` has run the work; `x` and `y` do not overlap unless equal (in place).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn enqueue_shard(
+        &self,
+        prep: &CudaPrepared,
+        ws: &mut ShardWorkspace,
+        comm: &mut Communicator,
+        x: CUdeviceptr,
+        mask: CUdeviceptr,
+        y: CUdeviceptr,
+        stream: CUstream,
+    ) -> Result<()> {
+        let problem = ws.problem;
+        check_prepared_for(&prep.config, &problem)?;
+        if ws.weights_of != prep.id {
+            return Err(Error::InvalidArgument("this shard workspace was made for other prepared weights".into()));
+        }
+        if (comm.rank(), comm.ranks()) != (ws.rank, ws.split.len()) {
+            return Err(Error::InvalidArgument(format!(
+                "the workspace is rank {} of {}, the communicator rank {} of {}",
+                ws.rank,
+                ws.split.len(),
+                comm.rank(),
+                comm.ranks()
+            )));
+        }
+        if x == 0 || y == 0 || (problem.masked && mask == 0) || (!problem.masked && mask != 0) {
+            return Err(Error::InvalidArgument(
+                "x and y must be device addresses, and a mask is given exactly when the problem is masked".into(),
+            ));
+        }
+        if (x == y) != problem.in_place {
+            return Err(Error::InvalidArgument("an in-place sharded forward needs y = x, out of place y ≠ x".into()));
+        }
+        let inner = &self.inner;
+        inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        let tuning = self.tuning_for(&problem);
+        let (input, output) = match (self.fused_kernel_for(prep, &problem, tuning), self.fused_output_fits(&problem)) {
+            (Some(i), Some(o)) => (i, o),
+            _ => return Err(Error::Internal("the sharded forward's fused kernels went away".into())),
+        };
+        let f = prep.fused.as_ref().ok_or_else(|| Error::Internal("no fused input weights".into()))?;
+        let (b, n, c, g) = (problem.shape.batch, problem.shape.n, problem.config.c, problem.config.gate_width());
+        let rows = ws.rows();
+        let (r0, r) = (rows.start, rows.len());
+        let io = problem.io.io_bytes() as u64;
+        if inner.poison.load(std::sync::atomic::Ordering::Relaxed) {
+            for buf in [&mut ws.left, &mut ws.right, &mut ws.t, &mut ws.gate] {
+                buf.memset_async(POISON_BYTE, stream)?;
+            }
+            if !problem.in_place {
+                cu::memset_d8_async(y, POISON_BYTE, b * r * n * c * io as usize, stream).ctx("cuMemsetD8Async(y)")?;
+            }
+        }
+        // Per batch: the first own position (global) and the rank-local position it is stored at.
+        let batches: Vec<(u64, u64)> = (0..b).map(|bi| (((bi * n + r0) * n) as u64, (bi * r * n) as u64)).collect();
+        let at = |ptr: u64, (global, local): (u64, u64), elem: u64| {
+            if ptr == 0 {
+                0
+            } else {
+                ptr.wrapping_add(local * elem).wrapping_sub(global * elem)
+            }
+        };
+        let addresses = |pos| Addresses {
+            x: at(x, pos, c as u64 * io),
+            mask: at(mask, pos, 4),
+            y: at(y, pos, c as u64 * io),
+            norm_in_w: prep.norm_in_w.ptr(),
+            norm_in_b: prep.norm_in_b.ptr(),
+            norm_out_w: prep.norm_out_w.ptr(),
+            norm_out_b: prep.norm_out_b.ptr(),
+            w_out: prep.w_out.ptr(),
+            out_bias: prep.out_bias.as_ref().map_or(0, |bias| bias.ptr()),
+        };
+        let count = r * n;
+        let gate_of = |local: u64| ws.gate.ptr() + local * g as u64 * 2;
+
+        self.mark("start", stream)?;
+        // 1. The input stage over the rank's positions: LN_C, projections, gating; left and right
+        // at their global rows, the gate at the rank's.
+        for &pos in &batches {
+            let common = CommonParams::new(&problem, addresses(pos))?
+                .with_fused(&f.layout, f.w.ptr(), f.bias.as_ref().map_or(0, |bias| bias.ptr()))?
+                .over(pos.0 as usize, count)?;
+            let kp = InputParams {
+                common,
+                left: ws.left.ptr(),
+                right: ws.right.ptr(),
+                gate: gate_of(pos.1),
+                buf_row0: pos.0 as i64,
+                ..InputParams::default()
+            };
+            input.launch(count, stream, &kp)?;
+        }
+        self.mark("input (LN, projections, gating)", stream)?;
+
+        // 2. The contraction in chunks, each chunk's exchange on the second stream.
+        let blocks = matrix_blocks(&ws.split, n);
+        let matrix_bytes = (n * n * 2) as u64;
+        let exchange = ws.exchange_stream.cu_stream();
+        let wait = |s: CUstream, ev: CUevent| {
+            // SAFETY: both are live handles of this context.
+            unsafe { cu::stream::wait_event(s, ev, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .ctx("cuStreamWaitEvent")
+        };
+        let record = |ev: CUevent, s: CUstream| {
+            // SAFETY: as above.
+            unsafe { cu::event::record(ev, s) }.ctx("cuEventRecord")
+        };
+        let (left, right, t, gemm_ws, gemm_ws_len) =
+            (ws.left.ptr(), ws.right.ptr(), ws.t.ptr(), ws.gemm_ws.ptr(), ws.gemm_ws.len());
+        match problem.direction {
+            Direction::Outgoing => {
+                record(ws.stage_done, stream)?;
+                wait(exchange, ws.stage_done)?;
+                for ((chunk, _, _), &done) in ws.gemms.iter().zip(&ws.chunk_done) {
+                    let mats = chunk.clone().map(|m| right + m as u64 * matrix_bytes);
+                    comm.broadcast_blocks(mats, &blocks, exchange)?;
+                    record(done, exchange)?;
+                }
+                for ((chunk, gemm, [oa, ob, od]), &done) in ws.gemms.iter_mut().zip(&ws.chunk_done) {
+                    wait(stream, done)?;
+                    let m0 = chunk.start as u64 * matrix_bytes;
+                    let (oa, ob, od) = (2 * *oa as u64, 2 * *ob as u64, 2 * *od as u64);
+                    gemm.run(
+                        &inner.blas,
+                        right + m0 + oa,
+                        left + m0 + ob,
+                        t + m0 + od,
+                        0,
+                        gemm_ws,
+                        gemm_ws_len,
+                        stream,
+                    )?;
+                }
+            }
+            Direction::Incoming => {
+                for ((chunk, gemm, [oa, ob, od]), &done) in ws.gemms.iter_mut().zip(&ws.chunk_done) {
+                    let m0 = chunk.start as u64 * matrix_bytes;
+                    let (oa, ob, od) = (2 * *oa as u64, 2 * *ob as u64, 2 * *od as u64);
+                    gemm.run(
+                        &inner.blas,
+                        right + m0 + oa,
+                        left + m0 + ob,
+                        t + m0 + od,
+                        0,
+                        gemm_ws,
+                        gemm_ws_len,
+                        stream,
+                    )?;
+                    record(done, stream)?;
+                    wait(exchange, done)?;
+                    let mats = chunk.clone().map(|m| t + m as u64 * matrix_bytes);
+                    comm.sum_blocks_to_owners(mats, &blocks, exchange)?;
+                }
+                record(ws.stage_done, exchange)?;
+                wait(stream, ws.stage_done)?;
+            }
+        }
+        self.mark("contraction and exchange", stream)?;
+
+        // 3. The output stage over the rank's positions.
+        for &pos in &batches {
+            let common = CommonParams::new(&problem, addresses(pos))?.over(pos.0 as usize, count)?;
+            let kp =
+                OutputParams { common, t, gate: gate_of(pos.1), buf_row0: pos.0 as i64, ..OutputParams::default() };
+            self.launch_output(output, &kp, stream)?;
+        }
+        self.mark("output stage", stream)
+    }
+}

@@ -1,0 +1,136 @@
+//! `trimul bench --gpus N`: the sharded forward across N GPUs of this host against the one-GPU
+//! forward of the same problem, in the same run (issue 29).
+//!
+//! Per N: af3 or gpumode as `--formulation` says, B = 1, C = H = 128, masked, the I/O precision
+//! of `--precision`. The one-GPU time is `trimul bench`'s (the layer on GPU 0, its fastest
+//! plan, device events around each call); the sharded time is, per call, the longest of the
+//! ranks' device times, the ranks started together. Medians of `--repeats` after `--warmup`.
+//! Before timing, the sharded y is compared with the one-GPU y.
+
+use std::process::ExitCode;
+
+use trimul::backend::cuda::CudaBackend;
+use trimul::rand::Rng;
+use trimul::sharded::ShardedGroup;
+use trimul::{Backend, Config, Layer, Options, Precision, Problem, Shape, Weights};
+
+use super::args::BenchArgs;
+use super::exit::{CliError, CliResult};
+use super::output::emit;
+use super::seed::clock_seed;
+
+pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
+    if args.json.is_some() || args.grad || args.fresh_weights || args.max_memory.is_some() || args.suite.is_some() {
+        return Err(CliError::usage(
+            "--gpus takes --n, --formulation, --direction, --precision, --in-place, --repeats, --warmup and --seed; \
+             not --json, --grad, --fresh-weights, --max-memory or --suite (yet)",
+        ));
+    }
+    let ns = if args.n.is_empty() { vec![1024, 2048, 4096] } else { args.n.clone() };
+    let seed = args.seed.unwrap_or_else(clock_seed);
+    let (warmup, repeats) = (args.warmup.unwrap_or(3) as usize, args.repeats.unwrap_or(15) as usize);
+    let config = Config::new(args.formulation.into(), 128, 128)?;
+    let af3 = config.formulation == trimul::Formulation::Af3;
+    let weights = Weights::random(config, af3, seed)?;
+    let devices: Vec<usize> = (0..gpus).collect();
+    let one = CudaBackend::new(0)?;
+    emit(&format!(
+        "trimul bench --gpus {gpus}: {} {} {}, B = 1, C = H = 128, masked{}, seed {seed}; NCCL {}; median of {repeats} after {warmup}",
+        config.formulation,
+        trimul::Direction::from(args.direction),
+        args.precision,
+        if args.in_place { ", in place" } else { "" },
+        trimul::collective::nccl_version()?,
+    ))?;
+    emit(&format!(
+        "{:>6} {:>12} {:>12} {:>7} {:>14}",
+        "N",
+        "1 GPU ms",
+        format!("{gpus} GPUs ms"),
+        "ratio",
+        "max |Δ| vs 1"
+    ))?;
+    for n in ns {
+        let problem = Problem::new(config, Shape::new(1, n), args.direction.into(), true)?
+            .with_io(args.precision)
+            .in_place(args.in_place);
+        let mut rng = Rng::new(seed ^ n as u64);
+        let x: Vec<f32> = rng.normal_vec(problem.x_len(), 1.0).into_iter().map(|v| args.precision.round(v)).collect();
+        let mask = rng.mask_vec(problem.mask_len());
+
+        let (one_ms, one_y) = one_gpu(&one, &weights, &problem, &x, &mask, warmup, repeats)?;
+        let mut group = ShardedGroup::on_local_gpus(&weights, &problem, &devices)?;
+        let y = group.forward(&x, Some(&mask))?;
+        let diff =
+            y.iter()
+                .zip(&one_y)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, |m, d| if d.is_nan() { f32::NAN } else { m.max(d) });
+        group.upload(&x, Some(&mask))?;
+        let sharded_ms = median(group.time(warmup, repeats)?);
+        drop(group);
+        emit(&format!("{n:>6} {one_ms:>12.3} {sharded_ms:>12.3} {:>7.3} {diff:>14.3e}", sharded_ms / one_ms))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The one-GPU forward on device buffers of the problem's I/O precision: its median time and y.
+fn one_gpu(
+    backend: &CudaBackend,
+    weights: &Weights,
+    problem: &Problem,
+    x: &[f32],
+    mask: &[f32],
+    warmup: usize,
+    repeats: usize,
+) -> trimul::Result<(f64, Vec<f32>)> {
+    let (shape, io) = (problem.shape, problem.io);
+    let mut layer = Layer::new(backend, weights, Options::new(problem.direction))?;
+    let mut m = backend.alloc(mask.len())?;
+    backend.upload(mask, &mut m)?;
+    let mut samples = Vec::with_capacity(repeats);
+    let y = if io == Precision::F32Io {
+        let mut xb = backend.alloc(x.len())?;
+        backend.upload(x, &mut xb)?;
+        let mut yb = backend.alloc(x.len())?;
+        for k in 0..warmup + repeats {
+            let ms = if problem.in_place {
+                backend.upload(x, &mut xb)?;
+                backend.elapsed_ms(&mut || layer.forward_buffers_in_place(&mut xb, Some(&m), shape))?
+            } else {
+                backend.elapsed_ms(&mut || layer.forward_buffers(&xb, Some(&m), &mut yb, shape))?
+            };
+            if k >= warmup {
+                samples.push(ms);
+            }
+        }
+        let mut y = vec![0f32; x.len()];
+        backend.download(if problem.in_place { &xb } else { &yb }, &mut y)?;
+        y
+    } else {
+        let bits: Vec<u16> = x.iter().map(|&v| io.encode_half(v)).collect();
+        let mut xb = backend.alloc_buffer::<u16>(bits.len())?;
+        backend.upload_bits(&bits, &mut xb)?;
+        let mut yb = backend.alloc_buffer::<u16>(bits.len())?;
+        for k in 0..warmup + repeats {
+            let ms = if problem.in_place {
+                backend.upload_bits(&bits, &mut xb)?;
+                backend.elapsed_ms(&mut || layer.forward_buffers_half_in_place(&mut xb, Some(&m), shape, io))?
+            } else {
+                backend.elapsed_ms(&mut || layer.forward_buffers_half(&xb, Some(&m), &mut yb, shape, io))?
+            };
+            if k >= warmup {
+                samples.push(ms);
+            }
+        }
+        let mut ybits = vec![0u16; bits.len()];
+        backend.download_bits(if problem.in_place { &xb } else { &yb }, &mut ybits)?;
+        ybits.iter().map(|&v| io.decode_half(v)).collect()
+    };
+    Ok((median(samples), y))
+}

@@ -1,0 +1,198 @@
+//! NCCL through cudarc's run-time-loaded bindings: communicators for the GPUs of this host and
+//! the grouped in-place broadcasts and reductions the sharded forward enqueues.
+
+use std::ffi::CStr;
+use std::ops::Range;
+
+use cudarc::driver::sys::CUstream;
+use cudarc::nccl::{result as nc, sys};
+
+use crate::error::{BackendKind, Error, Result};
+
+fn nccl_err(call: &str, e: nc::NcclError) -> Error {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any result code.
+    let text = unsafe { CStr::from_ptr(sys::ncclGetErrorString(e.0)) }.to_string_lossy().into_owned();
+    Error::driver(BackendKind::Cuda, call, format!("{:?} ({text})", e.0))
+}
+
+fn loaded() -> Result<()> {
+    // SAFETY: only tries to open the library under its candidate names.
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::LibraryNotFound {
+            library: "NCCL (libnccl.so.2)".into(),
+            tried: "cudarc's dynamic loader".into(),
+            reason: "the sharded forward across GPUs needs NCCL; install it (e.g. the nvidia-nccl-cu13 wheel) \
+                     and put it on the loader path"
+                .into(),
+        })
+    }
+}
+
+/// NCCL's version as `major.minor.patch`, or why it cannot be loaded.
+pub fn nccl_version() -> Result<String> {
+    loaded()?;
+    let v = nc::get_nccl_version().map_err(|e| nccl_err("ncclGetVersion", e))?;
+    // NCCL ≥ 2.9 encodes major·10000 + minor·100 + patch.
+    Ok(format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100))
+}
+
+/// One rank's NCCL communicator.
+pub struct Communicator {
+    comm: sys::ncclComm_t,
+    rank: usize,
+    ranks: usize,
+    device: usize,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as one thread at a time
+// enqueues on it; `&mut self` on every enqueueing method gives that.
+unsafe impl Send for Communicator {}
+
+impl Communicator {
+    /// One communicator per GPU of this host, rank `r` on `devices[r]` (`ncclCommInitAll`).
+    pub fn for_local_gpus(devices: &[usize]) -> Result<Vec<Communicator>> {
+        loaded()?;
+        if devices.len() < 2 {
+            return Err(Error::InvalidArgument(format!(
+                "a sharded forward needs at least two GPUs, {} given",
+                devices.len()
+            )));
+        }
+        let mut seen = devices.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != devices.len() {
+            return Err(Error::InvalidArgument(format!("GPU list {devices:?} names a GPU twice")));
+        }
+        let list = devices
+            .iter()
+            .map(|&d| i32::try_from(d).map_err(|_| Error::InvalidArgument(format!("GPU number {d}"))))
+            .collect::<Result<Vec<i32>>>()?;
+        let mut comms = vec![std::ptr::null_mut(); devices.len()];
+        // SAFETY: `comms` has room for one handle per listed device; the list outlives the call.
+        unsafe { nc::comm_init_all(comms.as_mut_ptr(), list.len() as i32, list.as_ptr()) }
+            .map_err(|e| nccl_err("ncclCommInitAll", e))?;
+        Ok(comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| Communicator { comm, rank, ranks: devices.len(), device: devices[rank] })
+            .collect())
+    }
+
+    /// This rank's number.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// How many ranks the communicator joins.
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// The CUDA device this rank runs on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Enqueues, in one NCCL group on `stream`, for every f16 buffer in `matrices` and every
+    /// rank `r`: the halves `blocks[r]` (element offsets within each buffer) broadcast in place
+    /// from rank `r` to all ranks. Every rank must make the same call with the same blocks.
+    ///
+    /// # Safety
+    /// Every buffer holds at least `blocks[r].end` halves on this rank's device; they stay alive
+    /// until the stream has run the group.
+    pub(crate) unsafe fn broadcast_blocks(
+        &mut self,
+        matrices: impl Iterator<Item = u64>,
+        blocks: &[Range<usize>],
+        stream: CUstream,
+    ) -> Result<()> {
+        self.grouped("ncclBroadcast", matrices, blocks, |comm, ptr, count, root| {
+            // SAFETY: as the caller guarantees; in place (send = receive buffer) is allowed.
+            unsafe {
+                nc::broadcast(
+                    ptr,
+                    ptr,
+                    count,
+                    sys::ncclDataType_t::ncclFloat16,
+                    root,
+                    comm,
+                    stream as sys::cudaStream_t,
+                )
+            }
+        })
+    }
+
+    /// Enqueues, in one NCCL group on `stream`, for every f16 buffer in `matrices` and every
+    /// rank `r`: the sum over ranks of the halves `blocks[r]`, written in place on rank `r`
+    /// (the other ranks' copies are only read). Every rank must make the same call.
+    ///
+    /// # Safety
+    /// As [`Communicator::broadcast_blocks`].
+    pub(crate) unsafe fn sum_blocks_to_owners(
+        &mut self,
+        matrices: impl Iterator<Item = u64>,
+        blocks: &[Range<usize>],
+        stream: CUstream,
+    ) -> Result<()> {
+        self.grouped("ncclReduce", matrices, blocks, |comm, ptr, count, root| {
+            // SAFETY: as the caller guarantees; in place at the root is allowed.
+            unsafe {
+                nc::reduce(
+                    ptr,
+                    ptr,
+                    count,
+                    sys::ncclDataType_t::ncclFloat16,
+                    sys::ncclRedOp_t::ncclSum,
+                    root,
+                    comm,
+                    stream as sys::cudaStream_t,
+                )
+            }
+        })
+    }
+
+    fn grouped(
+        &mut self,
+        call: &str,
+        matrices: impl Iterator<Item = u64>,
+        blocks: &[Range<usize>],
+        mut op: impl FnMut(
+            sys::ncclComm_t,
+            *mut std::ffi::c_void,
+            usize,
+            i32,
+        ) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
+    ) -> Result<()> {
+        if blocks.len() != self.ranks {
+            return Err(Error::Internal(format!("{} row blocks for {} ranks", blocks.len(), self.ranks)));
+        }
+        nc::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+        let mut first_err = None;
+        'all: for base in matrices {
+            for (root, block) in blocks.iter().enumerate() {
+                let ptr = (base + 2 * block.start as u64) as *mut std::ffi::c_void;
+                if let Err(e) = op(self.comm, ptr, block.len(), root as i32) {
+                    first_err = Some(nccl_err(call, e));
+                    break 'all;
+                }
+            }
+        }
+        // The group is closed whatever happened inside it, so NCCL is never left mid-group.
+        let end = nc::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
+        match first_err {
+            Some(e) => Err(e),
+            None => end.map(|_| ()),
+        }
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // SAFETY: created by ncclCommInitAll and destroyed once; destroy waits for this rank's
+        // enqueued operations.
+        let _ = unsafe { nc::comm_destroy(self.comm) };
+    }
+}

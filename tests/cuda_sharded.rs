@@ -1,0 +1,112 @@
+//! The sharded forward across the GPUs of one host (NCCL), against the f64 reference and the
+//! one-GPU forward. Skips with a visible message without the `cuda` feature, two GPUs or NCCL
+//! (`TRIMUL_REQUIRE_DEVICE` makes that a failure).
+#![cfg(feature = "cuda")]
+
+use std::io::Write;
+
+use trimul::backend::cuda::CudaBackend;
+use trimul::rand::Rng;
+use trimul::reference;
+use trimul::sharded::ShardedGroup;
+use trimul::{Config, Direction, Formulation, Layer, Options, Precision, Problem, Shape, Weights};
+
+#[path = "support/seed.rs"]
+mod test_seed;
+use test_seed::this_test_seed as seed;
+
+const TOL: f64 = 2e-2;
+
+/// Two GPUs and NCCL, or `None` with a visible message.
+fn two_gpus() -> Option<CudaBackend> {
+    let why = match (CudaBackend::new(1), trimul::collective::nccl_version()) {
+        (Ok(_), Ok(_)) => return CudaBackend::new(0).ok(),
+        (Err(e), _) | (_, Err(e)) => e,
+    };
+    if std::env::var_os("TRIMUL_REQUIRE_DEVICE").is_some() && std::env::var_os("TRIMUL_REQUIRE_GPUS").is_some() {
+        panic!("two CUDA GPUs and NCCL required (TRIMUL_REQUIRE_GPUS is set) but unavailable: {why}");
+    }
+    let _ = writeln!(std::io::stderr(), "SKIPPED: the sharded forward needs two CUDA GPUs and NCCL: {why}");
+    None
+}
+
+/// One sharded forward of `problem` over `gpus` GPUs against the f64 reference and the one-GPU
+/// forward of the same (rounded) x.
+fn check(one: &CudaBackend, problem: &Problem, biases: bool, gpus: usize, seed: u64) {
+    let weights = Weights::random(problem.config, biases, seed).unwrap();
+    let mut rng = Rng::new(seed ^ 0x5A);
+    let x: Vec<f32> = rng.cauchy_vec(problem.x_len(), 1.0).into_iter().map(|v| problem.io.round(v)).collect();
+    let mask = problem.masked.then(|| rng.mask_vec(problem.mask_len()));
+    let devices: Vec<usize> = (0..gpus).collect();
+    let mut group = ShardedGroup::on_local_gpus(&weights, problem, &devices).unwrap();
+    group.set_poison(true);
+    let y = group.forward(&x, mask.as_deref()).unwrap();
+    // Twice: a second forward reuses every buffer and must not see the first one's leftovers.
+    let y2 = group.forward(&x, mask.as_deref()).unwrap();
+    let what = format!(
+        "{} {} {} B={} N={} on {gpus} GPUs{}",
+        problem.config.formulation,
+        problem.direction,
+        problem.io,
+        problem.shape.batch,
+        problem.shape.n,
+        if problem.in_place { " in place" } else { "" }
+    );
+    assert!(y.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: two forwards differ");
+    let cmp = reference::check(&weights, problem, &x, mask.as_deref(), &y, TOL, TOL).unwrap();
+    assert!(cmp.passed(), "{what}: {cmp:?}");
+    assert!(cmp.rel_l2 < 5e-3, "{what}: rel L2 {}", cmp.rel_l2);
+
+    let mut layer = Layer::new(one, &weights, Options::new(problem.direction)).unwrap();
+    let mut want = vec![f32::NAN; x.len()];
+    match problem.io {
+        Precision::F32Io => layer.forward_into(&x, mask.as_deref(), &mut want, problem.shape).unwrap(),
+        Precision::Bf16Io => {
+            let xh: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let mut out = vec![half::bf16::NAN; xh.len()];
+            layer.forward_into(&xh, mask.as_deref(), &mut out, problem.shape).unwrap();
+            want = out.iter().map(|v| v.to_f32()).collect();
+        }
+        _ => {
+            let xh: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
+            let mut out = vec![half::f16::NAN; xh.len()];
+            layer.forward_into(&xh, mask.as_deref(), &mut out, problem.shape).unwrap();
+            want = out.iter().map(|v| v.to_f32()).collect();
+        }
+    }
+    let bad = y
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| !((**a as f64 - **b as f64).abs() <= TOL + TOL * (**b as f64).abs()))
+        .count();
+    assert_eq!(bad, 0, "{what}: {bad} elements differ from the one-GPU forward");
+}
+
+fn problem(f: Formulation, dir: Direction, b: usize, n: usize, io: Precision) -> Problem {
+    let cfg = Config::new(f, 128, 128).unwrap();
+    Problem::new(cfg, Shape::new(b, n), dir, true).unwrap().with_io(io)
+}
+
+/// Both directions, both formulations, f32 and bf16 I/O, B = 2, an odd N (uneven rows: 49 and
+/// 48), masked Cauchy inputs.
+#[test]
+fn sharded_forward_matches_reference_and_one_gpu() {
+    let Some(one) = two_gpus() else { return };
+    let s = seed();
+    for dir in [Direction::Outgoing, Direction::Incoming] {
+        check(&one, &problem(Formulation::Af3, dir, 2, 97, Precision::F32Io), true, 2, s);
+        check(&one, &problem(Formulation::Af3, dir, 1, 97, Precision::Bf16Io), true, 2, s);
+        check(&one, &problem(Formulation::GpuMode, dir, 2, 64, Precision::F32Io), false, 2, s);
+    }
+}
+
+/// N = 1024 (the equality case), af3 bf16, both directions, and in place.
+#[test]
+fn sharded_forward_at_n1024_and_in_place() {
+    let Some(one) = two_gpus() else { return };
+    let s = seed();
+    for dir in [Direction::Outgoing, Direction::Incoming] {
+        check(&one, &problem(Formulation::Af3, dir, 1, 1024, Precision::Bf16Io), true, 2, s);
+    }
+    check(&one, &problem(Formulation::Af3, Direction::Incoming, 1, 256, Precision::Bf16Io).in_place(true), true, 2, s);
+}
