@@ -785,11 +785,11 @@ __device__ __forceinline__ int ws_group(int pair, int wg) { return 5 + 2 * pair 
 // is read first by the contraction), and its launch description.
 __device__ __forceinline__ tm_i64 ws_tile0(const TmInputParams& p, int k) {
   const tm_i64 tiles = p.rows / WS_BM;
-  return (tiles - 1 - ((tm_i64)blockIdx.x + (tm_i64)k * gridDim.x)) * WS_BM;
+  return p.row0 + (tiles - 1 - ((tm_i64)blockIdx.x + (tm_i64)k * gridDim.x)) * WS_BM;
 }
 __device__ __forceinline__ IpLaunch ws_launch(const TmInputParams& p, tm_i64 tile0) {
   IpLaunch l;
-  l.m_total = p.rows;
+  l.m_total = p.row0 + p.rows;
   l.tile0 = tile0;
   l.nks = 2;
   l.n_gating = 4;
@@ -928,7 +928,7 @@ __device__ __forceinline__ void ws_store_wg(const TmInputParams& p, const IpLaun
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int piece = t + 128 * i, r = piece >> 3, run = piece & 7;
-      st_stream_u4(p.gate + (l.tile0 + r) * p.g + gc0 + 64 * wg + run * 8,
+      st_stream_u4(p.gate + (l.tile0 + r - p.buf_row0) * p.g + gc0 + 64 * wg + run * 8,
                    *(const uint4*)(st + r * 128 + ((run ^ (r & 7)) << 4)), gate_policy);
     }
   }
@@ -986,8 +986,9 @@ __device__ __forceinline__ void ws_consume(const TmInputParams& p, const unsigne
 }
 #endif
 
-// Shapes (the host checks): C = k_pad = H = G = 128, one-pass plan (row0 0, every chunk and
-// channel), rows and N² multiples of 64, so that every tile is full and inside one batch.
+// Shapes (the host checks): C = k_pad = H = G = 128, every chunk and channel, row0, rows and N²
+// multiples of 64, so that every tile is full and inside one batch. The gate is stored from
+// position buf_row0 (a rank's own positions in the sharded forward).
 template <int IO>
 __device__ __forceinline__ void input_projection_ws_body(const TmInputParams& p) {
 #if defined(TM_HAS_WGMMA)

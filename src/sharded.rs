@@ -14,7 +14,9 @@
 
 use std::ops::Range;
 
-use crate::backend::cuda::{CudaBackend, CudaPrepared, DeviceBuffer, ShardWorkspace};
+use rayon::prelude::*;
+
+use crate::backend::cuda::{CudaBackend, CudaPrepared, DeviceBuffer, EventPair, ShardWorkspace};
 use crate::backend::Backend;
 use crate::collective::Communicator;
 use crate::error::{Error, Result};
@@ -29,6 +31,8 @@ pub struct ShardedLayer {
     comm: Communicator,
     /// The host path's device copies of the rank's x, mask and y, kept across calls.
     io: Option<RankBuffers>,
+    /// The events around the last timed forward.
+    timed: Option<EventPair>,
 }
 
 struct RankBuffers {
@@ -44,7 +48,7 @@ impl ShardedLayer {
         let backend = CudaBackend::new(comm.device())?;
         let prepared = backend.prepare(weights)?;
         let ws = backend.shard_workspace(&prepared, problem, comm.rank(), comm.ranks())?;
-        Ok(ShardedLayer { backend, prepared, ws, comm, io: None })
+        Ok(ShardedLayer { backend, prepared, ws, comm, io: None, timed: None })
     }
 
     /// The rows of the first pair index this rank holds.
@@ -150,39 +154,44 @@ impl ShardedLayer {
         Ok(decode(&bytes, self.ws.problem().io))
     }
 
-    /// Times `repeats` forwards of the uploaded rows on this rank's stream (device events),
-    /// milliseconds each, after `warmup` untimed ones; `before_each` runs on the host before each
-    /// call (the group lines the ranks up there).
-    pub fn time_uploaded(&mut self, warmup: usize, repeats: usize, before_each: &dyn Fn()) -> Result<Vec<f64>> {
-        let mut out = Vec::with_capacity(repeats);
-        for call in 0..warmup + repeats {
-            before_each();
-            let stream = self.backend.stream();
-            let events = crate::backend::cuda::EventPair::new()?;
-            events.record_start(stream)?;
-            self.forward_uploaded()?;
-            events.record_stop(stream)?;
-            let ms = events.elapsed_ms()?;
-            if call >= warmup {
-                out.push(ms);
-            }
-        }
-        Ok(out)
+    /// Enqueues the forward of the uploaded rows between two events on this rank's stream
+    /// (read with [`ShardedLayer::take_elapsed_ms`]).
+    fn forward_uploaded_timed(&mut self) -> Result<()> {
+        self.backend.bind_to_thread()?;
+        let events = EventPair::new()?;
+        events.record_start(self.backend.stream())?;
+        self.forward_uploaded()?;
+        events.record_stop(self.backend.stream())?;
+        self.timed = Some(events);
+        Ok(())
+    }
+
+    /// Waits for the last timed forward and returns its device milliseconds.
+    fn take_elapsed_ms(&mut self) -> Result<f64> {
+        self.backend.bind_to_thread()?;
+        let events = self.timed.take().ok_or_else(|| Error::Internal("no timed forward to read".into()))?;
+        events.elapsed_ms()
     }
 }
 
 fn encode(x: &[f32], io: Precision) -> Vec<u8> {
-    match io {
-        Precision::F32Io => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        _ => x.iter().flat_map(|&v| io.encode_half(v).to_le_bytes()).collect(),
-    }
+    let width = io.io_bytes();
+    let mut out = vec![0u8; x.len() * width];
+    out.par_chunks_mut(width).zip(x.par_iter()).for_each(|(o, &v)| match io {
+        Precision::F32Io => o.copy_from_slice(&v.to_le_bytes()),
+        _ => o.copy_from_slice(&io.encode_half(v).to_le_bytes()),
+    });
+    out
 }
 
 fn decode(bytes: &[u8], io: Precision) -> Vec<f32> {
-    match io {
-        Precision::F32Io => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        _ => bytes.chunks_exact(2).map(|b| io.decode_half(u16::from_le_bytes([b[0], b[1]]))).collect(),
-    }
+    bytes
+        .par_chunks_exact(io.io_bytes())
+        .map(|b| match io {
+            Precision::F32Io => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            _ => io.decode_half(u16::from_le_bytes([b[0], b[1]])),
+        })
+        .collect()
 }
 
 /// Every rank of a sharded forward on the GPUs of this host, in one process (one thread per
@@ -215,6 +224,28 @@ impl ShardedGroup {
         }
     }
 
+    /// Enqueues the forward of the uploaded rows on every rank; on any rank's failure aborts
+    /// every communicator (see [`ShardedGroup::forward`]).
+    fn enqueue_on_every_rank(&mut self) -> Result<()> {
+        self.enqueue_on_every_rank_with(ShardedLayer::forward_uploaded)
+    }
+
+    fn enqueue_on_every_rank_with(&mut self, enqueue: fn(&mut ShardedLayer) -> Result<()>) -> Result<()> {
+        if let Some(layer) = self.layers.iter().find(|l| l.comm.is_aborted()) {
+            return Err(Error::InvalidArgument(format!(
+                "this group's communicators were aborted after rank {}'s earlier failure; make a new group",
+                layer.comm.rank()
+            )));
+        }
+        let enqueued = self.on_every_rank(enqueue);
+        if enqueued.is_err() {
+            for layer in &mut self.layers {
+                layer.comm.abort();
+            }
+        }
+        enqueued.map(drop)
+    }
+
     /// Uploads each rank's rows of the whole `x` (`[B, N, N, C]` f32) and `mask` (`[B, N, N]`).
     pub fn upload(&mut self, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
         let p = self.problem;
@@ -241,12 +272,15 @@ impl ShardedGroup {
 
     /// One forward of the whole x and mask; returns the whole y (`[B, N, N, C]` f32, rounded
     /// to the problem's I/O precision).
+    ///
+    /// Everything that can fail on one rank alone (shapes, uploads, memory) happens before
+    /// any rank enqueues an exchange. If a rank still fails while enqueueing, every
+    /// communicator is aborted before anyone waits, so the error comes back instead of a
+    /// hang, and the group refuses further forwards.
     pub fn forward(&mut self, x: &[f32], mask: Option<&[f32]>) -> Result<Vec<f32>> {
         self.upload(x, mask)?;
-        let parts = self.on_every_rank(|layer| {
-            layer.forward_uploaded()?;
-            layer.download()
-        })?;
+        self.enqueue_on_every_rank()?;
+        let parts = self.on_every_rank(|layer| layer.download())?;
         let p = self.problem;
         let (b, n, c) = (p.shape.batch, p.shape.n, p.config.c);
         let mut y = vec![0f32; p.x_len()];
@@ -263,15 +297,27 @@ impl ShardedGroup {
 
     /// Times the forward of the uploaded rows: per call, the longest of the ranks' device times
     /// (each from its own start to its own end; the exchanges tie them together), after
-    /// `warmup` untimed calls. The ranks start each call together (a host barrier).
+    /// `warmup` untimed calls. Each call is enqueued on every rank, then waited for.
     pub fn time(&mut self, warmup: usize, repeats: usize) -> Result<Vec<f64>> {
-        let barrier = std::sync::Barrier::new(self.layers.len());
-        let per_rank = self.on_every_rank(|layer| {
-            layer.time_uploaded(warmup, repeats, &|| {
-                barrier.wait();
-            })
-        })?;
-        Ok((0..repeats).map(|k| per_rank.iter().map(|r| r[k]).fold(0.0, f64::max)).collect())
+        let mut out = Vec::with_capacity(repeats);
+        for call in 0..warmup + repeats {
+            self.enqueue_on_every_rank_with(ShardedLayer::forward_uploaded_timed)?;
+            let ms = self.on_every_rank(ShardedLayer::take_elapsed_ms)?;
+            if call >= warmup {
+                out.push(ms.into_iter().fold(0.0, f64::max));
+            }
+        }
+        Ok(out)
+    }
+
+    /// One forward of the uploaded rows with a per-stage timeline on every rank (device
+    /// events): each rank's stages and their milliseconds.
+    pub fn stage_times(&mut self) -> Result<Vec<Vec<(String, f64)>>> {
+        for layer in &self.layers {
+            layer.backend.record_stages();
+        }
+        self.enqueue_on_every_rank()?;
+        self.on_every_rank(|layer| layer.backend.stage_times())
     }
 
     /// Runs `work` on every rank at once, one thread each (NCCL needs every rank enqueueing

@@ -74,11 +74,11 @@ fn check(one: &CudaBackend, problem: &Problem, biases: bool, gpus: usize, seed: 
             want = out.iter().map(|v| v.to_f32()).collect();
         }
     }
-    let bad = y
-        .iter()
-        .zip(&want)
-        .filter(|(a, b)| !((**a as f64 - **b as f64).abs() <= TOL + TOL * (**b as f64).abs()))
-        .count();
+    let outside = |a: f32, b: f32| {
+        let d = (a as f64 - b as f64).abs();
+        d.is_nan() || d > TOL + TOL * (b as f64).abs()
+    };
+    let bad = y.iter().zip(&want).filter(|(a, b)| outside(**a, **b)).count();
     assert_eq!(bad, 0, "{what}: {bad} elements differ from the one-GPU forward");
 }
 

@@ -138,10 +138,11 @@ impl GemmSpec {
     /// consecutive matrices of the `[B, H, N, N]` left, right and t (stride N²), the rank
     /// holding rows `rows` of the first pair index:
     ///
-    /// - outgoing: its rows of t, `T[i ∈ rows, j] = Σ_k L[i, k]·R[j, k]`, from its rows of left
-    ///   and *every* row of right (gathered first);
-    /// - incoming: a partial t over its rows of the contracted index for every `(i, j)`,
-    ///   `T[i, j] = Σ_{k ∈ rows} L[k, i]·R[k, j]`, which the ranks then sum by row blocks.
+    /// - outgoing: the block `cols` of its rows of t, `T[i ∈ rows, j ∈ cols] = Σ_k L[i, k]·R[j, k]`,
+    ///   from its rows of left and the rows `cols` of right (its own, or gathered from a peer);
+    /// - incoming (`cols` is ignored): a partial t over its rows of the contracted index for
+    ///   every `(i, j)`, `T[i, j] = Σ_{k ∈ rows} L[k, i]·R[k, j]`, which the ranks then sum by
+    ///   row blocks.
     ///
     /// Returns the spec and the element offsets of A (= right), B (= left) and D (= t) within
     /// each matrix.
@@ -150,13 +151,14 @@ impl GemmSpec {
         direction: Direction,
         n: usize,
         rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
         batch: usize,
     ) -> (Self, [usize; 3]) {
         let (r0, r) = (rows.start, rows.len());
         match direction {
             Direction::Outgoing => {
-                let spec = GemmSpec::row_major(r, n, n, (false, n), (true, n), n).batched(batch, n * n);
-                (spec, [0, r0 * n, r0 * n])
+                let spec = GemmSpec::row_major(r, cols.len(), n, (false, n), (true, n), n).batched(batch, n * n);
+                (spec, [cols.start * n, r0 * n, r0 * n + cols.start])
             }
             Direction::Incoming => {
                 let spec = GemmSpec::row_major(n, n, r, (true, n), (false, n), n).batched(batch, n * n);
@@ -270,10 +272,16 @@ mod tests {
             let mut whole = vec![0f32; bh * n * n];
             GemmSpec::contraction(dir, bh, n).run_host(&right, &left, &mut whole);
             let mut pieced = vec![0f32; bh * n * n];
-            for rows in crate::plan::shard::row_split(n, 3).unwrap() {
-                let (spec, [oa, ob, od]) = GemmSpec::shard_contraction(dir, n, rows.clone(), bh);
+            let split = crate::plan::shard::row_split(n, 3).unwrap();
+            for rows in split.clone() {
                 let mut t = vec![f32::NAN; bh * n * n];
-                spec.run_host(&right[oa..], &left[ob..], &mut t[od..]);
+                // Outgoing: one GEMM per column block (each rank's rows of right).
+                let blocks: Vec<std::ops::Range<usize>> =
+                    if dir == Direction::Outgoing { split.clone() } else { std::iter::once(0..n).collect() };
+                for cols in blocks {
+                    let (spec, [oa, ob, od]) = GemmSpec::shard_contraction(dir, n, rows.clone(), cols, bh);
+                    spec.run_host(&right[oa..], &left[ob..], &mut t[od..]);
+                }
                 for s in 0..bh {
                     for i in 0..n {
                         for j in 0..n {

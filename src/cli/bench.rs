@@ -317,6 +317,15 @@ pub fn run(args: &BenchArgs) -> CliResult {
     }
     Ok(ExitCode::SUCCESS)
 }
+#[cfg(feature = "cuda")]
+fn run_gpus(args: &BenchArgs, gpus: usize) -> CliResult {
+    super::bench_gpus::run(args, gpus)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_gpus(_: &BenchArgs, _: usize) -> CliResult {
+    Err(CliError::usage("--gpus needs the CUDA backend: rebuild with `--features cuda`"))
+}
 
 /// An out-of-memory error becomes [`Outcome::Skipped`] naming the bytes.
 fn skip_if_out_of_memory(result: trimul::Result<Outcome>) -> trimul::Result<Outcome> {
@@ -857,14 +866,4 @@ mod half {
             .with_telemetry(timed.telemetry);
         Ok(Outcome::Done(Box::new(Measured { result, sets })))
     }
-}
-
-#[cfg(feature = "cuda")]
-fn run_gpus(args: &BenchArgs, gpus: usize) -> CliResult {
-    super::bench_gpus::run(args, gpus)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_gpus(_: &BenchArgs, _: usize) -> CliResult {
-    Err(CliError::usage("--gpus needs the CUDA backend: rebuild with `--features cuda`"))
 }

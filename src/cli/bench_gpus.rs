@@ -9,9 +9,10 @@
 
 use std::process::ExitCode;
 
+use rayon::prelude::*;
 use trimul::backend::cuda::CudaBackend;
-use trimul::rand::Rng;
 use trimul::sharded::ShardedGroup;
+use trimul::suite::{generate_inputs, Case, Dist};
 use trimul::{Backend, Config, Layer, Options, Precision, Problem, Shape, Weights};
 
 use super::args::BenchArgs;
@@ -54,11 +55,13 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
         let problem = Problem::new(config, Shape::new(1, n), args.direction.into(), true)?
             .with_io(args.precision)
             .in_place(args.in_place);
-        let mut rng = Rng::new(seed ^ n as u64);
-        let x: Vec<f32> = rng.normal_vec(problem.x_len(), 1.0).into_iter().map(|v| args.precision.round(v)).collect();
-        let mask = rng.mask_vec(problem.mask_len());
+        let inputs = generate_inputs(&Case::new(n, 1, 128, true, Dist::Normal), seed ^ n as u64);
+        let mut x = inputs.x;
+        x.par_iter_mut().for_each(|v| *v = args.precision.round(*v));
+        let mask = inputs.mask.unwrap_or_default();
 
         let (one_ms, one_y) = one_gpu(&one, &weights, &problem, &x, &mask, warmup, repeats)?;
+        let one_stages = one.stage_times()?;
         let mut group = ShardedGroup::on_local_gpus(&weights, &problem, &devices)?;
         let y = group.forward(&x, Some(&mask))?;
         let diff =
@@ -68,8 +71,15 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
                 .fold(0f32, |m, d| if d.is_nan() { f32::NAN } else { m.max(d) });
         group.upload(&x, Some(&mask))?;
         let sharded_ms = median(group.time(warmup, repeats)?);
+        let stages = group.stage_times()?;
         drop(group);
         emit(&format!("{n:>6} {one_ms:>12.3} {sharded_ms:>12.3} {:>7.3} {diff:>14.3e}", sharded_ms / one_ms))?;
+        let parts: Vec<String> = one_stages.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();
+        emit(&format!("{:>6} 1 GPU: {}", "", parts.join(", ")))?;
+        for (rank, st) in stages.iter().enumerate() {
+            let parts: Vec<String> = st.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();
+            emit(&format!("{:>6} rank {rank}: {}", "", parts.join(", ")))?;
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -99,6 +109,9 @@ fn one_gpu(
         backend.upload(x, &mut xb)?;
         let mut yb = backend.alloc(x.len())?;
         for k in 0..warmup + repeats {
+            if k + 1 == warmup + repeats {
+                backend.record_stages();
+            }
             let ms = if problem.in_place {
                 backend.upload(x, &mut xb)?;
                 backend.elapsed_ms(&mut || layer.forward_buffers_in_place(&mut xb, Some(&m), shape))?
@@ -118,6 +131,9 @@ fn one_gpu(
         backend.upload_bits(&bits, &mut xb)?;
         let mut yb = backend.alloc_buffer::<u16>(bits.len())?;
         for k in 0..warmup + repeats {
+            if k + 1 == warmup + repeats {
+                backend.record_stages();
+            }
             let ms = if problem.in_place {
                 backend.upload_bits(&bits, &mut xb)?;
                 backend.elapsed_ms(&mut || layer.forward_buffers_half_in_place(&mut xb, Some(&m), shape, io))?

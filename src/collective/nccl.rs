@@ -44,6 +44,8 @@ pub struct Communicator {
     rank: usize,
     ranks: usize,
     device: usize,
+    /// Set by [`Communicator::abort`]: the handle is gone.
+    aborted: bool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as one thread at a time
@@ -77,8 +79,31 @@ impl Communicator {
         Ok(comms
             .into_iter()
             .enumerate()
-            .map(|(rank, comm)| Communicator { comm, rank, ranks: devices.len(), device: devices[rank] })
+            .map(|(rank, comm)| Communicator {
+                comm,
+                rank,
+                ranks: devices.len(),
+                device: devices[rank],
+                aborted: false,
+            })
             .collect())
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`): its uncompleted operations are dropped and
+    /// every later call fails. What a group does when one rank failed partway through a
+    /// forward whose exchanges the others already enqueued, so that no stream waits forever
+    /// for a peer that will not come.
+    pub fn abort(&mut self) {
+        if !self.aborted {
+            self.aborted = true;
+            // SAFETY: a live communicator, aborted once; the handle is not used afterwards.
+            let _ = unsafe { nc::comm_abort(self.comm) };
+        }
+    }
+
+    /// Whether [`Communicator::abort`] was called.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted
     }
 
     /// This rank's number.
@@ -166,6 +191,12 @@ impl Communicator {
             i32,
         ) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
     ) -> Result<()> {
+        if self.aborted {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}'s communicator was aborted after an earlier failure; make a new one",
+                self.rank
+            )));
+        }
         if blocks.len() != self.ranks {
             return Err(Error::Internal(format!("{} row blocks for {} ranks", blocks.len(), self.ranks)));
         }
@@ -191,8 +222,10 @@ impl Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        // SAFETY: created by ncclCommInitAll and destroyed once; destroy waits for this rank's
-        // enqueued operations.
-        let _ = unsafe { nc::comm_destroy(self.comm) };
+        if !self.aborted {
+            // SAFETY: created by ncclCommInitAll and destroyed once; destroy waits for this
+            // rank's enqueued operations.
+            let _ = unsafe { nc::comm_destroy(self.comm) };
+        }
     }
 }

@@ -58,11 +58,13 @@ pub fn matrix_blocks(split: &[Range<usize>], n: usize) -> Vec<Range<usize>> {
 /// Matrices of the `[B, H, N, N]` intermediates per step of the sharded forward's pipeline:
 /// the exchange of one chunk runs on the communication stream while the contraction of the
 /// chunk before (outgoing) or after (incoming) runs on the compute stream.
-pub const CHUNK_MATRICES: usize = 16;
+pub const CHUNK_MATRICES: usize = 8;
 
-/// The pipeline's chunks of the `matrices = B·H` matrices, in order.
-pub fn matrix_chunks(matrices: usize) -> Vec<Range<usize>> {
-    (0..matrices).step_by(CHUNK_MATRICES).map(|m0| m0..(m0 + CHUNK_MATRICES).min(matrices)).collect()
+/// The pipeline's chunks of the `matrices = B·H` matrices, `per_chunk` each (the last one
+/// fewer), in order.
+pub fn matrix_chunks(matrices: usize, per_chunk: usize) -> Vec<Range<usize>> {
+    let per_chunk = per_chunk.max(1);
+    (0..matrices).step_by(per_chunk).map(|m0| m0..(m0 + per_chunk).min(matrices)).collect()
 }
 
 /// What one rank of today's sharded forward (`backend::cuda`, one pass, every buffer of the
@@ -168,8 +170,9 @@ mod tests {
     fn blocks_and_chunks_cover_everything_once() {
         let split = row_split(10, 3).unwrap();
         assert_eq!(matrix_blocks(&split, 10), vec![0..40, 40..70, 70..100]);
-        assert_eq!(matrix_chunks(40), vec![0..16, 16..32, 32..40]);
-        assert_eq!(matrix_chunks(16), vec![0..16]);
+        assert_eq!(matrix_chunks(20, 8), vec![0..8, 8..16, 16..20]);
+        assert_eq!(matrix_chunks(8, 8), vec![0..8]);
+        assert_eq!(matrix_chunks(2, 0), vec![0..1, 1..2]);
         let cfg = Config::new(Formulation::Af3, 128, 128).unwrap();
         let p = Problem::new(cfg, Shape::new(1, 4096), Direction::Outgoing, false).unwrap();
         // left, right, t: 4 GiB each; the gate of 2048 rows: 2 GiB.

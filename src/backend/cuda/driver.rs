@@ -283,6 +283,9 @@ pub(crate) struct EventPair {
     stop: sys::CUevent,
 }
 
+// SAFETY: event handles are plain driver handles usable from any thread with the context bound.
+unsafe impl Send for EventPair {}
+
 impl EventPair {
     pub(crate) fn new() -> Result<Self> {
         let start = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx("cuEventCreate")?;

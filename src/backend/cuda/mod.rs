@@ -131,6 +131,11 @@ impl CudaBackend {
                 if kernels.pdl { "on (sm_90; TRIMUL_CUDA_PDL=0 turns it off)" } else { "off" }.to_string(),
             ),
         ];
+        // NCCL is needed only for forwards sharded across GPUs (`crate::sharded`).
+        versions.push((
+            "NCCL".to_string(),
+            crate::collective::nccl_version().unwrap_or_else(|_| "not found (no sharded forwards across GPUs)".into()),
+        ));
         if driver::nvrtc_present() {
             let (mut ma, mut mi) = (0, 0);
             // SAFETY: writes two ints; NVRTC was found loadable just above.
@@ -180,6 +185,11 @@ impl CudaBackend {
                 xgate_launches: std::sync::atomic::AtomicU64::new(0),
             }),
         })
+    }
+
+    /// Makes this GPU's context current on the calling thread.
+    pub(crate) fn bind_to_thread(&self) -> Result<()> {
+        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")
     }
 
     /// The backend's own stream (every forward of [`Backend::forward`] runs on it).

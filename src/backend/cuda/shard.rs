@@ -38,7 +38,7 @@ use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{Addresses, CommonParams, InputParams, OutputParams};
 use crate::collective::Communicator;
 use crate::error::{BackendKind, Error, Result};
-use crate::plan::shard::{full_buffers_bytes, matrix_blocks, matrix_chunks, row_split};
+use crate::plan::shard::{full_buffers_bytes, matrix_blocks, matrix_chunks, row_split, CHUNK_MATRICES};
 use crate::problem::{Direction, Problem};
 
 /// The buffers, GEMM plans, second stream and events of one rank's sharded forward of one
@@ -52,8 +52,8 @@ pub struct ShardWorkspace {
     t: DeviceBuffer<u16>,
     gate: DeviceBuffer<u16>,
     gemm_ws: DeviceBuffer<u8>,
-    /// Per chunk of matrices: its GEMM and the element offsets of right, left and t in a matrix.
-    gemms: Vec<(Range<usize>, MatmulPlan, [usize; 3])>,
+    /// Per chunk of matrices, its GEMMs (see [`ChunkGemms`]).
+    gemms: Vec<ChunkGemms>,
     exchange_stream: Arc<CudaStream>,
     /// One event per chunk, and one for "the input stage is done" / "every exchange is done".
     chunk_done: Vec<CUevent>,
@@ -64,6 +64,17 @@ pub struct ShardWorkspace {
 // SAFETY: the events are plain driver handles usable from any thread with the context bound;
 // every method that records or waits on them takes `&mut self`.
 unsafe impl Send for ShardWorkspace {}
+
+/// The contraction GEMMs of one chunk of matrices, each with the element offsets of right,
+/// left and t within a matrix ([`GemmSpec::shard_contraction`]).
+struct ChunkGemms {
+    matrices: Range<usize>,
+    /// Outgoing: the rank's rows of t against its own rows of right, which need no exchange.
+    /// Incoming: the partial t over the rank's rows of the contracted index.
+    own: (MatmulPlan, [usize; 3]),
+    /// Outgoing: against each peer's rows of right, once the chunk's exchange is done.
+    peers: Vec<(MatmulPlan, [usize; 3])>,
+}
 
 impl Drop for ShardWorkspace {
     fn drop(&mut self) {
@@ -137,11 +148,26 @@ impl CudaBackend {
         let (b, n, h) = (problem.shape.batch, problem.shape.n, problem.config.h);
         let matrices = b * h;
         let gate_len = b * rows.len() * n * problem.config.gate_width();
+        let gemm = |cols: Range<usize>, batch| -> Result<(MatmulPlan, [usize; 3])> {
+            let (spec, offsets) = GemmSpec::shard_contraction(problem.direction, n, rows.clone(), cols, batch);
+            Ok((MatmulPlan::new(&self.inner.blas, spec, Elem::F16, false, MAX_GEMM_WORKSPACE)?, offsets))
+        };
         let mut gemms = Vec::new();
-        for chunk in matrix_chunks(matrices) {
-            let (spec, offsets) = GemmSpec::shard_contraction(problem.direction, n, rows.clone(), chunk.len());
-            let plan = MatmulPlan::new(&self.inner.blas, spec, Elem::F16, false, MAX_GEMM_WORKSPACE)?;
-            gemms.push((chunk, plan, offsets));
+        // `TRIMUL_SHARD_CHUNK_MATRICES` overrides the chunk size, to measure others.
+        let per_chunk = std::env::var("TRIMUL_SHARD_CHUNK_MATRICES")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(CHUNK_MATRICES);
+        for matrices in matrix_chunks(matrices, per_chunk) {
+            let batch = matrices.len();
+            let (own, peers) = match problem.direction {
+                Direction::Outgoing => {
+                    let peers = split.iter().filter(|p| **p != rows).map(|p| gemm(p.clone(), batch));
+                    (gemm(rows.clone(), batch)?, peers.collect::<Result<_>>()?)
+                }
+                Direction::Incoming => (gemm(0..n, batch)?, Vec::new()),
+            };
+            gemms.push(ChunkGemms { matrices, own, peers });
         }
         let event = || cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING).ctx("cuEventCreate");
         Ok(ShardWorkspace {
@@ -279,48 +305,42 @@ impl CudaBackend {
         };
         let (left, right, t, gemm_ws, gemm_ws_len) =
             (ws.left.ptr(), ws.right.ptr(), ws.t.ptr(), ws.gemm_ws.ptr(), ws.gemm_ws.len());
+        let run = |(gemm, [oa, ob, od]): &mut (MatmulPlan, [usize; 3]), m0: u64| {
+            let (oa, ob, od) = (2 * *oa as u64, 2 * *ob as u64, 2 * *od as u64);
+            // SAFETY: the offsets stay inside the chunk's matrices of the full-size buffers
+            // (`GemmSpec::shard_contraction`), which live in `ws` until the stream has run them.
+            unsafe {
+                gemm.run(&inner.blas, right + m0 + oa, left + m0 + ob, t + m0 + od, 0, gemm_ws, gemm_ws_len, stream)
+            }
+        };
         match problem.direction {
             Direction::Outgoing => {
                 record(ws.stage_done, stream)?;
                 wait(exchange, ws.stage_done)?;
-                for ((chunk, _, _), &done) in ws.gemms.iter().zip(&ws.chunk_done) {
-                    let mats = chunk.clone().map(|m| right + m as u64 * matrix_bytes);
+                for (chunk, &done) in ws.gemms.iter().zip(&ws.chunk_done) {
+                    let mats = chunk.matrices.clone().map(|m| right + m as u64 * matrix_bytes);
                     comm.broadcast_blocks(mats, &blocks, exchange)?;
                     record(done, exchange)?;
                 }
-                for ((chunk, gemm, [oa, ob, od]), &done) in ws.gemms.iter_mut().zip(&ws.chunk_done) {
+                // Every chunk's block against the rank's own rows of right first (no exchange
+                // needed), so the broadcasts run under them; then the peers' blocks, each chunk
+                // once its broadcast is done.
+                for chunk in ws.gemms.iter_mut() {
+                    run(&mut chunk.own, chunk.matrices.start as u64 * matrix_bytes)?;
+                }
+                for (chunk, &done) in ws.gemms.iter_mut().zip(&ws.chunk_done) {
                     wait(stream, done)?;
-                    let m0 = chunk.start as u64 * matrix_bytes;
-                    let (oa, ob, od) = (2 * *oa as u64, 2 * *ob as u64, 2 * *od as u64);
-                    gemm.run(
-                        &inner.blas,
-                        right + m0 + oa,
-                        left + m0 + ob,
-                        t + m0 + od,
-                        0,
-                        gemm_ws,
-                        gemm_ws_len,
-                        stream,
-                    )?;
+                    for peer in chunk.peers.iter_mut() {
+                        run(peer, chunk.matrices.start as u64 * matrix_bytes)?;
+                    }
                 }
             }
             Direction::Incoming => {
-                for ((chunk, gemm, [oa, ob, od]), &done) in ws.gemms.iter_mut().zip(&ws.chunk_done) {
-                    let m0 = chunk.start as u64 * matrix_bytes;
-                    let (oa, ob, od) = (2 * *oa as u64, 2 * *ob as u64, 2 * *od as u64);
-                    gemm.run(
-                        &inner.blas,
-                        right + m0 + oa,
-                        left + m0 + ob,
-                        t + m0 + od,
-                        0,
-                        gemm_ws,
-                        gemm_ws_len,
-                        stream,
-                    )?;
+                for (chunk, &done) in ws.gemms.iter_mut().zip(&ws.chunk_done) {
+                    run(&mut chunk.own, chunk.matrices.start as u64 * matrix_bytes)?;
                     record(done, stream)?;
                     wait(exchange, done)?;
-                    let mats = chunk.clone().map(|m| t + m as u64 * matrix_bytes);
+                    let mats = chunk.matrices.clone().map(|m| t + m as u64 * matrix_bytes);
                     comm.sum_blocks_to_owners(mats, &blocks, exchange)?;
                 }
                 record(ws.stage_done, exchange)?;

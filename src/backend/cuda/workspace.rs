@@ -124,10 +124,10 @@ pub(super) const WS_ROWS: usize = geometry::TM_WS_ROWS;
 pub(super) const WS_SMEM_BYTES: u32 = geometry::TM_WS_SMEM as u32;
 
 impl WsBuild<'_> {
-    /// Whether the build takes this launch: C = H = G = 128 (checked with the layout), the
-    /// one-pass plan (every position from 0, every channel, every column chunk or all but the
-    /// gate's), and full tiles
-    /// inside one batch (rows and N² multiples of 64). Where it applies it is the fastest build
+    /// Whether the build takes this launch: C = H = G = 128 (checked with the layout), every
+    /// channel, every column chunk or all but the gate's, and full tiles inside one batch (the
+    /// first position, rows and N² multiples of 64): the one-pass plan, and a rank's positions
+    /// in the sharded forward. Where it applies it is the fastest build
     /// at every size measured, in every I/O precision (H100, 16 producer warps, against the two-
     /// and three-blocks-per-SM builds: gpumode f32 256,2,128 0.194 → 0.183 ms, 1024,1,128 1.428 →
     /// 1.378 ms, N = 4096 42.9 → 41.6 ms; af3 bf16 1024,1,128 1.342 → 1.240 ms).
@@ -137,8 +137,7 @@ impl WsBuild<'_> {
         p.c() == 128
             && p.h() == 128
             && p.g() == 128
-            && p.row0() == 0
-            && kp.buf_row0 == 0
+            && p.row0() % WS_ROWS == 0
             && p.rows() == rows
             && kp.chunk_begin == 0
             // Every column chunk, or the four gating ones (the output stage makes the gate).
