@@ -76,12 +76,16 @@ const LAYERS: &[(&str, Layer)] = &[
     ("backend::hip::arch", Layer::Ffi),
     // The column-major GEMM descriptions both BLAS wrappers take.
     ("backend::gemm", Layer::Ffi),
+    // NCCL communicators (loaded at run time) for the sharded forward.
+    ("collective", Layer::Ffi),
     // Plans: budgets, passes, chunks and buffer layouts, for every backend.
     ("plan", Layer::Plan),
     ("backend", Layer::Backend),
     // The backend chosen at run time: names every backend, used by the layer and the CLI.
     ("device", Layer::Api),
     ("layer", Layer::Api),
+    // The forward sharded across GPUs: ranks over the CUDA backend and a communicator each.
+    ("sharded", Layer::Api),
     // Host staging for the layer's host forwards: above the backends, beside the layer.
     ("staging", Layer::Api),
     (LIB_ROOT, Layer::Api),
