@@ -20,6 +20,7 @@ use crate::backend::cuda::{CudaBackend, CudaPrepared, DeviceBuffer, EventPair, S
 use crate::backend::Backend;
 use crate::collective::Communicator;
 use crate::error::{Error, Result};
+use crate::plan::shard::CHUNK_MATRICES;
 use crate::problem::{Precision, Problem};
 use crate::weights::Weights;
 
@@ -45,9 +46,20 @@ impl ShardedLayer {
     /// Rank `comm.rank()` of a sharded forward of `problem` (the global problem: every row),
     /// on the GPU the communicator is bound to, with `weights` prepared there.
     pub fn new(weights: &Weights, problem: &Problem, comm: Communicator) -> Result<Self> {
+        Self::with_chunk_matrices(weights, problem, comm, CHUNK_MATRICES)
+    }
+
+    /// As [`ShardedLayer::new`], the contraction's exchanges in chunks of `chunk_matrices` of
+    /// the `B·H` matrices (every rank must use the same number).
+    pub fn with_chunk_matrices(
+        weights: &Weights,
+        problem: &Problem,
+        comm: Communicator,
+        chunk_matrices: usize,
+    ) -> Result<Self> {
         let backend = CudaBackend::new(comm.device())?;
         let prepared = backend.prepare(weights)?;
-        let ws = backend.shard_workspace(&prepared, problem, comm.rank(), comm.ranks())?;
+        let ws = backend.shard_workspace(&prepared, problem, comm.rank(), comm.ranks(), chunk_matrices)?;
         Ok(ShardedLayer { backend, prepared, ws, comm, io: None, timed: None })
     }
 
@@ -79,7 +91,10 @@ impl ShardedLayer {
     }
 
     /// Enqueues this rank's forward on `stream` (0: the backend's own stream). Every rank of
-    /// the communicator must enqueue the same forward.
+    /// the communicator must enqueue the same forwards in the same order, each rank from its
+    /// own thread (NCCL's rule for blocking communicators: one thread enqueueing for several
+    /// ranks would block in the first exchange). Consecutive forwards are ordered even on
+    /// different streams.
     ///
     /// # Safety
     /// `x` and `y` are device allocations of [`ShardedLayer::x_len`] elements in the problem's
@@ -204,10 +219,20 @@ pub struct ShardedGroup {
 impl ShardedGroup {
     /// A sharded forward of `problem` over `gpus` (CUDA device numbers, rank order), with
     /// `weights` prepared on each.
+    ///
+    /// `TRIMUL_SHARD_CHUNK_MATRICES` sets how many of the `B·H` matrices each exchange step moves
+    /// (default [`CHUNK_MATRICES`]), to measure others.
     pub fn on_local_gpus(weights: &Weights, problem: &Problem, gpus: &[usize]) -> Result<Self> {
         problem.validate()?;
+        let chunk = std::env::var("TRIMUL_SHARD_CHUNK_MATRICES")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(CHUNK_MATRICES);
         let comms = Communicator::for_local_gpus(gpus)?;
-        let layers = comms.into_iter().map(|comm| ShardedLayer::new(weights, problem, comm)).collect::<Result<_>>()?;
+        let layers = comms
+            .into_iter()
+            .map(|comm| ShardedLayer::with_chunk_matrices(weights, problem, comm, chunk))
+            .collect::<Result<_>>()?;
         Ok(ShardedGroup { layers, problem: *problem })
     }
 
@@ -237,8 +262,13 @@ impl ShardedGroup {
                 layer.comm.rank()
             )));
         }
+        if let Some(layer) = self.layers.iter().find(|l| l.io.is_none()) {
+            return Err(Error::InvalidArgument(format!("rank {} has no rows uploaded", layer.comm.rank())));
+        }
         let enqueued = self.on_every_rank(enqueue);
-        if enqueued.is_err() {
+        // A rank that failed before its first exchange leaves nobody waiting if every rank
+        // did; once any rank has enqueued an exchange, the others would wait for the failed one.
+        if enqueued.is_err() && self.layers.iter().any(|l| l.ws.exchange_started()) {
             for layer in &mut self.layers {
                 layer.comm.abort();
             }

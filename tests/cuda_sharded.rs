@@ -100,6 +100,19 @@ fn sharded_forward_matches_reference_and_one_gpu() {
     }
 }
 
+/// N whose rank blocks sit at addresses only 64 (N = 200) or 4 (N = 100, its column blocks)
+/// bytes aligned inside the buffers: the GEMM plans must not assume more.
+#[test]
+fn sharded_forward_at_unaligned_row_offsets() {
+    let Some(one) = two_gpus() else { return };
+    let s = seed();
+    for n in [200, 100] {
+        for dir in [Direction::Outgoing, Direction::Incoming] {
+            check(&one, &problem(Formulation::Af3, dir, 1, n, Precision::Bf16Io), true, 2, s);
+        }
+    }
+}
+
 /// N = 1024 (the equality case), af3 bf16, both directions, and in place.
 #[test]
 fn sharded_forward_at_n1024_and_in_place() {

@@ -5,7 +5,9 @@
 //! of `--precision`. The one-GPU time is `trimul bench`'s (the layer on GPU 0, its fastest
 //! plan, device events around each call); the sharded time is, per call, the longest of the
 //! ranks' device times, the ranks started together. Medians of `--repeats` after `--warmup`.
-//! Before timing, the sharded y is compared with the one-GPU y.
+//! Before timing, the sharded y is compared with the one-GPU y (a difference beyond `trimul
+//! check`'s tolerance fails the run). In place, the timed calls write y over x and the next call
+//! reads it: the times are right, the values drift.
 
 use std::process::ExitCode;
 
@@ -16,7 +18,7 @@ use trimul::suite::{generate_inputs, Case, Dist};
 use trimul::{Backend, Config, Layer, Options, Precision, Problem, Shape, Weights};
 
 use super::args::BenchArgs;
-use super::exit::{CliError, CliResult};
+use super::exit::{CliError, CliResult, EXIT_FAILED};
 use super::output::emit;
 use super::seed::clock_seed;
 
@@ -51,6 +53,7 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
         "ratio",
         "max |Δ| vs 1"
     ))?;
+    let mut disagreements = 0;
     for n in ns {
         let problem = Problem::new(config, Shape::new(1, n), args.direction.into(), true)?
             .with_io(args.precision)
@@ -64,16 +67,30 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
         let one_stages = one.stage_times()?;
         let mut group = ShardedGroup::on_local_gpus(&weights, &problem, &devices)?;
         let y = group.forward(&x, Some(&mask))?;
-        let diff =
-            y.iter()
-                .zip(&one_y)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, |m, d| if d.is_nan() { f32::NAN } else { m.max(d) });
+        let diff = y.iter().zip(&one_y).map(|(a, b)| (a - b).abs()).fold(0f32, |m, d| {
+            if d.is_nan() || m.is_nan() {
+                f32::NAN
+            } else {
+                m.max(d)
+            }
+        });
+        // `trimul check`'s rule, around the one-GPU result (NaN is outside).
+        let outside = y
+            .iter()
+            .zip(&one_y)
+            .filter(|(a, b)| {
+                let d = (*a - *b).abs();
+                d.is_nan() || d > TOL + TOL * b.abs()
+            })
+            .count();
+        disagreements += usize::from(outside > 0);
         group.upload(&x, Some(&mask))?;
         let sharded_ms = median(group.time(warmup, repeats)?);
         let stages = group.stage_times()?;
         drop(group);
-        emit(&format!("{n:>6} {one_ms:>12.3} {sharded_ms:>12.3} {:>7.3} {diff:>14.3e}", sharded_ms / one_ms))?;
+        let flag =
+            if outside > 0 { format!("  ({outside} elements outside 2e-2 + 2e-2·|one GPU|)") } else { String::new() };
+        emit(&format!("{n:>6} {one_ms:>12.3} {sharded_ms:>12.3} {:>7.3} {diff:>14.3e}{flag}", sharded_ms / one_ms))?;
         let parts: Vec<String> = one_stages.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();
         emit(&format!("{:>6} 1 GPU: {}", "", parts.join(", ")))?;
         for (rank, st) in stages.iter().enumerate() {
@@ -81,8 +98,16 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
             emit(&format!("{:>6} rank {rank}: {}", "", parts.join(", ")))?;
         }
     }
+    if disagreements > 0 {
+        return Err(CliError {
+            code: EXIT_FAILED,
+            message: format!("the sharded forward disagreed with the one-GPU forward at {disagreements} N"),
+        });
+    }
     Ok(ExitCode::SUCCESS)
 }
+
+const TOL: f32 = 2e-2;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

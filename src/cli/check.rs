@@ -88,7 +88,8 @@ struct CaseResult {
     /// Absent when the forward or the reference failed; `error` says why.
     #[serde(skip_serializing_if = "Option::is_none")]
     comparison: Option<ComparisonJson>,
-    /// Wall time of the forward on host slices, uploads and downloads included.
+    /// Wall time of the forward on host slices, uploads and downloads included (with `--gpus`,
+    /// the sharded forward's).
     #[serde(skip_serializing_if = "Option::is_none")]
     forward_ms: Option<f64>,
     /// With `--grad`: each gradient's comparison, in `trimul::Gradients::tensors` order.
@@ -349,9 +350,8 @@ fn run_grad_case(run: &CaseRun) -> CaseResult {
     result
 }
 
-/// A case's problem, random weights (af3's with biases, so the bias paths are checked too),
-/// inputs and layer.
-/// The case's forward sharded across `gpus` GPUs (poisoned buffers), and its wall time.
+/// The case's forward sharded across `gpus` GPUs (poisoned buffers), and its wall time (host
+/// conversion and copies included, as the one-GPU `forward_ms`).
 #[cfg(feature = "cuda")]
 fn sharded_forward(
     weights: &Weights,
@@ -372,6 +372,8 @@ fn sharded_forward(_: &Weights, _: &trimul::Problem, _: &suite::Inputs, _: usize
     Err(trimul::Error::NotCompiled { backend: BackendKind::Cuda, feature: "cuda" })
 }
 
+/// A case's problem, random weights (af3's with biases, so the bias paths are checked too),
+/// inputs and layer.
 fn setup(run: &CaseRun) -> trimul::Result<(trimul::Problem, Weights, suite::Inputs, TriMul)> {
     let problem = run.case.problem(run.formulation, run.direction)?;
     let weights = Weights::random(problem.config, run.formulation == Formulation::Af3, run.weights_seed)?;

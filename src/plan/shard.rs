@@ -1,4 +1,11 @@
-//! Row-sharded forwards across GPUs (issue 29): the memory arithmetic, before any communicator.
+//! Row-sharded forwards across GPUs (issue 29): the row split, the exchange's row blocks and
+//! chunks the CUDA sharded forward runs (`backend/cuda/shard.rs`), and the memory arithmetic of
+//! the design for long N (compact row buffers and hidden passes, not built yet).
+//!
+//! What runs today: outgoing gathers right by in-place broadcasts of each rank's row blocks;
+//! incoming sums each rank's partial t to the owner of each row block (an f16 reduction), the
+//! [`IncomingExchange::ReduceScatter`] way with 16-bit partials. The ring and the gather below
+//! are design.
 //!
 //! Each of `R` ranks holds rows `i ∈ [r0, r1)` of x (and receives the same rows of y): for every
 //! batch, `(r1 − r0)·N` positions. Its input stage makes left and right for those positions only.
@@ -55,9 +62,10 @@ pub fn matrix_blocks(split: &[Range<usize>], n: usize) -> Vec<Range<usize>> {
     split.iter().map(|r| r.start * n..r.end * n).collect()
 }
 
-/// Matrices of the `[B, H, N, N]` intermediates per step of the sharded forward's pipeline:
-/// the exchange of one chunk runs on the communication stream while the contraction of the
-/// chunk before (outgoing) or after (incoming) runs on the compute stream.
+/// Matrices of the `[B, H, N, N]` intermediates per step of the sharded forward's pipeline (by
+/// default): the chunks' exchanges run on the communication stream under GEMMs on the compute
+/// stream (outgoing: under the GEMMs against the rank's own rows; incoming: one chunk's sums
+/// under the next chunk's GEMM).
 pub const CHUNK_MATRICES: usize = 8;
 
 /// The pipeline's chunks of the `matrices = B·H` matrices, `per_chunk` each (the last one

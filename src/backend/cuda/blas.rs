@@ -185,16 +185,30 @@ impl MatmulPlan {
         max_workspace: usize,
         rank: usize,
     ) -> Result<Self> {
-        Self::build(handle, spec, Elem::F16, d_type, bias, max_workspace, rank)
+        Self::build(handle, spec, Elem::F16, d_type, bias, max_workspace, rank, None)
+    }
+
+    /// As [`MatmulPlan::new`] (no bias) for operands whose addresses are multiples of
+    /// `alignment` bytes only, not of the 256 the heuristic otherwise assumes: the sharded
+    /// forward's GEMMs on blocks inside its buffers (a row offset of `r0·N` halves).
+    pub(crate) fn new_aligned(
+        handle: &BlasHandle,
+        spec: GemmSpec,
+        d_type: Elem,
+        max_workspace: usize,
+        alignment: u32,
+    ) -> Result<Self> {
+        Self::build(handle, spec, Elem::F16, d_type, false, max_workspace, 0, Some(alignment))
     }
 
     /// A GEMM on f32 A, B and D on the tensor cores in TF32 (inputs rounded to a 10-bit
     /// mantissa, as f16's, with f32's range; f32 accumulation): the backward's products, whose
     /// operands (gradients) have no range a 16-bit format is sure to hold.
     pub(crate) fn tf32(handle: &BlasHandle, spec: GemmSpec, max_workspace: usize) -> Result<Self> {
-        Self::build(handle, spec, Elem::F32, Elem::F32, false, max_workspace, 0)
+        Self::build(handle, spec, Elem::F32, Elem::F32, false, max_workspace, 0, None)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn build(
         handle: &BlasHandle,
         spec: GemmSpec,
@@ -203,6 +217,7 @@ impl MatmulPlan {
         bias: bool,
         max_workspace: usize,
         rank: usize,
+        alignment: Option<u32>,
     ) -> Result<Self> {
         let compute = match ab_type {
             Elem::F16 => cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -247,7 +262,8 @@ impl MatmulPlan {
 
         let pref = lt::create_matmul_pref().map_err(|e| blas_err("cublasLtMatmulPreferenceCreate", e))?;
         let ws = max_workspace as u64;
-        // SAFETY: `pref` is live; the attribute is a u64 byte count.
+        // SAFETY: `pref` is live; each attribute gets a value of its documented type (a u64 workspace
+        // byte count, u32 alignments).
         let heuristic = unsafe {
             lt::set_matmul_pref_attribute(
                 pref,
@@ -256,6 +272,24 @@ impl MatmulPlan {
                 std::mem::size_of::<u64>(),
             )
             .map_err(|e| blas_err("cublasLtMatmulPreferenceSetAttribute", e))?;
+            if let Some(align) = alignment {
+                use sys::cublasLtMatmulPreferenceAttributes_t as P;
+                for attr in [
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                ] {
+                    // The attribute is a uint32 byte count.
+                    lt::set_matmul_pref_attribute(
+                        pref,
+                        attr,
+                        &align as *const u32 as *const c_void,
+                        std::mem::size_of::<u32>(),
+                    )
+                    .map_err(|e| blas_err("cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)", e))?;
+                }
+            }
             let h = heuristic_candidates(handle.0, desc, a, b, d, pref, rank + 1);
             let _ = lt::destroy_matmul_pref(pref);
             let all = h.map_err(|e| blas_err(&format!("cublasLtMatmulAlgoGetHeuristic for {spec:?}"), e))?;

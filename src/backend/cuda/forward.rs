@@ -67,7 +67,8 @@ impl CudaBackend {
         (wins && self.inner.fused_output.load(Ordering::Relaxed)).then_some(k)
     }
 
-    /// The fused output kernel when it takes this configuration, faster or not.
+    /// The fused output kernel when it takes this configuration, faster or not and whatever
+    /// [`CudaBackend::set_fused_output`] says: the sharded forward's only output path.
     pub(super) fn fused_output_fits(&self, problem: &Problem) -> Option<&kernels::Stage> {
         let cfg = &problem.config;
         let k = self.inner.kernels.output_projection.as_ref()?;

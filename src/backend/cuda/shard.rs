@@ -6,16 +6,25 @@
 //! batch, the positions `(b·N + r0)·N .. (b·N + r1)·N`); only the contraction needs other
 //! ranks' data. Left, right and t are full-size `[B, H, N, N]` f16 buffers on every rank, in
 //! the layout the kernels index by global position, and the contraction runs in chunks of
-//! [`CHUNK_MATRICES`] matrices so that the exchange of one chunk (NCCL, on a second stream)
-//! runs under the GEMM of another:
+//! matrices (`plan::shard::CHUNK_MATRICES` by default) so that the exchanges (NCCL, on a second
+//! stream) run under GEMMs:
 //!
 //! - **outgoing**: each rank broadcasts its rows of right to the others, chunk by chunk; the
-//!   GEMM of a chunk (the rank's rows of t from its rows of left and all of right) waits for
-//!   that chunk's exchange only.
+//!   compute stream first runs every chunk's GEMM against the rank's own rows of right (no
+//!   exchange needed), then each chunk's GEMMs against the peers' rows once that chunk's
+//!   broadcast is done.
 //! - **incoming**: each rank computes, chunk by chunk, the partial t over its own rows of the
 //!   contracted index for every `(i, j)`; each chunk's partials are then summed to the rank that
 //!   owns each row block (an f16 reduction: one more rounding per rank than on one GPU), under
 //!   the next chunk's GEMM.
+//!
+//! The GEMMs run on blocks inside the buffers (offsets of `r0·N` halves and the chunks' starts),
+//! so their plans are told the alignment those addresses have.
+//!
+//! Consecutive forwards on one workspace are ordered even on different streams: each waits for
+//! the previous one's end. Every rank must enqueue the same forwards in the same order, each
+//! rank from its own thread (NCCL: one thread driving several ranks would have to group their
+//! calls together).
 //!
 //! The kernels address x, the mask and y by global position; the rank's buffers hold only its
 //! rows, so each batch's launch gets base addresses moved back by the positions before its
@@ -38,7 +47,7 @@ use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{Addresses, CommonParams, InputParams, OutputParams};
 use crate::collective::Communicator;
 use crate::error::{BackendKind, Error, Result};
-use crate::plan::shard::{full_buffers_bytes, matrix_blocks, matrix_chunks, row_split, CHUNK_MATRICES};
+use crate::plan::shard::{full_buffers_bytes, matrix_blocks, matrix_chunks, row_split};
 use crate::problem::{Direction, Problem};
 
 /// The buffers, GEMM plans, second stream and events of one rank's sharded forward of one
@@ -58,6 +67,11 @@ pub struct ShardWorkspace {
     /// One event per chunk, and one for "the input stage is done" / "every exchange is done".
     chunk_done: Vec<CUevent>,
     stage_done: CUevent,
+    /// Recorded at the end of each forward; the next one's stream waits for it.
+    forward_done: CUevent,
+    /// Whether the current forward has enqueued an exchange: a failure after that leaves the
+    /// peers waiting for this rank (`sharded::ShardedGroup` then aborts the communicators).
+    exchanged: bool,
     weights_of: u64,
 }
 
@@ -78,8 +92,9 @@ struct ChunkGemms {
 
 impl Drop for ShardWorkspace {
     fn drop(&mut self) {
-        for &ev in self.chunk_done.iter().chain([&self.stage_done]) {
-            // SAFETY: created in `shard_workspace`, destroyed once.
+        let _ = self.exchange_stream.context().bind_to_thread();
+        for &ev in self.chunk_done.iter().chain([&self.stage_done, &self.forward_done]) {
+            // SAFETY: created in `shard_workspace` in this context, destroyed once.
             let _ = unsafe { cu::event::destroy(ev) };
         }
     }
@@ -96,6 +111,12 @@ impl ShardWorkspace {
         self.split[self.rank].clone()
     }
 
+    /// Whether the last forward enqueued on this workspace got as far as an exchange (see
+    /// [`CudaBackend::enqueue_shard`]): if it then failed, the peers wait for this rank.
+    pub fn exchange_started(&self) -> bool {
+        self.exchanged
+    }
+
     /// Device bytes the workspace holds.
     pub fn bytes(&self) -> u64 {
         self.left.bytes() + self.right.bytes() + self.t.bytes() + self.gate.bytes() + self.gemm_ws.bytes()
@@ -104,15 +125,17 @@ impl ShardWorkspace {
 
 impl CudaBackend {
     /// The workspace for rank `rank` of `ranks` of a sharded forward of `problem` (the global
-    /// problem: every row). Refuses, before allocating, what today's sharded forward does not
-    /// take: layers without the fused input and output kernels on this GPU, and buffers that do
-    /// not fit in free memory.
+    /// problem: every row), its contraction in chunks of `chunk_matrices` of the `B·H` matrices
+    /// (every rank must use the same). Refuses, before allocating, what today's sharded forward
+    /// does not take: layers without the fused input and output kernels on this GPU, and
+    /// buffers that do not fit in free memory.
     pub fn shard_workspace(
         &self,
         prep: &CudaPrepared,
         problem: &Problem,
         rank: usize,
         ranks: usize,
+        chunk_matrices: usize,
     ) -> Result<ShardWorkspace> {
         check_prepared_for(&prep.config, problem)?;
         let split = row_split(problem.shape.n, ranks)?;
@@ -148,17 +171,18 @@ impl CudaBackend {
         let (b, n, h) = (problem.shape.batch, problem.shape.n, problem.config.h);
         let matrices = b * h;
         let gate_len = b * rows.len() * n * problem.config.gate_width();
+        let chunks = matrix_chunks(matrices, chunk_matrices);
+        // The byte offsets every plan's operands sit at besides the allocations' own 256-byte
+        // alignment: the chunks' starts, and the blocks' offsets within a matrix.
+        let chunk_starts = chunks.iter().map(|c| (c.start * n * n * 2) as u64).fold(0, gcd);
         let gemm = |cols: Range<usize>, batch| -> Result<(MatmulPlan, [usize; 3])> {
             let (spec, offsets) = GemmSpec::shard_contraction(problem.direction, n, rows.clone(), cols, batch);
-            Ok((MatmulPlan::new(&self.inner.blas, spec, Elem::F16, false, MAX_GEMM_WORKSPACE)?, offsets))
+            let at = offsets.iter().map(|&o| 2 * o as u64).fold(chunk_starts, gcd);
+            let plan = MatmulPlan::new_aligned(&self.inner.blas, spec, Elem::F16, MAX_GEMM_WORKSPACE, alignment(at))?;
+            Ok((plan, offsets))
         };
         let mut gemms = Vec::new();
-        // `TRIMUL_SHARD_CHUNK_MATRICES` overrides the chunk size, to measure others.
-        let per_chunk = std::env::var("TRIMUL_SHARD_CHUNK_MATRICES")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(CHUNK_MATRICES);
-        for matrices in matrix_chunks(matrices, per_chunk) {
+        for matrices in chunks {
             let batch = matrices.len();
             let (own, peers) = match problem.direction {
                 Direction::Outgoing => {
@@ -180,6 +204,8 @@ impl CudaBackend {
             gemm_ws: self.alloc_buffer(MAX_GEMM_WORKSPACE)?,
             chunk_done: (0..gemms.len()).map(|_| event()).collect::<Result<_>>()?,
             stage_done: event()?,
+            forward_done: event()?,
+            exchanged: false,
             gemms,
             split,
             exchange_stream: self.inner.ctx.new_stream().ctx("cuStreamCreate")?,
@@ -240,11 +266,26 @@ impl CudaBackend {
         let rows = ws.rows();
         let (r0, r) = (rows.start, rows.len());
         let io = problem.io.io_bytes() as u64;
+        let wait = |s: CUstream, ev: CUevent| {
+            // SAFETY: both are live handles of this context (waiting on a never-recorded event
+            // returns at once).
+            unsafe { cu::stream::wait_event(s, ev, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+                .ctx("cuStreamWaitEvent")
+        };
+        let record = |ev: CUevent, s: CUstream| {
+            // SAFETY: as above.
+            unsafe { cu::event::record(ev, s) }.ctx("cuEventRecord")
+        };
+        ws.exchanged = false;
+        // The previous forward on this workspace, maybe on another stream, must be done with
+        // every buffer before this one writes them.
+        wait(stream, ws.forward_done)?;
         if inner.poison.load(std::sync::atomic::Ordering::Relaxed) {
             for buf in [&mut ws.left, &mut ws.right, &mut ws.t, &mut ws.gate] {
                 buf.memset_async(POISON_BYTE, stream)?;
             }
             if !problem.in_place {
+                // SAFETY: y holds the rank's `B·r·N·C` elements (the caller's contract).
                 cu::memset_d8_async(y, POISON_BYTE, b * r * n * c * io as usize, stream).ctx("cuMemsetD8Async(y)")?;
             }
         }
@@ -286,6 +327,8 @@ impl CudaBackend {
                 buf_row0: pos.0 as i64,
                 ..InputParams::default()
             };
+            // SAFETY: the addresses cover the launch's positions (the caller's buffers, moved
+            // back by the positions before the first own one) and `ws`'s full-size buffers.
             input.launch(count, stream, &kp)?;
         }
         self.mark("input (LN, projections, gating)", stream)?;
@@ -294,15 +337,6 @@ impl CudaBackend {
         let blocks = matrix_blocks(&ws.split, n);
         let matrix_bytes = (n * n * 2) as u64;
         let exchange = ws.exchange_stream.cu_stream();
-        let wait = |s: CUstream, ev: CUevent| {
-            // SAFETY: both are live handles of this context.
-            unsafe { cu::stream::wait_event(s, ev, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
-                .ctx("cuStreamWaitEvent")
-        };
-        let record = |ev: CUevent, s: CUstream| {
-            // SAFETY: as above.
-            unsafe { cu::event::record(ev, s) }.ctx("cuEventRecord")
-        };
         let (left, right, t, gemm_ws, gemm_ws_len) =
             (ws.left.ptr(), ws.right.ptr(), ws.t.ptr(), ws.gemm_ws.ptr(), ws.gemm_ws.len());
         let run = |(gemm, [oa, ob, od]): &mut (MatmulPlan, [usize; 3]), m0: u64| {
@@ -313,12 +347,16 @@ impl CudaBackend {
                 gemm.run(&inner.blas, right + m0 + oa, left + m0 + ob, t + m0 + od, 0, gemm_ws, gemm_ws_len, stream)
             }
         };
+        // From here on a failure leaves the peers waiting for this rank's exchanges.
+        ws.exchanged = true;
         match problem.direction {
             Direction::Outgoing => {
                 record(ws.stage_done, stream)?;
                 wait(exchange, ws.stage_done)?;
                 for (chunk, &done) in ws.gemms.iter().zip(&ws.chunk_done) {
                     let mats = chunk.matrices.clone().map(|m| right + m as u64 * matrix_bytes);
+                    // SAFETY: every matrix of right holds N² halves, the blocks lie inside one,
+                    // and `ws` keeps right alive; the stream waited for the input stage.
                     comm.broadcast_blocks(mats, &blocks, exchange)?;
                     record(done, exchange)?;
                 }
@@ -341,6 +379,7 @@ impl CudaBackend {
                     record(done, stream)?;
                     wait(exchange, done)?;
                     let mats = chunk.matrices.clone().map(|m| t + m as u64 * matrix_bytes);
+                    // SAFETY: as for the broadcasts, on t after the chunk's GEMM.
                     comm.sum_blocks_to_owners(mats, &blocks, exchange)?;
                 }
                 record(ws.stage_done, exchange)?;
@@ -354,8 +393,45 @@ impl CudaBackend {
             let common = CommonParams::new(&problem, addresses(pos))?.over(pos.0 as usize, count)?;
             let kp =
                 OutputParams { common, t, gate: gate_of(pos.1), buf_row0: pos.0 as i64, ..OutputParams::default() };
+            // SAFETY: as for the input stage; t holds every row the launch reads.
             self.launch_output(output, &kp, stream)?;
         }
+        record(ws.forward_done, stream)?;
         self.mark("output stage", stream)
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The largest power of two (at most 256, cuMemAlloc's alignment) dividing `offsets_gcd`, the
+/// greatest common divisor of the byte offsets an operand may sit at (0: none besides the
+/// allocation's start).
+fn alignment(offsets_gcd: u64) -> u32 {
+    if offsets_gcd == 0 {
+        256
+    } else {
+        (1u64 << offsets_gcd.trailing_zeros().min(8)) as u32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_is_the_largest_power_of_two_of_every_offset() {
+        assert_eq!(alignment(0), 256);
+        assert_eq!(alignment(1 << 20), 256);
+        // N = 200, rank 1 of 2: a row offset of 100·200 halves, 40000 bytes.
+        assert_eq!(alignment(gcd(0, 40_000)), 64);
+        // N = 100: 50·100 halves = 10000 bytes, and a column block starting at 50 (100 bytes).
+        assert_eq!(alignment(gcd(gcd(0, 10_000), 100)), 4);
+        assert_eq!(alignment(gcd(2 * 97, 2 * 97 * 49)), 2);
     }
 }
