@@ -156,6 +156,21 @@ fn usage_errors_exit_2() {
     assert_usage_error(&o, "TRIMUL_BACKEND");
 }
 
+/// `--gpus` (the sharded forward) is refused up front where it cannot run: fewer than two GPUs,
+/// another backend, the backward, or bench options it does not take yet.
+#[test]
+fn gpus_flag_is_refused_where_it_cannot_run() {
+    assert_eq!(trimul(&["check", "--gpus", "1"]).status.code(), Some(2));
+    let o = trimul(&["check", "--backend", "cpu", "--suite", "quick", "--gpus", "2"]);
+    assert_usage_error(&o, "--gpus");
+    assert!(stdout(&o).is_empty(), "nothing ran: {}", stdout(&o));
+    let o = trimul(&["bench", "--gpus", "2", "--json", "run.json"]);
+    assert_usage_error(&o, "--gpus");
+    assert!(stdout(&o).is_empty(), "nothing ran: {}", stdout(&o));
+    let o = trimul(&["bench", "--gpus", "2", "--grad"]);
+    assert_usage_error(&o, if cfg!(feature = "cuda") { "--grad" } else { "--features cuda" });
+}
+
 /// Counts and paths that could only fail after the work, or exhaust memory, are refused first;
 /// a bench that measures nothing is a failure, not a success.
 #[test]
