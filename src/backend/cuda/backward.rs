@@ -43,100 +43,16 @@ use super::context::{ceil_div, BackwardSizes, CudaBackend, MAX_GEMM_WORKSPACE, P
 use super::driver::DeviceBuffer;
 use super::kernels::Stage;
 use super::workspace::CudaPrepared;
+use crate::backend::backward_params::{
+    acc_smem, output_norm_grad_smem, BackwardParams, ColumnSums, Widen, GATING_SMEM, MAX_ROW_BLOCKS, PARTIALS_SMEM,
+    ROWS_PER_BLOCK, THREADS, TILE, WARPS,
+};
 use crate::backend::gemm::GemmSpec;
 use crate::device_io::{DeviceSpan, SPAN_ALIGN};
 use crate::error::{Error, Result};
 use crate::gradients::Gradients;
 use crate::problem::{Direction, Formulation, Problem};
 use crate::weights::{Linear, Norm};
-
-/// Threads per block of every backward kernel (`TM_BWD_THREADS`).
-const THREADS: u32 = 256;
-/// Positions per block of the warp-per-position kernels (`TM_BWD_ROWS_PER_BLOCK`), and warps
-/// per block (`TM_BWD_WARPS`).
-const ROWS_PER_BLOCK: usize = 8;
-const WARPS: usize = 8;
-/// Positions per block of the kernels that go through hidden-major tensors (`TM_BWD_TILE`).
-const TILE: usize = 32;
-/// Dynamic shared memory of the gating kernels (`TM_BWD_GATING_SMEM`) and of the column sums'
-/// first pass (`TM_BWD_PARTIALS_SMEM`).
-const GATING_SMEM: u32 = 2 * 32 * (TILE as u32 + 1) * 4;
-const PARTIALS_SMEM: u32 = 8 * 32 * 8;
-/// Most row blocks of a column sum's first pass (its partial sums: this × the widest matrix's
-/// columns, f64).
-const MAX_ROW_BLOCKS: usize = 1024;
-
-/// Dynamic shared memory of `backward_input_norm_grad` (`TM_BWD_ACC_SMEM`): per-warp sums of
-/// `2w` columns.
-fn acc_smem(w: usize) -> usize {
-    WARPS * 2 * w * 4
-}
-
-/// Dynamic shared memory of `backward_output_norm_grad` (`TM_BWD_T_ACC_SMEM`): a tile of t and
-/// the sums (`backward_output_norm` needs less: the tile alone).
-fn output_norm_grad_smem(h: usize) -> usize {
-    h * (TILE + 1) * 4 + acc_smem(h)
-}
-
-/// `TmBackwardParams` of `common/backward.h`, field for field.
-#[repr(C)]
-#[derive(Copy, Clone, Default)]
-struct BackwardParams {
-    x: u64,
-    dy: u64,
-    mask: u64,
-    norm_in_w: u64,
-    norm_in_b: u64,
-    norm_out_w: u64,
-    norm_out_b: u64,
-    proj_bias: u64,
-    out_bias: u64,
-    z: u64,
-    stats_x: u64,
-    p: u64,
-    left: u64,
-    right: u64,
-    t: u64,
-    u: u64,
-    stats_t: u64,
-    e: u64,
-    du: u64,
-    dcat: u64,
-    dz: u64,
-    dx: u64,
-    partial: u64,
-    rows: i64,
-    n2: i64,
-    c: i32,
-    h: i32,
-    f: i32,
-    af3: i32,
-    eps: f32,
-    blocks: i32,
-}
-
-/// `TmColumnSums`.
-#[repr(C)]
-#[derive(Copy, Clone)]
-struct ColumnSums {
-    a: u64,
-    partial: u64,
-    out: u64,
-    rows: i64,
-    cols: i32,
-    ld: i32,
-    row_blocks: i32,
-    pad: i32,
-}
-
-/// `TmWiden`.
-#[repr(C)]
-#[derive(Copy, Clone)]
-struct Widen {
-    src: u64,
-    dst: u64,
-    n: i64,
-}
 
 /// The sums and products that make the weight gradients, as offsets (in floats) into one device
 /// buffer, downloaded in one copy at the end. Each LayerNorm's weight and bias are adjacent: the
@@ -649,92 +565,5 @@ impl CudaBackend {
             norm_out: Norm { weight: seg(out.norm_out_w, h), bias: seg(out.norm_out_b, h) },
             out_proj: Linear::new(seg(out.w_out, c * h), prep.biases[5].then(|| seg(out.b_out, c)), c, h),
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::io::Write;
-    use std::mem::{offset_of, size_of};
-    use std::process::{Command, Stdio};
-
-    use super::{
-        acc_smem, output_norm_grad_smem, BackwardParams, ColumnSums, Widen, GATING_SMEM, PARTIALS_SMEM, ROWS_PER_BLOCK,
-        THREADS, TILE, WARPS,
-    };
-
-    /// The Rust mirrors of `TmBackwardParams`, `TmColumnSums` and `TmWiden` equal the C structs
-    /// field by field, and the geometry and shared-memory sizes the launches use equal the
-    /// kernels' macros: a host clang checks `static_assert`s of every offset and size against
-    /// `common/backward.h`, compiled with the CPU emulation's portability layer
-    /// (`tests/hip_emu/emu.h`; the structs hold only pointers, 64- and 32-bit integers and floats,
-    /// laid out alike by nvcc, hipcc and the host compiler). A test that cannot find clang prints
-    /// `SKIPPED`, or fails under `TRIMUL_REQUIRE_HIP_CLANG` (CI).
-    #[test]
-    fn kernel_argument_structs_equal_their_rust_mirrors() {
-        macro_rules! fields {
-            ($c:literal, $t:ty, $($f:ident),*) => { vec![$(($c, stringify!($f), offset_of!($t, $f))),*] };
-        }
-        let mut v = fields! {
-            "TmBackwardParams", BackwardParams, x, dy, mask, norm_in_w, norm_in_b, norm_out_w, norm_out_b,
-            proj_bias, out_bias, z, stats_x, p, left, right, t, u, stats_t, e, du, dcat, dz, dx, partial, rows,
-            n2, c, h, f, af3, eps, blocks
-        };
-        v.extend(fields! { "TmColumnSums", ColumnSums, a, partial, out, rows, cols, ld, row_blocks });
-        v.extend(fields! { "TmWiden", Widen, src, dst, n });
-        let mut src = String::from("#include \"tests/hip_emu/emu.h\"\n#include \"common/backward.h\"\n");
-        for (st, f, off) in v {
-            src += &format!("static_assert(__builtin_offsetof({st}, {f}) == {off}, \"{st}::{f}\");\n");
-        }
-        // The launch geometry and shared-memory sizes the Rust side uses, against the macros.
-        for (mac, v) in [
-            ("TM_BWD_THREADS", THREADS as usize),
-            ("TM_BWD_TILE", TILE),
-            ("TM_BWD_WARPS", WARPS),
-            ("TM_BWD_ROWS_PER_BLOCK", ROWS_PER_BLOCK),
-            ("TM_BWD_GATING_SMEM", GATING_SMEM as usize),
-            ("TM_BWD_PARTIALS_SMEM", PARTIALS_SMEM as usize),
-            ("TM_BWD_ACC_SMEM(40)", acc_smem(40)),
-            ("TM_BWD_T_ACC_SMEM(24)", output_norm_grad_smem(24)),
-        ] {
-            src += &format!("static_assert({mac} == {v}, \"{mac}\");\n");
-        }
-        for (st, size) in [
-            ("TmBackwardParams", size_of::<BackwardParams>()),
-            ("TmColumnSums", size_of::<ColumnSums>()),
-            ("TmWiden", size_of::<Widen>()),
-        ] {
-            src += &format!("static_assert(sizeof({st}) == {size}, \"{st} size\");\n");
-        }
-        let cxx = std::env::var_os("TRIMUL_HOST_CXX").map(std::path::PathBuf::from).or_else(|| {
-            ["clang++-19", "clang++"].into_iter().map(std::path::PathBuf::from).find(|c| {
-                Command::new(c)
-                    .arg("--version")
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success())
-            })
-        });
-        let Some(cxx) = cxx else {
-            assert!(
-                std::env::var_os("TRIMUL_REQUIRE_HIP_CLANG").is_none(),
-                "TRIMUL_REQUIRE_HIP_CLANG is set but no clang++"
-            );
-            let _ =
-                writeln!(std::io::stderr(), "SKIPPED: no host clang++ to check the backward's kernel argument structs");
-            return;
-        };
-        let dir = std::env::temp_dir().join(format!("trimul-bwd-layout-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("layout.cpp");
-        std::fs::write(&file, src).unwrap();
-        let root = env!("CARGO_MANIFEST_DIR");
-        let out = Command::new(&cxx).args(["-std=c++20", "-fsyntax-only", "-I", root]).arg(&file).output().unwrap();
-        assert!(
-            out.status.success(),
-            "the kernels' structs differ from the Rust mirrors:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
     }
 }

@@ -34,8 +34,41 @@ use crate::{suite, BackendKind, Device, Direction, Error, Formulation};
 
 const REQUIRE: &str = "TRIMUL_REQUIRE_HIP_CLANG";
 const ARCHS: [&str; 2] = ["gfx942", "gfx90a"];
-const STAGES: [&str; 6] =
-    ["input_gating", "input_norm", "output_gate", "output_norm", "output_projection", "prepare_weights"];
+const STAGES: [&str; 7] =
+    ["backward", "input_gating", "input_norm", "output_gate", "output_norm", "output_projection", "prepare_weights"];
+
+/// The kernels of a stage's code object: entry point, the C type of its one argument and that
+/// type's size in the Rust mirror. Every forward stage has one kernel named after it; the
+/// backward stage has the ten of `common/backward.h`.
+fn stage_kernels(stage: &'static str) -> Vec<(&'static str, &'static str, usize)> {
+    use crate::backend::backward_params::{BackwardParams, ColumnSums, Widen};
+    use std::mem::size_of;
+    match stage {
+        "prepare_weights" => vec![(stage, "TmPrepareParams", size_of::<params::PrepareParams>())],
+        "input_norm" | "input_gating" => vec![(stage, "TmInputParams", size_of::<InputParams>())],
+        "backward" => {
+            let mut v: Vec<_> = [
+                "backward_input_norm",
+                "backward_gating",
+                "backward_output_norm",
+                "backward_output_gate",
+                "backward_output_norm_grad",
+                "backward_gating_grad",
+                "backward_input_norm_grad",
+            ]
+            .into_iter()
+            .map(|k| (k, "TmBackwardParams", size_of::<BackwardParams>()))
+            .collect();
+            v.extend(
+                ["backward_column_partials", "backward_column_finish"]
+                    .map(|k| (k, "TmColumnSums", size_of::<ColumnSums>())),
+            );
+            v.push(("backward_widen", "TmWiden", size_of::<Widen>()));
+            v
+        }
+        _ => vec![(stage, "TmOutputParams", size_of::<OutputParams>())],
+    }
+}
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -91,13 +124,10 @@ fn every_stage_is_embedded_with_a_self_contained_source() {
     for s in HIP_STAGES {
         assert!(!s.source.contains("#include \""), "{}: unexpanded include left for hipRTC", s.name);
         assert!(s.source.contains("__global__ void TM_LAUNCH_BOUNDS"), "{}", s.name);
-        // Every stage takes its family's params struct, weight preparation its own.
-        let params = match s.name {
-            "prepare_weights" => "TmPrepareParams",
-            "input_norm" | "input_gating" => "TmInputParams",
-            _ => "TmOutputParams",
-        };
-        assert!(s.source.contains(&format!("{}(const {params} p", s.name)), "{}: kernel name", s.name);
+        // Every kernel takes its family's params struct by value.
+        for (kernel, ctype, _) in stage_kernels(s.name) {
+            assert!(s.source.contains(&format!("{kernel}(const {ctype} ")), "{}: kernel {kernel}", s.name);
+        }
     }
 }
 
@@ -169,30 +199,35 @@ fn code_object_metadata_matches_the_launches() {
     for s in STAGES {
         for a in ARCHS {
             let notes = tool_output(&readelf, &["--notes"], s, a);
-            let field = |key: &str| -> String {
-                notes
+            // One YAML map per kernel under `amdhsa.kernels`, each starting at "  - ".
+            // (`amdhsa.version`'s list items start so too: keep the maps that name a kernel.)
+            let entries: Vec<&str> = notes.split("\n  - ").skip(1).filter(|e| e.contains(".name:")).collect();
+            let field = |entry: &str, key: &str| -> String {
+                entry
                     .lines()
                     .find_map(|l| l.trim().strip_prefix(&format!("{key}:")).map(|v| v.trim().to_string()))
-                    .unwrap_or_else(|| panic!("{s} {a}: no {key} in\n{notes}"))
+                    .unwrap_or_else(|| panic!("{s} {a}: no {key} in\n{entry}"))
             };
-            assert_eq!(field(".name"), s, "{a}");
-            assert_eq!(field(".wavefront_size"), "64", "{s} {a}");
-            // All LDS is dynamic: the host passes its size, so no static LDS may add to it.
-            assert_eq!(field(".group_segment_fixed_size"), "0", "{s} {a}");
-            // No scratch: spills would be a silent slowdown, and a private segment a surprise.
-            assert_eq!(field(".private_segment_fixed_size"), "0", "{s} {a}");
-            assert_eq!(field(".vgpr_spill_count"), "0", "{s} {a}");
-            assert_eq!(field(".max_flat_workgroup_size"), "256", "{s} {a}: launches use 256 threads");
-            // The one kernel argument is its family's params struct by value, at the size of the
-            // Rust mirror (TmInputParams, TmOutputParams, or TmPrepareParams for weight preparation).
-            let first_arg = notes.split(".args:").nth(1).unwrap_or_default();
-            let bytes = match s {
-                "prepare_weights" => std::mem::size_of::<params::PrepareParams>(),
-                "input_norm" | "input_gating" => std::mem::size_of::<InputParams>(),
-                _ => std::mem::size_of::<OutputParams>(),
-            };
-            let size = format!(".size:           {bytes}");
-            assert!(first_arg.contains(&size), "{s} {a}: params size\n{first_arg}");
+            let expected = stage_kernels(s);
+            assert_eq!(entries.len(), expected.len(), "{s} {a}: kernels in\n{notes}");
+            for (kernel, _, bytes) in expected {
+                let k = entries
+                    .iter()
+                    .find(|e| field(e, ".name") == kernel)
+                    .unwrap_or_else(|| panic!("{s} {a}: no kernel {kernel} in\n{notes}"));
+                assert_eq!(field(k, ".wavefront_size"), "64", "{kernel} {a}");
+                // All LDS is dynamic: the host passes its size, so no static LDS may add to it.
+                assert_eq!(field(k, ".group_segment_fixed_size"), "0", "{kernel} {a}");
+                // No scratch: spills would be a silent slowdown, and a private segment a surprise.
+                assert_eq!(field(k, ".private_segment_fixed_size"), "0", "{kernel} {a}");
+                assert_eq!(field(k, ".vgpr_spill_count"), "0", "{kernel} {a}");
+                assert_eq!(field(k, ".max_flat_workgroup_size"), "256", "{kernel} {a}: launches use 256 threads");
+                // The one kernel argument is its family's params struct by value, at the size of
+                // the Rust mirror.
+                let first_arg = k.split(".args:").nth(1).unwrap_or_default();
+                let size = format!(".size:           {bytes}");
+                assert!(first_arg.contains(&size), "{kernel} {a}: params size\n{first_arg}");
+            }
         }
     }
 }

@@ -1,0 +1,180 @@
+//! The host–device interface of the backward kernels (`common/backward.h`, compiled as CUDA by
+//! `cuda/backward.cu` and as HIP by `hip/backward.hip`): the Rust mirrors of their argument
+//! structs, their launch geometry and their shared-memory sizes, checked against the header by a
+//! test. Shared by the backends that run the backward.
+
+// Read by the CUDA backward; the HIP backend compiles the kernels (`hip/backward.hip`) but has
+// no backward steps yet, so in a HIP-only build only its tests use these.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+/// Threads per block of every backward kernel (`TM_BWD_THREADS`).
+pub(crate) const THREADS: u32 = 256;
+/// Positions per block of the warp-per-position kernels (`TM_BWD_ROWS_PER_BLOCK`), and warps
+/// per block (`TM_BWD_WARPS`).
+pub(crate) const ROWS_PER_BLOCK: usize = 8;
+pub(crate) const WARPS: usize = 8;
+/// Positions per block of the kernels that go through hidden-major tensors (`TM_BWD_TILE`).
+pub(crate) const TILE: usize = 32;
+/// Dynamic shared memory of the gating kernels (`TM_BWD_GATING_SMEM`) and of the column sums'
+/// first pass (`TM_BWD_PARTIALS_SMEM`).
+pub(crate) const GATING_SMEM: u32 = 2 * 32 * (TILE as u32 + 1) * 4;
+pub(crate) const PARTIALS_SMEM: u32 = 8 * 32 * 8;
+/// Most row blocks of a column sum's first pass (its partial sums: this × the widest matrix's
+/// columns, f64).
+pub(crate) const MAX_ROW_BLOCKS: usize = 1024;
+
+/// Dynamic shared memory of `backward_input_norm_grad` (`TM_BWD_ACC_SMEM`): per-warp sums of
+/// `2w` columns.
+pub(crate) fn acc_smem(w: usize) -> usize {
+    WARPS * 2 * w * 4
+}
+
+/// Dynamic shared memory of `backward_output_norm_grad` (`TM_BWD_T_ACC_SMEM`): a tile of t and
+/// the sums (`backward_output_norm` needs less: the tile alone).
+pub(crate) fn output_norm_grad_smem(h: usize) -> usize {
+    h * (TILE + 1) * 4 + acc_smem(h)
+}
+
+/// `TmBackwardParams` of `common/backward.h`, field for field.
+#[repr(C)]
+#[derive(Copy, Clone, Default)]
+pub(crate) struct BackwardParams {
+    pub(crate) x: u64,
+    pub(crate) dy: u64,
+    pub(crate) mask: u64,
+    pub(crate) norm_in_w: u64,
+    pub(crate) norm_in_b: u64,
+    pub(crate) norm_out_w: u64,
+    pub(crate) norm_out_b: u64,
+    pub(crate) proj_bias: u64,
+    pub(crate) out_bias: u64,
+    pub(crate) z: u64,
+    pub(crate) stats_x: u64,
+    pub(crate) p: u64,
+    pub(crate) left: u64,
+    pub(crate) right: u64,
+    pub(crate) t: u64,
+    pub(crate) u: u64,
+    pub(crate) stats_t: u64,
+    pub(crate) e: u64,
+    pub(crate) du: u64,
+    pub(crate) dcat: u64,
+    pub(crate) dz: u64,
+    pub(crate) dx: u64,
+    pub(crate) partial: u64,
+    pub(crate) rows: i64,
+    pub(crate) n2: i64,
+    pub(crate) c: i32,
+    pub(crate) h: i32,
+    pub(crate) f: i32,
+    pub(crate) af3: i32,
+    pub(crate) eps: f32,
+    pub(crate) blocks: i32,
+}
+
+/// `TmColumnSums`.
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub(crate) struct ColumnSums {
+    pub(crate) a: u64,
+    pub(crate) partial: u64,
+    pub(crate) out: u64,
+    pub(crate) rows: i64,
+    pub(crate) cols: i32,
+    pub(crate) ld: i32,
+    pub(crate) row_blocks: i32,
+    pub(crate) pad: i32,
+}
+
+/// `TmWiden`.
+#[repr(C)]
+#[derive(Copy, Clone)]
+pub(crate) struct Widen {
+    pub(crate) src: u64,
+    pub(crate) dst: u64,
+    pub(crate) n: i64,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::mem::{offset_of, size_of};
+    use std::process::{Command, Stdio};
+
+    use super::*;
+
+    /// The Rust mirrors of `TmBackwardParams`, `TmColumnSums` and `TmWiden` equal the C structs
+    /// field by field, and the geometry and shared-memory sizes the launches use equal the
+    /// kernels' macros: a host clang checks `static_assert`s of every offset and size against
+    /// `common/backward.h`, compiled with the CPU emulation's portability layer
+    /// (`tests/hip_emu/emu.h`; the structs hold only pointers, 64- and 32-bit integers and floats,
+    /// laid out alike by nvcc, hipcc and the host compiler). A test that cannot find clang prints
+    /// `SKIPPED`, or fails under `TRIMUL_REQUIRE_HIP_CLANG` (CI).
+    #[test]
+    fn kernel_argument_structs_equal_their_rust_mirrors() {
+        macro_rules! fields {
+            ($c:literal, $t:ty, $($f:ident),*) => { vec![$(($c, stringify!($f), offset_of!($t, $f))),*] };
+        }
+        let mut v = fields! {
+            "TmBackwardParams", BackwardParams, x, dy, mask, norm_in_w, norm_in_b, norm_out_w, norm_out_b,
+            proj_bias, out_bias, z, stats_x, p, left, right, t, u, stats_t, e, du, dcat, dz, dx, partial, rows,
+            n2, c, h, f, af3, eps, blocks
+        };
+        v.extend(fields! { "TmColumnSums", ColumnSums, a, partial, out, rows, cols, ld, row_blocks });
+        v.extend(fields! { "TmWiden", Widen, src, dst, n });
+        let mut src = String::from("#include \"tests/hip_emu/emu.h\"\n#include \"common/backward.h\"\n");
+        for (st, f, off) in v {
+            src += &format!("static_assert(__builtin_offsetof({st}, {f}) == {off}, \"{st}::{f}\");\n");
+        }
+        // The launch geometry and shared-memory sizes the Rust side uses, against the macros.
+        for (mac, v) in [
+            ("TM_BWD_THREADS", THREADS as usize),
+            ("TM_BWD_TILE", TILE),
+            ("TM_BWD_WARPS", WARPS),
+            ("TM_BWD_ROWS_PER_BLOCK", ROWS_PER_BLOCK),
+            ("TM_BWD_GATING_SMEM", GATING_SMEM as usize),
+            ("TM_BWD_PARTIALS_SMEM", PARTIALS_SMEM as usize),
+            ("TM_BWD_ACC_SMEM(40)", acc_smem(40)),
+            ("TM_BWD_T_ACC_SMEM(24)", output_norm_grad_smem(24)),
+        ] {
+            src += &format!("static_assert({mac} == {v}, \"{mac}\");\n");
+        }
+        for (st, size) in [
+            ("TmBackwardParams", size_of::<BackwardParams>()),
+            ("TmColumnSums", size_of::<ColumnSums>()),
+            ("TmWiden", size_of::<Widen>()),
+        ] {
+            src += &format!("static_assert(sizeof({st}) == {size}, \"{st} size\");\n");
+        }
+        let cxx = std::env::var_os("TRIMUL_HOST_CXX").map(std::path::PathBuf::from).or_else(|| {
+            ["clang++-19", "clang++"].into_iter().map(std::path::PathBuf::from).find(|c| {
+                Command::new(c)
+                    .arg("--version")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success())
+            })
+        });
+        let Some(cxx) = cxx else {
+            assert!(
+                std::env::var_os("TRIMUL_REQUIRE_HIP_CLANG").is_none(),
+                "TRIMUL_REQUIRE_HIP_CLANG is set but no clang++"
+            );
+            let _ =
+                writeln!(std::io::stderr(), "SKIPPED: no host clang++ to check the backward's kernel argument structs");
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("trimul-bwd-layout-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("layout.cpp");
+        std::fs::write(&file, src).unwrap();
+        let root = env!("CARGO_MANIFEST_DIR");
+        let out = Command::new(&cxx).args(["-std=c++20", "-fsyntax-only", "-I", root]).arg(&file).output().unwrap();
+        assert!(
+            out.status.success(),
+            "the kernels' structs differ from the Rust mirrors:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
