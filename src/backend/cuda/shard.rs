@@ -232,6 +232,7 @@ impl CudaBackend {
         y: CUdeviceptr,
         stream: CUstream,
     ) -> Result<()> {
+        ws.exchanged = false;
         let problem = ws.problem;
         check_prepared_for(&prep.config, &problem)?;
         if ws.weights_of != prep.id {
@@ -276,7 +277,6 @@ impl CudaBackend {
             // SAFETY: as above.
             unsafe { cu::event::record(ev, s) }.ctx("cuEventRecord")
         };
-        ws.exchanged = false;
         // The previous forward on this workspace, maybe on another stream, must be done with
         // every buffer before this one writes them.
         wait(stream, ws.forward_done)?;
