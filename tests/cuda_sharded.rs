@@ -17,6 +17,12 @@ use test_seed::this_test_seed as seed;
 
 const TOL: f64 = 2e-2;
 
+/// Outside `trimul check`'s rule around `b` (NaN is outside).
+fn outside(a: f32, b: f32) -> bool {
+    let d = (a as f64 - b as f64).abs();
+    d.is_nan() || d > TOL + TOL * (b as f64).abs()
+}
+
 /// Two GPUs and NCCL, or `None` with a visible message.
 fn two_gpus() -> Option<CudaBackend> {
     let why = match (CudaBackend::new(1), trimul::collective::nccl_version()) {
@@ -74,10 +80,6 @@ fn check(one: &CudaBackend, problem: &Problem, biases: bool, gpus: usize, seed: 
             want = out.iter().map(|v| v.to_f32()).collect();
         }
     }
-    let outside = |a: f32, b: f32| {
-        let d = (a as f64 - b as f64).abs();
-        d.is_nan() || d > TOL + TOL * (b as f64).abs()
-    };
     let bad = y.iter().zip(&want).filter(|(a, b)| outside(**a, **b)).count();
     assert_eq!(bad, 0, "{what}: {bad} elements differ from the one-GPU forward");
 }
@@ -122,4 +124,48 @@ fn sharded_forward_at_n1024_and_in_place() {
         check(&one, &problem(Formulation::Af3, dir, 1, 1024, Precision::Bf16Io), true, 2, s);
     }
     check(&one, &problem(Formulation::Af3, Direction::Incoming, 1, 256, Precision::Bf16Io).in_place(true), true, 2, s);
+}
+
+/// A communicator made from a unique id, as ranks in separate processes make one (here two
+/// threads): each rank's `ShardedLayer` computes its rows, which put together equal the one-GPU
+/// forward.
+#[test]
+fn ranks_joined_by_unique_id_match_one_gpu() {
+    let Some(one) = two_gpus() else { return };
+    let p = problem(Formulation::Af3, Direction::Outgoing, 1, 128, Precision::F32Io);
+    let weights = Weights::random(p.config, true, seed()).unwrap();
+    let mut rng = Rng::new(seed() ^ 0x1D);
+    let x = rng.normal_vec(p.x_len(), 1.0);
+    let mask = rng.mask_vec(p.mask_len());
+    let id = trimul::collective::Communicator::unique_id().unwrap();
+    assert_eq!(id.len(), 128);
+    let (n, c) = (p.shape.n, p.config.c);
+    let parts: Vec<(std::ops::Range<usize>, Vec<f32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (id, weights, x, mask) = (&id, &weights, &x, &mask);
+                s.spawn(move || {
+                    let comm = trimul::collective::Communicator::join(id, 2, rank, rank).unwrap();
+                    let mut layer = trimul::sharded::ShardedLayer::new(weights, &p, comm).unwrap();
+                    let rows = layer.rows();
+                    layer
+                        .upload(&x[rows.start * n * c..rows.end * n * c], Some(&mask[rows.start * n..rows.end * n]))
+                        .unwrap();
+                    layer.forward_uploaded().unwrap();
+                    (rows, layer.download().unwrap())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut layer = Layer::new(&one, &weights, Options::new(p.direction)).unwrap();
+    let mut want = vec![f32::NAN; x.len()];
+    layer.forward_into(&x, Some(&mask), &mut want, p.shape).unwrap();
+    for (rows, y) in parts {
+        let want = &want[rows.start * n * c..rows.end * n * c];
+        let bad = y.iter().zip(want).filter(|(a, b)| outside(**a, **b)).count();
+        assert_eq!(bad, 0, "rows {rows:?}: {bad} elements differ from the one-GPU forward");
+    }
+    // A wrong id length is an error, not a crash.
+    assert!(trimul::collective::Communicator::join(&id[..10], 2, 0, 0).is_err());
 }

@@ -89,6 +89,49 @@ impl Communicator {
             .collect())
     }
 
+    /// A fresh NCCL unique id (`ncclGetUniqueId`), 128 bytes: one rank makes it and hands the
+    /// same bytes to every rank (through `torch.distributed`, MPI, a file), which then calls
+    /// [`Communicator::join`]. Ranks may live in different processes and on different hosts.
+    pub fn unique_id() -> Result<Vec<u8>> {
+        loaded()?;
+        let id = nc::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+        Ok(id.internal.iter().map(|&b| b as u8).collect())
+    }
+
+    /// Rank `rank` of `ranks`, on CUDA device `device`, of the communicator named by
+    /// `unique_id` ([`Communicator::unique_id`]): `ncclCommInitRank`, which returns once every
+    /// rank has joined. Each rank calls it from its own thread or process.
+    pub fn join(unique_id: &[u8], ranks: usize, rank: usize, device: usize) -> Result<Communicator> {
+        loaded()?;
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        if unique_id.len() != id.internal.len() {
+            return Err(Error::InvalidArgument(format!(
+                "an NCCL unique id has {} bytes, {} given",
+                id.internal.len(),
+                unique_id.len()
+            )));
+        }
+        if rank >= ranks {
+            return Err(Error::InvalidArgument(format!("rank {rank} of a communicator of {ranks} ranks")));
+        }
+        for (d, &b) in id.internal.iter_mut().zip(unique_id) {
+            *d = b as std::ffi::c_char;
+        }
+        let count = |v: usize, what: &str| {
+            i32::try_from(v).map_err(|_| Error::InvalidArgument(format!("{what} {v} does not fit NCCL's int")))
+        };
+        let (n, r) = (count(ranks, "ranks")?, count(rank, "rank")?);
+        // NCCL joins on the calling thread's current device: make `device`'s primary context
+        // current (the one every other library call on that device uses).
+        let ctx = cudarc::driver::CudaContext::new(device)
+            .map_err(|e| Error::driver(BackendKind::Cuda, "cuDevicePrimaryCtxRetain", format!("{e:?}")))?;
+        ctx.bind_to_thread().map_err(|e| Error::driver(BackendKind::Cuda, "cuCtxSetCurrent", format!("{e:?}")))?;
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: `comm` receives the handle; `id` is a complete unique id passed by value.
+        unsafe { nc::comm_init_rank(&mut comm, n, id, r) }.map_err(|e| nccl_err("ncclCommInitRank", e))?;
+        Ok(Communicator { comm, rank, ranks, device, aborted: false })
+    }
+
     /// Aborts the communicator (`ncclCommAbort`): its uncompleted operations are dropped and
     /// every later call fails. What a group does when one rank failed partway through a
     /// forward whose exchanges the others already enqueued, so that no stream waits forever
