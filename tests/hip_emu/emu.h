@@ -3,7 +3,10 @@
 //
 // What it models, and nothing more:
 // - a block of tm_bdim() threads running one block at a time; tm_sync() is a block barrier;
-// - waves of 64 consecutive threads; tm_shfl_xor() exchanges values within a wave;
+// - waves of 64 consecutive threads; tm_shfl_xor() exchanges values within a wave, and with an
+//   offset below 32 within the lane's 32-lane half only, which then waits for that half alone
+//   (on hardware such a shuffle reads only lanes of its own half, so the other half may be
+//   elsewhere: the kernels written for 32-lane groups rely on it);
 // - tm_mfma_32x32x8_f16() as a wave-wide operation: every lane deposits its registers, the
 //   32x32x8 product is formed from the operand table of hip/mfma.h (written here from matrix
 //   coordinates to lanes, the direction the ISA guide states it, not copied from the kernel),
@@ -49,6 +52,7 @@ inline thread_local Lane self;
 
 struct Wave {
   std::unique_ptr<std::barrier<>> bar;
+  std::unique_ptr<std::barrier<>> half[2];  // the two 32-lane halves
   float xchg[64];
   tm_half4 a[64], b[64];
   tm_float16 c[64];
@@ -71,10 +75,11 @@ inline void tm_sync() { emu::block->bar->arrive_and_wait(); }
 inline float tm_shfl_xor(float v, int offset) {
   emu::Wave& w = emu::wave();
   const unsigned lane = tm_tid() % 64;
+  std::barrier<>& bar = offset < 32 ? *w.half[lane / 32] : *w.bar;
   w.xchg[lane] = v;
-  w.bar->arrive_and_wait();
+  bar.arrive_and_wait();
   const float r = w.xchg[(lane ^ (unsigned)offset) % 64];
-  w.bar->arrive_and_wait();
+  bar.arrive_and_wait();
   return r;
 }
 inline float tm_h2f(tm_half h) {
@@ -188,6 +193,9 @@ inline Block* make_block(unsigned threads) {
   for (unsigned w = 0; w < blk->waves.size(); ++w) {
     const unsigned n = (w + 1) * 64 <= threads ? 64 : threads - w * 64;
     blk->waves[w].bar = std::make_unique<std::barrier<>>(n);
+    // Each half's lanes; an empty half gets a barrier nobody waits at.
+    blk->waves[w].half[0] = std::make_unique<std::barrier<>>(n < 32 ? n : 32);
+    blk->waves[w].half[1] = std::make_unique<std::barrier<>>(n > 32 ? n - 32 : 1);
   }
   return blk;
 }
@@ -214,6 +222,7 @@ void launch(unsigned grid, unsigned threads, F kernel, G after_block) {
         kernel();
         // A lane that leaves stops counting at the block's barriers, as a finished GPU lane does.
         current->waves[t / 64].bar->arrive_and_drop();
+        current->waves[t / 64].half[(t % 64) / 32]->arrive_and_drop();
         current->bar->arrive_and_drop();
         grid_bar.arrive_and_wait();
         if (t == 0) after_block(b);

@@ -337,23 +337,51 @@ fn emulation_header_covers_every_name_the_kernels_use() {
     assert!(missing.is_empty(), "tests/hip_emu/emu.h lacks {missing:?} (used by the kernels)");
 }
 
-#[test]
-fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
+/// Builds `tests/hip_emu/<name>.cpp` (a kernel body on the CPU emulation) with the host clang,
+/// or `None` (a visible skip) without one.
+fn build_emulation(name: &str) -> Option<PathBuf> {
     let Some(cxx) = tool("TRIMUL_HOST_CXX", &["clang++-19", "clang++"]) else {
-        return skip("no host clang++ (C++20, _Float16) for the emulation");
+        skip("no host clang++ (C++20, _Float16) for the emulation");
+        return None;
     };
-    let dir = tmpdir("emu");
-    let exe = dir.join("output_projection_emu");
+    let exe = tmpdir("emu").join(format!("{name}_emu"));
     let out = Command::new(&cxx)
         .args(["-std=c++20", "-O1", "-pthread", "-Wall", "-Wno-psabi"])
         .arg("-I")
         .arg(root())
-        .arg(root().join("tests/hip_emu/output_projection.cpp"))
+        .arg(root().join(format!("tests/hip_emu/{name}.cpp")))
         .arg("-o")
         .arg(&exe)
         .output()
         .unwrap();
-    assert!(out.status.success(), "building the emulation:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "building the {name} emulation:\n{}", String::from_utf8_lossy(&out.stderr));
+    Some(exe)
+}
+
+/// Runs an emulation with `args`, failing the test if it fails or hangs (lanes that diverge at a
+/// wave-wide operation deadlock the emulation); returns its last words.
+fn run_emulation(exe: &Path, args: &[String]) -> String {
+    let mut child = Command::new(exe).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("emulation of case {args:?} hung: lanes diverged at a barrier, a shuffle or an MFMA?");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(status.success(), "case {args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
+    text.trim().to_string()
+}
+
+#[test]
+fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
+    let Some(exe) = build_emulation("output_projection") else { return };
     // (B, N, H, C, af3, bias, row0, rows): partial blocks, a batch boundary inside a block,
     // column tails, more column tiles than waves, idle waves, a chunk not starting at 0, H at its
     // LDS limit.
@@ -372,26 +400,26 @@ fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
         assert_eq!(kernels::select_output("gfx942", h, Some("1")).0, kernels::HipKernelOutput::Mfma, "H={h}");
         let smem = kernels::output_projection_smem_bytes(h);
         let args = [b, n, h, c, af3 as usize, bias as usize, row0, rows, smem, 1000 + i].map(|v| v.to_string());
-        let mut child = Command::new(&exe).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-        // A kernel whose lanes diverge at a wave-wide operation deadlocks the emulation.
-        let start = Instant::now();
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            if start.elapsed() > Duration::from_secs(120) {
-                let _ = child.kill();
-                panic!("emulation of case {args:?} hung: lanes diverged at a barrier or MFMA?");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let out = child.wait_with_output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(status.success(), "case {args:?}: {text}{}", String::from_utf8_lossy(&out.stderr));
-        eprintln!(
-            "output_projection B={b} N={n} H={h} C={c} af3={af3} bias={bias} rows {row0}+{rows}: {}",
-            text.trim()
-        );
+        let text = run_emulation(&exe, &args);
+        eprintln!("output_projection B={b} N={n} H={h} C={c} af3={af3} bias={bias} rows {row0}+{rows}: {text}");
+    }
+}
+
+/// The LayerNorm backward kernels (`backward_input_norm_grad`, `backward_output_norm_grad` of
+/// `common/backward.h`, which the HIP backend compiles but does not launch yet) on wave64, their
+/// 32-lane groups running different numbers of positions (the emulation's shuffles wait for
+/// the lane's half alone, as the hardware's do): dx, dt and the column sums against f64.
+#[test]
+fn backward_layernorm_kernels_match_f64_in_cpu_emulation() {
+    let Some(exe) = build_emulation("backward_norms") else { return };
+    // (B, N, C, H, blocks): 49 positions over 2 blocks (one 32-lane group of a wave one position
+    // more than the other), widths with tails and below 32, H = 128, more blocks than tiles.
+    for (i, (b, n, c, h, blocks)) in
+        [(1, 7, 128, 128, 2), (2, 5, 40, 24, 3), (3, 3, 7, 33, 5), (1, 4, 64, 16, 4)].into_iter().enumerate()
+    {
+        let args = [b, n, c, h, blocks, 2000 + i].map(|v| v.to_string());
+        let text = run_emulation(&exe, &args);
+        eprintln!("backward LayerNorms B={b} N={n} C={c} H={h} blocks={blocks}: {text}");
     }
 }
 
