@@ -405,21 +405,26 @@ fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
     }
 }
 
-/// The LayerNorm backward kernels (`backward_input_norm_grad`, `backward_output_norm_grad` of
-/// `common/backward.h`, which the HIP backend compiles but does not launch yet) on wave64, their
-/// 32-lane groups running different numbers of positions (the emulation's shuffles wait for
-/// the lane's half alone, as the hardware's do): dx, dt and the column sums against f64.
+/// The ten backward kernels of `common/backward.h` (which the HIP backend compiles but does not
+/// launch yet) on wave64, one at a time against f64 (`tests/hip_emu/backward.cpp`): the
+/// LayerNorms forward and backward with their column sums, the gating and its backward, the
+/// output gate's backward in both formulations, the two-pass column sums and the widening. The
+/// LayerNorm backward kernels' 32-lane groups run different numbers of positions (the
+/// emulation's shuffles wait for the lane's half alone, as the hardware's do).
 #[test]
-fn backward_layernorm_kernels_match_f64_in_cpu_emulation() {
-    let Some(exe) = build_emulation("backward_norms") else { return };
-    // (B, N, C, H, blocks): 49 positions over 2 blocks (one 32-lane group of a wave one position
-    // more than the other), widths with tails and below 32, H = 128, more blocks than tiles.
-    for (i, (b, n, c, h, blocks)) in
-        [(1, 7, 128, 128, 2), (2, 5, 40, 24, 3), (3, 3, 7, 33, 5), (1, 4, 64, 16, 4)].into_iter().enumerate()
+fn backward_kernels_match_f64_in_cpu_emulation() {
+    let Some(exe) = build_emulation("backward") else { return };
+    // (B, N, C, H, blocks, af3): 49 positions over 2 blocks (one 32-lane group of a wave one
+    // position more than the other), widths with tails and below 32, H = 128, more blocks than
+    // tiles, both formulations.
+    for (i, (b, n, c, h, blocks, af3)) in
+        [(1, 7, 128, 128, 2, 0), (2, 5, 40, 24, 3, 1), (3, 3, 7, 33, 5, 1), (1, 4, 64, 16, 4, 0)]
+            .into_iter()
+            .enumerate()
     {
-        let args = [b, n, c, h, blocks, 2000 + i].map(|v| v.to_string());
+        let args = [b, n, c, h, blocks, af3, 2000 + i].map(|v| v.to_string());
         let text = run_emulation(&exe, &args);
-        eprintln!("backward LayerNorms B={b} N={n} C={c} H={h} blocks={blocks}: {text}");
+        eprintln!("backward kernels B={b} N={n} C={c} H={h} blocks={blocks} af3={af3}: {text}");
     }
 }
 

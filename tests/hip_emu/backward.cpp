@@ -1,0 +1,359 @@
+// Runs the real bodies of the backward kernels of common/backward.h on the CPU, as wave64
+// hardware runs them (tests/hip_emu/emu.h: 64-lane waves of two 32-lane groups each), and checks
+// every output against an f64 evaluation of the kernel's formula (the comment at the top of
+// common/backward.h), one kernel at a time on random inputs.
+//
+// usage: backward BATCH N C H BLOCKS AF3 SEED
+// BLOCKS is the grid of the LayerNorm backward kernels, which loop over positions. Exit status 0
+// when every check passes; the last line of stdout says why not.
+#include "tests/hip_emu/emu.h"
+#include "common/backward.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+static bool close(double got, double want, double tol) { return std::fabs(got - want) <= tol * (1.0 + std::fabs(want)); }
+
+int main(int argc, char** argv) {
+  if (argc != 8) {
+    std::printf("usage: %s BATCH N C H BLOCKS AF3 SEED\n", argv[0]);
+    return 2;
+  }
+  const int batch = std::atoi(argv[1]), n = std::atoi(argv[2]), C = std::atoi(argv[3]), H = std::atoi(argv[4]);
+  const int blocks = std::atoi(argv[5]), af3 = std::atoi(argv[6]);
+  std::mt19937_64 rng((uint64_t)std::atoll(argv[7]));
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const long long n2 = (long long)n * n, M = batch * n2;
+  const float eps = 1e-5f;
+  const size_t smem_in = TM_BWD_ACC_SMEM(C), smem_out = TM_BWD_T_ACC_SMEM(H);
+  const int G = af3 ? C : H, F = 4 * H + G;
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  auto hidden = [&](long long m, int h) { return (size_t)(((m / n2) * H + h) * n2 + m % n2); };
+  auto sig = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
+  auto fail = [](const char* what, long long i, double got, double want) {
+    std::printf("%s[%lld] = %g, want %g\n", what, i, got, want);
+    return 1;
+  };
+  // P [M, F], its bias, and a 0/1 mask: the projections the gating kernels read.
+  std::vector<float> P((size_t)(M * F)), pbias(F), mask((size_t)M);
+  for (auto& v : P) v = (float)(2.0 * normal(rng));
+  for (auto& v : pbias) v = (float)(0.5 * normal(rng));
+  for (auto& v : mask) v = unit(rng) < 0.8 ? 1.f : 0.f;
+  auto pb = [&](long long m, int col) { return (double)P[m * F + col] + pbias[col]; };
+  if (batch < 1 || n < 1 || C < 1 || H < 1 || blocks < 1 || smem_in > sizeof(tm_dyn_smem) ||
+      smem_out > sizeof(tm_dyn_smem)) {
+    std::printf("bad arguments\n");
+    return 2;
+  }
+  // A LayerNorm over width W of rows `v` (row-major [M, W] through `at`): the statistics the
+  // forward kernels store, (mean, 1/σ) per row.
+  auto stats = [&](int W, auto at) {
+    std::vector<float> s((size_t)(2 * M));
+    for (long long m = 0; m < M; ++m) {
+      double mean = 0, var = 0;
+      for (int c = 0; c < W; ++c) mean += at(m, c);
+      mean /= W;
+      for (int c = 0; c < W; ++c) var += (at(m, c) - mean) * (at(m, c) - mean);
+      s[2 * m] = (float)mean;
+      s[2 * m + 1] = (float)(1.0 / std::sqrt(var / W + eps));
+    }
+    return s;
+  };
+  // The backward of one LayerNorm: d_in from d_out (f64), and the column sums of d_out⊙x̂, d_out.
+  auto reference = [&](int W, auto x, auto dout, const std::vector<float>& st, const std::vector<float>& gamma,
+                       std::vector<double>& din, std::vector<double>& sums) {
+    din.assign((size_t)(M * W), 0.0);
+    sums.assign((size_t)(2 * W), 0.0);
+    for (long long m = 0; m < M; ++m) {
+      const double mean = st[2 * m], rstd = st[2 * m + 1];
+      double mg = 0, mgh = 0;
+      for (int c = 0; c < W; ++c) {
+        const double g = dout(m, c) * gamma[c], xh = (x(m, c) - mean) * rstd;
+        mg += g;
+        mgh += g * xh;
+      }
+      mg /= W;
+      mgh /= W;
+      for (int c = 0; c < W; ++c) {
+        const double xh = (x(m, c) - mean) * rstd;
+        din[m * W + c] = rstd * (dout(m, c) * gamma[c] - mg - xh * mgh);
+        sums[c] += dout(m, c) * xh;
+        sums[W + c] += dout(m, c);
+      }
+    }
+  };
+  auto block_sums = [&](const std::vector<double>& partial, int W, int c) {
+    double t = 0;
+    for (int b = 0; b < blocks; ++b) t += partial[(size_t)b * 2 * W + c];
+    return t;
+  };
+
+  // LN_C's backward: dx from dz.
+  {
+    std::vector<float> x((size_t)(M * C)), dz((size_t)(M * C)), w(C), dx((size_t)(M * C), NAN);
+    for (auto& v : x) v = (float)(1.5 + 2.0 * normal(rng));
+    for (auto& v : dz) v = (float)normal(rng);
+    for (auto& v : w) v = (float)(1.0 + 0.5 * normal(rng));
+    const auto st = stats(C, [&](long long m, int c) { return (double)x[m * C + c]; });
+    std::vector<double> partial((size_t)blocks * 2 * C, NAN);
+    TmBackwardParams p{};
+    p.x = x.data();
+    p.dz = dz.data();
+    p.norm_in_w = w.data();
+    p.stats_x = const_cast<float*>(st.data());
+    p.dx = dx.data();
+    p.partial = partial.data();
+    p.rows = M;
+    p.n2 = n2;
+    p.c = C;
+    p.h = H;
+    p.blocks = blocks;
+    emu::launch(blocks, TM_BWD_THREADS, [&] { backward_input_norm_grad(p); });
+    std::vector<double> want, sums;
+    reference(C, [&](long long m, int c) { return (double)x[m * C + c]; },
+              [&](long long m, int c) { return (double)dz[m * C + c]; }, st, w, want, sums);
+    for (long long i = 0; i < M * C; ++i)
+      if (!close(dx[i], want[i], 1e-4)) {
+        std::printf("input_norm_grad: dx[%lld] = %g, want %g\n", i, dx[i], want[i]);
+        return 1;
+      }
+    for (int c = 0; c < 2 * C; ++c)
+      if (!close(block_sums(partial, C, c), sums[c], 1e-4)) {
+        std::printf("input_norm_grad: column sum %d = %g, want %g\n", c, block_sums(partial, C, c), sums[c]);
+        return 1;
+      }
+  }
+
+  // LN_H's backward: dt (hidden-major, over t) from du.
+  {
+    std::vector<float> t((size_t)(M * H)), du((size_t)(M * H)), w(H);
+    for (auto& v : t) v = (float)(-1.0 + 3.0 * normal(rng));
+    for (auto& v : du) v = (float)normal(rng);
+    for (auto& v : w) v = (float)(1.0 + 0.5 * normal(rng));
+    auto hidden = [&](long long m, int h) { return (size_t)(((m / n2) * H + h) * n2 + m % n2); };
+    const std::vector<float> t0 = t;
+    const auto st = stats(H, [&](long long m, int h) { return (double)t0[hidden(m, h)]; });
+    std::vector<double> partial((size_t)blocks * 2 * H, NAN);
+    TmBackwardParams p{};
+    p.t = t.data();
+    p.du = du.data();
+    p.norm_out_w = w.data();
+    p.stats_t = const_cast<float*>(st.data());
+    p.partial = partial.data();
+    p.rows = M;
+    p.n2 = n2;
+    p.c = C;
+    p.h = H;
+    p.blocks = blocks;
+    emu::launch(blocks, TM_BWD_THREADS, [&] { backward_output_norm_grad(p); });
+    std::vector<double> want, sums;
+    reference(H, [&](long long m, int h) { return (double)t0[hidden(m, h)]; },
+              [&](long long m, int h) { return (double)du[m * H + h]; }, st, w, want, sums);
+    for (long long m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h)
+        if (!close(t[hidden(m, h)], want[m * H + h], 1e-4)) {
+          std::printf("output_norm_grad: dt[%lld, %d] = %g, want %g\n", m, h, t[hidden(m, h)], want[m * H + h]);
+          return 1;
+        }
+    for (int c = 0; c < 2 * H; ++c)
+      if (!close(block_sums(partial, H, c), sums[c], 1e-4)) {
+        std::printf("output_norm_grad: column sum %d = %g, want %g\n", c, block_sums(partial, H, c), sums[c]);
+        return 1;
+      }
+  }
+  // LN_C forward: z and its statistics.
+  {
+    std::vector<float> x((size_t)(M * C)), w(C), b(C), z((size_t)(M * C), NAN), st((size_t)(2 * M), NAN);
+    for (auto& v : x) v = (float)(1.5 + 2.0 * normal(rng));
+    for (auto& v : w) v = (float)(1.0 + 0.5 * normal(rng));
+    for (auto& v : b) v = (float)normal(rng);
+    TmBackwardParams p{};
+    p.x = x.data();
+    p.norm_in_w = w.data();
+    p.norm_in_b = b.data();
+    p.z = z.data();
+    p.stats_x = st.data();
+    p.rows = M;
+    p.n2 = n2;
+    p.c = C;
+    p.h = H;
+    p.eps = eps;
+    emu::launch((unsigned)((M + TM_BWD_ROWS_PER_BLOCK - 1) / TM_BWD_ROWS_PER_BLOCK), TM_BWD_THREADS,
+                [&] { backward_input_norm(p); });
+    const auto want = stats(C, [&](long long m, int c) { return (double)x[m * C + c]; });
+    for (long long m = 0; m < M; ++m) {
+      for (int k = 0; k < 2; ++k)
+        if (!close(st[2 * m + k], want[2 * m + k], 1e-4)) return fail("input_norm stats", 2 * m + k, st[2 * m + k], want[2 * m + k]);
+      for (int c = 0; c < C; ++c) {
+        const double zw = (x[m * C + c] - (double)want[2 * m]) * want[2 * m + 1] * w[c] + b[c];
+        if (!close(z[m * C + c], zw, 1e-4)) return fail("input_norm z", m * C + c, z[m * C + c], zw);
+      }
+    }
+  }
+
+  // The gated projections: left and right (hidden-major) from P, its bias and the mask.
+  {
+    std::vector<float> left((size_t)(M * H), NAN), right((size_t)(M * H), NAN);
+    TmBackwardParams p{};
+    p.p = P.data();
+    p.proj_bias = pbias.data();
+    p.mask = mask.data();
+    p.left = left.data();
+    p.right = right.data();
+    p.rows = M;
+    p.n2 = n2;
+    p.c = C;
+    p.h = H;
+    p.f = F;
+    emu::launch((unsigned)((M + TM_BWD_TILE - 1) / TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_gating(p); });
+    for (long long m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h) {
+        const double l = pb(m, h) * sig(pb(m, H + h)) * mask[m], r = pb(m, 2 * H + h) * sig(pb(m, 3 * H + h)) * mask[m];
+        if (!close(left[hidden(m, h)], l, 1e-4)) return fail("gating left", m * H + h, left[hidden(m, h)], l);
+        if (!close(right[hidden(m, h)], r, 1e-4)) return fail("gating right", m * H + h, right[hidden(m, h)], r);
+      }
+  }
+
+  // LN_H forward: u, its statistics, and gpumode's v = u⊙σ(P_G).
+  {
+    std::vector<float> t((size_t)(M * H)), w(H), b(H), u((size_t)(M * H), NAN), e((size_t)(M * H), NAN),
+        st((size_t)(2 * M), NAN);
+    for (auto& v : t) v = (float)(-1.0 + 3.0 * normal(rng));
+    for (auto& v : w) v = (float)(1.0 + 0.5 * normal(rng));
+    for (auto& v : b) v = (float)normal(rng);
+    TmBackwardParams p{};
+    p.t = t.data();
+    p.norm_out_w = w.data();
+    p.norm_out_b = b.data();
+    p.p = P.data();
+    p.proj_bias = pbias.data();
+    p.u = u.data();
+    p.e = e.data();
+    p.stats_t = st.data();
+    p.rows = M;
+    p.n2 = n2;
+    p.c = C;
+    p.h = H;
+    p.f = F;
+    p.af3 = af3;
+    p.eps = eps;
+    emu::launch((unsigned)((M + TM_BWD_TILE - 1) / TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_output_norm(p); });
+    const auto want = stats(H, [&](long long m, int h) { return (double)t[hidden(m, h)]; });
+    for (long long m = 0; m < M; ++m) {
+      for (int k = 0; k < 2; ++k)
+        if (!close(st[2 * m + k], want[2 * m + k], 1e-4)) return fail("output_norm stats", 2 * m + k, st[2 * m + k], want[2 * m + k]);
+      for (int h = 0; h < H; ++h) {
+        const double uw = (t[hidden(m, h)] - (double)want[2 * m]) * want[2 * m + 1] * w[h] + b[h];
+        if (!close(u[m * H + h], uw, 1e-4)) return fail("output_norm u", m * H + h, u[m * H + h], uw);
+        const double vw = uw * sig(pb(m, 4 * H + h));
+        if (!af3 && !close(e[m * H + h], vw, 1e-4)) return fail("output_norm v", m * H + h, e[m * H + h], vw);
+      }
+    }
+  }
+
+  // The output gate's backward: af3 ds and dG from dy and s; gpumode du and dG from dv and u.
+  {
+    std::vector<float> dy((size_t)(M * C)), e((size_t)(M * G)), u((size_t)(M * H)), du((size_t)(M * H)),
+        obias(C), dcat((size_t)(M * F), NAN);
+    for (auto& v : dy) v = (float)normal(rng);
+    for (auto& v : e) v = (float)normal(rng);
+    for (auto& v : u) v = (float)normal(rng);
+    for (auto& v : du) v = (float)normal(rng);
+    for (auto& v : obias) v = (float)normal(rng);
+    const std::vector<float> e0 = e, du0 = du;
+    TmBackwardParams p{};
+    p.dy = dy.data();
+    p.e = e.data();
+    p.u = u.data();
+    p.du = du.data();
+    p.p = P.data();
+    p.proj_bias = pbias.data();
+    p.out_bias = obias.data();
+    p.dcat = dcat.data();
+    p.rows = M;
+    p.n2 = n2;
+    p.c = C;
+    p.h = H;
+    p.f = F;
+    p.af3 = af3;
+    emu::launch((unsigned)((M * G + TM_BWD_THREADS - 1) / TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_output_gate(p); });
+    for (long long m = 0; m < M; ++m)
+      for (int col = 0; col < G; ++col) {
+        const long long i = m * G + col;
+        const double g = sig(pb(m, 4 * H + col));
+        const double d = af3 ? dy[i] : du0[i], s = af3 ? e0[i] + (double)obias[col] : u[i];
+        const double dd = d * g, dg = d * s * g * (1.0 - g);
+        const double got = af3 ? e[i] : du[i];
+        if (!close(got, dd, 1e-4)) return fail(af3 ? "output_gate ds" : "output_gate du", i, got, dd);
+        if (!close(dcat[m * F + 4 * H + col], dg, 1e-4)) return fail("output_gate dG", i, dcat[m * F + 4 * H + col], dg);
+      }
+  }
+
+  // The gated projections' backward: dcat's first 4H columns from dleft, dright and P.
+  {
+    std::vector<float> dl((size_t)(M * H)), dr((size_t)(M * H)), dcat((size_t)(M * F), NAN);
+    for (auto& v : dl) v = (float)normal(rng);
+    for (auto& v : dr) v = (float)normal(rng);
+    TmBackwardParams p{};
+    p.left = dl.data();
+    p.right = dr.data();
+    p.p = P.data();
+    p.proj_bias = pbias.data();
+    p.mask = mask.data();
+    p.dcat = dcat.data();
+    p.rows = M;
+    p.n2 = n2;
+    p.c = C;
+    p.h = H;
+    p.f = F;
+    emu::launch((unsigned)((M + TM_BWD_TILE - 1) / TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_gating_grad(p); });
+    for (long long m = 0; m < M; ++m)
+      for (int h = 0; h < H; ++h)
+        for (int side = 0; side < 2; ++side) {
+          const double d = (side ? dr : dl)[hidden(m, h)] * (double)mask[m];
+          const int cv = 2 * side * H + h, cg = cv + H;
+          const double sg = sig(pb(m, cg)), want_v = d * sg, want_g = d * pb(m, cv) * sg * (1.0 - sg);
+          if (!close(dcat[m * F + cv], want_v, 1e-4)) return fail("gating_grad dp", m * F + cv, dcat[m * F + cv], want_v);
+          if (!close(dcat[m * F + cg], want_g, 1e-4)) return fail("gating_grad dq", m * F + cg, dcat[m * F + cg], want_g);
+        }
+  }
+
+  // Column sums of P's columns (a leading dimension wider than the columns summed) in two passes.
+  {
+    const int cols = F - 3, row_blocks = 3, chunks = (cols + 31) / 32;
+    std::vector<double> partial((size_t)row_blocks * cols, NAN);
+    std::vector<float> out(cols, NAN);
+    TmColumnSums s{};
+    s.a = P.data();
+    s.partial = partial.data();
+    s.out = out.data();
+    s.rows = M;
+    s.cols = cols;
+    s.ld = F;
+    s.row_blocks = row_blocks;
+    emu::launch((unsigned)(row_blocks * chunks), TM_BWD_THREADS, [&] { backward_column_partials(s); });
+    emu::launch((unsigned)((cols + TM_BWD_THREADS - 1) / TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_column_finish(s); });
+    for (int col = 0; col < cols; ++col) {
+      double want = 0;
+      for (long long m = 0; m < M; ++m) want += P[m * F + col];
+      if (!close(out[col], want, 1e-5)) return fail("column sums", col, out[col], want);
+    }
+  }
+
+  // f16 words widened to f32.
+  {
+    std::vector<tm_half> h16(1000);
+    std::vector<float> f32(h16.size(), NAN);
+    for (auto& v : h16) v = tm_f2h((float)normal(rng));
+    TmWiden w{h16.data(), f32.data(), (tm_i64)h16.size()};
+    emu::launch((unsigned)((h16.size() + TM_BWD_THREADS - 1) / TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_widen(w); });
+    for (size_t i = 0; i < h16.size(); ++i)
+      if (f32[i] != tm_h2f(h16[i])) return fail("widen", (long long)i, f32[i], tm_h2f(h16[i]));
+  }
+
+  std::printf("ok\n");
+  return 0;
+}
