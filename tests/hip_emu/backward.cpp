@@ -31,6 +31,10 @@ int main(int argc, char** argv) {
   const size_t smem_in = TM_BWD_ACC_SMEM(C), smem_out = TM_BWD_T_ACC_SMEM(H);
   const int G = af3 ? C : H, F = 4 * H + G;
   std::uniform_real_distribution<double> unit(0.0, 1.0);
+  // offset + scale·N(0, 1) in every element.
+  auto fill = [&](std::vector<float>& v, double offset, double scale) {
+    for (auto& e : v) e = (float)(offset + scale * normal(rng));
+  };
   auto hidden = [&](long long m, int h) { return (size_t)(((m / n2) * H + h) * n2 + m % n2); };
   auto sig = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
   auto fail = [](const char* what, long long i, double got, double want) {
@@ -39,10 +43,23 @@ int main(int argc, char** argv) {
   };
   // P [M, F], its bias, and a 0/1 mask: the projections the gating kernels read.
   std::vector<float> P((size_t)(M * F)), pbias(F), mask((size_t)M);
-  for (auto& v : P) v = (float)(2.0 * normal(rng));
-  for (auto& v : pbias) v = (float)(0.5 * normal(rng));
+  fill(P, 0.0, 2.0);
+  fill(pbias, 0.0, 0.5);
   for (auto& v : mask) v = unit(rng) < 0.8 ? 1.f : 0.f;
   auto pb = [&](long long m, int col) { return (double)P[m * F + col] + pbias[col]; };
+  // The kernels' argument with this problem's sizes; each check sets the tensors it uses.
+  auto base = [&] {
+    TmBackwardParams p{};
+    p.rows = M;
+    p.n2 = n2;
+    p.c = C;
+    p.h = H;
+    p.f = F;
+    p.af3 = af3;
+    p.eps = eps;
+    p.blocks = blocks;
+    return p;
+  };
   if (batch < 1 || n < 1 || C < 1 || H < 1 || blocks < 1 || smem_in > sizeof(tm_dyn_smem) ||
       smem_out > sizeof(tm_dyn_smem)) {
     std::printf("bad arguments\n");
@@ -94,23 +111,18 @@ int main(int argc, char** argv) {
   // LN_C's backward: dx from dz.
   {
     std::vector<float> x((size_t)(M * C)), dz((size_t)(M * C)), w(C), dx((size_t)(M * C), NAN);
-    for (auto& v : x) v = (float)(1.5 + 2.0 * normal(rng));
-    for (auto& v : dz) v = (float)normal(rng);
-    for (auto& v : w) v = (float)(1.0 + 0.5 * normal(rng));
+    fill(x, 1.5, 2.0);
+    fill(dz, 0.0, 1.0);
+    fill(w, 1.0, 0.5);
     const auto st = stats(C, [&](long long m, int c) { return (double)x[m * C + c]; });
     std::vector<double> partial((size_t)blocks * 2 * C, NAN);
-    TmBackwardParams p{};
+    TmBackwardParams p = base();
     p.x = x.data();
     p.dz = dz.data();
     p.norm_in_w = w.data();
     p.stats_x = const_cast<float*>(st.data());
     p.dx = dx.data();
     p.partial = partial.data();
-    p.rows = M;
-    p.n2 = n2;
-    p.c = C;
-    p.h = H;
-    p.blocks = blocks;
     emu::launch(blocks, TM_BWD_THREADS, [&] { backward_input_norm_grad(p); });
     std::vector<double> want, sums;
     reference(C, [&](long long m, int c) { return (double)x[m * C + c]; },
@@ -130,24 +142,19 @@ int main(int argc, char** argv) {
   // LN_H's backward: dt (hidden-major, over t) from du.
   {
     std::vector<float> t((size_t)(M * H)), du((size_t)(M * H)), w(H);
-    for (auto& v : t) v = (float)(-1.0 + 3.0 * normal(rng));
-    for (auto& v : du) v = (float)normal(rng);
-    for (auto& v : w) v = (float)(1.0 + 0.5 * normal(rng));
+    fill(t, -1.0, 3.0);
+    fill(du, 0.0, 1.0);
+    fill(w, 1.0, 0.5);
     auto hidden = [&](long long m, int h) { return (size_t)(((m / n2) * H + h) * n2 + m % n2); };
     const std::vector<float> t0 = t;
     const auto st = stats(H, [&](long long m, int h) { return (double)t0[hidden(m, h)]; });
     std::vector<double> partial((size_t)blocks * 2 * H, NAN);
-    TmBackwardParams p{};
+    TmBackwardParams p = base();
     p.t = t.data();
     p.du = du.data();
     p.norm_out_w = w.data();
     p.stats_t = const_cast<float*>(st.data());
     p.partial = partial.data();
-    p.rows = M;
-    p.n2 = n2;
-    p.c = C;
-    p.h = H;
-    p.blocks = blocks;
     emu::launch(blocks, TM_BWD_THREADS, [&] { backward_output_norm_grad(p); });
     std::vector<double> want, sums;
     reference(H, [&](long long m, int h) { return (double)t0[hidden(m, h)]; },
@@ -167,20 +174,15 @@ int main(int argc, char** argv) {
   // LN_C forward: z and its statistics.
   {
     std::vector<float> x((size_t)(M * C)), w(C), b(C), z((size_t)(M * C), NAN), st((size_t)(2 * M), NAN);
-    for (auto& v : x) v = (float)(1.5 + 2.0 * normal(rng));
-    for (auto& v : w) v = (float)(1.0 + 0.5 * normal(rng));
-    for (auto& v : b) v = (float)normal(rng);
-    TmBackwardParams p{};
+    fill(x, 1.5, 2.0);
+    fill(w, 1.0, 0.5);
+    fill(b, 0.0, 1.0);
+    TmBackwardParams p = base();
     p.x = x.data();
     p.norm_in_w = w.data();
     p.norm_in_b = b.data();
     p.z = z.data();
     p.stats_x = st.data();
-    p.rows = M;
-    p.n2 = n2;
-    p.c = C;
-    p.h = H;
-    p.eps = eps;
     emu::launch((unsigned)((M + TM_BWD_ROWS_PER_BLOCK - 1) / TM_BWD_ROWS_PER_BLOCK), TM_BWD_THREADS,
                 [&] { backward_input_norm(p); });
     const auto want = stats(C, [&](long long m, int c) { return (double)x[m * C + c]; });
@@ -197,17 +199,12 @@ int main(int argc, char** argv) {
   // The gated projections: left and right (hidden-major) from P, its bias and the mask.
   {
     std::vector<float> left((size_t)(M * H), NAN), right((size_t)(M * H), NAN);
-    TmBackwardParams p{};
+    TmBackwardParams p = base();
     p.p = P.data();
     p.proj_bias = pbias.data();
     p.mask = mask.data();
     p.left = left.data();
     p.right = right.data();
-    p.rows = M;
-    p.n2 = n2;
-    p.c = C;
-    p.h = H;
-    p.f = F;
     emu::launch((unsigned)((M + TM_BWD_TILE - 1) / TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_gating(p); });
     for (long long m = 0; m < M; ++m)
       for (int h = 0; h < H; ++h) {
@@ -221,10 +218,10 @@ int main(int argc, char** argv) {
   {
     std::vector<float> t((size_t)(M * H)), w(H), b(H), u((size_t)(M * H), NAN), e((size_t)(M * H), NAN),
         st((size_t)(2 * M), NAN);
-    for (auto& v : t) v = (float)(-1.0 + 3.0 * normal(rng));
-    for (auto& v : w) v = (float)(1.0 + 0.5 * normal(rng));
-    for (auto& v : b) v = (float)normal(rng);
-    TmBackwardParams p{};
+    fill(t, -1.0, 3.0);
+    fill(w, 1.0, 0.5);
+    fill(b, 0.0, 1.0);
+    TmBackwardParams p = base();
     p.t = t.data();
     p.norm_out_w = w.data();
     p.norm_out_b = b.data();
@@ -233,13 +230,6 @@ int main(int argc, char** argv) {
     p.u = u.data();
     p.e = e.data();
     p.stats_t = st.data();
-    p.rows = M;
-    p.n2 = n2;
-    p.c = C;
-    p.h = H;
-    p.f = F;
-    p.af3 = af3;
-    p.eps = eps;
     emu::launch((unsigned)((M + TM_BWD_TILE - 1) / TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_output_norm(p); });
     const auto want = stats(H, [&](long long m, int h) { return (double)t[hidden(m, h)]; });
     for (long long m = 0; m < M; ++m) {
@@ -258,13 +248,13 @@ int main(int argc, char** argv) {
   {
     std::vector<float> dy((size_t)(M * C)), e((size_t)(M * G)), u((size_t)(M * H)), du((size_t)(M * H)),
         obias(C), dcat((size_t)(M * F), NAN);
-    for (auto& v : dy) v = (float)normal(rng);
-    for (auto& v : e) v = (float)normal(rng);
-    for (auto& v : u) v = (float)normal(rng);
-    for (auto& v : du) v = (float)normal(rng);
-    for (auto& v : obias) v = (float)normal(rng);
+    fill(dy, 0.0, 1.0);
+    fill(e, 0.0, 1.0);
+    fill(u, 0.0, 1.0);
+    fill(du, 0.0, 1.0);
+    fill(obias, 0.0, 1.0);
     const std::vector<float> e0 = e, du0 = du;
-    TmBackwardParams p{};
+    TmBackwardParams p = base();
     p.dy = dy.data();
     p.e = e.data();
     p.u = u.data();
@@ -273,12 +263,6 @@ int main(int argc, char** argv) {
     p.proj_bias = pbias.data();
     p.out_bias = obias.data();
     p.dcat = dcat.data();
-    p.rows = M;
-    p.n2 = n2;
-    p.c = C;
-    p.h = H;
-    p.f = F;
-    p.af3 = af3;
     emu::launch((unsigned)((M * G + TM_BWD_THREADS - 1) / TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_output_gate(p); });
     for (long long m = 0; m < M; ++m)
       for (int col = 0; col < G; ++col) {
@@ -295,20 +279,15 @@ int main(int argc, char** argv) {
   // The gated projections' backward: dcat's first 4H columns from dleft, dright and P.
   {
     std::vector<float> dl((size_t)(M * H)), dr((size_t)(M * H)), dcat((size_t)(M * F), NAN);
-    for (auto& v : dl) v = (float)normal(rng);
-    for (auto& v : dr) v = (float)normal(rng);
-    TmBackwardParams p{};
+    fill(dl, 0.0, 1.0);
+    fill(dr, 0.0, 1.0);
+    TmBackwardParams p = base();
     p.left = dl.data();
     p.right = dr.data();
     p.p = P.data();
     p.proj_bias = pbias.data();
     p.mask = mask.data();
     p.dcat = dcat.data();
-    p.rows = M;
-    p.n2 = n2;
-    p.c = C;
-    p.h = H;
-    p.f = F;
     emu::launch((unsigned)((M + TM_BWD_TILE - 1) / TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_gating_grad(p); });
     for (long long m = 0; m < M; ++m)
       for (int h = 0; h < H; ++h)
