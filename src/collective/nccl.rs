@@ -55,7 +55,6 @@ unsafe impl Send for Communicator {}
 impl Communicator {
     /// One communicator per GPU of this host, rank `r` on `devices[r]` (`ncclCommInitAll`).
     pub fn for_local_gpus(devices: &[usize]) -> Result<Vec<Communicator>> {
-        loaded()?;
         if devices.len() < 2 {
             return Err(Error::InvalidArgument(format!(
                 "a sharded forward needs at least two GPUs, {} given",
@@ -68,6 +67,7 @@ impl Communicator {
         if seen.len() != devices.len() {
             return Err(Error::InvalidArgument(format!("GPU list {devices:?} names a GPU twice")));
         }
+        loaded()?;
         let list = devices
             .iter()
             .map(|&d| i32::try_from(d).map_err(|_| Error::InvalidArgument(format!("GPU number {d}"))))
@@ -102,7 +102,6 @@ impl Communicator {
     /// `unique_id` ([`Communicator::unique_id`]): `ncclCommInitRank`, which returns once every
     /// rank has joined. Each rank calls it from its own thread or process.
     pub fn join(unique_id: &[u8], ranks: usize, rank: usize, device: usize) -> Result<Communicator> {
-        loaded()?;
         let mut id = sys::ncclUniqueId { internal: [0; 128] };
         if unique_id.len() != id.internal.len() {
             return Err(Error::InvalidArgument(format!(
@@ -114,6 +113,7 @@ impl Communicator {
         if rank >= ranks {
             return Err(Error::InvalidArgument(format!("rank {rank} of a communicator of {ranks} ranks")));
         }
+        loaded()?;
         for (d, &b) in id.internal.iter_mut().zip(unique_id) {
             *d = b as std::ffi::c_char;
         }
@@ -269,6 +269,35 @@ impl Drop for Communicator {
             // SAFETY: created by ncclCommInitAll and destroyed once; destroy waits for this
             // rank's enqueued operations.
             let _ = unsafe { nc::comm_destroy(self.comm) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bad arguments are refused before NCCL is looked for; without NCCL (CI) every entry point
+    /// says that NCCL is what is missing, and nothing panics.
+    #[test]
+    fn bad_arguments_and_a_missing_nccl_are_clear_errors() {
+        let msg = |r: Result<Communicator>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        let many = |r: Result<Vec<Communicator>>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(many(Communicator::for_local_gpus(&[0])).contains("at least two GPUs"));
+        assert!(many(Communicator::for_local_gpus(&[1, 1])).contains("twice"));
+        assert!(msg(Communicator::join(&[0; 10], 2, 0, 0)).contains("128 bytes, 10 given"));
+        assert!(msg(Communicator::join(&[0; 128], 2, 2, 0)).contains("rank 2 of a communicator of 2"));
+        if loaded().is_ok() {
+            return; // NCCL is here: the rest needs GPUs (tests/cuda_sharded.rs).
+        }
+        let errors = [
+            nccl_version().unwrap_err(),
+            Communicator::unique_id().unwrap_err(),
+            Communicator::for_local_gpus(&[0, 1]).err().unwrap(),
+            Communicator::join(&[0; 128], 2, 0, 0).err().unwrap(),
+        ];
+        for e in errors {
+            assert!(matches!(e, Error::LibraryNotFound { .. }) && e.to_string().contains("NCCL"), "{e}");
         }
     }
 }
