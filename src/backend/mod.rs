@@ -18,10 +18,10 @@
 //! the backends) forwards to the compiled-in backends. Detection order is HIP, then CUDA, then
 //! CPU; [`BACKEND_ENV`] (`TRIMUL_BACKEND=cpu|cuda|hip`) overrides it.
 
-#[cfg(any(feature = "cuda", feature = "rocm"))]
 // The backward kernels' argument structs and geometry (CUDA's backward; HIP's to come).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod backward_params;
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod caller_workspace;
 pub mod cpu;
 #[cfg(feature = "cuda")]
