@@ -17,12 +17,6 @@ use test_seed::this_test_seed as seed;
 
 const TOL: f64 = 2e-2;
 
-/// Outside `trimul check`'s rule around `b` (NaN is outside).
-fn outside(a: f32, b: f32) -> bool {
-    let d = (a as f64 - b as f64).abs();
-    d.is_nan() || d > TOL + TOL * (b as f64).abs()
-}
-
 /// Two GPUs and NCCL, or `None` with a visible message.
 fn two_gpus() -> Option<CudaBackend> {
     let why = match (CudaBackend::new(1), trimul::collective::nccl_version()) {
@@ -80,8 +74,8 @@ fn check(one: &CudaBackend, problem: &Problem, biases: bool, gpus: usize, seed: 
             want = out.iter().map(|v| v.to_f32()).collect();
         }
     }
-    let bad = y.iter().zip(&want).filter(|(a, b)| outside(**a, **b)).count();
-    assert_eq!(bad, 0, "{what}: {bad} elements differ from the one-GPU forward");
+    let cmp = reference::compare(&y, &want, TOL, TOL);
+    assert_eq!(cmp.bad, 0, "{what}: differs from the one-GPU forward: {cmp}");
 }
 
 fn problem(f: Formulation, dir: Direction, b: usize, n: usize, io: Precision) -> Problem {
@@ -163,8 +157,8 @@ fn ranks_joined_by_unique_id_match_one_gpu() {
     layer.forward_into(&x, Some(&mask), &mut want, p.shape).unwrap();
     for (rows, y) in parts {
         let want = &want[rows.start * n * c..rows.end * n * c];
-        let bad = y.iter().zip(want).filter(|(a, b)| outside(**a, **b)).count();
-        assert_eq!(bad, 0, "rows {rows:?}: {bad} elements differ from the one-GPU forward");
+        let cmp = reference::compare(&y, want, TOL, TOL);
+        assert_eq!(cmp.bad, 0, "rows {rows:?}: differs from the one-GPU forward: {cmp}");
     }
     // A wrong id length is an error, not a crash.
     assert!(trimul::collective::Communicator::join(&id[..10], 2, 0, 0).is_err());

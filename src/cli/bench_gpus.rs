@@ -13,6 +13,7 @@ use std::process::ExitCode;
 
 use rayon::prelude::*;
 use trimul::backend::cuda::CudaBackend;
+use trimul::reference;
 use trimul::sharded::ShardedGroup;
 use trimul::suite::{generate_inputs, Case, Dist};
 use trimul::{Backend, Config, Layer, Options, Precision, Problem, Shape, Weights};
@@ -67,22 +68,9 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
         let one_stages = one.stage_times()?;
         let mut group = ShardedGroup::on_local_gpus(&weights, &problem, &devices)?;
         let y = group.forward(&x, Some(&mask))?;
-        let diff = y.iter().zip(&one_y).map(|(a, b)| (a - b).abs()).fold(0f32, |m, d| {
-            if d.is_nan() || m.is_nan() {
-                f32::NAN
-            } else {
-                m.max(d)
-            }
-        });
-        // `trimul check`'s rule, around the one-GPU result (NaN is outside).
-        let outside = y
-            .iter()
-            .zip(&one_y)
-            .filter(|(a, b)| {
-                let d = (*a - *b).abs();
-                d.is_nan() || d > TOL + TOL * b.abs()
-            })
-            .count();
+        // `trimul check`'s rule, around the one-GPU result.
+        let cmp = reference::compare(&y, &one_y, TOL, TOL);
+        let (diff, outside) = (cmp.max_abs, cmp.bad);
         disagreements += usize::from(outside > 0);
         group.upload(&x, Some(&mask))?;
         let sharded_ms = median(group.time(warmup, repeats)?);
@@ -107,7 +95,7 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
     Ok(ExitCode::SUCCESS)
 }
 
-const TOL: f32 = 2e-2;
+const TOL: f64 = 2e-2;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

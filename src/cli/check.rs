@@ -272,14 +272,8 @@ fn run_case(run: &CaseRun) -> CaseResult {
         let mut ms = start.elapsed().as_secs_f64() * 1e3;
         if let Some(gpus) = run.gpus {
             let (sharded, sharded_ms) = sharded_forward(&weights, &problem, &inputs, gpus)?;
-            let (mut max_abs, mut bad) = (0f64, 0usize);
-            for (&a, &b) in sharded.iter().zip(&y) {
-                let d = (a as f64 - b as f64).abs();
-                max_abs = if d.is_nan() { f64::NAN } else { max_abs.max(d) };
-                // NaN counts as outside.
-                bad += usize::from(d.is_nan() || d > ATOL + RTOL * (b as f64).abs());
-            }
-            one_gpu = Some((max_abs, bad));
+            let cmp = reference::compare(&sharded, &y, RTOL, ATOL);
+            one_gpu = Some((cmp.max_abs, cmp.bad));
             (y, ms) = (sharded, sharded_ms);
         }
         let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, RTOL, ATOL)?;

@@ -538,7 +538,8 @@ impl fmt::Display for Comparison {
 /// Compares `got` with `want` elementwise: an entry passes when `|got − want| ≤ atol + rtol·|want|`
 /// (both finite), when both are NaN, or when both are the same infinity. NaN on one side only,
 /// Inf against anything else, and entries present in only one slice (lengths differ) are bad.
-pub fn compare(got: &[f32], want: &[f64], rtol: f64, atol: f64) -> Comparison {
+/// `want` is the f64 reference, or another result in f32 (one backend's output against another's).
+pub fn compare<W: Copy + Into<f64>>(got: &[f32], want: &[W], rtol: f64, atol: f64) -> Comparison {
     let mut cmp = Comparison {
         max_abs: 0.0,
         rel_l2: 0.0,
@@ -553,7 +554,7 @@ pub fn compare(got: &[f32], want: &[f64], rtol: f64, atol: f64) -> Comparison {
     // How far past its tolerance an entry is: ≤ 1 passes, infinite for NaN/Inf mismatches.
     let mut worst_excess = f64::NEG_INFINITY;
     for (idx, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let g64 = g as f64;
+        let (g64, w): (f64, f64) = (g as f64, w.into());
         let (ok, excess) = if g64.is_nan() || w.is_nan() {
             let ok = g64.is_nan() && w.is_nan();
             cmp.nan_mismatch += usize::from(!ok);
@@ -859,7 +860,7 @@ mod tests {
         // Lengths that differ, and nothing to compare, never pass.
         let short = compare(&exact[..3], &want, 2e-2, 2e-2);
         assert!(!short.passed() && short.bad == 1 && short.checked == 4);
-        assert!(!compare(&[], &[], 2e-2, 2e-2).passed());
+        assert!(!compare::<f64>(&[], &[], 2e-2, 2e-2).passed());
 
         // rel_l2 = ‖Δ‖/‖want‖ = 3/5 here.
         let cmp = compare(&[3.0, 7.0], &[3.0, 4.0], 0.0, 0.0);
