@@ -116,25 +116,32 @@ fn one_gpu(
     let mut layer = Layer::new(backend, weights, Options::new(problem.direction))?;
     let mut m = backend.alloc(mask.len())?;
     backend.upload(mask, &mut m)?;
+    // `warmup + repeats` calls of `call` (one timed forward each), the last with a stage timeline.
     let mut samples = Vec::with_capacity(repeats);
-    let y = if io == Precision::F32Io {
-        let mut xb = backend.alloc(x.len())?;
-        backend.upload(x, &mut xb)?;
-        let mut yb = backend.alloc(x.len())?;
+    let mut time = |call: &mut dyn FnMut() -> trimul::Result<f64>| -> trimul::Result<()> {
         for k in 0..warmup + repeats {
             if k + 1 == warmup + repeats {
                 backend.record_stages();
             }
-            let ms = if problem.in_place {
-                backend.upload(x, &mut xb)?;
-                backend.elapsed_ms(&mut || layer.forward_buffers_in_place(&mut xb, Some(&m), shape))?
-            } else {
-                backend.elapsed_ms(&mut || layer.forward_buffers(&xb, Some(&m), &mut yb, shape))?
-            };
+            let ms = call()?;
             if k >= warmup {
                 samples.push(ms);
             }
         }
+        Ok(())
+    };
+    let y = if io == Precision::F32Io {
+        let mut xb = backend.alloc(x.len())?;
+        backend.upload(x, &mut xb)?;
+        let mut yb = backend.alloc(x.len())?;
+        time(&mut || {
+            if problem.in_place {
+                backend.upload(x, &mut xb)?;
+                backend.elapsed_ms(&mut || layer.forward_buffers_in_place(&mut xb, Some(&m), shape))
+            } else {
+                backend.elapsed_ms(&mut || layer.forward_buffers(&xb, Some(&m), &mut yb, shape))
+            }
+        })?;
         let mut y = vec![0f32; x.len()];
         backend.download(if problem.in_place { &xb } else { &yb }, &mut y)?;
         y
@@ -143,20 +150,14 @@ fn one_gpu(
         let mut xb = backend.alloc_buffer::<u16>(bits.len())?;
         backend.upload_bits(&bits, &mut xb)?;
         let mut yb = backend.alloc_buffer::<u16>(bits.len())?;
-        for k in 0..warmup + repeats {
-            if k + 1 == warmup + repeats {
-                backend.record_stages();
-            }
-            let ms = if problem.in_place {
+        time(&mut || {
+            if problem.in_place {
                 backend.upload_bits(&bits, &mut xb)?;
-                backend.elapsed_ms(&mut || layer.forward_buffers_half_in_place(&mut xb, Some(&m), shape, io))?
+                backend.elapsed_ms(&mut || layer.forward_buffers_half_in_place(&mut xb, Some(&m), shape, io))
             } else {
-                backend.elapsed_ms(&mut || layer.forward_buffers_half(&xb, Some(&m), &mut yb, shape, io))?
-            };
-            if k >= warmup {
-                samples.push(ms);
+                backend.elapsed_ms(&mut || layer.forward_buffers_half(&xb, Some(&m), &mut yb, shape, io))
             }
-        }
+        })?;
         let mut ybits = vec![0u16; bits.len()];
         backend.download_bits(if problem.in_place { &xb } else { &yb }, &mut ybits)?;
         ybits.iter().map(|&v| io.decode_half(v)).collect()
