@@ -9,33 +9,34 @@
 use crate::error::{Error, Result};
 use crate::weights::{Linear, Norm, Weights};
 
-/// The gradients of a scalar loss with respect to `x` and every weight and bias, in f32.
+/// The gradients of a scalar loss with respect to `x` and every weight and bias, in f32 (the
+/// backends' result) or f64 (the reference's, `reference::Gradients`).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Gradients {
+pub struct Gradients<T = f32> {
     /// `∂L/∂x`, `[B, N, N, C]` like `x`.
-    pub x: Vec<f32>,
+    pub x: Vec<T>,
     /// LN_C's weight and bias, `[C]` each.
-    pub norm_in: Norm,
+    pub norm_in: Norm<T>,
     /// `[H, C]` (+ `[H]`).
-    pub left_proj: Linear,
+    pub left_proj: Linear<T>,
     /// `[H, C]` (+ `[H]`).
-    pub left_gate: Linear,
+    pub left_gate: Linear<T>,
     /// `[H, C]` (+ `[H]`).
-    pub right_proj: Linear,
+    pub right_proj: Linear<T>,
     /// `[H, C]` (+ `[H]`).
-    pub right_gate: Linear,
+    pub right_gate: Linear<T>,
     /// gpumode `[H, C]`; af3 `[C, C]` (+ `[C]`).
-    pub out_gate: Linear,
+    pub out_gate: Linear<T>,
     /// LN_H's weight and bias, `[H]` each.
-    pub norm_out: Norm,
+    pub norm_out: Norm<T>,
     /// `[C, H]` (+ `[C]`).
-    pub out_proj: Linear,
+    pub out_proj: Linear<T>,
 }
 
-impl Gradients {
+impl<T> Gradients<T> {
     /// Every tensor with its checkpoint-style name (`x`, `norm_in.weight`, `left_proj.bias`, …),
     /// in the order of the fields; absent biases are left out.
-    pub fn tensors(&self) -> Vec<(String, &[f32])> {
+    pub fn tensors(&self) -> Vec<(String, &[T])> {
         let mut out = vec![("x".to_string(), &self.x[..])];
         out.extend(norm_parts("norm_in", &self.norm_in));
         for (name, l) in self.linears().into_iter().take(5) {
@@ -47,7 +48,7 @@ impl Gradients {
     }
 
     /// The linear layers' gradients with their names, as [`Weights::linears`] orders them.
-    pub fn linears(&self) -> [(&'static str, &Linear); 6] {
+    pub fn linears(&self) -> [(&'static str, &Linear<T>); 6] {
         [
             ("left_proj", &self.left_proj),
             ("left_gate", &self.left_gate),
@@ -57,7 +58,9 @@ impl Gradients {
             ("out_proj", &self.out_proj),
         ]
     }
+}
 
+impl Gradients {
     /// Checks that every gradient has the shape of its weight (and a bias gradient exactly
     /// where the weights have a bias) and that `x` has `x_len` values: what a backend must
     /// return. Names the first tensor that does not match.
@@ -86,11 +89,11 @@ impl Gradients {
     }
 }
 
-fn norm_parts<'a>(name: &str, n: &'a Norm) -> [(String, &'a [f32]); 2] {
+fn norm_parts<'a, T>(name: &str, n: &'a Norm<T>) -> [(String, &'a [T]); 2] {
     [(format!("{name}.weight"), &n.weight[..]), (format!("{name}.bias"), &n.bias[..])]
 }
 
-fn linear_parts<'a>(name: &str, l: &'a Linear) -> Vec<(String, &'a [f32])> {
+fn linear_parts<'a, T>(name: &str, l: &'a Linear<T>) -> Vec<(String, &'a [T])> {
     let mut out = vec![(format!("{name}.weight"), &l.weight[..])];
     if let Some(b) = &l.bias {
         out.push((format!("{name}.bias"), &b[..]));

@@ -10,25 +10,28 @@
 use crate::error::{Error, Result};
 use crate::problem::{Config, Formulation};
 
-/// A linear layer `y = x·Wᵀ + b`, with `W` row-major `[out, in]`.
+/// A linear layer `y = x·Wᵀ + b`, with `W` row-major `[out, in]`; in f32 unless said (the
+/// gradients and the f64 reference use the same type).
 #[derive(Clone, Debug, PartialEq)]
-pub struct Linear {
+pub struct Linear<T = f32> {
     /// `[out, in]`, row-major.
-    pub weight: Vec<f32>,
+    pub weight: Vec<T>,
     /// `[out]`, or none.
-    pub bias: Option<Vec<f32>>,
+    pub bias: Option<Vec<T>>,
     /// Output features.
     pub out_features: usize,
     /// Input features.
     pub in_features: usize,
 }
 
-impl Linear {
+impl<T> Linear<T> {
     /// A linear layer from its weight (`[out, in]`, row-major) and optional bias.
-    pub fn new(weight: Vec<f32>, bias: Option<Vec<f32>>, out_features: usize, in_features: usize) -> Self {
+    pub fn new(weight: Vec<T>, bias: Option<Vec<T>>, out_features: usize, in_features: usize) -> Self {
         Linear { weight, bias, out_features, in_features }
     }
+}
 
+impl Linear {
     fn check(&self, name: &str, out_features: usize, in_features: usize) -> Result<()> {
         if self.out_features != out_features || self.in_features != in_features {
             return Err(Error::Weights(format!(
@@ -61,13 +64,13 @@ fn finite(name: &str, v: &[f32]) -> Result<()> {
     }
 }
 
-/// LayerNorm affine parameters.
+/// LayerNorm affine parameters, in f32 unless said.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Norm {
+pub struct Norm<T = f32> {
     /// Scale, one per channel.
-    pub weight: Vec<f32>,
+    pub weight: Vec<T>,
     /// Shift, one per channel.
-    pub bias: Vec<f32>,
+    pub bias: Vec<T>,
 }
 
 impl Norm {

@@ -34,37 +34,16 @@ use crate::weights::{Linear, Norm, Weights};
 
 /// A linear layer's weight `[out, in]` (row-major) and optional bias `[out]` in f64: the
 /// gradient of a [`Linear`], or (in the tests) its value at a point.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Linear64 {
-    /// `[out, in]`, row-major.
-    pub weight: Vec<f64>,
-    /// `[out]`, present exactly when the layer has a bias.
-    pub bias: Option<Vec<f64>>,
-    /// Output features.
-    pub out_features: usize,
-    /// Input features.
-    pub in_features: usize,
-}
+pub type Linear64 = Linear<f64>;
 
 impl Linear64 {
     fn from_f32(l: &Linear) -> Linear64 {
-        Linear64 {
-            weight: widen(&l.weight),
-            bias: l.bias.as_deref().map(widen),
-            out_features: l.out_features,
-            in_features: l.in_features,
-        }
+        Linear64::new(widen(&l.weight), l.bias.as_deref().map(widen), l.out_features, l.in_features)
     }
 }
 
 /// A LayerNorm's scale and shift in f64: the gradient of a [`Norm`], or its value at a point.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Norm64 {
-    /// Scale `γ`, one per channel.
-    pub weight: Vec<f64>,
-    /// Shift `β`, one per channel.
-    pub bias: Vec<f64>,
-}
+pub type Norm64 = Norm<f64>;
 
 impl Norm64 {
     fn from_f32(n: &Norm) -> Norm64 {
@@ -72,32 +51,12 @@ impl Norm64 {
     }
 }
 
-/// `∂L/∂x` and `∂L/∂θ` for every parameter `θ`, named and shaped as in [`Weights`]; a bias's
-/// gradient is present exactly when the weights have that bias.
+/// `∂L/∂x` and `∂L/∂θ` for every parameter `θ` in f64, named and shaped as in [`Weights`]; a
+/// bias's gradient is present exactly when the weights have that bias.
 ///
 /// The same layout holds a point `(x, weights)` of the forward's domain, which is how the tests
 /// perturb the forward's inputs in f64.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Gradients {
-    /// `∂L/∂x`, `[B, N, N, C]`.
-    pub x: Vec<f64>,
-    /// LN_C's weight and bias, `[C]` each.
-    pub norm_in: Norm64,
-    /// `[H, C]` (+ `[H]`).
-    pub left_proj: Linear64,
-    /// `[H, C]` (+ `[H]`).
-    pub left_gate: Linear64,
-    /// `[H, C]` (+ `[H]`).
-    pub right_proj: Linear64,
-    /// `[H, C]` (+ `[H]`).
-    pub right_gate: Linear64,
-    /// gpumode `[H, C]`; af3 `[C, C]` (+ `[C]`).
-    pub out_gate: Linear64,
-    /// LN_H's weight and bias, `[H]` each.
-    pub norm_out: Norm64,
-    /// `[C, H]` (+ `[C]`).
-    pub out_proj: Linear64,
-}
+pub type Gradients = crate::gradients::Gradients<f64>;
 
 impl Gradients {
     /// The point `(x, weights)` in f64.
@@ -114,40 +73,6 @@ impl Gradients {
             out_proj: Linear64::from_f32(&weights.out_proj),
         }
     }
-
-    /// Every tensor with its checkpoint-style name (`x`, `norm_in.weight`, `left_proj.bias`, …),
-    /// in the order of the fields; absent biases are left out.
-    pub fn tensors(&self) -> Vec<(String, &[f64])> {
-        let mut out = vec![("x".to_string(), &self.x[..])];
-        out.extend(norm_parts("norm_in", &self.norm_in));
-        for (name, l) in &self.linears()[..5] {
-            out.extend(linear_parts(name, l));
-        }
-        out.extend(norm_parts("norm_out", &self.norm_out));
-        out.extend(linear_parts("out_proj", &self.out_proj));
-        out
-    }
-
-    /// The linear layers with their names, as [`Weights::linears`] orders them.
-    pub fn linears(&self) -> [(&'static str, &Linear64); 6] {
-        [
-            ("left_proj", &self.left_proj),
-            ("left_gate", &self.left_gate),
-            ("right_proj", &self.right_proj),
-            ("right_gate", &self.right_gate),
-            ("out_gate", &self.out_gate),
-            ("out_proj", &self.out_proj),
-        ]
-    }
-}
-
-fn norm_parts<'a>(name: &str, n: &'a Norm64) -> [(String, &'a [f64]); 2] {
-    [(format!("{name}.weight"), &n.weight), (format!("{name}.bias"), &n.bias)]
-}
-
-fn linear_parts<'a>(name: &str, l: &'a Linear64) -> Vec<(String, &'a [f64])> {
-    let bias = l.bias.as_deref().map(|b| (format!("{name}.bias"), b));
-    std::iter::once((format!("{name}.weight"), &l.weight[..])).chain(bias).collect()
 }
 
 pub(super) fn widen(v: &[f32]) -> Vec<f64> {

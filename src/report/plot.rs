@@ -39,27 +39,21 @@ const PER_BAR_W: u32 = 16;
 const SWEEP_W: u32 = 760;
 
 /// Runs: strong, distinct colours (Tableau 10's first five, then more).
-const RUN_COLORS: [RGBColor; 8] = [
-    RGBColor(31, 119, 180),
-    RGBColor(214, 39, 40),
-    RGBColor(44, 160, 44),
-    RGBColor(255, 127, 14),
-    RGBColor(148, 103, 189),
-    RGBColor(23, 190, 207),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-];
+const RUN_COLORS: [RGBColor; 8] =
+    rgb_table([0x1f77b4, 0xd62728, 0x2ca02c, 0xff7f0e, 0x9467bd, 0x17becf, 0x8c564b, 0xe377c2]);
 /// Anchors: muted colours that stay behind the runs.
-const ANCHOR_COLORS: [RGBColor; 8] = [
-    RGBColor(127, 127, 127),
-    RGBColor(166, 118, 29),
-    RGBColor(188, 128, 189),
-    RGBColor(102, 166, 30),
-    RGBColor(77, 77, 77),
-    RGBColor(158, 188, 218),
-    RGBColor(0, 139, 139),
-    RGBColor(117, 112, 179),
-];
+const ANCHOR_COLORS: [RGBColor; 8] =
+    rgb_table([0x7f7f7f, 0xa6761d, 0xbc80bd, 0x66a61e, 0x4d4d4d, 0x9ebcda, 0x008b8b, 0x7570b3]);
+/// Colours written as `0xRRGGBB`, as palettes publish them.
+const fn rgb_table<const K: usize>(hex: [u32; K]) -> [RGBColor; K] {
+    let mut out = [RGBColor(0, 0, 0); K];
+    let mut i = 0;
+    while i < K {
+        out[i] = RGBColor((hex[i] >> 16) as u8, (hex[i] >> 8) as u8, hex[i] as u8);
+        i += 1;
+    }
+    out
+}
 const GRID: RGBColor = RGBColor(232, 232, 232);
 const GRID_BOLD: RGBColor = RGBColor(205, 205, 205);
 const TEXT: RGBColor = RGBColor(40, 40, 40);

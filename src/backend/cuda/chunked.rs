@@ -9,7 +9,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use super::blas::{Elem, MatmulPlan};
 use super::context::{ceil_div, CudaBackend};
 use super::driver::DriverResult;
-use super::workspace::{CudaPrepared, CudaWorkspace, Layout, Staged};
+use super::workspace::{full_or_tail, CudaPrepared, CudaWorkspace, Layout, Staged};
 use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{
     to_i32, to_i64, Addresses, CommonParams, InputParams, OutputParams, INPUT_NORM_ROWS_PER_BLOCK, STAGE_THREADS,
@@ -245,11 +245,7 @@ impl CudaBackend {
                 ..InputParams::default()
             };
             kernel.launch(m, stream, &kp)?;
-            let gemm = if n == plan.hidden_chunk {
-                &mut ws.contraction
-            } else {
-                ws.contraction_tail.as_mut().unwrap_or(&mut ws.contraction)
-            };
+            let gemm = full_or_tail(&mut ws.contraction, &mut ws.contraction_tail, n == plan.hidden_chunk);
             if gemm.spec().batch != n {
                 return Err(Error::InvalidArgument(format!("no contraction plan for a pass of {n} channels")));
             }
@@ -280,11 +276,7 @@ impl CudaBackend {
                 ..InputParams::default()
             };
             kernel.launch(rows, stream, &kp)?;
-            let gemm = if rows == plan.output_rows {
-                &mut ws.output
-            } else {
-                ws.output_tail.as_mut().unwrap_or(&mut ws.output)
-            };
+            let gemm = full_or_tail(&mut ws.output, &mut ws.output_tail, rows == plan.output_rows);
             self.enqueue_output(prep, fused_output, gemm, &chunk, ows, ows_len, stream, false)?;
         }
         self.mark("output stage (gate, LayerNorm, GEMM) per row chunk", stream)?;

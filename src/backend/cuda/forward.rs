@@ -15,8 +15,8 @@ use super::driver::DriverResult;
 use super::kernels;
 use super::tuning::Tuning;
 use super::workspace::{
-    output_projection_smem, CudaPrepared, CudaWorkspace, FusedInput, FusedKernel, InputBuild, Layout, WsBuild,
-    OUTPUT_PROJECTION_ROWS, OUTPUT_RESIDENT_SMEM, OUTPUT_XGATE_SMEM, WS_SMEM_BYTES,
+    full_or_tail, output_projection_smem, CudaPrepared, CudaWorkspace, FusedInput, FusedKernel, InputBuild, Layout,
+    WsBuild, OUTPUT_PROJECTION_ROWS, OUTPUT_RESIDENT_SMEM, OUTPUT_XGATE_SMEM, WS_SMEM_BYTES,
 };
 use crate::backend::params::{
     self, to_i32, Addresses, CommonParams, InputParams, OutputParams, FUSED_INPUT_ROWS, INPUT_NORM_ROWS_PER_BLOCK,
@@ -407,11 +407,7 @@ impl CudaBackend {
                 ..*base
             };
             k.input_norm.launch(ceil_div(rows, INPUT_NORM_ROWS_PER_BLOCK as usize), STAGE_THREADS, 0, stream, &kp)?;
-            let plan = if rows == input_rows {
-                &mut chunked.proj_full
-            } else {
-                chunked.proj_tail.as_mut().unwrap_or(&mut chunked.proj_full)
-            };
+            let plan = full_or_tail(&mut chunked.proj_full, &mut chunked.proj_tail, rows == input_rows);
             if plan.spec().n != rows {
                 return Err(Error::InvalidArgument(format!("no projection plan for a chunk of {rows} rows")));
             }

@@ -249,6 +249,19 @@ impl Staged {
     }
 }
 
+/// The GEMM plan for one piece of a chunked stage: `full`'s for a piece of the chunk size,
+/// `tail`'s for the last, shorter piece when there is one.
+pub(super) fn full_or_tail<'a>(
+    full: &'a mut MatmulPlan,
+    tail: &'a mut Option<MatmulPlan>,
+    is_full: bool,
+) -> &'a mut MatmulPlan {
+    match tail {
+        Some(t) if !is_full => t,
+        _ => full,
+    }
+}
+
 /// The cuBLASLt projection GEMMs of a one-pass plan without the fused input kernel: a full
 /// input chunk and the last, shorter one.
 pub(super) struct BlasInput {
