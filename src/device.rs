@@ -96,7 +96,7 @@ impl Device {
             }
             // Set but unreadable is a mistake to report, not a variable to ignore.
             Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidArgument(format!(
-                "{BACKEND_ENV}={v:?} is not valid UTF-8: expected one of cpu, cuda, hip"
+                "{BACKEND_ENV}={v:?} is not valid UTF-8: expected cpu, cuda or hip"
             ))),
             _ => Ok(Device::detect_auto()),
         }

@@ -6,6 +6,8 @@
 
 use std::fmt;
 
+use crate::named::named_enum;
+
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -27,14 +29,6 @@ impl BackendKind {
     pub const ALL: [BackendKind; 3] = [BackendKind::Hip, BackendKind::Cuda, BackendKind::Cpu];
 
     /// The lowercase name (`cpu`, `cuda`, `hip`), as `TRIMUL_BACKEND` and `--backend` take it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BackendKind::Cpu => "cpu",
-            BackendKind::Cuda => "cuda",
-            BackendKind::Hip => "hip",
-        }
-    }
-
     /// The cargo feature that compiles this backend in (CPU is always built).
     pub fn feature(self) -> Option<&'static str> {
         match self {
@@ -45,23 +39,7 @@ impl BackendKind {
     }
 }
 
-impl fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for BackendKind {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "cpu" => Ok(BackendKind::Cpu),
-            "cuda" | "nvidia" => Ok(BackendKind::Cuda),
-            "hip" | "rocm" | "amd" => Ok(BackendKind::Hip),
-            other => Err(Error::InvalidArgument(format!("unknown backend {other:?}: expected one of cpu, cuda, hip"))),
-        }
-    }
-}
+named_enum!(BackendKind, "backend", [Cpu => "cpu", Cuda => "cuda" | "nvidia", Hip => "hip" | "rocm" | "amd"]);
 
 /// Everything that can go wrong.
 #[derive(Debug, thiserror::Error)]

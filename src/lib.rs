@@ -36,6 +36,7 @@ pub mod hostmem;
 pub mod io;
 pub mod kernels;
 pub mod layer;
+mod named;
 pub mod plan;
 pub mod problem;
 pub mod rand;

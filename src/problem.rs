@@ -14,6 +14,7 @@
 //! - incoming: `t[b,i,j,h] = Σ_k left[b,k,i,h]·right[b,k,j,h]`   (Lᵀ·R)
 
 use crate::error::{Error, Result};
+use crate::named::named_enum;
 
 /// Precision of `x` and `y` as the caller holds them. Intermediates are chosen by each backend
 /// (f32 on the CPU, f16 between GPU stages with f32 accumulation); the mask is always f32.
@@ -31,15 +32,6 @@ pub enum Precision {
 }
 
 impl Precision {
-    /// The name `--precision` takes (`f32-io`, `bf16-io`, `f16-io`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Precision::F32Io => "f32-io",
-            Precision::Bf16Io => "bf16-io",
-            Precision::F16Io => "f16-io",
-        }
-    }
-
     /// Bytes of one element of `x` and `y`.
     pub fn io_bytes(self) -> usize {
         match self {
@@ -74,25 +66,7 @@ impl Precision {
     }
 }
 
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for Precision {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "f32-io" | "f32" => Ok(Precision::F32Io),
-            "bf16-io" | "bf16" => Ok(Precision::Bf16Io),
-            "f16-io" | "f16" | "fp16" => Ok(Precision::F16Io),
-            other => {
-                Err(Error::InvalidArgument(format!("unknown precision {other:?}: expected f32-io, bf16-io or f16-io")))
-            }
-        }
-    }
-}
+named_enum!(Precision, "precision", [F32Io => "f32-io" | "f32", Bf16Io => "bf16-io" | "bf16", F16Io => "f16-io" | "f16" | "fp16"]);
 
 /// Default LayerNorm epsilon of both LayerNorms in both formulations (PyTorch's and
 /// cuEquivariance's default); a problem carries its own ([`Problem::with_eps`]).
@@ -123,32 +97,7 @@ pub enum Formulation {
     Af3,
 }
 
-impl Formulation {
-    /// The name `--formulation` takes (`gpumode`, `af3`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Formulation::GpuMode => "gpumode",
-            Formulation::Af3 => "af3",
-        }
-    }
-}
-
-impl std::fmt::Display for Formulation {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for Formulation {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "gpumode" | "gpu-mode" | "gpu_mode" => Ok(Formulation::GpuMode),
-            "af3" | "alphafold3" => Ok(Formulation::Af3),
-            other => Err(Error::InvalidArgument(format!("unknown formulation {other:?}: expected gpumode or af3"))),
-        }
-    }
-}
+named_enum!(Formulation, "formulation", [GpuMode => "gpumode" | "gpu-mode" | "gpu_mode", Af3 => "af3" | "alphafold3"]);
 
 /// Which contraction: edges leaving `i` and `j` (outgoing) or arriving at them (incoming). Not
 /// `#[non_exhaustive]`: a triangle update has these two directions, and callers' matches over
@@ -163,32 +112,7 @@ pub enum Direction {
     Incoming,
 }
 
-impl Direction {
-    /// The name `--direction` takes (`outgoing`, `incoming`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Direction::Outgoing => "outgoing",
-            Direction::Incoming => "incoming",
-        }
-    }
-}
-
-impl std::fmt::Display for Direction {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for Direction {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "outgoing" | "out" => Ok(Direction::Outgoing),
-            "incoming" | "in" => Ok(Direction::Incoming),
-            other => Err(Error::InvalidArgument(format!("unknown direction {other:?}: expected outgoing or incoming"))),
-        }
-    }
-}
+named_enum!(Direction, "direction", [Outgoing => "outgoing" | "out", Incoming => "incoming" | "in"]);
 
 /// Layer configuration: what the weights determine.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]

@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 use crate::error::Result;
+use crate::named::named_enum;
 use crate::problem::{Config, Direction, Formulation, Problem, Shape};
 use crate::rand::Rng;
 
@@ -37,21 +38,7 @@ pub enum Dist {
     Cauchy,
 }
 
-impl Dist {
-    /// The name used in shape names and JSON (`normal`, `cauchy`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Dist::Normal => "normal",
-            Dist::Cauchy => "cauchy",
-        }
-    }
-}
-
-impl std::fmt::Display for Dist {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+named_enum!(Dist, "distribution", [Normal => "normal", Cauchy => "cauchy"]);
 
 /// One shape of the suite with its input distribution. The formulation and direction are chosen
 /// by the caller ([`Case::problem`]): GPU MODE runs gpumode outgoing, the same shapes serve both.

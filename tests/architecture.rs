@@ -56,6 +56,7 @@ const LAYERS: &[(&str, Layer)] = &[
     ("device_io", Layer::Foundation),
     ("hostmem", Layer::Foundation),
     ("rand", Layer::Foundation),
+    ("named", Layer::Foundation),
     ("finite", Layer::Foundation),
     ("alloc_tracker", Layer::Foundation),
     ("units", Layer::Foundation),

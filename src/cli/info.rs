@@ -79,11 +79,9 @@ fn select(backends: &[BackendStatus]) -> (Option<BackendKind>, &'static str, Opt
                 None => (None, "TRIMUL_BACKEND", Some(format!("backend {kind} was not probed"))),
             },
         },
-        Err(std::env::VarError::NotUnicode(v)) => (
-            None,
-            "TRIMUL_BACKEND",
-            Some(format!("{BACKEND_ENV}={v:?} is not valid UTF-8: expected one of cpu, cuda, hip")),
-        ),
+        Err(std::env::VarError::NotUnicode(v)) => {
+            (None, "TRIMUL_BACKEND", Some(format!("{BACKEND_ENV}={v:?} is not valid UTF-8: expected cpu, cuda or hip")))
+        }
         _ => (backends.iter().find(|b| b.available).map(|b| b.backend), "detection", None),
     }
 }

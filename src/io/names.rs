@@ -3,10 +3,10 @@
 //! scheme and which of the scheme's names are present.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 
 use super::messages::list;
 use crate::error::{Error, Result};
+use crate::named::named_enum;
 use crate::problem::Formulation;
 
 // ---------------------------------------------------------------------------------------------
@@ -120,16 +120,6 @@ impl NamingScheme {
     pub const ALL: [NamingScheme; 4] =
         [NamingScheme::GpuMode, NamingScheme::Packed, NamingScheme::CuEquivarianceFunctional, NamingScheme::OpenFold];
 
-    /// A short name of the scheme, for messages.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            NamingScheme::GpuMode => "gpumode",
-            NamingScheme::Packed => "packed",
-            NamingScheme::CuEquivarianceFunctional => "functional",
-            NamingScheme::OpenFold => "openfold",
-        }
-    }
-
     /// The formulation whose weights this scheme names.
     pub fn formulation(self) -> Formulation {
         match self {
@@ -180,28 +170,12 @@ impl NamingScheme {
     }
 }
 
-impl fmt::Display for NamingScheme {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for NamingScheme {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "gpumode" | "gpu-mode" | "gpu_mode" | "lucidrains" => Ok(NamingScheme::GpuMode),
-            "packed" | "cuequivariance" | "cueq" | "boltz" => Ok(NamingScheme::Packed),
-            "functional" | "cuequivariance-functional" | "cueq-functional" => {
-                Ok(NamingScheme::CuEquivarianceFunctional)
-            }
-            "openfold" | "af2" => Ok(NamingScheme::OpenFold),
-            other => Err(Error::InvalidArgument(format!(
-                "unknown naming scheme {other:?}: expected gpumode, packed, functional or openfold"
-            ))),
-        }
-    }
-}
+named_enum!(NamingScheme, "naming scheme", [
+    GpuMode => "gpumode" | "gpu-mode" | "gpu_mode" | "lucidrains",
+    Packed => "packed" | "cuequivariance" | "cueq" | "boltz",
+    CuEquivarianceFunctional => "functional" | "cuequivariance-functional" | "cueq-functional",
+    OpenFold => "openfold" | "af2",
+]);
 
 // ---------------------------------------------------------------------------------------------
 // Finding the layer in a file: prefix, scheme, names
