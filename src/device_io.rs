@@ -329,6 +329,18 @@ impl DeviceOperands {
     }
 }
 
+/// One backward's inputs on the host, as [`Backend::backward`](crate::Backend::backward) takes
+/// them: `x` and `dy` `[B,N,N,C]` and the forward's `mask` `[B,N,N]`, all f32.
+#[derive(Copy, Clone, Debug)]
+pub struct BackwardIo<'a> {
+    /// The forward's input.
+    pub x: &'a [f32],
+    /// The forward's mask, if it had one.
+    pub mask: Option<&'a [f32]>,
+    /// `∂L/∂y`.
+    pub dy: &'a [f32],
+}
+
 /// One forward's I/O, as [`Backend::forward`](crate::Backend::forward) takes it: x, the mask and
 /// y (or x overwritten in place) in the backend's memory, their element type, the stream the work
 /// is enqueued on and the workspace in caller memory, if any.

@@ -5,7 +5,7 @@
 
 use crate::backend::{cpu::CpuBackend, Backend};
 use crate::device::Device;
-use crate::device_io::{DeviceIo, DeviceSpan, DeviceWeights, ForwardIo};
+use crate::device_io::{BackwardIo, DeviceIo, DeviceSpan, DeviceWeights, ForwardIo};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
 use crate::plan::{self, ExecPlan, MemoryNeeds};
@@ -435,7 +435,7 @@ impl<B: Backend> Layer<B> {
     /// have a backward; the HIP backend returns [`crate::Error::Unsupported`] so far.
     pub fn backward(&mut self, x: &[f32], mask: Option<&[f32]>, dy: &[f32], shape: Shape) -> Result<Gradients> {
         let problem = self.problem(shape, mask.is_some())?;
-        self.backend.backward(&self.prepared, &problem, x, mask, dy)
+        self.backend.backward(&self.prepared, &problem, BackwardIo { x, mask, dy })
     }
 
     /// [`Layer::backward`] on the backend's f32 buffers: `∂L/∂x` into `dx`, the weight and bias

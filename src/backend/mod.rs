@@ -42,7 +42,7 @@ pub(crate) mod params;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod staged_steps;
 
-use crate::device_io::{DeviceOperands, DeviceSpan, DeviceWeights, ForwardIo, Operands};
+use crate::device_io::{BackwardIo, DeviceOperands, DeviceSpan, DeviceWeights, ForwardIo, Operands};
 pub use crate::device_io::{HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
@@ -358,15 +358,8 @@ pub trait Backend: Clone + Send + Sync {
     /// forward's intermediates are recomputed from `x`. Operands that do not match `problem`
     /// are an error before any work (`check_backward_io`). Backends without a backward return
     /// [`Error::Unsupported`].
-    fn backward(
-        &self,
-        prepared: &Self::Prepared,
-        problem: &Problem,
-        x: &[f32],
-        mask: Option<&[f32]>,
-        dy: &[f32],
-    ) -> Result<Gradients> {
-        let _ = (prepared, problem, x, mask, dy);
+    fn backward(&self, prepared: &Self::Prepared, problem: &Problem, io: BackwardIo<'_>) -> Result<Gradients> {
+        let _ = (prepared, problem, io);
         Err(Error::Unsupported { backend: self.kind(), what: "the backward pass".into() })
     }
 

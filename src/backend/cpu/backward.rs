@@ -44,6 +44,7 @@ use rayon::prelude::*;
 use super::elementwise::{sigmoid, simd, sum_f64, sum_sq_dev_f64};
 use super::prepared::CpuPrepared;
 use crate::backend::host_gemm::{matmul, MatMut, MatRef, Parallelism};
+use crate::device_io::BackwardIo;
 use crate::error::Result;
 use crate::gradients::Gradients;
 use crate::hostmem::try_reserve;
@@ -78,13 +79,8 @@ const TASKS_PER_THREAD: usize = 4;
 /// Gradients of `L = Σ dy ⊙ y` for `x` (`[B,N,N,C]`), `mask` (`[B,N,N]`, none: all ones) and
 /// `dy` (`[B,N,N,C]`); the caller has checked them against `problem`
 /// (`backend::check_backward_io`).
-pub(super) fn backward(
-    prep: &CpuPrepared,
-    problem: &Problem,
-    x: &[f32],
-    mask: Option<&[f32]>,
-    dy: &[f32],
-) -> Result<Gradients> {
+pub(super) fn backward(prep: &CpuPrepared, problem: &Problem, io: BackwardIo<'_>) -> Result<Gradients> {
+    let BackwardIo { x, mask, dy } = io;
     let config = problem.config;
     let n = problem.shape.n;
     let d = Dims {
@@ -751,6 +747,7 @@ mod tests {
     use super::super::test_cases::{inputs, Case};
     use super::super::CpuBackend;
     use crate::backend::Backend;
+    use crate::device_io::BackwardIo;
     use crate::problem::{Config, Direction, Formulation, Problem, Shape};
     use crate::reference;
     use crate::weights::Weights;
@@ -762,7 +759,7 @@ mod tests {
         let dy = rng.normal_vec(pr.x_len(), 1.0);
         let be = CpuBackend::new();
         let prep = be.prepare(&w).unwrap();
-        let got = be.backward(&prep, &pr, &x, mask.as_deref(), &dy).unwrap();
+        let got = be.backward(&prep, &pr, BackwardIo { x: &x, mask: mask.as_deref(), dy: &dy }).unwrap();
         got.check_against(&w, pr.x_len()).unwrap();
         let want = reference::backward(&w, &pr, &x, mask.as_deref(), &dy).unwrap();
         let (got, want) = (got.tensors(), want.tensors());
@@ -837,14 +834,23 @@ mod tests {
         let plain = Problem::new(cfg, Shape::new(1, 3), Direction::Outgoing, false).unwrap();
         let (x, dy, mask) = (vec![0.5f32; 72], vec![1.0f32; 72], vec![1.0f32; 9]);
         let err = |r: crate::error::Result<crate::gradients::Gradients>| r.unwrap_err().to_string();
-        assert!(err(be.backward(&prep, &masked, &x[1..], Some(&mask), &dy)).contains("x has 71 elements"));
-        assert!(err(be.backward(&prep, &masked, &x, Some(&mask), &dy[..70])).contains("dy has 70 elements"));
-        assert!(err(be.backward(&prep, &masked, &x, Some(&mask[1..]), &dy)).contains("the mask has 8 elements"));
-        assert!(err(be.backward(&prep, &masked, &x, None, &dy)).contains("no mask was given"));
-        assert!(err(be.backward(&prep, &plain, &x, Some(&mask), &dy)).contains("unmasked problem"));
+        assert!(err(be.backward(&prep, &masked, BackwardIo { x: &x[1..], mask: Some(&mask), dy: &dy }))
+            .contains("x has 71 elements"));
+        assert!(err(be.backward(&prep, &masked, BackwardIo { x: &x, mask: Some(&mask), dy: &dy[..70] }))
+            .contains("dy has 70 elements"));
+        assert!(err(be.backward(&prep, &masked, BackwardIo { x: &x, mask: Some(&mask[1..]), dy: &dy }))
+            .contains("the mask has 8 elements"));
+        assert!(
+            err(be.backward(&prep, &masked, BackwardIo { x: &x, mask: None, dy: &dy })).contains("no mask was given")
+        );
+        assert!(err(be.backward(&prep, &plain, BackwardIo { x: &x, mask: Some(&mask), dy: &dy }))
+            .contains("unmasked problem"));
         let other = Weights::random(Config::new(Formulation::Af3, 8, 8).unwrap(), true, 5).unwrap();
         let wrong = Problem::new(other.config(), Shape::new(1, 3), Direction::Outgoing, false).unwrap();
-        assert!(be.backward(&prep, &wrong, &x, None, &dy).is_err(), "weights prepared for another H");
-        assert!(be.backward(&prep, &masked, &x, Some(&mask), &dy).is_ok());
+        assert!(
+            be.backward(&prep, &wrong, BackwardIo { x: &x, mask: None, dy: &dy }).is_err(),
+            "weights prepared for another H"
+        );
+        assert!(be.backward(&prep, &masked, BackwardIo { x: &x, mask: Some(&mask), dy: &dy }).is_ok());
     }
 }

@@ -80,7 +80,7 @@ pub use self::prepared::CpuPrepared;
 use self::elementwise::{gated, layer_norm_rows, sigmoid, simd};
 use super::host_gemm::{matmul, MatMut, MatRef, Parallelism};
 use super::{Backend, Ceilings, DeviceInfo, MemoryInfo};
-use crate::device_io::{ForwardIo, Operands};
+use crate::device_io::{BackwardIo, ForwardIo, Operands};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
 use crate::plan::ExecPlan;
@@ -348,17 +348,10 @@ impl Backend for CpuBackend {
         output(prepared, workspace, x, y)
     }
 
-    fn backward(
-        &self,
-        prepared: &CpuPrepared,
-        problem: &Problem,
-        x: &[f32],
-        mask: Option<&[f32]>,
-        dy: &[f32],
-    ) -> Result<Gradients> {
+    fn backward(&self, prepared: &CpuPrepared, problem: &Problem, io: BackwardIo<'_>) -> Result<Gradients> {
         check_config(prepared, problem)?;
-        super::check_backward_io(problem, x.len(), mask.map(<[f32]>::len), dy.len(), None)?;
-        backward::backward(prepared, problem, x, mask, dy)
+        super::check_backward_io(problem, io.x.len(), io.mask.map(<[f32]>::len), io.dy.len(), None)?;
+        backward::backward(prepared, problem, io)
     }
 
     fn backward_buffers(
@@ -371,7 +364,7 @@ impl Backend for CpuBackend {
         dx: &mut Vec<f32>,
     ) -> Result<Gradients> {
         super::check_backward_io(problem, x.len(), mask.map(Vec::len), dy.len(), Some(dx.len()))?;
-        let mut g = self.backward(prepared, problem, x, mask.map(|m| &m[..]), dy)?;
+        let mut g = self.backward(prepared, problem, BackwardIo { x, mask: mask.map(|m| &m[..]), dy })?;
         dx.copy_from_slice(&g.x);
         g.x = Vec::new();
         Ok(g)

@@ -66,7 +66,7 @@ use super::gemm::GemmSpec;
 use super::gpu_ceilings;
 use super::params::FusedInputLayout;
 use super::{check_prepared_for, device_operands, Backend, Ceilings, DeviceInfo, MemoryInfo};
-use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
+use crate::device_io::{BackwardIo, DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
 use crate::plan::{Blas, Capabilities, ExecPlan, InputStage, Plan};
@@ -803,15 +803,9 @@ impl Backend for CudaBackend {
         unsafe { self.enqueue(prepared, workspace, problem, d.x(), d.mask(), d.y(), stream) }
     }
 
-    fn backward(
-        &self,
-        prepared: &CudaPrepared,
-        problem: &Problem,
-        x: &[f32],
-        mask: Option<&[f32]>,
-        dy: &[f32],
-    ) -> Result<Gradients> {
+    fn backward(&self, prepared: &CudaPrepared, problem: &Problem, io: BackwardIo<'_>) -> Result<Gradients> {
         check_prepared_for(&prepared.config, problem)?;
+        let BackwardIo { x, mask, dy } = io;
         super::check_backward_io(problem, x.len(), mask.map(<[f32]>::len), dy.len(), None)?;
         let upload = |v: &[f32]| self.upload_f32(v);
         let (xd, dyd) = (upload(x)?, upload(dy)?);
