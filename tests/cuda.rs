@@ -19,7 +19,7 @@ mod forward;
 mod gpu_checks;
 
 use cuda_device::{cuda, MAX_REL_L2, TOL};
-use forward::forward;
+use forward::{forward, forward_io};
 use gpu_checks::check_case;
 
 #[test]
@@ -194,46 +194,6 @@ fn half_io_device_buffers_match_reference() {
     }
 }
 
-/// One host forward in `io`'s precision (x rounded to it first, y poisoned): the x the layer saw
-/// and y, as f32, and y's bits.
-fn forward_io(
-    layer: &mut Layer<CudaBackend>,
-    x: &[f32],
-    mask: Option<&[f32]>,
-    shape: Shape,
-    io: Precision,
-) -> (Vec<f32>, Vec<f32>, Vec<u32>) {
-    match io {
-        Precision::F32Io => {
-            let mut y = vec![f32::NAN; x.len()];
-            layer.forward_into(x, mask, &mut y, shape).unwrap();
-            let bits = y.iter().map(|v| v.to_bits()).collect();
-            (x.to_vec(), y, bits)
-        }
-        Precision::Bf16Io => {
-            let xh: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
-            let mut yh = vec![half::bf16::NAN; x.len()];
-            layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
-            (
-                xh.iter().map(|v| v.to_f32()).collect(),
-                yh.iter().map(|v| v.to_f32()).collect(),
-                yh.iter().map(|v| v.to_bits() as u32).collect(),
-            )
-        }
-        Precision::F16Io => {
-            let xh: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
-            let mut yh = vec![half::f16::NAN; x.len()];
-            layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
-            (
-                xh.iter().map(|v| v.to_f32()).collect(),
-                yh.iter().map(|v| v.to_f32()).collect(),
-                yh.iter().map(|v| v.to_bits() as u32).collect(),
-            )
-        }
-        other => panic!("no host element type for {other}"),
-    }
-}
-
 /// A kernel path switched on and off, for [`path_on_and_off_agree`]: what it is called, how to
 /// switch it, how many times it has launched, and whether it should launch when on.
 struct Path<'a> {
@@ -266,7 +226,7 @@ fn path_on_and_off_agree(
         (path.switch)(on);
         let before = (path.launches)();
         let mut layer = Layer::new(b, &weights, Options::new(dir)).unwrap();
-        let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
+        let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io).unwrap();
         let launched = (path.launches)() - before;
         let name = path.name;
         assert_eq!(launched > 0, on && path.takes, "{} {f} {dir} {io}: {name} launches {launched}", case.name());
@@ -532,7 +492,7 @@ fn output_gate_from_x_matches_reference_and_stored_gate() {
                     b.set_output_gate(if on { OutputGate::FromX } else { OutputGate::Stored });
                     let before = b.gate_from_x_launches();
                     let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
-                    let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
+                    let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io).unwrap();
                     let launched = b.gate_from_x_launches() - before;
                     assert_eq!(launched > 0, on && takes, "{what} gate from x {on}: launches {launched}");
                     let plan = layer.exec_plan().unwrap();
@@ -579,7 +539,7 @@ fn auto_output_gate_keeps_one_pass_under_a_tighter_budget() {
     {
         layer.set_memory_budget(budget);
         let before = b.gate_from_x_launches();
-        let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), Precision::Bf16Io);
+        let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), Precision::Bf16Io).unwrap();
         let plan = layer.exec_plan().unwrap();
         eprintln!("budget {budget:?}: {}", plan.describe());
         assert_eq!(b.gate_from_x_launches() > before, from_x, "budget {budget:?}: {plan:?}");

@@ -18,6 +18,7 @@
 #[path = "hip_emu/fake.rs"]
 mod fake;
 #[path = "support/forward.rs"]
+#[allow(dead_code)] // forward_io: the bit-for-bit comparisons across I/O paths are the CUDA tests'
 mod forward;
 #[path = "support/gpu_checks.rs"]
 #[allow(dead_code)] // check_case and the other checks of a real GPU are not used on the fake
