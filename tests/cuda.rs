@@ -4,12 +4,12 @@
 
 use trimul::backend::cuda::{CudaBackend, OutputGate};
 use trimul::reference;
-use trimul::suite::{self, Case, Dist};
+use trimul::suite::{self, Case, Dist, Inputs};
 
 #[path = "support/seed.rs"]
 mod test_seed;
 use test_seed::this_test_seed as seed;
-use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Shape, TriMul, Weights};
+use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Problem, Shape, TriMul, Weights};
 
 #[path = "support/cuda_device.rs"]
 mod cuda_device;
@@ -400,16 +400,31 @@ fn chunked_plans_and_in_place_match_one_pass() {
             if in_place {
                 assert_eq!(plan.hidden_passes, 4, "{plan:?}");
             }
-            let same = y.iter().zip(&one_pass).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
-            let far = y.iter().zip(&one_pass).filter(|(a, b)| (**a - **b).abs() > 1e-3 * (1.0 + b.abs())).count();
-            eprintln!("{f} {d} in place {in_place}: {same} of {} elements bit-identical to one pass", y.len());
-            assert_eq!(far, 0, "{f} {d} in place {in_place}: chunked differs from one pass");
-            let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
-            eprintln!("{f} {d} in place {in_place}: {cmp}");
-            assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{f} {d} in place {in_place} seed {s}: {cmp}");
+            let what = format!("{f} {d} in place {in_place} seed {s}");
+            assert_chunked_matches(&what, &y, &one_pass, 1e-3, &weights, &problem, &inputs);
             layer.set_memory_budget(None);
         }
     }
+}
+
+/// A chunked plan's `y` against the same layer's one-pass result (every element within
+/// `tol`·(1 + |one pass|)) and against the f64 reference of `inputs`.
+fn assert_chunked_matches(
+    what: &str,
+    y: &[f32],
+    one_pass: &[f32],
+    tol: f32,
+    weights: &Weights,
+    problem: &Problem,
+    inputs: &Inputs,
+) {
+    let same = y.iter().zip(one_pass).filter(|(a, o)| a.to_bits() == o.to_bits()).count();
+    let far = y.iter().zip(one_pass).filter(|(a, o)| (**a - **o).abs() > tol * (1.0 + o.abs())).count();
+    eprintln!("{what}: {same} of {} elements bit-identical to one pass", y.len());
+    assert_eq!(far, 0, "{what}: chunked differs from one pass");
+    let cmp = reference::check(weights, problem, &inputs.x, inputs.mask.as_deref(), y, TOL, TOL).unwrap();
+    eprintln!("{what}: {cmp}");
+    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what}: {cmp}");
 }
 
 /// Layers the fused input kernel does not take (here forced off, and C = 600 > 512) chunk with
@@ -447,11 +462,7 @@ fn staged_chunked_plans_match_one_pass() {
                 assert!(plan.gate_recomputed && plan.output_rows < case.shape().rows(), "{what}: {plan:?}");
                 assert!(plan.hidden_passes > 1 || !in_place, "{what}: {plan:?}");
                 assert!(plan.workspace_bytes <= needs.min_workspace, "{what}: {plan:?} {needs:?}");
-                let far = y.iter().zip(&one_pass).filter(|(a, o)| (**a - **o).abs() > 5e-3 * (1.0 + o.abs())).count();
-                assert_eq!(far, 0, "{what}: chunked differs from one pass");
-                let cmp = reference::check(&weights, &problem, &inputs.x, mask, &y, TOL, TOL).unwrap();
-                eprintln!("{what}: {cmp}");
-                assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what} seed {s}: {cmp}");
+                assert_chunked_matches(&format!("{what} seed {s}"), &y, &one_pass, 5e-3, &weights, &problem, &inputs);
                 layer.set_memory_budget(None);
             }
         }
