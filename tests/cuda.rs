@@ -246,14 +246,16 @@ fn path_on_and_off_agree(
     );
 }
 
-/// C = H = 128 shapes for the kernels that take only whole 64-position tiles inside a batch, and
-/// whether they do: N = 96, B = 2 (288 tiles, two or three per block on an H100), N = 64 with
-/// Cauchy inputs, N = 48 unmasked, and N = 36 (N² = 1296, not whole tiles).
-fn whole_tile_cases() -> [(Case, bool); 4] {
+/// C = H = 128 shapes for the sm_90a kernels that take only whole 64-position tiles inside a
+/// batch, and whether they take each on `b` (none on a GPU that is not sm_90a): N = 96, B = 2 (288
+/// tiles, two or three per block on an H100), N = 64 with Cauchy inputs, N = 48 unmasked, and
+/// N = 36 (N² = 1296, not whole tiles).
+fn whole_tile_cases(b: &CudaBackend) -> [(Case, bool); 4] {
+    let sm90a = b.info().arch == "sm_90";
     [
-        (Case::new(96, 2, 128, true, Dist::Normal), true),
-        (Case::new(64, 2, 128, true, Dist::Cauchy), true),
-        (Case::new(48, 1, 128, false, Dist::Normal), true),
+        (Case::new(96, 2, 128, true, Dist::Normal), sm90a),
+        (Case::new(64, 2, 128, true, Dist::Cauchy), sm90a),
+        (Case::new(48, 1, 128, false, Dist::Normal), sm90a),
         (Case::new(36, 1, 128, true, Dist::Normal), false),
     ]
 }
@@ -269,13 +271,12 @@ fn whole_tile_cases() -> [(Case, bool); 4] {
 fn warp_specialised_input_build_matches_reference_and_other_builds() {
     let Some(b) = cuda() else { return };
     let s = seed();
-    let has_ws = b.info().arch == "sm_90";
-    for (k, (case, takes)) in whole_tile_cases().iter().enumerate() {
+    for (k, (case, takes)) in whole_tile_cases(&b).iter().enumerate() {
         let path = Path {
             name: "warp-specialised input build",
             switch: &|on| b.set_warp_specialised(on),
             launches: &|| b.warp_specialised_launches(),
-            takes: *takes && has_ws,
+            takes: *takes,
         };
         for (f, dir, biases) in
             [(Formulation::GpuMode, Direction::Outgoing, false), (Formulation::Af3, Direction::Incoming, true)]
@@ -483,14 +484,13 @@ fn staged_chunked_plans_match_one_pass() {
 fn output_gate_from_x_matches_reference_and_stored_gate() {
     let Some(b) = cuda() else { return };
     let s = seed();
-    let has_kernel = b.info().arch == "sm_90";
-    for (k, (case, takes)) in whole_tile_cases().iter().enumerate() {
+    for (k, (case, takes)) in whole_tile_cases(&b).iter().enumerate() {
         for (f, dir, biases) in [
             (Formulation::GpuMode, Direction::Outgoing, false),
             (Formulation::Af3, Direction::Incoming, true),
             (Formulation::Af3, Direction::Outgoing, false),
         ] {
-            let takes = *takes && has_kernel && f == Formulation::Af3;
+            let takes = *takes && f == Formulation::Af3;
             for io in [Precision::Bf16Io, Precision::F16Io] {
                 let what = format!("{} {f} {dir} biases {biases} {io}", case.name());
                 let problem = case.problem(f, dir).unwrap();
