@@ -15,11 +15,11 @@
 //! Inputs are fresh each run: the base seed comes from the clock unless `TRIMUL_TEST_SEED` is set,
 //! and every test prints the value that replays it.
 
-use std::io::Write;
-
 use trimul::reference::{self, Comparison};
 use trimul::suite::{self, Case, Dist, Inputs};
 
+#[path = "../support/skip.rs"]
+mod skip;
 #[path = "../support/seed.rs"]
 mod test_seed;
 use test_seed::test_seed as seed;
@@ -57,21 +57,7 @@ impl Profile {
 /// in a normal `cargo test` run) why this backend's tests are skipped. With
 /// `TRIMUL_REQUIRE_DEVICE` set a missing device is a failure instead, for machines that have one.
 pub fn device_or_skip(name: &str, device: trimul::Result<Device>) -> Option<Device> {
-    match device {
-        Ok(d) => {
-            // Every intermediate and y filled with NaN before each forward: an element a backend
-            // fails to write cannot pass as a stale correct value from an earlier call.
-            d.set_poison(true);
-            Some(d)
-        }
-        Err(e) if std::env::var_os("TRIMUL_REQUIRE_DEVICE").is_some() => {
-            panic!("{name} device required (TRIMUL_REQUIRE_DEVICE is set) but unavailable: {e}")
-        }
-        Err(e) => {
-            let _ = writeln!(std::io::stderr(), "SKIPPED: {name}: {e}");
-            None
-        }
-    }
+    skip::poisoned_or_skip(name, device, |d| d.set_poison(true))
 }
 
 /// Stamps out every conformance test for one backend: `conformance_suite!(device, profile)` with
