@@ -92,24 +92,27 @@ fn cpu(c: &mut Criterion) {
 /// The GPU MODE benchmark shapes, with criterion's statistics.
 fn gpu(c: &mut Criterion) {
     #[cfg(feature = "cuda")]
-    match trimul::Device::cuda(0) {
-        Ok(trimul::Device::Cuda(b)) => bench_backend(c, &b, &suite::bench_cases(), 20, Duration::from_secs(3)),
-        Ok(_) => eprintln!("cuda: skipped: device 0 did not open as a CUDA backend"),
-        Err(e) => eprintln!("cuda: skipped: {e}"),
-    }
+    bench_gpu(c, "cuda", trimul::Device::cuda(0).map(|d| if let trimul::Device::Cuda(b) = d { Some(b) } else { None }));
     #[cfg(not(feature = "cuda"))]
     eprintln!("cuda: skipped: not compiled in (build with --features cuda)");
 
     #[cfg(feature = "rocm")]
-    match trimul::Device::hip(0) {
-        Ok(trimul::Device::Hip(b)) => bench_backend(c, &b, &suite::bench_cases(), 20, Duration::from_secs(3)),
-        Ok(_) => eprintln!("hip: skipped: device 0 did not open as a HIP backend"),
-        Err(e) => eprintln!("hip: skipped: {e}"),
-    }
+    bench_gpu(c, "hip", trimul::Device::hip(0).map(|d| if let trimul::Device::Hip(b) = d { Some(b) } else { None }));
     #[cfg(not(feature = "rocm"))]
     eprintln!("hip: skipped: not compiled in (build with --features rocm)");
 
     let _ = c;
+}
+
+/// GPU device 0 of the `name` backend on the GPU MODE shapes, or why it is skipped (`None`: it
+/// opened as another backend).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn bench_gpu<B: Backend>(c: &mut Criterion, name: &str, device: trimul::Result<Option<B>>) {
+    match device {
+        Ok(Some(b)) => bench_backend(c, &b, &suite::bench_cases(), 20, Duration::from_secs(3)),
+        Ok(None) => eprintln!("{name}: skipped: device 0 did not open as a {} backend", name.to_uppercase()),
+        Err(e) => eprintln!("{name}: skipped: {e}"),
+    }
 }
 
 criterion_group!(benches, cpu, gpu);

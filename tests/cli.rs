@@ -40,6 +40,18 @@ fn info_lists_cpu_as_available() {
     }
 }
 
+/// `check --json` of the quick suite on the CPU, af3 incoming, with `extra` arguments: its output,
+/// after asserting that the command succeeded and printed JSON.
+fn af3_incoming_check_json(seed: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["check", "--backend", "cpu", "--suite", "quick", "--seed", seed];
+    args.extend(["--formulation", "af3", "--direction", "incoming"]);
+    args.extend(extra);
+    args.push("--json");
+    let o = trimul(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_str(&stdout(&o)).unwrap_or_else(|e| panic!("check {args:?} is not JSON: {e}"))
+}
+
 #[test]
 fn check_quick_passes_on_cpu() {
     let o = trimul(&["check", "--backend", "cpu", "--suite", "quick", "--seed", "11"]);
@@ -51,22 +63,7 @@ fn check_quick_passes_on_cpu() {
     assert_eq!(out.lines().filter(|l| l.contains(" pass ")).count(), n, "{out}");
 
     // The same run as JSON, af3 with biases and incoming.
-    let o = trimul(&[
-        "check",
-        "--backend",
-        "cpu",
-        "--suite",
-        "quick",
-        "--seed",
-        "11",
-        "--formulation",
-        "af3",
-        "--direction",
-        "incoming",
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("check --json is JSON");
+    let v = af3_incoming_check_json("11", &[]);
     assert_eq!((v["passed"].as_u64(), v["failed"].as_u64()), (Some(n as u64), Some(0)));
     assert_eq!((v["formulation"].as_str(), v["direction"].as_str()), (Some("af3"), Some("incoming")));
     for case in v["cases"].as_array().unwrap() {
@@ -96,23 +93,7 @@ fn bench_grad_times_the_backward_on_cpu() {
 
 #[test]
 fn check_grad_compares_every_gradient_on_cpu() {
-    let o = trimul(&[
-        "check",
-        "--backend",
-        "cpu",
-        "--suite",
-        "quick",
-        "--seed",
-        "12",
-        "--formulation",
-        "af3",
-        "--direction",
-        "incoming",
-        "--grad",
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("check --grad --json is JSON");
+    let v = af3_incoming_check_json("12", &["--grad"]);
     let n = trimul::suite::quick_test_cases().len() as u64;
     assert_eq!((v["passed"].as_u64(), v["failed"].as_u64(), v["grad"].as_bool()), (Some(n), Some(0), Some(true)));
     assert_eq!(v["grad_rel_l2_max"].as_f64(), Some(2e-3));

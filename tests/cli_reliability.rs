@@ -13,6 +13,9 @@ use trimul::{io, Config, Formulation, NamingScheme, PairInput, Weights};
 #[path = "support/cli.rs"]
 mod support;
 use support::{assert_error, assert_usage_error, command, s, stderr, stdout, trimul, trimul_after, TempDir};
+#[path = "support/safetensors_bytes.rs"]
+mod safetensors_bytes;
+use safetensors_bytes::with_tensor_named_twice;
 
 /// Weights (C = `c`, H = 8, gpumode) and an input of `n` (B = 1, masked) in `dir`.
 fn fixtures(dir: &TempDir, n: usize, c: usize) -> (String, String) {
@@ -289,17 +292,8 @@ fn messages_name_the_real_problem() {
     assert_usage_error(&run(s(&fifo)), "is a named pipe (FIFO), not a regular file");
 
     // `x` named twice in the header.
-    let bytes = std::fs::read(&x).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
-    let x_entry = header.split("\"x\":").nth(1).unwrap();
-    let x_entry = &x_entry[..=x_entry.find('}').unwrap()];
-    let doubled = header.replacen('{', &format!("{{\"x\":{x_entry},"), 1);
-    let mut dup = (doubled.len() as u64).to_le_bytes().to_vec();
-    dup.extend_from_slice(doubled.as_bytes());
-    dup.extend_from_slice(&bytes[8 + n..]);
     let dup_path = dir.path("dup.safetensors");
-    std::fs::write(&dup_path, dup).unwrap();
+    std::fs::write(&dup_path, with_tensor_named_twice(&std::fs::read(&x).unwrap(), "x")).unwrap();
     assert_usage_error(&run(s(&dup_path)), "names tensor `x` twice");
 
     let good = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/synthetic-cpu.json");

@@ -4,12 +4,12 @@
 
 use trimul::backend::cuda::{CudaBackend, OutputGate};
 use trimul::reference;
-use trimul::suite::{self, Case, Dist};
+use trimul::suite::{self, Case, Dist, Inputs};
 
 #[path = "support/seed.rs"]
 mod test_seed;
 use test_seed::this_test_seed as seed;
-use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Shape, TriMul, Weights};
+use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Problem, Shape, TriMul, Weights};
 
 #[path = "support/cuda_device.rs"]
 mod cuda_device;
@@ -19,7 +19,7 @@ mod forward;
 mod gpu_checks;
 
 use cuda_device::{cuda, MAX_REL_L2, TOL};
-use forward::forward;
+use forward::{forward, forward_io};
 use gpu_checks::check_case;
 
 #[test]
@@ -194,46 +194,6 @@ fn half_io_device_buffers_match_reference() {
     }
 }
 
-/// One host forward in `io`'s precision (x rounded to it first, y poisoned): the x the layer saw
-/// and y, as f32, and y's bits.
-fn forward_io(
-    layer: &mut Layer<CudaBackend>,
-    x: &[f32],
-    mask: Option<&[f32]>,
-    shape: Shape,
-    io: Precision,
-) -> (Vec<f32>, Vec<f32>, Vec<u32>) {
-    match io {
-        Precision::F32Io => {
-            let mut y = vec![f32::NAN; x.len()];
-            layer.forward_into(x, mask, &mut y, shape).unwrap();
-            let bits = y.iter().map(|v| v.to_bits()).collect();
-            (x.to_vec(), y, bits)
-        }
-        Precision::Bf16Io => {
-            let xh: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
-            let mut yh = vec![half::bf16::NAN; x.len()];
-            layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
-            (
-                xh.iter().map(|v| v.to_f32()).collect(),
-                yh.iter().map(|v| v.to_f32()).collect(),
-                yh.iter().map(|v| v.to_bits() as u32).collect(),
-            )
-        }
-        Precision::F16Io => {
-            let xh: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
-            let mut yh = vec![half::f16::NAN; x.len()];
-            layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
-            (
-                xh.iter().map(|v| v.to_f32()).collect(),
-                yh.iter().map(|v| v.to_f32()).collect(),
-                yh.iter().map(|v| v.to_bits() as u32).collect(),
-            )
-        }
-        other => panic!("no host element type for {other}"),
-    }
-}
-
 /// A kernel path switched on and off, for [`path_on_and_off_agree`]: what it is called, how to
 /// switch it, how many times it has launched, and whether it should launch when on.
 struct Path<'a> {
@@ -266,7 +226,7 @@ fn path_on_and_off_agree(
         (path.switch)(on);
         let before = (path.launches)();
         let mut layer = Layer::new(b, &weights, Options::new(dir)).unwrap();
-        let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
+        let (x, y, y_bits) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io).unwrap();
         let launched = (path.launches)() - before;
         let name = path.name;
         assert_eq!(launched > 0, on && path.takes, "{} {f} {dir} {io}: {name} launches {launched}", case.name());
@@ -286,14 +246,16 @@ fn path_on_and_off_agree(
     );
 }
 
-/// C = H = 128 shapes for the kernels that take only whole 64-position tiles inside a batch, and
-/// whether they do: N = 96, B = 2 (288 tiles, two or three per block on an H100), N = 64 with
-/// Cauchy inputs, N = 48 unmasked, and N = 36 (N² = 1296, not whole tiles).
-fn whole_tile_cases() -> [(Case, bool); 4] {
+/// C = H = 128 shapes for the sm_90a kernels that take only whole 64-position tiles inside a
+/// batch, and whether they take each on `b` (none on a GPU that is not sm_90a): N = 96, B = 2 (288
+/// tiles, two or three per block on an H100), N = 64 with Cauchy inputs, N = 48 unmasked, and
+/// N = 36 (N² = 1296, not whole tiles).
+fn whole_tile_cases(b: &CudaBackend) -> [(Case, bool); 4] {
+    let sm90a = b.info().arch == "sm_90";
     [
-        (Case::new(96, 2, 128, true, Dist::Normal), true),
-        (Case::new(64, 2, 128, true, Dist::Cauchy), true),
-        (Case::new(48, 1, 128, false, Dist::Normal), true),
+        (Case::new(96, 2, 128, true, Dist::Normal), sm90a),
+        (Case::new(64, 2, 128, true, Dist::Cauchy), sm90a),
+        (Case::new(48, 1, 128, false, Dist::Normal), sm90a),
         (Case::new(36, 1, 128, true, Dist::Normal), false),
     ]
 }
@@ -309,13 +271,12 @@ fn whole_tile_cases() -> [(Case, bool); 4] {
 fn warp_specialised_input_build_matches_reference_and_other_builds() {
     let Some(b) = cuda() else { return };
     let s = seed();
-    let has_ws = b.info().arch == "sm_90";
-    for (k, (case, takes)) in whole_tile_cases().iter().enumerate() {
+    for (k, (case, takes)) in whole_tile_cases(&b).iter().enumerate() {
         let path = Path {
             name: "warp-specialised input build",
             switch: &|on| b.set_warp_specialised(on),
             launches: &|| b.warp_specialised_launches(),
-            takes: *takes && has_ws,
+            takes: *takes,
         };
         for (f, dir, biases) in
             [(Formulation::GpuMode, Direction::Outgoing, false), (Formulation::Af3, Direction::Incoming, true)]
@@ -440,16 +401,31 @@ fn chunked_plans_and_in_place_match_one_pass() {
             if in_place {
                 assert_eq!(plan.hidden_passes, 4, "{plan:?}");
             }
-            let same = y.iter().zip(&one_pass).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
-            let far = y.iter().zip(&one_pass).filter(|(a, b)| (**a - **b).abs() > 1e-3 * (1.0 + b.abs())).count();
-            eprintln!("{f} {d} in place {in_place}: {same} of {} elements bit-identical to one pass", y.len());
-            assert_eq!(far, 0, "{f} {d} in place {in_place}: chunked differs from one pass");
-            let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
-            eprintln!("{f} {d} in place {in_place}: {cmp}");
-            assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{f} {d} in place {in_place} seed {s}: {cmp}");
+            let what = format!("{f} {d} in place {in_place} seed {s}");
+            assert_chunked_matches(&what, &y, &one_pass, 1e-3, &weights, &problem, &inputs);
             layer.set_memory_budget(None);
         }
     }
+}
+
+/// A chunked plan's `y` against the same layer's one-pass result (every element within
+/// `tol`·(1 + |one pass|)) and against the f64 reference of `inputs`.
+fn assert_chunked_matches(
+    what: &str,
+    y: &[f32],
+    one_pass: &[f32],
+    tol: f32,
+    weights: &Weights,
+    problem: &Problem,
+    inputs: &Inputs,
+) {
+    let same = y.iter().zip(one_pass).filter(|(a, o)| a.to_bits() == o.to_bits()).count();
+    let far = y.iter().zip(one_pass).filter(|(a, o)| (**a - **o).abs() > tol * (1.0 + o.abs())).count();
+    eprintln!("{what}: {same} of {} elements bit-identical to one pass", y.len());
+    assert_eq!(far, 0, "{what}: chunked differs from one pass");
+    let cmp = reference::check(weights, problem, &inputs.x, inputs.mask.as_deref(), y, TOL, TOL).unwrap();
+    eprintln!("{what}: {cmp}");
+    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what}: {cmp}");
 }
 
 /// Layers the fused input kernel does not take (here forced off, and C = 600 > 512) chunk with
@@ -487,11 +463,7 @@ fn staged_chunked_plans_match_one_pass() {
                 assert!(plan.gate_recomputed && plan.output_rows < case.shape().rows(), "{what}: {plan:?}");
                 assert!(plan.hidden_passes > 1 || !in_place, "{what}: {plan:?}");
                 assert!(plan.workspace_bytes <= needs.min_workspace, "{what}: {plan:?} {needs:?}");
-                let far = y.iter().zip(&one_pass).filter(|(a, o)| (**a - **o).abs() > 5e-3 * (1.0 + o.abs())).count();
-                assert_eq!(far, 0, "{what}: chunked differs from one pass");
-                let cmp = reference::check(&weights, &problem, &inputs.x, mask, &y, TOL, TOL).unwrap();
-                eprintln!("{what}: {cmp}");
-                assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what} seed {s}: {cmp}");
+                assert_chunked_matches(&format!("{what} seed {s}"), &y, &one_pass, 5e-3, &weights, &problem, &inputs);
                 layer.set_memory_budget(None);
             }
         }
@@ -512,14 +484,13 @@ fn staged_chunked_plans_match_one_pass() {
 fn output_gate_from_x_matches_reference_and_stored_gate() {
     let Some(b) = cuda() else { return };
     let s = seed();
-    let has_kernel = b.info().arch == "sm_90";
-    for (k, (case, takes)) in whole_tile_cases().iter().enumerate() {
+    for (k, (case, takes)) in whole_tile_cases(&b).iter().enumerate() {
         for (f, dir, biases) in [
             (Formulation::GpuMode, Direction::Outgoing, false),
             (Formulation::Af3, Direction::Incoming, true),
             (Formulation::Af3, Direction::Outgoing, false),
         ] {
-            let takes = *takes && has_kernel && f == Formulation::Af3;
+            let takes = *takes && f == Formulation::Af3;
             for io in [Precision::Bf16Io, Precision::F16Io] {
                 let what = format!("{} {f} {dir} biases {biases} {io}", case.name());
                 let problem = case.problem(f, dir).unwrap();
@@ -532,7 +503,7 @@ fn output_gate_from_x_matches_reference_and_stored_gate() {
                     b.set_output_gate(if on { OutputGate::FromX } else { OutputGate::Stored });
                     let before = b.gate_from_x_launches();
                     let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
-                    let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io);
+                    let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), io).unwrap();
                     let launched = b.gate_from_x_launches() - before;
                     assert_eq!(launched > 0, on && takes, "{what} gate from x {on}: launches {launched}");
                     let plan = layer.exec_plan().unwrap();
@@ -579,7 +550,7 @@ fn auto_output_gate_keeps_one_pass_under_a_tighter_budget() {
     {
         layer.set_memory_budget(budget);
         let before = b.gate_from_x_launches();
-        let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), Precision::Bf16Io);
+        let (x, y, _) = forward_io(&mut layer, &inputs.x, mask, case.shape(), Precision::Bf16Io).unwrap();
         let plan = layer.exec_plan().unwrap();
         eprintln!("budget {budget:?}: {}", plan.describe());
         assert_eq!(b.gate_from_x_launches() > before, from_x, "budget {budget:?}: {plan:?}");

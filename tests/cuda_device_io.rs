@@ -19,8 +19,11 @@ use trimul::{
 
 #[path = "support/cuda_device.rs"]
 mod cuda_device;
+#[path = "support/forward.rs"]
+mod forward;
 
 use cuda_device::{cuda, MAX_REL_L2, TOL};
+use forward::forward_io;
 
 /// Device copies of a layer's weights in one element type, and their descriptor.
 struct DeviceCopy {
@@ -146,35 +149,6 @@ fn device_forward(
     }
 }
 
-/// The same forward through the host-prepared layer on host slices.
-fn host_forward(
-    layer: &mut Layer<CudaBackend>,
-    x: &[f32],
-    mask: Option<&[f32]>,
-    shape: Shape,
-    io: Precision,
-) -> Vec<u32> {
-    match io {
-        Precision::F32Io => {
-            let mut y = vec![f32::NAN; x.len()];
-            layer.forward_into(x, mask, &mut y, shape).unwrap();
-            y.iter().map(|v| v.to_bits()).collect()
-        }
-        Precision::Bf16Io => {
-            let xh: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
-            let mut yh = vec![half::bf16::NAN; x.len()];
-            layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
-            yh.iter().map(|v| v.to_bits() as u32).collect()
-        }
-        _ => {
-            let xh: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
-            let mut yh = vec![half::f16::NAN; x.len()];
-            layer.forward_into(&xh, mask, &mut yh, shape).unwrap();
-            yh.iter().map(|v| v.to_bits() as u32).collect()
-        }
-    }
-}
-
 #[test]
 fn device_prepared_weights_and_caller_workspace_match_host_layer_bit_for_bit() {
     let Some(b) = cuda() else { return };
@@ -235,7 +209,7 @@ fn device_prepared_weights_and_caller_workspace_match_host_layer_bit_for_bit() {
             let cmp = reference::check(&weights, &p, &x, mask, &y, TOL, TOL).unwrap();
             eprintln!("{f} C={} {dir} {dtype} weights, {io}: {cmp}", cfg.c);
             assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{f} C={} {io}: {cmp}", cfg.c);
-            let want = host_forward(&mut host, &x, mask, case.shape(), io);
+            let (_, _, want) = forward_io(&mut host, &x, mask, case.shape(), io).unwrap();
             assert!(bits == want, "{f} C={} {io}: device-prepared y differs from the host-prepared layer's", cfg.c);
             // The same workspace plan bound to another span gives the same bits.
             let (_, again) = device_forward(&b, &mut dev, &x, mask, case.shape(), io, &ws_b);

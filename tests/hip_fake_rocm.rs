@@ -18,6 +18,7 @@
 #[path = "hip_emu/fake.rs"]
 mod fake;
 #[path = "support/forward.rs"]
+#[allow(dead_code)] // forward_io: the bit-for-bit comparisons across I/O paths are the CUDA tests'
 mod forward;
 #[path = "support/gpu_checks.rs"]
 #[allow(dead_code)] // check_case and the other checks of a real GPU are not used on the fake
@@ -29,13 +30,15 @@ use trimul::backend::hip::HipBackend;
 use trimul::backend::hip::HipKernelOutput;
 use trimul::reference;
 use trimul::staging::HostStaging;
-use trimul::suite::{self, Case, Dist};
+use trimul::suite::{self, Case, Dist, Inputs};
 
 #[path = "support/seed.rs"]
 mod test_seed;
 use test_seed::this_test_seed as base_seed;
 use trimul::Weights;
-use trimul::{Backend, BackendKind, Config, Device, Direction, Error, Formulation, Layer, Options, Problem, Shape};
+use trimul::{
+    Backend, BackendKind, Config, Device, Direction, Error, Formulation, Layer, Options, Precision, Problem, Shape,
+};
 
 use gpu_checks::{MAX_REL_L2, TOL};
 
@@ -61,6 +64,26 @@ fn backend(mfma: bool) -> HipBackend {
     b.set_poison(true);
     b.set_mfma_output(Some(mfma));
     b
+}
+
+/// A gpumode configuration, as the run tables write it.
+fn gm(c: usize, h: usize) -> Config {
+    Config::new(Formulation::GpuMode, c, h).unwrap()
+}
+
+/// An af3 configuration, as the run tables write it.
+fn af(c: usize, h: usize) -> Config {
+    Config::new(Formulation::Af3, c, h).unwrap()
+}
+
+/// Random weights and inputs for a 16-bit run of `case`, and x rounded to `io`: its bit patterns
+/// (what the layer reads) and their values (what the reference reads).
+fn half_run(cfg: Config, case: &Case, biases: bool, seed: u64, io: Precision) -> (Weights, Inputs, Vec<u16>, Vec<f32>) {
+    let weights = Weights::random(cfg, biases, seed).unwrap();
+    let inputs = suite::generate_inputs(case, seed ^ 0x5EED);
+    let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
+    let x = bits.iter().map(|&v| io.decode_half(v)).collect();
+    (weights, inputs, bits, x)
 }
 
 /// One forward through a layer on `b`, checked against the f64 reference.
@@ -106,8 +129,6 @@ fn forwards_match_the_reference_on_both_output_paths() {
     for mfma in [false, true] {
         let b = backend(mfma);
         let want = if mfma { HipKernelOutput::Mfma } else { HipKernelOutput::Blas };
-        let gm = |c, h| Config::new(Formulation::GpuMode, c, h).unwrap();
-        let af = |c, h| Config::new(Formulation::Af3, c, h).unwrap();
         // (config, case, direction, biases): masks, Cauchy inputs, batch > 1 (a batch boundary
         // inside tiles), C not a multiple of 32, H = 8, odd N.
         let runs = [
@@ -138,15 +159,12 @@ fn chunked_projection_covers_every_position() {
 #[test]
 fn tight_budgets_run_chunked_plans_on_both_output_paths() {
     let Some(_g) = fake_with_code_objects() else { return };
+    // H = 24: three passes of 8 channels at the tightest budget; M = 2·10² = 200 positions: row
+    // chunks of 64 with a short last one; af3 with biases takes the per-pass bias copies, the gate
+    // bias offset and the ones vector of a row chunk.
+    let runs = [(gm(32, 24), Direction::Outgoing, false, 21), (af(16, 24), Direction::Incoming, true, 22)];
     for mfma in [false, true] {
         let b = backend(mfma);
-        // H = 24: three passes of 8 channels at the tightest budget; M = 2·10² = 200 positions:
-        // row chunks of 64 with a short last one; af3 with biases takes the per-pass bias copies,
-        // the gate bias offset and the ones vector of a row chunk.
-        let runs = [
-            (Config::new(Formulation::GpuMode, 32, 24).unwrap(), Direction::Outgoing, false, 21),
-            (Config::new(Formulation::Af3, 16, 24).unwrap(), Direction::Incoming, true, 22),
-        ];
         for (cfg, dir, biases, seed) in runs {
             let seed = seed ^ base_seed();
             let case = Case::new(10, 2, cfg.c, true, Dist::Cauchy);
@@ -373,11 +391,9 @@ fn unpack16(words: &[f32], len: usize) -> Vec<u16> {
 /// not (C = 42, element loads), N odd.
 #[test]
 fn half_io_on_the_mfma_path() {
-    use trimul::{DeviceIo, Precision};
+    use trimul::DeviceIo;
     let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(true);
-    let gm = |c, h| Config::new(Formulation::GpuMode, c, h).unwrap();
-    let af = |c, h| Config::new(Formulation::Af3, c, h).unwrap();
     let runs = [
         (gm(32, 16), Case::new(8, 2, 32, true, Dist::Cauchy), Direction::Outgoing, false),
         (af(24, 32), Case::new(9, 1, 24, true, Dist::Normal), Direction::Incoming, true),
@@ -387,11 +403,8 @@ fn half_io_on_the_mfma_path() {
         for io in [Precision::Bf16Io, Precision::F16Io] {
             let seed = base_seed() ^ (900 + i as u64);
             let problem = Problem::new(cfg, case.shape(), dir, case.masked).unwrap();
-            let weights = Weights::random(cfg, biases, seed).unwrap();
-            let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
+            let (weights, inputs, bits, x) = half_run(cfg, &case, biases, seed, io);
             let mask = inputs.mask.as_deref();
-            let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
-            let x: Vec<f32> = bits.iter().map(|&v| io.decode_half(v)).collect();
             let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
             assert!(layer.half_io_native());
             let y = forward::forward_half(&mut layer, &bits, mask, case.shape(), io, false).unwrap();
@@ -436,7 +449,6 @@ fn half_io_on_the_mfma_path() {
 /// against the reference of the rounded x.
 #[test]
 fn half_io_tight_budgets_run_chunked_plans() {
-    use trimul::Precision;
     let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(true);
     let runs = [
@@ -448,11 +460,8 @@ fn half_io_tight_budgets_run_chunked_plans() {
         for io in [Precision::Bf16Io, Precision::F16Io] {
             let seed = seed ^ base_seed();
             let case = Case::new(10, 2, cfg.c, true, Dist::Cauchy);
-            let weights = Weights::random(cfg, biases, seed).unwrap();
-            let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
+            let (weights, inputs, bits, x) = half_run(cfg, &case, biases, seed, io);
             let mask = inputs.mask.as_deref();
-            let bits: Vec<u16> = inputs.x.iter().map(|&v| io.encode_half(v)).collect();
-            let x: Vec<f32> = bits.iter().map(|&v| io.decode_half(v)).collect();
             let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
             for in_place in [false, true] {
                 let needs = layer.memory_needs_io(case.shape(), true, in_place, io).unwrap();
@@ -554,8 +563,6 @@ fn f32_entry_points_refuse_16_bit_problems() {
 fn device_prepared_weights_and_caller_workspace_match_the_host_layer() {
     use trimul::{DType, DeviceIo, DeviceSpan, DeviceTensor};
     let Some(_g) = fake_with_code_objects() else { return };
-    let gm = |c, h| Config::new(Formulation::GpuMode, c, h).unwrap();
-    let af = |c, h| Config::new(Formulation::Af3, c, h).unwrap();
     for mfma in [false, true] {
         let b = backend(mfma);
         let runs = [

@@ -22,6 +22,8 @@ use trimul::suite::{self, Case, Dist};
 
 #[path = "support/gpu_checks.rs"]
 mod gpu_checks;
+#[path = "support/skip.rs"]
+mod skip;
 #[path = "support/seed.rs"]
 mod test_seed;
 use gpu_checks::{check_case, MAX_REL_L2, TOL};
@@ -31,19 +33,10 @@ use trimul::{Backend, Device, Direction, Formulation, Layer, Options, TriMul, We
 /// The backend with the given output path, or `None` after a visible skip (a failure with
 /// `TRIMUL_REQUIRE_DEVICE` set).
 fn hip(mfma: bool) -> Option<HipBackend> {
-    match HipBackend::new(0) {
-        Ok(b) => {
-            b.set_poison(true);
-            b.set_mfma_output(Some(mfma));
-            Some(b)
-        }
-        Err(e) if std::env::var_os("TRIMUL_REQUIRE_DEVICE").is_some() => panic!("HIP device required: {e}"),
-        Err(e) => {
-            // Straight to stderr, past the harness's capture, so the skip shows.
-            let _ = writeln!(std::io::stderr(), "SKIPPED: no HIP device: {e}");
-            None
-        }
-    }
+    skip::poisoned_or_skip("HIP", HipBackend::new(0), |b| {
+        b.set_poison(true);
+        b.set_mfma_output(Some(mfma));
+    })
 }
 
 #[test]

@@ -9,6 +9,10 @@ use safetensors::{Dtype, SafeTensors, View};
 use trimul::io::{read_input, read_output, write_input, write_output};
 use trimul::{Config, Error, Formulation, Linear, NamingScheme, Norm, PairInput, Shape, Weights};
 
+#[path = "support/safetensors_bytes.rs"]
+mod safetensors_bytes;
+use safetensors_bytes::with_tensor_named_twice;
+
 const C: usize = 16;
 const H: usize = 8;
 
@@ -842,14 +846,7 @@ fn safetensors_reads_name_what_is_wrong() {
 
     // A header naming `norm.weight` twice (the second entry a copy of the first).
     let bytes = gpumode().to_safetensors_bytes(NamingScheme::GpuMode).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
-    let entry = header.split("\"norm.weight\":").nth(1).unwrap();
-    let entry = &entry[..=entry.find('}').unwrap()];
-    let doubled = header.replacen('{', &format!("{{\"norm.weight\":{entry},"), 1);
-    let mut dup = (doubled.len() as u64).to_le_bytes().to_vec();
-    dup.extend_from_slice(doubled.as_bytes());
-    dup.extend_from_slice(&bytes[8 + n..]);
+    let dup = with_tensor_named_twice(&bytes, "norm.weight");
     let e = Weights::from_safetensors_bytes(&dup).unwrap_err().to_string();
     assert!(e.contains("names tensor `norm.weight` twice"), "{e}");
 }

@@ -15,11 +15,11 @@
 //! Inputs are fresh each run: the base seed comes from the clock unless `TRIMUL_TEST_SEED` is set,
 //! and every test prints the value that replays it.
 
-use std::io::Write;
-
 use trimul::reference::{self, Comparison};
 use trimul::suite::{self, Case, Dist, Inputs};
 
+#[path = "../support/skip.rs"]
+mod skip;
 #[path = "../support/seed.rs"]
 mod test_seed;
 use test_seed::test_seed as seed;
@@ -57,21 +57,7 @@ impl Profile {
 /// in a normal `cargo test` run) why this backend's tests are skipped. With
 /// `TRIMUL_REQUIRE_DEVICE` set a missing device is a failure instead, for machines that have one.
 pub fn device_or_skip(name: &str, device: trimul::Result<Device>) -> Option<Device> {
-    match device {
-        Ok(d) => {
-            // Every intermediate and y filled with NaN before each forward: an element a backend
-            // fails to write cannot pass as a stale correct value from an earlier call.
-            d.set_poison(true);
-            Some(d)
-        }
-        Err(e) if std::env::var_os("TRIMUL_REQUIRE_DEVICE").is_some() => {
-            panic!("{name} device required (TRIMUL_REQUIRE_DEVICE is set) but unavailable: {e}")
-        }
-        Err(e) => {
-            let _ = writeln!(std::io::stderr(), "SKIPPED: {name}: {e}");
-            None
-        }
-    }
+    skip::poisoned_or_skip(name, device, |d| d.set_poison(true))
 }
 
 /// Stamps out every conformance test for one backend: `conformance_suite!(device, profile)` with
@@ -197,6 +183,16 @@ fn check_all_combinations(device: &Device, p: &Profile, test: &str, cases: &[Cas
     finish(test, failures);
 }
 
+/// `check(k, f, d, failures)` for the k-th of every (formulation, direction) pair, pushing what it
+/// judges failed; the test fails at the end with all of them.
+fn for_every_combination(test: &str, mut check: impl FnMut(u64, Formulation, Direction, &mut Vec<String>)) {
+    let mut failures = Vec::new();
+    for (k, (f, d)) in FORMULATIONS.iter().flat_map(|&f| DIRECTIONS.map(|d| (f, d))).enumerate() {
+        check(k as u64, f, d, &mut failures);
+    }
+    finish(test, failures);
+}
+
 fn swap_ij<T: Copy>(v: &[T], shape: Shape, width: usize) -> Vec<T> {
     let n = shape.n;
     let mut out = v.to_vec();
@@ -298,10 +294,9 @@ pub fn batch_of_three(device: &Device, p: &Profile) {
 pub fn all_zero_mask(device: &Device, p: &Profile) {
     let s = seed("all_zero_mask");
     let case = Case::new(40, 2, 128, true, Dist::Normal);
-    let mut failures = Vec::new();
-    for (k, (f, d)) in FORMULATIONS.iter().flat_map(|&f| DIRECTIONS.map(|d| (f, d))).enumerate() {
-        let w = weights(&case, f, f == Formulation::Af3, mix(s, k as u64));
-        let mut inputs = suite::generate_inputs(&case, mix(s, 100 + k as u64));
+    for_every_combination("all_zero_mask", |k, f, d, failures| {
+        let w = weights(&case, f, f == Formulation::Af3, mix(s, k));
+        let mut inputs = suite::generate_inputs(&case, mix(s, 100 + k));
         inputs.mask = Some(vec![0.0; case.batch * case.n * case.n]);
         let y = forward(device, &w, d, &inputs, case.shape());
         let pr = problem(&case, f, d);
@@ -310,8 +305,7 @@ pub fn all_zero_mask(device: &Device, p: &Profile) {
         if let Err(e) = judge(&format!("{f} {d}"), &reference::compare(&y, &want, p.rtol, p.atol), p) {
             failures.push(e);
         }
-    }
-    finish("all_zero_mask", failures);
+    });
 }
 
 /// Both LayerNorms with variances near eps = 1e-5, where eps shapes the output: x scaled to
@@ -321,13 +315,12 @@ pub fn all_zero_mask(device: &Device, p: &Profile) {
 pub fn layer_norms_in_the_eps_regime(device: &Device, p: &Profile) {
     let s = seed("layer_norms_in_the_eps_regime");
     let case = Case::new(32, 2, 128, true, Dist::Normal);
-    let mut failures = Vec::new();
-    for (k, (f, d)) in FORMULATIONS.iter().flat_map(|&f| DIRECTIONS.map(|d| (f, d))).enumerate() {
-        let mut w = weights(&case, f, false, mix(s, k as u64));
+    for_every_combination("layer_norms_in_the_eps_regime", |k, f, d, failures| {
+        let mut w = weights(&case, f, false, mix(s, k));
         for l in [&mut w.left_proj, &mut w.right_proj] {
             l.weight.iter_mut().for_each(|v| *v *= 0.02);
         }
-        let mut inputs = suite::generate_inputs(&case, mix(s, 10 + k as u64));
+        let mut inputs = suite::generate_inputs(&case, mix(s, 10 + k));
         inputs.x.iter_mut().for_each(|v| *v *= 3e-3);
         let y = forward(device, &w, d, &inputs, case.shape());
         let pr = problem(&case, f, d);
@@ -335,8 +328,7 @@ pub fn layer_norms_in_the_eps_regime(device: &Device, p: &Profile) {
         if let Err(e) = judge(&format!("{f} {d}"), &cmp, p) {
             failures.push(e);
         }
-    }
-    finish("layer_norms_in_the_eps_regime", failures);
+    });
 }
 
 pub fn absent_mask_equals_all_ones(device: &Device, p: &Profile) {
@@ -452,10 +444,9 @@ pub fn nan_in_x_poisons_what_the_reference_poisons(device: &Device, p: &Profile)
 pub fn nan_prefilled_output_is_overwritten(device: &Device, p: &Profile) {
     let s = seed("nan_prefilled_output_is_overwritten");
     let case = Case::new(33, 2, 128, true, Dist::Normal);
-    let mut failures = Vec::new();
-    for (k, (f, d)) in FORMULATIONS.iter().flat_map(|&f| DIRECTIONS.map(|d| (f, d))).enumerate() {
-        let w = weights(&case, f, false, mix(s, k as u64));
-        let inputs = suite::generate_inputs(&case, mix(s, 10 + k as u64));
+    for_every_combination("nan_prefilled_output_is_overwritten", |k, f, d, failures| {
+        let w = weights(&case, f, false, mix(s, k));
+        let inputs = suite::generate_inputs(&case, mix(s, 10 + k));
         let pr = problem(&case, f, d);
         let mut l = layer(device, &w, d);
         for fill in [f32::NAN, 1e30] {
@@ -467,8 +458,7 @@ pub fn nan_prefilled_output_is_overwritten(device: &Device, p: &Profile) {
                 failures.push(e);
             }
         }
-    }
-    finish("nan_prefilled_output_is_overwritten", failures);
+    });
 }
 
 /// One layer serves calls of different shapes, masked and not, and back: whatever it caches per

@@ -104,6 +104,17 @@ bool in_alloc(uintptr_t p, size_t len) {
 void need(const void* p, size_t len, const char* what) {
   if (len && !in_alloc((uintptr_t)p, len)) fail(std::string(what) + ": range outside any device allocation");
 }
+// The copies and the fill that touch one device range: the injected failure of `call` if armed,
+// else `op` once [p, p + len) is known to lie in an allocation (a fault, as `need` says, if not).
+template <class Op>
+int on_device_range(const char* call, const void* p, size_t len, const char* what, Op op) {
+  std::lock_guard<std::recursive_mutex> g(mu);
+  if (inject(call)) return status();
+  need(p, len, what);
+  if (status()) return kFail;
+  op();
+  return 0;
+}
 void check_guards(const char* after) {
   for (auto& [user, bytes] : allocs) {
     const unsigned char* lo = (const unsigned char*)user - kGuard;
@@ -203,20 +214,10 @@ int hipMemGetInfo(size_t* free_b, size_t* total) {
   return 0;
 }
 int hipMemcpyHtoDAsync(void* dst, const void* src, size_t n, void*) {
-  std::lock_guard<std::recursive_mutex> g(mu);
-  if (inject("hipMemcpyHtoDAsync")) return status();
-  need(dst, n, "hipMemcpyHtoDAsync destination");
-  if (status()) return kFail;
-  std::memcpy(dst, src, n);
-  return 0;
+  return on_device_range("hipMemcpyHtoDAsync", dst, n, "hipMemcpyHtoDAsync destination", [&] { std::memcpy(dst, src, n); });
 }
 int hipMemcpyDtoHAsync(void* dst, const void* src, size_t n, void*) {
-  std::lock_guard<std::recursive_mutex> g(mu);
-  if (inject("hipMemcpyDtoHAsync")) return status();
-  need(src, n, "hipMemcpyDtoHAsync source");
-  if (status()) return kFail;
-  std::memcpy(dst, src, n);
-  return 0;
+  return on_device_range("hipMemcpyDtoHAsync", src, n, "hipMemcpyDtoHAsync source", [&] { std::memcpy(dst, src, n); });
 }
 int hipMemcpyDtoDAsync(void* dst, const void* src, size_t n, void*) {
   std::lock_guard<std::recursive_mutex> g(mu);
@@ -227,12 +228,7 @@ int hipMemcpyDtoDAsync(void* dst, const void* src, size_t n, void*) {
   return 0;
 }
 int hipMemsetAsync(void* dst, int v, size_t n, void*) {
-  std::lock_guard<std::recursive_mutex> g(mu);
-  if (inject("hipMemsetAsync")) return status();
-  need(dst, n, "hipMemsetAsync");
-  if (status()) return kFail;
-  std::memset(dst, v, n);
-  return 0;
+  return on_device_range("hipMemsetAsync", dst, n, "hipMemsetAsync", [&] { std::memset(dst, v, n); });
 }
 int hipStreamCreate(void** s) {
   *s = new int(1);
