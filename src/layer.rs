@@ -158,17 +158,41 @@ impl<B: Backend> Layer<B> {
     }
 
     /// Bytes of the workspace a [`Layer::forward_device`] of this shape needs when the caller
-    /// provides it; plans that workspace (kept for the calls that follow).
+    /// provides it; plans that workspace (kept for the calls that follow) within the layer's
+    /// memory budget, if it has one.
     pub fn device_workspace_bytes(&mut self, shape: Shape, masked: bool, io: Precision) -> Result<u64> {
-        let problem = self.problem(shape, masked)?.with_io(io);
-        Ok(self.caller_parts(&problem)?.3)
+        self.device_workspace_bytes_within(shape, masked, io, None)
     }
 
-    fn caller_parts(&mut self, problem: &Problem) -> Result<(&B, &B::Prepared, &mut B::Workspace, u64)> {
+    /// [`Layer::device_workspace_bytes`] within `limit` bytes as well (the caller's free memory,
+    /// say), used when the workspace is planned, i.e. when this shape differs from the last one
+    /// planned. Where the one-pass workspace does not fit, the CUDA backend plans hidden passes
+    /// and row chunks in the caller's memory, as [`Layer::forward`] does in its own (fused input
+    /// kernel only; otherwise, and on HIP, the one-pass plan's out-of-memory error).
+    pub fn device_workspace_bytes_within(
+        &mut self,
+        shape: Shape,
+        masked: bool,
+        io: Precision,
+        limit: Option<u64>,
+    ) -> Result<u64> {
+        let problem = self.problem(shape, masked)?.with_io(io);
+        Ok(self.caller_parts(&problem, limit)?.3)
+    }
+
+    fn caller_parts(
+        &mut self,
+        problem: &Problem,
+        limit: Option<u64>,
+    ) -> Result<(&B, &B::Prepared, &mut B::Workspace, u64)> {
         let fits = matches!(&self.caller_ws, Some((ws, _)) if self.backend.workspace_fits(ws, problem));
         if !fits {
             self.caller_ws = None;
-            self.caller_ws = Some(self.backend.caller_workspace(&self.prepared, problem, self.budget)?);
+            let limit = match (self.budget, limit) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            self.caller_ws = Some(self.backend.caller_workspace(&self.prepared, problem, limit)?);
         }
         let Layer { backend, prepared, caller_ws, .. } = self;
         let (ws, bytes) = caller_ws.as_mut().ok_or_else(|| Error::Internal("caller workspace missing".into()))?;
@@ -191,7 +215,7 @@ impl<B: Backend> Layer<B> {
         let fio = unsafe { ForwardIo::device(io) };
         match io.workspace {
             Some(span) => {
-                let (backend, prepared, ws, bytes) = self.caller_parts(&problem)?;
+                let (backend, prepared, ws, bytes) = self.caller_parts(&problem, None)?;
                 span.check("the workspace", bytes)?;
                 backend.forward(prepared, ws, &problem, fio)
             }

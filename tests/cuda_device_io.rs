@@ -318,3 +318,50 @@ fn out_of_range_weight_gives_nan_not_garbage() {
     let (y, _) = device_forward(&b, &mut layer, &inputs.x, None, case.shape(), Precision::F32Io, &ws);
     assert!(y.iter().all(|v| v.is_nan()), "every output depends on left_proj's channel 0");
 }
+
+/// Where the one-pass workspace does not fit the limit the caller gives, the workspace in
+/// caller memory is a chunked plan (hidden passes and row chunks), bound to the call's span and
+/// moved between calls like a one-pass one; its y passes the f64 check and agrees with the
+/// one-pass y. Below the narrowest chunked plan, planning fails with an out-of-memory error.
+#[test]
+fn caller_workspace_within_a_tight_limit_is_chunked() {
+    let Some(b) = cuda() else { return };
+    let s = seed();
+    let case = Case::new(128, 2, 128, true, Dist::Normal);
+    for (f, dir, io) in [
+        (Formulation::Af3, Direction::Incoming, Precision::Bf16Io),
+        (Formulation::GpuMode, Direction::Outgoing, Precision::F32Io),
+    ] {
+        let problem = case.problem(f, dir).unwrap().with_io(io);
+        let w = Weights::random(problem.config, f == Formulation::Af3, s ^ 5).unwrap();
+        let inputs = suite::generate_inputs(&case, s ^ 6);
+        let x: Vec<f32> = inputs.x.iter().map(|&v| io.round(v)).collect();
+        let mask = inputs.mask.as_deref();
+        let copy = to_device(&b, &w, DType::F32, false);
+        let bytes = Layer::prepared_device_bytes(&b, &problem.config, f == Formulation::Af3).unwrap() as usize;
+        let st = b.alloc_buffer::<u8>(bytes).unwrap();
+        let layer = || {
+            // SAFETY: copy and storage outlive every forward below, each followed by a download.
+            let options = Options::new(dir);
+            unsafe { Layer::from_device_weights(&b, &copy.weights, options, span(&st), b.stream() as u64).unwrap() }
+        };
+        let (mut whole, mut chunked) = (layer(), layer());
+        let one_pass = whole.device_workspace_bytes(case.shape(), true, io).unwrap();
+        let ws = b.alloc_buffer::<u8>(one_pass as usize).unwrap();
+        let (want, _) = device_forward(&b, &mut whole, &x, mask, case.shape(), io, &ws);
+        let limit = one_pass / 3;
+        let need = chunked.device_workspace_bytes_within(case.shape(), true, io, Some(limit)).unwrap();
+        assert!(need <= limit, "{f} {dir}: {need} bytes planned within {limit}");
+        let (ws_a, ws_b) = (b.alloc_buffer::<u8>(need as usize).unwrap(), b.alloc_buffer::<u8>(need as usize).unwrap());
+        let (y, bits) = device_forward(&b, &mut chunked, &x, mask, case.shape(), io, &ws_a);
+        let cmp = reference::check(&w, &problem, &x, mask, &y, TOL, TOL).unwrap();
+        eprintln!("{f} {dir} {io}, workspace {need} of {one_pass} bytes: {cmp}");
+        assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{f} {dir}: {cmp}");
+        let worst = y.iter().zip(&want).map(|(a, b)| (a - b).abs() / (1.0 + b.abs())).fold(0f32, f32::max);
+        assert!(worst <= 2e-2, "{f} {dir}: chunked y differs from one pass by {worst:e} (relative)");
+        let (_, again) = device_forward(&b, &mut chunked, &x, mask, case.shape(), io, &ws_b);
+        assert!(again == bits, "{f} {dir}: moving the chunked workspace changed y");
+        let e = layer().device_workspace_bytes_within(case.shape(), true, io, Some(4096)).unwrap_err();
+        assert!(matches!(e, trimul::Error::OutOfMemory { .. }), "{f} {dir}: {e}");
+    }
+}

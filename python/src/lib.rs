@@ -607,10 +607,12 @@ macro_rules! device_layer {
                 })
             }
 
-            /// Bytes of workspace a forward of this shape needs (plans it on first use). A
+            /// Bytes of workspace a forward of this shape needs (plans it on first use, within
+            /// `limit` bytes when given: a chunked plan where one pass does not fit). A
             /// `TypeError` says the I/O precision is not read and written on this device (the
             /// caller converts x to f32 then).
-            fn workspace_bytes(&self, b: usize, n: usize, masked: bool, io: i32) -> PyResult<u64> {
+            #[pyo3(signature = (b, n, masked, io, limit=None))]
+            fn workspace_bytes(&self, b: usize, n: usize, masked: bool, io: i32, limit: Option<u64>) -> PyResult<u64> {
                 let p = precision(io)?;
                 let layer = &mut *self.lock()?;
                 if p != Precision::F32Io && !layer.half_io_native() {
@@ -619,7 +621,7 @@ macro_rules! device_layer {
                         trimul::Backend::kind(layer.backend())
                     )));
                 }
-                layer.device_workspace_bytes(Shape::new(b, n), masked, p).map_err(to_py)
+                layer.device_workspace_bytes_within(Shape::new(b, n), masked, p, limit).map_err(to_py)
             }
 
             /// Bytes of the workspace a `backward` of this shape needs.

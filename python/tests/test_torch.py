@@ -521,3 +521,36 @@ def test_weights_that_require_grad_are_prepared_on_every_recorded_call():
     with torch.no_grad():
         tmu(x, **trained)
     assert len(impl._host_cache.entries) == 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+def test_workspace_is_chunked_where_one_pass_does_not_fit(monkeypatch, direction):
+    """Where the memory left cannot hold the one-pass workspace, the call plans hidden passes and
+    row chunks in a smaller workspace from PyTorch's allocator, with the f64 reference's result."""
+    from trimul import _torch
+
+    c, h, n = 128, 128, 128
+    w = af3_weights(c, h, True, salt=81, dtype=torch.bfloat16, device="cuda")
+    x = pair((1, n, n, c), salt=82, dtype=torch.bfloat16, device="cuda")
+    mask = random_mask((1, n, n), salt=83, device="cuda")
+    key = (1, n, True, _torch._DTYPE_CODE[x.dtype])
+    trimul.clear_cache()
+    whole = tmu(x, direction, mask, **w)
+    (entry,) = _torch._cache.entries.values()
+    one_pass = entry.ws_bytes[key]
+    trimul.clear_cache()
+    monkeypatch.setattr(_torch, "_memory_for_workspace", lambda device, besides: one_pass // 2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y = tmu(x, direction, mask, **w)
+    torch.cuda.synchronize()
+    (entry,) = _torch._cache.entries.values()
+    assert 0 < entry.ws_bytes[key] <= one_pass // 2, (entry.ws_bytes[key], one_pass)
+    beside = y.numel() * y.element_size()  # and the prepared weights, a few hundred KB
+    assert torch.cuda.max_memory_allocated() - base - beside < one_pass, "the one-pass workspace was allocated"
+    want = f64_reference(x, direction, mask, **w)
+    for got in (y, whole):
+        bad, r = compare(got, want)
+        assert bad == 0 and r <= 1e-2, (bad, r)

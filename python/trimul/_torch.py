@@ -287,7 +287,8 @@ def _cuda_forward_on(
     nbytes = e.ws_bytes.get(wkey)
     if nbytes is None:
         try:
-            nbytes = e.ws_bytes[wkey] = e.layer.workspace_bytes(b, n, mask is not None, io)
+            limit = _memory_for_workspace(e.device, x.numel() * x.element_size())
+            nbytes = e.ws_bytes[wkey] = e.layer.workspace_bytes(b, n, mask is not None, io, limit)
         except TypeError:
             if io == 0:
                 raise
@@ -299,6 +300,19 @@ def _cuda_forward_on(
     if nbytes < 0:
         return _cuda_forward_on(x.float(), mask, originals, direction, eps, cache).to(x.dtype)
     return _launch(e, x, mask, b, n, io, nbytes, stream)
+
+
+def _memory_for_workspace(device: torch.device, besides: int) -> Optional[int]:
+    """The bytes a workspace may take on `device` when it is planned: the driver's free memory
+    and what PyTorch's caching allocator holds unused, less `besides` (what the call allocates
+    beside it). Where the one-pass workspace does not fit, the library plans hidden passes and
+    row chunks in that much. None (no limit: the one-pass plan) during a CUDA-graph capture, where
+    the query is not made."""
+    if _capturing():
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(free + unused - besides, 0)
 
 
 def _launch(e: _Entry, x: Tensor, mask: Optional[Tensor], b: int, n: int, io: int, nbytes: int, stream: int) -> Tensor:

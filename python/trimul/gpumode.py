@@ -21,6 +21,7 @@ from ._torch import (
     _device_prepared_bytes,
     _DeviceLayer,
     _io_args,
+    _memory_for_workspace,
     _raw_stream,
 )
 
@@ -175,7 +176,8 @@ def _on_device(x, mask, w, c, h):
                 layer = _layers[(index, c, h)] = _DeviceLayer(
                     index, "gpumode", c, h, "outgoing", 1e-5, w, buf.data_ptr(), storage_bytes, stream
                 )
-            sizes = _sizes[key] = (storage_bytes, layer.workspace_bytes(b, n, mask is not None, io))
+            limit = _memory_for_workspace(x.device, storage_bytes)
+            sizes = _sizes[key] = (storage_bytes, layer.workspace_bytes(b, n, mask is not None, io, limit))
         storage_bytes, ws_bytes = sizes
         # Storage and workspace in one allocation from PyTorch's caching allocator.
         buf = torch.empty(storage_bytes + ws_bytes, dtype=torch.uint8, device=x.device)

@@ -35,7 +35,7 @@ def main():
                 if name != "after writes":
                     torch.sum(clean, dim=0, out=sink)
 
-            results[name] = 1000 * median_ms(lambda: dst.copy_(src), reps=25, warmup=0, before=before)
+            results[name] = 1000 * median_ms(lambda dst=dst, src=src: dst.copy_(src), reps=25, warmup=0, before=before)
         line = ", ".join(f"{k} {v:7.1f} µs" for k, v in results.items())
         extra = results["after writes"] - results["after writes then reads"]
         print(f"copy of {size_mib:3d} MiB (read + write {2 * size_mib} MiB): {line}; inherited {extra:+.1f} µs")

@@ -40,7 +40,7 @@ impl SpanCarver {
             Some(available) => Err(Error::OutOfMemory {
                 backend,
                 what: format!(
-                    "the one-pass workspace for B={} N={} C={} H={} (workspaces in caller memory are one-pass only)",
+                    "the workspace for B={} N={} C={} H={} in caller memory",
                     problem.shape.batch, problem.shape.n, problem.config.c, problem.config.h
                 ),
                 needed: self.end,
@@ -50,17 +50,23 @@ impl SpanCarver {
     }
 }
 
-/// The error for a caller-memory workspace whose layout is not one pass (planning makes only
-/// one-pass ones).
-pub(crate) fn not_one_pass() -> Error {
-    Error::Internal("a caller-memory workspace must be one-pass".into())
+/// The error for a caller-memory workspace of a layout planning never puts there (one pass,
+/// and on CUDA the fused kernel's chunked plans, are the ones it does).
+pub(crate) fn not_in_caller_memory() -> Error {
+    Error::Internal("this workspace layout is never planned in caller memory".into())
+}
+
+/// A view into caller memory that [`bind`] moves with its span.
+pub(crate) trait Rebase {
+    /// Moves the view by the distance its memory moved (`from` → `to`).
+    fn rebase(&mut self, from: u64, to: u64) -> Result<()>;
 }
 
 /// Moves the views of a caller-memory workspace into `span` (checked: aligned, large enough).
 /// `caller_base` is the address the views are laid out from now and the bytes they span (`None`:
 /// the layer owns the workspace, which takes no span); `views` lists them, and `rebase` moves
 /// one by the distance its memory moved (`from` → `to`).
-pub(crate) fn bind<'a, B: 'a, I: IntoIterator<Item = &'a mut B>>(
+pub(crate) fn bind<'a, B: ?Sized + 'a, I: IntoIterator<Item = &'a mut B>>(
     caller_base: &mut Option<(u64, u64)>,
     span: DeviceSpan,
     views: impl FnOnce() -> Result<I>,

@@ -8,7 +8,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use super::blas::{Elem, MatmulPlan};
 use super::context::{ceil_div, CudaBackend};
-use super::driver::DriverResult;
+use super::driver::{DeviceBuffer, DriverResult};
 use super::workspace::{full_or_tail, CudaPrepared, CudaWorkspace, Layout, Staged};
 use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{
@@ -20,11 +20,17 @@ use crate::plan::{Buffer, Plan};
 use crate::problem::Problem;
 
 impl CudaBackend {
+    /// The workspace of a chunked plan of the fused input kernel, in `t` (`plan.t_bytes`) and
+    /// `scratch` (`plan.scratch_bytes`): allocated here, or views of caller memory. It holds no
+    /// copy of the weights (the kernels read the prepared ones), so it serves any weights of the
+    /// layer's shape.
     pub(super) fn chunked_workspace(
         &self,
         prepared: &CudaPrepared,
         problem: &Problem,
         plan: Plan,
+        t: DeviceBuffer<u16>,
+        scratch: DeviceBuffer<u8>,
     ) -> Result<CudaWorkspace> {
         let tuning = self.tuning_for(problem);
         let (cws, ows) = (plan.contraction_ws.map_or(0, |r| r.bytes), plan.output_ws.map_or(0, |r| r.bytes));
@@ -40,8 +46,8 @@ impl CudaBackend {
         let (h_tail, m_tail) = (cfg.h % plan.hidden_chunk, m % plan.output_rows);
         Ok(CudaWorkspace {
             problem: *problem,
-            layout: Layout::Chunked { scratch: self.alloc_buffer(plan.scratch_bytes)? },
-            t: self.alloc_buffer(plan.t_bytes / 2)?,
+            layout: Layout::Chunked { scratch },
+            t,
             contraction: contraction(plan.hidden_chunk)?,
             contraction_tail: if h_tail > 0 { Some(contraction(h_tail)?) } else { None },
             output: output(plan.output_rows)?,
@@ -50,7 +56,7 @@ impl CudaBackend {
             tuning,
             output_gate: self.output_gate(),
             switches: self.switches(),
-            weights_of: Some(prepared.id),
+            weights_of: None,
             caller_base: None,
         })
     }

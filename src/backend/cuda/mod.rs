@@ -61,7 +61,7 @@ pub use self::driver::DeviceBuffer;
 pub(crate) use self::driver::EventPair;
 use self::driver::{probe_libraries, AllocTracker, DriverResult, Timeline};
 use self::kernels::Kernels;
-use super::caller_workspace::{self, SpanCarver};
+use super::caller_workspace::{self, Rebase, SpanCarver};
 use super::gemm::GemmSpec;
 use super::gpu_ceilings;
 use super::params::FusedInputLayout;
@@ -547,11 +547,42 @@ impl CudaBackend {
             let bytes = (len as u64).checked_mul(2).ok_or_else(|| Error::Shape("workspace too large".into()))?;
             Ok(span.carve(bytes, |at| DeviceBuffer::borrowed(&inner.ctx, &inner.tracker, at, len)))
         };
-        let plan = self.one_pass_plan(prepared, problem, tuning, gate_from_x)?;
-        let mut ws = self.one_pass_workspace(prepared, problem, tuning, plan, &mut carve)?;
+        let mut ws = match self.chunked_plan_within(prepared, problem, gate_from_x, limit)? {
+            Some(plan) => {
+                let t = carve(plan.t_bytes / 2)?;
+                let scratch = span.carve(plan.scratch_bytes as u64, |at| {
+                    DeviceBuffer::borrowed(&inner.ctx, &inner.tracker, at, plan.scratch_bytes)
+                });
+                self.chunked_workspace(prepared, problem, plan, t, scratch)?
+            }
+            None => {
+                let plan = self.one_pass_plan(prepared, problem, tuning, gate_from_x)?;
+                self.one_pass_workspace(prepared, problem, tuning, plan, &mut carve)?
+            }
+        };
         let end = span.workspace_within(BackendKind::Cuda, problem, Some(limit))?;
         ws.caller_base = Some((0, end));
         Ok((ws, end))
+    }
+
+    /// The widest chunked plan of the fused input kernel within `limit` when the one-pass plan
+    /// does not fit it; `None` when one pass fits, or when no such chunked plan exists (the
+    /// one-pass plan's size then makes the out-of-memory error). The staged chunked plans are
+    /// not offered for caller memory: they keep copies of the weights in their workspace.
+    fn chunked_plan_within(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        gate_from_x: bool,
+        limit: u64,
+    ) -> Result<Option<Plan>> {
+        if self.one_pass_bytes(prepared, problem, gate_from_x) <= limit {
+            return Ok(None);
+        }
+        match self.chunked_caps(prepared, problem) {
+            Some(caps) if caps.input == InputStage::Fused => Plan::widest_chunked(problem, caps, limit),
+            _ => Ok(None),
+        }
     }
 }
 
@@ -562,13 +593,18 @@ impl CudaWorkspace {
         caller_workspace::bind(
             caller_base,
             span,
-            move || match layout {
-                Layout::OnePass { left, right, gate, .. } => {
-                    Ok([Some(t), Some(left), Some(right), gate.as_mut()].into_iter().flatten())
+            move || -> Result<Vec<&mut dyn Rebase>> {
+                match layout {
+                    Layout::OnePass { left, right, gate, .. } => {
+                        let mut views: Vec<&mut dyn Rebase> = vec![t, left, right];
+                        views.extend(gate.as_mut().map(|g| g as &mut dyn Rebase));
+                        Ok(views)
+                    }
+                    Layout::Chunked { scratch } => Ok(vec![t, scratch]),
+                    Layout::Staged(_) => Err(caller_workspace::not_in_caller_memory()),
                 }
-                _ => Err(caller_workspace::not_one_pass()),
             },
-            DeviceBuffer::rebase,
+            |view, from, to| view.rebase(from, to),
         )
     }
 }
@@ -712,7 +748,10 @@ impl Backend for CudaBackend {
                 });
             };
             return match caps.input {
-                InputStage::Fused => self.chunked_workspace(prepared, problem, plan),
+                InputStage::Fused => {
+                    let (t, scratch) = (self.alloc_buffer(plan.t_bytes / 2)?, self.alloc_buffer(plan.scratch_bytes)?);
+                    self.chunked_workspace(prepared, problem, plan, t, scratch)
+                }
                 InputStage::Staged => self.staged_workspace(prepared, problem, plan),
             };
         }

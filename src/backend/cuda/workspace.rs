@@ -11,6 +11,7 @@ use super::context::{ceil_div, OutputGate};
 use super::driver::DeviceBuffer;
 use super::kernels;
 use super::tuning::Tuning;
+use crate::backend::caller_workspace::Rebase;
 use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{self, geometry, FusedInputLayout, InputParams, STAGE_THREADS};
 use crate::error::{Error, Result};
@@ -246,6 +247,12 @@ impl Staged {
         self.gemms
             .get_mut(&(spec, d, bias))
             .ok_or_else(|| Error::InvalidArgument(format!("no cuBLASLt plan for {spec:?}")))
+    }
+}
+
+impl<T> Rebase for DeviceBuffer<T> {
+    fn rebase(&mut self, from: u64, to: u64) -> Result<()> {
+        DeviceBuffer::rebase(self, from, to)
     }
 }
 

@@ -941,7 +941,7 @@ impl HipWorkspace {
                     .into_iter()
                     .chain(o.projection.as_mut())
                     .chain(o.ones.as_mut())),
-                Layout::Chunked(_) => Err(caller_workspace::not_one_pass()),
+                Layout::Chunked(_) => Err(caller_workspace::not_in_caller_memory()),
             },
             DeviceMem::rebase,
         )
