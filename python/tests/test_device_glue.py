@@ -6,6 +6,7 @@ glue is checked in CI without a GPU; what runs on the GPU is checked on the GPU 
 
 from __future__ import annotations
 
+import ast
 import inspect
 
 import pytest
@@ -18,9 +19,14 @@ from trimul._args import AF3_WEIGHTS
 
 def _signature(method) -> inspect.Signature:
     text = method.__text_signature__.replace("$self", "self")
-    return inspect.Signature(
-        [inspect.Parameter(p.strip(), inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in text.strip("()").split(",")]
-    )
+    return inspect.Signature([_parameter(p) for p in text.strip("()").split(",")])
+
+
+def _parameter(text: str) -> inspect.Parameter:
+    """One parameter of a text signature, `name` or `name=default`."""
+    name, eq, default = text.strip().partition("=")
+    extra = {"default": ast.literal_eval(default)} if eq else {}
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, **extra)
 
 
 class FakeDeviceLayer:

@@ -307,8 +307,8 @@ def _memory_for_workspace(device: torch.device, besides: int) -> Optional[int]:
     and what PyTorch's caching allocator holds unused, less `besides` (what the call allocates
     beside it). Where the one-pass workspace does not fit, the library plans hidden passes and
     row chunks in that much. None (no limit: the one-pass plan) during a CUDA-graph capture, where
-    the query is not made."""
-    if _capturing():
+    the query is not made, and for memory PyTorch does not count (the fake devices of the tests)."""
+    if device.type != "cuda" or _capturing():
         return None
     free, _ = torch.cuda.mem_get_info(device)
     unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
