@@ -812,3 +812,31 @@ fn backward_matches_the_f64_reference() {
     }
     b.free_backward_buffers();
 }
+
+/// The fake checks the backward kernels' buffers before it runs them: a dx too small for the
+/// problem (passed where only the unsafe contract, not a length, guards it) is refused by the
+/// launch of `backward_input_norm_grad`, the kernel that writes it, and reported as an error;
+/// the next backward runs normally.
+#[test]
+fn backward_buffer_ranges_are_enforced_by_the_fake() {
+    let Some(_g) = fake_with_code_objects() else { return };
+    let b = backend(false);
+    let case = Case::new(5, 1, 24, false, Dist::Normal);
+    let w = Weights::random(Config::new(Formulation::Af3, case.c, 16).unwrap(), true, base_seed()).unwrap();
+    let inputs = suite::generate_inputs(&case, base_seed() ^ 3);
+    let mut layer = Layer::new(&b, &w, Options::new(Direction::Outgoing)).unwrap();
+    let up = |v: &[f32]| {
+        let mut d = b.alloc(v.len()).unwrap();
+        b.upload(v, &mut d).unwrap();
+        d
+    };
+    let (x, dy) = (up(&inputs.x), up(&inputs.x));
+    let short = b.alloc(inputs.x.len() / 2).unwrap();
+    let io = (x.device_ptr(), 0, dy.device_ptr(), short.device_ptr());
+    // SAFETY: deliberately not: dx holds half the elements. The fake refuses the launch that
+    // would write past it before running it, so no memory outside the allocation is touched.
+    let e = unsafe { layer.backward_device(io, case.shape(), 0, None) }.unwrap_err();
+    assert!(e.to_string().contains("backward_input_norm_grad dx"), "{e}");
+    let mut dx = b.alloc(inputs.x.len()).unwrap();
+    layer.backward_buffers(&x, None, &dy, &mut dx, case.shape()).unwrap();
+}
