@@ -9,8 +9,12 @@
 // - hipModuleLaunchKernel runs the *real kernel bodies* (common/*.h, hip/output_projection.h),
 //   compiled for the host against tests/hip_emu/emu.h, block by block, and checks that no block
 //   touches LDS beyond the dynamic size the launch passed.
+//   The ten backward kernels (common/backward.h) are dispatched too (launch_backward), each after
+//   checking its buffers, that its grid covers the work as the kernel divides it, and that its
+//   dynamic LDS is the size the kernel's macros give.
 // - rocblas_gemm_ex / _strided_batched_ex implement rocBLAS's column-major semantics for f16/f32
-//   operands with f32 accumulation, after checking every operand span.
+//   operands (f16 A/B with f16 or f32 C/D: the forward; f32 throughout: the backward) with f32
+//   compute and accumulation, after checking every operand span.
 // A violation makes the call that detects it fail with code 999, whose hipGetErrorName is the
 // violation's text, so the Rust side surfaces it as an ordinary error.
 //
