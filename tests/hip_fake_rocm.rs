@@ -871,3 +871,68 @@ fn backward_buffer_ranges_are_enforced_by_the_fake() {
     let e = layer.backward(&x, None, &x, Shape::new(1, 2)).unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }) && e.to_string().contains("H = 335"), "{e}");
 }
+
+/// A backward through a device failure (a launch, a GEMM, a fill, an allocation, the wait or the
+/// copy of the sums failing, as the fake injects them) is an error naming the call, after the
+/// work before it has finished; the next backward on the same layer and kept buffers gives
+/// exactly the gradients of one that never failed.
+#[test]
+fn backward_device_faults_are_errors_and_the_next_backward_is_exact() {
+    let Some(_g) = fake_with_code_objects() else { return };
+    let b = backend(false);
+    let case = Case::new(9, 1, 24, true, Dist::Normal);
+    let seed = base_seed() ^ 0xFA18;
+    let w = Weights::random(Config::new(Formulation::Af3, case.c, 16).unwrap(), true, seed).unwrap();
+    let inputs = suite::generate_inputs(&case, seed ^ 1);
+    let dy_host = trimul::rand::Rng::new(seed ^ 2).normal_vec(inputs.x.len(), 1.0);
+    let up = |v: &[f32]| {
+        let mut d = b.alloc(v.len()).unwrap();
+        b.upload(v, &mut d).unwrap();
+        d
+    };
+    let (x, dy) = (up(&inputs.x), up(&dy_host));
+    let mask = inputs.mask.as_deref().map(up);
+    let mut dx = b.alloc(inputs.x.len()).unwrap();
+    let mut layer = Layer::new(&b, &w, Options::new(Direction::Outgoing)).unwrap();
+    let mut backward = |layer: &mut Layer<HipBackend>| {
+        let g = layer.backward_buffers(&x, mask.as_ref(), &dy, &mut dx, case.shape())?;
+        let mut dx_host = vec![0f32; inputs.x.len()];
+        b.download(&dx, &mut dx_host).unwrap();
+        Ok::<_, Error>((g, dx_host))
+    };
+    let good = backward(&mut layer).unwrap();
+    let problem = layer.problem(case.shape(), true).unwrap();
+    let want = reference::backward(&w, &problem, &inputs.x, inputs.mask.as_deref(), &dy_host).unwrap();
+    let e = reference::compare(&good.1, &want.x, 0.0, f64::INFINITY);
+    assert!(e.nan_mismatch == 0 && e.rel_l2 <= 2e-3, "dx: {e:?}");
+    let specs = [
+        "hipModuleLaunchKernel:1",
+        "hipModuleLaunchKernel:6",
+        "hipModuleLaunchKernel:12",
+        "rocblas_gemm:1",
+        "rocblas_gemm:5",
+        "hipMemsetAsync:2",
+        "hipStreamSynchronize:1",
+        "hipMemcpyDtoHAsync:1",
+        "hipMalloc:1",
+    ];
+    for spec in specs {
+        // hipMalloc is reached only when the kept buffers are gone.
+        if spec.starts_with("hipMalloc") {
+            b.free_backward_buffers();
+        }
+        std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", spec);
+        let faulted = backward(&mut layer);
+        std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
+        match faulted {
+            Err(e) => {
+                let call = spec.split(':').next().unwrap();
+                assert!(e.to_string().contains(&format!("injected failure of {call}")), "{spec}: {e}");
+                eprintln!("{spec}: {e}");
+            }
+            Ok(_) => panic!("{spec}: the backward returned Ok through a device failure"),
+        }
+        let again = backward(&mut layer).unwrap_or_else(|e| panic!("{spec}: not usable after: {e}"));
+        assert!(again.1 == good.1 && again.0.tensors()[1..] == good.0.tensors()[1..], "{spec}: another result after");
+    }
+}
