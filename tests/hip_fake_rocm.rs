@@ -647,6 +647,15 @@ fn device_prepared_weights_and_caller_workspace_match_the_host_layer() {
                 let same = y.iter().zip(&want).all(|(a, w)| a.to_bits() == w.to_bits());
                 assert!(same, "{cfg:?} mfma={mfma} ws+{extra}: device-prepared y differs from the host layer's");
             }
+            // The backward from device-prepared weights: the host-prepared layer's gradients, bit
+            // for bit, bias entries included (the prepared weights and bias flags are the same).
+            if !mfma {
+                let dy = trimul::rand::Rng::new(seed ^ 3).normal_vec(inputs.x.len(), 1.0);
+                let g_dev = dev.backward(&inputs.x, mask, &dy, case.shape()).unwrap();
+                let g_host = host.backward(&inputs.x, mask, &dy, case.shape()).unwrap();
+                assert!(g_dev.tensors() == g_host.tensors(), "{cfg:?}: device-prepared gradients differ");
+                g_dev.check_against(&weights, inputs.x.len()).unwrap();
+            }
             // 16-bit x and y where the output stage is rocBLAS's (it writes f32 y): a clear
             // error, not a wrong answer (half_io_on_the_mfma_path covers the MFMA path).
             if !mfma {
@@ -934,5 +943,27 @@ fn backward_device_faults_are_errors_and_the_next_backward_is_exact() {
         }
         let again = backward(&mut layer).unwrap_or_else(|e| panic!("{spec}: not usable after: {e}"));
         assert!(again.1 == good.1 && again.0.tensors()[1..] == good.0.tensors()[1..], "{spec}: another result after");
+    }
+}
+
+/// The backward at the widths of `trimul check --grad --suite quick`'s first cases (C = H = 128,
+/// N = 32: whole tiles, four 32-channel groups per gating pass), gpumode outgoing and af3 incoming
+/// with biases, judged as `check --grad` judges (2e-3 relative L2, no NaN mismatch). Opt-in
+/// (`-- --ignored`): about 20 s a case on 2 shared cores, worst gradient 5.3e-4 when first run.
+#[test]
+#[ignore]
+fn backward_at_quick_suite_widths() {
+    let Some(_g) = fake_with_code_objects() else { return };
+    let b = backend(false);
+    let s = base_seed() ^ 0x9C;
+    for (f, biases, dir, case) in [
+        (Formulation::GpuMode, false, Direction::Outgoing, Case::new(32, 1, 128, true, Dist::Normal)),
+        (Formulation::Af3, true, Direction::Incoming, Case::new(32, 1, 128, false, Dist::Cauchy)),
+    ] {
+        let w = Weights::random(Config::new(f, case.c, 128).unwrap(), biases, s).unwrap();
+        let mut layer = Layer::new(&b, &w, Options::new(dir)).unwrap();
+        let start = std::time::Instant::now();
+        check_backward(&mut layer, &w, &case, s);
+        eprintln!("{} {f:?} {dir}: {:.1} s", case.name(), start.elapsed().as_secs_f64());
     }
 }

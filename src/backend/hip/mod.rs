@@ -32,7 +32,10 @@
 //! [`Backend::download_words`].
 //!
 //! `unsafe` lives in `sys` (loading), `result` (calls) and the enqueue/launch/GEMM helpers of
-//! this file, each with its justification.
+//! this file and `backward.rs`, each with its justification.
+//!
+//! The backward pass (issue 28) is `backward.rs`: the CUDA backward's steps with the same kernels
+//! and rocBLAS f32 GEMMs, so far run only on the fake ROCm.
 
 pub(crate) mod arch;
 mod backward;
