@@ -9,8 +9,12 @@
 // - hipModuleLaunchKernel runs the *real kernel bodies* (common/*.h, hip/output_projection.h),
 //   compiled for the host against tests/hip_emu/emu.h, block by block, and checks that no block
 //   touches LDS beyond the dynamic size the launch passed.
+//   The ten backward kernels (common/backward.h) are dispatched too (launch_backward), each after
+//   checking its buffers, that its grid covers the work as the kernel divides it, and that its
+//   dynamic LDS is the size the kernel's macros give.
 // - rocblas_gemm_ex / _strided_batched_ex implement rocBLAS's column-major semantics for f16/f32
-//   operands with f32 accumulation, after checking every operand span.
+//   operands (f16 A/B with f16 or f32 C/D: the forward; f32 throughout: the backward) with f32
+//   compute and accumulation, after checking every operand span.
 // A violation makes the call that detects it fail with code 999, whose hipGetErrorName is the
 // violation's text, so the Rust side surfaces it as an ordinary error.
 //
@@ -24,6 +28,7 @@
 #include "common/output_norm.h"
 #include "common/output_gate.h"
 #include "common/prepare_weights.h"
+#include "common/backward.h"
 #include "hip/output_projection.h"
 
 #include <algorithm>
@@ -141,6 +146,156 @@ int mach_of(const std::string& p) {
   if (p == "gfx908") return 0x30;
   if (p == "gfx1100") return 0x41;
   return -1;
+}
+
+// The backward kernels of common/backward.h (src/backend/hip/backward.rs launches them): every
+// buffer a kernel will touch must lie in device memory before it runs, the grid must cover the
+// work as the kernel divides it, and the dynamic LDS must be what the kernel's macros say.
+int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** args) {
+  auto geometry = [&](bool ok, const char* what) {
+    if (!ok) fail(name + ": " + what);
+  };
+  auto lds = [&](size_t want) { geometry(smem == want, "dynamic LDS is not the size the kernel needs"); };
+  bool lds_overrun = false;
+  auto after = [&](unsigned) {
+    const unsigned char* l = (const unsigned char*)tm_dyn_smem;
+    for (size_t i = smem; i < sizeof(tm_dyn_smem); ++i) lds_overrun |= l[i] != 0xff;
+  };
+  auto finish = [&] {
+    if (lds_overrun) fail(name + ": a block used LDS beyond the dynamic size passed at launch");
+    check_guards(name.c_str());
+    return status();
+  };
+  if (name == "backward_widen") {
+    const TmWiden w = *(const TmWiden*)args[0];
+    if (w.n < 0) fail(name + ": negative length");
+    geometry((tm_i64)gx * TM_BWD_THREADS >= w.n, "the grid does not cover every element");
+    lds(0);
+    need(w.src, (size_t)w.n * 2, "backward_widen source");
+    need(w.dst, (size_t)w.n * 4, "backward_widen destination");
+    if (!violation.empty()) return status();
+    emu::launch(gx, TM_BWD_THREADS, [&] { backward_widen(w); }, after);
+    return finish();
+  }
+  if (name == "backward_column_partials" || name == "backward_column_finish") {
+    const TmColumnSums s = *(const TmColumnSums*)args[0];
+    const bool partials = name == "backward_column_partials";
+    if (s.cols < 1 || s.row_blocks < 1 || s.rows < 0 || (partials && s.ld < s.cols)) fail(name + ": bad sizes");
+    if (!violation.empty()) return status();
+    const size_t cols = (size_t)s.cols, rb = (size_t)s.row_blocks;
+    need(s.partial, rb * cols * 8, (name + " partial").c_str());
+    if (partials) {
+      geometry(gx == rb * ((cols + 31) / 32), "the grid is not row_blocks x 32-column chunks");
+      lds(TM_BWD_PARTIALS_SMEM);
+      if (s.rows > 0) need(s.a, ((size_t)(s.rows - 1) * s.ld + cols) * 4, "backward_column_partials matrix");
+    } else {
+      geometry((size_t)gx * TM_BWD_THREADS >= cols, "the grid does not cover every column");
+      lds(0);
+      need(s.out, cols * 4, "backward_column_finish output");
+    }
+    if (!violation.empty()) return status();
+    if (partials)
+      emu::launch(gx, TM_BWD_THREADS, [&] { backward_column_partials(s); }, after);
+    else
+      emu::launch(gx, TM_BWD_THREADS, [&] { backward_column_finish(s); }, after);
+    return finish();
+  }
+  const TmBackwardParams p = *(const TmBackwardParams*)args[0];
+  if (p.rows < 1 || p.n2 < 1 || p.rows % p.n2 != 0 || p.c < 1 || p.h < 1 || (p.af3 != 0 && p.af3 != 1) ||
+      p.f != 4 * p.h + (p.af3 ? p.c : p.h))
+    fail(name + ": bad sizes");
+  if (!violation.empty()) return status();
+  const size_t M = (size_t)p.rows, C = (size_t)p.c, H = (size_t)p.h, F = (size_t)p.f;
+  const size_t tiles = (M + TM_BWD_TILE - 1) / TM_BWD_TILE;
+  auto mask_and_bias = [&] {
+    if (p.mask) need(p.mask, M * 4, (name + " mask").c_str());
+    if (p.proj_bias) need(p.proj_bias, F * 4, (name + " input bias").c_str());
+  };
+  // The LayerNorm backward kernels loop over positions with `blocks` blocks, each writing one
+  // row of 2W doubles of partial sums.
+  auto looping = [&](size_t w) {
+    geometry(p.blocks >= 1 && (unsigned)p.blocks == gx, "blocks is not the grid size");
+    need(p.partial, gx * 2 * w * 8, (name + " partial").c_str());
+  };
+  if (name == "backward_input_norm") {
+    geometry(gx == (M + TM_BWD_ROWS_PER_BLOCK - 1) / TM_BWD_ROWS_PER_BLOCK, "the grid is not one warp per position");
+    lds(0);
+    need(p.x, M * C * 4, "backward_input_norm x");
+    need(p.z, M * C * 4, "backward_input_norm z");
+    need(p.stats_x, M * 2 * 4, "backward_input_norm stats");
+    need(p.norm_in_w, C * 4, "LN_C weight");
+    need(p.norm_in_b, C * 4, "LN_C bias");
+  } else if (name == "backward_gating" || name == "backward_gating_grad") {
+    geometry(gx == tiles, "the grid is not one block per tile");
+    lds(TM_BWD_GATING_SMEM);
+    mask_and_bias();
+    need(p.p, M * F * 4, (name + " P").c_str());
+    need(p.left, M * H * 4, (name + " left").c_str());
+    need(p.right, M * H * 4, (name + " right").c_str());
+    if (name == "backward_gating_grad") need(p.dcat, M * F * 4, "backward_gating_grad dcat");
+  } else if (name == "backward_output_norm") {
+    geometry(gx == tiles, "the grid is not one block per tile");
+    lds(TM_BWD_T_SMEM(H));
+    need(p.t, M * H * 4, "backward_output_norm t");
+    need(p.u, M * H * 4, "backward_output_norm u");
+    need(p.stats_t, M * 2 * 4, "backward_output_norm stats");
+    need(p.norm_out_w, H * 4, "LN_H weight");
+    need(p.norm_out_b, H * 4, "LN_H bias");
+    if (!p.af3) {
+      mask_and_bias();
+      need(p.p, M * F * 4, "backward_output_norm P");
+      need(p.e, M * H * 4, "backward_output_norm v");
+    }
+  } else if (name == "backward_output_gate") {
+    const size_t W = p.af3 ? C : H;
+    geometry((size_t)gx * TM_BWD_THREADS >= M * W, "the grid does not cover every element");
+    lds(0);
+    mask_and_bias();
+    need(p.p, M * F * 4, "backward_output_gate P");
+    need(p.dcat, M * F * 4, "backward_output_gate dcat");
+    if (p.af3) {
+      need(p.dy, M * C * 4, "backward_output_gate dy");
+      need(p.e, M * C * 4, "backward_output_gate s");
+      if (p.out_bias) need(p.out_bias, C * 4, "backward_output_gate output bias");
+    } else {
+      need(p.du, M * H * 4, "backward_output_gate dv");
+      need(p.u, M * H * 4, "backward_output_gate u");
+    }
+  } else if (name == "backward_output_norm_grad") {
+    lds(TM_BWD_T_ACC_SMEM(H));
+    looping(H);
+    need(p.t, M * H * 4, "backward_output_norm_grad t");
+    need(p.du, M * H * 4, "backward_output_norm_grad du");
+    need(p.stats_t, M * 2 * 4, "backward_output_norm_grad stats");
+    need(p.norm_out_w, H * 4, "LN_H weight");
+  } else if (name == "backward_input_norm_grad") {
+    lds(TM_BWD_ACC_SMEM(C));
+    looping(C);
+    need(p.x, M * C * 4, "backward_input_norm_grad x");
+    need(p.dz, M * C * 4, "backward_input_norm_grad dz");
+    need(p.dx, M * C * 4, "backward_input_norm_grad dx");
+    need(p.stats_x, M * 2 * 4, "backward_input_norm_grad stats");
+    need(p.norm_in_w, C * 4, "LN_C weight");
+  } else {
+    fail("launch of unknown kernel " + name);
+    return kFail;
+  }
+  if (!violation.empty()) return status();
+  if (name == "backward_input_norm")
+    emu::launch(gx, TM_BWD_THREADS, [&] { backward_input_norm(p); }, after);
+  else if (name == "backward_gating")
+    emu::launch(gx, TM_BWD_THREADS, [&] { backward_gating(p); }, after);
+  else if (name == "backward_output_norm")
+    emu::launch(gx, TM_BWD_THREADS, [&] { backward_output_norm(p); }, after);
+  else if (name == "backward_output_gate")
+    emu::launch(gx, TM_BWD_THREADS, [&] { backward_output_gate(p); }, after);
+  else if (name == "backward_output_norm_grad")
+    emu::launch(gx, TM_BWD_THREADS, [&] { backward_output_norm_grad(p); }, after);
+  else if (name == "backward_gating_grad")
+    emu::launch(gx, TM_BWD_THREADS, [&] { backward_gating_grad(p); }, after);
+  else
+    emu::launch(gx, TM_BWD_THREADS, [&] { backward_input_norm_grad(p); }, after);
+  return finish();
 }
 }  // namespace
 
@@ -317,6 +472,7 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     check_guards(name.c_str());
     return status();
   }
+  if (name.rfind("backward_", 0) == 0) return launch_backward(name, gx, smem, args);
   // The input stage's kernels take TmInputParams, the output stage's TmOutputParams; both begin
   // with the common TmParams.
   const bool input = name == "input_norm" || name == "input_gating";

@@ -405,8 +405,9 @@ fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
     }
 }
 
-/// The ten backward kernels of `common/backward.h` (which the HIP backend compiles but does not
-/// launch yet) on wave64, one at a time against f64 (`tests/hip_emu/backward.cpp`): the
+/// The ten backward kernels of `common/backward.h` (which the HIP backward launches,
+/// `backward.rs`; end to end on the fake ROCm in `tests/hip_fake_rocm.rs`) on wave64, one at a
+/// time against f64 (`tests/hip_emu/backward.cpp`): the
 /// LayerNorms forward and backward with their column sums, the gating and its backward, the
 /// output gate's backward in both formulations, the two-pass column sums and the widening. The
 /// LayerNorm backward kernels' 32-lane groups run different numbers of positions (the

@@ -32,9 +32,13 @@
 //! [`Backend::download_words`].
 //!
 //! `unsafe` lives in `sys` (loading), `result` (calls) and the enqueue/launch/GEMM helpers of
-//! this file, each with its justification.
+//! this file and `backward.rs`, each with its justification.
+//!
+//! The backward pass (issue 28) is `backward.rs`: the CUDA backward's steps with the same kernels
+//! and rocBLAS f32 GEMMs, so far run only on the fake ROCm.
 
 pub(crate) mod arch;
+mod backward;
 pub(crate) mod blas;
 pub(crate) mod kernels;
 pub(crate) mod result;
@@ -65,8 +69,9 @@ use super::{
     check_device_forward, check_prepared_for, check_same_weights, device_operands, Backend, Ceilings, DeviceInfo,
     MemoryInfo,
 };
-use crate::device_io::{DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
+use crate::device_io::{BackwardIo, DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
+use crate::gradients::Gradients;
 use crate::plan::ExecPlan;
 use crate::plan::{Blas, Buffer, Capabilities, InputStage, Plan};
 use crate::problem::{Config, Formulation, Precision, Problem};
@@ -100,6 +105,11 @@ struct Context {
     kernels: Kernels,
     /// The MFMA output kernel, loaded when a layer first selects it.
     mfma: Mutex<Option<Arc<Kernel>>>,
+    /// The ten backward kernels, loaded on the first backward.
+    backward: Mutex<Option<Arc<backward::BackwardKernels>>>,
+    /// The block the last backward's intermediates lived in, kept for the next backward of the
+    /// same sizes (`Backend::free_backward_buffers` drops it).
+    backward_block: Mutex<Option<(backward::BackwardSizes, DeviceMem)>>,
     stream: Stream,
     api: &'static sys::HipApi,
     tracker: Arc<AllocTracker>,
@@ -151,6 +161,9 @@ pub struct HipPrepared {
     norm_in_b: DeviceMem,
     norm_out_w: DeviceMem,
     norm_out_b: DeviceMem,
+    /// Which linear layers have a bias: the five input ones, then the output projection (the
+    /// backward returns gradients for those only).
+    biases: [bool; 6],
     output: HipKernelOutput,
     mfma: Option<Arc<Kernel>>,
 }
@@ -331,6 +344,8 @@ impl HipBackend {
                 blas: Mutex::new(blas),
                 kernels,
                 mfma: Mutex::new(None),
+                backward: Mutex::new(None),
+                backward_block: Mutex::new(None),
                 stream,
                 api,
                 tracker: Arc::new(AllocTracker::default()),
@@ -531,6 +546,10 @@ impl HipBackend {
             norm_in_b: view(layout.norms[1], c * 4),
             norm_out_w: view(layout.norms[2], h * 4),
             norm_out_b: view(layout.norms[3], h * 4),
+            biases: {
+                let [a, b, c, d, e] = w.input_linears().map(|l| l.bias.is_some());
+                [a, b, c, d, e, w.out_proj.bias.is_some()]
+            },
             output,
             mfma,
         })
@@ -984,6 +1003,7 @@ impl Backend for HipBackend {
             norm_in_b: self.upload_f32(&w.norm_in.bias)?,
             norm_out_w: self.upload_f32(&w.norm_out.weight)?,
             norm_out_b: self.upload_f32(&w.norm_out.bias)?,
+            biases: w.linears().map(|(_, l)| l.bias.is_some()),
             output,
             mfma,
         })
@@ -1147,6 +1167,78 @@ impl Backend for HipBackend {
         // SAFETY: `d` and the span carry the contract of the I/O's constructor (see
         // `device_operands`); the workspace's buffers are its own or views into that span.
         unsafe { self.enqueue(prepared, workspace, problem, d.x(), d.mask(), d.y(), stream) }
+    }
+
+    fn backward(&self, prepared: &HipPrepared, problem: &Problem, io: BackwardIo<'_>) -> Result<Gradients> {
+        check_prepared_for(&prepared.config, problem)?;
+        let BackwardIo { x, mask, dy } = io;
+        super::check_backward_io(problem, x.len(), mask.map(<[f32]>::len), dy.len(), None)?;
+        self.check_backward_fits(problem)?;
+        self.bind()?;
+        let up = |v: &[f32]| -> Result<HipBuffer> { Ok(HipBuffer { mem: self.upload_f32(v)?, len: v.len() }) };
+        let (xd, dyd) = (up(x)?, up(dy)?);
+        let maskd = mask.map(up).transpose()?;
+        let mut dx = self.alloc(x.len())?;
+        let mut g = self.backward_buffers(prepared, problem, &xd, maskd.as_ref(), &dyd, &mut dx)?;
+        g.x = vec![0f32; x.len()];
+        self.download(&dx, &mut g.x)?;
+        Ok(g)
+    }
+
+    fn backward_buffers(
+        &self,
+        prepared: &HipPrepared,
+        problem: &Problem,
+        x: &HipBuffer,
+        mask: Option<&HipBuffer>,
+        dy: &HipBuffer,
+        dx: &mut HipBuffer,
+    ) -> Result<Gradients> {
+        check_prepared_for(&prepared.config, problem)?;
+        super::check_backward_io(problem, x.len, mask.map(|m| m.len), dy.len, Some(dx.len))?;
+        let io = (x.mem.addr(), mask.map_or(0, |m| m.mem.addr()), dy.mem.addr(), dx.mem.addr());
+        // SAFETY: the buffers are this backend's allocations of the lengths checked above,
+        // borrowed until this call returns, which waits for the work; `dx` is borrowed mutably,
+        // so it aliases none of the others. The backend's own stream: its buffers were written
+        // there.
+        unsafe { self.backward_device(prepared, problem, io, self.stream() as u64, None) }
+    }
+
+    unsafe fn backward_device(
+        &self,
+        prepared: &HipPrepared,
+        problem: &Problem,
+        (x, mask, dy, dx): (u64, u64, u64, u64),
+        stream: u64,
+        workspace: Option<DeviceSpan>,
+    ) -> Result<Gradients> {
+        check_prepared_for(&prepared.config, problem)?;
+        problem.validate()?;
+        super::check_backward_mask(problem, mask != 0)?;
+        for (name, ptr) in [("x", x), ("dy", dy), ("dx", dx)] {
+            if ptr == 0 || ptr % 16 != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} must be a non-null, 16-byte aligned device pointer (got {ptr:#x})"
+                )));
+            }
+        }
+        if mask % 4 != 0 {
+            return Err(Error::InvalidArgument(format!("the mask must be 4-byte aligned (got {mask:#x})")));
+        }
+        self.check_backward_fits(problem)?;
+        self.bind()?;
+        // SAFETY: forwarded from this method's contract; 0 is the null stream, as in a forward on
+        // caller memory.
+        unsafe { self.backward_on_device(prepared, problem, (x, mask, dy, dx), stream as sys::hipStream_t, workspace) }
+    }
+
+    fn backward_workspace_bytes(&self, prepared: &HipPrepared, problem: &Problem) -> Result<u64> {
+        check_prepared_for(&prepared.config, problem)?;
+        self.backward_span_bytes(problem)
+    }
+
+    fn free_backward_buffers(&self) {
+        self.drop_backward_buffers();
     }
 
     fn buffer_addr(buffer: &HipBuffer) -> Option<u64> {

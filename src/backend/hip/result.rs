@@ -390,6 +390,15 @@ impl Stream {
     }
 }
 
+/// Waits for the work queued on `stream` (a raw handle: the caller's, ours, or 0).
+///
+/// # Safety
+/// `stream` must be a live stream of the current device, or 0 (the null stream).
+pub unsafe fn stream_synchronize(api: &HipApi, stream: sys::hipStream_t) -> Result<()> {
+    // SAFETY: the caller's promise.
+    check(api, unsafe { (api.hipStreamSynchronize)(stream) }, "hipStreamSynchronize")
+}
+
 impl Drop for Stream {
     fn drop(&mut self) {
         // SAFETY: we own the stream; pending work completes before the runtime releases it.
