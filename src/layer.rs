@@ -455,8 +455,8 @@ impl<B: Backend> Layer<B> {
     /// The gradients of a scalar loss `L` with respect to `x` and every weight and bias, given
     /// `dy = ∂L/∂y`, on host slices in f32 (`x`, `dy`: `[B,N,N,C]`; `mask`: `[B,N,N]`, the one
     /// the forward used). The forward's intermediates are recomputed from `x`; nothing the
-    /// caller passes is modified. The mask is data and gets no gradient. The CPU and CUDA backends
-    /// have a backward; the HIP backend returns [`crate::Error::Unsupported`] so far.
+    /// caller passes is modified. The mask is data and gets no gradient. Every backend has a
+    /// backward (HIP's has run only on the fake ROCm, `docs/amd.md`).
     pub fn backward(&mut self, x: &[f32], mask: Option<&[f32]>, dy: &[f32], shape: Shape) -> Result<Gradients> {
         let problem = self.problem(shape, mask.is_some())?;
         self.backend.backward(&self.prepared, &problem, BackwardIo { x, mask, dy })

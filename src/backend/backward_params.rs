@@ -3,10 +3,6 @@
 //! structs, their launch geometry and their shared-memory sizes, checked against the header by a
 //! test. Shared by the backends that run the backward.
 
-// Read by the CUDA backward; the HIP backend compiles the kernels (`hip/backward.hip`) but has
-// no backward steps yet, so in a HIP-only build only its tests use these.
-#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
-
 /// Threads per block of every backward kernel (`TM_BWD_THREADS`).
 pub(crate) const THREADS: u32 = 256;
 /// Positions per block of the warp-per-position kernels (`TM_BWD_ROWS_PER_BLOCK`), and warps
@@ -22,6 +18,65 @@ pub(crate) const PARTIALS_SMEM: u32 = 8 * 32 * 8;
 /// Most row blocks of a column sum's first pass (its partial sums: this × the widest matrix's
 /// columns, f64).
 pub(crate) const MAX_ROW_BLOCKS: usize = 1024;
+
+/// The weight gradients' offsets (in floats) into one device buffer, downloaded in one copy at
+/// the end. Each LayerNorm's weight and bias are adjacent: the LayerNorm backward kernels' sums
+/// land as one `[γ | β]` row.
+#[derive(Copy, Clone)]
+pub(crate) struct Outputs {
+    pub(crate) w_cat: usize,
+    pub(crate) b_cat: usize,
+    pub(crate) norm_in_w: usize,
+    pub(crate) norm_in_b: usize,
+    pub(crate) w_out: usize,
+    pub(crate) b_out: usize,
+    pub(crate) norm_out_w: usize,
+    pub(crate) norm_out_b: usize,
+    pub(crate) len: usize,
+}
+
+impl Outputs {
+    pub(crate) fn new(c: usize, h: usize, f: usize) -> Outputs {
+        let mut at = 0;
+        let mut next = |len: usize| {
+            let o = at;
+            at += len;
+            o
+        };
+        let o = Outputs {
+            w_cat: next(f * c),
+            b_cat: next(f),
+            norm_in_w: next(c),
+            norm_in_b: next(c),
+            w_out: next(c * h),
+            b_out: next(c),
+            norm_out_w: next(h),
+            norm_out_b: next(h),
+            len: 0,
+        };
+        Outputs { len: at, ..o }
+    }
+}
+
+/// Positions per chunk of a weight gradient's sum over all `M` positions: about
+/// [`WEIGHT_CHUNKS`] chunks, each one GEMM of a strided batch (a weight gradient is a small
+/// matrix, one or a few output tiles: one GEMM over all `M` would run on that many SMs or CUs),
+/// its f32 partial sums then added in f64.
+pub(crate) fn chunk_rows(m: usize) -> usize {
+    m.div_ceil(WEIGHT_CHUNKS).max(1)
+}
+
+/// Target chunks of a weight gradient's sum (about one per SM of an H100; not tuned for AMD GPUs).
+pub(crate) const WEIGHT_CHUNKS: usize = 128;
+
+/// What a kept backward block is sized for: B, N, C, H and F.
+pub(crate) type BackwardSizes = (usize, usize, usize, usize, usize);
+
+/// The sizes of `problem`'s backward block.
+pub(crate) fn backward_sizes(problem: &crate::problem::Problem) -> BackwardSizes {
+    let cfg = problem.config;
+    (problem.shape.batch, problem.shape.n, cfg.c, cfg.h, cfg.fused_proj_width())
+}
 
 /// Dynamic shared memory of `backward_input_norm_grad` (`TM_BWD_ACC_SMEM`): per-warp sums of
 /// `2w` columns.

@@ -100,9 +100,7 @@ impl GemmSpec {
     /// where `U` is stored `[m, k]` row-major with leading dimension `ldu`, or `[k, m]` when
     /// `u_t` (then `op(U) = Uᵀ`), and likewise `V` (`[k, n]`, or `[n, k]` when `v_t`), `D` with
     /// leading dimension `ldd`: the column-major `Dᵀ = op(V)ᵀ·op(U)ᵀ`, so A = V and B = U. The
-    /// backward's GEMMs are written this way (`cuda/backward.rs`).
-    // The CUDA backward's so far; the HIP backend has no backward yet.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// backward's GEMMs are written this way (`cuda/backward.rs`, `hip/backward.rs`).
     pub fn row_major(
         m: usize,
         n: usize,

@@ -18,7 +18,7 @@
 //! the backends) forwards to the compiled-in backends. Detection order is HIP, then CUDA, then
 //! CPU; [`BACKEND_ENV`] (`TRIMUL_BACKEND=cpu|cuda|hip`) overrides it.
 
-// The backward kernels' argument structs and geometry (CUDA's backward; HIP's to come).
+// The backward kernels' argument structs, geometry and buffer layout (CUDA's and HIP's backward).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod backward_params;
 #[cfg(any(feature = "cuda", feature = "rocm"))]

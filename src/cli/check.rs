@@ -147,11 +147,6 @@ pub fn run(args: &CheckArgs) -> CliResult {
             device.kind()
         )));
     }
-    if args.grad && device.kind() == BackendKind::Hip {
-        return Err(CliError::usage(
-            "--grad: the backward pass runs on the CPU and CUDA backends so far, not on hip (use --backend cpu)",
-        ));
-    }
     let formulation = Formulation::from(args.formulation);
     let direction = Direction::from(args.direction);
     let (suite_name, mut cases) = match args.suite {

@@ -39,13 +39,13 @@
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use super::blas::MatmulPlan;
-use super::context::{ceil_div, BackwardSizes, CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
+use super::context::{ceil_div, CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
 use super::driver::DeviceBuffer;
 use super::kernels::Stage;
 use super::workspace::CudaPrepared;
 use crate::backend::backward_params::{
-    acc_smem, output_norm_grad_smem, BackwardParams, ColumnSums, Widen, GATING_SMEM, MAX_ROW_BLOCKS, PARTIALS_SMEM,
-    ROWS_PER_BLOCK, THREADS, TILE, WARPS,
+    acc_smem, backward_sizes, chunk_rows, output_norm_grad_smem, BackwardParams, ColumnSums, Outputs, Widen,
+    GATING_SMEM, MAX_ROW_BLOCKS, PARTIALS_SMEM, ROWS_PER_BLOCK, THREADS, TILE, WARPS,
 };
 use crate::backend::gemm::GemmSpec;
 use crate::device_io::{DeviceSpan, SPAN_ALIGN};
@@ -53,62 +53,6 @@ use crate::error::{Error, Result};
 use crate::gradients::Gradients;
 use crate::problem::{Direction, Formulation, Problem};
 use crate::weights::{Linear, Norm};
-
-/// The sums and products that make the weight gradients, as offsets (in floats) into one device
-/// buffer, downloaded in one copy at the end. Each LayerNorm's weight and bias are adjacent: the
-/// LayerNorm backward kernels' sums land as one `[γ | β]` row.
-#[derive(Copy, Clone)]
-struct Outputs {
-    w_cat: usize,
-    b_cat: usize,
-    norm_in_w: usize,
-    norm_in_b: usize,
-    w_out: usize,
-    b_out: usize,
-    norm_out_w: usize,
-    norm_out_b: usize,
-    len: usize,
-}
-
-impl Outputs {
-    fn new(c: usize, h: usize, f: usize) -> Outputs {
-        let mut at = 0;
-        let mut next = |len: usize| {
-            let o = at;
-            at += len;
-            o
-        };
-        let o = Outputs {
-            w_cat: next(f * c),
-            b_cat: next(f),
-            norm_in_w: next(c),
-            norm_in_b: next(c),
-            w_out: next(c * h),
-            b_out: next(c),
-            norm_out_w: next(h),
-            norm_out_b: next(h),
-            len: 0,
-        };
-        Outputs { len: at, ..o }
-    }
-}
-
-/// Positions per chunk of a weight gradient's sum over all `M` positions: about
-/// [`WEIGHT_CHUNKS`] chunks, each one GEMM of a strided batch (a weight gradient is a small
-/// matrix, one or a few output tiles: one GEMM over all `M` would run on that many SMs), its f32
-/// partial sums then added in f64.
-fn chunk_rows(m: usize) -> usize {
-    m.div_ceil(WEIGHT_CHUNKS).max(1)
-}
-
-/// Target chunks of a weight gradient's sum (about one per SM of an H100).
-const WEIGHT_CHUNKS: usize = 128;
-
-/// What a kept backward block is sized for.
-fn key(problem: &Problem) -> BackwardSizes {
-    let cfg = problem.config;
-    (problem.shape.batch, problem.shape.n, cfg.c, cfg.h, cfg.fused_proj_width())
-}
 
 /// One backward's device tensors (module docs: what each holds): views into one block, the
 /// caller's workspace span or the one the backend keeps for the next backward of the same sizes.
@@ -540,12 +484,12 @@ impl CudaBackend {
                         Error::Internal("a backward panicked while holding the backward buffers".into())
                     })?;
                 let block = match kept.take() {
-                    Some((k, block)) if k == key(problem) => block,
+                    Some((k, block)) if k == backward_sizes(problem) => block,
                     // Other sizes: that block is freed first, so that it does not count against the new.
                     _ => self.alloc_buffer::<u8>(bytes as usize)?,
                 };
                 let sums = run(&mut carve(DeviceSpan { ptr: block.ptr(), bytes })?);
-                *kept = Some((key(problem), block));
+                *kept = Some((backward_sizes(problem), block));
                 sums?
             }
         };

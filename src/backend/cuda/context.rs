@@ -12,6 +12,7 @@ use super::blas::BlasHandle;
 use super::driver::{AllocTracker, DeviceBuffer, Timeline};
 use super::kernels::Kernels;
 use super::tuning::{Tuning, TuningTable};
+use crate::backend::backward_params::BackwardSizes;
 use crate::backend::DeviceInfo;
 
 /// Largest cuBLASLt workspace a GEMM may borrow.
@@ -62,8 +63,6 @@ impl OutputGate {
 }
 
 /// What a kept backward block was sized for: batch, N, C, H, F.
-pub(super) type BackwardSizes = (usize, usize, usize, usize, usize);
-
 pub(super) struct Inner {
     pub(super) ctx: Arc<CudaContext>,
     pub(super) stream: Arc<CudaStream>,

@@ -39,8 +39,8 @@ use super::kernels::{self, KernelImage, LDS_BYTES};
 use super::result::{self, BlasHandle, DeviceMem, Kernel};
 use super::{geometry, poisoned, sys, HipBackend, HipPrepared, POISON_BYTE};
 use crate::backend::backward_params::{
-    acc_smem, output_norm_grad_smem, BackwardParams, ColumnSums, Widen, GATING_SMEM, MAX_ROW_BLOCKS, PARTIALS_SMEM,
-    ROWS_PER_BLOCK, THREADS, TILE, WARPS,
+    acc_smem, backward_sizes, chunk_rows, output_norm_grad_smem, BackwardParams, ColumnSums, Outputs, Widen,
+    GATING_SMEM, MAX_ROW_BLOCKS, PARTIALS_SMEM, ROWS_PER_BLOCK, THREADS, TILE, WARPS,
 };
 use crate::backend::gemm::GemmSpec;
 use crate::device_io::{DeviceSpan, SPAN_ALIGN};
@@ -53,8 +53,6 @@ use crate::weights::{Linear, Norm};
 const STAGE: &str = "backward";
 
 /// What a kept backward block is sized for: B, N, C, H, F.
-pub(super) type BackwardSizes = (usize, usize, usize, usize, usize);
-
 /// The ten backward kernels, loaded for one device.
 pub(super) struct BackwardKernels {
     input_norm: Kernel,
@@ -109,59 +107,6 @@ impl BackwardKernels {
             widen: get("backward_widen")?,
         })
     }
-}
-
-/// The weight gradients' offsets (in floats) into one device buffer, downloaded in one copy at
-/// the end; each LayerNorm's weight and bias adjacent (the LayerNorm backward kernels' sums land
-/// as one `[γ | β]` row). The CUDA backward's layout, written again here (that file is CUDA's).
-#[derive(Copy, Clone)]
-struct Outputs {
-    w_cat: usize,
-    b_cat: usize,
-    norm_in_w: usize,
-    norm_in_b: usize,
-    w_out: usize,
-    b_out: usize,
-    norm_out_w: usize,
-    norm_out_b: usize,
-    len: usize,
-}
-
-impl Outputs {
-    fn new(c: usize, h: usize, f: usize) -> Outputs {
-        let mut at = 0;
-        let mut next = |len: usize| {
-            let o = at;
-            at += len;
-            o
-        };
-        let o = Outputs {
-            w_cat: next(f * c),
-            b_cat: next(f),
-            norm_in_w: next(c),
-            norm_in_b: next(c),
-            w_out: next(c * h),
-            b_out: next(c),
-            norm_out_w: next(h),
-            norm_out_b: next(h),
-            len: 0,
-        };
-        Outputs { len: at, ..o }
-    }
-}
-
-/// Target chunks of a weight gradient's sum over all `M` positions: each chunk one GEMM of a
-/// strided batch into its own f32 partial, the partials then added in f64 (as on CUDA, where
-/// 128 is about one chunk per SM; not tuned for AMD GPUs).
-const WEIGHT_CHUNKS: usize = 128;
-
-fn chunk_rows(m: usize) -> usize {
-    m.div_ceil(WEIGHT_CHUNKS).max(1)
-}
-
-fn key(problem: &Problem) -> BackwardSizes {
-    let cfg = problem.config;
-    (problem.shape.batch, problem.shape.n, cfg.c, cfg.h, cfg.fused_proj_width())
 }
 
 /// One backward's device tensors (`cuda/backward.rs`'s module docs say what each holds), as
@@ -590,12 +535,12 @@ impl HipBackend {
             None => {
                 let mut kept = self.ctx.backward_block.lock().map_err(poisoned)?;
                 let block = match kept.take() {
-                    Some((k, block)) if k == key(problem) => block,
+                    Some((k, block)) if k == backward_sizes(problem) => block,
                     // Other sizes: that block is freed first, so that it does not count against the new.
                     _ => self.alloc_mem(bytes as usize)?,
                 };
                 let sums = run(&carve(DeviceSpan { ptr: block.addr(), bytes })?);
-                *kept = Some((key(problem), block));
+                *kept = Some((backward_sizes(problem), block));
                 sums?
             }
         };

@@ -56,6 +56,7 @@ use std::sync::{Arc, Mutex};
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
 use self::kernels::KernelImage;
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
+use super::backward_params::BackwardSizes;
 use super::caller_workspace::{self, SpanCarver};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
 use super::gemm::GemmSpec;
@@ -109,7 +110,7 @@ struct Context {
     backward: Mutex<Option<Arc<backward::BackwardKernels>>>,
     /// The block the last backward's intermediates lived in, kept for the next backward of the
     /// same sizes (`Backend::free_backward_buffers` drops it).
-    backward_block: Mutex<Option<(backward::BackwardSizes, DeviceMem)>>,
+    backward_block: Mutex<Option<(BackwardSizes, DeviceMem)>>,
     stream: Stream,
     api: &'static sys::HipApi,
     tracker: Arc<AllocTracker>,
