@@ -28,7 +28,6 @@ impl BackendKind {
     /// Every backend, in detection order (HIP, CUDA, CPU).
     pub const ALL: [BackendKind; 3] = [BackendKind::Hip, BackendKind::Cuda, BackendKind::Cpu];
 
-    /// The lowercase name (`cpu`, `cuda`, `hip`), as `TRIMUL_BACKEND` and `--backend` take it.
     /// The cargo feature that compiles this backend in (CPU is always built).
     pub fn feature(self) -> Option<&'static str> {
         match self {

@@ -165,8 +165,7 @@ impl<B: Backend> Layer<B> {
     }
 
     /// [`Layer::device_workspace_bytes`] within `limit` bytes as well (the caller's free memory,
-    /// say), used when the workspace is planned, i.e. when this shape differs from the last one
-    /// planned. Where the one-pass workspace does not fit, the CUDA backend plans hidden passes
+    /// say): the kept plan when it is this shape's and fits `limit`, else a new one. Where the one-pass workspace does not fit, the CUDA backend plans hidden passes
     /// and row chunks in the caller's memory, as [`Layer::forward`] does in its own (fused input
     /// kernel only; otherwise, and on HIP, the one-pass plan's out-of-memory error).
     pub fn device_workspace_bytes_within(
@@ -185,7 +184,9 @@ impl<B: Backend> Layer<B> {
         problem: &Problem,
         limit: Option<u64>,
     ) -> Result<(&B, &B::Prepared, &mut B::Workspace, u64)> {
-        let fits = matches!(&self.caller_ws, Some((ws, _)) if self.backend.workspace_fits(ws, problem));
+        // The kept plan serves this problem if it was made for it and fits the limit, if any.
+        let fits = matches!(&self.caller_ws, Some((ws, bytes))
+            if self.backend.workspace_fits(ws, problem) && limit.is_none_or(|l| *bytes <= l));
         if !fits {
             self.caller_ws = None;
             let limit = match (self.budget, limit) {
@@ -215,7 +216,9 @@ impl<B: Backend> Layer<B> {
         let fio = unsafe { ForwardIo::device(io) };
         match io.workspace {
             Some(span) => {
-                let (backend, prepared, ws, bytes) = self.caller_parts(&problem, None)?;
+                // A plan made again here (the kept one is another shape's) must fit the span the
+                // caller sized from an earlier plan of this shape, which may have been chunked.
+                let (backend, prepared, ws, bytes) = self.caller_parts(&problem, Some(span.bytes))?;
                 span.check("the workspace", bytes)?;
                 backend.forward(prepared, ws, &problem, fio)
             }

@@ -361,6 +361,18 @@ fn caller_workspace_within_a_tight_limit_is_chunked() {
         assert!(worst <= 2e-2, "{f} {dir}: chunked y differs from one pass by {worst:e} (relative)");
         let (_, again) = device_forward(&b, &mut chunked, &x, mask, case.shape(), io, &ws_b);
         assert!(again == bits, "{f} {dir}: moving the chunked workspace changed y");
+        // Another shape in between, then this one again in the span its chunked plan was sized
+        // for: the layer plans it again within that span (a one-pass plan would not fit it).
+        let other = Case::new(64, 1, 128, true, Dist::Normal);
+        let oi = suite::generate_inputs(&other, s ^ 7);
+        let ox: Vec<f32> = oi.x.iter().map(|&v| io.round(v)).collect();
+        let ws_o =
+            b.alloc_buffer::<u8>(chunked.device_workspace_bytes(other.shape(), true, io).unwrap() as usize).unwrap();
+        let (oy, _) = device_forward(&b, &mut chunked, &ox, oi.mask.as_deref(), other.shape(), io, &ws_o);
+        let op = other.problem(f, dir).unwrap().with_io(io);
+        assert!(reference::check(&w, &op, &ox, oi.mask.as_deref(), &oy, TOL, TOL).unwrap().passed());
+        let (_, third) = device_forward(&b, &mut chunked, &x, mask, case.shape(), io, &ws_a);
+        assert!(third == bits, "{f} {dir}: the shape planned again in its span gave another y");
         let e = layer().device_workspace_bytes_within(case.shape(), true, io, Some(4096)).unwrap_err();
         assert!(matches!(e, trimul::Error::OutOfMemory { .. }), "{f} {dir}: {e}");
     }

@@ -554,3 +554,8 @@ def test_workspace_is_chunked_where_one_pass_does_not_fit(monkeypatch, direction
     for got in (y, whole):
         bad, r = compare(got, want)
         assert bad == 0 and r <= 1e-2, (bad, r)
+    # Another shape, then this one again: its workspace, sized for the chunked plan, still serves.
+    small = pair((1, n // 2, n // 2, c), salt=84, dtype=torch.bfloat16, device="cuda")
+    tmu(small, direction, None, **w)
+    again = tmu(x, direction, mask, **w)
+    assert torch.equal(again, y)

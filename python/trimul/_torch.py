@@ -299,7 +299,13 @@ def _cuda_forward_on(
             nbytes = e.ws_bytes[wkey] = -1
     if nbytes < 0:
         return _cuda_forward_on(x.float(), mask, originals, direction, eps, cache).to(x.dtype)
-    return _launch(e, x, mask, b, n, io, nbytes, stream)
+    try:
+        return _launch(e, x, mask, b, n, io, nbytes, stream)
+    except torch.OutOfMemoryError:
+        # The plan was made for memory the allocator could not give after all: plan again (within
+        # what is left then) on the next call rather than fail with this size every time.
+        e.ws_bytes.pop(wkey, None)
+        raise
 
 
 def _memory_for_workspace(device: torch.device, besides: int) -> Optional[int]:
@@ -310,9 +316,12 @@ def _memory_for_workspace(device: torch.device, besides: int) -> Optional[int]:
     the query is not made, and for memory PyTorch does not count (the fake devices of the tests)."""
     if device.type != "cuda" or _capturing():
         return None
-    free, _ = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
     unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(free + unused - besides, 0)
+    # The Rust API's margin (`trimul::plan::margin`): not every cached byte is usable for one
+    # block (partly used segments, graph pools), nor is the last of the driver's free memory.
+    margin = min(max(total // 50, 256 << 20), total // 4)
+    return max(free + unused - besides - margin, 0)
 
 
 def _launch(e: _Entry, x: Tensor, mask: Optional[Tensor], b: int, n: int, io: int, nbytes: int, stream: int) -> Tensor:

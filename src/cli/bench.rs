@@ -129,18 +129,12 @@ pub fn run(args: &BenchArgs) -> CliResult {
         probe: None,
         grad: args.grad,
     };
-    if plan.grad {
-        if kind == BackendKind::Hip {
-            return Err(CliError::usage(
-                "--grad: the backward pass runs on the CPU and CUDA backends so far, not on hip (use --backend cpu)",
-            ));
-        }
-        if plan.fresh_weights || plan.in_place || plan.budget.is_some() || plan.precision != Precision::F32Io {
-            return Err(CliError::usage(
-                "--grad cannot be combined with --fresh-weights, --in-place, --max-memory or 16-bit --precision \
-                 (the backward takes f32 x and dy so far)",
-            ));
-        }
+    if plan.grad && (plan.fresh_weights || plan.in_place || plan.budget.is_some() || plan.precision != Precision::F32Io)
+    {
+        return Err(CliError::usage(
+            "--grad cannot be combined with --fresh-weights, --in-place, --max-memory or 16-bit --precision \
+             (the backward takes f32 x and dy so far)",
+        ));
     }
     if plan.precision != Precision::F32Io {
         if kind != BackendKind::Cuda {

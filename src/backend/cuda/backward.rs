@@ -485,8 +485,12 @@ impl CudaBackend {
                     })?;
                 let block = match kept.take() {
                     Some((k, block)) if k == backward_sizes(problem) => block,
-                    // Other sizes: that block is freed first, so that it does not count against the new.
-                    _ => self.alloc_buffer::<u8>(bytes as usize)?,
+                    // Other sizes: that block is freed first, so that it does not count against the
+                    // new (the taken value would otherwise live to the end of this statement).
+                    other => {
+                        drop(other);
+                        self.alloc_buffer::<u8>(bytes as usize)?
+                    }
                 };
                 let sums = run(&mut carve(DeviceSpan { ptr: block.ptr(), bytes })?);
                 *kept = Some((backward_sizes(problem), block));

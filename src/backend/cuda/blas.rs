@@ -326,6 +326,16 @@ impl MatmulPlan {
                 self.workspace_bytes, workspace_len
             )));
         }
+        // A workspace planned for weights with an output bias, used with weights without one (or
+        // the reverse; device-prepared weights can change between calls), would read address 0
+        // or drop the bias: refused instead.
+        if self.bias != (bias != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "a workspace planned for weights {} an output bias was given weights {} one",
+                if self.bias { "with" } else { "without" },
+                if self.bias { "without" } else { "with" }
+            )));
+        }
         if self.bias {
             let p = bias as *const c_void;
             lt::set_matmul_desc_attribute(

@@ -23,7 +23,8 @@ impl CudaBackend {
     /// The workspace of a chunked plan of the fused input kernel, in `t` (`plan.t_bytes`) and
     /// `scratch` (`plan.scratch_bytes`): allocated here, or views of caller memory. It holds no
     /// copy of the weights (the kernels read the prepared ones), so it serves any weights of the
-    /// layer's shape.
+    /// layer's configuration with the same output-bias presence (its output GEMM plans refuse
+    /// the other).
     pub(super) fn chunked_workspace(
         &self,
         prepared: &CudaPrepared,

@@ -62,7 +62,6 @@ impl OutputGate {
     }
 }
 
-/// What a kept backward block was sized for: batch, N, C, H, F.
 pub(super) struct Inner {
     pub(super) ctx: Arc<CudaContext>,
     pub(super) stream: Arc<CudaStream>,

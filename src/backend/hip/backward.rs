@@ -52,7 +52,6 @@ use crate::weights::{Linear, Norm};
 /// The code object (or source) holding the ten kernels (`hip/backward.hip`).
 const STAGE: &str = "backward";
 
-/// What a kept backward block is sized for: B, N, C, H, F.
 /// The ten backward kernels, loaded for one device.
 pub(super) struct BackwardKernels {
     input_norm: Kernel,
@@ -536,8 +535,12 @@ impl HipBackend {
                 let mut kept = self.ctx.backward_block.lock().map_err(poisoned)?;
                 let block = match kept.take() {
                     Some((k, block)) if k == backward_sizes(problem) => block,
-                    // Other sizes: that block is freed first, so that it does not count against the new.
-                    _ => self.alloc_mem(bytes as usize)?,
+                    // Other sizes: that block is freed first, so that it does not count against the
+                    // new (the taken value would otherwise live to the end of this statement).
+                    other => {
+                        drop(other);
+                        self.alloc_mem(bytes as usize)?
+                    }
                 };
                 let sums = run(&carve(DeviceSpan { ptr: block.addr(), bytes })?);
                 *kept = Some((backward_sizes(problem), block));
