@@ -176,17 +176,20 @@ impl<B: Backend> Layer<B> {
         limit: Option<u64>,
     ) -> Result<u64> {
         let problem = self.problem(shape, masked)?.with_io(io);
-        Ok(self.caller_parts(&problem, limit)?.3)
+        Ok(self.caller_parts(&problem, limit, true)?.3)
     }
 
+    /// The caller-memory workspace for `problem`: the kept one when it was planned for this
+    /// problem (and, with `refit`, fits `limit`), else one planned now within `limit` and the
+    /// layer's budget.
     fn caller_parts(
         &mut self,
         problem: &Problem,
         limit: Option<u64>,
+        refit: bool,
     ) -> Result<(&B, &B::Prepared, &mut B::Workspace, u64)> {
-        // The kept plan serves this problem if it was made for it and fits the limit, if any.
         let fits = matches!(&self.caller_ws, Some((ws, bytes))
-            if self.backend.workspace_fits(ws, problem) && limit.is_none_or(|l| *bytes <= l));
+            if self.backend.workspace_fits(ws, problem) && !(refit && limit.is_some_and(|l| *bytes > l)));
         if !fits {
             self.caller_ws = None;
             let limit = match (self.budget, limit) {
@@ -217,8 +220,9 @@ impl<B: Backend> Layer<B> {
         match io.workspace {
             Some(span) => {
                 // A plan made again here (the kept one is another shape's) must fit the span the
-                // caller sized from an earlier plan of this shape, which may have been chunked.
-                let (backend, prepared, ws, bytes) = self.caller_parts(&problem, Some(span.bytes))?;
+                // caller sized from an earlier plan of this shape, which may have been chunked; a
+                // span smaller than this shape's kept plan is refused below, not re-planned.
+                let (backend, prepared, ws, bytes) = self.caller_parts(&problem, Some(span.bytes), false)?;
                 span.check("the workspace", bytes)?;
                 backend.forward(prepared, ws, &problem, fio)
             }
