@@ -3,6 +3,9 @@
 //! structs, their launch geometry and their shared-memory sizes, checked against the header by a
 //! test. Shared by the backends that run the backward.
 
+use crate::gradients::Gradients;
+use crate::weights::{Linear, Norm};
+
 /// Threads per block of every backward kernel (`TM_BWD_THREADS`).
 pub(crate) const THREADS: u32 = 256;
 /// Positions per block of the warp-per-position kernels (`TM_BWD_ROWS_PER_BLOCK`), and warps
@@ -55,6 +58,30 @@ impl Outputs {
             len: 0,
         };
         Outputs { len: at, ..o }
+    }
+
+    /// The weight gradients from the downloaded `sums` (laid out as `self` says), with a bias
+    /// gradient exactly where the layer has that bias (`biases`, in [`Gradients::linears`]'
+    /// order), and an empty `x`.
+    pub(crate) fn gradients(&self, sums: &[f32], biases: [bool; 6], c: usize, h: usize) -> Gradients {
+        // w_cat is `[F, C]`, b_cat follows it.
+        let f = (self.b_cat - self.w_cat) / c;
+        let seg = |at: usize, len: usize| sums[at..at + len].to_vec();
+        let fused = |i: usize, w0: usize, w1: usize| {
+            let bias = biases[i].then(|| seg(self.b_cat + w0, w1 - w0));
+            Linear::new(seg(self.w_cat + w0 * c, (w1 - w0) * c), bias, w1 - w0, c)
+        };
+        Gradients {
+            x: Vec::new(),
+            norm_in: Norm { weight: seg(self.norm_in_w, c), bias: seg(self.norm_in_b, c) },
+            left_proj: fused(0, 0, h),
+            left_gate: fused(1, h, 2 * h),
+            right_proj: fused(2, 2 * h, 3 * h),
+            right_gate: fused(3, 3 * h, 4 * h),
+            out_gate: fused(4, 4 * h, f),
+            norm_out: Norm { weight: seg(self.norm_out_w, h), bias: seg(self.norm_out_b, h) },
+            out_proj: Linear::new(seg(self.w_out, c * h), biases[5].then(|| seg(self.b_out, c)), c, h),
+        }
     }
 }
 

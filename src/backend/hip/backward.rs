@@ -47,7 +47,6 @@ use crate::device_io::{DeviceSpan, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
 use crate::problem::{Direction, Formulation, Problem};
-use crate::weights::{Linear, Norm};
 
 /// The code object (or source) holding the ten kernels (`hip/backward.hip`).
 const STAGE: &str = "backward";
@@ -547,21 +546,6 @@ impl HipBackend {
                 sums?
             }
         };
-        let seg = |at: usize, len: usize| sums[at..at + len].to_vec();
-        let fused = |i: usize, w0: usize, w1: usize| {
-            let bias = prep.biases[i].then(|| seg(out.b_cat + w0, w1 - w0));
-            Linear::new(seg(out.w_cat + w0 * c, (w1 - w0) * c), bias, w1 - w0, c)
-        };
-        Ok(Gradients {
-            x: Vec::new(),
-            norm_in: Norm { weight: seg(out.norm_in_w, c), bias: seg(out.norm_in_b, c) },
-            left_proj: fused(0, 0, h),
-            left_gate: fused(1, h, 2 * h),
-            right_proj: fused(2, 2 * h, 3 * h),
-            right_gate: fused(3, 3 * h, 4 * h),
-            out_gate: fused(4, 4 * h, f),
-            norm_out: Norm { weight: seg(out.norm_out_w, h), bias: seg(out.norm_out_b, h) },
-            out_proj: Linear::new(seg(out.w_out, c * h), prep.biases[5].then(|| seg(out.b_out, c)), c, h),
-        })
+        Ok(out.gradients(&sums, prep.biases, c, h))
     }
 }
