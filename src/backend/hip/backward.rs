@@ -35,9 +35,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::blas::{DataType, RocblasGemm};
-use super::kernels::{self, KernelImage, LDS_BYTES};
+use super::context::{geometry, poisoned, BackwardKernels, HipBackend, HipPrepared, POISON_BYTE};
+use super::kernels::LDS_BYTES;
 use super::result::{self, BlasHandle, DeviceMem, Kernel};
-use super::{geometry, poisoned, sys, HipBackend, HipPrepared, POISON_BYTE};
+use super::sys;
 use crate::backend::backward_params::{
     acc_smem, backward_sizes, chunk_rows, output_norm_grad_smem, BackwardParams, ColumnSums, Outputs, Widen,
     GATING_SMEM, MAX_ROW_BLOCKS, PARTIALS_SMEM, ROWS_PER_BLOCK, THREADS, TILE, WARPS,
@@ -47,65 +48,6 @@ use crate::device_io::{DeviceSpan, SPAN_ALIGN};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
 use crate::problem::{Direction, Formulation, Problem};
-
-/// The code object (or source) holding the ten kernels (`hip/backward.hip`).
-const STAGE: &str = "backward";
-
-/// The ten backward kernels, loaded for one device.
-pub(super) struct BackwardKernels {
-    input_norm: Kernel,
-    gating: Kernel,
-    output_norm: Kernel,
-    output_gate: Kernel,
-    output_norm_grad: Kernel,
-    gating_grad: Kernel,
-    input_norm_grad: Kernel,
-    column_partials: Kernel,
-    column_finish: Kernel,
-    widen: Kernel,
-}
-
-impl BackwardKernels {
-    /// Loads the ten kernels from the `backward` stage's code object for `target_id`, or from
-    /// its source compiled once with hipRTC (archs without a prebuilt object, or `force_rtc`).
-    /// Unlike the forward's stages, a prebuilt object the runtime rejects is an error here, not
-    /// a retry with hipRTC.
-    fn load(api: &'static sys::HipApi, target_id: &str, force_rtc: bool) -> Result<BackwardKernels> {
-        if force_rtc {
-            sys::hiprtc()?;
-        }
-        let arch = super::arch::normalize_arch(target_id).unwrap_or_default();
-        let prebuilt = kernels::HIP_STAGES
-            .iter()
-            .find(|s| s.name == STAGE)
-            .is_some_and(|s| s.code_objects.iter().any(|(a, _)| *a == arch));
-        let avail = if force_rtc || !prebuilt {
-            sys::hiprtc().map(|_| ()).map_err(|e| e.to_string())
-        } else {
-            Err("not needed".to_string())
-        };
-        let code: std::borrow::Cow<'static, [u8]> =
-            match kernels::select(kernels::HIP_STAGES, STAGE, target_id, avail, force_rtc)? {
-                KernelImage::Prebuilt { code, .. } => code.into(),
-                KernelImage::Compile { source, options, .. } => {
-                    result::rtc_compile(sys::hiprtc()?, source, STAGE, &options)?.into()
-                }
-            };
-        let get = |name: &str| Kernel::load(api, &code, name);
-        Ok(BackwardKernels {
-            input_norm: get("backward_input_norm")?,
-            gating: get("backward_gating")?,
-            output_norm: get("backward_output_norm")?,
-            output_gate: get("backward_output_gate")?,
-            output_norm_grad: get("backward_output_norm_grad")?,
-            gating_grad: get("backward_gating_grad")?,
-            input_norm_grad: get("backward_input_norm_grad")?,
-            column_partials: get("backward_column_partials")?,
-            column_finish: get("backward_column_finish")?,
-            widen: get("backward_widen")?,
-        })
-    }
-}
 
 /// One backward's device tensors (`cuda/backward.rs`'s module docs say what each holds), as
 /// addresses into one block; `all` lists every one with its bytes, for poisoning.

@@ -40,6 +40,7 @@
 pub(crate) mod arch;
 mod backward;
 pub(crate) mod blas;
+mod context;
 pub(crate) mod kernels;
 pub(crate) mod result;
 pub(crate) mod sys;
@@ -47,7 +48,10 @@ pub(crate) mod sys;
 #[cfg(test)]
 mod host_tests;
 
+pub use self::context::{HipBackend, HipPrepared};
 pub use self::kernels::HipKernelOutput;
+
+use self::context::{geometry, poisoned, Context, Kernels, POISON_BYTE};
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -56,7 +60,6 @@ use std::sync::{Arc, Mutex};
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
 use self::kernels::KernelImage;
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
-use super::backward_params::BackwardSizes;
 use super::caller_workspace::{self, SpanCarver};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
 use super::gemm::GemmSpec;
@@ -82,92 +85,8 @@ use crate::weights::Weights;
 /// is issue 31's).
 const ROCM_CAPS: Capabilities = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
 
-/// Byte that makes every f16 and f32 element a NaN: poisons buffers in checks.
-const POISON_BYTE: u8 = 0xFF;
 /// Grid-stride blocks of `output_gate` (enough to fill an MI300X's 304 CUs many times over).
 const OUTPUT_GATE_MAX_GRID: usize = 65_535;
-
-/// A HIP device with its stream, rocBLAS handle and loaded kernels. Cheap to clone (shared).
-#[derive(Clone)]
-pub struct HipBackend {
-    ctx: Arc<Context>,
-}
-
-impl std::fmt::Debug for HipBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HipBackend({} {}, device {})", self.ctx.info.name, self.ctx.target_id, self.ctx.ordinal)
-    }
-}
-
-struct Context {
-    // Drop order is field order: the rocBLAS handle and the modules go before the stream.
-    /// rocBLAS handles are not thread-safe; the lock is held for a whole forward.
-    blas: Mutex<BlasHandle>,
-    kernels: Kernels,
-    /// The MFMA output kernel, loaded when a layer first selects it.
-    mfma: Mutex<Option<Arc<Kernel>>>,
-    /// The ten backward kernels, loaded on the first backward.
-    backward: Mutex<Option<Arc<backward::BackwardKernels>>>,
-    /// The block the last backward's intermediates lived in, kept for the next backward of the
-    /// same sizes (`Backend::free_backward_buffers` drops it).
-    backward_block: Mutex<Option<(BackwardSizes, DeviceMem)>>,
-    stream: Stream,
-    api: &'static sys::HipApi,
-    tracker: Arc<AllocTracker>,
-    poison: AtomicBool,
-    /// `Some(on)` overrides `TRIMUL_HIP_MFMA` for layers prepared from now on.
-    mfma_output: Mutex<Option<bool>>,
-    /// Every stage compiled with hipRTC, prebuilt objects ignored.
-    force_rtc: bool,
-    ordinal: i32,
-    /// Raw target id, e.g. `gfx942:sramecc+:xnack-`.
-    target_id: String,
-    /// Normalised processor, e.g. `gfx942`.
-    arch: String,
-    info: DeviceInfo,
-}
-
-impl Drop for Context {
-    fn drop(&mut self) {
-        // Work still queued may use modules unloaded right after; wait for it.
-        let _ = self.stream.synchronize();
-    }
-}
-
-/// The portable stage kernels, loaded once per device.
-struct Kernels {
-    input_norm: Kernel,
-    input_gating: Kernel,
-    output_norm: Kernel,
-    output_gate: Kernel,
-    prepare_weights: Kernel,
-    /// Where each came from, for `trimul info`.
-    origin: String,
-}
-
-/// Weights fused, cast and uploaded for this device.
-pub struct HipPrepared {
-    config: Config,
-    /// Which prepared weights these are ([`super::next_weights_id`]).
-    id: u64,
-    /// f16 `[P, C]`: [left_proj; left_gate; right_proj; right_gate; out_gate].
-    w_in: DeviceMem,
-    /// f16 `[C, H]`.
-    w_out: DeviceMem,
-    /// f32 `[P]`, when any input-side linear layer has a bias (af3 only).
-    proj_bias: Option<DeviceMem>,
-    /// f32 `[C]` (af3 with biases).
-    out_bias: Option<DeviceMem>,
-    norm_in_w: DeviceMem,
-    norm_in_b: DeviceMem,
-    norm_out_w: DeviceMem,
-    norm_out_b: DeviceMem,
-    /// Which linear layers have a bias: the five input ones, then the output projection (the
-    /// backward returns gradients for those only).
-    biases: [bool; 6],
-    output: HipKernelOutput,
-    mfma: Option<Arc<Kernel>>,
-}
 
 impl std::fmt::Debug for HipPrepared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -264,10 +183,6 @@ impl HipBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-}
-
-fn poisoned<T>(_: std::sync::PoisonError<T>) -> Error {
-    Error::InvalidArgument("a previous HIP call panicked while holding the device lock".into())
 }
 
 fn env_flag(name: &str) -> Option<String> {
@@ -1371,18 +1286,6 @@ unsafe fn launch_prepare(kernel: &Kernel, stream: sys::hipStream_t, p: &PrepareP
     // SAFETY: one argument, a TmPrepareParams by value (mirrored by PrepareParams), as the kernel
     // is declared; the addresses in it are this function's contract.
     unsafe { kernel.launch(stream, grid, PREP_THREADS, 0, &mut args) }
-}
-
-/// Grid and LDS size as the launch API takes them, with HIP's limits checked.
-fn geometry(kernel: &Kernel, grid: usize, smem: usize) -> Result<(u32, u32)> {
-    // HIP counts the grid in threads in 32 bits: blocks × 256 must stay below 2³².
-    if grid > (u32::MAX / STAGE_THREADS) as usize {
-        return Err(Error::Shape(format!("{}: {grid} blocks exceed HIP's grid limit", kernel.name())));
-    }
-    if smem > kernels::LDS_BYTES {
-        return Err(Error::Shape(format!("{}: {smem} bytes of LDS exceed 64 KiB", kernel.name())));
-    }
-    Ok((grid as u32, smem as u32))
 }
 
 /// One rocBLAS call on the stream `blas` is bound to; `c` aliases `d`.

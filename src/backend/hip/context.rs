@@ -1,0 +1,176 @@
+//! The HIP backend's device state, below its root (`mod.rs`) so that the backend's parts
+//! (`backward.rs`) can reach it without importing the root: the backend handle and its shared
+//! context (stream, rocBLAS handle, loaded kernels, kept buffers), the prepared weights, and the
+//! small helpers every part uses.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use super::kernels::{self, HipKernelOutput, KernelImage};
+use super::result::{self, AllocTracker, BlasHandle, DeviceMem, Kernel, Stream};
+use super::sys;
+use crate::backend::backward_params::BackwardSizes;
+use crate::backend::params::STAGE_THREADS;
+use crate::backend::DeviceInfo;
+use crate::error::{Error, Result};
+use crate::problem::Config;
+
+/// Byte that makes every f16 and f32 element a NaN: poisons buffers in checks.
+pub(super) const POISON_BYTE: u8 = 0xFF;
+
+/// A HIP device with its stream, rocBLAS handle and loaded kernels. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct HipBackend {
+    pub(super) ctx: Arc<Context>,
+}
+
+impl std::fmt::Debug for HipBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HipBackend({} {}, device {})", self.ctx.info.name, self.ctx.target_id, self.ctx.ordinal)
+    }
+}
+
+pub(super) struct Context {
+    // Drop order is field order: the rocBLAS handle and the modules go before the stream.
+    /// rocBLAS handles are not thread-safe; the lock is held for a whole forward.
+    pub(super) blas: Mutex<BlasHandle>,
+    pub(super) kernels: Kernels,
+    /// The MFMA output kernel, loaded when a layer first selects it.
+    pub(super) mfma: Mutex<Option<Arc<Kernel>>>,
+    /// The ten backward kernels, loaded on the first backward.
+    pub(super) backward: Mutex<Option<Arc<BackwardKernels>>>,
+    /// The block the last backward's intermediates lived in, kept for the next backward of the
+    /// same sizes (`Backend::free_backward_buffers` drops it).
+    pub(super) backward_block: Mutex<Option<(BackwardSizes, DeviceMem)>>,
+    pub(super) stream: Stream,
+    pub(super) api: &'static sys::HipApi,
+    pub(super) tracker: Arc<AllocTracker>,
+    pub(super) poison: AtomicBool,
+    /// `Some(on)` overrides `TRIMUL_HIP_MFMA` for layers prepared from now on.
+    pub(super) mfma_output: Mutex<Option<bool>>,
+    /// Every stage compiled with hipRTC, prebuilt objects ignored.
+    pub(super) force_rtc: bool,
+    pub(super) ordinal: i32,
+    /// Raw target id, e.g. `gfx942:sramecc+:xnack-`.
+    pub(super) target_id: String,
+    /// Normalised processor, e.g. `gfx942`.
+    pub(super) arch: String,
+    pub(super) info: DeviceInfo,
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // Work still queued may use modules unloaded right after; wait for it.
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// The portable stage kernels, loaded once per device.
+pub(super) struct Kernels {
+    pub(super) input_norm: Kernel,
+    pub(super) input_gating: Kernel,
+    pub(super) output_norm: Kernel,
+    pub(super) output_gate: Kernel,
+    pub(super) prepare_weights: Kernel,
+    /// Where each came from, for `trimul info`.
+    pub(super) origin: String,
+}
+
+/// Weights fused, cast and uploaded for this device.
+pub struct HipPrepared {
+    pub(super) config: Config,
+    /// Which prepared weights these are ([`super::next_weights_id`]).
+    pub(super) id: u64,
+    /// f16 `[P, C]`: [left_proj; left_gate; right_proj; right_gate; out_gate].
+    pub(super) w_in: DeviceMem,
+    /// f16 `[C, H]`.
+    pub(super) w_out: DeviceMem,
+    /// f32 `[P]`, when any input-side linear layer has a bias (af3 only).
+    pub(super) proj_bias: Option<DeviceMem>,
+    /// f32 `[C]` (af3 with biases).
+    pub(super) out_bias: Option<DeviceMem>,
+    pub(super) norm_in_w: DeviceMem,
+    pub(super) norm_in_b: DeviceMem,
+    pub(super) norm_out_w: DeviceMem,
+    pub(super) norm_out_b: DeviceMem,
+    /// Which linear layers have a bias: the five input ones, then the output projection (the
+    /// backward returns gradients for those only).
+    pub(super) biases: [bool; 6],
+    pub(super) output: HipKernelOutput,
+    pub(super) mfma: Option<Arc<Kernel>>,
+}
+
+pub(super) fn poisoned<T>(_: std::sync::PoisonError<T>) -> Error {
+    Error::InvalidArgument("a previous HIP call panicked while holding the device lock".into())
+}
+
+/// Grid and LDS size as the launch API takes them, with HIP's limits checked.
+pub(super) fn geometry(kernel: &Kernel, grid: usize, smem: usize) -> Result<(u32, u32)> {
+    // HIP counts the grid in threads in 32 bits: blocks × 256 must stay below 2³².
+    if grid > (u32::MAX / STAGE_THREADS) as usize {
+        return Err(Error::Shape(format!("{}: {grid} blocks exceed HIP's grid limit", kernel.name())));
+    }
+    if smem > kernels::LDS_BYTES {
+        return Err(Error::Shape(format!("{}: {smem} bytes of LDS exceed 64 KiB", kernel.name())));
+    }
+    Ok((grid as u32, smem as u32))
+}
+
+/// The code object (or source) holding the ten kernels (`hip/backward.hip`).
+const STAGE: &str = "backward";
+
+/// The ten backward kernels, loaded for one device.
+pub(super) struct BackwardKernels {
+    pub(super) input_norm: Kernel,
+    pub(super) gating: Kernel,
+    pub(super) output_norm: Kernel,
+    pub(super) output_gate: Kernel,
+    pub(super) output_norm_grad: Kernel,
+    pub(super) gating_grad: Kernel,
+    pub(super) input_norm_grad: Kernel,
+    pub(super) column_partials: Kernel,
+    pub(super) column_finish: Kernel,
+    pub(super) widen: Kernel,
+}
+
+impl BackwardKernels {
+    /// Loads the ten kernels from the `backward` stage's code object for `target_id`, or from
+    /// its source compiled once with hipRTC (archs without a prebuilt object, or `force_rtc`).
+    /// Unlike the forward's stages, a prebuilt object the runtime rejects is an error here, not
+    /// a retry with hipRTC.
+    pub(super) fn load(api: &'static sys::HipApi, target_id: &str, force_rtc: bool) -> Result<BackwardKernels> {
+        if force_rtc {
+            sys::hiprtc()?;
+        }
+        let arch = super::arch::normalize_arch(target_id).unwrap_or_default();
+        let prebuilt = kernels::HIP_STAGES
+            .iter()
+            .find(|s| s.name == STAGE)
+            .is_some_and(|s| s.code_objects.iter().any(|(a, _)| *a == arch));
+        let avail = if force_rtc || !prebuilt {
+            sys::hiprtc().map(|_| ()).map_err(|e| e.to_string())
+        } else {
+            Err("not needed".to_string())
+        };
+        let code: std::borrow::Cow<'static, [u8]> =
+            match kernels::select(kernels::HIP_STAGES, STAGE, target_id, avail, force_rtc)? {
+                KernelImage::Prebuilt { code, .. } => code.into(),
+                KernelImage::Compile { source, options, .. } => {
+                    result::rtc_compile(sys::hiprtc()?, source, STAGE, &options)?.into()
+                }
+            };
+        let get = |name: &str| Kernel::load(api, &code, name);
+        Ok(BackwardKernels {
+            input_norm: get("backward_input_norm")?,
+            gating: get("backward_gating")?,
+            output_norm: get("backward_output_norm")?,
+            output_gate: get("backward_output_gate")?,
+            output_norm_grad: get("backward_output_norm_grad")?,
+            gating_grad: get("backward_gating_grad")?,
+            input_norm_grad: get("backward_input_norm_grad")?,
+            column_partials: get("backward_column_partials")?,
+            column_finish: get("backward_column_finish")?,
+            widen: get("backward_widen")?,
+        })
+    }
+}
