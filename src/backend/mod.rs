@@ -197,6 +197,30 @@ pub(crate) fn check_backward_mask(problem: &Problem, given: bool) -> Result<()> 
     }
 }
 
+/// The checks a device backward makes before it launches anything: the weights were prepared
+/// for this problem's layer, the mask is given exactly when the problem is masked (`mask` 0: none),
+/// x, dy and dx are non-null and 16-byte aligned, the mask 4-byte aligned.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
+pub(crate) fn check_device_backward(
+    prepared: &Config,
+    problem: &Problem,
+    (x, mask, dy, dx): (u64, u64, u64, u64),
+) -> Result<()> {
+    check_prepared_for(prepared, problem)?;
+    check_backward_mask(problem, mask != 0)?;
+    for (name, ptr) in [("x", x), ("dy", dy), ("dx", dx)] {
+        if ptr == 0 || ptr % 16 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{name} must be a non-null, 16-byte aligned device pointer (got {ptr:#x})"
+            )));
+        }
+    }
+    if mask % 4 != 0 {
+        return Err(Error::InvalidArgument(format!("the mask must be 4-byte aligned (got {mask:#x})")));
+    }
+    Ok(())
+}
+
 /// The checks a device forward makes before it launches anything: the weights were prepared for
 /// this problem's layer (their sizes are the kernels' loop bounds), `y` is `x` exactly when the
 /// problem is in place, and every device pointer is 16-byte aligned (the stage kernels load and

@@ -885,18 +885,7 @@ impl Backend for CudaBackend {
         stream: u64,
         workspace: Option<DeviceSpan>,
     ) -> Result<Gradients> {
-        check_prepared_for(&prepared.config, problem)?;
-        super::check_backward_mask(problem, mask != 0)?;
-        for (name, ptr) in [("x", x), ("dy", dy), ("dx", dx)] {
-            if ptr == 0 || ptr % 16 != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "{name} must be a non-null, 16-byte aligned device pointer (got {ptr:#x})"
-                )));
-            }
-        }
-        if mask % 4 != 0 {
-            return Err(Error::InvalidArgument(format!("the mask must be 4-byte aligned (got {mask:#x})")));
-        }
+        super::check_device_backward(&prepared.config, problem, (x, mask, dy, dx))?;
         self.check_backward_fits(problem)?;
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         // SAFETY: forwarded from this method's contract; 0 is the legacy default stream (the

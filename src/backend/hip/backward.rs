@@ -30,12 +30,11 @@
 //! Nothing here has run on an AMD GPU; it runs on the fake ROCm, which executes the kernel
 //! bodies through a CPU emulation of wave64 hardware and models rocBLAS's f32 GEMMs.
 
-use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::blas::{DataType, RocblasGemm};
-use super::context::{geometry, poisoned, BackwardKernels, HipBackend, HipPrepared, POISON_BYTE};
+use super::context::{launch_by_value, poisoned, BackwardKernels, HipBackend, HipPrepared, POISON_BYTE};
 use super::kernels::LDS_BYTES;
 use super::result::{self, BlasHandle, DeviceMem, Kernel};
 use super::sys;
@@ -135,12 +134,8 @@ unsafe fn launch<P: Copy>(
     smem: usize,
     params: &P,
 ) -> Result<()> {
-    let (grid, smem) = geometry(kernel, grid, smem)?;
-    let mut p = *params;
-    let mut args = [(&mut p as *mut P).cast::<c_void>()];
-    // SAFETY: one argument, the kernel's parameter struct by value; its addresses are this
-    // function's contract.
-    unsafe { kernel.launch(stream, grid, THREADS, smem, &mut args) }
+    // SAFETY: this function's contract.
+    unsafe { launch_by_value(kernel, stream, grid, THREADS, smem, params) }
 }
 
 impl HipBackend {

@@ -3,6 +3,7 @@
 //! context (stream, rocBLAS handle, loaded kernels, kept buffers), the prepared weights, and the
 //! small helpers every part uses.
 
+use std::ffi::c_void;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
@@ -105,7 +106,7 @@ pub(super) fn poisoned<T>(_: std::sync::PoisonError<T>) -> Error {
 }
 
 /// Grid and LDS size as the launch API takes them, with HIP's limits checked.
-pub(super) fn geometry(kernel: &Kernel, grid: usize, smem: usize) -> Result<(u32, u32)> {
+fn geometry(kernel: &Kernel, grid: usize, smem: usize) -> Result<(u32, u32)> {
     // HIP counts the grid in threads in 32 bits: blocks × 256 must stay below 2³².
     if grid > (u32::MAX / STAGE_THREADS) as usize {
         return Err(Error::Shape(format!("{}: {grid} blocks exceed HIP's grid limit", kernel.name())));
@@ -173,4 +174,26 @@ impl BackwardKernels {
             widen: get("backward_widen")?,
         })
     }
+}
+
+/// Launches `kernel` over `grid` blocks of `block` threads with `smem` bytes of LDS (HIP's limits
+/// checked by [`geometry`]) and one argument, `params` by value.
+///
+/// # Safety
+/// `P` is the struct `kernel` takes by value, and every device address in `params` is valid for
+/// every access the kernel makes at this geometry until `stream` has run the launch.
+pub(super) unsafe fn launch_by_value<P: Copy>(
+    kernel: &Kernel,
+    stream: sys::hipStream_t,
+    grid: usize,
+    block: u32,
+    smem: usize,
+    params: &P,
+) -> Result<()> {
+    let (grid, smem) = geometry(kernel, grid, smem)?;
+    let mut p = *params;
+    let mut args = [(&mut p as *mut P).cast::<c_void>()];
+    // SAFETY: one argument, the kernel's parameter struct by value; its addresses are this
+    // function's contract.
+    unsafe { kernel.launch(stream, grid, block, smem, &mut args) }
 }

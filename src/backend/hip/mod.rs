@@ -51,7 +51,7 @@ mod host_tests;
 pub use self::context::{HipBackend, HipPrepared};
 pub use self::kernels::HipKernelOutput;
 
-use self::context::{geometry, poisoned, Context, Kernels, POISON_BYTE};
+use self::context::{launch_by_value, poisoned, Context, Kernels, POISON_BYTE};
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -1128,19 +1128,8 @@ impl Backend for HipBackend {
         stream: u64,
         workspace: Option<DeviceSpan>,
     ) -> Result<Gradients> {
-        check_prepared_for(&prepared.config, problem)?;
+        super::check_device_backward(&prepared.config, problem, (x, mask, dy, dx))?;
         problem.validate()?;
-        super::check_backward_mask(problem, mask != 0)?;
-        for (name, ptr) in [("x", x), ("dy", dy), ("dx", dx)] {
-            if ptr == 0 || ptr % 16 != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "{name} must be a non-null, 16-byte aligned device pointer (got {ptr:#x})"
-                )));
-            }
-        }
-        if mask % 4 != 0 {
-            return Err(Error::InvalidArgument(format!("the mask must be 4-byte aligned (got {mask:#x})")));
-        }
         self.check_backward_fits(problem)?;
         self.bind()?;
         // SAFETY: forwarded from this method's contract; 0 is the null stream, as in a forward on
@@ -1266,12 +1255,9 @@ unsafe fn launch<P: StageParams>(
     smem: usize,
     params: &P,
 ) -> Result<()> {
-    let (grid, smem) = geometry(kernel, grid, smem)?;
-    let mut p = *params;
-    let mut args = [(&mut p as *mut P).cast::<c_void>()];
-    // SAFETY: one argument, the stage's parameter struct by value (this function's contract); the
-    // addresses in it satisfy the invariant stated above this section.
-    unsafe { kernel.launch(stream, grid, STAGE_THREADS, smem, &mut args) }
+    // SAFETY: `P` is the stage's parameter struct (this function's contract); the addresses in it
+    // satisfy the invariant stated above this section.
+    unsafe { launch_by_value(kernel, stream, grid, STAGE_THREADS, smem, params) }
 }
 
 /// Launches `prepare_weights(TmPrepareParams)` over `p.grid` blocks.
