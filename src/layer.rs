@@ -165,9 +165,10 @@ impl<B: Backend> Layer<B> {
     }
 
     /// [`Layer::device_workspace_bytes`] within `limit` bytes as well (the caller's free memory,
-    /// say): the kept plan when it is this shape's and fits `limit`, else a new one. Where the one-pass workspace does not fit, the CUDA backend plans hidden passes
-    /// and row chunks in the caller's memory, as [`Layer::forward`] does in its own (fused input
-    /// kernel only; otherwise, and on HIP, the one-pass plan's out-of-memory error).
+    /// say): the kept plan when it is this shape's and fits `limit`, else a new one. Where the
+    /// one-pass workspace does not fit, the CUDA backend plans hidden passes and row chunks in
+    /// the caller's memory, as [`Layer::forward`] does in its own (fused input kernel only;
+    /// otherwise, and on HIP, the one-pass plan's out-of-memory error).
     pub fn device_workspace_bytes_within(
         &mut self,
         shape: Shape,
@@ -192,10 +193,7 @@ impl<B: Backend> Layer<B> {
             if self.backend.workspace_fits(ws, problem) && !(refit && limit.is_some_and(|l| *bytes > l)));
         if !fits {
             self.caller_ws = None;
-            let limit = match (self.budget, limit) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            let limit = self.budget.into_iter().chain(limit).min();
             self.caller_ws = Some(self.backend.caller_workspace(&self.prepared, problem, limit)?);
         }
         let Layer { backend, prepared, caller_ws, .. } = self;
