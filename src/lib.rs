@@ -47,6 +47,7 @@ pub mod sharded;
 pub mod staging;
 pub mod suite;
 pub mod units;
+pub mod validation;
 pub mod weights;
 
 #[cfg(test)]

@@ -60,6 +60,8 @@ const LAYERS: &[(&str, Layer)] = &[
     ("finite", Layer::Foundation),
     ("alloc_tracker", Layer::Foundation),
     ("units", Layer::Foundation),
+    // Fast-path verdicts: their rule, key and file, independent of any backend.
+    ("validation", Layer::Foundation),
     // Safetensors naming schemes: files to `Weights`, used by the CLI, the report and tests.
     ("io", Layer::Foundation),
     // The kernel sources and binaries build.rs embeds: data, no code of the backends.

@@ -967,3 +967,94 @@ fn backward_at_quick_suite_widths() {
         eprintln!("{} {f:?} {dir}: {:.1} s", case.name(), start.elapsed().as_secs_f64());
     }
 }
+
+/// The MFMA output kernel proved before use (`trimul::validation`): a sound kernel that wins is
+/// used, from its verdict file in later processes too; a kernel wrong in a few elements, or one
+/// that is slower, is reported and never used, and layers then run (correctly) on rocBLAS. The
+/// fake's hooks break or slow a kernel: `TRIMUL_FAKE_ROCM_CORRUPT`, `TRIMUL_FAKE_ROCM_SLOW`.
+#[test]
+fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
+    let Some(_g) = fake_with_code_objects() else { return };
+    struct Hooks;
+    impl Drop for Hooks {
+        fn drop(&mut self) {
+            std::env::remove_var("TRIMUL_FAKE_ROCM_CORRUPT");
+            std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
+        }
+    }
+    let _hooks = Hooks;
+    let path_of = |b: &HipBackend, cfg: Config| {
+        let biases = cfg.formulation == Formulation::Af3;
+        b.prepare(&Weights::random(cfg, biases, 1).unwrap()).unwrap().output_path()
+    };
+    // Verdicts of this test alone: a directory of its own (the backend reads the variable when it opens).
+    let dir = std::env::temp_dir().join(format!("trimul-verdicts-test-{}-{}", std::process::id(), base_seed()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let before = std::env::var_os("TRIMUL_CACHE_DIR");
+    std::env::set_var("TRIMUL_CACHE_DIR", &dir);
+    let b = HipBackend::new(0).unwrap();
+    if let Some(v) = &before {
+        std::env::set_var("TRIMUL_CACHE_DIR", v);
+    }
+    b.set_poison(true);
+
+    // 1. Sound and faster (the rocBLAS path's output_norm made slow): validated on first use, used.
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_norm:40");
+    assert!(b.output_verdict(32, 16).unwrap().is_none(), "nothing validated yet");
+    let case = Case::new(8, 2, 32, true, Dist::Normal);
+    assert_eq!(check(&b, gm(32, 16), &case, Direction::Outgoing, false, 1), HipKernelOutput::Mfma);
+    let v = b.output_verdict(32, 16).unwrap().expect("a verdict after the first layer");
+    assert!(v.passed && v.used && v.cases.len() == 4, "{v:?}");
+    assert!(v.fast_ms.unwrap() < v.baseline_ms.unwrap(), "{v:?}");
+    let info = b.info();
+    let line = info.versions.iter().find(|(k, _)| k == "MFMA output kernel, C=32 H=16").expect("info shows it");
+    assert!(line.1.starts_with("used"), "{line:?}");
+    std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
+
+    // 2. Another process (a new backend on the same file) follows the verdict without running it:
+    // with the kernel now broken, a new validation would fail, and the layer would not use it.
+    std::env::set_var("TRIMUL_FAKE_ROCM_CORRUPT", "output_projection");
+    std::env::set_var("TRIMUL_CACHE_DIR", &dir);
+    let b2 = HipBackend::new(0).unwrap();
+    match &before {
+        Some(v) => std::env::set_var("TRIMUL_CACHE_DIR", v),
+        None => std::env::remove_var("TRIMUL_CACHE_DIR"),
+    }
+    assert_eq!(b2.output_verdict(32, 16).unwrap().as_ref(), Some(&v), "read from the verdict file");
+    assert_eq!(path_of(&b2, gm(32, 16)), HipKernelOutput::Mfma);
+
+    // 3. A subtly broken kernel (a few elements wrong) fails validation: never used, and the
+    // layer's forward is right on rocBLAS. Validating again replaces the earlier verdict.
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_norm:40");
+    let case = Case::new(10, 1, 24, true, Dist::Normal);
+    assert_eq!(check(&b, af(24, 32), &case, Direction::Incoming, true, 2), HipKernelOutput::Blas);
+    let bad = b.output_verdict(24, 32).unwrap().unwrap();
+    assert!(!bad.passed && !bad.used && bad.fast_ms.is_none(), "{bad:?}");
+    assert!(bad.cases.iter().any(|c| !c.passed && c.bad > 0 && c.bad * 50 < c.checked), "a few wrong: {bad:?}");
+    assert!(bad.reason.contains("failed against the f64 reference"), "{}", bad.reason);
+    let again = b.validate_output(32, 16).unwrap();
+    assert!(!again.passed && !again.used, "{again:?}");
+    assert_eq!(path_of(&b, gm(32, 16)), HipKernelOutput::Blas, "the new verdict holds");
+    std::env::remove_var("TRIMUL_FAKE_ROCM_CORRUPT");
+    std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
+
+    // 4. Sound but slower: reported, not used.
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_projection:40");
+    let slow = b.validate_output(40, 24).unwrap();
+    assert!(slow.passed && !slow.used && slow.reason.contains("not faster"), "{slow:?}");
+    assert_eq!(path_of(&b, gm(40, 24)), HipKernelOutput::Blas);
+    std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
+
+    // 5. A setting overrides the verdicts either way; an H the kernel cannot take is refused.
+    b.set_mfma_output(Some(true));
+    assert_eq!(path_of(&b, gm(40, 24)), HipKernelOutput::Mfma);
+    b.set_mfma_output(Some(false));
+    assert_eq!(path_of(&b, gm(32, 16)), HipKernelOutput::Blas);
+    b.set_mfma_output(None);
+    let e = b.validate_output(32, 12).unwrap_err().to_string();
+    assert!(e.contains("multiple of 8"), "{e}");
+    // The file holds the last verdict of each class.
+    let stored = trimul::validation::VerdictStore::at(&dir).all();
+    assert_eq!(stored.len(), 3, "{stored:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

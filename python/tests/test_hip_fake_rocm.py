@@ -175,6 +175,10 @@ def test_python_entry_points_through_the_hip_backend(fake_rocm):
         TRIMUL_ROCBLAS_LIBRARY=str(fake_rocm),
         TRIMUL_HIPRTC_LIBRARY=str(fake_rocm.parent / "no-hiprtc-here.so"),
         TRIMUL_FAKE_ROCM_ARCH="gfx942:sramecc+:xnack-",
+        # The MFMA kernel is validated on first use: verdicts in the test's directory, a small
+        # timed shape (the emulation runs on the host's CPU).
+        TRIMUL_CACHE_DIR=str(fake_rocm.parent / "verdicts"),
+        TRIMUL_VALIDATION_N="16",
     )
     env.pop("TRIMUL_HIP_MFMA", None)
     r = subprocess.run(

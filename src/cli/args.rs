@@ -36,12 +36,18 @@ pub enum Command {
     /// Merge bench JSON files into report.md and SVG plots.
     Report(ReportArgs),
     /// Sweep the CUDA backend's per-shape choices (contraction algorithm, output path) and
-    /// write the faster correct ones as a tuning table (TRIMUL_CUDA_TUNING reads it).
+    /// write the faster correct ones as a tuning table (TRIMUL_CUDA_TUNING reads it); with
+    /// `--backend hip`, validate the HIP fast paths on this GPU again.
     Tune(TuneArgs),
 }
 
 #[derive(Args, Debug)]
 pub struct TuneArgs {
+    /// `cuda` (default): sweep and write a tuning table. `hip`: validate the MFMA output kernel
+    /// for each C and H of the suite's shapes on this AMD GPU, again (against the f64 reference,
+    /// timed against rocBLAS), and keep the verdicts that layers follow.
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendArg>,
     /// `gpumode`: the 7 GPU MODE shapes; `quick`: the 3 cheapest.
     #[arg(long, value_enum, default_value_t = BenchSuite::Gpumode)]
     pub suite: BenchSuite,

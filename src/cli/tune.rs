@@ -1,4 +1,5 @@
-//! `trimul tune`: sweeps the CUDA backend's per-shape choices and writes a tuning table.
+//! `trimul tune`: sweeps the CUDA backend's per-shape choices and writes a tuning table; with
+//! `--backend hip`, validates the HIP backend's MFMA output kernel on this GPU again.
 //!
 //! Per shape: one input set on the device (plus copies up to 256 MiB, rotated as in `bench`),
 //! then for the built-in rules and every combination of {contraction candidate 0..k} × {fused
@@ -10,22 +11,112 @@
 
 use super::args::TuneArgs;
 use super::exit::{CliError, CliResult};
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+use super::output::emit;
 use super::seed::clock_seed;
 
+pub fn run(args: &TuneArgs) -> CliResult {
+    match args.backend.map(trimul::BackendKind::from) {
+        None | Some(trimul::BackendKind::Cuda) => run_cuda(args),
+        Some(trimul::BackendKind::Hip) => run_hip(args),
+        Some(other) => Err(CliError::usage(format!("--backend {other}: tune runs on cuda or hip"))),
+    }
+}
+
+/// The suite's cases, narrowed to `--n`.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn cases(args: &TuneArgs) -> CliResult<Vec<trimul::suite::Case>> {
+    use super::args::BenchSuite;
+    use trimul::suite;
+    let cases = match args.suite {
+        BenchSuite::Gpumode => suite::bench_cases(),
+        BenchSuite::Quick => suite::quick_bench_cases(),
+        BenchSuite::Long => {
+            return Err(CliError::usage("--suite long: tune the shapes a table is for (gpumode or quick)"));
+        }
+    };
+    let cases: Vec<_> = cases.into_iter().filter(|c| args.n.is_empty() || args.n.contains(&c.n)).collect();
+    if cases.is_empty() {
+        return Err(CliError::usage(format!("--n {:?}: no shape of the suite has these N", args.n)));
+    }
+    Ok(cases)
+}
+
+#[cfg(not(feature = "rocm"))]
+fn run_hip(_args: &TuneArgs) -> CliResult {
+    Err(CliError::from(trimul::Error::NotCompiled { backend: trimul::BackendKind::Hip, feature: "rocm" }))
+}
+
+/// `tune --backend hip`: the MFMA output kernel validated again for each C and H of the cases
+/// (`trimul::validation`), each verdict printed and kept (memory and the verdict file).
+#[cfg(feature = "rocm")]
+fn run_hip(args: &TuneArgs) -> CliResult {
+    use trimul::backend::hip::HipBackend;
+    use trimul::Backend;
+
+    use super::output::device_summary;
+
+    if args.out.is_some() {
+        return Err(CliError::usage("--out: tune --backend hip keeps its verdicts in the verdict file"));
+    }
+    let backend = HipBackend::new(0)?;
+    let mut classes: Vec<(usize, usize)> = cases(args)?.iter().map(|c| (c.c, c.h)).collect();
+    classes.sort_unstable();
+    classes.dedup();
+    emit(&format!(
+        "trimul tune: hip ({}), the MFMA output kernel for {} C/H classes",
+        device_summary(trimul::BackendKind::Hip, &backend.info()),
+        classes.len()
+    ))?;
+    let store = trimul::validation::VerdictStore::from_env();
+    match store.path() {
+        Some(p) => emit(&format!("verdicts kept in {}", p.display()))?,
+        None => emit(&format!("verdicts kept in memory only ({}=off)", trimul::validation::CACHE_DIR_ENV))?,
+    }
+    let mut failed = 0;
+    for (c, h) in classes {
+        let v = match backend.validate_output(c, h) {
+            Ok(v) => v,
+            Err(e) => {
+                emit(&format!("C={c} H={h}: {e}"))?;
+                failed += 1;
+                continue;
+            }
+        };
+        for case in &v.cases {
+            let status = if case.passed { "pass" } else { "FAIL" };
+            emit(&format!(
+                "  {status} {:<48} {} of {} elements wrong, rel. L2 {:.2e}",
+                case.case, case.bad, case.checked, case.rel_l2
+            ))?;
+        }
+        if let (Some(f), Some(b)) = (v.fast_ms, v.baseline_ms) {
+            emit(&format!("  timed at {}: MFMA {f:.3} ms, rocBLAS {b:.3} ms", v.timed_shape))?;
+        }
+        emit(&v.describe())?;
+        failed += usize::from(!v.passed);
+    }
+    if failed > 0 {
+        let message = format!("{failed} class(es) failed validation: the rocBLAS path stays in use for them");
+        return Err(CliError { code: super::exit::EXIT_FAILED, message });
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
 #[cfg(not(feature = "cuda"))]
-pub fn run(_args: &TuneArgs) -> CliResult {
+fn run_cuda(_args: &TuneArgs) -> CliResult {
     let _ = clock_seed;
     Err(CliError::from(trimul::Error::NotCompiled { backend: trimul::BackendKind::Cuda, feature: "cuda" }))
 }
 
 #[cfg(feature = "cuda")]
-pub fn run(args: &TuneArgs) -> CliResult {
+fn run_cuda(args: &TuneArgs) -> CliResult {
     use trimul::backend::cuda::{CudaBackend, Tuning, TuningEntry, TuningTable};
     use trimul::suite::{self, Case};
     use trimul::{reference, Backend, Layer, Options, Weights};
 
-    use super::args::{check_output_path, BenchSuite};
-    use super::output::{device_summary, emit};
+    use super::args::check_output_path;
+    use super::output::device_summary;
     use super::seed::SeedStream;
 
     // A sweep takes minutes: learn about an --out that cannot be written before it, not after.
@@ -34,17 +125,7 @@ pub fn run(args: &TuneArgs) -> CliResult {
     }
     let backend = CudaBackend::new(0)?;
     let info = backend.info();
-    let cases: Vec<Case> = match args.suite {
-        BenchSuite::Gpumode => suite::bench_cases(),
-        BenchSuite::Quick => suite::quick_bench_cases(),
-        BenchSuite::Long => {
-            return Err(CliError::usage("--suite long: tune the shapes a table is for (gpumode or quick)"));
-        }
-    };
-    let cases: Vec<Case> = cases.into_iter().filter(|c| args.n.is_empty() || args.n.contains(&c.n)).collect();
-    if cases.is_empty() {
-        return Err(CliError::usage(format!("--n {:?}: no shape of the suite has these N", args.n)));
-    }
+    let cases: Vec<Case> = cases(args)?;
     let (formulation, direction) = (args.formulation.into(), args.direction.into());
     let seed = args.seed.unwrap_or_else(clock_seed);
     // The table is merged into: read it now, so a file that is not a table fails before the sweep.

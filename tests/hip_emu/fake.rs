@@ -42,6 +42,10 @@ pub fn fake() -> Option<MutexGuard<'static, ()>> {
         // No hipRTC: archs without prebuilt objects must fail clearly.
         std::env::set_var("TRIMUL_HIPRTC_LIBRARY", dir.join("no-hiprtc-here.so"));
         std::env::remove_var("TRIMUL_HIP_MFMA");
+        // Fast-path verdicts (the MFMA kernel validated on first use) stay in this process's
+        // directory, and the timed shape is small: the emulation runs on the host's CPU.
+        std::env::set_var("TRIMUL_CACHE_DIR", dir.join("verdicts"));
+        std::env::set_var("TRIMUL_VALIDATION_N", "16");
         std::env::remove_var("TRIMUL_HIP_FORCE_RTC");
         Ok(lib)
     });

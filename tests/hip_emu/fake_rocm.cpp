@@ -41,6 +41,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unistd.h>
 
 namespace {
@@ -87,6 +88,23 @@ bool inject(const char* call) {
   if (colon == std::string::npos || spec.compare(0, colon, call) != 0 || colon != std::strlen(call)) return false;
   if (++count != std::atol(spec.c_str() + colon + 1)) return false;
   fail(std::string("injected failure of ") + call);
+  return true;
+}
+
+// Fast-path validation hooks (the self-validation tests): $TRIMUL_FAKE_ROCM_CORRUPT = "<kernel>"
+// makes every launch of that kernel finish with a few of its output elements wrong (one in
+// about 97 of the rows it wrote, off by 0.5), a kernel subtly broken rather than wrong
+// everywhere; $TRIMUL_FAKE_ROCM_SLOW = "<kernel>:<ms>" makes each launch of it take that many
+// milliseconds more, so a test decides which path is faster.
+bool hook_names(const char* var, const std::string& kernel, long* value) {
+  const char* v = std::getenv(var);
+  if (!v || !*v) return false;
+  const std::string spec = v;
+  const size_t colon = spec.find(':');
+  if (spec.compare(0, colon == std::string::npos ? spec.size() : colon, kernel) != 0) return false;
+  if (colon != std::string::npos && kernel.size() != colon) return false;
+  if (colon == std::string::npos && kernel.size() != spec.size()) return false;
+  if (value) *value = colon == std::string::npos ? 0 : std::atol(spec.c_str() + colon + 1);
   return true;
 }
 
@@ -551,6 +569,24 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     return kFail;
   }
   if (lds_overrun) fail(name + ": a block used LDS beyond the dynamic size passed at launch");
+  long slow_ms = 0;
+  if (hook_names("TRIMUL_FAKE_ROCM_SLOW", name, &slow_ms) && slow_ms > 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+  if (name == "output_projection" && hook_names("TRIMUL_FAKE_ROCM_CORRUPT", name, nullptr)) {
+    // A few wrong elements in the rows this launch wrote: channel (row mod C) of every 97th row.
+    for (size_t r = row0; r < row0 + rows; r += 97) {
+      const size_t at = r * C + r % C;
+      if (io == 4) {
+        ((float*)p.y)[at] += 0.5f;
+      } else {
+        // 0.5 where |y| < 0.25, else -y: off by at least 0.25 either way.
+        const bool bf16 = p.io_dtype == TM_IO_BF16;
+        const unsigned short quarter = bf16 ? 0x3E80 : 0x3400, half = bf16 ? 0x3F00 : 0x3800;
+        unsigned short* h = (unsigned short*)p.y + at;
+        *h = (*h & 0x7fff) < quarter ? half : (unsigned short)(*h ^ 0x8000);
+      }
+    }
+  }
   check_guards(name.c_str());
   return status();
 }

@@ -3,6 +3,7 @@
 //! context (stream, rocBLAS handle, loaded kernels, kept buffers), the prepared weights, and the
 //! small helpers every part uses.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -15,6 +16,7 @@ use crate::backend::params::STAGE_THREADS;
 use crate::backend::DeviceInfo;
 use crate::error::{Error, Result};
 use crate::problem::Config;
+use crate::validation::{Verdict, VerdictStore};
 
 /// Byte that makes every f16 and f32 element a NaN: poisons buffers in checks.
 pub(super) const POISON_BYTE: u8 = 0xFF;
@@ -49,6 +51,10 @@ pub(super) struct Context {
     pub(super) poison: AtomicBool,
     /// `Some(on)` overrides `TRIMUL_HIP_MFMA` for layers prepared from now on.
     pub(super) mfma_output: Mutex<Option<bool>>,
+    /// The verdicts on the MFMA output kernel looked up or made in this process, per (C, H).
+    pub(super) verdicts: Mutex<HashMap<(usize, usize), Verdict>>,
+    /// Where verdicts are kept between processes.
+    pub(super) store: VerdictStore,
     /// Every stage compiled with hipRTC, prebuilt objects ignored.
     pub(super) force_rtc: bool,
     pub(super) ordinal: i32,

@@ -104,14 +104,9 @@ pub enum HipKernelOutput {
     Mfma,
 }
 
-/// Set to `1` to use the MFMA output kernel, `0` to forbid it.
+/// `1` uses the MFMA output kernel without validating it, `0` forbids it; unset (or `auto`), it
+/// is used where this device's verdict says so ([`OutputRule::ByVerdict`], `crate::validation`).
 pub const MFMA_ENV: &str = "TRIMUL_HIP_MFMA";
-
-/// Whether the MFMA output kernel has been validated on AMD hardware. It has not: it compiles
-/// for gfx942/gfx90a and passes the CPU emulation in tests/hip_emu, but no AMD GPU has run it.
-/// Until one has (`cargo test --features rocm -- --ignored` with `TRIMUL_HIP_MFMA=1`), the
-/// rocBLAS path is the default and the MFMA kernel is opt-in.
-pub const MFMA_OUTPUT_VALIDATED: bool = false;
 
 /// Positions per block of `output_projection` (`hip/output_projection.h`; it runs
 /// [`crate::backend::params::STAGE_THREADS`] threads per block, as every stage does).
@@ -125,32 +120,43 @@ pub fn output_projection_smem_bytes(h: usize) -> usize {
     crate::backend::params::geometry::TM_HIP_OP_SMEM(h)
 }
 
-/// Chooses the output path for `arch` and hidden width `h`; the string says why (for `info`).
-/// `env` is the value of [`MFMA_ENV`], if set.
-pub fn select_output(arch: &str, h: usize, env: Option<&str>) -> (HipKernelOutput, String) {
-    let wanted = match env.map(str::trim) {
+/// How the output path of a layer is chosen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OutputRule {
+    /// Settled without a verdict: by the setting, or because the MFMA kernel cannot take the
+    /// arch or H. The string says why (for `info`).
+    Fixed(HipKernelOutput, String),
+    /// The MFMA kernel can run here and nothing forces a choice: it is used only where this
+    /// device's verdict says it passed validation and won (`crate::validation`).
+    ByVerdict,
+}
+
+/// The rule for `arch` and hidden width `h`; `env` is the value of [`MFMA_ENV`], if set.
+/// `1` forces the MFMA kernel where it can run at all (a user's explicit choice, unvalidated).
+pub fn output_rule(arch: &str, h: usize, env: Option<&str>) -> OutputRule {
+    let forced = match env.map(str::trim) {
         Some("1") | Some("on") | Some("true") => true,
-        Some("0") | Some("off") | Some("false") => false,
-        _ => MFMA_OUTPUT_VALIDATED,
+        Some("0") | Some("off") | Some("false") => {
+            return OutputRule::Fixed(HipKernelOutput::Blas, format!("{MFMA_ENV}={}", env.unwrap_or_default()));
+        }
+        _ => false,
     };
-    if !wanted {
-        let why = if env.is_some() {
-            format!("{MFMA_ENV}={}", env.unwrap_or_default())
-        } else {
-            format!("MFMA kernel not yet validated on hardware; {MFMA_ENV}=1 enables it")
-        };
-        return (HipKernelOutput::Blas, why);
-    }
     if !has_mfma(arch) {
-        return (HipKernelOutput::Blas, format!("{arch} has no MFMA instructions"));
+        return OutputRule::Fixed(HipKernelOutput::Blas, format!("{arch} has no MFMA instructions"));
     }
     if h % 8 != 0 {
-        return (HipKernelOutput::Blas, format!("H = {h} is not a multiple of 8 (MFMA K step)"));
+        return OutputRule::Fixed(HipKernelOutput::Blas, format!("H = {h} is not a multiple of 8 (MFMA K step)"));
     }
     if output_projection_smem_bytes(h) > LDS_BYTES {
-        return (HipKernelOutput::Blas, format!("H = {h} needs more than 64 KiB of LDS in the MFMA kernel"));
+        return OutputRule::Fixed(
+            HipKernelOutput::Blas,
+            format!("H = {h} needs more than 64 KiB of LDS in the MFMA kernel"),
+        );
     }
-    (HipKernelOutput::Mfma, "fused MFMA output kernel".to_string())
+    if forced {
+        return OutputRule::Fixed(HipKernelOutput::Mfma, format!("{MFMA_ENV}=1: used without validation"));
+    }
+    OutputRule::ByVerdict
 }
 
 #[cfg(test)]
@@ -213,14 +219,21 @@ mod tests {
     fn output_path_choice() {
         use HipKernelOutput::*;
         // Default until validated on hardware: rocBLAS.
-        assert_eq!(select_output("gfx942", 128, None).0, if MFMA_OUTPUT_VALIDATED { Mfma } else { Blas });
-        assert_eq!(select_output("gfx942", 128, Some("1")).0, Mfma);
-        assert_eq!(select_output("gfx90a", 128, Some("1")).0, Mfma);
-        assert_eq!(select_output("gfx942", 128, Some("0")).0, Blas);
-        assert_eq!(select_output("gfx1100", 128, Some("1")).0, Blas);
-        assert_eq!(select_output("gfx942", 100, Some("1")).0, Blas);
-        assert_eq!(select_output("gfx942", 248, Some("1")).0, Mfma);
-        assert_eq!(select_output("gfx942", 256, Some("1")).0, Blas);
+        let fixed = |arch, h, env| match output_rule(arch, h, env) {
+            OutputRule::Fixed(o, _) => Some(o),
+            OutputRule::ByVerdict => None,
+        };
+        assert_eq!(fixed("gfx942", 128, None), None, "left to the verdict");
+        assert_eq!(fixed("gfx942", 128, Some("auto")), None, "left to the verdict");
+        assert_eq!(fixed("gfx942", 128, Some("1")), Some(Mfma));
+        assert_eq!(fixed("gfx90a", 128, Some("1")), Some(Mfma));
+        assert_eq!(fixed("gfx942", 128, Some("0")), Some(Blas));
+        assert_eq!(fixed("gfx1100", 128, Some("1")), Some(Blas));
+        assert_eq!(fixed("gfx1100", 128, None), Some(Blas), "no MFMA: nothing to validate");
+        assert_eq!(fixed("gfx942", 100, Some("1")), Some(Blas));
+        assert_eq!(fixed("gfx942", 100, None), Some(Blas));
+        assert_eq!(fixed("gfx942", 248, Some("1")), Some(Mfma));
+        assert_eq!(fixed("gfx942", 256, Some("1")), Some(Blas));
         assert!(output_projection_smem_bytes(248) <= LDS_BYTES && output_projection_smem_bytes(256) > LDS_BYTES);
         // H = 128: 16896 + 512 + 16896 bytes.
         assert_eq!(output_projection_smem_bytes(128), 34304);

@@ -14,8 +14,10 @@
 //!    rocBLAS (default): `output_norm` (a = LN_H(t) [⊙ gate], into the `left` buffer), output
 //!    GEMM (`GemmSpec::output`, y = a·Woutᵀ in f32), af3: the bias as a rank-1 GEMM update and
 //!    `output_gate` (y ⊙= σ(z·Wgᵀ + bg));
-//!    MFMA (opt-in, `TRIMUL_HIP_MFMA=1`, CDNA only): `output_projection` does all of step 3 in
-//!    one kernel with `v_mfma_f32_32x32x8f16`. It has not run on hardware yet.
+//!    MFMA (CDNA only): `output_projection` does all of step 3 in one kernel with
+//!    `v_mfma_f32_32x32x8f16`. It has not run on hardware yet, so a layer uses it only where this
+//!    device validated it for the layer's C and H and it beat rocBLAS (`validate.rs`,
+//!    `crate::validation`), or where `TRIMUL_HIP_MFMA=1` forces it.
 //!
 //! When that plan's workspace does not fit the memory budget (or the free memory), the forward
 //! runs a chunked [`Plan`] instead: steps 1 and 2 in passes over hidden channels (each pass's
@@ -44,6 +46,7 @@ mod context;
 pub(crate) mod kernels;
 pub(crate) mod result;
 pub(crate) mod sys;
+mod validate;
 
 #[cfg(test)]
 mod host_tests;
@@ -53,12 +56,13 @@ pub use self::kernels::HipKernelOutput;
 
 use self::context::{launch_by_value, poisoned, Context, Kernels, POISON_BYTE};
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
-use self::kernels::KernelImage;
+use self::kernels::{KernelImage, OutputRule};
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::caller_workspace::{self, SpanCarver};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
@@ -79,6 +83,7 @@ use crate::gradients::Gradients;
 use crate::plan::ExecPlan;
 use crate::plan::{Blas, Buffer, Capabilities, InputStage, Plan};
 use crate::problem::{Config, Formulation, Precision, Problem};
+use crate::validation::VerdictStore;
 use crate::weights::Weights;
 
 /// What plans this backend runs: the stage kernels around rocBLAS (the fused MFMA input stage
@@ -231,10 +236,12 @@ impl HipBackend {
         let cus = result::device_attribute(api, sys::HIP_ATTR_MULTIPROCESSOR_COUNT, ord).unwrap_or(0);
         let memory = result::device_total_mem(api, ord).unwrap_or(0);
         let text = |r: Result<String>| r.unwrap_or_else(|e| format!("unknown ({e})"));
-        let (output, output_why) = kernels::select_output(&arch, 128, env_flag(kernels::MFMA_ENV).as_deref());
-        let output_text = match output {
-            HipKernelOutput::Blas => format!("output_norm + rocBLAS ({output_why})"),
-            HipKernelOutput::Mfma => format!("MFMA output_projection ({output_why})"),
+        let output_text = match kernels::output_rule(&arch, 128, env_flag(kernels::MFMA_ENV).as_deref()) {
+            OutputRule::Fixed(HipKernelOutput::Blas, why) => format!("output_norm + rocBLAS ({why})"),
+            OutputRule::Fixed(HipKernelOutput::Mfma, why) => format!("MFMA output_projection ({why})"),
+            OutputRule::ByVerdict => "MFMA output_projection where this device's validation passed and it won, \
+                                      else output_norm + rocBLAS (validated on first use)"
+                .to_string(),
         };
         let versions = vec![
             ("HIP runtime".to_string(), text(result::runtime_version(api).map(arch::format_hip_version))),
@@ -267,6 +274,8 @@ impl HipBackend {
                 tracker: Arc::new(AllocTracker::default()),
                 poison: AtomicBool::new(false),
                 mfma_output: Mutex::new(None),
+                verdicts: Mutex::new(HashMap::new()),
+                store: VerdictStore::from_env(),
                 force_rtc,
                 ordinal: ord,
                 target_id,
@@ -351,6 +360,35 @@ impl HipBackend {
         let k = Arc::new(k);
         *slot = Some(k.clone());
         Ok(k)
+    }
+
+    /// [`Backend::prepare`] with the output path given (the validation prepares both).
+    fn prepare_as(&self, w: &Weights, output: HipKernelOutput) -> Result<HipPrepared> {
+        w.validate()?;
+        self.bind()?;
+        let config = w.config();
+        let (fused, proj_bias) = w.fused_input()?;
+        debug_assert_eq!(fused.len(), config.fused_proj_width() * config.c);
+        let proj_bias = proj_bias.map(|b| self.upload_f32(&b)).transpose()?;
+        let mfma = match output {
+            HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
+            HipKernelOutput::Blas => None,
+        };
+        Ok(HipPrepared {
+            config,
+            id: super::next_weights_id(),
+            w_in: self.upload_f16("the input projections", &fused)?,
+            w_out: self.upload_f16("the output projection", &w.out_proj.weight)?,
+            proj_bias,
+            out_bias: w.out_proj.bias.as_ref().map(|b| self.upload_f32(b)).transpose()?,
+            norm_in_w: self.upload_f32(&w.norm_in.weight)?,
+            norm_in_b: self.upload_f32(&w.norm_in.bias)?,
+            norm_out_w: self.upload_f32(&w.norm_out.weight)?,
+            norm_out_b: self.upload_f32(&w.norm_out.bias)?,
+            biases: w.linears().map(|(_, l)| l.bias.is_some()),
+            output,
+            mfma,
+        })
     }
 
     /// af3's vector of ones for the output-bias update of `rows` positions.
@@ -443,7 +481,8 @@ impl HipBackend {
         // stream runs the launch, and every destination lies inside `storage` (checked above): this
         // function's contract.
         unsafe { launch_prepare(&self.ctx.kernels.prepare_weights, stream, &kp)? };
-        let (output, _) = kernels::select_output(&self.ctx.arch, config.h, self.mfma_setting().as_deref());
+        // No validation here: this may run inside a graph capture. A verdict that exists is used.
+        let output = self.output_for(&config, false)?;
         let mfma = match output {
             HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
             HipKernelOutput::Blas => None,
@@ -893,36 +932,17 @@ impl Backend for HipBackend {
     }
 
     fn info(&self) -> DeviceInfo {
-        self.ctx.info.clone()
+        let mut info = self.ctx.info.clone();
+        info.versions.extend(self.verdict_lines());
+        info
     }
 
     fn prepare(&self, w: &Weights) -> Result<HipPrepared> {
         w.validate()?;
         self.bind()?;
-        let config = w.config();
-        let (fused, proj_bias) = w.fused_input()?;
-        debug_assert_eq!(fused.len(), config.fused_proj_width() * config.c);
-        let proj_bias = proj_bias.map(|b| self.upload_f32(&b)).transpose()?;
-        let (output, _) = kernels::select_output(&self.ctx.arch, config.h, self.mfma_setting().as_deref());
-        let mfma = match output {
-            HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
-            HipKernelOutput::Blas => None,
-        };
-        Ok(HipPrepared {
-            config,
-            id: super::next_weights_id(),
-            w_in: self.upload_f16("the input projections", &fused)?,
-            w_out: self.upload_f16("the output projection", &w.out_proj.weight)?,
-            proj_bias,
-            out_bias: w.out_proj.bias.as_ref().map(|b| self.upload_f32(b)).transpose()?,
-            norm_in_w: self.upload_f32(&w.norm_in.weight)?,
-            norm_in_b: self.upload_f32(&w.norm_in.bias)?,
-            norm_out_w: self.upload_f32(&w.norm_out.weight)?,
-            norm_out_b: self.upload_f32(&w.norm_out.bias)?,
-            biases: w.linears().map(|(_, l)| l.bias.is_some()),
-            output,
-            mfma,
-        })
+        // The MFMA output kernel is validated here on first use for this C and H (`validate.rs`).
+        let output = self.output_for(&w.config(), true)?;
+        self.prepare_as(w, output)
     }
 
     fn prepared_bytes(&self, p: &HipPrepared) -> u64 {

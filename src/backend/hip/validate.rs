@@ -1,0 +1,290 @@
+//! The MFMA output kernel proved on this device before layers use it (`crate::validation`).
+//!
+//! No AMD GPU has run `output_projection`. So where the kernel can run (a CDNA arch, H a
+//! multiple of 8 within the LDS) and no setting forces a choice, a layer prepared from host
+//! weights asks for this device's verdict on the kernel for its C and H: from memory, from the
+//! verdict file, or by running the validation now. The validation runs four small forwards on
+//! the MFMA path (both formulations, both directions, masks, biases, f32 and 16-bit x and y,
+//! Cauchy inputs, odd N and B > 1) against the f64 reference with every element checked, then
+//! times both output paths on one shape (B = 1, N = [`validation::timing_n`], the layer's C and
+//! H) with device events, alternating them. Weights prepared on the device take a verdict that
+//! exists and the rocBLAS path otherwise: they may be prepared inside a graph capture, where
+//! nothing may allocate or wait.
+
+use super::context::{poisoned, HipBackend, HipPrepared};
+use super::kernels::{self, HipKernelOutput, OutputRule};
+use super::result::Timer;
+use crate::backend::Backend;
+use crate::device_io::{DeviceIo, ForwardIo};
+use crate::error::Result;
+use crate::problem::{Config, Direction, Formulation, Precision, Problem};
+use crate::reference;
+use crate::suite::{self, Case, Dist};
+use crate::validation::{self, CaseOutcome, Verdict, VerdictKey};
+use crate::weights::Weights;
+
+/// The fast path's name in verdicts.
+const PATH: &str = "output_projection (MFMA)";
+
+/// Each validation case: formulation, biases, B, N, masked, direction, I/O precision, inputs.
+const CASES: [(Formulation, bool, usize, usize, bool, Direction, Precision, Dist); 4] = [
+    (Formulation::Af3, true, 1, 19, true, Direction::Outgoing, Precision::F32Io, Dist::Normal),
+    (Formulation::Af3, true, 2, 9, false, Direction::Incoming, Precision::Bf16Io, Dist::Normal),
+    (Formulation::GpuMode, false, 1, 16, true, Direction::Incoming, Precision::F32Io, Dist::Cauchy),
+    (Formulation::GpuMode, false, 1, 11, false, Direction::Outgoing, Precision::F16Io, Dist::Normal),
+];
+
+impl HipBackend {
+    /// The output path a layer of `config` uses: fixed by the setting or the hardware, else the
+    /// verdict's. `may_validate`: run the validation when no verdict exists (host preparation);
+    /// otherwise (device preparation, maybe under a capture) no verdict means rocBLAS.
+    pub(super) fn output_for(&self, config: &Config, may_validate: bool) -> Result<HipKernelOutput> {
+        match kernels::output_rule(&self.ctx.arch, config.h, self.mfma_setting().as_deref()) {
+            OutputRule::Fixed(output, _) => Ok(output),
+            OutputRule::ByVerdict => {
+                let verdict = match self.output_verdict(config.c, config.h)? {
+                    Some(v) => Some(v),
+                    None if may_validate => Some(self.validate_output(config.c, config.h)?),
+                    None => None,
+                };
+                Ok(if verdict.is_some_and(|v| v.used) { HipKernelOutput::Mfma } else { HipKernelOutput::Blas })
+            }
+        }
+    }
+
+    /// What this device knows about the MFMA output kernel for C and H, without running
+    /// anything: the verdict made or read before in this process, else the verdict file's.
+    pub fn output_verdict(&self, c: usize, h: usize) -> Result<Option<Verdict>> {
+        if let Some(v) = self.ctx.verdicts.lock().map_err(poisoned)?.get(&(c, h)) {
+            return Ok(Some(v.clone()));
+        }
+        let Some(v) = self.ctx.store.load(&self.output_key(c, h)) else { return Ok(None) };
+        self.ctx.verdicts.lock().map_err(poisoned)?.insert((c, h), v.clone());
+        Ok(Some(v))
+    }
+
+    /// Validates the MFMA output kernel for C and H on this device now (again, if a verdict
+    /// exists), keeps the verdict for this process and writes it to the verdict file. Layers
+    /// prepared afterwards follow it. An arch without MFMA, or an H the kernel cannot take, is
+    /// an error naming why.
+    pub fn validate_output(&self, c: usize, h: usize) -> Result<Verdict> {
+        if let OutputRule::Fixed(_, why) = kernels::output_rule(&self.ctx.arch, h, None) {
+            return Err(crate::error::Error::InvalidArgument(format!("the MFMA output kernel cannot run here: {why}")));
+        }
+        let verdict = self.run_output_validation(c, h)?;
+        // A file that cannot be written costs only a validation in the next process.
+        if let Err(e) = self.ctx.store.save(&verdict) {
+            eprintln!("trimul: {e}");
+        }
+        self.ctx.verdicts.lock().map_err(poisoned)?.insert((c, h), verdict.clone());
+        Ok(verdict)
+    }
+
+    /// The verdicts that hold for this device as it is now (the verdict file's and this
+    /// process's): those made with this driver, rocBLAS, kernel build and trimul, one per C and H.
+    pub fn output_verdicts(&self) -> Vec<Verdict> {
+        let now = self.output_key(0, 0);
+        let mine = |v: &Verdict| VerdictKey { class: now.class.clone(), ..v.key.clone() } == now;
+        let mut all: Vec<Verdict> = self.ctx.store.all().into_iter().filter(mine).collect();
+        if let Ok(known) = self.ctx.verdicts.lock() {
+            for v in known.values() {
+                if !all.iter().any(|w| w.key == v.key) {
+                    all.push(v.clone());
+                }
+            }
+        }
+        all.sort_by(|a, b| a.key.class.cmp(&b.key.class).then(a.when.cmp(&b.when)));
+        all
+    }
+
+    /// Lines for [`Backend::info`]: each verdict that holds here, by C and H.
+    pub(super) fn verdict_lines(&self) -> Vec<(String, String)> {
+        self.output_verdicts()
+            .into_iter()
+            .map(|v| {
+                let verdict = if v.used { "used" } else { "not used" };
+                (format!("MFMA output kernel, {}", v.key.class), format!("{verdict}: {}", v.reason))
+            })
+            .collect()
+    }
+
+    /// What the verdict depends on: the device, driver, rocBLAS, the kernel's bytes and trimul.
+    fn output_key(&self, c: usize, h: usize) -> VerdictKey {
+        let version = |name: &str| {
+            self.ctx.info.versions.iter().find(|(k, _)| k == name).map_or_else(String::new, |(_, v)| v.clone())
+        };
+        let arch = self.ctx.arch.as_str();
+        let stage = crate::kernels::HIP_STAGES.iter().find(|s| s.name == kernels::OUTPUT_PROJECTION);
+        // The code object that loads here, or the source hipRTC compiles, with its options.
+        let object = stage.and_then(|s| s.code_objects.iter().find(|(a, _)| *a == arch).map(|(_, code)| *code));
+        let options = kernels::rtc_options(arch).join(" ");
+        let kernel = validation::fingerprint(&[
+            stage.map_or(&b""[..], |s| s.source.as_bytes()),
+            if self.ctx.force_rtc { b"" } else { object.unwrap_or(b"") },
+            options.as_bytes(),
+        ]);
+        VerdictKey {
+            backend: "hip".into(),
+            device: self.ctx.info.name.clone(),
+            target: self.ctx.target_id.clone(),
+            driver: version("HIP driver"),
+            library: format!("rocBLAS {}", version("rocBLAS")),
+            path: PATH.into(),
+            kernel,
+            class: format!("C={c} H={h}"),
+            trimul: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+
+    fn run_output_validation(&self, c: usize, h: usize) -> Result<Verdict> {
+        let mut cases = Vec::new();
+        for (i, &(formulation, biases, b, n, masked, dir, io, dist)) in CASES.iter().enumerate() {
+            let config = Config::new(formulation, c, h)?;
+            let case = Case { batch: b, n, c, h, masked, dist };
+            let seed = 0x7A11_DA7E ^ (i as u64) ^ ((c as u64) << 20) ^ ((h as u64) << 40);
+            let weights = Weights::random(config, biases, seed)?;
+            let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
+            let problem = Problem::new(config, case.shape(), dir, masked)?.with_io(io);
+            let prepared = self.prepare_as(&weights, HipKernelOutput::Mfma)?;
+            let (x, y) = self.forward_checked(&prepared, &problem, &inputs.x, inputs.mask.as_deref())?;
+            let cmp = reference::check(
+                &weights,
+                &problem,
+                &x,
+                inputs.mask.as_deref(),
+                &y,
+                validation::RTOL,
+                validation::ATOL,
+            )?;
+            cases.push(CaseOutcome {
+                case: format!(
+                    "{formulation}{} b{b} n{n} {} {dir} {io} {dist}",
+                    if biases { " biases" } else { "" },
+                    if masked { "mask" } else { "nomask" }
+                ),
+                passed: cmp.passed() && cmp.rel_l2 <= validation::MAX_REL_L2,
+                bad: cmp.bad,
+                checked: cmp.checked,
+                rel_l2: cmp.rel_l2,
+            });
+        }
+        let n = validation::timing_n();
+        let timed_shape = format!("af3 B=1 N={n} C={c} H={h} f32-io");
+        let (fast, baseline) = if cases.iter().all(|c| c.passed) {
+            let (f, b) = self.time_output_paths(c, h, n)?;
+            (Some(f), Some(b))
+        } else {
+            (None, None)
+        };
+        Ok(Verdict::decide(self.output_key(c, h), cases, fast, baseline, timed_shape))
+    }
+
+    /// One forward of `problem` on device copies of x (rounded to the problem's I/O precision)
+    /// and the mask, y poisoned with NaN first. Returns x as the layer read it and y, as f32.
+    fn forward_checked(
+        &self,
+        prepared: &HipPrepared,
+        problem: &Problem,
+        x: &[f32],
+        mask: Option<&[f32]>,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let io = problem.io;
+        let (x, words) = if io == Precision::F32Io {
+            (x.to_vec(), x.to_vec())
+        } else {
+            let bits: Vec<u16> = x.iter().map(|&v| io.encode_half(v)).collect();
+            (bits.iter().map(|&b| io.decode_half(b)).collect(), pack16(&bits))
+        };
+        let upload = |v: &[f32]| -> Result<_> {
+            let mut d = self.alloc(v.len())?;
+            self.upload(v, &mut d)?;
+            Ok(d)
+        };
+        let xd = upload(&words)?;
+        let md = mask.map(upload).transpose()?;
+        let yd = upload(&vec![f32::NAN; words.len()])?;
+        let mut ws = self.workspace(prepared, problem, None)?;
+        let dio = DeviceIo {
+            x: xd.device_ptr(),
+            mask: md.as_ref().map(|m| m.device_ptr()),
+            y: yd.device_ptr(),
+            shape: problem.shape,
+            io,
+            stream: self.stream() as u64,
+            workspace: None,
+        };
+        // SAFETY: x, the mask and y are live allocations of this device holding the problem's
+        // elements in `io` (the mask in f32), y aliasing neither; the download below waits for
+        // the stream before they are freed.
+        self.forward(prepared, &mut ws, problem, unsafe { ForwardIo::device(&dio) })?;
+        let mut out = vec![0f32; words.len()];
+        self.download(&yd, &mut out)?;
+        let y = if io == Precision::F32Io {
+            out
+        } else {
+            unpack16(&out, x.len()).into_iter().map(|b| io.decode_half(b)).collect()
+        };
+        Ok((x, y))
+    }
+
+    /// Median forward milliseconds of the MFMA path and of the rocBLAS path at B = 1, N = `n`
+    /// (af3 with biases, unmasked, f32 x and y): warm-ups, then the two alternated.
+    fn time_output_paths(&self, c: usize, h: usize, n: usize) -> Result<(f64, f64)> {
+        let config = Config::new(Formulation::Af3, c, h)?;
+        let case = Case { batch: 1, n, c, h, masked: false, dist: Dist::Normal };
+        let weights = Weights::random(config, true, 0x7131_0000 ^ n as u64)?;
+        let x = suite::generate_inputs(&case, 0x7131).x;
+        let problem = Problem::new(config, case.shape(), Direction::Outgoing, false)?;
+        let upload = |v: &[f32]| -> Result<_> {
+            let mut d = self.alloc(v.len())?;
+            self.upload(v, &mut d)?;
+            Ok(d)
+        };
+        let xd = upload(&x)?;
+        let yd = self.alloc(x.len())?;
+        let mut paths = Vec::new();
+        for output in [HipKernelOutput::Mfma, HipKernelOutput::Blas] {
+            let prepared = self.prepare_as(&weights, output)?;
+            let ws = self.workspace(&prepared, &problem, None)?;
+            paths.push((prepared, ws, Vec::new()));
+        }
+        let dio = DeviceIo {
+            x: xd.device_ptr(),
+            mask: None,
+            y: yd.device_ptr(),
+            shape: problem.shape,
+            io: Precision::F32Io,
+            stream: self.stream() as u64,
+            workspace: None,
+        };
+        let timer = Timer::new(self.ctx.api)?;
+        for round in 0..validation::TIMING_WARMUP + validation::TIMING_REPEATS {
+            for (prepared, ws, times) in paths.iter_mut() {
+                timer.start(&self.ctx.stream)?;
+                // SAFETY: x and y are live allocations of this device of the problem's elements in
+                // f32, not aliasing; `elapsed_ms` waits for the stream before they are freed.
+                self.forward(prepared, ws, &problem, unsafe { ForwardIo::device(&dio) })?;
+                timer.stop(&self.ctx.stream)?;
+                let ms = timer.elapsed_ms()?;
+                if round >= validation::TIMING_WARMUP {
+                    times.push(ms);
+                }
+            }
+        }
+        let median = |t: &mut Vec<f64>| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        };
+        Ok((median(&mut paths[0].2), median(&mut paths[1].2)))
+    }
+}
+
+/// 16-bit values two to an f32 word (little-endian), as device buffers of f32 hold them.
+fn pack16(bits: &[u16]) -> Vec<f32> {
+    bits.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(*p.get(1).unwrap_or(&0)) << 16))).collect()
+}
+
+/// The first `len` 16-bit values of f32 words packed by [`pack16`].
+fn unpack16(words: &[f32], len: usize) -> Vec<u16> {
+    words.iter().flat_map(|w| [w.to_bits() as u16, (w.to_bits() >> 16) as u16]).take(len).collect()
+}
