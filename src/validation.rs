@@ -163,6 +163,13 @@ impl Verdict {
         Verdict { key, cases, passed, fast_ms, baseline_ms, timed_shape, used, reason, when }
     }
 
+    /// A verdict against a path whose validation could not run to the end (`reason` says why).
+    pub fn not_run(key: VerdictKey, reason: String) -> Verdict {
+        let mut v = Verdict::decide(key, Vec::new(), None, None, String::new());
+        v.reason = reason;
+        v
+    }
+
     /// One line for `trimul info` and `trimul tune`.
     pub fn describe(&self) -> String {
         format!(
@@ -317,6 +324,8 @@ mod tests {
         let wrong = d(vec![case(true, 0), case(false, 3)], Some(1.0), Some(2.0));
         assert!(!wrong.passed && !wrong.used && wrong.reason.contains("3 of 100"), "{}", wrong.reason);
         assert!(!d(vec![], Some(1.0), Some(2.0)).used, "no cases");
+        let e = Verdict::not_run(key("k"), "the validation run failed: out of memory".into());
+        assert!(!e.passed && !e.used && e.reason.contains("out of memory"), "{e:?}");
         assert!(!d(vec![case(true, 0)], None, Some(2.0)).used, "not timed");
         assert!(!d(vec![case(true, 0)], Some(f64::NAN), Some(2.0)).used, "NaN time");
     }

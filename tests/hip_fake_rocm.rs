@@ -980,9 +980,11 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
         fn drop(&mut self) {
             std::env::remove_var("TRIMUL_FAKE_ROCM_CORRUPT");
             std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
+            std::env::set_var("TRIMUL_HIP_MFMA", "0"); // the other tests' setting (fake.rs)
         }
     }
     let _hooks = Hooks;
+    std::env::remove_var("TRIMUL_HIP_MFMA"); // the default: the verdict decides
     let path_of = |b: &HipBackend, cfg: Config| {
         let biases = cfg.formulation == Formulation::Af3;
         b.prepare(&Weights::random(cfg, biases, 1).unwrap()).unwrap().output_path()
@@ -999,7 +1001,7 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
     b.set_poison(true);
 
     // 1. Sound and faster (the rocBLAS path's output_norm made slow): validated on first use, used.
-    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_norm:40");
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_norm:100");
     assert!(b.output_verdict(32, 16).unwrap().is_none(), "nothing validated yet");
     let case = Case::new(8, 2, 32, true, Dist::Normal);
     assert_eq!(check(&b, gm(32, 16), &case, Direction::Outgoing, false, 1), HipKernelOutput::Mfma);
@@ -1025,7 +1027,7 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
 
     // 3. A subtly broken kernel (a few elements wrong) fails validation: never used, and the
     // layer's forward is right on rocBLAS. Validating again replaces the earlier verdict.
-    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_norm:40");
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_norm:100");
     let case = Case::new(10, 1, 24, true, Dist::Normal);
     assert_eq!(check(&b, af(24, 32), &case, Direction::Incoming, true, 2), HipKernelOutput::Blas);
     let bad = b.output_verdict(24, 32).unwrap().unwrap();
@@ -1039,7 +1041,7 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
     std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
 
     // 4. Sound but slower: reported, not used.
-    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_projection:40");
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_projection:100");
     let slow = b.validate_output(40, 24).unwrap();
     assert!(slow.passed && !slow.used && slow.reason.contains("not faster"), "{slow:?}");
     assert_eq!(path_of(&b, gm(40, 24)), HipKernelOutput::Blas);
@@ -1053,7 +1055,16 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
     b.set_mfma_output(None);
     let e = b.validate_output(32, 12).unwrap_err().to_string();
     assert!(e.contains("multiple of 8"), "{e}");
-    // The file holds the last verdict of each class.
+    // 6. A validation that cannot run to the end (a launch that faults) keeps the kernel out for
+    // this process without writing a verdict, and the backend goes on working.
+    std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", "hipModuleLaunchKernel:3");
+    let failed = b.validate_output(48, 8).unwrap();
+    std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
+    assert!(!failed.used && failed.reason.contains("validation run failed"), "{failed:?}");
+    assert_eq!(path_of(&b, gm(48, 8)), HipKernelOutput::Blas);
+    let case = Case::new(7, 1, 48, false, Dist::Cauchy);
+    assert_eq!(check(&b, gm(48, 8), &case, Direction::Incoming, false, 3), HipKernelOutput::Blas);
+    // The file holds the last verdict of each class that ran to the end.
     let stored = trimul::validation::VerdictStore::at(&dir).all();
     assert_eq!(stored.len(), 3, "{stored:?}");
     std::fs::remove_dir_all(&dir).unwrap();

@@ -207,10 +207,13 @@ def _use_the_loaded_hip_runtime() -> None:
             os.environ[env] = found[0]
 
 
+_validated: set = set()
+
 if _HIP:
     _use_the_loaded_hip_runtime()
     _DeviceLayer = _trimul.HipLayer
     _device_prepared_bytes = _trimul.hip_prepared_bytes
+    _hip_validate_output = _trimul.hip_validate_output
 else:
     _DeviceLayer = _trimul.CudaLayer
     _device_prepared_bytes = _trimul.cuda_prepared_bytes
@@ -225,6 +228,12 @@ def _cuda_prepare(x: Tensor, originals: list, direction: str, eps: float, index:
     nbytes = _prepared_bytes.get(nb_key)
     if nbytes is None:
         nbytes = _prepared_bytes[nb_key] = _device_prepared_bytes(index, "af3", c, h, biases)
+    if _HIP and (index, c, h) not in _validated and not _capturing():
+        # The MFMA output kernel has not run on AMD hardware before: it is validated on this GPU
+        # (once per C and H; the verdict is kept on disk) before layers use it. Not during a
+        # capture, where nothing may allocate or wait: such a layer uses rocBLAS until then.
+        _hip_validate_output(index, c, h)
+        _validated.add((index, c, h))
     storage = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     entry = _Entry()
     entry.layer = _DeviceLayer(index, "af3", c, h, direction, eps, _entries(w), storage.data_ptr(), nbytes, stream)

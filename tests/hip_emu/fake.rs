@@ -41,9 +41,12 @@ pub fn fake() -> Option<MutexGuard<'static, ()>> {
         std::env::set_var("TRIMUL_ROCBLAS_LIBRARY", &lib);
         // No hipRTC: archs without prebuilt objects must fail clearly.
         std::env::set_var("TRIMUL_HIPRTC_LIBRARY", dir.join("no-hiprtc-here.so"));
-        std::env::remove_var("TRIMUL_HIP_MFMA");
-        // Fast-path verdicts (the MFMA kernel validated on first use) stay in this process's
-        // directory, and the timed shape is small: the emulation runs on the host's CPU.
+        // The rocBLAS output path unless a test chooses (`set_mfma_output`), so that each test
+        // knows which path it checks; the default, the MFMA kernel where this device's
+        // validation passed and it won, is the subject of a test of its own, which unsets this.
+        std::env::set_var("TRIMUL_HIP_MFMA", "0");
+        // Fast-path verdicts stay in this process's directory, and the timed shape is small: the
+        // emulation runs on the host's CPU.
         std::env::set_var("TRIMUL_CACHE_DIR", dir.join("verdicts"));
         std::env::set_var("TRIMUL_VALIDATION_N", "16");
         std::env::remove_var("TRIMUL_HIP_FORCE_RTC");

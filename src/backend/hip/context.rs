@@ -51,8 +51,9 @@ pub(super) struct Context {
     pub(super) poison: AtomicBool,
     /// `Some(on)` overrides `TRIMUL_HIP_MFMA` for layers prepared from now on.
     pub(super) mfma_output: Mutex<Option<bool>>,
-    /// The verdicts on the MFMA output kernel looked up or made in this process, per (C, H).
-    pub(super) verdicts: Mutex<HashMap<(usize, usize), Verdict>>,
+    /// The verdicts on the MFMA output kernel looked up or made in this process, per (C, H);
+    /// `None` where the verdict file had none.
+    pub(super) verdicts: Mutex<HashMap<(usize, usize), Option<Verdict>>>,
     /// Where verdicts are kept between processes.
     pub(super) store: VerdictStore,
     /// Every stage compiled with hipRTC, prebuilt objects ignored.

@@ -52,15 +52,32 @@ impl HipBackend {
         }
     }
 
+    /// Makes sure layers of C and H on this device can follow a verdict: where the choice is
+    /// left to one and none exists yet, validates now. Returns the verdict (`None` where a
+    /// setting or the hardware settles the path without one). For callers whose own
+    /// preparation runs on the device (the Python package calls this when a layer is first made
+    /// outside a graph capture); a layer prepared from host weights does this itself.
+    pub fn ensure_output_verdict(&self, c: usize, h: usize) -> Result<Option<Verdict>> {
+        if let OutputRule::Fixed(..) = kernels::output_rule(&self.ctx.arch, h, self.mfma_setting().as_deref()) {
+            return Ok(None);
+        }
+        match self.output_verdict(c, h)? {
+            Some(v) => Ok(Some(v)),
+            None => self.validate_output(c, h).map(Some),
+        }
+    }
+
     /// What this device knows about the MFMA output kernel for C and H, without running
     /// anything: the verdict made or read before in this process, else the verdict file's.
     pub fn output_verdict(&self, c: usize, h: usize) -> Result<Option<Verdict>> {
-        if let Some(v) = self.ctx.verdicts.lock().map_err(poisoned)?.get(&(c, h)) {
-            return Ok(Some(v.clone()));
+        if let Some(known) = self.ctx.verdicts.lock().map_err(poisoned)?.get(&(c, h)) {
+            return Ok(known.clone());
         }
-        let Some(v) = self.ctx.store.load(&self.output_key(c, h)) else { return Ok(None) };
-        self.ctx.verdicts.lock().map_err(poisoned)?.insert((c, h), v.clone());
-        Ok(Some(v))
+        // The file is read once per C and H: a layer prepared on the device on every call (weights
+        // being trained) must not read it each time. Absence is remembered too.
+        let found = self.ctx.store.load(&self.output_key(c, h));
+        self.ctx.verdicts.lock().map_err(poisoned)?.insert((c, h), found.clone());
+        Ok(found)
     }
 
     /// Validates the MFMA output kernel for C and H on this device now (again, if a verdict
@@ -71,12 +88,19 @@ impl HipBackend {
         if let OutputRule::Fixed(_, why) = kernels::output_rule(&self.ctx.arch, h, None) {
             return Err(crate::error::Error::InvalidArgument(format!("the MFMA output kernel cannot run here: {why}")));
         }
-        let verdict = self.run_output_validation(c, h)?;
-        // A file that cannot be written costs only a validation in the next process.
-        if let Err(e) = self.ctx.store.save(&verdict) {
-            eprintln!("trimul: {e}");
-        }
-        self.ctx.verdicts.lock().map_err(poisoned)?.insert((c, h), verdict.clone());
+        let verdict = match self.run_output_validation(c, h) {
+            Ok(v) => {
+                // A file that cannot be written costs only a validation in the next process.
+                if let Err(e) = self.ctx.store.save(&v) {
+                    eprintln!("trimul: {e}");
+                }
+                v
+            }
+            // A run that failed (a fault, memory refused) is a verdict against the kernel for
+            // this process; it is not written, so a transient failure is not remembered.
+            Err(e) => Verdict::not_run(self.output_key(c, h), format!("the validation run failed: {e}")),
+        };
+        self.ctx.verdicts.lock().map_err(poisoned)?.insert((c, h), Some(verdict.clone()));
         Ok(verdict)
     }
 
@@ -87,7 +111,7 @@ impl HipBackend {
         let mine = |v: &Verdict| VerdictKey { class: now.class.clone(), ..v.key.clone() } == now;
         let mut all: Vec<Verdict> = self.ctx.store.all().into_iter().filter(mine).collect();
         if let Ok(known) = self.ctx.verdicts.lock() {
-            for v in known.values() {
+            for v in known.values().flatten() {
                 if !all.iter().any(|w| w.key == v.key) {
                     all.push(v.clone());
                 }
