@@ -379,6 +379,21 @@ fn run_emulation(exe: &Path, args: &[String]) -> String {
     text.trim().to_string()
 }
 
+/// The emulated MFMA (which the kernel's emulated tests and the fake ROCm run on) reads A, B and
+/// C and writes D where AMD's published layout of `v_mfma_f32_32x32x8f16` says, on CDNA1, CDNA2
+/// and CDNA3 (`tests/hip_emu/mfma_tables/`, the Matrix Instruction Calculator's output): the
+/// emulation was written from the same ISA description as `hip/mfma.h`, so without this a
+/// layout error in both would pass every emulated test.
+#[test]
+fn mfma_emulation_follows_the_published_register_layout() {
+    let Some(exe) = build_emulation("mfma_layout") else { return };
+    let tables = root().join("tests/hip_emu/mfma_tables");
+    for arch in ["cdna1", "cdna2", "cdna3"] {
+        let text = run_emulation(&exe, &[tables.display().to_string(), arch.to_string()]);
+        eprintln!("{text}");
+    }
+}
+
 #[test]
 fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
     let Some(exe) = build_emulation("output_projection") else { return };
