@@ -798,3 +798,52 @@ fn nvidia_smi_probe_reads_around_the_timed_calls() {
     assert!(probe.is_none() && t.reason.unwrap().contains("GPU-9999"));
     assert_eq!(NvidiaSmi::around(None, || 1), (1, None));
 }
+
+/// A HIP run (an AMD GPU's `trimul bench --json`, no telemetry probe there) beside a CUDA run:
+/// read back from its file, rendered in one report with its own device, versions and floor
+/// ratios, compared only with runs of its own class, and plotted (issue 31's "report back").
+#[test]
+fn a_hip_run_renders_beside_a_cuda_run() {
+    let cuda = built_run();
+    let mut hip = built_run();
+    hip.backend = "hip".into();
+    hip.label = Some("MI300X rocBLAS output".into());
+    hip.machine = MachineInfo::from_device_info(
+        &trimul::DeviceInfo {
+            vendor: "AMD".into(),
+            name: "AMD Instinct MI300X".into(),
+            arch: "gfx942".into(),
+            compute_units: 304,
+            memory_bytes: 206_158_430_208,
+            versions: vec![
+                ("HIP runtime".into(), "6.3.42134".into()),
+                ("rocBLAS".into(), "4.3.0".into()),
+                ("MFMA output kernel, C=128 H=128".into(), "used: passed 4 cases; 0.210 ms against 0.260 ms".into()),
+            ],
+        },
+        Some("amd-host".into()),
+    );
+    hip.ceilings = Ceilings { gemm_tflops: 650.0, gemm_desc: "rocBLAS f16·f16→f32 8192³".into(), copy_gbs: 4200.0 };
+    hip.telemetry = Some(RunTelemetry {
+        source: "none".into(),
+        available: false,
+        reason: Some("no telemetry probe for AMD GPUs".into()),
+        gpu: None,
+        driver_version: None,
+        interval_ms: None,
+    });
+    for s in &mut hip.shapes {
+        s.telemetry = None;
+    }
+    let dir = TempDir::new("hip-report");
+    let path = dir.path("mi300x.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&hip).unwrap()).unwrap();
+    let hip = BenchRun::from_path(&path).unwrap();
+    assert_eq!(hip.backend, "hip");
+    let r = report::render(&[cuda, hip], &synthetic_anchors(), None).unwrap();
+    for want in ["AMD Instinct MI300X", "gfx942", "rocBLAS 4.3.0", "MI300X rocBLAS output", "NVIDIA H100 80GB HBM3"] {
+        assert!(r.markdown.contains(want), "{want} missing:\n{}", r.markdown);
+    }
+    assert!(r.markdown.contains("| hip "), "the HIP run's row:\n{}", r.markdown);
+    assert!(!r.svgs.is_empty(), "no plots");
+}
