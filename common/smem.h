@@ -26,6 +26,10 @@
 #define TM_HIP_OP_ROWS 64
 #define TM_HIP_OP_SMEM(H) (2 * TM_HIP_OP_ROWS * ((H) + 4) + 2 * 4 * TM_HIP_OP_ROWS + 2 * (H) * (TM_HIP_OP_ROWS + 2))
 
+// ---- HIP's fused input stage (hip/input_projection.h): 64 positions per block; z [64][C + 4] f16.
+#define TM_HIP_IP_ROWS 64
+#define TM_HIP_IP_SMEM(C) (2 * TM_HIP_IP_ROWS * ((C) + 4))
+
 // ---- CUDA's fused input projection (cuda/input_projection.cu)
 #define TM_IP_ROWS 128  // positions per block of the mma.sync builds and the 128-position wgmma builds
 #define TM_IP_MAX_K 512  // largest padded C (z stays resident in shared memory)

@@ -34,8 +34,18 @@ use crate::{suite, BackendKind, Device, Direction, Error, Formulation};
 
 const REQUIRE: &str = "TRIMUL_REQUIRE_HIP_CLANG";
 const ARCHS: [&str; 2] = ["gfx942", "gfx90a"];
-const STAGES: [&str; 7] =
-    ["backward", "input_gating", "input_norm", "output_gate", "output_norm", "output_projection", "prepare_weights"];
+const STAGES: [&str; 8] = [
+    "backward",
+    "input_gating",
+    "input_norm",
+    "input_projection",
+    "output_gate",
+    "output_norm",
+    "output_projection",
+    "prepare_weights",
+];
+/// The stages built on matrix-core (MFMA) instructions: CDNA only.
+const MFMA_STAGES: [&str; 2] = ["input_projection", "output_projection"];
 
 /// The kernels of a stage's code object: entry point, the C type of its one argument and that
 /// type's size in the Rust mirror. Every forward stage has one kernel named after it; the
@@ -45,7 +55,7 @@ fn stage_kernels(stage: &'static str) -> Vec<(&'static str, &'static str, usize)
     use std::mem::size_of;
     match stage {
         "prepare_weights" => vec![(stage, "TmPrepareParams", size_of::<params::PrepareParams>())],
-        "input_norm" | "input_gating" => vec![(stage, "TmInputParams", size_of::<InputParams>())],
+        "input_norm" | "input_gating" | "input_projection" => vec![(stage, "TmInputParams", size_of::<InputParams>())],
         "backward" => {
             let mut v: Vec<_> = [
                 "backward_input_norm",
@@ -178,10 +188,12 @@ fn mfma_kernel_disassembly_contains_v_mfma() {
         return skip("no llvm-objdump-19 (apt install llvm-19)");
     };
     for a in ARCHS {
-        let asm = tool_output(&objdump, &["-d"], "output_projection", a);
-        let mfma = asm.lines().filter(|l| l.trim_start().starts_with("v_mfma_f32_32x32x8")).count();
-        assert!(mfma >= 2, "{a}: expected v_mfma_f32_32x32x8*f16 in output_projection, found {mfma}:\n{asm}");
-        assert!(asm.contains("<output_projection>:"), "{a}: kernel symbol missing");
+        for stage in MFMA_STAGES {
+            let asm = tool_output(&objdump, &["-d"], stage, a);
+            let mfma = asm.lines().filter(|l| l.trim_start().starts_with("v_mfma_f32_32x32x8")).count();
+            assert!(mfma >= 2, "{a}: expected v_mfma_f32_32x32x8*f16 in {stage}, found {mfma}:\n{asm}");
+            assert!(asm.contains(&format!("<{stage}>:")), "{a}: kernel symbol {stage} missing");
+        }
         // The portable stages must not depend on matrix cores (they also run on RDNA via hipRTC).
         let plain = tool_output(&objdump, &["-d"], "input_gating", a);
         assert!(!plain.contains("v_mfma"), "{a}: input_gating uses MFMA");
@@ -239,8 +251,10 @@ fn embedded_sources_compile_as_hiprtc_would_see_them() {
     // gfx1100 (RDNA3, wave32) has no prebuilt objects: the portable stages reach it only this
     // way. The MFMA kernel must build for every CDNA arch it claims (gfx908 has no object here).
     let mut jobs: Vec<(&str, &str)> =
-        STAGES.iter().filter(|s| **s != "output_projection").map(|s| (*s, "gfx1100")).collect();
-    jobs.extend([("output_projection", "gfx908"), ("output_projection", "gfx942")]);
+        STAGES.iter().filter(|s| !MFMA_STAGES.contains(s)).map(|s| (*s, "gfx1100")).collect();
+    for stage in MFMA_STAGES {
+        jobs.extend([(stage, "gfx908"), (stage, "gfx942")]);
+    }
     for (name, a) in jobs {
         let src = dir.join(format!("{name}.hip"));
         std::fs::write(&src, stage(name).source).unwrap();
@@ -306,6 +320,7 @@ fn emulation_header_covers_every_name_the_kernels_use() {
         .filter(|p| !p.ends_with("compat.h") && !p.ends_with("params.h"))
         .collect();
     bodies.push(root().join("hip/output_projection.h"));
+    bodies.push(root().join("hip/input_projection.h"));
     let mut names: Vec<String> = bodies
         .iter()
         .flat_map(|p| {
@@ -423,6 +438,33 @@ fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
         let args = [b, n, h, c, af3 as usize, bias as usize, row0, rows, smem, 1000 + i].map(|v| v.to_string());
         let text = run_emulation(&exe, &args);
         eprintln!("output_projection B={b} N={n} H={h} C={c} af3={af3} bias={bias} rows {row0}+{rows}: {text}");
+    }
+}
+
+/// The fused MFMA input stage (`hip/input_projection.h`: LN_C, the five projections, the gating)
+/// on the CPU emulation against f64, every element of left, right and the gate, and nothing
+/// written outside the launched positions: both formulations, bias and mask on and off, f32, bf16
+/// and f16 x, partial blocks and a batch boundary inside one, partial hidden and gate tiles,
+/// C % 8 == 4 (the last reduction step half empty), a launch not starting at 0, C at its LDS limit.
+#[test]
+fn mfma_input_kernel_matches_f64_in_cpu_emulation() {
+    let Some(exe) = build_emulation("input_projection") else { return };
+    // (B, N, C, H, af3, bias, mask, io, row0, rows)
+    let cases: [[usize; 10]; 7] = [
+        [1, 9, 32, 40, 1, 1, 1, 0, 0, 81],
+        [2, 7, 36, 16, 0, 0, 1, 1, 0, 98],
+        [3, 5, 128, 128, 1, 0, 0, 2, 10, 60],
+        [1, 12, 64, 8, 0, 1, 1, 0, 50, 94],
+        [2, 9, 256, 32, 1, 1, 1, 1, 0, 162],
+        [1, 16, 128, 128, 0, 0, 1, 0, 0, 256],
+        [1, 11, 508, 24, 1, 1, 0, 2, 3, 100],
+    ];
+    for (i, case) in cases.into_iter().enumerate() {
+        assert!(kernels::input_projection_smem_bytes(case[2]) <= kernels::LDS_BYTES, "{case:?}");
+        let mut args: Vec<String> = case.iter().map(|v| v.to_string()).collect();
+        args.push((3000 + i).to_string());
+        let text = run_emulation(&exe, &args);
+        eprintln!("input_projection {case:?}: {text}");
     }
 }
 

@@ -23,10 +23,12 @@ pub const OUTPUT_GATE: &str = "output_gate";
 pub const PREPARE_WEIGHTS: &str = "prepare_weights";
 /// The fused MFMA output stage (CDNA only).
 pub const OUTPUT_PROJECTION: &str = "output_projection";
+/// The fused MFMA input stage (CDNA only): LN_C, the input projections and the gating.
+pub const INPUT_PROJECTION: &str = "input_projection";
 
 /// Stages that use matrix-core builtins and exist only for [`has_mfma`] archs.
 pub fn needs_mfma(stage: &str) -> bool {
-    stage == OUTPUT_PROJECTION
+    stage == OUTPUT_PROJECTION || stage == INPUT_PROJECTION
 }
 
 /// Set to `1` to compile the embedded sources with hipRTC even when a code object exists (to
@@ -118,6 +120,14 @@ pub const LDS_BYTES: usize = 64 * 1024;
 /// rstd `[64]` f32 each, and the f16 t tile `[h][64+2]` (`TM_HIP_OP_SMEM` in `common/smem.h`).
 pub fn output_projection_smem_bytes(h: usize) -> usize {
     crate::backend::params::geometry::TM_HIP_OP_SMEM(h)
+}
+
+/// Positions per block of `input_projection` (`hip/input_projection.h`, 256 threads).
+pub const INPUT_PROJECTION_ROWS: usize = crate::backend::params::geometry::TM_HIP_IP_ROWS;
+
+/// Dynamic LDS of `input_projection` for C channels: z `[64][C + 4]` f16 (`TM_HIP_IP_SMEM`).
+pub fn input_projection_smem_bytes(c: usize) -> usize {
+    crate::backend::params::geometry::TM_HIP_IP_SMEM(c)
 }
 
 /// How the output path of a layer is chosen.
