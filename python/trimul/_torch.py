@@ -10,7 +10,6 @@ library's host-memory API.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import operator
 import os
@@ -792,12 +791,15 @@ def _direct(x: Tensor, w: Sequence) -> bool:
         return False
     if not _PLAIN.issuperset(map(type, w)):
         return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or any(map(_requires_grad, filter(_given, w)))))
+    return not (torch.is_grad_enabled() and (x.requires_grad or _any_requires_grad(*w)))
 
 
 # Tensor classes that add no behaviour of their own (nn.Parameter only marks a module's weight),
 # and None for an absent weight.
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))
 _is_compiling = torch.compiler.is_compiling
-_requires_grad = operator.attrgetter("requires_grad")
-_given = functools.partial(operator.is_not, None)
+# Whether any of the tensors given requires grad, None skipped: one C call in place of a Python
+# loop over the twelve weights, where this PyTorch has it (older releases lack it).
+_any_requires_grad = getattr(torch._C, "_any_requires_grad", None) or (
+    lambda *tensors: any(t is not None and t.requires_grad for t in tensors)
+)
