@@ -123,6 +123,8 @@ fn device_opens_on_the_fake_runtime() {
     assert_eq!(mem.total, 64 << 30);
 }
 
+/// Both ways of running a layer: the portable stages (rocBLAS around the stage kernels), and the
+/// MFMA kernels (the fused input stage and the fused output stage), shown by the launch record.
 #[test]
 fn forwards_match_the_reference_on_both_output_paths() {
     let Some(_g) = fake_with_code_objects() else { return };
@@ -138,7 +140,11 @@ fn forwards_match_the_reference_on_both_output_paths() {
             (af(48, 8), Case::new(7, 3, 48, false, Dist::Cauchy), Direction::Outgoing, false),
         ];
         for (i, (cfg, case, dir, biases)) in runs.into_iter().enumerate() {
+            let before = (fake::launches("input_projection"), fake::launches("output_projection"));
             assert_eq!(check(&b, cfg, &case, dir, biases, 100 + i as u64), want);
+            // The launch record: the MFMA kernels ran exactly when chosen (one pass: once each).
+            let ran = (fake::launches("input_projection") - before.0, fake::launches("output_projection") - before.1);
+            assert_eq!(ran, if mfma { (1, 1) } else { (0, 0) }, "{cfg:?} {dir} mfma={mfma}");
         }
     }
 }
@@ -968,104 +974,154 @@ fn backward_at_quick_suite_widths() {
     }
 }
 
-/// The MFMA output kernel proved before use (`trimul::validation`): a sound kernel that wins is
-/// used, from its verdict file in later processes too; a kernel wrong in a few elements, or one
-/// that is slower, is reported and never used, and layers then run (correctly) on rocBLAS. The
-/// fake's hooks break or slow a kernel: `TRIMUL_FAKE_ROCM_CORRUPT`, `TRIMUL_FAKE_ROCM_SLOW`.
+/// The MFMA kernels proved before use (`trimul::validation`): sound kernels that win are used,
+/// from the verdict file in later processes too, and the fake's launch record shows them run; a
+/// kernel wrong in a few elements, or one that is slower, is reported and never used, and layers
+/// then run (correctly) on the portable stages. The fake's hooks break or slow a kernel:
+/// `TRIMUL_FAKE_ROCM_CORRUPT`, `TRIMUL_FAKE_ROCM_SLOW`.
 #[test]
 fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
+    use trimul::backend::hip::HipFastPath::{InputProjection, OutputProjection};
     let Some(_g) = fake_with_code_objects() else { return };
     struct Hooks;
     impl Drop for Hooks {
         fn drop(&mut self) {
             std::env::remove_var("TRIMUL_FAKE_ROCM_CORRUPT");
             std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
+            std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
             std::env::set_var("TRIMUL_HIP_MFMA", "0"); // the other tests' setting (fake.rs)
         }
     }
     let _hooks = Hooks;
-    std::env::remove_var("TRIMUL_HIP_MFMA"); // the default: the verdict decides
-    let path_of = |b: &HipBackend, cfg: Config| {
+    std::env::remove_var("TRIMUL_HIP_MFMA"); // the default: the verdicts decide
+                                             // (fused input, output path) of a layer prepared from host weights.
+    let paths_of = |b: &HipBackend, cfg: Config| {
         let biases = cfg.formulation == Formulation::Af3;
-        b.prepare(&Weights::random(cfg, biases, 1).unwrap()).unwrap().output_path()
+        let p = b.prepare(&Weights::random(cfg, biases, 1).unwrap()).unwrap();
+        (p.fused_input(), p.output_path())
     };
-    // Verdicts of this test alone: a directory of its own (the backend reads the variable when it opens).
+    // Verdicts of this test alone: a directory of its own (read when a backend opens).
     let dir = std::env::temp_dir().join(format!("trimul-verdicts-test-{}-{}", std::process::id(), base_seed()));
     let _ = std::fs::remove_dir_all(&dir);
     let before = std::env::var_os("TRIMUL_CACHE_DIR");
-    std::env::set_var("TRIMUL_CACHE_DIR", &dir);
-    let b = HipBackend::new(0).unwrap();
-    if let Some(v) = &before {
-        std::env::set_var("TRIMUL_CACHE_DIR", v);
-    }
-    b.set_poison(true);
+    let open = || {
+        std::env::set_var("TRIMUL_CACHE_DIR", &dir);
+        let b = HipBackend::new(0).unwrap();
+        match &before {
+            Some(v) => std::env::set_var("TRIMUL_CACHE_DIR", v),
+            None => std::env::remove_var("TRIMUL_CACHE_DIR"),
+        }
+        b.set_poison(true);
+        b
+    };
+    let b = open();
+    // Both portable stages made slow: the MFMA kernels win where they are right.
+    let slow_portable = "output_norm:100,input_gating:100";
 
-    // 1. Sound and faster (the rocBLAS path's output_norm made slow): validated on first use, used.
-    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_norm:100");
-    assert!(b.output_verdict(32, 16).unwrap().is_none(), "nothing validated yet");
+    // 1. Sound and faster: validated on first use, used, and the forward launches them.
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", slow_portable);
+    assert!(b.verdict(OutputProjection, 32, 16).unwrap().is_none(), "nothing validated yet");
+    let (fused_before, out_before) = (fake::launches("input_projection"), fake::launches("output_projection"));
     let case = Case::new(8, 2, 32, true, Dist::Normal);
     assert_eq!(check(&b, gm(32, 16), &case, Direction::Outgoing, false, 1), HipKernelOutput::Mfma);
-    let v = b.output_verdict(32, 16).unwrap().expect("a verdict after the first layer");
-    assert!(v.passed && v.used && v.cases.len() == 4, "{v:?}");
-    assert!(v.fast_ms.unwrap() < v.baseline_ms.unwrap(), "{v:?}");
-    let info = b.info();
-    let line = info.versions.iter().find(|(k, _)| k == "MFMA output kernel, C=32 H=16").expect("info shows it");
-    assert!(line.1.starts_with("used"), "{line:?}");
+    assert!(paths_of(&b, gm(32, 16)).0, "the fused input kernel is used");
+    for path in [InputProjection, OutputProjection] {
+        let v = b.verdict(path, 32, 16).unwrap().expect("a verdict after the first layer");
+        assert!(v.passed && v.used && v.cases.len() == 4, "{v:?}");
+        assert!(v.fast_ms.unwrap() < v.baseline_ms.unwrap(), "{v:?}");
+        let info = b.info();
+        let key = format!("{path}, C=32 H=16");
+        let line = info.versions.iter().find(|(k, _)| *k == key).expect("info shows it");
+        assert!(line.1.starts_with("used"), "{line:?}");
+    }
+    // The launch record: the validation and the checked forward ran both kernels (the forward
+    // once each: one pass, one launch of each).
+    assert!(fake::launches("input_projection") > fused_before, "input_projection never launched");
+    assert!(fake::launches("output_projection") > out_before, "output_projection never launched");
     std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
 
-    // 2. Another process (a new backend on the same file) follows the verdict without running it:
-    // with the kernel now broken, a new validation would fail, and the layer would not use it.
-    std::env::set_var("TRIMUL_FAKE_ROCM_CORRUPT", "output_projection");
-    std::env::set_var("TRIMUL_CACHE_DIR", &dir);
-    let b2 = HipBackend::new(0).unwrap();
-    match &before {
-        Some(v) => std::env::set_var("TRIMUL_CACHE_DIR", v),
-        None => std::env::remove_var("TRIMUL_CACHE_DIR"),
-    }
-    assert_eq!(b2.output_verdict(32, 16).unwrap().as_ref(), Some(&v), "read from the verdict file");
-    assert_eq!(path_of(&b2, gm(32, 16)), HipKernelOutput::Mfma);
+    // 2. Another process (a new backend on the same file) follows the verdicts without running
+    // the validation: with both kernels now broken, a new validation would fail.
+    std::env::set_var("TRIMUL_FAKE_ROCM_CORRUPT", "output_projection,input_projection");
+    let b2 = open();
+    assert!(b2.verdict(OutputProjection, 32, 16).unwrap().is_some_and(|v| v.used), "read from the verdict file");
+    assert_eq!(paths_of(&b2, gm(32, 16)), (true, HipKernelOutput::Mfma));
 
-    // 3. A subtly broken kernel (a few elements wrong) fails validation: never used, and the
-    // layer's forward is right on rocBLAS. Validating again replaces the earlier verdict.
-    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_norm:100");
+    // 3. Subtly broken kernels (a few elements wrong) fail validation: never used, and the
+    // layer's forward is right on the portable stages. Validating again replaces a verdict.
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", slow_portable);
     let case = Case::new(10, 1, 24, true, Dist::Normal);
+    let (fused_before, out_before) = (fake::launches("input_projection"), fake::launches("output_projection"));
     assert_eq!(check(&b, af(24, 32), &case, Direction::Incoming, true, 2), HipKernelOutput::Blas);
-    let bad = b.output_verdict(24, 32).unwrap().unwrap();
-    assert!(!bad.passed && !bad.used && bad.fast_ms.is_none(), "{bad:?}");
-    assert!(bad.cases.iter().any(|c| !c.passed && c.bad > 0 && c.bad * 50 < c.checked), "a few wrong: {bad:?}");
-    assert!(bad.reason.contains("failed against the f64 reference"), "{}", bad.reason);
-    let again = b.validate_output(32, 16).unwrap();
+    assert!(!paths_of(&b, af(24, 32)).0, "the broken input kernel is not used");
+    for path in [InputProjection, OutputProjection] {
+        let bad = b.verdict(path, 24, 32).unwrap().unwrap();
+        assert!(!bad.passed && !bad.used && bad.fast_ms.is_none(), "{bad:?}");
+        assert!(bad.cases.iter().any(|c| !c.passed && c.bad > 0 && c.bad * 20 < c.checked), "a few wrong: {bad:?}");
+        assert!(bad.reason.contains("failed against the f64 reference"), "{}", bad.reason);
+    }
+    let validated_launches =
+        (fake::launches("input_projection") - fused_before, fake::launches("output_projection") - out_before);
+    // The forward after the validations launched neither broken kernel.
+    let case = Case::new(9, 1, 24, false, Dist::Cauchy);
+    assert_eq!(check(&b, af(24, 32), &case, Direction::Outgoing, true, 4), HipKernelOutput::Blas);
+    assert_eq!(
+        (fake::launches("input_projection") - fused_before, fake::launches("output_projection") - out_before),
+        validated_launches,
+        "a kernel that failed validation was launched"
+    );
+    let again = b.validate(OutputProjection, 32, 16).unwrap();
     assert!(!again.passed && !again.used, "{again:?}");
-    assert_eq!(path_of(&b, gm(32, 16)), HipKernelOutput::Blas, "the new verdict holds");
+    assert_eq!(paths_of(&b, gm(32, 16)), (true, HipKernelOutput::Blas), "the new output verdict holds");
     std::env::remove_var("TRIMUL_FAKE_ROCM_CORRUPT");
     std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
 
     // 4. Sound but slower: reported, not used.
-    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_projection:100");
-    let slow = b.validate_output(40, 24).unwrap();
-    assert!(slow.passed && !slow.used && slow.reason.contains("not faster"), "{slow:?}");
-    assert_eq!(path_of(&b, gm(40, 24)), HipKernelOutput::Blas);
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_projection:100,input_projection:100");
+    for path in [InputProjection, OutputProjection] {
+        let slow = b.validate(path, 40, 24).unwrap();
+        assert!(slow.passed && !slow.used && slow.reason.contains("not faster"), "{slow:?}");
+    }
+    assert_eq!(paths_of(&b, gm(40, 24)), (false, HipKernelOutput::Blas));
     std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
 
-    // 5. A setting overrides the verdicts either way; an H the kernel cannot take is refused.
+    // 5. A setting overrides the verdicts either way; a shape a kernel cannot take is refused.
     b.set_mfma_output(Some(true));
-    assert_eq!(path_of(&b, gm(40, 24)), HipKernelOutput::Mfma);
+    assert_eq!(paths_of(&b, gm(40, 24)), (true, HipKernelOutput::Mfma));
     b.set_mfma_output(Some(false));
-    assert_eq!(path_of(&b, gm(32, 16)), HipKernelOutput::Blas);
+    assert_eq!(paths_of(&b, gm(32, 16)), (false, HipKernelOutput::Blas));
     b.set_mfma_output(None);
-    let e = b.validate_output(32, 12).unwrap_err().to_string();
+    let e = b.validate(OutputProjection, 32, 12).unwrap_err().to_string();
     assert!(e.contains("multiple of 8"), "{e}");
+    let e = b.validate(InputProjection, 42, 16).unwrap_err().to_string();
+    assert!(e.contains("multiple of 4"), "{e}");
+
     // 6. A validation that cannot run to the end (a launch that faults) keeps the kernel out for
     // this process without writing a verdict, and the backend goes on working.
     std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", "hipModuleLaunchKernel:3");
-    let failed = b.validate_output(48, 8).unwrap();
+    let failed = b.validate(OutputProjection, 48, 8).unwrap();
     std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
     assert!(!failed.used && failed.reason.contains("validation run failed"), "{failed:?}");
-    assert_eq!(path_of(&b, gm(48, 8)), HipKernelOutput::Blas);
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "input_projection:100"); // input: a verdict, not used
+    assert_eq!(paths_of(&b, gm(48, 8)), (false, HipKernelOutput::Blas));
+    std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
     let case = Case::new(7, 1, 48, false, Dist::Cauchy);
     assert_eq!(check(&b, gm(48, 8), &case, Direction::Incoming, false, 3), HipKernelOutput::Blas);
-    // The file holds the last verdict of each class that ran to the end.
+    // The file holds the last verdict of each path and class that ran to the end.
     let stored = trimul::validation::VerdictStore::at(&dir).all();
-    assert_eq!(stored.len(), 3, "{stored:?}");
+    let mut classes: Vec<String> = stored.iter().map(|v| format!("{} {}", v.key.path, v.key.class)).collect();
+    classes.sort();
+    assert_eq!(
+        classes,
+        [
+            "input_projection (MFMA) C=24 H=32",
+            "input_projection (MFMA) C=32 H=16",
+            "input_projection (MFMA) C=40 H=24",
+            "input_projection (MFMA) C=48 H=8",
+            "output_projection (MFMA) C=24 H=32",
+            "output_projection (MFMA) C=32 H=16",
+            "output_projection (MFMA) C=40 H=24",
+        ]
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -718,13 +718,13 @@ fn hip_prepared_bytes(device: usize, formulation: &str, c: usize, h: usize, bias
     Layer::prepared_device_bytes(&b, &config(formulation, c, h)?, biases).map_err(to_py)
 }
 
-/// Makes sure HIP layers of C and H on `device` follow a verdict on the MFMA output kernel
-/// (validating it now where none exists; never call this during a graph capture). Returns the
-/// verdict in words, or `None` where a setting or the hardware settles the path without one.
+/// Makes sure HIP layers of C and H on `device` follow verdicts on the MFMA kernels (validating
+/// them now where none exists; never call this during a graph capture). Returns the verdicts in
+/// words (none where settings or the hardware settle every path).
 #[pyfunction]
-fn hip_validate_output(py: Python<'_>, device: usize, c: usize, h: usize) -> PyResult<Option<String>> {
+fn hip_validate(py: Python<'_>, device: usize, c: usize, h: usize) -> PyResult<Vec<String>> {
     let b = hip_backend(device)?;
-    py.detach(|| b.ensure_output_verdict(c, h)).map(|v| v.map(|v| v.describe())).map_err(to_py)
+    py.detach(|| b.ensure_verdicts(c, h)).map(|v| v.iter().map(|v| v.describe()).collect()).map_err(to_py)
 }
 
 /// Fill outputs and intermediates with NaN before each forward on this CUDA device (tests).
@@ -775,7 +775,7 @@ fn _trimul(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<HipLayer>()?;
     m.add_function(wrap_pyfunction!(cuda_prepared_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(hip_prepared_bytes, m)?)?;
-    m.add_function(wrap_pyfunction!(hip_validate_output, m)?)?;
+    m.add_function(wrap_pyfunction!(hip_validate, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_set_poison, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_backends, m)?)?;

@@ -212,7 +212,7 @@ if _HIP:
     _use_the_loaded_hip_runtime()
     _DeviceLayer = _trimul.HipLayer
     _device_prepared_bytes = _trimul.hip_prepared_bytes
-    _hip_validate_output = _trimul.hip_validate_output
+    _hip_validate = _trimul.hip_validate
 else:
     _DeviceLayer = _trimul.CudaLayer
     _device_prepared_bytes = _trimul.cuda_prepared_bytes
@@ -228,10 +228,10 @@ def _cuda_prepare(x: Tensor, originals: list, direction: str, eps: float, index:
     if nbytes is None:
         nbytes = _prepared_bytes[nb_key] = _device_prepared_bytes(index, "af3", c, h, biases)
     if _HIP and (index, c, h) not in _validated and not _capturing():
-        # The MFMA output kernel has not run on AMD hardware before: it is validated on this GPU
-        # (once per C and H; the verdict is kept on disk) before layers use it. Not during a
-        # capture, where nothing may allocate or wait: such a layer uses rocBLAS until then.
-        _hip_validate_output(index, c, h)
+        # The MFMA kernels have not run on AMD hardware before: they are validated on this GPU
+        # (once per C and H; the verdicts are kept on disk) before layers use them. Not during a
+        # capture, where nothing may allocate or wait: such a layer uses the portable stages.
+        _hip_validate(index, c, h)
         _validated.add((index, c, h))
     storage = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     entry = _Entry()

@@ -246,6 +246,13 @@ impl CommonParams {
         })
     }
 
+    /// The same with HIP's fused input kernel's weights: the prepared `[4H + G, C]` f16 block
+    /// as it is (no padding: `k_pad`, `h_pad` and `g_pad` are C, H and G).
+    #[cfg_attr(not(feature = "rocm"), allow(dead_code))] // HIP's input_projection
+    pub fn with_input_weights(self, w: u64) -> Result<Self> {
+        Ok(CommonParams { w_in: w, w_in_bias: 0, k_pad: self.c, h_pad: self.h, g_pad: self.g, ..self })
+    }
+
     /// The formulation [`CommonParams::new`] was given.
     pub fn formulation(&self) -> Formulation {
         if self.formulation == TM_AF3 {

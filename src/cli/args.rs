@@ -43,9 +43,9 @@ pub enum Command {
 
 #[derive(Args, Debug)]
 pub struct TuneArgs {
-    /// `cuda` (default): sweep and write a tuning table. `hip`: validate the MFMA output kernel
-    /// for each C and H of the suite's shapes on this AMD GPU, again (against the f64 reference,
-    /// timed against rocBLAS), and keep the verdicts that layers follow.
+    /// `cuda` (default): sweep and write a tuning table. `hip`: validate the MFMA kernels for
+    /// each C and H of the suite's shapes on this AMD GPU, again (against the f64 reference, timed
+    /// against the portable stages), and keep the verdicts that layers follow.
     #[arg(long, value_enum)]
     pub backend: Option<BackendArg>,
     /// `gpumode`: the 7 GPU MODE shapes; `quick`: the 3 cheapest.

@@ -1,5 +1,5 @@
 //! `trimul tune`: sweeps the CUDA backend's per-shape choices and writes a tuning table; with
-//! `--backend hip`, validates the HIP backend's MFMA output kernel on this GPU again.
+//! `--backend hip`, validates the HIP backend's MFMA kernels on this GPU again.
 //!
 //! Per shape: one input set on the device (plus copies up to 256 MiB, rotated as in `bench`),
 //! then for the built-in rules and every combination of {contraction candidate 0..k} × {fused
@@ -47,11 +47,11 @@ fn run_hip(_args: &TuneArgs) -> CliResult {
     Err(CliError::from(trimul::Error::NotCompiled { backend: trimul::BackendKind::Hip, feature: "rocm" }))
 }
 
-/// `tune --backend hip`: the MFMA output kernel validated again for each C and H of the cases
+/// `tune --backend hip`: each MFMA fast path validated again for each C and H of the cases
 /// (`trimul::validation`), each verdict printed and kept (memory and the verdict file).
 #[cfg(feature = "rocm")]
 fn run_hip(args: &TuneArgs) -> CliResult {
-    use trimul::backend::hip::HipBackend;
+    use trimul::backend::hip::{HipBackend, HipFastPath};
     use trimul::Backend;
 
     use super::output::device_summary;
@@ -64,7 +64,7 @@ fn run_hip(args: &TuneArgs) -> CliResult {
     classes.sort_unstable();
     classes.dedup();
     emit(&format!(
-        "trimul tune: hip ({}), the MFMA output kernel for {} C/H classes",
+        "trimul tune: hip ({}), the MFMA fast paths for {} C/H classes",
         device_summary(trimul::BackendKind::Hip, &backend.info()),
         classes.len()
     ))?;
@@ -75,29 +75,31 @@ fn run_hip(args: &TuneArgs) -> CliResult {
     }
     let mut failed = 0;
     for (c, h) in classes {
-        let v = match backend.validate_output(c, h) {
-            Ok(v) => v,
-            Err(e) => {
-                emit(&format!("C={c} H={h}: {e}"))?;
-                failed += 1;
-                continue;
+        for path in HipFastPath::ALL {
+            let v = match backend.validate(path, c, h) {
+                Ok(v) => v,
+                Err(e) => {
+                    // A path that cannot run for this shape (no MFMA, past its limits) is not a failure.
+                    emit(&format!("{path} C={c} H={h}: not validated: {e}"))?;
+                    continue;
+                }
+            };
+            for case in &v.cases {
+                let status = if case.passed { "pass" } else { "FAIL" };
+                emit(&format!(
+                    "  {status} {:<48} {} of {} elements wrong, rel. L2 {:.2e}",
+                    case.case, case.bad, case.checked, case.rel_l2
+                ))?;
             }
-        };
-        for case in &v.cases {
-            let status = if case.passed { "pass" } else { "FAIL" };
-            emit(&format!(
-                "  {status} {:<48} {} of {} elements wrong, rel. L2 {:.2e}",
-                case.case, case.bad, case.checked, case.rel_l2
-            ))?;
+            if let (Some(f), Some(b)) = (v.fast_ms, v.baseline_ms) {
+                emit(&format!("  timed at {}: {f:.3} ms with it, {b:.3} ms without", v.timed_shape))?;
+            }
+            emit(&v.describe())?;
+            failed += usize::from(!v.passed);
         }
-        if let (Some(f), Some(b)) = (v.fast_ms, v.baseline_ms) {
-            emit(&format!("  timed at {}: MFMA {f:.3} ms, rocBLAS {b:.3} ms", v.timed_shape))?;
-        }
-        emit(&v.describe())?;
-        failed += usize::from(!v.passed);
     }
     if failed > 0 {
-        let message = format!("{failed} class(es) failed validation: the rocBLAS path stays in use for them");
+        let message = format!("{failed} validation(s) failed: the portable path stays in use for them");
         return Err(CliError { code: super::exit::EXIT_FAILED, message });
     }
     Ok(std::process::ExitCode::SUCCESS)

@@ -64,3 +64,18 @@ pub fn fake() -> Option<MutexGuard<'static, ()>> {
         }
     }
 }
+
+/// The fake's launch record: how many launches of `kernel` ran in this process so far.
+#[allow(dead_code)] // not every binary that builds the fake reads the record
+pub fn launches(kernel: &str) -> i64 {
+    let lib = std::env::var_os("TRIMUL_HIP_LIBRARY").expect("the fake is built (fake())");
+    let name = std::ffi::CString::new(kernel).unwrap();
+    // SAFETY: the fake ROCm exports `long trimul_fake_launches(const char*)`, which reads a
+    // NUL-terminated name and touches nothing else; the library stays loaded (the backend holds it).
+    unsafe {
+        let lib = libloading::Library::new(lib).expect("the fake ROCm loads");
+        let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> std::ffi::c_long> =
+            lib.get(b"trimul_fake_launches").expect("the fake exports its launch record");
+        f(name.as_ptr()) as i64
+    }
+}

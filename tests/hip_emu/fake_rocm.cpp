@@ -30,6 +30,7 @@
 #include "common/prepare_weights.h"
 #include "common/backward.h"
 #include "hip/output_projection.h"
+#include "hip/input_projection.h"
 
 #include <algorithm>
 #include <atomic>
@@ -92,21 +93,32 @@ bool inject(const char* call) {
 }
 
 // Fast-path validation hooks (the self-validation tests): $TRIMUL_FAKE_ROCM_CORRUPT = "<kernel>"
-// makes every launch of that kernel finish with a few of its output elements wrong (one in
-// about 97 of the rows it wrote, off by 0.5), a kernel subtly broken rather than wrong
-// everywhere; $TRIMUL_FAKE_ROCM_SLOW = "<kernel>:<ms>" makes each launch of it take that many
-// milliseconds more, so a test decides which path is faster.
+// makes every launch of that kernel (output_projection or input_projection) finish with a few
+// of its output elements wrong (one in about 97 of the rows it wrote), a kernel subtly broken
+// rather than wrong everywhere; $TRIMUL_FAKE_ROCM_SLOW = "<kernel>:<ms>" makes each launch of
+// it take that many milliseconds more, so a test decides which path is faster. Both take
+// comma-separated lists.
 bool hook_names(const char* var, const std::string& kernel, long* value) {
   const char* v = std::getenv(var);
   if (!v || !*v) return false;
-  const std::string spec = v;
-  const size_t colon = spec.find(':');
-  if (spec.compare(0, colon == std::string::npos ? spec.size() : colon, kernel) != 0) return false;
-  if (colon != std::string::npos && kernel.size() != colon) return false;
-  if (colon == std::string::npos && kernel.size() != spec.size()) return false;
-  if (value) *value = colon == std::string::npos ? 0 : std::atol(spec.c_str() + colon + 1);
-  return true;
+  // A comma-separated list of "<kernel>" or "<kernel>:<value>".
+  const std::string all = v;
+  for (size_t at = 0; at <= all.size();) {
+    const size_t comma = std::min(all.find(',', at), all.size());
+    const std::string spec = all.substr(at, comma - at);
+    at = comma + 1;
+    const size_t colon = spec.find(':');
+    if (spec.substr(0, colon) != kernel) continue;
+    if (value) *value = colon == std::string::npos ? 0 : std::atol(spec.c_str() + colon + 1);
+    return true;
+  }
+  return false;
 }
+
+// The launch record: how many times each kernel was launched (and ran to completion) in this
+// process, so tests can show which kernels a forward used. `trimul_fake_launches(name)` reads it.
+std::mutex launches_lock;
+std::map<std::string, long> launches;
 
 std::string arch_id() {
   const char* a = std::getenv("TRIMUL_FAKE_ROCM_ARCH");
@@ -493,7 +505,7 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
   if (name.rfind("backward_", 0) == 0) return launch_backward(name, gx, smem, args);
   // The input stage's kernels take TmInputParams, the output stage's TmOutputParams; both begin
   // with the common TmParams.
-  const bool input = name == "input_norm" || name == "input_gating";
+  const bool input = name == "input_norm" || name == "input_gating" || name == "input_projection";
   const TmInputParams in = input ? *(const TmInputParams*)args[0] : TmInputParams{};
   const TmOutputParams out = input ? TmOutputParams{} : *(const TmOutputParams*)args[0];
   const TmParams& p = input ? (const TmParams&)in : (const TmParams&)out;
@@ -512,7 +524,7 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
   if (p.io_dtype != TM_IO_F32 && p.io_dtype != TM_IO_BF16 && p.io_dtype != TM_IO_F16) fail(name + ": bad io_dtype");
   const size_t io = p.io_dtype == TM_IO_F32 ? 4 : 2;
   if (io != 4 && name != "input_norm" && name != "output_projection" && name != "input_gating" &&
-      name != "output_norm")
+      name != "output_norm" && name != "input_projection")
     fail(name + ": 16-bit x and y given to a kernel that reads or writes them as f32");
   const char* xb = (const char*)p.x;
   const char* yb = (const char*)p.y;
@@ -531,6 +543,20 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     need(in.left, M * GH * 2, "input_gating left");
     need(in.right, M * GH * 2, "input_gating right");
     need(in.gate + brow * GG, rows * GG * 2, "input_gating gate");
+  } else if (name == "input_projection") {
+    // The fused MFMA input stage: x's rows, the [4H + G, C] weights, every channel of left and
+    // right (the contraction layout), the gate's rows from buf_row0.
+    const size_t P = 4 * H + G;
+    need(xb + row0 * C * io, rows * C * io, "input_projection x");
+    need(p.w_in, P * C * 2, "input_projection w_in");
+    if (in.proj_bias) need(in.proj_bias, P * 4, "input_projection bias");
+    if (p.mask) need(p.mask, M * 4, "input_projection mask");
+    need(p.norm_in_w, C * 4, "input_projection LN_C weight");
+    need(p.norm_in_b, C * 4, "input_projection LN_C bias");
+    need(in.left, M * H * 2, "input_projection left");
+    need(in.right, M * H * 2, "input_projection right");
+    need(in.gate + brow * G, rows * G * 2, "input_projection gate");
+    if (C % 4 != 0) fail(name + ": C is not a multiple of 4");
   } else if (name == "output_norm" || name == "output_projection") {
     need(out.t, M * H * 2, "t");
     need(out.gate + brow * G, rows * G * 2, "gate");
@@ -564,14 +590,28 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     emu::launch(gx, bx, [&] { output_gate(out); }, after);
   } else if (name == "output_projection") {
     emu::launch(gx, bx, [&] { output_projection(out); }, after);
+  } else if (name == "input_projection") {
+    emu::launch(gx, bx, [&] { input_projection(in); }, after);
   } else {
     fail("launch of unknown kernel " + name);
     return kFail;
   }
   if (lds_overrun) fail(name + ": a block used LDS beyond the dynamic size passed at launch");
+  {
+    std::lock_guard<std::mutex> g(launches_lock);
+    ++launches[name];
+  }
   long slow_ms = 0;
   if (hook_names("TRIMUL_FAKE_ROCM_SLOW", name, &slow_ms) && slow_ms > 0)
     std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+  if (name == "input_projection" && hook_names("TRIMUL_FAKE_ROCM_CORRUPT", name, nullptr)) {
+    // A few wrong elements of the gate: column (row mod G) of every 97th row, 0.5 added (the
+    // gate is in (0, 1); af3 multiplies y by it, so y is off by half its size there).
+    for (size_t r = row0; r < row0 + rows; r += 97) {
+      tm_half* at = in.gate + (r - (size_t)in.buf_row0) * G + r % G;
+      *at = tm_f2h(tm_h2f(*at) + 0.5f);
+    }
+  }
   if (name == "output_projection" && hook_names("TRIMUL_FAKE_ROCM_CORRUPT", name, nullptr)) {
     // A few wrong elements in the rows this launch wrote: channel (row mod C) of every 97th row.
     for (size_t r = row0; r < row0 + rows; r += 97) {
@@ -795,3 +835,9 @@ int hiprtcDestroyProgram(void** prog) {
 }
 const char* hiprtcGetErrorString(int r) { return r == 0 ? "HIPRTC_SUCCESS" : "HIPRTC_ERROR (fake)"; }
 }  // extern "C"
+
+extern "C" long trimul_fake_launches(const char* kernel) {
+  std::lock_guard<std::mutex> g(launches_lock);
+  auto it = launches.find(kernel);
+  return it == launches.end() ? 0 : it->second;
+}

@@ -8,7 +8,7 @@ use std::ffi::c_void;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
-use super::kernels::{self, HipKernelOutput, KernelImage};
+use super::kernels::{self, HipFastPath, HipKernelOutput, KernelImage};
 use super::result::{self, AllocTracker, BlasHandle, DeviceMem, Kernel, Stream};
 use super::sys;
 use crate::backend::backward_params::BackwardSizes;
@@ -40,6 +40,8 @@ pub(super) struct Context {
     pub(super) kernels: Kernels,
     /// The MFMA output kernel, loaded when a layer first selects it.
     pub(super) mfma: Mutex<Option<Arc<Kernel>>>,
+    /// The MFMA input kernel, loaded when a layer first selects it.
+    pub(super) mfma_input: Mutex<Option<Arc<Kernel>>>,
     /// The ten backward kernels, loaded on the first backward.
     pub(super) backward: Mutex<Option<Arc<BackwardKernels>>>,
     /// The block the last backward's intermediates lived in, kept for the next backward of the
@@ -51,9 +53,9 @@ pub(super) struct Context {
     pub(super) poison: AtomicBool,
     /// `Some(on)` overrides `TRIMUL_HIP_MFMA` for layers prepared from now on.
     pub(super) mfma_output: Mutex<Option<bool>>,
-    /// The verdicts on the MFMA output kernel looked up or made in this process, per (C, H);
+    /// The verdicts on the fast paths looked up or made in this process, per (path, C, H);
     /// `None` where the verdict file had none.
-    pub(super) verdicts: Mutex<HashMap<(usize, usize), Option<Verdict>>>,
+    pub(super) verdicts: Mutex<HashMap<(HipFastPath, usize, usize), Option<Verdict>>>,
     /// Where verdicts are kept between processes.
     pub(super) store: VerdictStore,
     /// Every stage compiled with hipRTC, prebuilt objects ignored.
@@ -84,6 +86,13 @@ pub(super) struct Kernels {
     pub(super) origin: String,
 }
 
+/// The stages a layer runs: the fused input kernel or not, and the output path.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) struct Stages {
+    pub(super) fused_input: bool,
+    pub(super) output: HipKernelOutput,
+}
+
 /// Weights fused, cast and uploaded for this device.
 pub struct HipPrepared {
     pub(super) config: Config,
@@ -106,6 +115,8 @@ pub struct HipPrepared {
     pub(super) biases: [bool; 6],
     pub(super) output: HipKernelOutput,
     pub(super) mfma: Option<Arc<Kernel>>,
+    /// The fused input kernel, when the layer's one-pass forwards use it.
+    pub(super) input: Option<Arc<Kernel>>,
 }
 
 pub(super) fn poisoned<T>(_: std::sync::PoisonError<T>) -> Error {

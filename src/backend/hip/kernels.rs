@@ -130,43 +130,115 @@ pub fn input_projection_smem_bytes(c: usize) -> usize {
     crate::backend::params::geometry::TM_HIP_IP_SMEM(c)
 }
 
-/// How the output path of a layer is chosen.
+/// How a layer chooses between an MFMA fast path and its portable counterpart.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum OutputRule {
+pub enum PathRule {
     /// Settled without a verdict: by the setting, or because the MFMA kernel cannot take the
-    /// arch or H. The string says why (for `info`).
-    Fixed(HipKernelOutput, String),
+    /// arch or the shape. `on`: the MFMA kernel runs. `why` says why (for `info`).
+    Fixed { on: bool, why: String },
     /// The MFMA kernel can run here and nothing forces a choice: it is used only where this
     /// device's verdict says it passed validation and won (`crate::validation`).
     ByVerdict,
 }
 
-/// The rule for `arch` and hidden width `h`; `env` is the value of [`MFMA_ENV`], if set.
+/// `TRIMUL_HIP_MFMA` as a choice: `Some(true)` forced on, `Some(false)` off, `None` the verdicts.
+fn forced(env: Option<&str>) -> Option<bool> {
+    match env.map(str::trim) {
+        Some("1") | Some("on") | Some("true") => Some(true),
+        Some("0") | Some("off") | Some("false") => Some(false),
+        _ => None,
+    }
+}
+
+/// The rule once the kernel's own limits (`limit`: why it cannot run, if it cannot) are known.
+fn rule(arch: &str, env: Option<&str>, limit: Option<String>) -> PathRule {
+    let fixed = |on: bool, why: String| PathRule::Fixed { on, why };
+    match forced(env) {
+        Some(false) => return fixed(false, format!("{MFMA_ENV}={}", env.unwrap_or_default())),
+        _ if !has_mfma(arch) => return fixed(false, format!("{arch} has no MFMA instructions")),
+        _ => {}
+    }
+    if let Some(why) = limit {
+        return fixed(false, why);
+    }
+    match forced(env) {
+        Some(true) => fixed(true, format!("{MFMA_ENV}=1: used without validation")),
+        _ => PathRule::ByVerdict,
+    }
+}
+
+/// The output stage's rule for `arch` and hidden width `h`; `env` is the value of [`MFMA_ENV`].
 /// `1` forces the MFMA kernel where it can run at all (a user's explicit choice, unvalidated).
-pub fn output_rule(arch: &str, h: usize, env: Option<&str>) -> OutputRule {
-    let forced = match env.map(str::trim) {
-        Some("1") | Some("on") | Some("true") => true,
-        Some("0") | Some("off") | Some("false") => {
-            return OutputRule::Fixed(HipKernelOutput::Blas, format!("{MFMA_ENV}={}", env.unwrap_or_default()));
-        }
-        _ => false,
+pub fn output_rule(arch: &str, h: usize, env: Option<&str>) -> PathRule {
+    let limit = if h % 8 != 0 {
+        Some(format!("H = {h} is not a multiple of 8 (MFMA K step)"))
+    } else if output_projection_smem_bytes(h) > LDS_BYTES {
+        Some(format!("H = {h} needs more than 64 KiB of LDS in the MFMA output kernel"))
+    } else {
+        None
     };
-    if !has_mfma(arch) {
-        return OutputRule::Fixed(HipKernelOutput::Blas, format!("{arch} has no MFMA instructions"));
+    rule(arch, env, limit)
+}
+
+/// The input stage's rule (the fused `input_projection` against `input_norm` + rocBLAS +
+/// `input_gating`) for `arch` and C channels. It serves one-pass plans; chunked plans keep the
+/// staged input.
+pub fn input_rule(arch: &str, c: usize, env: Option<&str>) -> PathRule {
+    let limit = if c % 4 != 0 {
+        Some(format!("C = {c} is not a multiple of 4 (8-byte operand loads)"))
+    } else if input_projection_smem_bytes(c) > LDS_BYTES {
+        Some(format!("C = {c} needs more than 64 KiB of LDS in the MFMA input kernel"))
+    } else {
+        None
+    };
+    rule(arch, env, limit)
+}
+
+/// The HIP backend's fast paths: MFMA kernels that replace portable stages once validated.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum HipFastPath {
+    /// `output_projection`: LN_H, gate and output projection in one kernel, in place of
+    /// `output_norm` + rocBLAS + `output_gate`.
+    OutputProjection,
+    /// `input_projection`: LN_C, the input projections and the gating in one kernel, in place of
+    /// `input_norm` + rocBLAS + `input_gating` (one-pass plans).
+    InputProjection,
+}
+
+impl HipFastPath {
+    /// Every fast path.
+    pub const ALL: [HipFastPath; 2] = [HipFastPath::InputProjection, HipFastPath::OutputProjection];
+
+    /// The name verdicts and `info` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            HipFastPath::OutputProjection => "output_projection (MFMA)",
+            HipFastPath::InputProjection => "input_projection (MFMA)",
+        }
     }
-    if h % 8 != 0 {
-        return OutputRule::Fixed(HipKernelOutput::Blas, format!("H = {h} is not a multiple of 8 (MFMA K step)"));
+
+    /// The kernel's stage (its embedded source and code objects).
+    pub(crate) fn stage(self) -> &'static str {
+        match self {
+            HipFastPath::OutputProjection => OUTPUT_PROJECTION,
+            HipFastPath::InputProjection => INPUT_PROJECTION,
+        }
     }
-    if output_projection_smem_bytes(h) > LDS_BYTES {
-        return OutputRule::Fixed(
-            HipKernelOutput::Blas,
-            format!("H = {h} needs more than 64 KiB of LDS in the MFMA kernel"),
-        );
+
+    /// The rule for a layer of C and H on `arch` with the setting `env`.
+    pub(crate) fn rule(self, arch: &str, c: usize, h: usize, env: Option<&str>) -> PathRule {
+        match self {
+            HipFastPath::OutputProjection => output_rule(arch, h, env),
+            HipFastPath::InputProjection => input_rule(arch, c, env),
+        }
     }
-    if forced {
-        return OutputRule::Fixed(HipKernelOutput::Mfma, format!("{MFMA_ENV}=1: used without validation"));
+}
+
+impl std::fmt::Display for HipFastPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
-    OutputRule::ByVerdict
 }
 
 #[cfg(test)]
@@ -230,8 +302,8 @@ mod tests {
         use HipKernelOutput::*;
         // Default until validated on hardware: rocBLAS.
         let fixed = |arch, h, env| match output_rule(arch, h, env) {
-            OutputRule::Fixed(o, _) => Some(o),
-            OutputRule::ByVerdict => None,
+            PathRule::Fixed { on, .. } => Some(if on { Mfma } else { Blas }),
+            PathRule::ByVerdict => None,
         };
         assert_eq!(fixed("gfx942", 128, None), None, "left to the verdict");
         assert_eq!(fixed("gfx942", 128, Some("auto")), None, "left to the verdict");
@@ -244,6 +316,16 @@ mod tests {
         assert_eq!(fixed("gfx942", 100, None), Some(Blas));
         assert_eq!(fixed("gfx942", 248, Some("1")), Some(Mfma));
         assert_eq!(fixed("gfx942", 256, Some("1")), Some(Blas));
+        let input = |arch, c, env| match input_rule(arch, c, env) {
+            PathRule::Fixed { on, .. } => Some(on),
+            PathRule::ByVerdict => None,
+        };
+        assert_eq!(input("gfx942", 128, None), None);
+        assert_eq!(input("gfx942", 508, Some("1")), Some(true));
+        assert_eq!(input("gfx942", 512, Some("1")), Some(false), "LDS");
+        assert_eq!(input("gfx942", 42, None), Some(false), "C % 4");
+        assert_eq!(input("gfx942", 128, Some("0")), Some(false));
+        assert_eq!(input("gfx1100", 128, Some("1")), Some(false));
         assert!(output_projection_smem_bytes(248) <= LDS_BYTES && output_projection_smem_bytes(256) > LDS_BYTES);
         // H = 128: 16896 + 512 + 16896 bytes.
         assert_eq!(output_projection_smem_bytes(128), 34304);

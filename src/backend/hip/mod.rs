@@ -52,9 +52,9 @@ mod validate;
 mod host_tests;
 
 pub use self::context::{HipBackend, HipPrepared};
-pub use self::kernels::HipKernelOutput;
+pub use self::kernels::{HipFastPath, HipKernelOutput};
 
-use self::context::{launch_by_value, poisoned, Context, Kernels, POISON_BYTE};
+use self::context::{launch_by_value, poisoned, Context, Kernels, Stages, POISON_BYTE};
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -62,7 +62,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use self::blas::{bias_update_spec, DataType, RocblasGemm};
-use self::kernels::{KernelImage, OutputRule};
+use self::kernels::{KernelImage, PathRule};
 use self::result::{AllocTracker, BlasHandle, DeviceMem, Kernel, Stream, Timer};
 use super::caller_workspace::{self, SpanCarver};
 use super::device_prepare::{fill_params, params as prepare_params, PreparedLayout};
@@ -115,6 +115,12 @@ impl HipPrepared {
     /// How this layer's output stage runs on this device.
     pub fn output_path(&self) -> HipKernelOutput {
         self.output
+    }
+
+    /// Whether this layer's one-pass forwards run the fused MFMA input kernel (`input_projection`);
+    /// otherwise, and in chunked plans, `input_norm` + rocBLAS + `input_gating`.
+    pub fn fused_input(&self) -> bool {
+        self.input.is_some()
     }
 }
 
@@ -236,13 +242,26 @@ impl HipBackend {
         let cus = result::device_attribute(api, sys::HIP_ATTR_MULTIPROCESSOR_COUNT, ord).unwrap_or(0);
         let memory = result::device_total_mem(api, ord).unwrap_or(0);
         let text = |r: Result<String>| r.unwrap_or_else(|e| format!("unknown ({e})"));
-        let output_text = match kernels::output_rule(&arch, 128, env_flag(kernels::MFMA_ENV).as_deref()) {
-            OutputRule::Fixed(HipKernelOutput::Blas, why) => format!("output_norm + rocBLAS ({why})"),
-            OutputRule::Fixed(HipKernelOutput::Mfma, why) => format!("MFMA output_projection ({why})"),
-            OutputRule::ByVerdict => "MFMA output_projection where this device's validation passed and it won, \
-                                      else output_norm + rocBLAS (validated on first use)"
-                .to_string(),
+        let env = env_flag(kernels::MFMA_ENV);
+        let rule_text = |rule: PathRule, fast: &str, portable: &str| match rule {
+            PathRule::Fixed { on: false, why } => format!("{portable} ({why})"),
+            PathRule::Fixed { on: true, why } => format!("{fast} ({why})"),
+            PathRule::ByVerdict => {
+                format!(
+                    "{fast} where this device's validation passed and it won, else {portable} (validated on first use)"
+                )
+            }
         };
+        let output_text = rule_text(
+            kernels::output_rule(&arch, 128, env.as_deref()),
+            "MFMA output_projection",
+            "output_norm + rocBLAS",
+        );
+        let input_text = rule_text(
+            kernels::input_rule(&arch, 128, env.as_deref()),
+            "MFMA input_projection",
+            "input_norm + rocBLAS + input_gating",
+        );
         let versions = vec![
             ("HIP runtime".to_string(), text(result::runtime_version(api).map(arch::format_hip_version))),
             ("HIP driver".to_string(), text(result::driver_version(api).map(arch::format_hip_version))),
@@ -252,6 +271,7 @@ impl HipBackend {
             ("libamdhip64".to_string(), api.path.clone()),
             ("librocblas".to_string(), blas_api.path.clone()),
             ("kernels".to_string(), format!("{} [{}]", kernels::HIP_BUILD, kernels.origin)),
+            ("input stage (C=128, one pass)".to_string(), input_text),
             ("output stage (H=128)".to_string(), output_text),
         ];
         let info = DeviceInfo {
@@ -267,6 +287,7 @@ impl HipBackend {
                 blas: Mutex::new(blas),
                 kernels,
                 mfma: Mutex::new(None),
+                mfma_input: Mutex::new(None),
                 backward: Mutex::new(None),
                 backward_block: Mutex::new(None),
                 stream,
@@ -352,28 +373,44 @@ impl HipBackend {
     }
 
     fn mfma_kernel(&self) -> Result<Arc<Kernel>> {
-        let mut slot = self.ctx.mfma.lock().map_err(poisoned)?;
+        self.lazy_kernel(&self.ctx.mfma, kernels::OUTPUT_PROJECTION)
+    }
+
+    fn mfma_input_kernel(&self) -> Result<Arc<Kernel>> {
+        self.lazy_kernel(&self.ctx.mfma_input, kernels::INPUT_PROJECTION)
+    }
+
+    /// A stage loaded on first use and kept in `slot`.
+    fn lazy_kernel(&self, slot: &Mutex<Option<Arc<Kernel>>>, stage: &'static str) -> Result<Arc<Kernel>> {
+        let mut slot = slot.lock().map_err(poisoned)?;
         if let Some(k) = slot.as_ref() {
             return Ok(k.clone());
         }
-        let (k, _) = load_stage(self.ctx.api, &self.ctx.target_id, kernels::OUTPUT_PROJECTION, self.ctx.force_rtc)?;
+        let (k, _) = load_stage(self.ctx.api, &self.ctx.target_id, stage, self.ctx.force_rtc)?;
         let k = Arc::new(k);
         *slot = Some(k.clone());
         Ok(k)
     }
 
-    /// [`Backend::prepare`] with the output path given (the validation prepares both).
-    fn prepare_as(&self, w: &Weights, output: HipKernelOutput) -> Result<HipPrepared> {
+    /// The MFMA kernels `stages` asks for, loaded.
+    fn stage_kernels(&self, stages: Stages) -> Result<(Option<Arc<Kernel>>, Option<Arc<Kernel>>)> {
+        let mfma = match stages.output {
+            HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
+            HipKernelOutput::Blas => None,
+        };
+        let input = if stages.fused_input { Some(self.mfma_input_kernel()?) } else { None };
+        Ok((mfma, input))
+    }
+
+    /// [`Backend::prepare`] with the stages given (the validation prepares both ways).
+    fn prepare_as(&self, w: &Weights, stages: Stages) -> Result<HipPrepared> {
         w.validate()?;
         self.bind()?;
         let config = w.config();
         let (fused, proj_bias) = w.fused_input()?;
         debug_assert_eq!(fused.len(), config.fused_proj_width() * config.c);
         let proj_bias = proj_bias.map(|b| self.upload_f32(&b)).transpose()?;
-        let mfma = match output {
-            HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
-            HipKernelOutput::Blas => None,
-        };
+        let (mfma, input) = self.stage_kernels(stages)?;
         Ok(HipPrepared {
             config,
             id: super::next_weights_id(),
@@ -386,8 +423,9 @@ impl HipBackend {
             norm_out_w: self.upload_f32(&w.norm_out.weight)?,
             norm_out_b: self.upload_f32(&w.norm_out.bias)?,
             biases: w.linears().map(|(_, l)| l.bias.is_some()),
-            output,
+            output: stages.output,
             mfma,
+            input,
         })
     }
 
@@ -482,11 +520,8 @@ impl HipBackend {
         // function's contract.
         unsafe { launch_prepare(&self.ctx.kernels.prepare_weights, stream, &kp)? };
         // No validation here: this may run inside a graph capture. A verdict that exists is used.
-        let output = self.output_for(&config, false)?;
-        let mfma = match output {
-            HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
-            HipKernelOutput::Blas => None,
-        };
+        let stages = self.stages_for(&config, false)?;
+        let (mfma, input) = self.stage_kernels(stages)?;
         let (c, h, p) = (config.c, config.h, config.fused_proj_width());
         let view =
             |off: u64, bytes: usize| DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, storage.ptr + off, bytes);
@@ -505,8 +540,9 @@ impl HipBackend {
                 let [a, b, c, d, e] = w.input_linears().map(|l| l.bias.is_some());
                 [a, b, c, d, e, w.out_proj.bias.is_some()]
             },
-            output,
+            output: stages.output,
             mfma,
+            input,
         })
     }
 
@@ -695,15 +731,31 @@ impl HipBackend {
         // is a prepared-weight or workspace allocation sized by `ws.plan` for this problem, or x,
         // mask and y from this function's contract; `stream` is live and `blas` is bound to it.
 
-        // 1. LN_C, projection, gating, chunk by chunk (z and proj inside t or their own buffer).
-        for (row0, rows) in plan.input_chunks() {
-            let p = InputParams { common: base.over(row0, rows)?, ..input };
-            let g = RocblasGemm::from_spec(&GemmSpec::projection(rows, c, plan.p), DataType::F16, DataType::F16)?;
-            // SAFETY: the invariant stated at the top of this section holds for these addresses.
-            unsafe {
-                launch(&self.ctx.kernels.input_norm, stream, rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize), 0, &p)?;
-                gemm(blas, &g, 1.0, prep.w_in.addr(), input.z, 0.0, input.proj)?;
-                launch(&k.input_gating, stream, rows.div_ceil(tr), launch_params::gating_smem_bytes(h, tr), &p)?;
+        // 1. LN_C, projection, gating: one fused MFMA kernel over every position, or chunk by
+        // chunk (z and proj inside t or their own buffer).
+        if let Some(kernel) = prep.input.as_ref() {
+            let p = InputParams { common: base.with_input_weights(prep.w_in.addr())?, ..input };
+            let grid = problem.shape.rows().div_ceil(kernels::INPUT_PROJECTION_ROWS);
+            // SAFETY: the invariant stated at the top of this section holds for these addresses;
+            // w_in is the prepared [4H + G, C] f16 block the kernel reads (C % 4 == 0 and the LDS
+            // size were checked when the layer chose the kernel: `kernels::input_rule`).
+            unsafe { launch(kernel, stream, grid, kernels::input_projection_smem_bytes(c), &p)? };
+        } else {
+            for (row0, rows) in plan.input_chunks() {
+                let p = InputParams { common: base.over(row0, rows)?, ..input };
+                let g = RocblasGemm::from_spec(&GemmSpec::projection(rows, c, plan.p), DataType::F16, DataType::F16)?;
+                // SAFETY: the invariant stated at the top of this section holds for these addresses.
+                unsafe {
+                    launch(
+                        &self.ctx.kernels.input_norm,
+                        stream,
+                        rows.div_ceil(INPUT_NORM_ROWS_PER_BLOCK as usize),
+                        0,
+                        &p,
+                    )?;
+                    gemm(blas, &g, 1.0, prep.w_in.addr(), input.z, 0.0, input.proj)?;
+                    launch(&k.input_gating, stream, rows.div_ceil(tr), launch_params::gating_smem_bytes(h, tr), &p)?;
+                }
             }
         }
 
@@ -940,9 +992,9 @@ impl Backend for HipBackend {
     fn prepare(&self, w: &Weights) -> Result<HipPrepared> {
         w.validate()?;
         self.bind()?;
-        // The MFMA output kernel is validated here on first use for this C and H (`validate.rs`).
-        let output = self.output_for(&w.config(), true)?;
-        self.prepare_as(w, output)
+        // The MFMA kernels are validated here on first use for this C and H (`validate.rs`).
+        let stages = self.stages_for(&w.config(), true)?;
+        self.prepare_as(w, stages)
     }
 
     fn prepared_bytes(&self, p: &HipPrepared) -> u64 {

@@ -1,30 +1,29 @@
-//! The MFMA output kernel proved on this device before layers use it (`crate::validation`).
+//! The MFMA kernels proved on this device before layers use them (`crate::validation`).
 //!
-//! No AMD GPU has run `output_projection`. So where the kernel can run (a CDNA arch, H a
-//! multiple of 8 within the LDS) and no setting forces a choice, a layer prepared from host
-//! weights asks for this device's verdict on the kernel for its C and H: from memory, from the
-//! verdict file, or by running the validation now. The validation runs four small forwards on
-//! the MFMA path (both formulations, both directions, masks, biases, f32 and 16-bit x and y,
+//! No AMD GPU has run `output_projection` or `input_projection`. So where such a kernel can run
+//! (a CDNA arch, a shape within its limits) and no setting forces a choice, a layer prepared from
+//! host weights asks for this device's verdict on the kernel for its C and H: from memory, from
+//! the verdict file, or by running the validation now. A validation runs four small forwards on
+//! the fast path (both formulations, both directions, masks, biases, f32 and 16-bit x and y,
 //! Cauchy inputs, odd N and B > 1) against the f64 reference with every element checked, then
-//! times both output paths on one shape (B = 1, N = [`validation::timing_n`], the layer's C and
-//! H) with device events, alternating them. Weights prepared on the device take a verdict that
-//! exists and the rocBLAS path otherwise: they may be prepared inside a graph capture, where
-//! nothing may allocate or wait.
+//! times the fast path against its portable counterpart on one shape (B = 1, N =
+//! [`validation::timing_n`], the layer's C and H) with device events, alternating them. The
+//! input kernel is validated with the rocBLAS output stage (and, for 16-bit x and y, which that
+//! stage cannot write, with the MFMA output kernel where it can run; else those cases are left
+//! out). Weights prepared on the device take a verdict that exists and the portable path
+//! otherwise: they may be prepared inside a graph capture, where nothing may allocate or wait.
 
-use super::context::{poisoned, HipBackend, HipPrepared};
-use super::kernels::{self, HipKernelOutput, OutputRule};
+use super::context::{poisoned, HipBackend, HipPrepared, Stages};
+use super::kernels::{self, HipFastPath, HipKernelOutput, PathRule};
 use super::result::Timer;
 use crate::backend::Backend;
 use crate::device_io::{DeviceIo, ForwardIo};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::problem::{Config, Direction, Formulation, Precision, Problem};
 use crate::reference;
 use crate::suite::{self, Case, Dist};
 use crate::validation::{self, CaseOutcome, Verdict, VerdictKey};
 use crate::weights::Weights;
-
-/// The fast path's name in verdicts.
-const PATH: &str = "output_projection (MFMA)";
 
 /// Each validation case: formulation, biases, B, N, masked, direction, I/O precision, inputs.
 const CASES: [(Formulation, bool, usize, usize, bool, Direction, Precision, Dist); 4] = [
@@ -35,60 +34,71 @@ const CASES: [(Formulation, bool, usize, usize, bool, Direction, Precision, Dist
 ];
 
 impl HipBackend {
-    /// The output path a layer of `config` uses: fixed by the setting or the hardware, else the
-    /// verdict's. `may_validate`: run the validation when no verdict exists (host preparation);
-    /// otherwise (device preparation, maybe under a capture) no verdict means rocBLAS.
-    pub(super) fn output_for(&self, config: &Config, may_validate: bool) -> Result<HipKernelOutput> {
-        match kernels::output_rule(&self.ctx.arch, config.h, self.mfma_setting().as_deref()) {
-            OutputRule::Fixed(output, _) => Ok(output),
-            OutputRule::ByVerdict => {
-                let verdict = match self.output_verdict(config.c, config.h)? {
+    /// The stages a layer of `config` runs: each fast path fixed by the setting or the hardware,
+    /// else its verdict's. `may_validate`: run a validation where no verdict exists (host
+    /// preparation); otherwise (device preparation, maybe under a capture) no verdict means the
+    /// portable path.
+    pub(super) fn stages_for(&self, config: &Config, may_validate: bool) -> Result<Stages> {
+        let on = |path| self.path_on(path, config.c, config.h, may_validate);
+        let fused_input = on(HipFastPath::InputProjection)?;
+        let output = if on(HipFastPath::OutputProjection)? { HipKernelOutput::Mfma } else { HipKernelOutput::Blas };
+        Ok(Stages { fused_input, output })
+    }
+
+    fn path_on(&self, path: HipFastPath, c: usize, h: usize, may_validate: bool) -> Result<bool> {
+        match path.rule(&self.ctx.arch, c, h, self.mfma_setting().as_deref()) {
+            PathRule::Fixed { on, .. } => Ok(on),
+            PathRule::ByVerdict => {
+                let verdict = match self.verdict(path, c, h)? {
                     Some(v) => Some(v),
-                    None if may_validate => Some(self.validate_output(config.c, config.h)?),
+                    None if may_validate => Some(self.validate(path, c, h)?),
                     None => None,
                 };
-                Ok(if verdict.is_some_and(|v| v.used) { HipKernelOutput::Mfma } else { HipKernelOutput::Blas })
+                Ok(verdict.is_some_and(|v| v.used))
             }
         }
     }
 
-    /// Makes sure layers of C and H on this device can follow a verdict: where the choice is
-    /// left to one and none exists yet, validates now. Returns the verdict (`None` where a
-    /// setting or the hardware settles the path without one). For callers whose own
-    /// preparation runs on the device (the Python package calls this when a layer is first made
-    /// outside a graph capture); a layer prepared from host weights does this itself.
-    pub fn ensure_output_verdict(&self, c: usize, h: usize) -> Result<Option<Verdict>> {
-        if let OutputRule::Fixed(..) = kernels::output_rule(&self.ctx.arch, h, self.mfma_setting().as_deref()) {
-            return Ok(None);
+    /// Makes sure layers of C and H on this device can follow verdicts: for each fast path left
+    /// to one, validates now where none exists. Returns those verdicts (none where settings or
+    /// the hardware settle every path). For callers whose own preparation runs on the device (the
+    /// Python package calls this when a layer is first made outside a graph capture); a layer
+    /// prepared from host weights does this itself.
+    pub fn ensure_verdicts(&self, c: usize, h: usize) -> Result<Vec<Verdict>> {
+        let mut out = Vec::new();
+        for path in HipFastPath::ALL {
+            if let PathRule::ByVerdict = path.rule(&self.ctx.arch, c, h, self.mfma_setting().as_deref()) {
+                out.push(match self.verdict(path, c, h)? {
+                    Some(v) => v,
+                    None => self.validate(path, c, h)?,
+                });
+            }
         }
-        match self.output_verdict(c, h)? {
-            Some(v) => Ok(Some(v)),
-            None => self.validate_output(c, h).map(Some),
-        }
+        Ok(out)
     }
 
-    /// What this device knows about the MFMA output kernel for C and H, without running
-    /// anything: the verdict made or read before in this process, else the verdict file's.
-    pub fn output_verdict(&self, c: usize, h: usize) -> Result<Option<Verdict>> {
-        if let Some(known) = self.ctx.verdicts.lock().map_err(poisoned)?.get(&(c, h)) {
+    /// What this device knows about `path` for C and H, without running anything: the verdict
+    /// made or read before in this process, else the verdict file's.
+    pub fn verdict(&self, path: HipFastPath, c: usize, h: usize) -> Result<Option<Verdict>> {
+        if let Some(known) = self.ctx.verdicts.lock().map_err(poisoned)?.get(&(path, c, h)) {
             return Ok(known.clone());
         }
-        // The file is read once per C and H: a layer prepared on the device on every call (weights
-        // being trained) must not read it each time. Absence is remembered too.
-        let found = self.ctx.store.load(&self.output_key(c, h));
-        self.ctx.verdicts.lock().map_err(poisoned)?.insert((c, h), found.clone());
+        // The file is read once per path, C and H: a layer prepared on the device on every call
+        // (weights being trained) must not read it each time. Absence is remembered too.
+        let found = self.ctx.store.load(&self.key(path, c, h));
+        self.ctx.verdicts.lock().map_err(poisoned)?.insert((path, c, h), found.clone());
         Ok(found)
     }
 
-    /// Validates the MFMA output kernel for C and H on this device now (again, if a verdict
-    /// exists), keeps the verdict for this process and writes it to the verdict file. Layers
-    /// prepared afterwards follow it. An arch without MFMA, or an H the kernel cannot take, is
-    /// an error naming why.
-    pub fn validate_output(&self, c: usize, h: usize) -> Result<Verdict> {
-        if let OutputRule::Fixed(_, why) = kernels::output_rule(&self.ctx.arch, h, None) {
-            return Err(crate::error::Error::InvalidArgument(format!("the MFMA output kernel cannot run here: {why}")));
+    /// Validates `path` for C and H on this device now (again, if a verdict exists), keeps the
+    /// verdict for this process and writes it to the verdict file. Layers prepared afterwards
+    /// follow it. A path that cannot run here (no MFMA, a shape past its limits) is an error
+    /// naming why.
+    pub fn validate(&self, path: HipFastPath, c: usize, h: usize) -> Result<Verdict> {
+        if let PathRule::Fixed { why, .. } = path.rule(&self.ctx.arch, c, h, None) {
+            return Err(Error::InvalidArgument(format!("{path} cannot run here: {why}")));
         }
-        let verdict = match self.run_output_validation(c, h) {
+        let verdict = match self.run_validation(path, c, h) {
             Ok(v) => {
                 // A file that cannot be written costs only a validation in the next process.
                 if let Err(e) = self.ctx.store.save(&v) {
@@ -98,18 +108,18 @@ impl HipBackend {
             }
             // A run that failed (a fault, memory refused) is a verdict against the kernel for
             // this process; it is not written, so a transient failure is not remembered.
-            Err(e) => Verdict::not_run(self.output_key(c, h), format!("the validation run failed: {e}")),
+            Err(e) => Verdict::not_run(self.key(path, c, h), format!("the validation run failed: {e}")),
         };
-        self.ctx.verdicts.lock().map_err(poisoned)?.insert((c, h), Some(verdict.clone()));
+        self.ctx.verdicts.lock().map_err(poisoned)?.insert((path, c, h), Some(verdict.clone()));
         Ok(verdict)
     }
 
     /// The verdicts that hold for this device as it is now (the verdict file's and this
-    /// process's): those made with this driver, rocBLAS, kernel build and trimul, one per C and H.
-    pub fn output_verdicts(&self) -> Vec<Verdict> {
-        let now = self.output_key(0, 0);
-        let mine = |v: &Verdict| VerdictKey { class: now.class.clone(), ..v.key.clone() } == now;
-        let mut all: Vec<Verdict> = self.ctx.store.all().into_iter().filter(mine).collect();
+    /// process's): those made with this driver, rocBLAS, kernel build and trimul.
+    pub fn verdicts(&self) -> Vec<Verdict> {
+        let now: Vec<VerdictKey> = HipFastPath::ALL.iter().map(|&p| self.key(p, 0, 0)).collect();
+        let holds = |v: &Verdict| now.iter().any(|k| VerdictKey { class: k.class.clone(), ..v.key.clone() } == *k);
+        let mut all: Vec<Verdict> = self.ctx.store.all().into_iter().filter(holds).collect();
         if let Ok(known) = self.ctx.verdicts.lock() {
             for v in known.values().flatten() {
                 if !all.iter().any(|w| w.key == v.key) {
@@ -117,28 +127,28 @@ impl HipBackend {
                 }
             }
         }
-        all.sort_by(|a, b| a.key.class.cmp(&b.key.class).then(a.when.cmp(&b.when)));
+        all.sort_by(|a, b| (&a.key.path, &a.key.class, a.when).cmp(&(&b.key.path, &b.key.class, b.when)));
         all
     }
 
-    /// Lines for [`Backend::info`]: each verdict that holds here, by C and H.
+    /// Lines for [`Backend::info`]: each verdict that holds here.
     pub(super) fn verdict_lines(&self) -> Vec<(String, String)> {
-        self.output_verdicts()
+        self.verdicts()
             .into_iter()
             .map(|v| {
                 let verdict = if v.used { "used" } else { "not used" };
-                (format!("MFMA output kernel, {}", v.key.class), format!("{verdict}: {}", v.reason))
+                (format!("{}, {}", v.key.path, v.key.class), format!("{verdict}: {}", v.reason))
             })
             .collect()
     }
 
-    /// What the verdict depends on: the device, driver, rocBLAS, the kernel's bytes and trimul.
-    fn output_key(&self, c: usize, h: usize) -> VerdictKey {
+    /// What a verdict depends on: the device, driver, rocBLAS, the kernel's bytes and trimul.
+    fn key(&self, path: HipFastPath, c: usize, h: usize) -> VerdictKey {
         let version = |name: &str| {
             self.ctx.info.versions.iter().find(|(k, _)| k == name).map_or_else(String::new, |(_, v)| v.clone())
         };
         let arch = self.ctx.arch.as_str();
-        let stage = crate::kernels::HIP_STAGES.iter().find(|s| s.name == kernels::OUTPUT_PROJECTION);
+        let stage = crate::kernels::HIP_STAGES.iter().find(|s| s.name == path.stage());
         // The code object that loads here, or the source hipRTC compiles, with its options.
         let object = stage.and_then(|s| s.code_objects.iter().find(|(a, _)| *a == arch).map(|(_, code)| *code));
         let options = kernels::rtc_options(arch).join(" ");
@@ -153,23 +163,46 @@ impl HipBackend {
             target: self.ctx.target_id.clone(),
             driver: version("HIP driver"),
             library: format!("rocBLAS {}", version("rocBLAS")),
-            path: PATH.into(),
+            path: path.name().into(),
             kernel,
             class: format!("C={c} H={h}"),
             trimul: env!("CARGO_PKG_VERSION").into(),
         }
     }
 
-    fn run_output_validation(&self, c: usize, h: usize) -> Result<Verdict> {
+    /// The stages a validation of `path` runs with the fast path on (`fast`) or off, for I/O
+    /// precision `io` (`None`: that precision cannot be validated here).
+    fn validation_stages(&self, path: HipFastPath, h: usize, io: Precision, fast: bool) -> Option<Stages> {
+        match path {
+            HipFastPath::OutputProjection => Some(Stages {
+                fused_input: false,
+                output: if fast { HipKernelOutput::Mfma } else { HipKernelOutput::Blas },
+            }),
+            HipFastPath::InputProjection => {
+                // rocBLAS's output GEMM writes f32 y: 16-bit y needs the MFMA output kernel.
+                let output = if io == Precision::F32Io {
+                    HipKernelOutput::Blas
+                } else if matches!(kernels::output_rule(&self.ctx.arch, h, None), PathRule::ByVerdict) {
+                    HipKernelOutput::Mfma
+                } else {
+                    return None;
+                };
+                Some(Stages { fused_input: fast, output })
+            }
+        }
+    }
+
+    fn run_validation(&self, path: HipFastPath, c: usize, h: usize) -> Result<Verdict> {
         let mut cases = Vec::new();
         for (i, &(formulation, biases, b, n, masked, dir, io, dist)) in CASES.iter().enumerate() {
+            let Some(stages) = self.validation_stages(path, h, io, true) else { continue };
             let config = Config::new(formulation, c, h)?;
             let case = Case { batch: b, n, c, h, masked, dist };
             let seed = 0x7A11_DA7E ^ (i as u64) ^ ((c as u64) << 20) ^ ((h as u64) << 40);
             let weights = Weights::random(config, biases, seed)?;
             let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
             let problem = Problem::new(config, case.shape(), dir, masked)?.with_io(io);
-            let prepared = self.prepare_as(&weights, HipKernelOutput::Mfma)?;
+            let prepared = self.prepare_as(&weights, stages)?;
             let (x, y) = self.forward_checked(&prepared, &problem, &inputs.x, inputs.mask.as_deref())?;
             let cmp = reference::check(
                 &weights,
@@ -195,12 +228,12 @@ impl HipBackend {
         let n = validation::timing_n();
         let timed_shape = format!("af3 B=1 N={n} C={c} H={h} f32-io");
         let (fast, baseline) = if cases.iter().all(|c| c.passed) {
-            let (f, b) = self.time_output_paths(c, h, n)?;
+            let (f, b) = self.time_paths(path, c, h, n)?;
             (Some(f), Some(b))
         } else {
             (None, None)
         };
-        Ok(Verdict::decide(self.output_key(c, h), cases, fast, baseline, timed_shape))
+        Ok(Verdict::decide(self.key(path, c, h), cases, fast, baseline, timed_shape))
     }
 
     /// One forward of `problem` on device copies of x (rounded to the problem's I/O precision)
@@ -251,9 +284,9 @@ impl HipBackend {
         Ok((x, y))
     }
 
-    /// Median forward milliseconds of the MFMA path and of the rocBLAS path at B = 1, N = `n`
-    /// (af3 with biases, unmasked, f32 x and y): warm-ups, then the two alternated.
-    fn time_output_paths(&self, c: usize, h: usize, n: usize) -> Result<(f64, f64)> {
+    /// Median forward milliseconds with `path` on and off at B = 1, N = `n` (af3 with biases,
+    /// unmasked, f32 x and y): warm-ups, then the two alternated.
+    fn time_paths(&self, path: HipFastPath, c: usize, h: usize, n: usize) -> Result<(f64, f64)> {
         let config = Config::new(Formulation::Af3, c, h)?;
         let case = Case { batch: 1, n, c, h, masked: false, dist: Dist::Normal };
         let weights = Weights::random(config, true, 0x7131_0000 ^ n as u64)?;
@@ -266,11 +299,14 @@ impl HipBackend {
         };
         let xd = upload(&x)?;
         let yd = self.alloc(x.len())?;
-        let mut paths = Vec::new();
-        for output in [HipKernelOutput::Mfma, HipKernelOutput::Blas] {
-            let prepared = self.prepare_as(&weights, output)?;
+        let mut runs = Vec::new();
+        for fast in [true, false] {
+            let stages = self
+                .validation_stages(path, h, Precision::F32Io, fast)
+                .ok_or_else(|| Error::Internal("no f32 stages to time".into()))?;
+            let prepared = self.prepare_as(&weights, stages)?;
             let ws = self.workspace(&prepared, &problem, None)?;
-            paths.push((prepared, ws, Vec::new()));
+            runs.push((prepared, ws, Vec::new()));
         }
         let dio = DeviceIo {
             x: xd.device_ptr(),
@@ -283,7 +319,7 @@ impl HipBackend {
         };
         let timer = Timer::new(self.ctx.api)?;
         for round in 0..validation::TIMING_WARMUP + validation::TIMING_REPEATS {
-            for (prepared, ws, times) in paths.iter_mut() {
+            for (prepared, ws, times) in runs.iter_mut() {
                 timer.start(&self.ctx.stream)?;
                 // SAFETY: x and y are live allocations of this device of the problem's elements in
                 // f32, not aliasing; `elapsed_ms` waits for the stream before they are freed.
@@ -299,7 +335,7 @@ impl HipBackend {
             t.sort_by(f64::total_cmp);
             t[t.len() / 2]
         };
-        Ok((median(&mut paths[0].2), median(&mut paths[1].2)))
+        Ok((median(&mut runs[0].2), median(&mut runs[1].2)))
     }
 }
 
