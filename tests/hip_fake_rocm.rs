@@ -1016,7 +1016,7 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
     };
     let b = open();
     // Both portable stages made slow: the MFMA kernels win where they are right.
-    let slow_portable = "output_norm:100,input_gating:100";
+    let slow_portable = "output_norm:10000,input_gating:10000";
 
     // 1. Sound and faster: validated on first use, used, and the forward launches them.
     std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", slow_portable);
@@ -1077,7 +1077,7 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
     std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
 
     // 4. Sound but slower: reported, not used.
-    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_projection:100,input_projection:100");
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "output_projection:10000,input_projection:10000");
     for path in [InputProjection, OutputProjection] {
         let slow = b.validate(path, 40, 24).unwrap();
         assert!(slow.passed && !slow.used && slow.reason.contains("not faster"), "{slow:?}");
@@ -1102,7 +1102,7 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
     let failed = b.validate(OutputProjection, 48, 8).unwrap();
     std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
     assert!(!failed.used && failed.reason.contains("validation run failed"), "{failed:?}");
-    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "input_projection:100"); // input: a verdict, not used
+    std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "input_projection:10000"); // input: a verdict, not used
     assert_eq!(paths_of(&b, gm(48, 8)), (false, HipKernelOutput::Blas));
     std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
     let case = Case::new(7, 1, 48, false, Dist::Cauchy);

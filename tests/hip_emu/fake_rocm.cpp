@@ -42,7 +42,6 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <unistd.h>
 
 namespace {
@@ -96,8 +95,8 @@ bool inject(const char* call) {
 // makes every launch of that kernel (output_projection or input_projection) finish with a few
 // of its output elements wrong (one in about 97 of the rows it wrote), a kernel subtly broken
 // rather than wrong everywhere; $TRIMUL_FAKE_ROCM_SLOW = "<kernel>:<ms>" makes each launch of
-// it take that many milliseconds more, so a test decides which path is faster. Both take
-// comma-separated lists.
+// it take that many milliseconds more on the device's clock (what events measure), so a test
+// decides which path is faster. Both take comma-separated lists.
 bool hook_names(const char* var, const std::string& kernel, long* value) {
   const char* v = std::getenv(var);
   if (!v || !*v) return false;
@@ -113,6 +112,15 @@ bool hook_names(const char* var, const std::string& kernel, long* value) {
     return true;
   }
   return false;
+}
+
+// The device's clock, which events read: the host's, plus the time $TRIMUL_FAKE_ROCM_SLOW adds to
+// slowed launches. Added, not slept: a slowed kernel is slower by exactly that much whatever the
+// host's load (the emulation's own speed varies by far more than a test's margin on a busy host).
+std::atomic<long long> added_ns{0};
+void slow_down(long ms) { added_ns += (long long)ms * 1000000; }
+std::chrono::steady_clock::time_point fake_now() {
+  return std::chrono::steady_clock::now() + std::chrono::nanoseconds(added_ns.load());
 }
 
 // The launch record: how many times each kernel was launched (and ran to completion) in this
@@ -602,8 +610,7 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     ++launches[name];
   }
   long slow_ms = 0;
-  if (hook_names("TRIMUL_FAKE_ROCM_SLOW", name, &slow_ms) && slow_ms > 0)
-    std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+  if (hook_names("TRIMUL_FAKE_ROCM_SLOW", name, &slow_ms) && slow_ms > 0) slow_down(slow_ms);
   if (name == "input_projection" && hook_names("TRIMUL_FAKE_ROCM_CORRUPT", name, nullptr)) {
     // A few wrong elements of the gate: column (row mod G) of every 97th row, 0.5 added (the
     // gate is in (0, 1); af3 multiplies y by it, so y is off by half its size there).
@@ -636,7 +643,7 @@ int hipEventCreate(void** e) {
   return 0;
 }
 int hipEventRecord(void* e, void*) {
-  *(std::chrono::steady_clock::time_point*)e = std::chrono::steady_clock::now();
+  *(std::chrono::steady_clock::time_point*)e = fake_now();
   return 0;
 }
 int hipEventSynchronize(void*) { return 0; }

@@ -428,10 +428,7 @@ fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
     ];
     for (i, (b, n, h, c, af3, bias, row0, rows)) in cases.into_iter().enumerate() {
         assert!(
-            matches!(
-                kernels::output_rule("gfx942", h, Some("1")),
-                kernels::OutputRule::Fixed(kernels::HipKernelOutput::Mfma, _)
-            ),
+            matches!(kernels::output_rule("gfx942", h, Some("1")), kernels::PathRule::Fixed { on: true, .. }),
             "H={h}"
         );
         let smem = kernels::output_projection_smem_bytes(h);
