@@ -44,6 +44,11 @@ pub const MAX_REL_L2: f64 = 5e-3;
 pub const TIMING_WARMUP: usize = 2;
 /// Timed forwards per path (the verdict keeps the median).
 pub const TIMING_REPEATS: usize = 5;
+/// How much faster a fast path's median must be to be used: a tie within the timings' noise
+/// keeps the portable path (and keeps verdicts from flipping between runs).
+pub const MIN_GAIN: f64 = 0.03;
+/// The validation procedure's version, part of every key: a changed procedure validates again.
+pub const PROCEDURE_VERSION: u32 = 1;
 
 /// The file format's version: a file of another version is ignored (and replaced on the next save).
 const FILE_VERSION: u32 = 1;
@@ -68,8 +73,10 @@ pub struct VerdictKey {
     pub kernel: String,
     /// The class of shapes the verdict covers, e.g. `C=128 H=128`.
     pub class: String,
-    /// trimul's version (the host code around the kernel matters too).
+    /// trimul's version and source commit (the host code around the kernel matters too).
     pub trimul: String,
+    /// The validation procedure: its version and the timed shape's N.
+    pub procedure: String,
 }
 
 impl VerdictKey {
@@ -85,6 +92,7 @@ impl VerdictKey {
             &self.kernel,
             &self.class,
             &self.trimul,
+            &self.procedure,
         ]
         .map(String::as_str)
         .join(" | ")
@@ -152,10 +160,12 @@ impl Verdict {
             (false, format!("failed against the f64 reference: {}", names.join("; ")))
         } else {
             match (fast_ms, baseline_ms) {
-                (Some(f), Some(b)) if f.is_finite() && b.is_finite() && f < b => {
+                (Some(f), Some(b)) if f.is_finite() && b.is_finite() && f < b * (1.0 - MIN_GAIN) => {
                     (true, format!("passed {} cases; {f:.3} ms against {b:.3} ms", cases.len()))
                 }
-                (Some(f), Some(b)) => (false, format!("passed, but not faster: {f:.3} ms against {b:.3} ms")),
+                (Some(f), Some(b)) => {
+                    (false, format!("passed, but not faster by {:.0}%: {f:.3} ms against {b:.3} ms", MIN_GAIN * 100.0))
+                }
                 _ => (false, "passed, but was not timed".to_string()),
             }
         };
@@ -262,7 +272,7 @@ impl VerdictStore {
 
     /// Stores `verdict`, replacing one of the same key. Without a directory, nothing is written.
     pub fn save(&self, verdict: &Verdict) -> Result<()> {
-        let (Some(dir), Some(path)) = (self.dir.as_ref(), self.path()) else { return Ok(()) };
+        let Some(dir) = self.dir.as_ref() else { return Ok(()) };
         let io = |what: &str, p: &Path, e: std::io::Error| {
             Error::InvalidArgument(format!(
                 "{what} {}: {e} (set {CACHE_DIR_ENV}=off to keep verdicts in memory)",
@@ -273,14 +283,56 @@ impl VerdictStore {
         let mut file = self.read();
         file.version = FILE_VERSION;
         file.verdicts.insert(verdict.key.id(), verdict.clone());
-        let text = serde_json::to_string_pretty(&file)
-            .map_err(|e| Error::InvalidArgument(format!("cannot encode the verdicts: {e}")))?;
-        // A name of this process's own, so concurrent writers do not interleave in one file; the
-        // last rename wins, and a verdict lost that way is only validated again.
-        let tmp = dir.join(format!("verdicts.json.{}.tmp", std::process::id()));
-        std::fs::write(&tmp, text).map_err(|e| io("cannot write", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| io("cannot replace", &path, e))
+        let text = serde_json::to_string_pretty(&file);
+        self.replace(file_text(text)?)
     }
+
+    /// Takes the verdict of `key` out of the file, if it is there.
+    pub fn remove(&self, key: &VerdictKey) -> Result<()> {
+        if self.dir.is_none() {
+            return Ok(());
+        }
+        let mut file = self.read();
+        if file.verdicts.remove(&key.id()).is_none() {
+            return Ok(());
+        }
+        file.version = FILE_VERSION;
+        self.replace(file_text(serde_json::to_string_pretty(&file))?)
+    }
+
+    /// Writes `text` as the file: a temporary file of this writer's own (process, thread and a
+    /// counter: concurrent writers never share one), flushed to disk, then renamed over the file,
+    /// so a reader sees the old file or the new one. The last rename wins; a verdict lost that way
+    /// is only validated again.
+    fn replace(&self, text: String) -> Result<()> {
+        use std::io::Write;
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let (Some(dir), Some(path)) = (self.dir.as_ref(), self.path()) else { return Ok(()) };
+        let io = |what: &str, p: &Path, e: std::io::Error| {
+            Error::InvalidArgument(format!(
+                "{what} {}: {e} (set {CACHE_DIR_ENV}=off to keep verdicts in memory)",
+                p.display()
+            ))
+        };
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = dir.join(format!("verdicts.json.{}.{:?}.{n}.tmp", std::process::id(), std::thread::current().id()));
+        let tmp = PathBuf::from(tmp.to_string_lossy().replace(['(', ')'], ""));
+        let written = std::fs::File::create_new(&tmp)
+            .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
+            .map_err(|e| io("cannot write", &tmp, e));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        std::fs::rename(&tmp, &path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io("cannot replace", &path, e)
+        })
+    }
+}
+
+fn file_text(text: serde_json::Result<String>) -> Result<String> {
+    text.map_err(|e| Error::InvalidArgument(format!("cannot encode the verdicts: {e}")))
 }
 
 /// The timed shape's N: `$TRIMUL_VALIDATION_N` if it is a number from 8 to 4096, else
@@ -308,6 +360,7 @@ mod tests {
             kernel: kernel.into(),
             class: "C=128 H=128".into(),
             trimul: "0.1.0".into(),
+            procedure: "v1 N=256".into(),
         }
     }
 
@@ -321,6 +374,7 @@ mod tests {
         assert!(d(vec![case(true, 0), case(true, 0)], Some(1.0), Some(2.0)).used);
         let lost = d(vec![case(true, 0)], Some(2.0), Some(1.0));
         assert!(lost.passed && !lost.used && lost.reason.contains("not faster"), "{}", lost.reason);
+        assert!(!d(vec![case(true, 0)], Some(0.99), Some(1.0)).used, "a 1% gain is within the noise");
         let wrong = d(vec![case(true, 0), case(false, 3)], Some(1.0), Some(2.0));
         assert!(!wrong.passed && !wrong.used && wrong.reason.contains("3 of 100"), "{}", wrong.reason);
         assert!(!d(vec![], Some(1.0), Some(2.0)).used, "no cases");
@@ -356,6 +410,13 @@ mod tests {
         assert_eq!(store.load(&key("a")), None);
         store.save(&v).unwrap();
         assert_eq!(store.load(&key("a")), Some(v));
+        store.remove(&key("a")).unwrap();
+        assert_eq!(store.load(&key("a")), None, "removed");
+        assert_eq!(store.all().len(), 0);
+        store.remove(&key("a")).unwrap();
+        let leftovers: Vec<_> =
+            std::fs::read_dir(&dir).unwrap().filter(|e| e.as_ref().unwrap().path() != store.path().unwrap()).collect();
+        assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
         assert_eq!(VerdictStore::none().load(&key("a")), None);
         VerdictStore::none().save(&Verdict::decide(key("a"), vec![], None, None, String::new())).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();

@@ -21,7 +21,7 @@ mod mfma_output {
     use super::*;
 
     fn hip_mfma() -> Option<trimul::Device> {
-        let backend = trimul::backend::hip::HipBackend::new(0).inspect(|b| b.set_mfma_output(Some(true)));
+        let backend = trimul::backend::hip::HipBackend::new(0).inspect(|b| b.set_mfma_kernels(Some(true)));
         let mfma = backend.as_ref().is_ok_and(|b| b.has_mfma());
         let device = conformance::device_or_skip("hip (MFMA output)", backend.map(trimul::Device::Hip))?;
         let arch = device.info().arch;

@@ -31,7 +31,7 @@ fn hip_on_fake(mfma: bool) -> Option<trimul::Device> {
     drop(fake::fake()?);
     let backend = trimul::backend::hip::HipBackend::new(0).inspect(|b| {
         b.set_poison(true);
-        b.set_mfma_output(Some(mfma));
+        b.set_mfma_kernels(Some(mfma));
     });
     conformance::device_or_skip("hip on the fake ROCm", backend.map(trimul::Device::Hip))
 }

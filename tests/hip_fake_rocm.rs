@@ -62,7 +62,7 @@ fn fake_with_code_objects() -> Option<std::sync::MutexGuard<'static, ()>> {
 fn backend(mfma: bool) -> HipBackend {
     let b = HipBackend::new(0).unwrap();
     b.set_poison(true);
-    b.set_mfma_output(Some(mfma));
+    b.set_mfma_kernels(Some(mfma));
     b
 }
 
@@ -374,7 +374,7 @@ fn each_arch_gets_its_own_code_objects_and_unknown_archs_fail_clearly() {
     std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx942:sramecc+:xnack-");
     let b = HipBackend::with_runtime_compilation(0).unwrap();
     b.set_poison(true);
-    b.set_mfma_output(Some(true));
+    b.set_mfma_kernels(Some(true));
     let kernels = b.info().versions.into_iter().find(|(k, _)| k == "kernels").unwrap().1;
     assert!(kernels.contains("output_gate: hipRTC gfx942"), "{kernels}");
     let af3 = Config::new(Formulation::Af3, 32, 16).unwrap();
@@ -1086,11 +1086,11 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
     std::env::remove_var("TRIMUL_FAKE_ROCM_SLOW");
 
     // 5. A setting overrides the verdicts either way; a shape a kernel cannot take is refused.
-    b.set_mfma_output(Some(true));
+    b.set_mfma_kernels(Some(true));
     assert_eq!(paths_of(&b, gm(40, 24)), (true, HipKernelOutput::Mfma));
-    b.set_mfma_output(Some(false));
+    b.set_mfma_kernels(Some(false));
     assert_eq!(paths_of(&b, gm(32, 16)), (false, HipKernelOutput::Blas));
-    b.set_mfma_output(None);
+    b.set_mfma_kernels(None);
     let e = b.validate(OutputProjection, 32, 12).unwrap_err().to_string();
     assert!(e.contains("multiple of 8"), "{e}");
     let e = b.validate(InputProjection, 42, 16).unwrap_err().to_string();

@@ -35,7 +35,7 @@ use trimul::{Backend, Device, Direction, Formulation, Layer, Options, TriMul, We
 fn hip(mfma: bool) -> Option<HipBackend> {
     skip::poisoned_or_skip("HIP", HipBackend::new(0), |b| {
         b.set_poison(true);
-        b.set_mfma_output(Some(mfma));
+        b.set_mfma_kernels(Some(mfma));
     })
 }
 

@@ -41,7 +41,7 @@ pub fn fake() -> Option<MutexGuard<'static, ()>> {
         std::env::set_var("TRIMUL_ROCBLAS_LIBRARY", &lib);
         // No hipRTC: archs without prebuilt objects must fail clearly.
         std::env::set_var("TRIMUL_HIPRTC_LIBRARY", dir.join("no-hiprtc-here.so"));
-        // The rocBLAS output path unless a test chooses (`set_mfma_output`), so that each test
+        // The rocBLAS output path unless a test chooses (`set_mfma_kernels`), so that each test
         // knows which path it checks; the default, the MFMA kernel where this device's
         // validation passed and it won, is the subject of a test of its own, which unsets this.
         std::env::set_var("TRIMUL_HIP_MFMA", "0");

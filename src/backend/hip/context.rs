@@ -52,7 +52,7 @@ pub(super) struct Context {
     pub(super) tracker: Arc<AllocTracker>,
     pub(super) poison: AtomicBool,
     /// `Some(on)` overrides `TRIMUL_HIP_MFMA` for layers prepared from now on.
-    pub(super) mfma_output: Mutex<Option<bool>>,
+    pub(super) mfma_setting: Mutex<Option<bool>>,
     /// The verdicts on the fast paths looked up or made in this process, per (path, C, H);
     /// `None` where the verdict file had none.
     pub(super) verdicts: Mutex<HashMap<(HipFastPath, usize, usize), Option<Verdict>>>,

@@ -106,8 +106,8 @@ pub enum HipKernelOutput {
     Mfma,
 }
 
-/// `1` uses the MFMA output kernel without validating it, `0` forbids it; unset (or `auto`), it
-/// is used where this device's verdict says so ([`OutputRule::ByVerdict`], `crate::validation`).
+/// `1` uses the MFMA kernels (the fused input and output stages) without validating them, `0`
+/// forbids them; unset (or `auto`), each is used where this device's verdict says so ([`PathRule::ByVerdict`], `crate::validation`).
 pub const MFMA_ENV: &str = "TRIMUL_HIP_MFMA";
 
 /// Positions per block of `output_projection` (`hip/output_projection.h`; it runs
@@ -215,14 +215,6 @@ impl HipFastPath {
         match self {
             HipFastPath::OutputProjection => "output_projection (MFMA)",
             HipFastPath::InputProjection => "input_projection (MFMA)",
-        }
-    }
-
-    /// The kernel's stage (its embedded source and code objects).
-    pub(crate) fn stage(self) -> &'static str {
-        match self {
-            HipFastPath::OutputProjection => OUTPUT_PROJECTION,
-            HipFastPath::InputProjection => INPUT_PROJECTION,
         }
     }
 

@@ -294,7 +294,7 @@ impl HipBackend {
                 api,
                 tracker: Arc::new(AllocTracker::default()),
                 poison: AtomicBool::new(false),
-                mfma_output: Mutex::new(None),
+                mfma_setting: Mutex::new(None),
                 verdicts: Mutex::new(HashMap::new()),
                 store: VerdictStore::from_env(),
                 force_rtc,
@@ -329,18 +329,19 @@ impl HipBackend {
         self.ctx.poison.store(on, Ordering::Relaxed);
     }
 
-    /// Chooses the output stage of layers prepared from now on: `Some(true)` the MFMA kernel
-    /// (where the arch and H allow it), `Some(false)` rocBLAS, `None` the default
-    /// (`TRIMUL_HIP_MFMA`, else rocBLAS until the MFMA kernel is validated on hardware).
-    pub fn set_mfma_output(&self, choice: Option<bool>) {
-        if let Ok(mut slot) = self.ctx.mfma_output.lock() {
+    /// Chooses the MFMA kernels (the fused input and output stages) of layers prepared from now
+    /// on: `Some(true)` both where the arch and the shape allow them, unvalidated; `Some(false)`
+    /// neither (the portable stages); `None` the default (`TRIMUL_HIP_MFMA`, else each where this
+    /// device's verdict says it passed validation and won: [`HipBackend::verdict`]).
+    pub fn set_mfma_kernels(&self, choice: Option<bool>) {
+        if let Ok(mut slot) = self.ctx.mfma_setting.lock() {
             *slot = choice;
         }
     }
 
     /// The `TRIMUL_HIP_MFMA`-style setting in force: the override, else the environment.
     fn mfma_setting(&self) -> Option<String> {
-        match self.ctx.mfma_output.lock().ok().and_then(|s| *s) {
+        match self.ctx.mfma_setting.lock().ok().and_then(|s| *s) {
             Some(true) => Some("1".into()),
             Some(false) => Some("0".into()),
             None => env_flag(kernels::MFMA_ENV),
@@ -392,8 +393,8 @@ impl HipBackend {
         Ok(k)
     }
 
-    /// The MFMA kernels `stages` asks for, loaded.
-    fn stage_kernels(&self, stages: Stages) -> Result<(Option<Arc<Kernel>>, Option<Arc<Kernel>>)> {
+    /// The MFMA kernels `stages` asks for, loaded: (output, input).
+    fn stage_kernels(&self, stages: Stages) -> Result<StageKernels> {
         let mfma = match stages.output {
             HipKernelOutput::Mfma => Some(self.mfma_kernel()?),
             HipKernelOutput::Blas => None,
@@ -955,7 +956,15 @@ fn load_kernels(api: &'static sys::HipApi, target_id: &str, force_rtc: bool) -> 
     Ok(Kernels { origin: origin.join(", "), ..k })
 }
 
+/// The MFMA kernels a layer runs: the output stage's, the input stage's.
+type StageKernels = (Option<Arc<Kernel>>, Option<Arc<Kernel>>);
+
 impl HipWorkspace {
+    /// Whether this is a one-pass workspace (the plan the fused input kernel serves).
+    fn is_one_pass(&self) -> bool {
+        matches!(self.layout, Layout::OnePass(_))
+    }
+
     /// Moves a caller-memory workspace's buffers into `span` (checked: aligned, large enough).
     fn bind(&mut self, span: DeviceSpan) -> Result<()> {
         let HipWorkspace { caller_base, layout, .. } = self;

@@ -25,8 +25,11 @@ use crate::suite::{self, Case, Dist};
 use crate::validation::{self, CaseOutcome, Verdict, VerdictKey};
 use crate::weights::Weights;
 
-/// Each validation case: formulation, biases, B, N, masked, direction, I/O precision, inputs.
-const CASES: [(Formulation, bool, usize, usize, bool, Direction, Precision, Dist); 4] = [
+/// One validation case: formulation, biases, B, N, masked, direction, I/O precision, inputs.
+type ValidationCase = (Formulation, bool, usize, usize, bool, Direction, Precision, Dist);
+
+/// The validation cases.
+const CASES: [ValidationCase; 4] = [
     (Formulation::Af3, true, 1, 19, true, Direction::Outgoing, Precision::F32Io, Dist::Normal),
     (Formulation::Af3, true, 2, 9, false, Direction::Incoming, Precision::Bf16Io, Dist::Normal),
     (Formulation::GpuMode, false, 1, 16, true, Direction::Incoming, Precision::F32Io, Dist::Cauchy),
@@ -68,10 +71,23 @@ impl HipBackend {
         let mut out = Vec::new();
         for path in HipFastPath::ALL {
             if let PathRule::ByVerdict = path.rule(&self.ctx.arch, c, h, self.mfma_setting().as_deref()) {
-                out.push(match self.verdict(path, c, h)? {
+                let v = match self.verdict(path, c, h)? {
                     Some(v) => v,
                     None => self.validate(path, c, h)?,
-                });
+                };
+                // Loaded now, outside any capture: weights prepared on the device later (maybe
+                // under one) then find the kernel ready instead of loading a module there.
+                if v.used {
+                    self.stage_kernels(Stages {
+                        fused_input: path == HipFastPath::InputProjection,
+                        output: if path == HipFastPath::OutputProjection {
+                            HipKernelOutput::Mfma
+                        } else {
+                            HipKernelOutput::Blas
+                        },
+                    })?;
+                }
+                out.push(v);
             }
         }
         Ok(out)
@@ -86,8 +102,8 @@ impl HipBackend {
         // The file is read once per path, C and H: a layer prepared on the device on every call
         // (weights being trained) must not read it each time. Absence is remembered too.
         let found = self.ctx.store.load(&self.key(path, c, h));
-        self.ctx.verdicts.lock().map_err(poisoned)?.insert((path, c, h), found.clone());
-        Ok(found)
+        // A verdict another thread made meanwhile wins over the file's.
+        Ok(self.ctx.verdicts.lock().map_err(poisoned)?.entry((path, c, h)).or_insert(found).clone())
     }
 
     /// Validates `path` for C and H on this device now (again, if a verdict exists), keeps the
@@ -98,17 +114,40 @@ impl HipBackend {
         if let PathRule::Fixed { why, .. } = path.rule(&self.ctx.arch, c, h, None) {
             return Err(Error::InvalidArgument(format!("{path} cannot run here: {why}")));
         }
+        let key = self.key(path, c, h);
+        // A kernel that has never run here may take the process down (a memory fault aborts a
+        // ROCm process) or hang it. So a verdict against it is written first and replaced when
+        // the run ends: a process that dies in the validation leaves the kernel out of the next
+        // ones, instead of each dying the same way. `trimul tune --backend hip` tries again.
+        let pending = Verdict::not_run(
+            key.clone(),
+            format!(
+                "a validation started by process {} did not finish (the process ended during it: a fault or a hang \
+                 in the kernel?); `trimul tune --backend hip` runs it again",
+                std::process::id()
+            ),
+        );
+        // A file that cannot be written costs only a validation in the next process.
+        let save = |v: &Verdict| {
+            if let Err(e) = self.ctx.store.save(v) {
+                eprintln!("trimul: {e}");
+            }
+        };
+        save(&pending);
         let verdict = match self.run_validation(path, c, h) {
             Ok(v) => {
-                // A file that cannot be written costs only a validation in the next process.
-                if let Err(e) = self.ctx.store.save(&v) {
-                    eprintln!("trimul: {e}");
-                }
+                save(&v);
                 v
             }
-            // A run that failed (a fault, memory refused) is a verdict against the kernel for
-            // this process; it is not written, so a transient failure is not remembered.
-            Err(e) => Verdict::not_run(self.key(path, c, h), format!("the validation run failed: {e}")),
+            // A run that failed with an error (memory refused, a launch that failed) is a verdict
+            // against the kernel for this process; it is not kept in the file, so a transient
+            // failure is not remembered.
+            Err(e) => {
+                if let Err(e) = self.ctx.store.remove(&key) {
+                    eprintln!("trimul: {e}");
+                }
+                Verdict::not_run(key, format!("the validation run failed: {e}"))
+            }
         };
         self.ctx.verdicts.lock().map_err(poisoned)?.insert((path, c, h), Some(verdict.clone()));
         Ok(verdict)
@@ -148,15 +187,22 @@ impl HipBackend {
             self.ctx.info.versions.iter().find(|(k, _)| k == name).map_or_else(String::new, |(_, v)| v.clone())
         };
         let arch = self.ctx.arch.as_str();
-        let stage = crate::kernels::HIP_STAGES.iter().find(|s| s.name == path.stage());
-        // The code object that loads here, or the source hipRTC compiles, with its options.
-        let object = stage.and_then(|s| s.code_objects.iter().find(|(a, _)| *a == arch).map(|(_, code)| *code));
         let options = kernels::rtc_options(arch).join(" ");
-        let kernel = validation::fingerprint(&[
-            stage.map_or(&b""[..], |s| s.source.as_bytes()),
-            if self.ctx.force_rtc { b"" } else { object.unwrap_or(b"") },
-            options.as_bytes(),
-        ]);
+        // The code objects that load here, or the sources hipRTC compiles, with their options: the
+        // input kernel's validation runs its 16-bit cases with the output kernel, so its verdict
+        // depends on both.
+        let stages: &[&str] = match path {
+            HipFastPath::OutputProjection => &[kernels::OUTPUT_PROJECTION],
+            HipFastPath::InputProjection => &[kernels::INPUT_PROJECTION, kernels::OUTPUT_PROJECTION],
+        };
+        let mut parts: Vec<&[u8]> = vec![options.as_bytes()];
+        for name in stages {
+            let stage = crate::kernels::HIP_STAGES.iter().find(|s| s.name == *name);
+            let object = stage.and_then(|s| s.code_objects.iter().find(|(a, _)| *a == arch).map(|(_, code)| *code));
+            parts.push(stage.map_or(&b""[..], |s| s.source.as_bytes()));
+            parts.push(if self.ctx.force_rtc { b"" } else { object.unwrap_or(b"") });
+        }
+        let kernel = validation::fingerprint(&parts);
         VerdictKey {
             backend: "hip".into(),
             device: self.ctx.info.name.clone(),
@@ -166,7 +212,9 @@ impl HipBackend {
             path: path.name().into(),
             kernel,
             class: format!("C={c} H={h}"),
-            trimul: env!("CARGO_PKG_VERSION").into(),
+            // The host code around the kernels changes between commits of one version.
+            trimul: format!("{} {}", env!("CARGO_PKG_VERSION"), option_env!("TRIMUL_GIT_COMMIT").unwrap_or("unknown")),
+            procedure: format!("v{} N={}", validation::PROCEDURE_VERSION, validation::timing_n()),
         }
     }
 
@@ -260,7 +308,7 @@ impl HipBackend {
         let xd = upload(&words)?;
         let md = mask.map(upload).transpose()?;
         let yd = upload(&vec![f32::NAN; words.len()])?;
-        let mut ws = self.workspace(prepared, problem, None)?;
+        let mut ws = self.one_pass_workspace(prepared, problem)?;
         let dio = DeviceIo {
             x: xd.device_ptr(),
             mask: md.as_ref().map(|m| m.device_ptr()),
@@ -305,7 +353,7 @@ impl HipBackend {
                 .validation_stages(path, h, Precision::F32Io, fast)
                 .ok_or_else(|| Error::Internal("no f32 stages to time".into()))?;
             let prepared = self.prepare_as(&weights, stages)?;
-            let ws = self.workspace(&prepared, &problem, None)?;
+            let ws = self.one_pass_workspace(&prepared, &problem)?;
             runs.push((prepared, ws, Vec::new()));
         }
         let dio = DeviceIo {
@@ -336,6 +384,21 @@ impl HipBackend {
             t[t.len() / 2]
         };
         Ok((median(&mut runs[0].2), median(&mut runs[1].2)))
+    }
+}
+
+impl HipBackend {
+    /// A one-pass workspace for `problem`, or an error: the fused input kernel runs in one-pass
+    /// plans only, so a validation on a chunked plan would test and time the portable path.
+    fn one_pass_workspace(&self, prepared: &HipPrepared, problem: &Problem) -> Result<<Self as Backend>::Workspace> {
+        let ws = self.workspace(prepared, problem, None)?;
+        if !ws.is_one_pass() {
+            return Err(Error::InvalidArgument(format!(
+                "the validation needs a one-pass workspace for {:?} and the free memory allows only a chunked one",
+                problem.shape
+            )));
+        }
+        Ok(ws)
     }
 }
 
