@@ -142,7 +142,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_PROJECTION_THREADS) input_proj
         const float m = p.mask ? p.mask[row] : 1.0f;
 #pragma unroll
         for (int e = 0; e < 16; ++e) {
-          const int hc = h0 + 8 * (e >> 2) + (int)(lane >> 5) * 4 + (e & 3);
+          const int hc = h0 + tm_mfma_d_row(e, lane);
           if (hc >= H) continue;
           float vlp = half ? lp1[e] : lp0[e], vlg = half ? lg1[e] : lg0[e];
           float vrp = half ? rp1[e] : rp0[e], vrg = half ? rg1[e] : rg0[e];
@@ -176,7 +176,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_PROJECTION_THREADS) input_proj
         const float bg = bias ? bias[4 * H + g] : 0.f;
 #pragma unroll
         for (int e = 0; e < 16; ++e) {
-          const int i = 8 * (e >> 2) + (int)(lane >> 5) * 4 + (e & 3);
+          const int i = tm_mfma_d_row(e, lane);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int r = 32 * half + i;

@@ -24,6 +24,9 @@ TM_INLINE tm_half4 tm_load_half4(const tm_half* p) {
   return v;
 }
 
+// The D row (the M index) element e (0..15) of `lane`'s accumulator holds; its column is lane % 32.
+TM_INLINE int tm_mfma_d_row(int e, unsigned lane) { return 8 * (e >> 2) + (int)((lane & 63u) >> 5) * 4 + (e & 3); }
+
 TM_INLINE tm_float16 tm_mfma_32x32x8_f16(tm_half4 a, tm_half4 b, tm_float16 c) {
   return __builtin_amdgcn_mfma_f32_32x32x8f16(a, b, c, 0, 0, 0);
 }

@@ -122,7 +122,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(OUTPUT_PROJECTION_THREADS)
       const float bias = out_bias ? out_bias[c] : 0.f;
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
-        const int i = 8 * (e >> 2) + (int)(lane >> 5) * 4 + (e & 3);
+        const int i = tm_mfma_d_row(e, lane);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = 32 * half + i;

@@ -144,6 +144,10 @@ inline tm_half4 tm_load_half4(const tm_half* p) {
   return v;
 }
 
+// The D row of element e of a lane's accumulator (hip/mfma.h's helper; the emulated instruction
+// below places D by its own loops, checked against AMD's tables by tests/hip_emu/mfma_layout.cpp).
+inline int tm_mfma_d_row(int e, unsigned lane) { return 8 * (e >> 2) + (int)((lane & 63u) >> 5) * 4 + (e & 3); }
+
 // D = A·B + C for the wave, with the layout of hip/mfma.h:
 //   A[i][k] in lane i + 32*(k/4), element k%4;   B[k][j] in lane j + 32*(k/4), element k%4;
 //   C/D[i][j] in lane j + 32*((i/4)%2), element 4*(i/8) + i%4.
