@@ -67,17 +67,9 @@ int main(int argc, char** argv) {
   p.w_out = wout.data();
   p.out_bias = with_bias ? bias.data() : nullptr;
 
+  // The whole grid in one launch, as the host launches it (tm_bid() > 0 in every block past the first).
   const unsigned grid = (unsigned)((rows + OP_BM - 1) / OP_BM);
-  bool lds_overrun = false;
-  for (unsigned blk = 0; blk < grid; ++blk) {
-    // One block per launch so the LDS beyond SMEM_BYTES can be checked after each.
-    TmOutputParams pb = p;
-    pb.row0 = p.row0 + (long long)blk * OP_BM;
-    pb.rows = std::min<long long>(OP_BM, p.row0 + p.rows - pb.row0);
-    emu::launch(1, OUTPUT_PROJECTION_THREADS, [&] { output_projection(pb); });
-    const unsigned char* lds = (const unsigned char*)tm_dyn_smem;
-    for (size_t i = smem; i < sizeof(tm_dyn_smem); ++i) lds_overrun |= lds[i] != 0xff;
-  }
+  const bool lds_overrun = emu::launch_within_lds(grid, OUTPUT_PROJECTION_THREADS, smem, [&] { output_projection(p); });
   if (lds_overrun) {
     std::printf("FAIL: the kernel wrote LDS beyond the %zu bytes the host reserves\n", smem);
     return 1;
