@@ -1125,3 +1125,68 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The environment variable that makes [`validation_child_that_faults`] run (the directory of its
+/// verdict file).
+const CHILD_DIR: &str = "TRIMUL_TEST_VALIDATION_CHILD_DIR";
+
+/// A process whose validation of the fused input kernel dies in the kernel (the fake's
+/// `TRIMUL_FAKE_ROCM_ABORT`, as a memory fault ends a ROCm process) leaves a verdict against it:
+/// the next process neither uses the kernel nor validates it again (and so does not die the same
+/// way); `trimul tune --backend hip` (an explicit `validate`) runs it again.
+#[test]
+fn a_validation_that_kills_its_process_keeps_the_kernel_out_of_the_next() {
+    use trimul::backend::hip::HipFastPath::InputProjection;
+    let Some(_g) = fake_with_code_objects() else { return };
+    let dir = std::env::temp_dir().join(format!("trimul-verdicts-crash-{}-{}", std::process::id(), base_seed()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "validation_child_that_faults", "--ignored", "--nocapture"])
+        .env(CHILD_DIR, &dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&child.stderr);
+    assert!(!child.status.success(), "the child survived its faulting kernel:\n{stderr}");
+    assert!(stderr.contains("input_projection faulted"), "the child died elsewhere:\n{stderr}");
+
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            std::env::set_var("TRIMUL_HIP_MFMA", "0"); // the other tests' setting (fake.rs)
+        }
+    }
+    let _restore = Restore;
+    std::env::remove_var("TRIMUL_HIP_MFMA");
+    let before = std::env::var_os("TRIMUL_CACHE_DIR");
+    std::env::set_var("TRIMUL_CACHE_DIR", &dir);
+    let b = HipBackend::new(0).unwrap();
+    match &before {
+        Some(v) => std::env::set_var("TRIMUL_CACHE_DIR", v),
+        None => std::env::remove_var("TRIMUL_CACHE_DIR"),
+    }
+    let v = b.verdict(InputProjection, 32, 16).unwrap().expect("the dead process's verdict");
+    assert!(!v.used && v.reason.contains("did not finish"), "{v:?}");
+    let launched = fake::launches("input_projection");
+    let p = b.prepare(&Weights::random(gm(32, 16), false, 1).unwrap()).unwrap();
+    assert!(!p.fused_input(), "the kernel that killed a process was used");
+    assert_eq!(fake::launches("input_projection"), launched, "validated again by a layer");
+    // An explicit validation runs it again (here it is sound: the abort hook is the child's only).
+    let again = b.validate(InputProjection, 32, 16).unwrap();
+    assert!(again.passed, "{again:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The child of [`a_validation_that_kills_its_process_keeps_the_kernel_out_of_the_next`]: it
+/// prepares a layer, whose validation of the fused input kernel ends the process.
+#[test]
+#[ignore = "run by a_validation_that_kills_its_process_keeps_the_kernel_out_of_the_next"]
+fn validation_child_that_faults() {
+    let Some(dir) = std::env::var_os(CHILD_DIR) else { return };
+    let Some(_g) = fake_with_code_objects() else { return };
+    std::env::remove_var("TRIMUL_HIP_MFMA");
+    std::env::set_var("TRIMUL_CACHE_DIR", dir);
+    std::env::set_var("TRIMUL_FAKE_ROCM_ABORT", "input_projection");
+    let b = HipBackend::new(0).unwrap();
+    let _ = b.prepare(&Weights::random(gm(32, 16), false, 1).unwrap());
+    panic!("the validation did not launch input_projection");
+}

@@ -478,6 +478,12 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
   inject("hipModuleLaunchKernel");
   if (status()) return kFail;
   const std::string& name = ((Function*)fn)->name;
+  // $TRIMUL_FAKE_ROCM_ABORT = "<kernel>": a launch of it ends the process, as a memory fault in a
+  // kernel ends a ROCm process (the self-validation test's crash case).
+  if (hook_names("TRIMUL_FAKE_ROCM_ABORT", name, nullptr)) {
+    std::fprintf(stderr, "fake ROCm: %s faulted (TRIMUL_FAKE_ROCM_ABORT)\n", name.c_str());
+    std::_Exit(134);
+  }
   if (gy != 1 || gz != 1 || by != 1 || bz != 1 || bx != 256 || gx == 0 || extra || !args) {
     fail(name + ": unexpected launch geometry or argument form");
     return kFail;
