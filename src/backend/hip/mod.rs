@@ -358,6 +358,11 @@ impl HipBackend {
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<DeviceMem> {
+        self.upload_plain(v)
+    }
+
+    /// A new allocation holding `v` (f32 values or 16-bit words) as it is.
+    fn upload_plain<T: result::Plain>(&self, v: &[T]) -> Result<DeviceMem> {
         let mem = self.alloc_mem(std::mem::size_of_val(v))?;
         mem.upload(&self.ctx.stream, 0, v)?;
         Ok(mem)

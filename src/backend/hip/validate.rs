@@ -13,9 +13,9 @@
 //! out). Weights prepared on the device take a verdict that exists and the portable path
 //! otherwise: they may be prepared inside a graph capture, where nothing may allocate or wait.
 
-use super::context::{poisoned, HipBackend, HipPrepared, Stages};
+use super::context::{poisoned, HipBackend, HipPrepared, Stages, POISON_BYTE};
 use super::kernels::{self, HipFastPath, HipKernelOutput, PathRule};
-use super::result::Timer;
+use super::result::{DeviceMem, Timer};
 use crate::backend::Backend;
 use crate::device_io::{DeviceIo, ForwardIo};
 use crate::error::{Error, Result};
@@ -78,14 +78,10 @@ impl HipBackend {
                 // Loaded now, outside any capture: weights prepared on the device later (maybe
                 // under one) then find the kernel ready instead of loading a module there.
                 if v.used {
-                    self.stage_kernels(Stages {
-                        fused_input: path == HipFastPath::InputProjection,
-                        output: if path == HipFastPath::OutputProjection {
-                            HipKernelOutput::Mfma
-                        } else {
-                            HipKernelOutput::Blas
-                        },
-                    })?;
+                    match path {
+                        HipFastPath::InputProjection => self.mfma_input_kernel()?,
+                        HipFastPath::OutputProjection => self.mfma_kernel()?,
+                    };
                 }
                 out.push(v);
             }
@@ -294,25 +290,24 @@ impl HipBackend {
         mask: Option<&[f32]>,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let io = problem.io;
-        let (x, words) = if io == Precision::F32Io {
-            (x.to_vec(), x.to_vec())
+        let stream = &self.ctx.stream;
+        // 16-bit x and y as their words, which the layer reads and writes where they lie.
+        let bits: Vec<u16> =
+            if io == Precision::F32Io { Vec::new() } else { x.iter().map(|&v| io.encode_half(v)).collect() };
+        let (x, xd) = if io == Precision::F32Io {
+            (x.to_vec(), self.upload_plain(x)?)
         } else {
-            let bits: Vec<u16> = x.iter().map(|&v| io.encode_half(v)).collect();
-            (bits.iter().map(|&b| io.decode_half(b)).collect(), pack16(&bits))
+            (bits.iter().map(|&b| io.decode_half(b)).collect(), self.upload_plain(&bits)?)
         };
-        let upload = |v: &[f32]| -> Result<_> {
-            let mut d = self.alloc(v.len())?;
-            self.upload(v, &mut d)?;
-            Ok(d)
-        };
-        let xd = upload(&words)?;
-        let md = mask.map(upload).transpose()?;
-        let yd = upload(&vec![f32::NAN; words.len()])?;
+        let md = mask.map(|m| self.upload_plain(m)).transpose()?;
+        let yd = self.alloc_mem(x.len() * io.io_bytes())?;
+        // SAFETY: our own stream and allocation.
+        unsafe { yd.memset(stream.raw(), POISON_BYTE)? };
         let mut ws = self.one_pass_workspace(prepared, problem)?;
         let dio = DeviceIo {
-            x: xd.device_ptr(),
-            mask: md.as_ref().map(|m| m.device_ptr()),
-            y: yd.device_ptr(),
+            x: xd.addr(),
+            mask: md.as_ref().map(DeviceMem::addr),
+            y: yd.addr(),
             shape: problem.shape,
             io,
             stream: self.stream() as u64,
@@ -322,12 +317,14 @@ impl HipBackend {
         // elements in `io` (the mask in f32), y aliasing neither; the download below waits for
         // the stream before they are freed.
         self.forward(prepared, &mut ws, problem, unsafe { ForwardIo::device(&dio) })?;
-        let mut out = vec![0f32; words.len()];
-        self.download(&yd, &mut out)?;
         let y = if io == Precision::F32Io {
-            out
+            let mut y = vec![0f32; x.len()];
+            yd.download(stream, 0, &mut y)?;
+            y
         } else {
-            unpack16(&out, x.len()).into_iter().map(|b| io.decode_half(b)).collect()
+            let mut words = vec![0u16; x.len()];
+            yd.download(stream, 0, &mut words)?;
+            words.into_iter().map(|b| io.decode_half(b)).collect()
         };
         Ok((x, y))
     }
@@ -340,13 +337,8 @@ impl HipBackend {
         let weights = Weights::random(config, true, 0x7131_0000 ^ n as u64)?;
         let x = suite::generate_inputs(&case, 0x7131).x;
         let problem = Problem::new(config, case.shape(), Direction::Outgoing, false)?;
-        let upload = |v: &[f32]| -> Result<_> {
-            let mut d = self.alloc(v.len())?;
-            self.upload(v, &mut d)?;
-            Ok(d)
-        };
-        let xd = upload(&x)?;
-        let yd = self.alloc(x.len())?;
+        let xd = self.upload_plain(&x)?;
+        let yd = self.alloc_mem(std::mem::size_of_val(x.as_slice()))?;
         let mut runs = Vec::new();
         for fast in [true, false] {
             let stages = self
@@ -357,9 +349,9 @@ impl HipBackend {
             runs.push((prepared, ws, Vec::new()));
         }
         let dio = DeviceIo {
-            x: xd.device_ptr(),
+            x: xd.addr(),
             mask: None,
-            y: yd.device_ptr(),
+            y: yd.addr(),
             shape: problem.shape,
             io: Precision::F32Io,
             stream: self.stream() as u64,
@@ -400,14 +392,4 @@ impl HipBackend {
         }
         Ok(ws)
     }
-}
-
-/// 16-bit values two to an f32 word (little-endian), as device buffers of f32 hold them.
-fn pack16(bits: &[u16]) -> Vec<f32> {
-    bits.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(*p.get(1).unwrap_or(&0)) << 16))).collect()
-}
-
-/// The first `len` 16-bit values of f32 words packed by [`pack16`].
-fn unpack16(words: &[f32], len: usize) -> Vec<u16> {
-    words.iter().flat_map(|w| [w.to_bits() as u16, (w.to_bits() >> 16) as u16]).take(len).collect()
 }
