@@ -1,9 +1,9 @@
 // A CPU stand-in for common/compat.h and hip/mfma.h, so that a HIP kernel body (a header such as
-// hip/output_projection.h) compiles as ordinary C++ and runs with one std::thread per GPU lane.
+// hip/output_projection.h) compiles as ordinary C++ and runs with one fiber per GPU lane.
 //
 // What it models, and nothing more:
-// - a block of tm_bdim() threads running one block at a time; tm_sync() is a block barrier;
-// - waves of 64 consecutive threads; tm_shfl_xor() exchanges values within a wave, and with an
+// - a block of tm_bdim() lanes running one block at a time; tm_sync() is a block barrier;
+// - waves of 64 consecutive lanes; tm_shfl_xor() exchanges values within a wave, and with an
 //   offset below 32 within the lane's 32-lane half only, which then waits for that half alone
 //   (on hardware such a shuffle reads only lanes of its own half, so the other half may be
 //   elsewhere: the kernels written for 32-lane groups rely on it);
@@ -11,23 +11,39 @@
 //   32x32x8 product is formed from the operand table of hip/mfma.h (written here from matrix
 //   coordinates to lanes, the direction the ISA guide states it, not copied from the kernel),
 //   and each lane takes back its 16 elements;
-// - LDS as one static array, filled with NaN before each block so reads of unwritten LDS show.
-// It does not model timing, memory ordering beyond the barriers, or lanes diverging at a
-// wave-wide operation: a kernel that did that would hang here (the test runner times out).
+// - LDS as one array per host thread, filled with NaN before each block so reads of unwritten LDS
+//   show.
+// Lanes are fibers (user-level contexts with stacks of their own) on the launching host thread: a
+// lane runs until it waits at a barrier, then the next lane runs. That costs a register switch,
+// not a kernel round trip as with a host thread per lane, so the fake ROCm runs whole forwards in
+// seconds. It does not model timing, memory ordering beyond the barriers, or lanes diverging at a
+// wave-wide operation: a kernel that did that deadlocks, which is detected (every lane waiting and
+// none able to go on) and ends the process with a message.
 #pragma once
 
-#include <barrier>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
 
 #define __global__
 #define __device__
-#define __shared__
+// Dynamic LDS is declared `extern __shared__` inside the kernels: one array per host thread here,
+// so that blocks can run on several host threads at once (see emu::launch).
+#define __shared__ thread_local
 #define TM_INLINE inline
 #define TM_LAUNCH_BOUNDS(n)
 #define TM_LAUNCH_BOUNDS_MIN(n, b)
@@ -38,10 +54,10 @@ typedef unsigned short tm_half;
 typedef _Float16 tm_half4 __attribute__((ext_vector_type(4)));
 typedef float tm_float16 __attribute__((ext_vector_type(16)));
 
-// Dynamic shared memory of the block being run (64 KiB, the LDS limit of gfx90a/gfx942).
-// C linkage: the kernels declare it inside extern "C" functions.
+// Dynamic shared memory of the block being run on this host thread (64 KiB, the LDS limit of
+// gfx90a/gfx942). C linkage: the kernels declare it inside extern "C" functions.
 extern "C" {
-alignas(16) float tm_dyn_smem[16384];
+alignas(16) thread_local float tm_dyn_smem[16384];
 }
 
 namespace emu {
@@ -50,19 +66,143 @@ struct Lane {
 };
 inline thread_local Lane self;
 
+// ---- Fibers: one per lane of the block, all on one host thread. ----
+
+constexpr size_t kStackBytes = 256 << 10;  // per lane; the kernels' frames are a few KiB
+constexpr size_t kGuardBytes = 64 << 10;   // unmapped below each stack: an overflow faults
+
+#if defined(__x86_64__)
+// Saves the callee-saved registers and the stack pointer of the running context in *from and
+// resumes the context whose stack pointer is `to` (System V: rbx, rbp, r12-r15 survive calls).
+__attribute__((naked, noinline)) static void switch_stack(void** /*from*/, void* /*to*/) {
+  asm volatile(
+      "pushq %rbp\n\t"
+      "pushq %rbx\n\t"
+      "pushq %r12\n\t"
+      "pushq %r13\n\t"
+      "pushq %r14\n\t"
+      "pushq %r15\n\t"
+      "movq %rsp, (%rdi)\n\t"
+      "movq %rsi, %rsp\n\t"
+      "popq %r15\n\t"
+      "popq %r14\n\t"
+      "popq %r13\n\t"
+      "popq %r12\n\t"
+      "popq %rbx\n\t"
+      "popq %rbp\n\t"
+      "ret\n\t");
+}
+struct Context {
+  void* sp = nullptr;
+};
+// A fresh context that starts in `entry` on the stack ending at `top` (16-byte aligned): the six
+// registers switch_stack pops, then `entry` as the return address, so that `entry` starts with
+// its stack aligned as after a call.
+inline void make_context(Context& c, char* top, void (*entry)()) {
+  void** sp = (void**)(top - 64);
+  for (int i = 0; i < 6; ++i) sp[i] = nullptr;
+  sp[6] = (void*)entry;
+  c.sp = sp;
+}
+inline void switch_context(Context& from, Context& to) { switch_stack(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void make_context(Context& c, char* top, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = top - kStackBytes;
+  c.uc.uc_stack.ss_size = kStackBytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
+struct Fiber {
+  Context ctx;
+  Lane lane;
+  bool done;
+};
+
+// The lanes of the block this host thread runs, and the launcher's own context.
+struct Scheduler {
+  std::vector<Fiber> fibers;
+  Context launcher;
+  unsigned current = 0, live = 0;
+  // Barrier arrivals and finished lanes so far; a full round of switches without any means every
+  // lane waits for one that never comes.
+  unsigned long long progress = 0, last_progress = 0;
+  size_t idle_switches = 0;
+  void (*body)(const void*) = nullptr;
+  const void* kernel = nullptr;
+};
+inline thread_local Scheduler* scheduler = nullptr;
+
+[[noreturn]] inline void deadlock() {
+  std::fprintf(stderr,
+               "emu: every lane of block %u waits at a barrier no other lane will reach (lanes diverged at a "
+               "barrier or wave-wide operation)\n",
+               self.bid);
+  std::abort();
+}
+
+// Runs the next lane that has not finished (the same one when it is the only one).
+inline void yield() {
+  Scheduler& s = *scheduler;
+  if (s.progress != s.last_progress) {
+    s.last_progress = s.progress;
+    s.idle_switches = 0;
+  } else if (++s.idle_switches > 2 * s.fibers.size() + 2) {
+    deadlock();
+  }
+  const unsigned n = (unsigned)s.fibers.size(), from = s.current;
+  unsigned to = from;
+  do to = (to + 1) % n;
+  while (s.fibers[to].done);
+  if (to == from) return;
+  s.current = to;
+  self = s.fibers[to].lane;
+  switch_context(s.fibers[from].ctx, s.fibers[to].ctx);
+}
+
+// std::barrier's arrive_and_wait / arrive_and_drop for fibers.
+struct Barrier {
+  unsigned expected = 0, arrived = 0;
+  unsigned long long phase = 0;
+  void complete_if_full() {
+    if (arrived >= expected) {
+      arrived = 0;
+      ++phase;
+    }
+  }
+  void arrive_and_wait() {
+    ++scheduler->progress;
+    ++arrived;
+    const unsigned long long mine = phase;
+    complete_if_full();
+    while (phase == mine) yield();
+  }
+  // Arrives for this phase and leaves the count of later ones (a finished lane).
+  void arrive_and_drop() {
+    ++scheduler->progress;
+    --expected;
+    complete_if_full();
+  }
+};
+
 struct Wave {
-  std::unique_ptr<std::barrier<>> bar;
-  std::unique_ptr<std::barrier<>> half[2];  // the two 32-lane halves
+  Barrier bar;
+  Barrier half[2];  // the two 32-lane halves
   float xchg[64];
   tm_half4 a[64], b[64];
-  tm_float16 c[64];
-  float d[32][32];
+  tm_float16 c[64], d[64];
 };
 struct Block {
-  std::unique_ptr<std::barrier<>> bar;
+  Barrier bar;
   std::vector<Wave> waves;
 };
-inline Block* block = nullptr;
+inline thread_local Block* block = nullptr;
 
 inline Wave& wave() { return block->waves[self.tid / 64]; }
 }  // namespace emu
@@ -70,12 +210,12 @@ inline Wave& wave() { return block->waves[self.tid / 64]; }
 inline unsigned tm_tid() { return emu::self.tid; }
 inline unsigned tm_bid() { return emu::self.bid; }
 inline unsigned tm_bdim() { return emu::self.bdim; }
-inline void tm_sync() { emu::block->bar->arrive_and_wait(); }
+inline void tm_sync() { emu::block->bar.arrive_and_wait(); }
 
 inline float tm_shfl_xor(float v, int offset) {
   emu::Wave& w = emu::wave();
   const unsigned lane = tm_tid() % 64;
-  std::barrier<>& bar = offset < 32 ? *w.half[lane / 32] : *w.bar;
+  emu::Barrier& bar = offset < 32 ? w.half[lane / 32] : w.bar;
   w.xchg[lane] = v;
   bar.arrive_and_wait();
   const float r = w.xchg[(lane ^ (unsigned)offset) % 64];
@@ -158,83 +298,125 @@ inline tm_float16 tm_mfma_32x32x8_f16(tm_half4 a, tm_half4 b, tm_float16 c) {
   w.a[lane] = a;
   w.b[lane] = b;
   w.c[lane] = c;
-  w.bar->arrive_and_wait();
-  if (lane == 0) {  // one lane forms the product for the wave
+  w.bar.arrive_and_wait();
+  if (lane == 0) {  // one lane forms the product for the wave and hands each lane its elements
     float A[32][8], B[8][32];
     for (int i = 0; i < 32; ++i)
       for (int k = 0; k < 8; ++k) A[i][k] = (float)w.a[i + 32 * (k / 4)][k % 4];
     for (int k = 0; k < 8; ++k)
       for (int j = 0; j < 32; ++j) B[k][j] = (float)w.b[j + 32 * (k / 4)][k % 4];
+    unsigned char placed[64][16] = {};
     for (int i = 0; i < 32; ++i)
       for (int j = 0; j < 32; ++j) {
-        float s = w.c[j + 32 * ((i / 4) % 2)][4 * (i / 8) + i % 4];
+        const int l = j + 32 * ((i / 4) % 2), e = 4 * (i / 8) + i % 4;
+        float s = w.c[l][e];
         for (int k = 0; k < 8; ++k) s += A[i][k] * B[k][j];
-        w.d[i][j] = s;
+        w.d[l][e] = s;
+        ++placed[l][e];
       }
+    for (int l = 0; l < 64; ++l)
+      for (int e = 0; e < 16; ++e)
+        if (placed[l][e] != 1) {
+          std::fprintf(stderr, "layout table places %d elements of D in lane %d register %d, not 1\n",
+                       placed[l][e], l, e);
+          std::abort();
+        }
   }
-  w.bar->arrive_and_wait();
-  tm_float16 d;
-  int taken = 0;
-  for (int i = 0; i < 32; ++i)
-    for (int j = 0; j < 32; ++j)
-      if ((unsigned)(j + 32 * ((i / 4) % 2)) == lane) {
-        d[4 * (i / 8) + i % 4] = w.d[i][j];
-        ++taken;
-      }
-  if (taken != 16) {
-    std::fprintf(stderr, "layout table gives lane %u %d elements, not 16\n", lane, taken);
-    std::abort();
-  }
-  w.bar->arrive_and_wait();  // nobody deposits the next operands before every lane has read D
+  w.bar.arrive_and_wait();
+  const tm_float16 d = w.d[lane];
+  w.bar.arrive_and_wait();  // nobody deposits the next operands before every lane has read D
   return d;
 }
 
 namespace emu {
-inline Block* make_block(unsigned threads) {
-  Block* blk = new Block;
-  blk->bar = std::make_unique<std::barrier<>>(threads);
-  blk->waves.resize((threads + 63) / 64);
-  for (unsigned w = 0; w < blk->waves.size(); ++w) {
+inline void make_block(Block& blk, unsigned threads) {
+  blk.bar = Barrier{threads};
+  blk.waves.assign((threads + 63) / 64, Wave{});
+  for (unsigned w = 0; w < blk.waves.size(); ++w) {
     const unsigned n = (w + 1) * 64 <= threads ? 64 : threads - w * 64;
-    blk->waves[w].bar = std::make_unique<std::barrier<>>(n);
+    blk.waves[w].bar = Barrier{n};
     // Each half's lanes; an empty half gets a barrier nobody waits at.
-    blk->waves[w].half[0] = std::make_unique<std::barrier<>>(n < 32 ? n : 32);
-    blk->waves[w].half[1] = std::make_unique<std::barrier<>>(n > 32 ? n - 32 : 1);
+    blk.waves[w].half[0] = Barrier{n < 32 ? n : 32};
+    blk.waves[w].half[1] = Barrier{n > 32 ? n - 32 : 1};
   }
-  return blk;
 }
 
-// Runs `kernel()` over `grid` blocks of `threads` lanes, one block at a time, on `threads` host
-// threads created once per launch. `after_block(b)` runs on one thread after block b, with every
-// lane finished (to inspect LDS, for instance).
+// Where a lane's fiber starts: the kernel, then out of the block's barriers (a finished GPU lane
+// stops counting at them), then on to the next lane, or back to the launcher after the last.
+[[noreturn]] inline void lane_entry() {
+  Scheduler& s = *scheduler;
+  s.body(s.kernel);
+  const unsigned t = self.tid;
+  block->waves[t / 64].bar.arrive_and_drop();
+  block->waves[t / 64].half[(t % 64) / 32].arrive_and_drop();
+  block->bar.arrive_and_drop();
+  Fiber& me = s.fibers[s.current];
+  me.done = true;
+  ++s.progress;
+  if (--s.live == 0) switch_context(me.ctx, s.launcher);
+  yield();  // another lane runs; this one is never resumed
+  std::abort();
+}
+
+// Stacks for `lanes` fibers, each above an unmapped guard.
+struct Stacks {
+  char* base = nullptr;
+  size_t bytes = 0;
+  explicit Stacks(unsigned lanes) : bytes(lanes * (kStackBytes + kGuardBytes)) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+      std::perror("emu: mmap of the lanes' stacks");
+      std::abort();
+    }
+    base = (char*)p;
+    for (unsigned l = 0; l < lanes; ++l) mprotect(base + l * (kStackBytes + kGuardBytes), kGuardBytes, PROT_NONE);
+  }
+  char* top(unsigned lane) const { return base + (lane + 1) * (kStackBytes + kGuardBytes); }
+  ~Stacks() { munmap(base, bytes); }
+};
+
+// Runs `kernel()` over `grid` blocks of `threads` lanes. Blocks are dealt to up to as many host
+// threads as the machine has cores (each with its own LDS), and a block's lanes run as fibers on
+// its host thread. `after_block(b)` runs after block b on the thread that ran it, with every lane
+// finished (to inspect LDS, for instance); calls of it never overlap.
 template <class F, class G>
 void launch(unsigned grid, unsigned threads, F kernel, G after_block) {
-  std::barrier<> grid_bar(threads);
-  std::unique_ptr<Block> current;
-  std::vector<std::thread> lanes;
-  lanes.reserve(threads);
-  for (unsigned t = 0; t < threads; ++t) {
-    lanes.emplace_back([&, t] {
-      for (unsigned b = 0; b < grid; ++b) {
-        if (t == 0) {
-          std::memset(tm_dyn_smem, 0xff, sizeof(tm_dyn_smem));  // NaN: unwritten LDS shows
-          current.reset(make_block(threads));
-          block = current.get();
-        }
-        grid_bar.arrive_and_wait();
-        self = Lane{t, b, threads};
-        kernel();
-        // A lane that leaves stops counting at the block's barriers, as a finished GPU lane does.
-        current->waves[t / 64].bar->arrive_and_drop();
-        current->waves[t / 64].half[(t % 64) / 32]->arrive_and_drop();
-        current->bar->arrive_and_drop();
-        grid_bar.arrive_and_wait();
-        if (t == 0) after_block(b);
+  std::atomic<unsigned> next{0};
+  std::mutex after_lock;
+  auto worker = [&] {
+    Stacks stacks(threads);
+    Scheduler s;
+    s.body = [](const void* k) { (*(const F*)k)(); };
+    s.kernel = &kernel;
+    s.fibers.resize(threads);
+    Block blk;
+    scheduler = &s;
+    block = &blk;
+    for (unsigned b; (b = next.fetch_add(1)) < grid;) {
+      std::memset(tm_dyn_smem, 0xff, sizeof(tm_dyn_smem));  // NaN: unwritten LDS shows
+      make_block(blk, threads);
+      for (unsigned t = 0; t < threads; ++t) {
+        s.fibers[t].lane = Lane{t, b, threads};
+        s.fibers[t].done = false;
+        make_context(s.fibers[t].ctx, stacks.top(t), lane_entry);
       }
-    });
-  }
-  for (auto& l : lanes) l.join();
-  block = nullptr;
+      s.current = 0;
+      s.live = threads;
+      s.idle_switches = 0;
+      self = s.fibers[0].lane;
+      switch_context(s.launcher, s.fibers[0].ctx);  // back here when every lane has finished
+      std::lock_guard<std::mutex> g(after_lock);
+      after_block(b);
+    }
+    scheduler = nullptr;
+    block = nullptr;
+  };
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned helpers = std::min(grid, cores) - 1;
+  std::vector<std::thread> pool;
+  for (unsigned i = 0; i < helpers; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
 }
 
 template <class F>
