@@ -9,6 +9,13 @@
 // and the [M, P] projection (the projection stays in f32 registers here; the staged path rounds it
 // to f16, so the two agree to f16 rounding, not bit for bit).
 //
+// A launch may do part of that (the chunked plans, crate::plan): work items [chunk_begin,
+// chunk_end) only (chunk_end 0: all), where items 0 .. ceil(H/32) are the hidden tiles of 32
+// channels and the next ceil(G/32) the gate tiles of 32 columns; and left/right may hold only the
+// hidden channels lr_h0 .. lr_h0 + lr_h, as [B, lr_h, N, N] (lr_h 0: all H). A hidden pass runs
+// the tiles covering its channels, the output stage's gate pass the gate tiles alone; W, its bias
+// and the gate keep their full layouts.
+//
 // A block owns OP_BM = 64 consecutive positions (first = row0 + 64·block):
 //   1. LN_C per position, one 32-lane group per position, two passes over x's row in f32 (as
 //      input_norm), z -> LDS sz[64][C + 4] f16 (the +4 keeps rows 8-byte aligned and spreads the
@@ -22,8 +29,9 @@
 //      z (one row of sz) and of one W row (8 bytes from global memory); only the MFMA's A and B swap.
 //   3. epilogues in f32: bias, σ, mask, products, then f16 stores.
 // Requirements checked by the host: C % 4 == 0 (8-byte W loads), LDS TM_HIP_IP_SMEM(C) <= 64 KiB
-// (C <= 508), 256 threads per block, a one-pass plan (left/right hold every channel, the gate
-// every position from buf_row0). H and G need not be multiples of 32 (partial tiles are masked).
+// (C <= 508), 256 threads per block; left/right hold the window's channels of every position, the
+// gate the launch's positions from buf_row0. H and G need not be multiples of 32 (partial tiles
+// are masked).
 // Operand layouts: see hip/mfma.h.
 #pragma once
 #include "common/pair_io.h"
@@ -101,9 +109,11 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_PROJECTION_THREADS) input_proj
   const int l32 = (int)(lane & 31u);    // the W row / z row this lane feeds, and its D column
   const int kq = (int)(lane >> 5) * 4;  // first of the 4 reduction indices this lane holds
   const int hidden_tiles = (H + 31) / 32, gate_tiles = (G + 31) / 32;
+  const int item_end = p.chunk_end > 0 ? p.chunk_end : hidden_tiles + gate_tiles;
+  const int lr0 = p.lr_h > 0 ? p.lr_h0 : 0, lr_n = p.lr_h > 0 ? p.lr_h : H;  // left/right's window
   const tm_half* z0 = sz + l32 * SZ + kq;         // positions 0..31
   const tm_half* z1 = sz + (32 + l32) * SZ + kq;  // positions 32..63
-  for (int item = (int)wave; item < hidden_tiles + gate_tiles; item += IP_WAVES) {
+  for (int item = p.chunk_begin + (int)wave; item < item_end; item += IP_WAVES) {
     if (item < hidden_tiles) {
       // Hidden channels h0 + l32 of the four gated projections: this lane's W rows.
       const int h0 = 32 * item, h = h0 + l32;
@@ -143,7 +153,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_PROJECTION_THREADS) input_proj
 #pragma unroll
         for (int e = 0; e < 16; ++e) {
           const int hc = h0 + tm_mfma_d_row(e, lane);
-          if (hc >= H) continue;
+          if (hc >= H || hc < lr0 || hc >= lr0 + lr_n) continue;
           float vlp = half ? lp1[e] : lp0[e], vlg = half ? lg1[e] : lg0[e];
           float vrp = half ? rp1[e] : rp0[e], vrg = half ? rg1[e] : rg0[e];
           if (bias) {
@@ -152,7 +162,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(INPUT_PROJECTION_THREADS) input_proj
             vrp += bias[2 * H + hc];
             vrg += bias[3 * H + hc];
           }
-          const tm_i64 dst = (b * H + hc) * nn + rem;
+          const tm_i64 dst = (b * lr_n + (hc - lr0)) * nn + rem;
           p.left[dst] = tm_f2h(vlp * m * tm_sigmoid(vlg));
           p.right[dst] = tm_f2h(vrp * m * tm_sigmoid(vrg));
         }

@@ -165,12 +165,15 @@ fn chunked_projection_covers_every_position() {
 #[test]
 fn tight_budgets_run_chunked_plans_on_both_output_paths() {
     let Some(_g) = fake_with_code_objects() else { return };
-    // H = 24: three passes of 8 channels at the tightest budget; M = 2·10² = 200 positions: row
-    // chunks of 64 with a short last one; af3 with biases takes the per-pass bias copies, the gate
-    // bias offset and the ones vector of a row chunk.
-    let runs = [(gm(32, 24), Direction::Outgoing, false, 21), (af(16, 24), Direction::Incoming, true, 22)];
+    // H = 48 at the tightest budget: six passes of 8 channels on the stage kernels, two of the
+    // fused input kernel (32 channels, then 16: a window that ends inside a work item);
+    // M = 2·10² = 200 positions: row chunks of 64 (128 with the fused kernel) with a short last
+    // one; af3 with biases takes the bias offsets of the passes and of the gate and the ones
+    // vector of a row chunk.
+    let runs = [(gm(32, 48), Direction::Outgoing, false, 21), (af(16, 48), Direction::Incoming, true, 22)];
     for mfma in [false, true] {
         let b = backend(mfma);
+        let (pass, rows) = if mfma { (32, 128) } else { (8, 64) };
         for (cfg, dir, biases, seed) in runs {
             let seed = seed ^ base_seed();
             let case = Case::new(10, 2, cfg.c, true, Dist::Cauchy);
@@ -183,15 +186,20 @@ fn tight_budgets_run_chunked_plans_on_both_output_paths() {
                 let needs = layer.memory_needs(case.shape(), true, in_place).unwrap();
                 assert!(needs.min_workspace < needs.one_pass_workspace, "{needs:?}");
                 layer.set_memory_budget(Some(needs.min_total()));
+                let launches = |k: &str| fake::thread_launches(k);
+                let (parts, norms) = (launches("input_projection (part)"), launches("input_norm"));
                 let y = forward::forward(&mut layer, &inputs.x, mask, case.shape(), in_place).unwrap();
                 let plan = layer.exec_plan().unwrap();
                 let what = format!("{} {dir} mfma={mfma} in_place={in_place}: {}", cfg.formulation, plan.describe());
+                // The fused kernel's windowed launches, or the stage kernels, made the projections.
+                let (parts, norms) = (launches("input_projection (part)") - parts, launches("input_norm") - norms);
+                assert!(if mfma { parts > 0 && norms == 0 } else { parts == 0 && norms > 0 }, "{what}");
                 // In place left/right take scratch, so the narrowest pass is forced; out of place
                 // they sit in y and a wider pass may cost the same bytes.
                 if in_place {
-                    assert_eq!((plan.hidden_passes, plan.hidden_chunk), (3, 8), "{what}");
+                    assert_eq!((plan.hidden_passes, plan.hidden_chunk), (48usize.div_ceil(pass), pass), "{what}");
                 }
-                assert!(plan.hidden_passes >= 2 && plan.output_rows == 64, "{what}");
+                assert!(plan.hidden_passes >= 2 && plan.output_rows == rows, "{what}");
                 assert!(plan.gate_recomputed && plan.workspace_bytes <= needs.min_workspace, "{what}");
                 let problem = Problem::new(cfg, case.shape(), dir, true).unwrap();
                 let cmp = reference::check(&weights, &problem, &inputs.x, mask, &y, TOL, TOL).unwrap();
@@ -461,16 +469,18 @@ fn half_io_on_the_mfma_path() {
 }
 
 /// 16-bit x and y on the MFMA path within the smallest accepted budget: hidden passes and row
-/// chunks, out of place (left and right inside 16-bit y) and in place, C a multiple of 4 and not,
-/// against the reference of the rounded x.
+/// chunks, out of place (left and right inside 16-bit y) and in place, C a multiple of 4 (the
+/// fused input kernel's windowed launches) and not (the stage kernels), against the reference of
+/// the rounded x.
 #[test]
 fn half_io_tight_budgets_run_chunked_plans() {
     let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(true);
+    // H = 48: at least two hidden passes of either input stage (32 + 16 channels fused, 8 staged).
     let runs = [
-        (Config::new(Formulation::GpuMode, 32, 24).unwrap(), Direction::Outgoing, false, 21u64),
-        (Config::new(Formulation::Af3, 16, 24).unwrap(), Direction::Incoming, true, 22),
-        (Config::new(Formulation::GpuMode, 42, 24).unwrap(), Direction::Outgoing, false, 23),
+        (Config::new(Formulation::GpuMode, 32, 48).unwrap(), Direction::Outgoing, false, 21u64),
+        (Config::new(Formulation::Af3, 16, 48).unwrap(), Direction::Incoming, true, 22),
+        (Config::new(Formulation::GpuMode, 42, 48).unwrap(), Direction::Outgoing, false, 23),
     ];
     for (cfg, dir, biases, seed) in runs {
         for io in [Precision::Bf16Io, Precision::F16Io] {
@@ -1027,7 +1037,7 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
     assert!(paths_of(&b, gm(32, 16)).0, "the fused input kernel is used");
     for path in [InputProjection, OutputProjection] {
         let v = b.verdict(path, 32, 16).unwrap().expect("a verdict after the first layer");
-        assert!(v.passed && v.used && v.cases.len() == 4, "{v:?}");
+        assert!(v.passed && v.used && v.cases.len() == 5, "{v:?}");
         assert!(v.fast_ms.unwrap() < v.baseline_ms.unwrap(), "{v:?}");
         let info = b.info();
         let key = format!("{path}, C=32 H=16");

@@ -362,20 +362,27 @@ impl Plan {
         let (lr_buffer, lr_at) = if lr_in_y { (Buffer::Y, 0) } else { (Buffer::Scratch, 0) };
         match caps.input {
             InputStage::Fused => {
-                // Phase A: left/right (unless in y), the contraction's workspace. Phase B: the
-                // gate and a of one row chunk, the output GEMM's workspace.
-                let cws_off = if lr_in_y { 0 } else { 2 * lr_bytes };
-                let cws = aligned((rows * hc / 2).min(MAX_GEMM_WORKSPACE));
+                // Phase A: left/right (unless in y), cuBLASLt's contraction workspace. Phase B:
+                // the gate and a of one row chunk, cuBLASLt's output-GEMM workspace (rocBLAS
+                // needs neither workspace, and af3's bias update a vector of ones).
+                let cublas = caps.blas == Blas::CublasLt;
+                let lr_end = if lr_in_y { 0 } else { 2 * lr_bytes };
+                let cws = if cublas { aligned((rows * hc / 2).min(MAX_GEMM_WORKSPACE)) } else { 0 };
                 let gate_bytes = aligned(chunk_rows * g * 2);
                 let a_bytes = aligned(chunk_rows * h * 2);
-                let ows = aligned((chunk_rows * h / 2).min(8 << 20));
+                let ows = if cublas { aligned((chunk_rows * h / 2).min(8 << 20)) } else { 0 };
                 plan.left = Region::new(lr_buffer, lr_at, lr_bytes);
                 plan.right = Region::new(lr_buffer, lr_at + lr_bytes, lr_bytes);
-                plan.contraction_ws = Some(Region::new(Buffer::Scratch, cws_off, cws));
                 plan.gate = Some(Region::new(Buffer::Scratch, 0, gate_bytes));
                 plan.a = Region::new(Buffer::Scratch, gate_bytes, a_bytes);
-                plan.output_ws = Some(Region::new(Buffer::Scratch, gate_bytes + a_bytes, ows));
-                plan.scratch_bytes = (cws_off + cws).max(gate_bytes + a_bytes + ows);
+                plan.scratch_bytes = (lr_end + cws).max(gate_bytes + a_bytes + ows);
+                if cublas {
+                    plan.contraction_ws = Some(Region::new(Buffer::Scratch, lr_end, cws));
+                    plan.output_ws = Some(Region::new(Buffer::Scratch, gate_bytes + a_bytes, ows));
+                } else if plan.af3 {
+                    plan.ones_bytes = chunk_rows * 4;
+                    plan.ones = Some(Region::new(Buffer::Ones, 0, plan.ones_bytes));
+                }
             }
             InputStage::Staged => {
                 // Phase A `[z | proj | left | right]`, phase B `[z | proj | gate | a]`.

@@ -68,14 +68,24 @@ pub fn fake() -> Option<MutexGuard<'static, ()>> {
 /// The fake's launch record: how many launches of `kernel` ran in this process so far.
 #[allow(dead_code)] // not every binary that builds the fake reads the record
 pub fn launches(kernel: &str) -> i64 {
+    record(b"trimul_fake_launches", kernel)
+}
+
+/// The launches of `kernel` this thread made so far (a launch runs on the thread that makes it).
+#[allow(dead_code)]
+pub fn thread_launches(kernel: &str) -> i64 {
+    record(b"trimul_fake_thread_launches", kernel)
+}
+
+fn record(symbol: &[u8], kernel: &str) -> i64 {
     let lib = std::env::var_os("TRIMUL_HIP_LIBRARY").expect("the fake is built (fake())");
     let name = std::ffi::CString::new(kernel).unwrap();
-    // SAFETY: the fake ROCm exports `long trimul_fake_launches(const char*)`, which reads a
-    // NUL-terminated name and touches nothing else; the library stays loaded (the backend holds it).
+    // SAFETY: the fake ROCm exports both record readers as `long f(const char*)`, which read a
+    // NUL-terminated name and touch nothing else; the library stays loaded (the backend holds it).
     unsafe {
         let lib = libloading::Library::new(lib).expect("the fake ROCm loads");
         let f: libloading::Symbol<unsafe extern "C" fn(*const std::ffi::c_char) -> std::ffi::c_long> =
-            lib.get(b"trimul_fake_launches").expect("the fake exports its launch record");
+            lib.get(symbol).expect("the fake exports its launch record");
         f(name.as_ptr()) as i64
     }
 }

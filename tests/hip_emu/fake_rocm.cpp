@@ -124,9 +124,13 @@ std::chrono::steady_clock::time_point fake_now() {
 }
 
 // The launch record: how many times each kernel was launched (and ran to completion) in this
-// process, so tests can show which kernels a forward used. `trimul_fake_launches(name)` reads it.
+// process, so tests can show which kernels a forward used. `trimul_fake_launches(name)` reads it,
+// `trimul_fake_thread_launches(name)` the calling thread's part.
 std::mutex launches_lock;
 std::map<std::string, long> launches;
+// The same per calling thread (a launch runs on the thread that makes it), so that a test among
+// others running at once can tell which kernels its own forwards used.
+thread_local std::map<std::string, long> thread_launches;
 
 std::string arch_id() {
   const char* a = std::getenv("TRIMUL_FAKE_ROCM_ARCH");
@@ -542,6 +546,7 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     fail(name + ": 16-bit x and y given to a kernel that reads or writes them as f32");
   const char* xb = (const char*)p.x;
   const char* yb = (const char*)p.y;
+  bool writes_gate = false;  // input_projection: whether this launch runs gate work items
   if (name == "input_norm") {
     need(xb + row0 * C * io, rows * C * io, "input_norm x");
     need(in.z, rows * C * 2, "input_norm z");
@@ -558,18 +563,28 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
     need(in.right, M * GH * 2, "input_gating right");
     need(in.gate + brow * GG, rows * GG * 2, "input_gating gate");
   } else if (name == "input_projection") {
-    // The fused MFMA input stage: x's rows, the [4H + G, C] weights, every channel of left and
-    // right (the contraction layout), the gate's rows from buf_row0.
+    // The fused MFMA input stage: x's rows, the [4H + G, C] weights; for its hidden work items the
+    // window's channels of left and right (the contraction layout, every position), for its gate
+    // items the gate's rows from buf_row0. The grid covers the rows, 64 per block.
     const size_t P = 4 * H + G;
+    const int hidden_items = (int)((H + 31) / 32), items = hidden_items + (int)((G + 31) / 32);
+    const int begin = in.chunk_begin, end = in.chunk_end > 0 ? in.chunk_end : items;
+    if (begin < 0 || begin >= end || end > items) fail(name + ": work items outside the kernel's");
+    const size_t LH = in.lr_h > 0 ? (size_t)in.lr_h : H;
+    if (in.lr_h < 0 || in.lr_h0 < 0 || (size_t)in.lr_h0 + LH > H) fail(name + ": left/right window outside H");
+    if ((size_t)gx * IP_BM < rows) fail(name + ": the grid does not cover the rows");
     need(xb + row0 * C * io, rows * C * io, "input_projection x");
     need(p.w_in, P * C * 2, "input_projection w_in");
     if (in.proj_bias) need(in.proj_bias, P * 4, "input_projection bias");
-    if (p.mask) need(p.mask, M * 4, "input_projection mask");
     need(p.norm_in_w, C * 4, "input_projection LN_C weight");
     need(p.norm_in_b, C * 4, "input_projection LN_C bias");
-    need(in.left, M * H * 2, "input_projection left");
-    need(in.right, M * H * 2, "input_projection right");
-    need(in.gate + brow * G, rows * G * 2, "input_projection gate");
+    if (begin < hidden_items) {
+      if (p.mask) need(p.mask, M * 4, "input_projection mask");
+      need(in.left, M * LH * 2, "input_projection left");
+      need(in.right, M * LH * 2, "input_projection right");
+    }
+    writes_gate = end > hidden_items;
+    if (writes_gate) need(in.gate + brow * G, rows * G * 2, "input_projection gate");
     if (C % 4 != 0) fail(name + ": C is not a multiple of 4");
   } else if (name == "output_norm" || name == "output_projection") {
     need(out.t, M * H * 2, "t");
@@ -614,12 +629,19 @@ int hipModuleLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsig
   {
     std::lock_guard<std::mutex> g(launches_lock);
     ++launches[name];
+    ++thread_launches[name];
+    // A chunked plan's launches of the fused input kernel: a hidden pass's or the gate's items.
+    if (name == "input_projection" && (in.chunk_end > 0 || in.lr_h > 0)) {
+      ++launches["input_projection (part)"];
+      ++thread_launches["input_projection (part)"];
+    }
   }
   long slow_ms = 0;
   if (hook_names("TRIMUL_FAKE_ROCM_SLOW", name, &slow_ms) && slow_ms > 0) slow_down(slow_ms);
-  if (name == "input_projection" && hook_names("TRIMUL_FAKE_ROCM_CORRUPT", name, nullptr)) {
+  if (name == "input_projection" && writes_gate && hook_names("TRIMUL_FAKE_ROCM_CORRUPT", name, nullptr)) {
     // A few wrong elements of the gate: column (row mod G) of every 97th row, 0.5 added (the
-    // gate is in (0, 1); af3 multiplies y by it, so y is off by half its size there).
+    // gate is in (0, 1); af3 multiplies y by it, so y is off by half its size there). A hidden
+    // pass of a chunked plan writes no gate; its gate pass is corrupted instead.
     for (size_t r = row0; r < row0 + rows; r += 97) {
       tm_half* at = in.gate + (r - (size_t)in.buf_row0) * G + r % G;
       *at = tm_f2h(tm_h2f(*at) + 0.5f);
@@ -853,4 +875,9 @@ extern "C" long trimul_fake_launches(const char* kernel) {
   std::lock_guard<std::mutex> g(launches_lock);
   auto it = launches.find(kernel);
   return it == launches.end() ? 0 : it->second;
+}
+// The launch record of the calling thread alone.
+extern "C" long trimul_fake_thread_launches(const char* kernel) {
+  auto it = thread_launches.find(kernel);
+  return it == thread_launches.end() ? 0 : it->second;
 }

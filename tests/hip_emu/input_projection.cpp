@@ -1,11 +1,14 @@
 // Runs the real body of hip/input_projection.h on the CPU (tests/hip_emu/emu.h stands in for the
 // GPU) and checks every element of left, right and the gate against an f64 evaluation of the
 // stage's formula: z = LN_C(x) (rounded to f16, as the kernel keeps it), the five projections of
-// z, bias, σ, mask and products. Elements outside the launched positions must keep their sentinel.
+// z, bias, σ, mask and products. Elements outside the launched positions, and those of work items
+// or channels the launch leaves out, must keep their sentinel.
 //
-// usage: input_projection BATCH N C H AF3 BIAS MASK IO ROW0 ROWS SEED
-// (IO: 0 f32, 1 bf16, 2 f16 x). Exit status 0 when every check passes; the last line of stdout
-// says why not.
+// usage: input_projection BATCH N C H AF3 BIAS MASK IO ROW0 ROWS SEED [LR_H0 LR_H BEGIN END]
+// (IO: 0 f32, 1 bf16, 2 f16 x; the optional four: left/right hold channels LR_H0 .. LR_H0 + LR_H
+// (LR_H 0: all), and the launch runs work items BEGIN .. END (END 0: all), as a chunked plan's
+// hidden and gate passes do). Exit status 0 when every check passes; the last line of stdout says
+// why not.
 #include "tests/hip_emu/emu.h"
 #include "common/params.h"
 #include "hip/input_projection.h"
@@ -18,10 +21,12 @@
 static double h2d(tm_half h) { return (double)tm_h2f(h); }
 
 int main(int argc, char** argv) {
-  if (argc != 12) {
-    std::printf("usage: %s BATCH N C H AF3 BIAS MASK IO ROW0 ROWS SEED\n", argv[0]);
+  if (argc != 12 && argc != 16) {
+    std::printf("usage: %s BATCH N C H AF3 BIAS MASK IO ROW0 ROWS SEED [LR_H0 LR_H BEGIN END]\n", argv[0]);
     return 2;
   }
+  const int lr_h0 = argc == 16 ? std::atoi(argv[12]) : 0, lr_h = argc == 16 ? std::atoi(argv[13]) : 0;
+  const int begin = argc == 16 ? std::atoi(argv[14]) : 0, end = argc == 16 ? std::atoi(argv[15]) : 0;
   const int batch = std::atoi(argv[1]), n = std::atoi(argv[2]), C = std::atoi(argv[3]), H = std::atoi(argv[4]);
   const int af3 = std::atoi(argv[5]), with_bias = std::atoi(argv[6]), masked = std::atoi(argv[7]);
   const int io = std::atoi(argv[8]);
@@ -33,10 +38,16 @@ int main(int argc, char** argv) {
   const long long nn = (long long)n * n, M = batch * nn;
   const int G = af3 ? C : H, P = 4 * H + G;
   const size_t smem = (size_t)TM_HIP_IP_SMEM(C);
-  if (row0 < 0 || rows < 1 || row0 + rows > M || C % 4 || smem > sizeof(tm_dyn_smem) || io < 0 || io > 2) {
+  const int hidden_items = (H + 31) / 32, items = hidden_items + (G + 31) / 32;
+  const int LH = lr_h > 0 ? lr_h : H, L0 = lr_h > 0 ? lr_h0 : 0, item_end = end > 0 ? end : items;
+  if (row0 < 0 || rows < 1 || row0 + rows > M || C % 4 || smem > sizeof(tm_dyn_smem) || io < 0 || io > 2 ||
+      L0 < 0 || L0 + LH > H || begin < 0 || begin >= item_end || item_end > items) {
     std::printf("bad arguments\n");
     return 2;
   }
+  // Whether the launch computes hidden channel h (of the window) and gate column g.
+  auto hidden_run = [&](int h) { return h / 32 >= begin && h / 32 < item_end; };
+  auto gate_run = [&](int g) { return hidden_items + g / 32 >= begin && hidden_items + g / 32 < item_end; };
   // x in its I/O precision, and the values the kernel reads from it.
   std::vector<float> xf((size_t)(M * C)), xv((size_t)(M * C));
   std::vector<unsigned short> xh((size_t)(M * C));
@@ -58,7 +69,7 @@ int main(int argc, char** argv) {
   for (auto& v : w) v = tm_f2h((float)(normal(rng) / std::sqrt((double)C)));
   // Sentinels: a NaN pattern no f16 result of the kernel has.
   const tm_half sentinel = 0x7e5a;
-  std::vector<tm_half> left((size_t)(M * H), sentinel), right((size_t)(M * H), sentinel);
+  std::vector<tm_half> left((size_t)(M * LH), sentinel), right((size_t)(M * LH), sentinel);
   // The gate holds the positions from buf_row0 (the launch's first row here, as a row chunk's).
   const long long buf_row0 = row0;
   std::vector<tm_half> gate((size_t)(rows * G), sentinel);
@@ -85,6 +96,10 @@ int main(int argc, char** argv) {
   p.g = G;
   p.formulation = af3 ? TM_AF3 : TM_GPUMODE;
   p.eps = 1e-5f;
+  p.lr_h0 = lr_h0;
+  p.lr_h = lr_h;
+  p.chunk_begin = begin;
+  p.chunk_end = end;
 
   // The whole grid in one launch, as the host launches it (tm_bid() > 0 in every block past the first).
   const unsigned grid = (unsigned)((rows + IP_BM - 1) / IP_BM);
@@ -111,13 +126,14 @@ int main(int argc, char** argv) {
   for (long long row = 0; row < M; ++row) {
     const long long bb = row / nn, rem = row - bb * nn;
     const bool inside = row >= row0 && row < row0 + rows;
+    // Channel h of the window, at its place in left/right.
+    auto lr_at = [&](int h) { return (size_t)((bb * LH + (h - L0)) * nn + rem); };
+    auto untouched = [&](const char* what, int col, tm_half a, tm_half b) {
+      if ((a != sentinel || b != sentinel) && bad++ < 5)
+        std::printf("row %lld %s %d outside the launch was written\n", row, what, col);
+    };
     if (!inside) {
-      for (int h = 0; h < H; ++h) {
-        const size_t at = (size_t)((bb * H + h) * nn + rem);
-        if (left[at] != sentinel || right[at] != sentinel) {
-          if (bad++ < 5) std::printf("row %lld h %d outside the launch was written\n", row, h);
-        }
-      }
+      for (int h = L0; h < L0 + LH; ++h) untouched("h", h, left[lr_at(h)], right[lr_at(h)]);
       continue;
     }
     double mean = 0.0, var = 0.0;
@@ -144,8 +160,12 @@ int main(int argc, char** argv) {
     }
     const double mk = masked ? mask[row] : 1.0;
     auto sig = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
-    for (int h = 0; h < H; ++h) {
-      const size_t at = (size_t)((bb * H + h) * nn + rem);
+    for (int h = L0; h < L0 + LH; ++h) {
+      const size_t at = lr_at(h);
+      if (!hidden_run(h)) {
+        untouched("h", h, left[at], right[at]);
+        continue;
+      }
       // d(lp·σ(lg)) is bounded by |lp|·|dlg|/4 + σ·|dlp|: the magnitudes of both sums.
       const double sl = sig(pr[H + h]), sr = sig(pr[3 * H + h]);
       check("left", row, h, left[at], pr[h] * mk * sl, mk * (mag[h] * sl + std::fabs(pr[h]) * mag[H + h] / 4));
@@ -153,6 +173,11 @@ int main(int argc, char** argv) {
             mk * (mag[2 * H + h] * sr + std::fabs(pr[2 * H + h]) * mag[3 * H + h] / 4));
     }
     for (int g = 0; g < G; ++g) {
+      if (!gate_run(g)) {
+        const tm_half v = gate[(size_t)((row - buf_row0) * G + g)];
+        untouched("gate column", g, v, v);
+        continue;
+      }
       const double s = sig(pr[4 * H + g]);
       check("gate", row, g, gate[(size_t)((row - buf_row0) * G + g)], s, s * (1 - s) * mag[4 * H + g]);
     }

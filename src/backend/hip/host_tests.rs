@@ -442,24 +442,31 @@ fn mfma_output_kernel_matches_f64_in_cpu_emulation() {
 /// on the CPU emulation against f64, every element of left, right and the gate, and nothing
 /// written outside the launched positions: both formulations, bias and mask on and off, f32, bf16
 /// and f16 x, partial blocks and a batch boundary inside one, partial hidden and gate tiles,
-/// C % 8 == 4 (the last reduction step half empty), a launch not starting at 0, C at its LDS limit.
+/// C % 8 == 4 (the last reduction step half empty), a launch not starting at 0, C at its LDS limit;
+/// and the chunked plans' launches: a hidden pass's work items into a window of left/right (one
+/// aligned to the 32-channel tiles, one not), the gate's items alone, nothing written outside them.
 #[test]
 fn mfma_input_kernel_matches_f64_in_cpu_emulation() {
     let Some(exe) = build_emulation("input_projection") else { return };
-    // (B, N, C, H, af3, bias, mask, io, row0, rows)
-    let cases: [[usize; 10]; 7] = [
-        [1, 9, 32, 40, 1, 1, 1, 0, 0, 81],
-        [2, 7, 36, 16, 0, 0, 1, 1, 0, 98],
-        [3, 5, 128, 128, 1, 0, 0, 2, 10, 60],
-        [1, 12, 64, 8, 0, 1, 1, 0, 50, 94],
-        [2, 9, 256, 32, 1, 1, 1, 1, 0, 162],
-        [1, 16, 128, 128, 0, 0, 1, 0, 0, 256],
-        [1, 11, 508, 24, 1, 1, 0, 2, 3, 100],
+    // (B, N, C, H, af3, bias, mask, io, row0, rows, window's first channel, its channels (0: all),
+    // first work item, end of the work items (0: all))
+    let cases: [[usize; 14]; 10] = [
+        [1, 9, 32, 40, 1, 1, 1, 0, 0, 81, 0, 0, 0, 0],
+        [2, 7, 36, 16, 0, 0, 1, 1, 0, 98, 0, 0, 0, 0],
+        [3, 5, 128, 128, 1, 0, 0, 2, 10, 60, 0, 0, 0, 0],
+        [1, 12, 64, 8, 0, 1, 1, 0, 50, 94, 0, 0, 0, 0],
+        [2, 9, 256, 32, 1, 1, 1, 1, 0, 162, 0, 0, 0, 0],
+        [1, 16, 128, 128, 0, 0, 1, 0, 0, 256, 0, 0, 0, 0],
+        [1, 11, 508, 24, 1, 1, 0, 2, 3, 100, 0, 0, 0, 0],
+        [2, 9, 64, 96, 1, 1, 1, 0, 0, 162, 32, 32, 1, 2],
+        [1, 10, 32, 128, 0, 0, 1, 2, 0, 100, 40, 30, 1, 3],
+        [1, 12, 128, 64, 1, 1, 1, 1, 64, 80, 0, 0, 2, 6],
     ];
     for (i, case) in cases.into_iter().enumerate() {
         assert!(kernels::input_projection_smem_bytes(case[2]) <= kernels::LDS_BYTES, "{case:?}");
-        let mut args: Vec<String> = case.iter().map(|v| v.to_string()).collect();
+        let mut args: Vec<String> = case[..10].iter().map(|v| v.to_string()).collect();
         args.push((3000 + i).to_string());
+        args.extend(case[10..].iter().map(|v| v.to_string()));
         let text = run_emulation(&exe, &args);
         eprintln!("input_projection {case:?}: {text}");
     }

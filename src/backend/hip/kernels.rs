@@ -125,6 +125,15 @@ pub fn output_projection_smem_bytes(h: usize) -> usize {
 /// Positions per block of `input_projection` (`hip/input_projection.h`, 256 threads).
 pub const INPUT_PROJECTION_ROWS: usize = crate::backend::params::geometry::TM_HIP_IP_ROWS;
 
+/// Channels of a hidden work item, and columns of a gate work item, of `input_projection`.
+pub const INPUT_PROJECTION_TILE: usize = 32;
+
+/// `input_projection`'s work items for H hidden channels and G gate columns: hidden tiles
+/// `0 .. hidden`, then gate tiles `hidden .. hidden + gate` (a launch runs a range of them).
+pub fn input_projection_items(h: usize, g: usize) -> (usize, usize) {
+    (h.div_ceil(INPUT_PROJECTION_TILE), g.div_ceil(INPUT_PROJECTION_TILE))
+}
+
 /// Dynamic LDS of `input_projection` for C channels: z `[64][C + 4]` f16 (`TM_HIP_IP_SMEM`).
 pub fn input_projection_smem_bytes(c: usize) -> usize {
     crate::backend::params::geometry::TM_HIP_IP_SMEM(c)
@@ -181,8 +190,8 @@ pub fn output_rule(arch: &str, h: usize, env: Option<&str>) -> PathRule {
 }
 
 /// The input stage's rule (the fused `input_projection` against `input_norm` + rocBLAS +
-/// `input_gating`) for `arch` and C channels. It serves one-pass plans; chunked plans keep the
-/// staged input.
+/// `input_gating`) for `arch` and C channels. It serves one-pass and chunked plans (a hidden
+/// pass runs its channels' work items, the output stage's gate pass the gate's).
 pub fn input_rule(arch: &str, c: usize, env: Option<&str>) -> PathRule {
     let limit = if c % 4 != 0 {
         Some(format!("C = {c} is not a multiple of 4 (8-byte operand loads)"))

@@ -19,12 +19,18 @@
 //!    device validated it for the layer's C and H and it beat rocBLAS (`validate.rs`,
 //!    `crate::validation`), or where `TRIMUL_HIP_MFMA=1` forces it.
 //!
+//! Step 1 also has a fused MFMA form (CDNA only): `input_projection` does LN_C, the projection and
+//! the gating in one kernel, z kept in LDS. Like the output kernel it is used only where this
+//! device validated it and it won, or where `TRIMUL_HIP_MFMA=1` forces it.
+//!
 //! When that plan's workspace does not fit the memory budget (or the free memory), the forward
-//! runs a chunked [`Plan`] instead: steps 1 and 2 in passes over hidden channels (each pass's
-//! rows of the gated projections packed into one weight block when the workspace is made, so
-//! `input_gating` runs unchanged with H = the pass width), then step 3 per row chunk with the
-//! gate recomputed from x (`input_gating` with H = 0 over the out-gate columns). The math of why
-//! this is exact, and of in-place mode, is in [`crate::plan`].
+//! runs a chunked [`Plan`] instead: steps 1 and 2 in passes over hidden channels, then step 3 per
+//! row chunk with the gate recomputed from x. With the fused input kernel (`FUSED_CAPS`) a pass
+//! launches it for its channels' work items and the gate pass for the gate's; with the stage
+//! kernels each pass's rows of the gated projections are packed into one weight block when the
+//! workspace is made, so `input_gating` runs unchanged with H = the pass width, and the gate is
+//! `input_gating` with H = 0 over the out-gate columns. The math of why this is exact, and of
+//! in-place mode, is in [`crate::plan`].
 //!
 //! The stage kernels (`hip/*.hip`) share their source with the CUDA backend (`common/`), the
 //! GEMMs share their layout math (`GemmSpec`); so both backends compute the same thing in the
@@ -69,8 +75,8 @@ use super::device_prepare::{fill_params, params as prepare_params, PreparedLayou
 use super::gemm::GemmSpec;
 use super::gpu_ceilings;
 use super::params::{
-    self as launch_params, to_i32, Addresses, CommonParams, InputParams, OutputParams, PrepareParams, StageParams,
-    INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
+    self as launch_params, to_i32, to_i64, Addresses, CommonParams, InputParams, OutputParams, PrepareParams,
+    StageParams, INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
 };
 use super::staged_steps::{self, StagedBuffers, StagedStep};
 use super::{
@@ -86,9 +92,22 @@ use crate::problem::{Config, Formulation, Precision, Problem};
 use crate::validation::VerdictStore;
 use crate::weights::Weights;
 
-/// What plans this backend runs: the stage kernels around rocBLAS (the fused MFMA input stage
-/// is issue 31's).
+/// The plans of the stage kernels around rocBLAS. One-pass workspaces are always planned so
+/// (z and proj inside t or a buffer of their own), and serve the fused input kernel too, which
+/// leaves z and proj unused.
 const ROCM_CAPS: Capabilities = Capabilities { input: InputStage::Staged, blas: Blas::RocBlas };
+/// The chunked plans of the fused MFMA input kernel: no z, proj or per-pass weight copies (the
+/// kernel reads the prepared weights and runs a pass's work items alone).
+const FUSED_CAPS: Capabilities = Capabilities { input: InputStage::Fused, blas: Blas::RocBlas };
+
+/// The capabilities a layer's chunked plans are made for.
+fn chunked_caps(prepared: &HipPrepared) -> Capabilities {
+    if prepared.fused_input() {
+        FUSED_CAPS
+    } else {
+        ROCM_CAPS
+    }
+}
 
 /// Grid-stride blocks of `output_gate` (enough to fill an MI300X's 304 CUs many times over).
 const OUTPUT_GATE_MAX_GRID: usize = 65_535;
@@ -117,8 +136,8 @@ impl HipPrepared {
         self.output
     }
 
-    /// Whether this layer's one-pass forwards run the fused MFMA input kernel (`input_projection`);
-    /// otherwise, and in chunked plans, `input_norm` + rocBLAS + `input_gating`.
+    /// Whether this layer's forwards run the fused MFMA input kernel (`input_projection`), in
+    /// one-pass and chunked plans; otherwise `input_norm` + rocBLAS + `input_gating`.
     pub fn fused_input(&self) -> bool {
         self.input.is_some()
     }
@@ -158,8 +177,9 @@ struct Chunked {
     plan: Plan,
     t: DeviceMem,
     scratch: DeviceMem,
-    /// Each pass's rows of the gated projections, packed `[lp; lg; rp; rg]` (and their biases).
-    pass_w: DeviceMem,
+    /// Each pass's rows of the gated projections, packed `[lp; lg; rp; rg]` (and their biases):
+    /// the stage kernels' plans only.
+    pass_w: Option<DeviceMem>,
     ones: Option<DeviceMem>,
 }
 
@@ -462,6 +482,16 @@ impl HipBackend {
     /// biases) copied from the prepared weights into one `[lp; lg; rp; rg]` block per pass, so a
     /// pass's projection is one GEMM and `input_gating` sees the layout it expects with H = hc.
     fn chunked_buffers(&self, prepared: &HipPrepared, plan: Plan) -> Result<Chunked> {
+        if plan.pass_weights_bytes == 0 {
+            // The fused kernel's plan: it reads the prepared weights.
+            return Ok(Chunked {
+                t: self.alloc_mem(plan.t_bytes)?,
+                scratch: self.alloc_mem(plan.scratch_bytes)?,
+                pass_w: None,
+                ones: self.ones(plan.ones_bytes, plan.output_rows)?,
+                plan,
+            });
+        }
         let pass_w = self.alloc_mem(plan.pass_weights_bytes)?;
         let c = plan.c;
         let stream = self.stream();
@@ -490,7 +520,7 @@ impl HipBackend {
         Ok(Chunked {
             t: self.alloc_mem(plan.t_bytes)?,
             scratch: self.alloc_mem(plan.scratch_bytes)?,
-            pass_w,
+            pass_w: Some(pass_w),
             ones: self.ones(plan.ones_bytes, plan.output_rows)?,
             plan,
         })
@@ -807,9 +837,13 @@ impl HipBackend {
                 unsafe { buf.memset(stream, POISON_BYTE)? };
             }
         }
+        let Some(pass_w) = ws.pass_w.as_ref() else {
+            // SAFETY: forwarded from this function's contract.
+            return unsafe { self.enqueue_fused_chunked(blas, prep, ws, problem, base, stream) };
+        };
         let bufs = StagedBuffers {
             scratch: ws.scratch.addr(),
-            pass_w: ws.pass_w.addr(),
+            pass_w: pass_w.addr(),
             t: ws.t.addr(),
             w_in: prep.w_in.addr(),
             proj_bias: prep.proj_bias.as_ref().map_or(0, DeviceMem::addr),
@@ -836,6 +870,102 @@ impl HipBackend {
                 StagedStep::Output(chunk) => unsafe {
                     self.enqueue_output(blas, prep, &chunk, ws.ones.as_ref(), stream)?
                 },
+            }
+        }
+        Ok(())
+    }
+
+    /// A chunked plan of the fused input kernel (`FUSED_CAPS`), as CUDA's: per hidden pass,
+    /// `input_projection`'s work items of the pass's channels into left/right `[B, hn, N, N]`, then
+    /// one contraction per batch into the pass's channels of t; then per row chunk its gate work
+    /// items into the gate chunk, and the output stage. Each pass normalises x again (the kernel
+    /// keeps z in LDS only).
+    ///
+    /// # Safety
+    /// As for [`HipBackend::enqueue_stages`]; `base` holds that call's pointers and shape.
+    unsafe fn enqueue_fused_chunked(
+        &self,
+        blas: &BlasHandle,
+        prep: &HipPrepared,
+        ws: &Chunked,
+        problem: &Problem,
+        base: &CommonParams,
+        stream: sys::hipStream_t,
+    ) -> Result<()> {
+        let kernel = prep.input.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(
+                "this workspace was planned for the fused MFMA input kernel, which this layer does not run".into(),
+            )
+        })?;
+        let plan = &ws.plan;
+        let (c, h) = (plan.c, plan.h);
+        let (batch, n, m) = (problem.shape.batch, problem.shape.n, problem.shape.rows());
+        let nn = n * n;
+        let fused = base.with_input_weights(prep.w_in.addr())?;
+        let proj_bias = prep.proj_bias.as_ref().map_or(0, DeviceMem::addr);
+        let (hidden_items, gate_items) = kernels::input_projection_items(h, plan.g);
+        let tile = kernels::INPUT_PROJECTION_TILE;
+        let smem = kernels::input_projection_smem_bytes(c);
+        let blocks = |rows: usize| rows.div_ceil(kernels::INPUT_PROJECTION_ROWS);
+        let base_of = |b: Buffer| match b {
+            Buffer::Y => base.y(),
+            Buffer::Scratch => ws.scratch.addr(),
+            _ => 0,
+        };
+        let (left, right) = (Plan::address(plan.left, base_of), Plan::address(plan.right, base_of));
+
+        // SAFETY (every launch and GEMM below): left, right, the gate and a lie inside y (out of
+        // place) or the scratch as the plan lays them out for this problem
+        // (`plan::tests::every_plan_keeps_its_regions_apart_and_covers_the_problem`), t holds every
+        // channel of every position, w_in and its bias are the prepared `[4H + G, C]` block the
+        // kernel reads (C and the LDS size checked by `kernels::input_rule`); x, mask and y per the
+        // contract; `blas` is bound to `stream`.
+        for (h0, hn) in plan.passes() {
+            let p = InputParams {
+                common: fused.over(0, m)?,
+                proj_bias,
+                left,
+                right,
+                chunk_begin: to_i32(h0 / tile, "first work item of a pass")?,
+                chunk_end: to_i32((h0 + hn).div_ceil(tile), "last work item of a pass")?,
+                lr_h0: to_i32(h0, "first channel of a pass")?,
+                lr_h: to_i32(hn, "channels of a pass")?,
+                ..InputParams::default()
+            };
+            unsafe { launch(kernel, stream, blocks(m), smem, &p)? };
+            // t's channels of a pass are contiguous within a batch only.
+            let g =
+                RocblasGemm::from_spec(&GemmSpec::contraction(problem.direction, hn, n), DataType::F16, DataType::F16)?;
+            for b in 0..batch {
+                let off = (b * hn * nn * 2) as u64;
+                let t = ws.t.addr() + ((b * h + h0) * nn * 2) as u64;
+                unsafe { gemm(blas, &g, 1.0, right + off, left + off, 0.0, t)? };
+            }
+        }
+        let gate = Plan::address(Plan::require(plan.gate, "gate")?, base_of);
+        let a = Plan::address(plan.a, base_of);
+        for (r0, rows) in plan.output_chunks() {
+            let buf_row0 = to_i64(r0, "first position of a chunk")?;
+            let p = InputParams {
+                common: fused.over(r0, rows)?,
+                proj_bias,
+                gate,
+                buf_row0,
+                chunk_begin: to_i32(hidden_items, "first gate work item")?,
+                chunk_end: to_i32(hidden_items + gate_items, "last gate work item")?,
+                ..InputParams::default()
+            };
+            let chunk = OutputParams {
+                common: base.over(r0, rows)?,
+                t: ws.t.addr(),
+                a,
+                gate,
+                buf_row0,
+                ..OutputParams::default()
+            };
+            unsafe {
+                launch(kernel, stream, blocks(rows), smem, &p)?;
+                self.enqueue_output(blas, prep, &chunk, ws.ones.as_ref(), stream)?;
             }
         }
         Ok(())
@@ -964,8 +1094,25 @@ fn load_kernels(api: &'static sys::HipApi, target_id: &str, force_rtc: bool) -> 
 /// The MFMA kernels a layer runs: the output stage's, the input stage's.
 type StageKernels = (Option<Arc<Kernel>>, Option<Arc<Kernel>>);
 
+impl HipBackend {
+    /// The workspace of `prepared`'s narrowest chunked plan for `problem`, whatever the memory
+    /// (the validation's chunked case).
+    fn narrowest_workspace(&self, prepared: &HipPrepared, problem: &Problem) -> Result<HipWorkspace> {
+        check_prepared_for(&prepared.config, problem)?;
+        self.bind()?;
+        let plan = Plan::narrowest(problem, chunked_caps(prepared))?;
+        Ok(HipWorkspace::new(prepared, problem, Layout::Chunked(self.chunked_buffers(prepared, plan)?)))
+    }
+}
+
 impl HipWorkspace {
-    /// Whether this is a one-pass workspace (the plan the fused input kernel serves).
+    fn new(prepared: &HipPrepared, problem: &Problem, layout: Layout) -> HipWorkspace {
+        // A workspace holding copies of the weights serves those weights alone.
+        let weights_of = matches!(&layout, Layout::Chunked(ch) if ch.pass_w.is_some()).then_some(prepared.id);
+        HipWorkspace { problem: *problem, layout, weights_of, caller_base: None }
+    }
+
+    /// Whether this is a one-pass workspace.
     fn is_one_pass(&self) -> bool {
         matches!(self.layout, Layout::OnePass(_))
     }
@@ -1049,20 +1196,19 @@ impl Backend for HipBackend {
         let layout = if plan.workspace_bytes() <= cap {
             Layout::OnePass(self.one_pass_buffers(plan)?)
         } else {
-            match Plan::widest_chunked(problem, ROCM_CAPS, cap)? {
+            match Plan::widest_chunked(problem, chunked_caps(prepared), cap)? {
                 Some(chunked) => Layout::Chunked(self.chunked_buffers(prepared, chunked)?),
                 None => {
                     return Err(Error::OutOfMemory {
                         backend: BackendKind::Hip,
                         what: format!("{what} (narrowest chunked plan)"),
-                        needed: Plan::narrowest(problem, ROCM_CAPS)?.workspace_bytes(),
+                        needed: Plan::narrowest(problem, chunked_caps(prepared))?.workspace_bytes(),
                         available: cap,
                     })
                 }
             }
         };
-        let weights_of = matches!(layout, Layout::Chunked(_)).then_some(prepared.id);
-        Ok(HipWorkspace { problem: *problem, layout, weights_of, caller_base: None })
+        Ok(HipWorkspace::new(prepared, problem, layout))
     }
 
     fn workspace_fits(&self, ws: &HipWorkspace, problem: &Problem) -> bool {
@@ -1075,7 +1221,7 @@ impl Backend for HipBackend {
                 Layout::OnePass(o) => o.plan.serves(problem, ROCM_CAPS),
                 // Left and right inside y need room for them in y's I/O precision: a plan made
                 // for f32 y may not hold them in 16-bit y (the widened path runs the other way).
-                Layout::Chunked(ch) => ch.plan.serves(problem, ROCM_CAPS),
+                Layout::Chunked(ch) => ch.plan.serves(problem, ch.plan.caps),
             }
     }
 
@@ -1091,7 +1237,7 @@ impl Backend for HipBackend {
             return u64::MAX;
         }
         let one_pass = self.workspace_bytes(prepared, problem);
-        Plan::narrowest(problem, ROCM_CAPS).map_or(one_pass, |c| c.workspace_bytes().min(one_pass))
+        Plan::narrowest(problem, chunked_caps(prepared)).map_or(one_pass, |c| c.workspace_bytes().min(one_pass))
     }
 
     fn alloc(&self, len: usize) -> Result<HipBuffer> {

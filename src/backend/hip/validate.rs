@@ -3,9 +3,9 @@
 //! No AMD GPU has run `output_projection` or `input_projection`. So where such a kernel can run
 //! (a CDNA arch, a shape within its limits) and no setting forces a choice, a layer prepared from
 //! host weights asks for this device's verdict on the kernel for its C and H: from memory, from
-//! the verdict file, or by running the validation now. A validation runs four small forwards on
+//! the verdict file, or by running the validation now. A validation runs five small forwards on
 //! the fast path (both formulations, both directions, masks, biases, f32 and 16-bit x and y,
-//! Cauchy inputs, odd N and B > 1) against the f64 reference with every element checked, then
+//! Cauchy inputs, odd N and B > 1; one in the narrowest chunked plan) against the f64 reference with every element checked, then
 //! times the fast path against its portable counterpart on one shape (B = 1, N =
 //! [`validation::timing_n`], the layer's C and H) with device events, alternating them. The
 //! input kernel is validated with the rocBLAS output stage (and, for 16-bit x and y, which that
@@ -25,15 +25,18 @@ use crate::suite::{self, Case, Dist};
 use crate::validation::{self, CaseOutcome, Verdict, VerdictKey};
 use crate::weights::Weights;
 
-/// One validation case: formulation, biases, B, N, masked, direction, I/O precision, inputs.
-type ValidationCase = (Formulation, bool, usize, usize, bool, Direction, Precision, Dist);
+/// One validation case: formulation, biases, B, N, masked, direction, I/O precision, inputs,
+/// and whether it runs the narrowest chunked plan (hidden passes and row chunks: the kernels'
+/// windowed launches) instead of the one-pass plan.
+type ValidationCase = (Formulation, bool, usize, usize, bool, Direction, Precision, Dist, bool);
 
 /// The validation cases.
-const CASES: [ValidationCase; 4] = [
-    (Formulation::Af3, true, 1, 19, true, Direction::Outgoing, Precision::F32Io, Dist::Normal),
-    (Formulation::Af3, true, 2, 9, false, Direction::Incoming, Precision::Bf16Io, Dist::Normal),
-    (Formulation::GpuMode, false, 1, 16, true, Direction::Incoming, Precision::F32Io, Dist::Cauchy),
-    (Formulation::GpuMode, false, 1, 11, false, Direction::Outgoing, Precision::F16Io, Dist::Normal),
+const CASES: [ValidationCase; 5] = [
+    (Formulation::Af3, true, 1, 19, true, Direction::Outgoing, Precision::F32Io, Dist::Normal, false),
+    (Formulation::Af3, true, 2, 9, false, Direction::Incoming, Precision::Bf16Io, Dist::Normal, false),
+    (Formulation::GpuMode, false, 1, 16, true, Direction::Incoming, Precision::F32Io, Dist::Cauchy, false),
+    (Formulation::GpuMode, false, 1, 11, false, Direction::Outgoing, Precision::F16Io, Dist::Normal, false),
+    (Formulation::Af3, true, 2, 13, true, Direction::Outgoing, Precision::F32Io, Dist::Normal, true),
 ];
 
 impl HipBackend {
@@ -238,7 +241,7 @@ impl HipBackend {
 
     fn run_validation(&self, path: HipFastPath, c: usize, h: usize) -> Result<Verdict> {
         let mut cases = Vec::new();
-        for (i, &(formulation, biases, b, n, masked, dir, io, dist)) in CASES.iter().enumerate() {
+        for (i, &(formulation, biases, b, n, masked, dir, io, dist, chunked)) in CASES.iter().enumerate() {
             let Some(stages) = self.validation_stages(path, h, io, true) else { continue };
             let config = Config::new(formulation, c, h)?;
             let case = Case { batch: b, n, c, h, masked, dist };
@@ -247,7 +250,7 @@ impl HipBackend {
             let inputs = suite::generate_inputs(&case, seed ^ 0x5EED);
             let problem = Problem::new(config, case.shape(), dir, masked)?.with_io(io);
             let prepared = self.prepare_as(&weights, stages)?;
-            let (x, y) = self.forward_checked(&prepared, &problem, &inputs.x, inputs.mask.as_deref())?;
+            let (x, y) = self.forward_checked(&prepared, &problem, &inputs.x, inputs.mask.as_deref(), chunked)?;
             let cmp = reference::check(
                 &weights,
                 &problem,
@@ -259,9 +262,10 @@ impl HipBackend {
             )?;
             cases.push(CaseOutcome {
                 case: format!(
-                    "{formulation}{} b{b} n{n} {} {dir} {io} {dist}",
+                    "{formulation}{} b{b} n{n} {} {dir} {io} {dist}{}",
                     if biases { " biases" } else { "" },
-                    if masked { "mask" } else { "nomask" }
+                    if masked { "mask" } else { "nomask" },
+                    if chunked { " chunked" } else { "" }
                 ),
                 passed: cmp.passed() && cmp.rel_l2 <= validation::MAX_REL_L2,
                 bad: cmp.bad,
@@ -281,13 +285,15 @@ impl HipBackend {
     }
 
     /// One forward of `problem` on device copies of x (rounded to the problem's I/O precision)
-    /// and the mask, y poisoned with NaN first. Returns x as the layer read it and y, as f32.
+    /// and the mask, y poisoned with NaN first, in the one-pass plan or the narrowest chunked one.
+    /// Returns x as the layer read it and y, as f32.
     fn forward_checked(
         &self,
         prepared: &HipPrepared,
         problem: &Problem,
         x: &[f32],
         mask: Option<&[f32]>,
+        chunked: bool,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let io = problem.io;
         let stream = &self.ctx.stream;
@@ -303,7 +309,11 @@ impl HipBackend {
         let yd = self.alloc_mem(x.len() * io.io_bytes())?;
         // SAFETY: our own stream and allocation.
         unsafe { yd.memset(stream.raw(), POISON_BYTE)? };
-        let mut ws = self.one_pass_workspace(prepared, problem)?;
+        let mut ws = if chunked {
+            self.narrowest_workspace(prepared, problem)?
+        } else {
+            self.one_pass_workspace(prepared, problem)?
+        };
         let dio = DeviceIo {
             x: xd.addr(),
             mask: md.as_ref().map(DeviceMem::addr),
@@ -380,8 +390,8 @@ impl HipBackend {
 }
 
 impl HipBackend {
-    /// A one-pass workspace for `problem`, or an error: the fused input kernel runs in one-pass
-    /// plans only, so a validation on a chunked plan would test and time the portable path.
+    /// A one-pass workspace for `problem`, or an error: the validation checks and times the
+    /// one-pass plan, which the free memory must allow.
     fn one_pass_workspace(&self, prepared: &HipPrepared, problem: &Problem) -> Result<<Self as Backend>::Workspace> {
         let ws = self.workspace(prepared, problem, None)?;
         if !ws.is_one_pass() {
