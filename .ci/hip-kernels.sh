@@ -47,7 +47,14 @@ for src in "$root"/hip/*.hip; do
       if [ "$n" -eq 0 ]; then
         echo "FAIL $stage $arch: MFMA kernel without v_mfma instructions"; fail=1; continue
       fi
-      echo "ok   $stage $arch ($n v_mfma)"
+      # Occupancy by registers: a SIMD holds 512 VGPRs per lane (arch and AGPRs together on these
+      # CDNA parts), allocated in granules of 8, at most 8 waves.
+      vgpr="$(grep -oE '\.vgpr_count: *[0-9]+' <<<"$notes" | grep -oE '[0-9]+$' | head -1)"
+      agpr="$(grep -oE '\.agpr_count: *[0-9]+' <<<"$notes" | grep -oE '[0-9]+$' | head -1)"
+      sspill="$(grep -oE '\.sgpr_spill_count: *[0-9]+' <<<"$notes" | grep -oE '[0-9]+$' | head -1)"
+      waves=$((512 / ((vgpr + 7) / 8 * 8)))
+      [ "$waves" -gt 8 ] && waves=8
+      echo "ok   $stage $arch ($n v_mfma; $vgpr VGPRs incl. $agpr AGPRs: $waves waves per SIMD; ${sspill:-0} SGPRs spilled to VGPR lanes)"
     else
       echo "ok   $stage $arch"
     fi
