@@ -302,8 +302,8 @@ def _cuda_forward_on(
                 raise
             # 16-bit x and y are read and written where they lie by the fused CUDA kernels (C a
             # multiple of 8 up to 512, H a multiple of 16 up to 128) and on HIP by the MFMA output
-            # path (opt-in, TRIMUL_HIP_MFMA=1); other layers run in f32 I/O, converted here on
-            # the device.
+            # kernel (where this GPU validated it, or TRIMUL_HIP_MFMA=1); other layers run in f32
+            # I/O, converted here on the device.
             nbytes = e.ws_bytes[wkey] = -1
     if nbytes < 0:
         return _cuda_forward_on(x.float(), mask, originals, direction, eps, cache).to(x.dtype)
