@@ -1,5 +1,5 @@
 // Stage 1 fused on AMD matrix cores: the input LayerNorm, the five input projections and the
-// gating in one pass, for one-pass plans (every hidden channel and the gate of a position at once):
+// gating in one pass (in one-pass plans every hidden channel and the gate of a position at once):
 //   z     = LN_C(x; norm_in)                                   (f16, in LDS only)
 //   left  = (z·Wlpᵀ + blp) ⊙ mask ⊙ σ(z·Wlgᵀ + blg)             [B, H, N, N] f16
 //   right = (z·Wrpᵀ + brp) ⊙ mask ⊙ σ(z·Wrgᵀ + brg)             [B, H, N, N] f16

@@ -165,15 +165,13 @@ fn chunked_projection_covers_every_position() {
 #[test]
 fn tight_budgets_run_chunked_plans_on_both_output_paths() {
     let Some(_g) = fake_with_code_objects() else { return };
-    // H = 48 at the tightest budget: six passes of 8 channels on the stage kernels, two of the
-    // fused input kernel (32 channels, then 16: a window that ends inside a work item);
-    // M = 2·10² = 200 positions: row chunks of 64 (128 with the fused kernel) with a short last
-    // one; af3 with biases takes the bias offsets of the passes and of the gate and the ones
-    // vector of a row chunk.
-    let runs = [(gm(32, 48), Direction::Outgoing, false, 21), (af(16, 48), Direction::Incoming, true, 22)];
+    // H = 24: three passes of 8 channels at the tightest budget, on the stage kernels or the fused
+    // input kernel (whose work items are 32 channels: windows inside them); M = 2·10² = 200
+    // positions: row chunks of 64 with a short last one; af3 with biases takes the bias offsets
+    // of the passes and of the gate and the ones vector of a row chunk.
+    let runs = [(gm(32, 24), Direction::Outgoing, false, 21), (af(16, 24), Direction::Incoming, true, 22)];
     for mfma in [false, true] {
         let b = backend(mfma);
-        let (pass, rows) = if mfma { (32, 128) } else { (8, 64) };
         for (cfg, dir, biases, seed) in runs {
             let seed = seed ^ base_seed();
             let case = Case::new(10, 2, cfg.c, true, Dist::Cauchy);
@@ -197,9 +195,11 @@ fn tight_budgets_run_chunked_plans_on_both_output_paths() {
                 // In place left/right take scratch, so the narrowest pass is forced; out of place
                 // they sit in y and a wider pass may cost the same bytes.
                 if in_place {
-                    assert_eq!((plan.hidden_passes, plan.hidden_chunk), (48usize.div_ceil(pass), pass), "{what}");
+                    assert_eq!((plan.hidden_passes, plan.hidden_chunk), (3, 8), "{what}");
                 }
-                assert!(plan.hidden_passes >= 2 && plan.output_rows == rows, "{what}");
+                // With the fused kernel out of place (no per-pass staging) one pass inside y costs
+                // no more than several; the row chunks still make it a chunked plan.
+                assert!((plan.hidden_passes >= 2 || (mfma && !in_place)) && plan.output_rows == 64, "{what}");
                 assert!(plan.gate_recomputed && plan.workspace_bytes <= needs.min_workspace, "{what}");
                 let problem = Problem::new(cfg, case.shape(), dir, true).unwrap();
                 let cmp = reference::check(&weights, &problem, &inputs.x, mask, &y, TOL, TOL).unwrap();
@@ -476,11 +476,10 @@ fn half_io_on_the_mfma_path() {
 fn half_io_tight_budgets_run_chunked_plans() {
     let Some(_g) = fake_with_code_objects() else { return };
     let b = backend(true);
-    // H = 48: at least two hidden passes of either input stage (32 + 16 channels fused, 8 staged).
     let runs = [
-        (Config::new(Formulation::GpuMode, 32, 48).unwrap(), Direction::Outgoing, false, 21u64),
-        (Config::new(Formulation::Af3, 16, 48).unwrap(), Direction::Incoming, true, 22),
-        (Config::new(Formulation::GpuMode, 42, 48).unwrap(), Direction::Outgoing, false, 23),
+        (Config::new(Formulation::GpuMode, 32, 24).unwrap(), Direction::Outgoing, false, 21u64),
+        (Config::new(Formulation::Af3, 16, 24).unwrap(), Direction::Incoming, true, 22),
+        (Config::new(Formulation::GpuMode, 42, 24).unwrap(), Direction::Outgoing, false, 23),
     ];
     for (cfg, dir, biases, seed) in runs {
         for io in [Precision::Bf16Io, Precision::F16Io] {

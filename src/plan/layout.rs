@@ -30,10 +30,11 @@ pub const STAGED_ROW_STEP: usize = 64;
 /// Hidden channels per pass of the staged input stage are multiples of this (`input_gating`
 /// stores 16-byte runs of 8).
 pub const STAGED_CHANNEL_STEP: usize = 8;
-/// Positions per block of the fused input kernels: their row chunks are multiples of it.
+/// Positions per block of CUDA's fused input kernels: their row chunks are multiples of it.
 pub const FUSED_ROW_STEP: usize = 128;
-/// Hidden channels per pass of the fused input kernels are multiples of this (their column
-/// chunks of 32 channels).
+/// Hidden channels per pass of CUDA's fused input kernels are multiples of this (their column
+/// chunks of 32 channels). HIP's fused kernel writes any window of channels, so its plans keep
+/// the stage kernels' steps (the rocBLAS output path runs those kernels on the row chunks).
 pub const FUSED_CHANNEL_STEP: usize = 32;
 /// Largest row chunk of a chunked plan: beyond a million positions more launches cost nothing.
 pub const MAX_CHUNK_ROWS: usize = 1 << 20;
@@ -46,7 +47,8 @@ pub const ROCBLAS_MIN_INPUT_ROWS: usize = 4096;
 /// How a backend's input stage makes left, right and the gate.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum InputStage {
-    /// One kernel reads x and writes them (CUDA's fused input-projection kernels): no staging.
+    /// One kernel reads x and writes them (the fused input-projection kernels, CUDA's and HIP's
+    /// MFMA one): no staging.
     Fused,
     /// `input_norm` into z, a BLAS projection into proj, `input_gating` from proj: z and proj
     /// are staged per row chunk.
@@ -451,11 +453,11 @@ impl Plan {
         fit.map(|(hc, rows)| Plan::chunked(problem, caps, hc, rows)).transpose()
     }
 
-    /// The granularity of hidden passes and row chunks of an input stage.
+    /// The granularity of hidden passes and row chunks of a backend's plans.
     fn granularity(caps: Capabilities) -> (usize, usize) {
-        match caps.input {
-            InputStage::Fused => (FUSED_CHANNEL_STEP, FUSED_ROW_STEP),
-            InputStage::Staged => (STAGED_CHANNEL_STEP, STAGED_ROW_STEP),
+        match (caps.input, caps.blas) {
+            (InputStage::Fused, Blas::CublasLt) => (FUSED_CHANNEL_STEP, FUSED_ROW_STEP),
+            _ => (STAGED_CHANNEL_STEP, STAGED_ROW_STEP),
         }
     }
 
@@ -646,9 +648,10 @@ mod tests {
             }
             assert_eq!(next, m, "{what}");
         }
-        if plan.caps.input == InputStage::Staged {
+        if plan.caps.input == InputStage::Staged || plan.caps.blas == Blas::RocBlas {
             // The stage kernels store runs of 8 positions (16 bytes) where a tile starts
-            // 8-aligned, else one by one: chunks of 64 positions or more start 64-aligned.
+            // 8-aligned, else one by one: chunks of 64 positions or more start 64-aligned (HIP's
+            // fused plans run them on the row chunks of the rocBLAS output path).
             if plan.input_rows >= STAGED_ROW_STEP {
                 assert!(plan.input_chunks().all(|(r0, _)| r0 % STAGED_ROW_STEP == 0), "{what}");
             }
@@ -741,10 +744,18 @@ mod tests {
         let plan = Plan::widest_chunked(&p, fused, 79 * gb - 79 * gb / 50 - p.io_device_bytes()).unwrap().unwrap();
         assert_consistent(&p, &plan);
         assert_eq!((plan.hidden_chunk, plan.left_right_in_y()), (64, false));
-        // The same on a 64 GB MI250X GCD: x/y alone take 34.4 GB; fewer channels per pass.
-        let plan = Plan::widest_chunked(&p, rocm, 64 * gb - p.io_device_bytes() - gb).unwrap().unwrap();
-        assert_consistent(&p, &plan);
-        assert!(!plan.left_right_in_y() && plan.hidden_chunk < 128, "{plan:?}");
+        // The same on a 64 GB MI250X GCD: x/y alone take 34.4 GB; fewer channels per pass, with
+        // the stage kernels or the fused MFMA kernel, which needs no more (no z, proj or copies).
+        let fused_rocm = Capabilities { input: InputStage::Fused, blas: Blas::RocBlas };
+        for caps in [rocm, fused_rocm] {
+            let plan = Plan::widest_chunked(&p, caps, 64 * gb - p.io_device_bytes() - gb).unwrap().unwrap();
+            assert_consistent(&p, &plan);
+            assert!(!plan.left_right_in_y() && plan.hidden_chunk < 128, "{plan:?}");
+        }
+        for q in [long(8192, true), long(1000, true), long(1000, false)] {
+            let staged = Plan::narrowest(&q, rocm).unwrap().workspace_bytes();
+            assert!(Plan::narrowest(&q, fused_rocm).unwrap().workspace_bytes() <= staged, "{q:?}");
+        }
     }
 
     #[test]

@@ -2,7 +2,8 @@
 // hip/output_projection.h) compiles as ordinary C++ and runs with one fiber per GPU lane.
 //
 // What it models, and nothing more:
-// - a block of tm_bdim() lanes running one block at a time; tm_sync() is a block barrier;
+// - a block of tm_bdim() lanes, one block at a time on each host thread; tm_sync() is a block
+//   barrier;
 // - waves of 64 consecutive lanes; tm_shfl_xor() exchanges values within a wave, and with an
 //   offset below 32 within the lane's 32-lane half only, which then waits for that half alone
 //   (on hardware such a shuffle reads only lanes of its own half, so the other half may be
@@ -13,12 +14,13 @@
 //   and each lane takes back its 16 elements;
 // - LDS as one array per host thread, filled with NaN before each block so reads of unwritten LDS
 //   show.
-// Lanes are fibers (user-level contexts with stacks of their own) on the launching host thread: a
-// lane runs until it waits at a barrier, then the next lane runs. That costs a register switch,
-// not a kernel round trip as with a host thread per lane, so the fake ROCm runs whole forwards in
-// seconds. It does not model timing, memory ordering beyond the barriers, or lanes diverging at a
-// wave-wide operation: a kernel that did that deadlocks, which is detected (every lane waiting and
-// none able to go on) and ends the process with a message.
+// Lanes are fibers (user-level contexts with stacks of their own) on the host thread that runs the
+// block: a lane runs until it waits at a barrier, then the next lane runs. That costs a register
+// switch, not a kernel round trip as with a host thread per lane, so the fake ROCm runs whole
+// forwards in seconds. It does not model timing, memory ordering beyond the barriers, or lanes
+// diverging at a wave-wide operation. Divergence that leaves every lane waiting at a barrier no
+// other lane will reach is detected and ends the process with a message; lanes that meet at the
+// same wave barrier from different operations (a shuffle and an MFMA) are not detected.
 #pragma once
 
 #include <sys/mman.h>
@@ -411,6 +413,7 @@ void launch(unsigned grid, unsigned threads, F kernel, G after_block) {
     scheduler = nullptr;
     block = nullptr;
   };
+  if (grid == 0) return;
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const unsigned helpers = std::min(grid, cores) - 1;
   std::vector<std::thread> pool;

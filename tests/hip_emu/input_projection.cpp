@@ -69,7 +69,12 @@ int main(int argc, char** argv) {
   for (auto& v : w) v = tm_f2h((float)(normal(rng) / std::sqrt((double)C)));
   // Sentinels: a NaN pattern no f16 result of the kernel has.
   const tm_half sentinel = 0x7e5a;
-  std::vector<tm_half> left((size_t)(M * LH), sentinel), right((size_t)(M * LH), sentinel);
+  // left/right with a guard band of one channel plane on each side: a write past the window
+  // lands on sentinels there, not outside the vectors.
+  const size_t guard = (size_t)nn * batch;
+  std::vector<tm_half> left_all((size_t)(M * LH) + 2 * guard, sentinel), right_all(left_all);
+  tm_half* left = left_all.data() + guard;
+  tm_half* right = right_all.data() + guard;
   // The gate holds the positions from buf_row0 (the launch's first row here, as a row chunk's).
   const long long buf_row0 = row0;
   std::vector<tm_half> gate((size_t)(rows * G), sentinel);
@@ -83,8 +88,8 @@ int main(int argc, char** argv) {
   p.norm_in_b = nb.data();
   p.w_in = w.data();
   p.proj_bias = with_bias ? bias.data() : nullptr;
-  p.left = left.data();
-  p.right = right.data();
+  p.left = left;
+  p.right = right;
   p.gate = gate.data();
   p.buf_row0 = buf_row0;
   p.row0 = row0;
@@ -181,6 +186,13 @@ int main(int argc, char** argv) {
       const double s = sig(pr[4 * H + g]);
       check("gate", row, g, gate[(size_t)((row - buf_row0) * G + g)], s, s * (1 - s) * mag[4 * H + g]);
     }
+  }
+  for (size_t i = 0; i < guard; ++i) {
+    const size_t hi = left_all.size() - 1 - i;
+    if ((left_all[i] != sentinel || right_all[i] != sentinel || left_all[hi] != sentinel ||
+         right_all[hi] != sentinel) &&
+        bad++ < 5)
+      std::printf("a write landed outside left/right's window of channels\n");
   }
   if (bad) {
     std::printf("FAIL: %lld of %lld elements wrong\n", bad, checked);

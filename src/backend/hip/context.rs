@@ -115,7 +115,7 @@ pub struct HipPrepared {
     pub(super) biases: [bool; 6],
     pub(super) output: HipKernelOutput,
     pub(super) mfma: Option<Arc<Kernel>>,
-    /// The fused input kernel, when the layer's one-pass forwards use it.
+    /// The fused input kernel, when the layer's forwards use it (one-pass and chunked plans).
     pub(super) input: Option<Arc<Kernel>>,
 }
 

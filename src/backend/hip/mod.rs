@@ -147,7 +147,8 @@ impl HipPrepared {
 pub struct HipWorkspace {
     problem: Problem,
     layout: Layout,
-    /// The prepared weights a chunked workspace holds copies of (`None` for one pass).
+    /// The prepared weights a chunked workspace holds copies of (`None` for one pass and for the
+    /// fused input kernel's chunked plans, which read the prepared weights).
     weights_of: Option<u64>,
     /// For a workspace in caller memory ([`HipBackend::plan_caller_workspace`]), the address its
     /// buffers are laid out from now (0 until the first bind) and the bytes they span.
@@ -482,7 +483,7 @@ impl HipBackend {
     /// biases) copied from the prepared weights into one `[lp; lg; rp; rg]` block per pass, so a
     /// pass's projection is one GEMM and `input_gating` sees the layout it expects with H = hc.
     fn chunked_buffers(&self, prepared: &HipPrepared, plan: Plan) -> Result<Chunked> {
-        if plan.pass_weights_bytes == 0 {
+        if plan.caps.input == InputStage::Fused {
             // The fused kernel's plan: it reads the prepared weights.
             return Ok(Chunked {
                 t: self.alloc_mem(plan.t_bytes)?,
@@ -837,9 +838,15 @@ impl HipBackend {
                 unsafe { buf.memset(stream, POISON_BYTE)? };
             }
         }
-        let Some(pass_w) = ws.pass_w.as_ref() else {
+        let pass_w = match (ws.plan.caps.input, ws.pass_w.as_ref()) {
             // SAFETY: forwarded from this function's contract.
-            return unsafe { self.enqueue_fused_chunked(blas, prep, ws, problem, base, stream) };
+            (InputStage::Fused, _) => {
+                return unsafe { self.enqueue_fused_chunked(blas, prep, ws, problem, base, stream) }
+            }
+            (InputStage::Staged, Some(pass_w)) => pass_w,
+            (InputStage::Staged, None) => {
+                return Err(Error::Internal("a chunked plan of the stage kernels without its weight copies".into()))
+            }
         };
         let bufs = StagedBuffers {
             scratch: ws.scratch.addr(),
