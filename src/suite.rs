@@ -147,6 +147,16 @@ pub fn quick_test_cases() -> Vec<Case> {
     ]
 }
 
+/// The `long` suite's sequence lengths: where users of AF3-style models run out of memory on one
+/// GPU (each shape [`long_case`]).
+pub const LONG_SUITE_N: [usize; 5] = [2048, 3072, 4096, 6144, 8192];
+
+/// A shape of the `long` suite's form at sequence length `n`: B = 1, C = H = 128, no mask,
+/// normal inputs.
+pub fn long_case(n: usize) -> Case {
+    Case::new(n, 1, 128, false, Normal)
+}
+
 /// The benchmark shapes a CPU can time in reasonable wall time: the three cheapest of
 /// [`bench_cases`] (≤ 86 GFLOP each), in SPEC.md order, so their timings stay comparable with
 /// full benchmark runs.

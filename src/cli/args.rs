@@ -48,7 +48,8 @@ pub struct TuneArgs {
     /// against the portable stages), and keep the verdicts that layers follow.
     #[arg(long, value_enum)]
     pub backend: Option<BackendArg>,
-    /// `gpumode`: the 7 GPU MODE shapes; `quick`: the 3 cheapest.
+    /// `gpumode`: the 7 GPU MODE shapes; `quick`: the 3 cheapest; `long`: B = 1, C = H = 128
+    /// at N = 2048 … 8192, or at the sizes `--n` names.
     #[arg(long, value_enum, default_value_t = BenchSuite::Gpumode)]
     pub suite: BenchSuite,
     #[arg(long, value_enum, default_value_t = FormulationArg::Gpumode)]
@@ -75,7 +76,8 @@ pub struct TuneArgs {
     /// Seed of the inputs and weights (default: from the clock).
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Only the shapes with these sequence lengths (comma-separated).
+    /// Only the shapes with these sequence lengths (comma-separated); with `--suite long`, the
+    /// long suite's form at exactly these sizes.
     #[arg(long, value_name = "N,...", value_delimiter = ',')]
     pub n: Vec<usize>,
 }

@@ -32,7 +32,7 @@ use trimul::report::{
     fmt_bytes, fmt_err, BenchRun, Ceilings, MachineInfo, RunTelemetry, ShapeResult, ShapeTelemetry, TimingMethod,
     ToolInfo, SCHEMA_VERSION,
 };
-use trimul::suite::{self, Case, Dist};
+use trimul::suite::{self, Case};
 use trimul::{
     reference, Backend, BackendKind, Device, Direction, Error, Formulation, Layer, Options, Precision, Weights,
 };
@@ -88,7 +88,7 @@ struct Measured {
 
 /// `long`: B = 1, C = H = 128, the sizes where users of AF3-style models run out of memory.
 fn long_cases() -> Vec<Case> {
-    [2048, 3072, 4096, 6144, 8192].into_iter().map(|n| Case::new(n, 1, 128, false, Dist::Normal)).collect()
+    trimul::suite::LONG_SUITE_N.into_iter().map(trimul::suite::long_case).collect()
 }
 
 pub fn run(args: &BenchArgs) -> CliResult {

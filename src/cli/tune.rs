@@ -31,8 +31,14 @@ fn cases(args: &TuneArgs) -> CliResult<Vec<trimul::suite::Case>> {
     let cases = match args.suite {
         BenchSuite::Gpumode => suite::bench_cases(),
         BenchSuite::Quick => suite::quick_bench_cases(),
+        // Any N of the long suite's form: `--n` names the sizes (1536 and 2560 are not in the
+        // bench suite but are where users fold), else the suite's own.
+        BenchSuite::Long if args.n.is_empty() => suite::LONG_SUITE_N.into_iter().map(suite::long_case).collect(),
         BenchSuite::Long => {
-            return Err(CliError::usage("--suite long: tune the shapes a table is for (gpumode or quick)"));
+            if let Some(n) = args.n.iter().find(|&&n| n == 0) {
+                return Err(CliError::usage(format!("--n {n}: a sequence length is at least 1")));
+            }
+            return Ok(args.n.iter().map(|&n| suite::long_case(n)).collect());
         }
     };
     let cases: Vec<_> = cases.into_iter().filter(|c| args.n.is_empty() || args.n.contains(&c.n)).collect();
@@ -248,4 +254,32 @@ fn run_cuda(args: &TuneArgs) -> CliResult {
         None => emit(&table.to_json())?,
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[cfg(all(test, any(feature = "cuda", feature = "rocm")))]
+mod tests {
+    use super::super::args::{Cli, Command};
+    use super::*;
+    use clap::Parser;
+
+    fn tune_args(argv: &[&str]) -> TuneArgs {
+        match Cli::try_parse_from(argv).expect("arguments parse").command {
+            Command::Tune(a) => a,
+            other => panic!("not tune: {other:?}"),
+        }
+    }
+
+    /// `--suite long` tunes the suite's sizes, or exactly the sizes `--n` names (sizes outside
+    /// the bench suite included); a zero size is a usage error.
+    #[test]
+    fn long_suite_takes_the_sizes_named() {
+        let ns = |argv: &[&str]| cases(&tune_args(argv)).map(|c| c.iter().map(|c| c.n).collect::<Vec<_>>());
+        assert_eq!(ns(&["trimul", "tune", "--suite", "long"]).unwrap(), trimul::suite::LONG_SUITE_N);
+        assert_eq!(ns(&["trimul", "tune", "--suite", "long", "--n", "1536,2560"]).unwrap(), [1536, 2560]);
+        let all = cases(&tune_args(&["trimul", "tune", "--suite", "long", "--n", "2048"])).unwrap();
+        assert!(all.iter().all(|c| c.batch == 1 && c.c == 128 && c.h == 128 && !c.masked));
+        assert!(ns(&["trimul", "tune", "--suite", "long", "--n", "0"]).is_err());
+        // The other suites still filter by --n.
+        assert!(ns(&["trimul", "tune", "--n", "1536"]).is_err());
+    }
 }
