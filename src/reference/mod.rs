@@ -633,21 +633,51 @@ pub fn check(
     atol: f64,
 ) -> Result<Comparison> {
     problem.check_lengths(x.len(), mask.map(<[f32]>::len), y.len())?;
-    if problem.shape.rows() <= FULL_CHECK_ROWS {
-        let want = forward(weights, problem, x, mask)?;
-        return Ok(compare(y, &want, rtol, atol));
+    Expected::new(weights, problem, x, mask)?.compare(y, rtol, atol)
+}
+
+/// What [`check`] compares a result with, computed once: the f64 reference at every position, or
+/// at [`sample_positions`] above [`FULL_CHECK_ROWS`]. For comparing several results of the same
+/// inputs (`trimul tune`'s candidates) at the cost of one reference.
+pub struct Expected {
+    /// The sampled positions, or `None` for every position.
+    positions: Option<Vec<Position>>,
+    values: Vec<f64>,
+    c: usize,
+    n: usize,
+    len: usize,
+}
+
+impl Expected {
+    /// The reference of `problem` on `x` and `mask`, at the positions [`check`] would use.
+    pub fn new(weights: &Weights, problem: &Problem, x: &[f32], mask: Option<&[f32]>) -> Result<Expected> {
+        let (c, n) = (problem.config.c, problem.shape.n);
+        let len = x.len();
+        if problem.shape.rows() <= FULL_CHECK_ROWS {
+            let values = forward(weights, problem, x, mask)?;
+            return Ok(Expected { positions: None, values, c, n, len });
+        }
+        let positions = sample_positions(problem.shape, sample_seed(problem, x));
+        let values = forward_at(weights, problem, x, mask, &positions)?;
+        Ok(Expected { positions: Some(positions), values, c, n, len })
     }
-    let positions = sample_positions(problem.shape, sample_seed(problem, x));
-    let want = forward_at(weights, problem, x, mask, &positions)?;
-    let c = problem.config.c;
-    let n = problem.shape.n;
-    let got: Vec<f32> = positions.iter().flat_map(|p| y[p.row(n) * c..(p.row(n) + 1) * c].iter().copied()).collect();
-    let mut cmp = compare(&got, &want, rtol, atol);
-    // Report the worst entry by its index in y, not in the gathered sample.
-    if let Some((k, got, want)) = cmp.worst {
-        cmp.worst = Some((positions[k / c].row(n) * c + k % c, got, want));
+
+    /// `y` (the whole output, as long as x) against the reference.
+    pub fn compare(&self, y: &[f32], rtol: f64, atol: f64) -> Result<Comparison> {
+        if y.len() != self.len {
+            return Err(Error::Shape(format!("y has {} elements; the reference was made for {}", y.len(), self.len)));
+        }
+        let Some(positions) = &self.positions else { return Ok(compare(y, &self.values, rtol, atol)) };
+        let (c, n) = (self.c, self.n);
+        let got: Vec<f32> =
+            positions.iter().flat_map(|p| y[p.row(n) * c..(p.row(n) + 1) * c].iter().copied()).collect();
+        let mut cmp = compare(&got, &self.values, rtol, atol);
+        // Report the worst entry by its index in y, not in the gathered sample.
+        if let Some((k, got, want)) = cmp.worst {
+            cmp.worst = Some((positions[k / c].row(n) * c + k % c, got, want));
+        }
+        Ok(cmp)
     }
-    Ok(cmp)
 }
 
 #[cfg(test)]
@@ -1048,6 +1078,31 @@ mod tests {
             let cmp = check(&w, &p, &x, Some(&m), &y, 2e-2, 2e-2).unwrap();
             eprintln!("{f}: forward_at on {} positions took {secs:.2} s; {cmp}", positions.len());
             assert!(cmp.passed() && cmp.checked == positions.len() * 768, "{cmp}");
+        }
+    }
+
+    /// [`Expected`] made once gives what [`check`] gives, in full and sampled (with the worst
+    /// entry indexed in y), for several results of the same inputs; a y of another length is an
+    /// error.
+    #[test]
+    fn expected_compares_as_check_does() {
+        for (n, sampled) in [(9, false), (130, true)] {
+            let p = problem(Formulation::Af3, 8, 8, 1, n, Direction::Incoming, true);
+            assert_eq!(p.shape.rows() > FULL_CHECK_ROWS, sampled);
+            let w = Weights::random(p.config, true, 3).unwrap();
+            let case = crate::suite::Case { batch: 1, n, c: 8, h: 8, masked: true, dist: crate::suite::Dist::Normal };
+            let inputs = crate::suite::generate_inputs(&case, 4);
+            let mask = inputs.mask.as_deref();
+            let exact: Vec<f32> = forward(&w, &p, &inputs.x, mask).unwrap().iter().map(|&v| v as f32).collect();
+            let mut off = exact.clone();
+            off[7] += 1.0;
+            let expected = Expected::new(&w, &p, &inputs.x, mask).unwrap();
+            for y in [&exact, &off] {
+                let (a, b) =
+                    (expected.compare(y, 1e-3, 1e-3).unwrap(), check(&w, &p, &inputs.x, mask, y, 1e-3, 1e-3).unwrap());
+                assert_eq!((a.passed(), a.bad, a.checked, a.worst), (b.passed(), b.bad, b.checked, b.worst), "n {n}");
+            }
+            assert!(expected.compare(&exact[1..], 1e-3, 1e-3).is_err());
         }
     }
 }
