@@ -760,20 +760,37 @@ static int gemm(int ta, int tb, int m, int n, int k, const void* alpha, const vo
   const float al = *(const float*)alpha, be = *(const float*)beta;
   if (be != 0.f) need(c, span(m, n, ldc, sc) * ec, "rocBLAS C");
   if (status()) return 3;
+  // Per batch: op(A) widened to f32 column-major [m, k] once, then the columns of D dealt to every
+  // core, each column summed over p in order with the rows innermost (contiguous, so the loop
+  // vectorises): the fake's GEMMs were most of a staged forward's time on the CPU.
+  std::vector<float> A((size_t)m * k);
+  const unsigned workers = std::max(1u, std::min((unsigned)std::max(n, 1), std::thread::hardware_concurrency()));
   for (int bt_i = 0; bt_i < batch; ++bt_i) {
-    for (int j = 0; j < n; ++j)
-      for (int i = 0; i < m; ++i) {
-        float acc = 0.f;
+    for (int p = 0; p < k; ++p)
+      for (int i = 0; i < m; ++i)
+        A[(size_t)p * m + i] = load(a, at, bt_i * sa + (ta == 111 ? i + (size_t)p * lda : p + (size_t)i * lda));
+    auto columns = [&](int j0, int j1) {
+      std::vector<float> acc((size_t)m);
+      for (int j = j0; j < j1; ++j) {
+        std::fill(acc.begin(), acc.end(), 0.f);
         for (int p = 0; p < k; ++p) {
-          const size_t ia = bt_i * sa + (ta == 111 ? i + (size_t)p * lda : p + (size_t)i * lda);
-          const size_t ib = bt_i * sb + (tb == 111 ? p + (size_t)j * ldb : j + (size_t)p * ldb);
-          acc += load(a, at, ia) * load(b, bt, ib);
+          const float bv = load(b, bt, bt_i * sb + (tb == 111 ? p + (size_t)j * ldb : j + (size_t)p * ldb));
+          const float* ap = A.data() + (size_t)p * m;
+          for (int i = 0; i < m; ++i) acc[i] += ap[i] * bv;
         }
-        // beta = 0: C is not read (BLAS convention), so NaN there must not leak into D.
-        float v = al * acc;
-        if (be != 0.f) v += be * load(c, ct, bt_i * sc + i + (size_t)j * ldc);
-        store(d, dt, bt_i * sd + i + (size_t)j * ldd, v);
+        for (int i = 0; i < m; ++i) {
+          // beta = 0: C is not read (BLAS convention), so NaN there must not leak into D.
+          float v = al * acc[i];
+          if (be != 0.f) v += be * load(c, ct, bt_i * sc + i + (size_t)j * ldc);
+          store(d, dt, bt_i * sd + i + (size_t)j * ldd, v);
+        }
       }
+    };
+    std::vector<std::thread> pool;
+    const int per = (n + (int)workers - 1) / (int)workers;
+    for (unsigned w = 1; w < workers; ++w) pool.emplace_back(columns, std::min(n, (int)w * per), std::min(n, (int)(w + 1) * per));
+    columns(0, std::min(n, per));
+    for (auto& t : pool) t.join();
   }
   check_guards("a rocBLAS GEMM");
   return status() ? 6 : 0;
