@@ -38,7 +38,13 @@ fn cases(args: &TuneArgs) -> CliResult<Vec<trimul::suite::Case>> {
             if let Some(n) = args.n.iter().find(|&&n| n == 0) {
                 return Err(CliError::usage(format!("--n {n}: a sequence length is at least 1")));
             }
-            return Ok(args.n.iter().map(|&n| suite::long_case(n)).collect());
+            let mut ns: Vec<usize> = Vec::new();
+            for &n in &args.n {
+                if !ns.contains(&n) {
+                    ns.push(n);
+                }
+            }
+            return Ok(ns.into_iter().map(suite::long_case).collect());
         }
     };
     let cases: Vec<_> = cases.into_iter().filter(|c| args.n.is_empty() || args.n.contains(&c.n)).collect();
@@ -160,6 +166,18 @@ fn run_cuda(args: &TuneArgs) -> CliResult {
             }
         }
     }
+    // x and y in f32 on the device (and x on the host): refuse a size this GPU cannot hold before
+    // the host allocates it.
+    if let Some(mem) = backend.memory_info()? {
+        if let Some(case) = cases.iter().find(|c| 2 * (c.batch * c.n * c.n * c.c * 4) as u64 > mem.total) {
+            return Err(CliError::usage(format!(
+                "--n {}: x and y alone take {} of this GPU's {}",
+                case.n,
+                trimul::units::fmt_bytes(2 * (case.batch * case.n * case.n * case.c * 4) as u64),
+                trimul::units::fmt_bytes(mem.total)
+            )));
+        }
+    }
     let mut seeds = SeedStream::new(seed);
     for case in &cases {
         let problem = case.problem(formulation, direction)?;
@@ -277,7 +295,7 @@ mod tests {
     fn long_suite_takes_the_sizes_named() {
         let ns = |argv: &[&str]| cases(&tune_args(argv)).map(|c| c.iter().map(|c| c.n).collect::<Vec<_>>());
         assert_eq!(ns(&["trimul", "tune", "--suite", "long"]).unwrap(), trimul::suite::LONG_SUITE_N);
-        assert_eq!(ns(&["trimul", "tune", "--suite", "long", "--n", "1536,2560"]).unwrap(), [1536, 2560]);
+        assert_eq!(ns(&["trimul", "tune", "--suite", "long", "--n", "1536,2560,1536"]).unwrap(), [1536, 2560]);
         let all = cases(&tune_args(&["trimul", "tune", "--suite", "long", "--n", "2048"])).unwrap();
         assert!(all.iter().all(|c| c.batch == 1 && c.c == 128 && c.h == 128 && !c.masked));
         assert!(ns(&["trimul", "tune", "--suite", "long", "--n", "0"]).is_err());

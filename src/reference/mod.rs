@@ -1081,11 +1081,11 @@ mod tests {
         }
     }
 
-    /// [`Expected`] made once gives what [`check`] gives, in full and sampled (with the worst
-    /// entry indexed in y), for several results of the same inputs; a y of another length is an
-    /// error.
+    /// [`Expected`] made once judges several results of the same inputs, in full and sampled:
+    /// the exact result passes, one wrong element is found and indexed in y, every time; a y of
+    /// another length is an error.
     #[test]
-    fn expected_compares_as_check_does() {
+    fn expected_judges_many_results_of_one_input() {
         for (n, sampled) in [(9, false), (130, true)] {
             let p = problem(Formulation::Af3, 8, 8, 1, n, Direction::Incoming, true);
             assert_eq!(p.shape.rows() > FULL_CHECK_ROWS, sampled);
@@ -1097,10 +1097,14 @@ mod tests {
             let mut off = exact.clone();
             off[7] += 1.0;
             let expected = Expected::new(&w, &p, &inputs.x, mask).unwrap();
-            for y in [&exact, &off] {
-                let (a, b) =
-                    (expected.compare(y, 1e-3, 1e-3).unwrap(), check(&w, &p, &inputs.x, mask, y, 1e-3, 1e-3).unwrap());
-                assert_eq!((a.passed(), a.bad, a.checked, a.worst), (b.passed(), b.bad, b.checked, b.worst), "n {n}");
+            // Every position, or the sample (position (0, 0), which holds element 7, is in it).
+            let positions = if sampled { sample_positions(p.shape, sample_seed(&p, &inputs.x)).len() } else { n * n };
+            for _ in 0..2 {
+                let ok = expected.compare(&exact, 1e-3, 1e-3).unwrap();
+                assert!(ok.passed() && ok.bad == 0 && ok.checked == positions * 8, "n {n}: {ok}");
+                let bad = expected.compare(&off, 1e-3, 1e-3).unwrap();
+                assert!(!bad.passed() && bad.bad == 1 && bad.checked == positions * 8, "n {n}: {bad}");
+                assert_eq!(bad.worst.map(|w| w.0), Some(7), "n {n}: the worst entry indexed in y");
             }
             assert!(expected.compare(&exact[1..], 1e-3, 1e-3).is_err());
         }

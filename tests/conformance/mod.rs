@@ -39,18 +39,20 @@ pub struct Profile {
     /// Largest N of the GPU MODE cases to run: the f64 reference and the input generation cost
     /// CPU time whatever the backend (N = 1024, C = 768 is 3.2 GB of input per case).
     pub max_suite_n: usize,
+    /// Whether the backend keeps left, right and t in 16 bits (the GPUs) rather than f32.
+    pub half_intermediates: bool,
 }
 
 impl Profile {
     /// GPU MODE's `rtol = atol = 2e-2`, the given relative-L2 bound, suite cases with N ≤ 256.
     pub const fn gpu_mode(max_rel_l2: f64) -> Profile {
-        Profile { rtol: 2e-2, atol: 2e-2, max_rel_l2, equivalent: 1e-6, max_suite_n: 256 }
+        Profile { rtol: 2e-2, atol: 2e-2, max_rel_l2, equivalent: 1e-6, max_suite_n: 256, half_intermediates: true }
     }
 
     /// The CPU backend computes in f32 with f64 LayerNorm statistics: measured relative L2 errors
     /// are 1.3e-7 to 3.9e-7 on every case up to N = 256, C = 768. 1e-5 leaves a 25× margin (and
     /// room for longer sums) while failing an f16 intermediate (~5e-4) or a wrong constant.
-    pub const CPU_F32: Profile = Profile::gpu_mode(1e-5);
+    pub const CPU_F32: Profile = Profile { half_intermediates: false, ..Profile::gpu_mode(1e-5) };
 }
 
 /// The device, or `None` after saying on stderr (past the test harness's capture, so it shows
@@ -285,21 +287,20 @@ pub fn odd_n(device: &Device, p: &Profile) {
 
 /// C and H that no vector width divides; the API accepts any width from 1 to 4096.
 pub fn odd_channel_widths(device: &Device, p: &Profile) {
+    // C = H = 1 makes both LayerNorms constant (y ignores x); C = H = 2 is the narrowest layer
+    // whose output depends on the contraction. But LN_H over two channels divides t0 − t1 by
+    // about |t0 − t1|: where the two nearly cancel, 16-bit left, right and t (the GPUs) are
+    // amplified up to 1/√eps ≈ 300 at an element, and with random inputs some positions do (the
+    // fake ROCm gave 11 of 162 elements outside the tolerance, TRIMUL_TEST_SEED=
+    // 8350585567461198324). Such a backend takes H = 3 there, the narrowest width whose LN_H
+    // needs three nearly equal channels to go wrong; the f32 CPU takes H = 2.
+    let narrow = if p.half_intermediates { 3 } else { 2 };
     let cases = [
         Case { h: 19, ..Case::new(20, 2, 37, true, Dist::Normal) },
         Case { h: 1, ..Case::new(9, 1, 1, false, Dist::Normal) },
-        // C = H = 1 makes both LayerNorms constant (y ignores x); C = H = 2 is the narrowest
-        // layer whose output depends on the contraction.
-        Case { h: 2, ..Case::new(9, 1, 2, true, Dist::Normal) },
+        Case { h: narrow, ..Case::new(9, 1, narrow, true, Dist::Normal) },
     ];
-    check_all_combinations(device, p, "odd_channel_widths", &cases[..2]);
-    // LN_H over two channels divides t0 − t1 by about |t0 − t1|: where the two nearly cancel, an
-    // element multiplies t's 16-bit rounding by up to 1/√eps ≈ 300, and among 162 elements that
-    // one moves the relative L2 (the fake ROCm's staged path gave 7.8e-3 with every element
-    // within atol + rtol·|ref|, gpumode incoming, TRIMUL_TEST_SEED=8350556045206363404). This
-    // case keeps the per-element check and gets 4× the L2 bound.
-    let conditioned = Profile { max_rel_l2: 4.0 * p.max_rel_l2, ..*p };
-    check_all_combinations(device, &conditioned, "odd_channel_widths, H = 2", &cases[2..]);
+    check_all_combinations(device, p, "odd_channel_widths", &cases);
 }
 
 pub fn batch_of_three(device: &Device, p: &Profile) {

@@ -33,6 +33,9 @@
 #include "hip/input_projection.h"
 
 #include <algorithm>
+#include <system_error>
+#include <thread>
+#include <vector>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -760,38 +763,52 @@ static int gemm(int ta, int tb, int m, int n, int k, const void* alpha, const vo
   const float al = *(const float*)alpha, be = *(const float*)beta;
   if (be != 0.f) need(c, span(m, n, ldc, sc) * ec, "rocBLAS C");
   if (status()) return 3;
-  // Per batch: op(A) widened to f32 column-major [m, k] once, then the columns of D dealt to every
-  // core, each column summed over p in order with the rows innermost (contiguous, so the loop
-  // vectorises): the fake's GEMMs were most of a staged forward's time on the CPU.
-  std::vector<float> A((size_t)m * k);
-  const unsigned workers = std::max(1u, std::min((unsigned)std::max(n, 1), std::thread::hardware_concurrency()));
-  for (int bt_i = 0; bt_i < batch; ++bt_i) {
-    for (int p = 0; p < k; ++p)
-      for (int i = 0; i < m; ++i)
-        A[(size_t)p * m + i] = load(a, at, bt_i * sa + (ta == 111 ? i + (size_t)p * lda : p + (size_t)i * lda));
-    auto columns = [&](int j0, int j1) {
-      std::vector<float> acc((size_t)m);
-      for (int j = j0; j < j1; ++j) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int p = 0; p < k; ++p) {
-          const float bv = load(b, bt, bt_i * sb + (tb == 111 ? p + (size_t)j * ldb : j + (size_t)p * ldb));
-          const float* ap = A.data() + (size_t)p * m;
-          for (int i = 0; i < m; ++i) acc[i] += ap[i] * bv;
-        }
-        for (int i = 0; i < m; ++i) {
-          // beta = 0: C is not read (BLAS convention), so NaN there must not leak into D.
-          float v = al * acc[i];
-          if (be != 0.f) v += be * load(c, ct, bt_i * sc + i + (size_t)j * ldc);
-          store(d, dt, bt_i * sd + i + (size_t)j * ldd, v);
-        }
+  // The columns of D over all batches, in contiguous ranges dealt to up to one thread per core
+  // (fewer for small GEMMs); a thread widens op(A) of each batch it reaches to f32 column-major
+  // [m, k] once, then sums each column over p in order with the rows innermost (contiguous, so
+  // the loop vectorises): the fake's GEMMs were most of a staged forward's time on the CPU. C and
+  // D may be the same matrix (the bias update): each element is read and written by one thread.
+  const size_t cols = (size_t)batch * (size_t)n;
+  const double work = (double)cols * m * std::max(k, 1);
+  const unsigned cap = std::max(1u, std::thread::hardware_concurrency());
+  const size_t workers = std::max<size_t>(1, std::min<size_t>({cap, cols, (size_t)(work / (1 << 22)) + 1}));
+  auto columns = [&](size_t c0, size_t c1) {
+    std::vector<float> A((size_t)m * k), acc((size_t)m);
+    long long widened = -1;
+    for (size_t col = c0; col < c1; ++col) {
+      const int bt_i = (int)(col / (size_t)n), j = (int)(col % (size_t)n);
+      if (bt_i != widened) {
+        for (int p = 0; p < k; ++p)
+          for (int i = 0; i < m; ++i)
+            A[(size_t)p * m + i] = load(a, at, bt_i * sa + (ta == 111 ? i + (size_t)p * lda : p + (size_t)i * lda));
+        widened = bt_i;
       }
-    };
-    std::vector<std::thread> pool;
-    const int per = (n + (int)workers - 1) / (int)workers;
-    for (unsigned w = 1; w < workers; ++w) pool.emplace_back(columns, std::min(n, (int)w * per), std::min(n, (int)(w + 1) * per));
-    columns(0, std::min(n, per));
-    for (auto& t : pool) t.join();
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int p = 0; p < k; ++p) {
+        const float bv = load(b, bt, bt_i * sb + (tb == 111 ? p + (size_t)j * ldb : j + (size_t)p * ldb));
+        const float* ap = A.data() + (size_t)p * m;
+        for (int i = 0; i < m; ++i) acc[i] += ap[i] * bv;
+      }
+      for (int i = 0; i < m; ++i) {
+        // beta = 0: C is not read (BLAS convention), so NaN there must not leak into D.
+        float v = al * acc[i];
+        if (be != 0.f) v += be * load(c, ct, bt_i * sc + i + (size_t)j * ldc);
+        store(d, dt, bt_i * sd + i + (size_t)j * ldd, v);
+      }
+    }
+  };
+  const size_t per = (cols + workers - 1) / workers;
+  std::vector<std::thread> pool;
+  pool.reserve(workers);
+  size_t next = per;  // the calling thread takes [0, per)
+  try {
+    for (; next < cols; next += per) pool.emplace_back(columns, next, std::min(cols, next + per));
+  } catch (const std::system_error&) {
+    // No more threads: the calling thread does the rest too.
   }
+  columns(0, std::min(cols, per));
+  if (next < cols) columns(next, cols);
+  for (auto& t : pool) t.join();
   check_guards("a rocBLAS GEMM");
   return status() ? 6 : 0;
 }
