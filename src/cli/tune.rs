@@ -168,12 +168,13 @@ fn run_cuda(args: &TuneArgs) -> CliResult {
     }
     // x and y in f32 on the device (and x on the host): refuse a size this GPU cannot hold before
     // the host allocates it.
+    let io_bytes = |c: &Case| [c.batch, c.n, c.n, c.c, 4 * 2].iter().fold(1u64, |acc, &v| acc.saturating_mul(v as u64));
     if let Some(mem) = backend.memory_info()? {
-        if let Some(case) = cases.iter().find(|c| 2 * (c.batch * c.n * c.n * c.c * 4) as u64 > mem.total) {
+        if let Some(case) = cases.iter().find(|c| io_bytes(c) > mem.total) {
             return Err(CliError::usage(format!(
                 "--n {}: x and y alone take {} of this GPU's {}",
                 case.n,
-                trimul::units::fmt_bytes(2 * (case.batch * case.n * case.n * case.c * 4) as u64),
+                trimul::units::fmt_bytes(io_bytes(case)),
                 trimul::units::fmt_bytes(mem.total)
             )));
         }
