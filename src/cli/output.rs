@@ -56,11 +56,18 @@ impl Progress {
 
     /// A spinner for work of unknown length.
     pub fn spinner() -> Progress {
-        let bar = ProgressBar::with_draw_target(None, draw_target());
+        let target = draw_target();
+        let visible = !target.is_hidden();
+        let bar = ProgressBar::with_draw_target(None, target);
         if let Ok(style) = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_msg}") {
             bar.set_style(style);
         }
-        bar.enable_steady_tick(Duration::from_millis(200));
+        // The tick is a thread of its own: none where nothing is drawn, so that a run piped or in
+        // CI starts no thread that could first run when the host is out of memory (a thread
+        // that cannot set up its signal stack then panics and deadlocks printing why).
+        if visible {
+            bar.enable_steady_tick(Duration::from_millis(200));
+        }
         Progress { bar }
     }
 

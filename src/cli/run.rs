@@ -14,6 +14,10 @@ use super::output::{device_summary, Progress};
 pub fn run(args: &RunArgs) -> CliResult {
     // Before reading and computing: a forward can take minutes.
     check_output_path("--output", &args.output)?;
+    // The worker threads start now, while memory is plentiful: a thread that first starts when
+    // the host is out of memory dies in glibc (registering its thread-local destructors) before
+    // the forward's own allocations can report the shortage as an error.
+    rayon::broadcast(|_| ());
     let progress = Progress::spinner();
     progress.set_message(format!("reading weights {}", args.weights.display()));
     let weights = match &args.prefix {
