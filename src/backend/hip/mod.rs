@@ -479,20 +479,24 @@ impl HipBackend {
         })
     }
 
-    /// The buffers of a chunked plan, with every pass's rows of the gated projections (and their
-    /// biases) copied from the prepared weights into one `[lp; lg; rp; rg]` block per pass, so a
-    /// pass's projection is one GEMM and `input_gating` sees the layout it expects with H = hc.
+    /// The buffers of a chunked plan: the stage kernels' plans also get their per-pass weight
+    /// copies ([`HipBackend::pass_weights`]); the fused kernel's read the prepared weights.
     fn chunked_buffers(&self, prepared: &HipPrepared, plan: Plan) -> Result<Chunked> {
-        if plan.caps.input == InputStage::Fused {
-            // The fused kernel's plan: it reads the prepared weights.
-            return Ok(Chunked {
-                t: self.alloc_mem(plan.t_bytes)?,
-                scratch: self.alloc_mem(plan.scratch_bytes)?,
-                pass_w: None,
-                ones: self.ones(plan.ones_bytes, plan.output_rows)?,
-                plan,
-            });
-        }
+        let pass_w =
+            if plan.caps.input == InputStage::Staged { Some(self.pass_weights(prepared, &plan)?) } else { None };
+        Ok(Chunked {
+            t: self.alloc_mem(plan.t_bytes)?,
+            scratch: self.alloc_mem(plan.scratch_bytes)?,
+            pass_w,
+            ones: self.ones(plan.ones_bytes, plan.output_rows)?,
+            plan,
+        })
+    }
+
+    /// Every pass's rows of the gated projections (and their biases) copied from the prepared
+    /// weights into one `[lp; lg; rp; rg]` block per pass, so a pass's projection is one GEMM and
+    /// `input_gating` sees the layout it expects with H = hc.
+    fn pass_weights(&self, prepared: &HipPrepared, plan: &Plan) -> Result<DeviceMem> {
         let pass_w = self.alloc_mem(plan.pass_weights_bytes)?;
         let c = plan.c;
         let stream = self.stream();
@@ -518,13 +522,7 @@ impl HipBackend {
         }
         // Forwards may run on a caller's stream: the copies must be done before this returns.
         self.ctx.stream.synchronize()?;
-        Ok(Chunked {
-            t: self.alloc_mem(plan.t_bytes)?,
-            scratch: self.alloc_mem(plan.scratch_bytes)?,
-            pass_w: Some(pass_w),
-            ones: self.ones(plan.ones_bytes, plan.output_rows)?,
-            plan,
-        })
+        Ok(pass_w)
     }
 
     /// Blocks of a `prepare_weights` launch over `elements` elements: a grid stride of two
@@ -927,9 +925,10 @@ impl HipBackend {
         // channel of every position, w_in and its bias are the prepared `[4H + G, C]` block the
         // kernel reads (C and the LDS size checked by `kernels::input_rule`); x, mask and y per the
         // contract; `blas` is bound to `stream`.
+        let every_row = fused.over(0, m)?;
         for (h0, hn) in plan.passes() {
             let p = InputParams {
-                common: fused.over(0, m)?,
+                common: every_row,
                 proj_bias,
                 left,
                 right,
