@@ -21,6 +21,9 @@
 // The backward kernels' argument structs, geometry and buffer layout (CUDA's and HIP's backward).
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod backward_params;
+// The backward's steps, written once for CUDA and HIP.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) mod backward_steps;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod caller_workspace;
 pub mod cpu;

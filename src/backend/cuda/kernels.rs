@@ -14,6 +14,7 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use super::driver::{nvrtc_missing, nvrtc_present, DriverResult};
+use crate::backend::backward_steps::BackwardKernel;
 use crate::backend::params::StageParams;
 use crate::error::{Error, Result};
 use crate::kernels::{find, EmbeddedStage, CUDA_STAGES};
@@ -62,20 +63,16 @@ pub(crate) struct Kernels {
     pub origin: String,
 }
 
-/// The entry points of the `backward` stage, in the order a backward launches them.
-pub(crate) struct BackwardKernels {
-    pub input_norm: Stage,
-    pub gating: Stage,
-    /// Takes `TM_BWD_T_SMEM(H)` bytes of dynamic shared memory (limit raised to the opt-in
-    /// maximum), as `output_norm_grad` and `input_norm_grad` (their tiles and accumulators).
-    pub output_norm: Stage,
-    pub output_gate: Stage,
-    pub output_norm_grad: Stage,
-    pub gating_grad: Stage,
-    pub input_norm_grad: Stage,
-    pub column_partials: Stage,
-    pub column_finish: Stage,
-    pub widen: Stage,
+/// The entry points of the `backward` stage, one per [`BackwardKernel`] in its order. Those with
+/// a large tile ([`BackwardKernel::large_smem`]) have their shared-memory limit raised to the
+/// opt-in maximum.
+pub(crate) struct BackwardKernels(Vec<Stage>);
+
+impl BackwardKernels {
+    /// The entry point of one step's kernel.
+    pub(crate) fn stage(&self, kernel: BackwardKernel) -> &Stage {
+        &self.0[kernel as usize]
+    }
 }
 
 pub(crate) struct Stage {
@@ -185,19 +182,12 @@ impl Kernels {
             .ctx("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
             Ok(stage)
         };
-        let mut bwd = |entry: &str| get(&format!("backward:backward_{entry}"));
-        let backward = BackwardKernels {
-            input_norm: bwd("input_norm")?,
-            gating: bwd("gating")?,
-            output_norm: raise(bwd("output_norm")?)?,
-            output_gate: bwd("output_gate")?,
-            output_norm_grad: raise(bwd("output_norm_grad")?)?,
-            gating_grad: bwd("gating_grad")?,
-            input_norm_grad: raise(bwd("input_norm_grad")?)?,
-            column_partials: bwd("column_partials")?,
-            column_finish: bwd("column_finish")?,
-            widen: bwd("widen")?,
-        };
+        let mut backward = Vec::with_capacity(BackwardKernel::ALL.len());
+        for k in BackwardKernel::ALL {
+            let stage = get(&format!("backward:{}", k.entry()))?;
+            backward.push(if k.large_smem() { raise(stage)? } else { stage });
+        }
+        let backward = BackwardKernels(backward);
         let k = Kernels {
             backward,
             input_norm: get("input_norm")?,

@@ -12,6 +12,7 @@ use super::kernels::{self, HipFastPath, HipKernelOutput, KernelImage};
 use super::result::{self, AllocTracker, BlasHandle, DeviceMem, Kernel, Stream};
 use super::sys;
 use crate::backend::backward_params::BackwardSizes;
+use crate::backend::backward_steps::BackwardKernel;
 use crate::backend::params::STAGE_THREADS;
 use crate::backend::DeviceInfo;
 use crate::error::{Error, Result};
@@ -139,20 +140,14 @@ fn geometry(kernel: &Kernel, grid: usize, smem: usize) -> Result<(u32, u32)> {
 const STAGE: &str = "backward";
 
 /// The ten backward kernels, loaded for one device.
-pub(super) struct BackwardKernels {
-    pub(super) input_norm: Kernel,
-    pub(super) gating: Kernel,
-    pub(super) output_norm: Kernel,
-    pub(super) output_gate: Kernel,
-    pub(super) output_norm_grad: Kernel,
-    pub(super) gating_grad: Kernel,
-    pub(super) input_norm_grad: Kernel,
-    pub(super) column_partials: Kernel,
-    pub(super) column_finish: Kernel,
-    pub(super) widen: Kernel,
-}
+pub(super) struct BackwardKernels(Vec<Kernel>);
 
 impl BackwardKernels {
+    /// The entry point of one step's kernel.
+    pub(super) fn kernel(&self, kernel: BackwardKernel) -> &Kernel {
+        &self.0[kernel as usize]
+    }
+
     /// Loads the ten kernels from the `backward` stage's code object for `target_id`, or from
     /// its source compiled once with hipRTC (archs without a prebuilt object, or `force_rtc`).
     /// Unlike the forward's stages, a prebuilt object the runtime rejects is an error here, not
@@ -178,19 +173,8 @@ impl BackwardKernels {
                     result::rtc_compile(sys::hiprtc()?, source, STAGE, &options)?.into()
                 }
             };
-        let get = |name: &str| Kernel::load(api, &code, name);
-        Ok(BackwardKernels {
-            input_norm: get("backward_input_norm")?,
-            gating: get("backward_gating")?,
-            output_norm: get("backward_output_norm")?,
-            output_gate: get("backward_output_gate")?,
-            output_norm_grad: get("backward_output_norm_grad")?,
-            gating_grad: get("backward_gating_grad")?,
-            input_norm_grad: get("backward_input_norm_grad")?,
-            column_partials: get("backward_column_partials")?,
-            column_finish: get("backward_column_finish")?,
-            widen: get("backward_widen")?,
-        })
+        let kernels = BackwardKernel::ALL.iter().map(|k| Kernel::load(api, &code, k.entry()));
+        Ok(BackwardKernels(kernels.collect::<Result<_>>()?))
     }
 }
 

@@ -1,0 +1,591 @@
+//! The backward pass's steps, written once for the GPU backends that run it (CUDA around
+//! cuBLASLt, HIP around rocBLAS): every kernel launch and GEMM of one backward with its addresses
+//! resolved, over buffers laid out in one span ([`BackwardBuffers`]), checked on the host. A
+//! backend runs the list in order with its own launches and BLAS calls; `docs/backward.md`
+//! derives the math, `common/backward.h` has the kernels.
+//!
+//! # Steps (`M = B·N²` positions, `F = 4H + G`; gpumode's differences in brackets)
+//! ```text
+//!  1 input_norm        z = LN_C(x), (μ, ρ)_x                    [M, C]
+//!  2 GEMM              P = z·Wcatᵀ                              [M, F]
+//!  3 gating            left, right                              [B, H, N²]
+//!  4 GEMM (B·H)        t = contraction(left, right)             [B, H, N²]
+//!  5 output_norm       u = LN_H(t), (μ, ρ)_t   [v = u⊙σ(P_G)]   [M, H]
+//!  6 GEMM              s = u·Wzᵀ               [dWout = dyᵀ·v]
+//!  7 output_gate       ds, dG                  [GEMM dv = dy·Wout; output_gate: du, dG]
+//!  8 GEMM              dWz = dsᵀ·u; Σ ds → dbz [Σ dy → dbout]
+//!  9 GEMM              du = ds·Wz
+//! 10 output_norm_grad dt (over t); Σ du⊙t̂ → dγ_out, Σ du → dβ_out
+//! 11 GEMM (B·H)        dleft, dright (over u and du)
+//! 12 gating_grad       dcat[:, :4H] (dcat over P, column by column: output_gate writes dG over
+//!                      P_G, gating_grad the rest over P's first 4H columns)
+//! 13 GEMM              dWcat = dcatᵀ·z; Σ dcat → dbcat
+//! 14 GEMM              dz = dcat·Wcat (over s)
+//! 15 input_norm_grad   dx; Σ dz⊙x̂ → dγ_in, Σ dz → dβ_in
+//! ```
+//! Before them, the prepared f16 weights are widened to f32 (`widen`).
+//!
+//! # Precision and memory
+//! The kernels compute and store in f32. The column sums are f64 in a fixed order: the bias
+//! sums (skipped for biases the layer lacks) in f64 from the start, per row block then across
+//! blocks; the LayerNorm-weight sums f32 per warp inside the LayerNorm backward kernels, then
+//! f64. The GEMMs read and write f32 (each backend says in what precision its BLAS computes
+//! them), the weight gradients' sums over all `M` positions in about [`WEIGHT_CHUNKS`] chunks of
+//! one strided batch, their f32 partials added in f64. Every intermediate is a whole f32 tensor,
+//! the later ones over earlier ones that are dead by then: about `(C + F + 5H + max(C, H))·4`
+//! bytes per position (6 KiB at C = H = 128), nothing chunked; x, dy and dx are the caller's.
+
+#![forbid(unsafe_code)]
+
+#[cfg(doc)]
+use super::backward_params::WEIGHT_CHUNKS;
+use super::backward_params::{
+    acc_smem, chunk_rows, output_norm_grad_smem, BackwardParams, ColumnSums, Outputs, Widen, GATING_SMEM,
+    MAX_ROW_BLOCKS, PARTIALS_SMEM, ROWS_PER_BLOCK, THREADS, TILE, WARPS,
+};
+use super::caller_workspace::SpanCarver;
+use super::gemm::GemmSpec;
+use crate::problem::{Direction, Formulation, Problem};
+
+/// One backward's device tensors, as addresses into one span (each 256-byte aligned, in this
+/// order). What each holds is in the module docs' step list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct BackwardBuffers {
+    pub(crate) z: u64,
+    pub(crate) stats_x: u64,
+    pub(crate) p: u64,
+    pub(crate) left: u64,
+    pub(crate) right: u64,
+    pub(crate) t: u64,
+    pub(crate) u: u64,
+    pub(crate) stats_t: u64,
+    pub(crate) e: u64,
+    pub(crate) du: u64,
+    /// The widened weights, `[F, C]` and `[C, H]` f32.
+    pub(crate) w_cat: u64,
+    pub(crate) w_out: u64,
+    /// The weight gradients' per-chunk f32 sums, `[chunks + 1, widest weight]`.
+    pub(crate) weight_partial: u64,
+    /// The weight gradients, at [`Outputs`]' offsets (f32).
+    pub(crate) sums: u64,
+    /// f64 partial sums of the column sums.
+    pub(crate) partial: u64,
+    /// The GEMMs' workspace, where the backend's BLAS takes one from the caller (else 0).
+    pub(crate) gemm_ws: u64,
+    /// Every buffer a step writes, `(address, bytes)`: what poisoning fills with NaN.
+    pub(crate) written: Vec<(u64, u64)>,
+    /// The bytes the buffers span from the first.
+    pub(crate) bytes: u64,
+}
+
+impl BackwardBuffers {
+    /// The buffers of `problem`'s backward laid out from `base`, with `gemm_ws` bytes of GEMM
+    /// workspace at the end (0: none).
+    pub(crate) fn new(problem: &Problem, gemm_ws: u64, base: u64) -> BackwardBuffers {
+        let cfg = problem.config;
+        let m = problem.shape.rows();
+        let (c, h, f) = (cfg.c, cfg.h, cfg.fused_proj_width());
+        let widest = (f * c).max(c * h);
+        let chunks = m / chunk_rows(m) + 1;
+        let out = Outputs::new(c, h, f);
+        let mut span = SpanCarver::default();
+        let mut written = Vec::new();
+        let mut a = |elements: usize, size: usize| {
+            let bytes = (elements * size) as u64;
+            let at = base + span.carve(bytes, |at| at);
+            written.push((at, bytes));
+            at
+        };
+        let mut b = BackwardBuffers {
+            z: a(m * c, 4),
+            stats_x: a(2 * m, 4),
+            p: a(m * f, 4),
+            left: a(m * h, 4),
+            right: a(m * h, 4),
+            t: a(m * h, 4),
+            u: a(m * h, 4),
+            stats_t: a(2 * m, 4),
+            e: a(m * c.max(h), 4),
+            du: a(m * h, 4),
+            w_cat: a(f * c, 4),
+            w_out: a(c * h, 4),
+            weight_partial: a(chunks * widest, 4),
+            sums: a(out.len, 4),
+            partial: a((MAX_ROW_BLOCKS * f.max(2 * c).max(2 * h)).max(widest), 8),
+            gemm_ws: 0,
+            written: Vec::new(),
+            bytes: 0,
+        };
+        if gemm_ws > 0 {
+            b.gemm_ws = base + span.carve(gemm_ws, |at| at);
+        }
+        BackwardBuffers { written, bytes: span.end(), ..b }
+    }
+}
+
+/// The prepared weights a backward reads (device addresses; 0: an absent bias) and which linear
+/// layers have a bias, in [`Weights::linears`](crate::Weights::linears) order.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct BackwardWeights {
+    /// `[F, C]` f16, the fused input projections.
+    pub(crate) w_in: u64,
+    /// `[C, H]` f16.
+    pub(crate) w_out: u64,
+    pub(crate) norm_in_w: u64,
+    pub(crate) norm_in_b: u64,
+    pub(crate) norm_out_w: u64,
+    pub(crate) norm_out_b: u64,
+    pub(crate) proj_bias: u64,
+    pub(crate) out_bias: u64,
+    pub(crate) biases: [bool; 6],
+}
+
+/// How many blocks of a kernel are resident at once on a device: `shared` bytes of shared
+/// memory (LDS) per multiprocessor (CU), `units` of them, at most 8 blocks of [`THREADS`] each.
+#[derive(Copy, Clone, Debug)]
+pub(crate) struct Residency {
+    pub(crate) shared: usize,
+    pub(crate) units: usize,
+}
+
+impl Residency {
+    /// Blocks of a LayerNorm backward kernel (blocks that loop over positions, each with its
+    /// accumulators): as many as fit at once with `smem` bytes each, at most `work` and at most
+    /// [`MAX_ROW_BLOCKS`] (the partial sums' rows).
+    fn blocks(self, smem: usize, work: usize) -> usize {
+        let per_unit = (self.shared / smem.max(1)).clamp(1, 8);
+        (per_unit * self.units.max(1)).min(MAX_ROW_BLOCKS).min(work).max(1)
+    }
+}
+
+/// The kernels of `common/backward.h`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum BackwardKernel {
+    InputNorm,
+    Gating,
+    OutputNorm,
+    OutputGate,
+    OutputNormGrad,
+    GatingGrad,
+    InputNormGrad,
+    ColumnPartials,
+    ColumnFinish,
+    Widen,
+}
+
+impl BackwardKernel {
+    /// Every kernel, in declaration order (a backend keeps them in an array in this order).
+    pub(crate) const ALL: [BackwardKernel; 10] = [
+        BackwardKernel::InputNorm,
+        BackwardKernel::Gating,
+        BackwardKernel::OutputNorm,
+        BackwardKernel::OutputGate,
+        BackwardKernel::OutputNormGrad,
+        BackwardKernel::GatingGrad,
+        BackwardKernel::InputNormGrad,
+        BackwardKernel::ColumnPartials,
+        BackwardKernel::ColumnFinish,
+        BackwardKernel::Widen,
+    ];
+
+    /// The kernel's entry point.
+    pub(crate) fn entry(self) -> &'static str {
+        match self {
+            BackwardKernel::InputNorm => "backward_input_norm",
+            BackwardKernel::Gating => "backward_gating",
+            BackwardKernel::OutputNorm => "backward_output_norm",
+            BackwardKernel::OutputGate => "backward_output_gate",
+            BackwardKernel::OutputNormGrad => "backward_output_norm_grad",
+            BackwardKernel::GatingGrad => "backward_gating_grad",
+            BackwardKernel::InputNormGrad => "backward_input_norm_grad",
+            BackwardKernel::ColumnPartials => "backward_column_partials",
+            BackwardKernel::ColumnFinish => "backward_column_finish",
+            BackwardKernel::Widen => "backward_widen",
+        }
+    }
+
+    /// Whether its dynamic shared memory grows with C or H (a tile of t, or per-warp sums) past
+    /// what a block gets without opting in: `TM_BWD_T_SMEM(H)`, `TM_BWD_T_ACC_SMEM(H)`,
+    /// `TM_BWD_ACC_SMEM(C)`.
+    pub(crate) fn large_smem(self) -> bool {
+        matches!(self, BackwardKernel::OutputNorm | BackwardKernel::OutputNormGrad | BackwardKernel::InputNormGrad)
+    }
+}
+
+/// The one argument struct a kernel takes.
+#[derive(Copy, Clone)]
+pub(crate) enum KernelArgs {
+    Backward(BackwardParams),
+    ColumnSums(ColumnSums),
+    Widen(Widen),
+}
+
+/// One operation of a backward, every address resolved.
+#[derive(Copy, Clone)]
+pub(crate) enum BackwardStep {
+    /// A launch of `grid` blocks of [`THREADS`] threads with `smem` bytes of dynamic shared memory.
+    Launch { kernel: BackwardKernel, grid: usize, smem: usize, args: KernelArgs },
+    /// A row-major f32 GEMM `D = op(U)·op(V)` ([`GemmSpec::row_major`]: A = V, B = U).
+    Gemm { spec: GemmSpec, u: u64, v: u64, d: u64 },
+    /// The steps before this one are the named stage (a backend's timeline may mark it).
+    Mark(&'static str),
+}
+
+/// The backward of `problem` as steps, on the caller's `x`, `mask` (0: none), `dy` and `dx`
+/// (`[M, C]` f32, the mask `[M]`), the weights `w` and the buffers `b`: the weight gradients
+/// land in `b.sums` at [`Outputs`]' offsets.
+pub(crate) fn steps(
+    problem: &Problem,
+    w: &BackwardWeights,
+    (x, mask, dy, dx): (u64, u64, u64, u64),
+    b: &BackwardBuffers,
+    device: Residency,
+) -> Vec<BackwardStep> {
+    let cfg = problem.config;
+    let (c, h, f) = (cfg.c, cfg.h, cfg.fused_proj_width());
+    let out = Outputs::new(c, h, f);
+    let (n, m) = (problem.shape.n, problem.shape.rows());
+    let (n2, bh) = (n * n, problem.shape.batch * h);
+    let af3 = cfg.formulation == Formulation::Af3;
+    let p = BackwardParams {
+        x,
+        dy,
+        mask,
+        norm_in_w: w.norm_in_w,
+        norm_in_b: w.norm_in_b,
+        norm_out_w: w.norm_out_w,
+        norm_out_b: w.norm_out_b,
+        proj_bias: w.proj_bias,
+        out_bias: w.out_bias,
+        z: b.z,
+        stats_x: b.stats_x,
+        p: b.p,
+        left: b.left,
+        right: b.right,
+        t: b.t,
+        u: b.u,
+        stats_t: b.stats_t,
+        e: b.e,
+        du: b.du,
+        dcat: b.p,
+        // dz goes where s/ds (or v) was: dead after the output stage.
+        dz: b.e,
+        dx,
+        partial: b.partial,
+        rows: m as i64,
+        n2: n2 as i64,
+        c: c as i32,
+        h: h as i32,
+        f: f as i32,
+        af3: i32::from(af3),
+        eps: problem.eps,
+        blocks: 0,
+    };
+    let threads = THREADS as usize;
+    let t_smem = h * (TILE + 1) * 4;
+    let out_grad_smem = output_norm_grad_smem(h);
+    let out_grad_blocks = device.blocks(out_grad_smem, m.div_ceil(TILE));
+    let in_grad_blocks = device.blocks(acc_smem(c), m.div_ceil(WARPS));
+    let warp_rows = m.div_ceil(ROWS_PER_BLOCK);
+    let tiles = m.div_ceil(TILE);
+    let rm = GemmSpec::row_major;
+    let mut s = Vec::new();
+    let launch = |s: &mut Vec<BackwardStep>, kernel, grid, smem, p: BackwardParams| {
+        s.push(BackwardStep::Launch { kernel, grid, smem, args: KernelArgs::Backward(p) })
+    };
+    let gemm = |s: &mut Vec<BackwardStep>, spec, u, v, d| s.push(BackwardStep::Gemm { spec, u, v, d });
+    let column_sums = |s: &mut Vec<BackwardStep>, sums: ColumnSums, partials_grid: Option<usize>| {
+        if let Some(grid) = partials_grid {
+            let args = KernelArgs::ColumnSums(sums);
+            s.push(BackwardStep::Launch {
+                kernel: BackwardKernel::ColumnPartials,
+                grid,
+                smem: PARTIALS_SMEM as usize,
+                args,
+            });
+        }
+        let (grid, args) = ((sums.cols as usize).div_ceil(threads), KernelArgs::ColumnSums(sums));
+        s.push(BackwardStep::Launch { kernel: BackwardKernel::ColumnFinish, grid, smem: 0, args });
+    };
+    // Σ over `rows` rows of `a` (leading dimension `ld`) of `cols` columns into `sums[to..]`.
+    let column_sum_of = |s: &mut Vec<BackwardStep>, a: u64, rows: usize, cols: usize, ld: usize, to: usize| {
+        let row_blocks = rows.div_ceil(256).clamp(1, MAX_ROW_BLOCKS);
+        let sums = ColumnSums {
+            a,
+            partial: b.partial,
+            out: b.sums + (to * 4) as u64,
+            rows: rows as i64,
+            cols: cols as i32,
+            ld: ld as i32,
+            row_blocks: row_blocks as i32,
+            pad: 0,
+        };
+        column_sums(s, sums, Some(row_blocks * cols.div_ceil(32)));
+    };
+    let column_sum =
+        |s: &mut Vec<BackwardStep>, a: u64, cols: usize, ld: usize, to: usize| column_sum_of(s, a, m, cols, ld, to);
+    // The LayerNorm backward kernels' per-block sums of [γ | β] (2w columns) into `to`.
+    let finish = |s: &mut Vec<BackwardStep>, blocks: usize, w: usize, to: usize| {
+        let sums = ColumnSums {
+            a: 0,
+            partial: b.partial,
+            out: b.sums + (to * 4) as u64,
+            rows: 0,
+            cols: (2 * w) as i32,
+            ld: 0,
+            row_blocks: blocks as i32,
+            pad: 0,
+        };
+        column_sums(s, sums, None);
+    };
+    // dW[wa, wb] = Σ_r U[r, :wa]ᵀ·V[r, :wb] over all M rows (U, V position-major with leading
+    // dimensions lu, lv), in chunks of `rows` positions: one strided batch of GEMMs for the
+    // whole chunks and one GEMM for the rest, each into its own f32 partial, summed in f64.
+    let weight_grad =
+        |s: &mut Vec<BackwardStep>, (u, wa, lu): (u64, usize, usize), (v, wb, lv): (u64, usize, usize), to| {
+            let rows = chunk_rows(m);
+            let (whole, rest) = (m / rows, m % rows);
+            let part = b.weight_partial;
+            let spec = rm(wa, wb, rows, (true, lu), (false, lv), wb);
+            let batched = GemmSpec {
+                batch: whole,
+                stride_a: if whole > 1 { rows * lv } else { 0 },
+                stride_b: if whole > 1 { rows * lu } else { 0 },
+                stride_d: if whole > 1 { wa * wb } else { 0 },
+                ..spec
+            };
+            gemm(s, batched, u, v, part);
+            if rest > 0 {
+                let (at_u, at_v) = ((whole * rows * lu * 4) as u64, (whole * rows * lv * 4) as u64);
+                let tail = rm(wa, wb, rest, (true, lu), (false, lv), wb);
+                gemm(s, tail, u + at_u, v + at_v, part + (whole * wa * wb * 4) as u64);
+            }
+            column_sum_of(s, part, whole + usize::from(rest > 0), wa * wb, wa * wb, to)
+        };
+    for (src, dst, len) in [(w.w_in, b.w_cat, f * c), (w.w_out, b.w_out, c * h)] {
+        let args = KernelArgs::Widen(Widen { src, dst, n: len as i64 });
+        s.push(BackwardStep::Launch { kernel: BackwardKernel::Widen, grid: len.div_ceil(threads), smem: 0, args });
+    }
+    let outgoing = problem.direction == Direction::Outgoing;
+    s.push(BackwardStep::Mark("start"));
+
+    // 1-5: the forward, recomputed, keeping what the backward reads.
+    launch(&mut s, BackwardKernel::InputNorm, warp_rows, 0, p);
+    gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), b.z, b.w_cat, b.p);
+    s.push(BackwardStep::Mark("LN_C and the input projection"));
+    launch(&mut s, BackwardKernel::Gating, tiles, GATING_SMEM as usize, p);
+    s.push(BackwardStep::Mark("gating"));
+    // Outgoing t = L·Rᵀ, incoming t = Lᵀ·R, per (b, h).
+    let square = |u_t: bool, v_t: bool| rm(n, n, n, (u_t, n), (v_t, n), n).batched(bh, n2);
+    gemm(&mut s, square(!outgoing, outgoing), b.left, b.right, b.t);
+    s.push(BackwardStep::Mark("contraction"));
+    launch(&mut s, BackwardKernel::OutputNorm, tiles, t_smem, p);
+    s.push(BackwardStep::Mark("LN_H"));
+
+    // 6-9: the output projection and gate.
+    let out_bias = w.biases[5];
+    if af3 {
+        gemm(&mut s, rm(m, c, h, (false, h), (true, h), c), b.u, b.w_out, b.e);
+        launch(&mut s, BackwardKernel::OutputGate, (m * c).div_ceil(threads), 0, p);
+        weight_grad(&mut s, (b.e, c, c), (b.u, h, h), out.w_out);
+        if out_bias {
+            column_sum(&mut s, b.e, c, c, out.b_out);
+        }
+        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), b.e, b.w_out, b.du);
+    } else {
+        weight_grad(&mut s, (dy, c, c), (b.e, h, h), out.w_out);
+        if out_bias {
+            column_sum(&mut s, dy, c, c, out.b_out);
+        }
+        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy, b.w_out, b.du);
+        launch(&mut s, BackwardKernel::OutputGate, (m * h).div_ceil(threads), 0, p);
+    }
+    s.push(BackwardStep::Mark("output projection and gate backward"));
+
+    // 10: LN_H.
+    let blocks = BackwardParams { blocks: out_grad_blocks as i32, ..p };
+    launch(&mut s, BackwardKernel::OutputNormGrad, out_grad_blocks, out_grad_smem, blocks);
+    finish(&mut s, out_grad_blocks, h, out.norm_out_w);
+    s.push(BackwardStep::Mark("LN_H backward"));
+
+    // 11: the contraction. Outgoing dL = dT·R, dR = dTᵀ·L; incoming dL = R·dTᵀ, dR = L·dT.
+    // dleft and dright go where u and du were (dead after LN_H's backward).
+    let dt = b.t;
+    let (dleft, dright) = (b.u, b.du);
+    if outgoing {
+        gemm(&mut s, square(false, false), dt, b.right, dleft);
+        gemm(&mut s, square(true, false), dt, b.left, dright);
+    } else {
+        gemm(&mut s, square(false, true), b.right, dt, dleft);
+        gemm(&mut s, square(false, false), b.left, dt, dright);
+    }
+    s.push(BackwardStep::Mark("contraction backward"));
+
+    // 12-15: the input projections and LN_C.
+    let grads = BackwardParams { left: dleft, right: dright, ..p };
+    launch(&mut s, BackwardKernel::GatingGrad, tiles, GATING_SMEM as usize, grads);
+    s.push(BackwardStep::Mark("gating backward"));
+    weight_grad(&mut s, (p.dcat, f, f), (b.z, c, c), out.w_cat);
+    if w.biases[..5].iter().any(|&b| b) {
+        column_sum(&mut s, p.dcat, f, f, out.b_cat);
+    }
+    s.push(BackwardStep::Mark("input weight gradients"));
+    gemm(&mut s, rm(m, c, f, (false, f), (false, c), c), p.dcat, b.w_cat, p.dz);
+    s.push(BackwardStep::Mark("dz = dcat·Wcat"));
+    let blocks = BackwardParams { blocks: in_grad_blocks as i32, ..p };
+    launch(&mut s, BackwardKernel::InputNormGrad, in_grad_blocks, acc_smem(c), blocks);
+    finish(&mut s, in_grad_blocks, c, out.norm_in_w);
+    s.push(BackwardStep::Mark("LN_C backward"));
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::{Config, Shape};
+
+    const X: u64 = 1 << 40;
+    const MASK: u64 = 2 << 40;
+    const DY: u64 = 3 << 40;
+    const DX: u64 = 4 << 40;
+    const W_IN: u64 = 5 << 40;
+    const W_OUT: u64 = 6 << 40;
+    const SPAN: u64 = 7 << 40;
+
+    /// Every address a step reads or writes lies inside one buffer (the caller's tensors, the
+    /// prepared weights, or a buffer of the span), every GEMM's operands and result included;
+    /// the column sums write each weight gradient the layer has exactly once and nothing else of
+    /// `sums`; the LayerNorm backward kernels' block counts match their grids. The backends run
+    /// exactly this list, so its addresses are right before any device runs them.
+    #[test]
+    fn steps_stay_inside_their_buffers_and_write_every_gradient_once() {
+        for (f, batch, n, c, h, dir, biases, masked) in [
+            (Formulation::Af3, 1, 9, 16, 24, Direction::Outgoing, true, true),
+            (Formulation::Af3, 2, 7, 24, 8, Direction::Incoming, false, false),
+            (Formulation::GpuMode, 1, 12, 32, 16, Direction::Incoming, false, true),
+            (Formulation::GpuMode, 3, 5, 8, 40, Direction::Outgoing, true, false),
+            // Enough positions for whole chunks and a rest in the weight gradients' sums.
+            (Formulation::Af3, 1, 130, 8, 8, Direction::Outgoing, true, false),
+        ] {
+            let cfg = Config::new(f, c, h).unwrap();
+            let problem = Problem::new(cfg, Shape::new(batch, n), dir, masked).unwrap();
+            let what = format!("{problem:?} biases={biases}");
+            let (m, fw) = (problem.shape.rows(), cfg.fused_proj_width());
+            let out = Outputs::new(c, h, fw);
+            let b = BackwardBuffers::new(&problem, 4096, SPAN);
+            let w = BackwardWeights {
+                w_in: W_IN,
+                w_out: W_OUT,
+                norm_in_w: 0,
+                norm_in_b: 0,
+                norm_out_w: 0,
+                norm_out_b: 0,
+                proj_bias: 0,
+                out_bias: 0,
+                biases: [biases, false, biases, false, false, biases],
+            };
+            let mask = if masked { MASK } else { 0 };
+            let mut regions = vec![
+                (X, (m * c * 4) as u64),
+                (MASK, if masked { (m * 4) as u64 } else { 0 }),
+                (DY, (m * c * 4) as u64),
+                (DX, (m * c * 4) as u64),
+                (W_IN, (fw * c * 2) as u64),
+                (W_OUT, (c * h * 2) as u64),
+            ];
+            regions.extend(b.written.iter().copied());
+            let inside = |addr: u64, len: u64, name: &str| {
+                let ok = regions.iter().any(|&(at, size)| addr >= at && addr + len <= at + size);
+                assert!(len == 0 || ok, "{what}: {name} [{addr:#x}, +{len}) outside every buffer");
+            };
+            let matrix = |rows: usize, cols: usize, ld: usize| ((cols.max(1) - 1) * ld + rows) as u64;
+            let mut sums_written = vec![0u32; out.len];
+            for step in steps(&problem, &w, (X, mask, DY, DX), &b, Residency { shared: 65536, units: 4 }) {
+                match step {
+                    BackwardStep::Gemm { spec, u, v, d } => {
+                        let batched = |one: u64, stride: usize| 4 * ((spec.batch as u64 - 1) * stride as u64 + one);
+                        let ((ar, ac), (br, bc)) = (spec.a_dims(), spec.b_dims());
+                        inside(v, batched(matrix(ar, ac, spec.lda), spec.stride_a), "GEMM V");
+                        inside(u, batched(matrix(br, bc, spec.ldb), spec.stride_b), "GEMM U");
+                        inside(d, batched(matrix(spec.m, spec.n, spec.ldd), spec.stride_d), "GEMM D");
+                    }
+                    BackwardStep::Launch { kernel, grid, smem, args } => {
+                        assert!(grid >= 1 && smem <= 65536, "{what}: {kernel:?} grid {grid} smem {smem}");
+                        match args {
+                            KernelArgs::Widen(a) => {
+                                inside(a.src, a.n as u64 * 2, "widen src");
+                                inside(a.dst, a.n as u64 * 4, "widen dst");
+                                assert_eq!(grid, (a.n as usize).div_ceil(THREADS as usize), "{what}");
+                            }
+                            KernelArgs::ColumnSums(a) => {
+                                let cols = a.cols as usize;
+                                inside(a.out, cols as u64 * 4, "column sums out");
+                                inside(a.partial, (a.row_blocks as usize * cols * 8) as u64, "partials");
+                                if kernel == BackwardKernel::ColumnPartials {
+                                    inside(a.a, 4 * matrix(cols, a.rows as usize, a.ld as usize), "column sums a");
+                                } else {
+                                    let at = ((a.out - b.sums) / 4) as usize;
+                                    for k in &mut sums_written[at..at + cols] {
+                                        *k += 1;
+                                    }
+                                }
+                            }
+                            KernelArgs::Backward(p) => {
+                                if matches!(kernel, BackwardKernel::OutputNormGrad | BackwardKernel::InputNormGrad) {
+                                    assert_eq!(p.blocks as usize, grid, "{what}: {kernel:?}");
+                                    assert!(grid <= MAX_ROW_BLOCKS, "{what}");
+                                }
+                                for (addr, len, name) in [
+                                    (p.x, m * c * 4, "x"),
+                                    (p.dx, m * c * 4, "dx"),
+                                    (p.z, m * c * 4, "z"),
+                                    (p.p, m * fw * 4, "p"),
+                                    (p.left, m * h * 4, "left"),
+                                    (p.right, m * h * 4, "right"),
+                                    (p.t, m * h * 4, "t"),
+                                    (p.dz, m * c * 4, "dz"),
+                                ] {
+                                    inside(addr, len as u64, name);
+                                }
+                            }
+                        }
+                    }
+                    BackwardStep::Mark(_) => {}
+                }
+            }
+            let mut want = vec![0u32; out.len];
+            let input_bias = w.biases[..5].iter().any(|&b| b);
+            for (at, len, on) in [
+                (out.w_cat, fw * c, true),
+                (out.b_cat, fw, input_bias),
+                (out.norm_in_w, 2 * c, true),
+                (out.w_out, c * h, true),
+                (out.b_out, c, biases),
+                (out.norm_out_w, 2 * h, true),
+            ] {
+                want[at..at + len].fill(u32::from(on));
+            }
+            assert_eq!(sums_written, want, "{what}: the gradients the column sums write");
+        }
+    }
+
+    /// The span's bytes: the buffers in order, each 256-byte aligned, then the GEMM workspace
+    /// where there is one; every buffer but the workspace is poisoned.
+    #[test]
+    fn buffers_are_laid_out_in_order_in_the_span() {
+        let cfg = Config::new(Formulation::Af3, 16, 8).unwrap();
+        let problem = Problem::new(cfg, Shape::new(1, 6), Direction::Outgoing, false).unwrap();
+        let with = BackwardBuffers::new(&problem, 1000, 0);
+        let without = BackwardBuffers::new(&problem, 0, 4096);
+        assert_eq!(with.written.len(), 15);
+        assert_eq!(with.gemm_ws, without.bytes);
+        assert_eq!(with.bytes, without.bytes + 1024);
+        assert_eq!(without.gemm_ws, 0);
+        for pair in without.written.windows(2) {
+            let ((a, bytes), (next, _)) = (pair[0], pair[1]);
+            assert!(a % 256 == 0 && a + bytes <= next && next - a - bytes < 256, "{pair:?}");
+        }
+        assert_eq!(without.z, 4096);
+        assert_eq!(without.written[14].0, without.partial);
+    }
+}
