@@ -47,20 +47,14 @@ use super::caller_workspace::SpanCarver;
 use super::gemm::GemmSpec;
 use crate::problem::{Direction, Formulation, Problem};
 
-/// One backward's device tensors, as addresses into one span (each 256-byte aligned, in this
-/// order). What each holds is in the module docs' step list.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One backward's device tensors, as addresses into one span (each 256-byte aligned, in the order
+/// of [`BackwardBuffers::new`]). What each holds is in the module docs' step list.
+#[derive(Clone)]
 pub(crate) struct BackwardBuffers {
-    pub(crate) z: u64,
-    pub(crate) stats_x: u64,
-    pub(crate) p: u64,
-    pub(crate) left: u64,
-    pub(crate) right: u64,
-    pub(crate) t: u64,
-    pub(crate) u: u64,
-    pub(crate) stats_t: u64,
-    pub(crate) e: u64,
-    pub(crate) du: u64,
+    /// The kernels' intermediates, in the fields of their argument struct (`z` … `du` and
+    /// `partial`, the f64 partial sums of the column sums; dcat goes over p, dz over e); its other
+    /// fields are zero.
+    pub(crate) tensors: BackwardParams,
     /// The widened weights, `[F, C]` and `[C, H]` f32.
     pub(crate) w_cat: u64,
     pub(crate) w_out: u64,
@@ -68,8 +62,6 @@ pub(crate) struct BackwardBuffers {
     pub(crate) weight_partial: u64,
     /// The weight gradients, at [`Outputs`]' offsets (f32).
     pub(crate) sums: u64,
-    /// f64 partial sums of the column sums.
-    pub(crate) partial: u64,
     /// The GEMMs' workspace, where the backend's BLAS takes one from the caller (else 0).
     pub(crate) gemm_ws: u64,
     /// Every buffer a step writes, `(address, bytes)`: what poisoning fills with NaN.
@@ -96,7 +88,7 @@ impl BackwardBuffers {
             written.push((at, bytes));
             at
         };
-        let mut b = BackwardBuffers {
+        let mut tensors = BackwardParams {
             z: a(m * c, 4),
             stats_x: a(2 * m, 4),
             p: a(m * f, 4),
@@ -107,19 +99,14 @@ impl BackwardBuffers {
             stats_t: a(2 * m, 4),
             e: a(m * c.max(h), 4),
             du: a(m * h, 4),
-            w_cat: a(f * c, 4),
-            w_out: a(c * h, 4),
-            weight_partial: a(chunks * widest, 4),
-            sums: a(out.len, 4),
-            partial: a((MAX_ROW_BLOCKS * f.max(2 * c).max(2 * h)).max(widest), 8),
-            gemm_ws: 0,
-            written: Vec::new(),
-            bytes: 0,
+            ..BackwardParams::default()
         };
-        if gemm_ws > 0 {
-            b.gemm_ws = base + span.carve(gemm_ws, |at| at);
-        }
-        BackwardBuffers { written, bytes: span.end(), ..b }
+        let (w_cat, w_out, weight_partial, sums) = (a(f * c, 4), a(c * h, 4), a(chunks * widest, 4), a(out.len, 4));
+        tensors.partial = a((MAX_ROW_BLOCKS * f.max(2 * c).max(2 * h)).max(widest), 8);
+        // dz goes where s/ds (or v) was: dead after the output stage.
+        (tensors.dcat, tensors.dz) = (tensors.p, tensors.e);
+        let gemm_ws = if gemm_ws > 0 { base + span.carve(gemm_ws, |at| at) } else { 0 };
+        BackwardBuffers { tensors, w_cat, w_out, weight_partial, sums, gemm_ws, written, bytes: span.end() }
     }
 }
 
@@ -127,16 +114,12 @@ impl BackwardBuffers {
 /// layers have a bias, in [`Weights::linears`](crate::Weights::linears) order.
 #[derive(Copy, Clone, Debug)]
 pub(crate) struct BackwardWeights {
-    /// `[F, C]` f16, the fused input projections.
-    pub(crate) w_in: u64,
-    /// `[C, H]` f16.
-    pub(crate) w_out: u64,
-    pub(crate) norm_in_w: u64,
-    pub(crate) norm_in_b: u64,
-    pub(crate) norm_out_w: u64,
-    pub(crate) norm_out_b: u64,
-    pub(crate) proj_bias: u64,
-    pub(crate) out_bias: u64,
+    /// The f16 fused input projections `[F, C]` and the output projection `[C, H]`.
+    pub(crate) w: [u64; 2],
+    /// The LayerNorms' f32 weight and bias: the input's `[C]`, then the output's `[H]`.
+    pub(crate) norms: [u64; 4],
+    /// The f32 biases of the fused input projections `[F]` and of the output projection `[C]`.
+    pub(crate) bias: [u64; 2],
     pub(crate) biases: [bool; 6],
 }
 
@@ -251,27 +234,13 @@ pub(crate) fn steps(
         x,
         dy,
         mask,
-        norm_in_w: w.norm_in_w,
-        norm_in_b: w.norm_in_b,
-        norm_out_w: w.norm_out_w,
-        norm_out_b: w.norm_out_b,
-        proj_bias: w.proj_bias,
-        out_bias: w.out_bias,
-        z: b.z,
-        stats_x: b.stats_x,
-        p: b.p,
-        left: b.left,
-        right: b.right,
-        t: b.t,
-        u: b.u,
-        stats_t: b.stats_t,
-        e: b.e,
-        du: b.du,
-        dcat: b.p,
-        // dz goes where s/ds (or v) was: dead after the output stage.
-        dz: b.e,
+        norm_in_w: w.norms[0],
+        norm_in_b: w.norms[1],
+        norm_out_w: w.norms[2],
+        norm_out_b: w.norms[3],
+        proj_bias: w.bias[0],
+        out_bias: w.bias[1],
         dx,
-        partial: b.partial,
         rows: m as i64,
         n2: n2 as i64,
         c: c as i32,
@@ -280,6 +249,7 @@ pub(crate) fn steps(
         af3: i32::from(af3),
         eps: problem.eps,
         blocks: 0,
+        ..b.tensors
     };
     let threads = THREADS as usize;
     let t_smem = h * (TILE + 1) * 4;
@@ -312,7 +282,7 @@ pub(crate) fn steps(
         let row_blocks = rows.div_ceil(256).clamp(1, MAX_ROW_BLOCKS);
         let sums = ColumnSums {
             a,
-            partial: b.partial,
+            partial: p.partial,
             out: b.sums + (to * 4) as u64,
             rows: rows as i64,
             cols: cols as i32,
@@ -328,7 +298,7 @@ pub(crate) fn steps(
     let finish = |s: &mut Vec<BackwardStep>, blocks: usize, w: usize, to: usize| {
         let sums = ColumnSums {
             a: 0,
-            partial: b.partial,
+            partial: p.partial,
             out: b.sums + (to * 4) as u64,
             rows: 0,
             cols: (2 * w) as i32,
@@ -362,7 +332,7 @@ pub(crate) fn steps(
             }
             column_sum_of(s, part, whole + usize::from(rest > 0), wa * wb, wa * wb, to)
         };
-    for (src, dst, len) in [(w.w_in, b.w_cat, f * c), (w.w_out, b.w_out, c * h)] {
+    for (src, dst, len) in [(w.w[0], b.w_cat, f * c), (w.w[1], b.w_out, c * h)] {
         let args = KernelArgs::Widen(Widen { src, dst, n: len as i64 });
         s.push(BackwardStep::Launch { kernel: BackwardKernel::Widen, grid: len.div_ceil(threads), smem: 0, args });
     }
@@ -371,13 +341,13 @@ pub(crate) fn steps(
 
     // 1-5: the forward, recomputed, keeping what the backward reads.
     launch(&mut s, BackwardKernel::InputNorm, warp_rows, 0, p);
-    gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), b.z, b.w_cat, b.p);
+    gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), p.z, b.w_cat, p.p);
     s.push(BackwardStep::Mark("LN_C and the input projection"));
     launch(&mut s, BackwardKernel::Gating, tiles, GATING_SMEM as usize, p);
     s.push(BackwardStep::Mark("gating"));
     // Outgoing t = L·Rᵀ, incoming t = Lᵀ·R, per (b, h).
     let square = |u_t: bool, v_t: bool| rm(n, n, n, (u_t, n), (v_t, n), n).batched(bh, n2);
-    gemm(&mut s, square(!outgoing, outgoing), b.left, b.right, b.t);
+    gemm(&mut s, square(!outgoing, outgoing), p.left, p.right, p.t);
     s.push(BackwardStep::Mark("contraction"));
     launch(&mut s, BackwardKernel::OutputNorm, tiles, t_smem, p);
     s.push(BackwardStep::Mark("LN_H"));
@@ -385,19 +355,19 @@ pub(crate) fn steps(
     // 6-9: the output projection and gate.
     let out_bias = w.biases[5];
     if af3 {
-        gemm(&mut s, rm(m, c, h, (false, h), (true, h), c), b.u, b.w_out, b.e);
+        gemm(&mut s, rm(m, c, h, (false, h), (true, h), c), p.u, b.w_out, p.e);
         launch(&mut s, BackwardKernel::OutputGate, (m * c).div_ceil(threads), 0, p);
-        weight_grad(&mut s, (b.e, c, c), (b.u, h, h), out.w_out);
+        weight_grad(&mut s, (p.e, c, c), (p.u, h, h), out.w_out);
         if out_bias {
-            column_sum(&mut s, b.e, c, c, out.b_out);
+            column_sum(&mut s, p.e, c, c, out.b_out);
         }
-        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), b.e, b.w_out, b.du);
+        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), p.e, b.w_out, p.du);
     } else {
-        weight_grad(&mut s, (dy, c, c), (b.e, h, h), out.w_out);
+        weight_grad(&mut s, (dy, c, c), (p.e, h, h), out.w_out);
         if out_bias {
             column_sum(&mut s, dy, c, c, out.b_out);
         }
-        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy, b.w_out, b.du);
+        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy, b.w_out, p.du);
         launch(&mut s, BackwardKernel::OutputGate, (m * h).div_ceil(threads), 0, p);
     }
     s.push(BackwardStep::Mark("output projection and gate backward"));
@@ -410,14 +380,14 @@ pub(crate) fn steps(
 
     // 11: the contraction. Outgoing dL = dT·R, dR = dTᵀ·L; incoming dL = R·dTᵀ, dR = L·dT.
     // dleft and dright go where u and du were (dead after LN_H's backward).
-    let dt = b.t;
-    let (dleft, dright) = (b.u, b.du);
+    let dt = p.t;
+    let (dleft, dright) = (p.u, p.du);
     if outgoing {
-        gemm(&mut s, square(false, false), dt, b.right, dleft);
-        gemm(&mut s, square(true, false), dt, b.left, dright);
+        gemm(&mut s, square(false, false), dt, p.right, dleft);
+        gemm(&mut s, square(true, false), dt, p.left, dright);
     } else {
-        gemm(&mut s, square(false, true), b.right, dt, dleft);
-        gemm(&mut s, square(false, false), b.left, dt, dright);
+        gemm(&mut s, square(false, true), p.right, dt, dleft);
+        gemm(&mut s, square(false, false), p.left, dt, dright);
     }
     s.push(BackwardStep::Mark("contraction backward"));
 
@@ -425,7 +395,7 @@ pub(crate) fn steps(
     let grads = BackwardParams { left: dleft, right: dright, ..p };
     launch(&mut s, BackwardKernel::GatingGrad, tiles, GATING_SMEM as usize, grads);
     s.push(BackwardStep::Mark("gating backward"));
-    weight_grad(&mut s, (p.dcat, f, f), (b.z, c, c), out.w_cat);
+    weight_grad(&mut s, (p.dcat, f, f), (p.z, c, c), out.w_cat);
     if w.biases[..5].iter().any(|&b| b) {
         column_sum(&mut s, p.dcat, f, f, out.b_cat);
     }
@@ -444,14 +414,6 @@ mod tests {
     use super::*;
     use crate::problem::{Config, Shape};
 
-    const X: u64 = 1 << 40;
-    const MASK: u64 = 2 << 40;
-    const DY: u64 = 3 << 40;
-    const DX: u64 = 4 << 40;
-    const W_IN: u64 = 5 << 40;
-    const W_OUT: u64 = 6 << 40;
-    const SPAN: u64 = 7 << 40;
-
     /// Every address a step reads or writes lies inside one buffer (the caller's tensors, the
     /// prepared weights, or a buffer of the span), every GEMM's operands and result included;
     /// the column sums write each weight gradient the layer has exactly once and nothing else of
@@ -459,6 +421,8 @@ mod tests {
     /// exactly this list, so its addresses are right before any device runs them.
     #[test]
     fn steps_stay_inside_their_buffers_and_write_every_gradient_once() {
+        // Each tensor far from the others.
+        let [x, mask_at, dy, dx, w_in, w_out, span] = std::array::from_fn::<u64, 7, _>(|i| (i as u64 + 1) << 40);
         for (f, batch, n, c, h, dir, biases, masked) in [
             (Formulation::Af3, 1, 9, 16, 24, Direction::Outgoing, true, true),
             (Formulation::Af3, 2, 7, 24, 8, Direction::Incoming, false, false),
@@ -472,26 +436,17 @@ mod tests {
             let what = format!("{problem:?} biases={biases}");
             let (m, fw) = (problem.shape.rows(), cfg.fused_proj_width());
             let out = Outputs::new(c, h, fw);
-            let b = BackwardBuffers::new(&problem, 4096, SPAN);
-            let w = BackwardWeights {
-                w_in: W_IN,
-                w_out: W_OUT,
-                norm_in_w: 0,
-                norm_in_b: 0,
-                norm_out_w: 0,
-                norm_out_b: 0,
-                proj_bias: 0,
-                out_bias: 0,
-                biases: [biases, false, biases, false, false, biases],
-            };
-            let mask = if masked { MASK } else { 0 };
+            let b = BackwardBuffers::new(&problem, 4096, span);
+            let biases6 = [biases, false, biases, false, false, biases];
+            let w = BackwardWeights { w: [w_in, w_out], norms: [0; 4], bias: [0; 2], biases: biases6 };
+            let mask = if masked { mask_at } else { 0 };
             let mut regions = vec![
-                (X, (m * c * 4) as u64),
-                (MASK, if masked { (m * 4) as u64 } else { 0 }),
-                (DY, (m * c * 4) as u64),
-                (DX, (m * c * 4) as u64),
-                (W_IN, (fw * c * 2) as u64),
-                (W_OUT, (c * h * 2) as u64),
+                (x, (m * c * 4) as u64),
+                (mask_at, if masked { (m * 4) as u64 } else { 0 }),
+                (dy, (m * c * 4) as u64),
+                (dx, (m * c * 4) as u64),
+                (w_in, (fw * c * 2) as u64),
+                (w_out, (c * h * 2) as u64),
             ];
             regions.extend(b.written.iter().copied());
             let inside = |addr: u64, len: u64, name: &str| {
@@ -500,7 +455,7 @@ mod tests {
             };
             let matrix = |rows: usize, cols: usize, ld: usize| ((cols.max(1) - 1) * ld + rows) as u64;
             let mut sums_written = vec![0u32; out.len];
-            for step in steps(&problem, &w, (X, mask, DY, DX), &b, Residency { shared: 65536, units: 4 }) {
+            for step in steps(&problem, &w, (x, mask, dy, dx), &b, Residency { shared: 65536, units: 4 }) {
                 match step {
                     BackwardStep::Gemm { spec, u, v, d } => {
                         let batched = |one: u64, stride: usize| 4 * ((spec.batch as u64 - 1) * stride as u64 + one);
@@ -585,7 +540,7 @@ mod tests {
             let ((a, bytes), (next, _)) = (pair[0], pair[1]);
             assert!(a % 256 == 0 && a + bytes <= next && next - a - bytes < 256, "{pair:?}");
         }
-        assert_eq!(without.z, 4096);
-        assert_eq!(without.written[14].0, without.partial);
+        assert_eq!(without.tensors.z, 4096);
+        assert_eq!(without.written[14].0, without.tensors.partial);
     }
 }

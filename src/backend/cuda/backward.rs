@@ -82,14 +82,9 @@ impl CudaBackend {
         }
         let opt = |o: &Option<DeviceBuffer<f32>>| o.as_ref().map_or(0, |b| b.ptr());
         let w = BackwardWeights {
-            w_in: prep.w_in.ptr(),
-            w_out: prep.w_out.ptr(),
-            norm_in_w: prep.norm_in_w.ptr(),
-            norm_in_b: prep.norm_in_b.ptr(),
-            norm_out_w: prep.norm_out_w.ptr(),
-            norm_out_b: prep.norm_out_b.ptr(),
-            proj_bias: opt(&prep.proj_bias),
-            out_bias: opt(&prep.out_bias),
+            w: [prep.w_in.ptr(), prep.w_out.ptr()],
+            norms: [prep.norm_in_w.ptr(), prep.norm_in_b.ptr(), prep.norm_out_w.ptr(), prep.norm_out_b.ptr()],
+            bias: [opt(&prep.proj_bias), opt(&prep.out_bias)],
             biases: prep.biases,
         };
         let device = Residency { shared: self.inner.smem_per_sm, units: self.inner.info.compute_units as usize };

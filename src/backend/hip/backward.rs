@@ -108,14 +108,9 @@ impl HipBackend {
     ) -> Result<()> {
         let opt = |o: &Option<DeviceMem>| o.as_ref().map_or(0, DeviceMem::addr);
         let w = BackwardWeights {
-            w_in: prep.w_in.addr(),
-            w_out: prep.w_out.addr(),
-            norm_in_w: prep.norm_in_w.addr(),
-            norm_in_b: prep.norm_in_b.addr(),
-            norm_out_w: prep.norm_out_w.addr(),
-            norm_out_b: prep.norm_out_b.addr(),
-            proj_bias: opt(&prep.proj_bias),
-            out_bias: opt(&prep.out_bias),
+            w: [prep.w_in.addr(), prep.w_out.addr()],
+            norms: [prep.norm_in_w.addr(), prep.norm_in_b.addr(), prep.norm_out_w.addr(), prep.norm_out_b.addr()],
+            bias: [opt(&prep.proj_bias), opt(&prep.out_bias)],
             biases: prep.biases,
         };
         // 64 KiB of LDS per CU.
