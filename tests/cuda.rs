@@ -615,35 +615,7 @@ fn backward_matches_the_f64_reference() {
             assert!(e.nan_mismatch == 0 && e.rel_l2 > 0.0 && e.rel_l2 <= 2e-3, "{} {f:?} {name}: {e:?}", case.name());
         }
         // The device paths: the backend's kept buffers, then a caller workspace (poisoned too).
-        let up = |v: &[f32]| {
-            let mut d = b.alloc(v.len()).unwrap();
-            b.upload(v, &mut d).unwrap();
-            d
-        };
-        let (x, dyd) = (up(&inputs.x), up(&dy));
-        let mask = inputs.mask.as_deref().map(up);
-        let mut dx = b.alloc(inputs.x.len()).unwrap();
-        let g2 = layer.backward_buffers(&x, mask.as_ref(), &dyd, &mut dx, shape).unwrap();
-        let mut dx_host = vec![0f32; inputs.x.len()];
-        b.download(&dx, &mut dx_host).unwrap();
-        assert!(g2.x.is_empty() && dx_host == got.x, "{}: backward_buffers gave another dx", case.name());
-        assert_eq!(g2.tensors()[1..], got.tensors()[1..], "{}: backward_buffers' weight gradients", case.name());
-        let bytes = layer.backward_workspace_bytes(shape, mask.is_some()).unwrap();
-        let ws = b.alloc_buffer::<u8>(bytes as usize).unwrap();
-        let dx2 = b.alloc(inputs.x.len()).unwrap();
-        let io = (x.ptr(), mask.as_ref().map_or(0, |m| m.ptr()), dyd.ptr(), dx2.ptr());
-        let span = trimul::DeviceSpan { ptr: ws.ptr(), bytes };
-        // SAFETY: every pointer is a live allocation of this backend holding the shape's elements
-        // (the workspace its reported bytes), unused by anything else until the call returns.
-        let g3 = unsafe { layer.backward_device(io, shape, 0, Some(span)) }.unwrap();
-        b.download(&dx2, &mut dx_host).unwrap();
-        assert!(dx_host == got.x && g3.tensors()[1..] == got.tensors()[1..], "{}: caller workspace", case.name());
-        let small = trimul::DeviceSpan { ptr: ws.ptr(), bytes: bytes - 256 };
-        // SAFETY: as above; the call is refused before anything is launched.
-        let e = unsafe { layer.backward_device(io, shape, 0, Some(small)) }.unwrap_err();
-        assert!(e.to_string().contains("workspace"), "{e}");
-        let e = layer.backward_buffers(&x, mask.as_ref(), &dyd, &mut b.alloc(7).unwrap(), shape).unwrap_err();
-        assert!(e.to_string().contains("dx has 7 elements"), "{e}");
+        gpu_checks::backward_device_paths_match(&b, &mut layer, &inputs, &dy, &got, shape, &case.name());
     }
     b.free_backward_buffers();
     // Widths whose LayerNorm kernels would not fit shared memory are refused up front.

@@ -107,3 +107,50 @@ pub fn bad_inputs_are_errors(device: &Device) -> Weights {
     assert!(e.to_string().contains("f16 range"), "{e}");
     weights
 }
+
+/// `layer`'s backward on device buffers of `b` (x, the mask and dy uploaded): through
+/// [`Layer::backward_buffers`] (the backend's kept buffers) and through [`Layer::backward_device`]
+/// with a caller workspace (poisoned too), the same dx and weight gradients, bit for bit, as
+/// `got`, the host backward of the same inputs; a workspace 256 bytes short and a dx too small
+/// are refused, naming what is wrong.
+#[allow(dead_code)] // not every test binary runs a backward
+pub fn backward_device_paths_match<B: Backend>(
+    b: &B,
+    layer: &mut Layer<B>,
+    inputs: &Inputs,
+    dy: &[f32],
+    got: &trimul::Gradients,
+    shape: Shape,
+    name: &str,
+) {
+    let up = |v: &[f32]| {
+        let mut d = b.alloc(v.len()).unwrap();
+        b.upload(v, &mut d).unwrap();
+        d
+    };
+    let (x, dyd) = (up(&inputs.x), up(dy));
+    let mask = inputs.mask.as_deref().map(up);
+    let mut dx = b.alloc(inputs.x.len()).unwrap();
+    let g2 = layer.backward_buffers(&x, mask.as_ref(), &dyd, &mut dx, shape).unwrap();
+    let mut dx_host = vec![0f32; inputs.x.len()];
+    b.download(&dx, &mut dx_host).unwrap();
+    assert!(g2.x.is_empty() && dx_host == got.x, "{name}: backward_buffers gave another dx");
+    assert_eq!(g2.tensors()[1..], got.tensors()[1..], "{name}: backward_buffers' weight gradients");
+    let bytes = layer.backward_workspace_bytes(shape, mask.is_some()).unwrap();
+    let ws = b.alloc(bytes.div_ceil(4) as usize).unwrap();
+    let dx2 = b.alloc(inputs.x.len()).unwrap();
+    let addr = |buffer: &B::Buffer| B::buffer_addr(buffer).expect("a device buffer has an address");
+    let io = (addr(&x), mask.as_ref().map_or(0, addr), addr(&dyd), addr(&dx2));
+    let span = trimul::DeviceSpan { ptr: addr(&ws), bytes };
+    // SAFETY: every pointer is a live allocation of this backend holding the shape's elements
+    // (the workspace its reported bytes), unused by anything else until the call returns.
+    let g3 = unsafe { layer.backward_device(io, shape, 0, Some(span)) }.unwrap();
+    b.download(&dx2, &mut dx_host).unwrap();
+    assert!(dx_host == got.x && g3.tensors()[1..] == got.tensors()[1..], "{name}: caller workspace");
+    let small = trimul::DeviceSpan { ptr: addr(&ws), bytes: bytes - 256 };
+    // SAFETY: as above; the call is refused before anything is launched.
+    let e = unsafe { layer.backward_device(io, shape, 0, Some(small)) }.unwrap_err();
+    assert!(e.to_string().contains("workspace"), "{e}");
+    let e = layer.backward_buffers(&x, mask.as_ref(), &dyd, &mut b.alloc(7).unwrap(), shape).unwrap_err();
+    assert!(e.to_string().contains("dx has 7 elements"), "{e}");
+}
