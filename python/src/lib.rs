@@ -567,46 +567,6 @@ macro_rules! device_layer {
                 unsafe { layer.prepare_device_weights(&w, span, stream) }.map_err(to_py)
             }
 
-            /// GPU MODE's protocol in one call: prepares new device weights into `storage` and
-            /// enqueues the forward with them on `stream` (as `reprepare` then `forward`).
-            #[allow(clippy::too_many_arguments)]
-            fn forward_fresh(
-                &self,
-                py: Python<'_>,
-                weights: Vec<Entry>,
-                storage: u64,
-                storage_bytes: u64,
-                x: u64,
-                x_len: usize,
-                mask: u64,
-                mask_len: usize,
-                y: u64,
-                y_len: usize,
-                b: usize,
-                n: usize,
-                io: i32,
-                ws: u64,
-                ws_bytes: u64,
-                stream: u64,
-            ) -> PyResult<()> {
-                let c = self.lock()?.config().c;
-                let workspace = DeviceSpan { ptr: ws, bytes: ws_bytes };
-                let io = device_io(c, b, n, (x, x_len), (mask, mask_len), (y, y_len), io, workspace, stream)?;
-                let e = entries(weights)?;
-                py.detach(|| {
-                    let mut layer = self.lock()?;
-                    let w = device_weights(layer.config(), &e)?;
-                    let span = DeviceSpan { ptr: storage, bytes: storage_bytes };
-                    // SAFETY: the weights, storage, x, mask, y and workspace are live device
-                    // tensors of this device with the stated sizes, kept alive by the caller's
-                    // stream-ordered allocator until the stream has run the work (module docs).
-                    unsafe {
-                        layer.prepare_device_weights(&w, span, stream).map_err(to_py)?;
-                        layer.forward_device(&io).map_err(to_py)
-                    }
-                })
-            }
-
             /// Bytes of workspace a forward of this shape needs (plans it on first use, within
             /// `limit` bytes when given: a chunked plan where one pass does not fit). A
             /// `TypeError` says the I/O precision is not read and written on this device (the
@@ -669,6 +629,10 @@ macro_rules! device_layer {
 
             /// Enqueues y = TriMul(x) on `stream`: x and y `[b, n, n, C]` in `io`, the mask
             /// `[b, n, n]` f32 (0: none), the workspace at `ws` (`ws_bytes` ≥ `workspace_bytes`).
+            /// With `fresh` (16 weight entries, storage address and bytes), first prepares those
+            /// weights into that storage on `stream` (as `reprepare`): GPU MODE's protocol, new
+            /// weights in every call, in one call.
+            #[pyo3(signature = (x, x_len, mask, mask_len, y, y_len, b, n, io, ws, ws_bytes, stream, fresh=None))]
             #[allow(clippy::too_many_arguments)]
             fn forward(
                 &self,
@@ -685,12 +649,22 @@ macro_rules! device_layer {
                 ws: u64,
                 ws_bytes: u64,
                 stream: u64,
+                fresh: Option<(Vec<Entry>, u64, u64)>,
             ) -> PyResult<()> {
                 let c = self.lock()?.config().c;
                 let workspace = DeviceSpan { ptr: ws, bytes: ws_bytes };
                 let io = device_io(c, b, n, (x, x_len), (mask, mask_len), (y, y_len), io, workspace, stream)?;
+                let fresh = fresh.map(|(w, ptr, bytes)| entries(w).map(|e| (e, DeviceSpan { ptr, bytes }))).transpose()?;
                 py.detach(|| {
                     let mut layer = self.lock()?;
+                    if let Some((e, span)) = &fresh {
+                        let w = device_weights(layer.config(), e)?;
+                        // SAFETY: the weights are live device tensors of this device with the
+                        // stated sizes and the storage a live allocation of its bytes, kept
+                        // alive by the caller's stream-ordered allocator until the stream has
+                        // run the work (module docs).
+                        unsafe { layer.prepare_device_weights(&w, *span, stream) }.map_err(to_py)?;
+                    }
                     // SAFETY: x, mask, y and the workspace are live device tensors of this device
                     // with the element counts of the shape, kept alive by the caller's
                     // stream-ordered allocator until the stream has run the work (module docs).

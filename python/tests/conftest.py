@@ -89,7 +89,7 @@ def random_mask(shape, salt: int, device="cpu") -> torch.Tensor:
 def f64_reference(x, direction="outgoing", mask=None, eps=1e-5, **w) -> torch.Tensor:
     """cuEquivariance's formula in float64 on the CPU, from the tensors as given (already rounded)."""
     d = lambda t: None if t is None else t.detach().to("cpu", torch.float64)  # noqa: E731
-    return reference.af3(d(x), d(mask), *[d(w.get(k)) for k in AF3_WEIGHTS], direction, eps)
+    return reference.af3(d(x), d(mask), [d(w.get(k)) for k in AF3_WEIGHTS], direction, eps)
 
 
 def compare(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2):

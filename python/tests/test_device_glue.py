@@ -53,18 +53,15 @@ class FakeDeviceLayer:
 
     def forward(self, *args):
         _signature(_trimul.CudaLayer.forward).bind(self, *args)
-        x, x_len, mask, mask_len, y, y_len, b, n, io, ws, ws_bytes, stream = args
+        x, x_len, mask, mask_len, y, y_len, b, n, io, ws, ws_bytes, stream, *fresh = args
         assert ws and ws_bytes == 4096
+        if fresh:
+            weights, storage, storage_bytes = fresh[0]
+            assert storage and storage_bytes > 0
+            self.reprepare(weights, storage, storage_bytes, stream)
+            FakeDeviceLayer.calls.append("fresh")
         self.layer.forward(x, x_len, mask, mask_len, y, y_len, b, n, io)
         FakeDeviceLayer.calls.append("forward")
-
-    def forward_fresh(self, *args):
-        _signature(_trimul.CudaLayer.forward_fresh).bind(self, *args)
-        weights, storage, storage_bytes, *io = args
-        assert storage and storage_bytes > 0
-        self.reprepare(weights, storage, storage_bytes, io[-1])
-        self.forward(*io)
-        FakeDeviceLayer.calls.append("fresh")
 
 
 @pytest.fixture

@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent(
         mask = rng.integers(0, 2, (2, n, n)).astype(np.float32)
         y = trimul.triangle_multiplicative_update(x, direction, mask, **w)
         t = lambda a: torch.from_numpy(np.asarray(a, np.float64))
-        want = reference.af3(t(x), t(mask), *[t(w[k]) for k in AF3_WEIGHTS], direction, 1e-5).numpy()
+        want = reference.af3(t(x), t(mask), [t(w[k]) for k in AF3_WEIGHTS], direction, 1e-5).numpy()
         rel = np.linalg.norm(y - want) / np.linalg.norm(want)
         bad = int((np.abs(y - want) > 2e-2 + 2e-2 * np.abs(want)).sum())
         print(f"hip {direction}: rel L2 {rel:.2e}, {bad} outside")
@@ -131,7 +131,7 @@ SCRIPT = textwrap.dedent(
     except ValueError as e:
         assert "x has" in str(e), e
     t = lambda a: torch.from_numpy(np.asarray(a, np.float64))
-    want = reference.af3(t(x), t(mask), *[t(w[k]) for k in AF3_WEIGHTS], "incoming", 1e-5).numpy()
+    want = reference.af3(t(x), t(mask), [t(w[k]) for k in AF3_WEIGHTS], "incoming", 1e-5).numpy()
     rel = np.linalg.norm(got - want) / np.linalg.norm(want)
     print(f"hip device path: rel L2 {rel:.2e}")
     assert rel < 5e-3, rel

@@ -40,7 +40,7 @@ def test_gradients_match_f64_autograd(device, dtype, bound, direction):
     (tmu(xl, direction, mask, **leaves).float() * g.float()).sum().backward()
     ref = {k: v.detach().cpu().double().requires_grad_(True) for k, v in w.items()}
     xr = x.detach().cpu().double().requires_grad_(True)
-    y = reference.af3(xr, mask.cpu().double(), *[ref.get(k) for k in AF3_WEIGHTS], direction, 1e-5)
+    y = reference.af3(xr, mask.cpu().double(), [ref.get(k) for k in AF3_WEIGHTS], direction, 1e-5)
     (y * g.cpu().double()).sum().backward()
     assert xl.grad.dtype == dtype and xl.grad.shape == x.shape
     errors = {"x": rel(xl.grad, xr.grad)} | {k: rel(leaves[k].grad, ref[k].grad) for k in w}
@@ -78,7 +78,7 @@ def test_gradients_come_from_the_native_backward(monkeypatch, device, without, m
     monkeypatch.undo()
     ref = {k: None if v is None else v.detach().double().requires_grad_(True) for k, v in w.items()}
     xr = x.detach().double().requires_grad_(True)
-    y = reference.af3(xr, None if mask is None else mask.double(), *[ref.get(k) for k in AF3_WEIGHTS], "incoming", 1e-3)
+    y = reference.af3(xr, None if mask is None else mask.double(), [ref.get(k) for k in AF3_WEIGHTS], "incoming", 1e-3)
     (y * g.double()).sum().backward()
     errors = {"x": rel(x.grad, xr.grad)} | {k: rel(leaves[k].grad, ref[k].grad) for k in w if w[k] is not None}
     assert x.grad.device == x.device and all(leaves[k].grad.device == x.device for k in w if w[k] is not None)
@@ -107,7 +107,7 @@ def test_cuda_backward_follows_the_callers_stream():
         torch.cuda.synchronize()
         ref = {k: v.detach().double().requires_grad_(True) for k, v in w.items()}
         xr = x.detach().double().requires_grad_(True)
-        (reference.af3(xr, None, *[ref.get(k) for k in AF3_WEIGHTS], "outgoing", 1e-5) * g.double()).sum().backward()
+        (reference.af3(xr, None, [ref.get(k) for k in AF3_WEIGHTS], "outgoing", 1e-5) * g.double()).sum().backward()
         errors = {"x": rel(x.grad, xr.grad)} | {k: rel(leaves[k].grad, ref[k].grad) for k in w}
         assert max(errors.values()) <= 2e-3, (stream, errors)
         x.grad = None
@@ -163,7 +163,7 @@ def test_cuda_native_backward_at_n_1024(direction):
     del leaves
     ref = {k: v.detach().double().requires_grad_(True) for k, v in w.items()}
     xr = x.detach().double().requires_grad_(True)
-    y = reference.af3(xr, mask.double(), *[ref.get(k) for k in AF3_WEIGHTS], direction, 1e-5)
+    y = reference.af3(xr, mask.double(), [ref.get(k) for k in AF3_WEIGHTS], direction, 1e-5)
     (y * g.double()).sum().backward()
     del y
     errors = {"x": rel(got["x"], xr.grad)} | {k: rel(got[k], ref[k].grad) for k in w}
@@ -351,7 +351,7 @@ def test_streams_each_get_weights_prepared_on_them_and_the_current_device_is_kep
     c, h, n = 64, 64, 32
     w = af3_weights(c, h, False, salt=73, device="cuda")
     x = pair((1, n, n, c), salt=74, device="cuda")
-    ref = reference.af3(x.double(), None, *[None if w.get(k) is None else w[k].double() for k in AF3_WEIGHTS])
+    ref = reference.af3(x.double(), None, [None if w.get(k) is None else w[k].double() for k in AF3_WEIGHTS])
     trimul.clear_cache()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

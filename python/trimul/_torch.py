@@ -365,14 +365,8 @@ def _enqueue(
 def _io_args(x: Tensor, mask: Optional[Tensor], y: Tensor) -> tuple[int, int, int, int, int, int]:
     """x, the mask and y as the layers' forwards take them: each one's address and element count
     (0 and 0 for no mask). `_enqueue` writes the same six out in its call."""
-    return (
-        x.data_ptr(),
-        x.numel(),
-        0 if mask is None else mask.data_ptr(),
-        0 if mask is None else mask.numel(),
-        y.data_ptr(),
-        y.numel(),
-    )
+    m = (0, 0) if mask is None else (mask.data_ptr(), mask.numel())
+    return (x.data_ptr(), x.numel(), *m, y.data_ptr(), y.numel())
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
@@ -478,20 +472,8 @@ def _op(
     """y = TriMul(x) in the af3 form. x `[B, N, N, C]`, mask `[B, N, N]` float32 or None; the
     weights as cuEquivariance names them; y in x's dtype. A public entry point: it checks what it
     is given as `triangle_multiplicative_update` does."""
-    originals = [
-        norm_in_weight,
-        norm_in_bias,
-        p_in_weight,
-        p_in_bias,
-        g_in_weight,
-        g_in_bias,
-        norm_out_weight,
-        norm_out_bias,
-        p_out_weight,
-        p_out_bias,
-        g_out_weight,
-        g_out_bias,
-    ]
+    originals = [norm_in_weight, norm_in_bias, p_in_weight, p_in_bias, g_in_weight, g_in_bias]
+    originals += [norm_out_weight, norm_out_bias, p_out_weight, p_out_bias, g_out_weight, g_out_bias]
     # Weights that require grad are being trained: their values can change without a version
     # bump (FSDP2 refills unsharded parameters in place under a preserved version counter), and
     # preparing them costs little beside a training step, so they are prepared on every call.
@@ -679,7 +661,7 @@ def _recomputed_backward(x, mask, w, direction, eps, grad, need) -> dict:
         xs = leaf(x, 0)
         ws = [leaf(t, i) for t, i in zip(w, _WEIGHT_SLOTS)]
         m = None if mask is None else mask.detach().to(torch.float32)
-        y = reference.af3(xs, m, *ws, direction, eps)
+        y = reference.af3(xs, m, ws, direction, eps)
         slots = [(0, x, xs)] + [(i, t, s) for i, t, s in zip(_WEIGHT_SLOTS, w, ws)]
         wanted = [(i, s) for i, t, s in slots if t is not None and need[i]]
         grads = torch.autograd.grad(y, [s for _, s in wanted], grad.to(torch.float32)) if wanted else ()

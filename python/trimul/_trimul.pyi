@@ -57,24 +57,6 @@ class _DeviceLayer:
         stream: int,
     ) -> None: ...
     def reprepare(self, weights: list[Entry], storage: int, storage_bytes: int, stream: int) -> None: ...
-    def forward_fresh(
-        self,
-        weights: list[Entry],
-        storage: int,
-        storage_bytes: int,
-        x: int,
-        x_len: int,
-        mask: int,
-        mask_len: int,
-        y: int,
-        y_len: int,
-        b: int,
-        n: int,
-        io: int,
-        ws: int,
-        ws_bytes: int,
-        stream: int,
-    ) -> None: ...
     def workspace_bytes(self, b: int, n: int, masked: bool, io: int, limit: Optional[int] = None) -> int: ...
     def backward_workspace_bytes(self, b: int, n: int, masked: bool) -> int: ...
     def backward(
@@ -106,7 +88,10 @@ class _DeviceLayer:
         ws: int,
         ws_bytes: int,
         stream: int,
-    ) -> None: ...
+        fresh: Optional[tuple[list[Entry], int, int]] = None,
+    ) -> None:
+        """Enqueues the forward on `stream`; with `fresh` (weights, storage, storage_bytes),
+        first prepares those weights into that storage (GPU MODE's protocol in one call)."""
 
 class CudaLayer(_DeviceLayer): ...
 class HipLayer(_DeviceLayer): ...

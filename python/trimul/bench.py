@@ -100,7 +100,7 @@ def bench_af3_one(n, dtype, masked, repeats, warmup, peers, cueq, g) -> dict:
     if "torch" in peers and n <= 2048:
         args = [w.get(k) for k in AF3_WEIGHTS]
         row["pytorch_ms"] = statistics.median(
-            timed(lambda: reference.af3(x, mask, *args, "outgoing", 1e-5), max(3, repeats // 3), 1)
+            timed(lambda: reference.af3(x, mask, args, "outgoing", 1e-5), max(3, repeats // 3), 1)
         )
     if cueq is not None:
         try:

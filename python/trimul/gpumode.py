@@ -182,9 +182,8 @@ def _on_device(x, mask, w, c, h):
         # Storage and workspace in one allocation from PyTorch's caching allocator.
         buf = torch.empty(storage_bytes + ws_bytes, dtype=torch.uint8, device=x.device)
         base = buf.data_ptr()
-        layer.forward_fresh(
-            w, base, storage_bytes, *_io_args(x, mask, y), b, n, io, base + storage_bytes, ws_bytes, stream
-        )
+        fresh = (w, base, storage_bytes)
+        layer.forward(*_io_args(x, mask, y), b, n, io, base + storage_bytes, ws_bytes, stream, fresh)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 

@@ -19,6 +19,7 @@ gpumode (lucidrains / GPU MODE)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -39,22 +40,15 @@ def contract(a: Tensor, b: Tensor, direction: str) -> Tensor:
 def af3(
     x: Tensor,
     mask: Optional[Tensor],
-    norm_in_weight: Optional[Tensor],
-    norm_in_bias: Optional[Tensor],
-    p_in_weight: Tensor,
-    p_in_bias: Optional[Tensor],
-    g_in_weight: Tensor,
-    g_in_bias: Optional[Tensor],
-    norm_out_weight: Optional[Tensor],
-    norm_out_bias: Optional[Tensor],
-    p_out_weight: Tensor,
-    p_out_bias: Optional[Tensor],
-    g_out_weight: Tensor,
-    g_out_bias: Optional[Tensor],
+    weights: Sequence[Optional[Tensor]],
     direction: str = "outgoing",
     eps: float = 1e-5,
 ) -> Tensor:
-    """cuEquivariance's formula in the dtype of `x` (pass f32 or f64 tensors for an accurate one)."""
+    """cuEquivariance's formula in the dtype of `x` (pass f32 or f64 tensors for an accurate one),
+    the twelve weights in its signature's order (`AF3_WEIGHTS`: norm_in, p_in, g_in, norm_out,
+    p_out, g_out, each weight then bias; a bias or a LayerNorm parameter may be None)."""
+    (norm_in_weight, norm_in_bias, p_in_weight, p_in_bias, g_in_weight, g_in_bias) = weights[:6]
+    (norm_out_weight, norm_out_bias, p_out_weight, p_out_bias, g_out_weight, g_out_bias) = weights[6:]
     c = x.shape[-1]
     h = p_in_weight.shape[0] // 2
     z = F.layer_norm(x, (c,), norm_in_weight, norm_in_bias, eps)
