@@ -734,6 +734,13 @@ fn host_device(backend: Option<&str>) -> trimul::Result<Device> {
     }
 }
 
+/// The bytes of a device's memory (`total`) a workspace plan leaves free
+/// (`trimul::plan::margin`): not every cached or free byte is usable for one block.
+#[pyfunction]
+fn memory_margin(total: u64) -> u64 {
+    trimul::plan::margin(total)
+}
+
 /// The backends compiled into this module.
 #[pyfunction]
 fn compiled_backends() -> Vec<String> {
@@ -753,6 +760,7 @@ fn _trimul(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_set_poison, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_backends, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_margin, m)?)?;
     m.add_function(wrap_pyfunction!(host_backend, m)?)?;
     Ok(())
 }

@@ -155,3 +155,20 @@ def test_gpumode_device_path_glue(fake_device):
         bad, rel = compare(y, want)
         assert bad == 0 and rel < 1e-5
     assert fake_device.calls.count("fresh") == 2
+
+
+def test_workspace_limit_keeps_the_libraries_margin(monkeypatch):
+    """The workspace a CUDA device call may plan in: the driver's free memory plus what PyTorch
+    holds unused, less what the call allocates beside it and the Rust API's margin (2% of the
+    device, at least 256 MiB, at most a quarter)."""
+    gib = 1 << 30
+    assert _trimul.memory_margin(80 * gib) == 80 * gib // 50
+    assert _trimul.memory_margin(4 * gib) == 256 << 20
+    assert _trimul.memory_margin(512 << 20) == 128 << 20
+    monkeypatch.setattr(_torch, "_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: gib)
+    got = _torch._memory_for_workspace(torch.device("cuda", 0), 100)
+    assert got == 10 * gib + 2 * gib - 100 - 80 * gib // 50
+    assert _torch._memory_for_workspace(torch.device("cpu"), 100) is None

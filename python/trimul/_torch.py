@@ -326,10 +326,9 @@ def _memory_for_workspace(device: torch.device, besides: int) -> Optional[int]:
         return None
     free, total = torch.cuda.mem_get_info(device)
     unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    # The Rust API's margin (`trimul::plan::margin`): not every cached byte is usable for one
-    # block (partly used segments, graph pools), nor is the last of the driver's free memory.
-    margin = min(max(total // 50, 256 << 20), total // 4)
-    return max(free + unused - besides - margin, 0)
+    # The Rust API's margin: not every cached byte is usable for one block (partly used
+    # segments, graph pools), nor is the last of the driver's free memory.
+    return max(free + unused - besides - _trimul.memory_margin(total), 0)
 
 
 def _launch(e: _Entry, x: Tensor, mask: Optional[Tensor], b: int, n: int, io: int, nbytes: int, stream: int) -> Tensor:

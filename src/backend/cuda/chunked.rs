@@ -45,21 +45,9 @@ impl CudaBackend {
             MatmulPlan::new(blas, GemmSpec::output(rows, cfg.c, cfg.h), Elem::F32, prepared.out_bias.is_some(), ows)
         };
         let (h_tail, m_tail) = (cfg.h % plan.hidden_chunk, m % plan.output_rows);
-        Ok(CudaWorkspace {
-            problem: *problem,
-            layout: Layout::Chunked { scratch },
-            t,
-            contraction: contraction(plan.hidden_chunk)?,
-            contraction_tail: if h_tail > 0 { Some(contraction(h_tail)?) } else { None },
-            output: output(plan.output_rows)?,
-            output_tail: if m_tail > 0 { Some(output(m_tail)?) } else { None },
-            plan,
-            tuning,
-            output_gate: self.output_gate(),
-            switches: self.switches(),
-            weights_of: None,
-            caller_base: None,
-        })
+        let contraction = (contraction(plan.hidden_chunk)?, if h_tail > 0 { Some(contraction(h_tail)?) } else { None });
+        let output = (output(plan.output_rows)?, if m_tail > 0 { Some(output(m_tail)?) } else { None });
+        Ok(self.workspace_of(problem, plan, tuning, (Layout::Chunked { scratch }, t), contraction, output))
     }
 
     /// The workspace of a staged chunked plan: t, the scratch, every pass's rows of the gated
@@ -123,26 +111,16 @@ impl CudaBackend {
             ws_bytes,
         )?;
         let output = MatmulPlan::new(blas, GemmSpec::output(plan.output_rows, c, h), Elem::F32, out_bias, ws_bytes)?;
-        Ok(CudaWorkspace {
-            problem: *problem,
-            t: self.alloc_buffer(plan.t_bytes / 2)?,
-            layout: Layout::Staged(Staged {
-                scratch: self.alloc_buffer(plan.scratch_bytes)?,
-                gemm_ws: self.alloc_buffer(ws_bytes)?,
-                pass_w,
-                gemms,
-            }),
-            plan,
-            contraction,
-            contraction_tail: None,
-            output,
-            output_tail: None,
-            tuning,
-            output_gate: self.output_gate(),
-            switches: self.switches(),
-            weights_of: Some(prepared.id),
-            caller_base: None,
-        })
+        let t = self.alloc_buffer(plan.t_bytes / 2)?;
+        let layout = Layout::Staged(Staged {
+            scratch: self.alloc_buffer(plan.scratch_bytes)?,
+            gemm_ws: self.alloc_buffer(ws_bytes)?,
+            pass_w,
+            gemms,
+        });
+        let mut ws = self.workspace_of(problem, plan, tuning, (layout, t), (contraction, None), (output, None));
+        ws.weights_of = Some(prepared.id);
+        Ok(ws)
     }
 
     /// The staged chunked plan ([`Staged`]): the steps of [`staged_steps::steps`] with our launches

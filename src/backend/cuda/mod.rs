@@ -318,6 +318,35 @@ impl CudaBackend {
             .fold(0, |bits, (k, flag)| bits | (u8::from(flag.load(Ordering::Relaxed)) << k))
     }
 
+    /// A workspace of `plan` for `problem` in this backend's own memory, made for no weights in
+    /// particular and under the switches now set: its layout and t, and its contraction and
+    /// output GEMM plans, each with the plan of a shorter last pass or row chunk where there is one.
+    fn workspace_of(
+        &self,
+        problem: &Problem,
+        plan: Plan,
+        tuning: Tuning,
+        (layout, t): (Layout, DeviceBuffer<u16>),
+        (contraction, contraction_tail): (MatmulPlan, Option<MatmulPlan>),
+        (output, output_tail): (MatmulPlan, Option<MatmulPlan>),
+    ) -> CudaWorkspace {
+        CudaWorkspace {
+            problem: *problem,
+            plan,
+            layout,
+            t,
+            contraction,
+            contraction_tail,
+            output,
+            output_tail,
+            tuning,
+            output_gate: self.output_gate(),
+            weights_of: None,
+            switches: self.switches(),
+            caller_base: None,
+        }
+    }
+
     /// How many times this backend has launched the warp-specialised input build.
     pub fn warp_specialised_launches(&self) -> u64 {
         self.inner.ws_launches.load(Ordering::Relaxed)
@@ -484,39 +513,29 @@ impl CudaBackend {
         let bh = problem.shape.batch * cfg.h;
         let contraction_ws = plan.contraction_ws.map_or(0, |r| r.bytes);
         let output_ws = plan.output_ws.map_or(0, |r| r.bytes);
-        Ok(CudaWorkspace {
-            problem: *problem,
-            layout: Layout::OnePass {
-                left: alloc(plan.left_bytes / 2)?,
-                right: alloc(plan.left_bytes / 2)?,
-                gate: if plan.gate.is_some() { Some(alloc(plan.gate_bytes / 2)?) } else { None },
-                blas_input,
-            },
-            t: alloc(plan.t_bytes / 2)?,
-            contraction: MatmulPlan::new_ranked(
-                blas,
-                GemmSpec::contraction(problem.direction, bh, problem.shape.n),
-                Elem::F16,
-                false,
-                MAX_GEMM_WORKSPACE.min(contraction_ws),
-                tuning.contraction_rank as usize,
-            )?,
-            contraction_tail: None,
-            output: MatmulPlan::new(
-                blas,
-                GemmSpec::output(m, cfg.c, cfg.h),
-                Elem::F32,
-                prepared.out_bias.is_some(),
-                MAX_GEMM_WORKSPACE.min(output_ws),
-            )?,
-            output_tail: None,
-            plan,
-            tuning,
-            output_gate: self.output_gate(),
-            switches: self.switches(),
-            weights_of: None,
-            caller_base: None,
-        })
+        let layout = Layout::OnePass {
+            left: alloc(plan.left_bytes / 2)?,
+            right: alloc(plan.left_bytes / 2)?,
+            gate: if plan.gate.is_some() { Some(alloc(plan.gate_bytes / 2)?) } else { None },
+            blas_input,
+        };
+        let t = alloc(plan.t_bytes / 2)?;
+        let contraction = MatmulPlan::new_ranked(
+            blas,
+            GemmSpec::contraction(problem.direction, bh, problem.shape.n),
+            Elem::F16,
+            false,
+            MAX_GEMM_WORKSPACE.min(contraction_ws),
+            tuning.contraction_rank as usize,
+        )?;
+        let output = MatmulPlan::new(
+            blas,
+            GemmSpec::output(m, cfg.c, cfg.h),
+            Elem::F32,
+            prepared.out_bias.is_some(),
+            MAX_GEMM_WORKSPACE.min(output_ws),
+        )?;
+        Ok(self.workspace_of(problem, plan, tuning, (layout, t), (contraction, None), (output, None)))
     }
 
     /// A one-pass workspace whose buffers are views into caller memory, laid out from address
