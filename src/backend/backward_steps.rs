@@ -63,6 +63,7 @@ pub(crate) struct BackwardBuffers {
     /// The weight gradients, at [`Outputs`]' offsets (f32).
     pub(crate) sums: u64,
     /// The GEMMs' workspace, where the backend's BLAS takes one from the caller (else 0).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // rocBLAS keeps its own
     pub(crate) gemm_ws: u64,
     /// Every buffer a step writes, `(address, bytes)`: what poisoning fills with NaN.
     pub(crate) written: Vec<(u64, u64)>,
@@ -190,6 +191,7 @@ impl BackwardKernel {
     /// Whether its dynamic shared memory grows with C or H (a tile of t, or per-warp sums) past
     /// what a block gets without opting in: `TM_BWD_T_SMEM(H)`, `TM_BWD_T_ACC_SMEM(H)`,
     /// `TM_BWD_ACC_SMEM(C)`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // HIP's kernels take their LDS as declared
     pub(crate) fn large_smem(self) -> bool {
         matches!(self, BackwardKernel::OutputNorm | BackwardKernel::OutputNormGrad | BackwardKernel::InputNormGrad)
     }
@@ -211,7 +213,7 @@ pub(crate) enum BackwardStep {
     /// A row-major f32 GEMM `D = op(U)·op(V)` ([`GemmSpec::row_major`]: A = V, B = U).
     Gemm { spec: GemmSpec, u: u64, v: u64, d: u64 },
     /// The steps before this one are the named stage (a backend's timeline may mark it).
-    Mark(&'static str),
+    Mark(#[cfg_attr(not(feature = "cuda"), allow(dead_code))] &'static str),
 }
 
 /// The backward of `problem` as steps, on the caller's `x`, `mask` (0: none), `dy` and `dx`

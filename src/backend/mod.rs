@@ -42,6 +42,9 @@ pub(crate) mod gpu_ceilings;
 pub(crate) mod host_gemm;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod params;
+// The prepared weights' buffers and addresses, shared by CUDA and HIP.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+pub(crate) mod prepared;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod staged_steps;
 

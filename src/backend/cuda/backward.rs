@@ -18,7 +18,7 @@ use super::context::{CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
 use super::driver::DeviceBuffer;
 use super::workspace::CudaPrepared;
 use crate::backend::backward_params::{acc_smem, backward_sizes, output_norm_grad_smem, Outputs, THREADS};
-use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, BackwardWeights, KernelArgs, Residency};
+use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, KernelArgs, Residency};
 use crate::device_io::DeviceSpan;
 use crate::error::{Error, Result};
 use crate::gradients::Gradients;
@@ -80,13 +80,7 @@ impl CudaBackend {
                     .memset_async(POISON_BYTE, stream)?;
             }
         }
-        let opt = |o: &Option<DeviceBuffer<f32>>| o.as_ref().map_or(0, |b| b.ptr());
-        let w = BackwardWeights {
-            w: [prep.w_in.ptr(), prep.w_out.ptr()],
-            norms: [prep.norm_in_w.ptr(), prep.norm_in_b.ptr(), prep.norm_out_w.ptr(), prep.norm_out_b.ptr()],
-            bias: [opt(&prep.proj_bias), opt(&prep.out_bias)],
-            biases: prep.biases,
-        };
+        let w = prep.tensors.backward_weights();
         let device = Residency { shared: self.inner.smem_per_sm, units: self.inner.info.compute_units as usize };
         let k = &self.inner.kernels.backward;
         let blas = &self.inner.blas;
@@ -178,6 +172,6 @@ impl CudaBackend {
                 sums?
             }
         };
-        Ok(out.gradients(&sums, prep.biases, c, h))
+        Ok(out.gradients(&sums, prep.tensors.biases, c, h))
     }
 }

@@ -42,7 +42,13 @@ impl CudaBackend {
             MatmulPlan::new(blas, GemmSpec::contraction(problem.direction, hc, problem.shape.n), Elem::F16, false, cws)
         };
         let output = |rows: usize| {
-            MatmulPlan::new(blas, GemmSpec::output(rows, cfg.c, cfg.h), Elem::F32, prepared.out_bias.is_some(), ows)
+            MatmulPlan::new(
+                blas,
+                GemmSpec::output(rows, cfg.c, cfg.h),
+                Elem::F32,
+                prepared.tensors.out_bias.is_some(),
+                ows,
+            )
         };
         let (h_tail, m_tail) = (cfg.h % plan.hidden_chunk, m % plan.output_rows);
         let contraction = (contraction(plan.hidden_chunk)?, if h_tail > 0 { Some(contraction(h_tail)?) } else { None });
@@ -69,9 +75,14 @@ impl CudaBackend {
             // pass_w holds 4H rows of C halves, then 4H f32 from pass_bias_offset; every range below
             // lies inside its allocation, and the stream is synchronised below.
             unsafe {
-                cu::memcpy_dtod_async(pass_w.ptr() + dst * row, prepared.w_in.ptr() + src * row, rows * c * 2, stream)
-                    .ctx("cuMemcpyDtoDAsync(pass weights)")?;
-                if let Some(b) = &prepared.proj_bias {
+                cu::memcpy_dtod_async(
+                    pass_w.ptr() + dst * row,
+                    prepared.tensors.w_in.ptr() + src * row,
+                    rows * c * 2,
+                    stream,
+                )
+                .ctx("cuMemcpyDtoDAsync(pass weights)")?;
+                if let Some(b) = &prepared.tensors.proj_bias {
                     let to = pass_w.ptr() + plan.pass_bias_offset as u64 + dst * 4;
                     cu::memcpy_dtod_async(to, b.ptr() + src * 4, rows * 4, stream)
                         .ctx("cuMemcpyDtoDAsync(pass biases)")?;
@@ -83,7 +94,7 @@ impl CudaBackend {
         unsafe { cu::stream::synchronize(stream) }.ctx("cuStreamSynchronize")?;
         let ws_bytes = plan.gemm_ws_bytes;
         let blas = &self.inner.blas;
-        let out_bias = prepared.out_bias.is_some();
+        let out_bias = prepared.tensors.out_bias.is_some();
         let mut gemms = std::collections::HashMap::new();
         let mut add = |spec: GemmSpec, d: Elem, bias: bool| -> Result<()> {
             if let std::collections::hash_map::Entry::Vacant(e) = gemms.entry((spec, d, bias)) {
@@ -147,8 +158,8 @@ impl CudaBackend {
             scratch: st.scratch.ptr(),
             pass_w: st.pass_w.ptr(),
             t,
-            w_in: prep.w_in.ptr(),
-            proj_bias: prep.proj_bias.as_ref().map_or(0, |b| b.ptr()),
+            w_in: prep.tensors.w_in.ptr(),
+            proj_bias: prep.tensors.proj_bias_address(),
         };
         let (gws, gws_len) = (st.gemm_ws.ptr(), st.gemm_ws.bytes() as usize);
         let (c, h) = (ws.plan.c, ws.plan.h);
@@ -171,7 +182,7 @@ impl CudaBackend {
                 StagedStep::PassesDone => self.mark("hidden passes (stage kernels, cuBLASLt)", stream)?,
                 StagedStep::Output(chunk) => {
                     let spec = GemmSpec::output(chunk.common.rows(), c, h);
-                    let gemm = st.gemm(spec, Elem::F32, prep.out_bias.is_some())?;
+                    let gemm = st.gemm(spec, Elem::F32, prep.tensors.out_bias.is_some())?;
                     self.enqueue_output(prep, fused_output, gemm, &chunk, gws, gws_len, stream, false)?;
                 }
             }

@@ -186,20 +186,7 @@ impl CudaBackend {
                 cu::memset_d8_async(y, POISON_BYTE, m * c * problem.io.io_bytes(), stream).ctx("cuMemsetD8Async(y)")?;
             }
         }
-        let base = CommonParams::new(
-            problem,
-            Addresses {
-                x,
-                mask,
-                y,
-                norm_in_w: prep.norm_in_w.ptr(),
-                norm_in_b: prep.norm_in_b.ptr(),
-                norm_out_w: prep.norm_out_w.ptr(),
-                norm_out_b: prep.norm_out_b.ptr(),
-                w_out: prep.w_out.ptr(),
-                out_bias: prep.out_bias.as_ref().map_or(0, |b| b.ptr()),
-            },
-        )?;
+        let base = CommonParams::new(problem, Addresses { x, mask, y, ..prep.tensors.addresses() })?;
 
         self.mark("start", stream)?;
         let (left, right, gate) = match &ws.layout {
@@ -248,7 +235,7 @@ impl CudaBackend {
                 left,
                 right,
                 gate,
-                proj_bias: prep.proj_bias.as_ref().map_or(0, |b| b.ptr()),
+                proj_bias: prep.tensors.proj_bias_address(),
                 proj_h: to_i32(h, "H")?,
                 proj_g: to_i32(g, "G")?,
                 ..InputParams::default()
@@ -317,9 +304,9 @@ impl CudaBackend {
         if gemm.spec().n != rows {
             return Err(Error::InvalidArgument(format!("no output plan for a chunk of {rows} rows")));
         }
-        let bias = prep.out_bias.as_ref().map_or(0, |b| b.ptr());
+        let bias = prep.tensors.addresses().out_bias;
         let y = p.common.y() + (p.common.row0() as u64) * (c as u64) * 4;
-        gemm.run(&self.inner.blas, prep.w_out.ptr(), p.a, y, bias, gemm_ws, gemm_ws_len, stream)?;
+        gemm.run(&self.inner.blas, prep.tensors.w_out.ptr(), p.a, y, bias, gemm_ws, gemm_ws_len, stream)?;
         mark("output GEMM")?;
         if p.common.formulation() == Formulation::Af3 {
             let grid = ceil_div(rows * c, STAGE_THREADS as usize * 8).clamp(1, 65_535);
@@ -411,7 +398,7 @@ impl CudaBackend {
             if plan.spec().n != rows {
                 return Err(Error::InvalidArgument(format!("no projection plan for a chunk of {rows} rows")));
             }
-            plan.run(&inner.blas, prep.w_in.ptr(), z, proj, 0, gemm_ws, gemm_ws_len, stream)?;
+            plan.run(&inner.blas, prep.tensors.w_in.ptr(), z, proj, 0, gemm_ws, gemm_ws_len, stream)?;
             let smem = params::gating_smem_bytes(h, tr) as u32;
             k.input_gating.launch(ceil_div(rows, tr), STAGE_THREADS, smem, stream, &kp)?;
             row0 += rows;

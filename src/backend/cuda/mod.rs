@@ -65,6 +65,7 @@ use super::caller_workspace::{self, Rebase, SpanCarver};
 use super::gemm::GemmSpec;
 use super::gpu_ceilings;
 use super::params::FusedInputLayout;
+use super::prepared::{f16_words, PreparedTensors};
 use super::{check_prepared_for, device_operands, Backend, Ceilings, DeviceInfo, MemoryInfo};
 use crate::device_io::{BackwardIo, DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
@@ -386,13 +387,9 @@ impl CudaBackend {
         Ok(b)
     }
 
-    fn upload_f16(&self, what: &str, v: &[f32]) -> Result<DeviceBuffer<u16>> {
-        if let Some(bad) = v.iter().find(|w| !w.is_finite() || w.abs() > 65504.0) {
-            return Err(Error::Weights(format!("{what} holds {bad}, outside the f16 range the GPU path uses")));
-        }
-        let h: Vec<u16> = v.iter().map(|&w| half::f16::from_f32(w).to_bits()).collect();
-        let mut b = self.alloc_buffer::<u16>(h.len())?;
-        b.upload(&h, self.stream())?;
+    fn upload_f16(&self, words: &[u16]) -> Result<DeviceBuffer<u16>> {
+        let mut b = self.alloc_buffer::<u16>(words.len())?;
+        b.upload(words, self.stream())?;
         Ok(b)
     }
 }
@@ -532,7 +529,7 @@ impl CudaBackend {
             blas,
             GemmSpec::output(m, cfg.c, cfg.h),
             Elem::F32,
-            prepared.out_bias.is_some(),
+            prepared.tensors.out_bias.is_some(),
             MAX_GEMM_WORKSPACE.min(output_ws),
         )?;
         Ok(self.workspace_of(problem, plan, tuning, (layout, t), (contraction, None), (output, None)))
@@ -646,15 +643,12 @@ impl Backend for CudaBackend {
         // packing below or out-of-bounds reads in a kernel.
         w.validate()?;
         let cfg = w.config();
-        let (fused, proj_bias) = w.fused_input()?;
-        let proj_bias = proj_bias.map(|b| self.upload_f32(&b)).transpose()?;
-        debug_assert_eq!(fused.len(), cfg.fused_proj_width() * cfg.c);
         let fused_input = match self.fused_layout(&cfg) {
             Some(layout) => {
                 let (mat, bias) = layout.pack(w);
                 Some(FusedInput {
                     layout,
-                    w: self.upload_f16("the input projections", &mat)?,
+                    w: self.upload_f16(&f16_words("the input projections", &mat)?)?,
                     bias: bias.map(|b| self.upload_f32(&b)).transpose()?,
                 })
             }
@@ -664,29 +658,13 @@ impl Backend for CudaBackend {
             config: cfg,
             id: super::next_weights_id(),
             fused: fused_input,
-            w_in: self.upload_f16("the input projections", &fused)?,
-            w_out: self.upload_f16("the output projection", &w.out_proj.weight)?,
-            proj_bias,
-            out_bias: w.out_proj.bias.as_ref().map(|b| self.upload_f32(b)).transpose()?,
-            norm_in_w: self.upload_f32(&w.norm_in.weight)?,
-            norm_in_b: self.upload_f32(&w.norm_in.bias)?,
-            norm_out_w: self.upload_f32(&w.norm_out.weight)?,
-            norm_out_b: self.upload_f32(&w.norm_out.bias)?,
-            biases: w.linears().map(|(_, l)| l.bias.is_some()),
+            tensors: PreparedTensors::upload(w, |h| self.upload_f16(h), |v| self.upload_f32(v))?,
         })
     }
 
     fn prepared_bytes(&self, p: &CudaPrepared) -> u64 {
         let f = p.fused.as_ref().map_or(0, |f| f.w.bytes() + f.bias.as_ref().map_or(0, |b| b.bytes()));
-        let opt = |b: &Option<DeviceBuffer<f32>>| b.as_ref().map_or(0, |b| b.bytes());
-        f + p.w_in.bytes()
-            + p.w_out.bytes()
-            + opt(&p.proj_bias)
-            + opt(&p.out_bias)
-            + p.norm_in_w.bytes()
-            + p.norm_in_b.bytes()
-            + p.norm_out_w.bytes()
-            + p.norm_out_b.bytes()
+        f + p.tensors.bytes()
     }
 
     fn workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> u64 {

@@ -9,6 +9,7 @@ use super::driver::{DeviceBuffer, DriverResult};
 use super::workspace::{CudaPrepared, FusedInput};
 use crate::backend::device_prepare::{params, PreparedLayout};
 use crate::backend::params::PREP_THREADS;
+use crate::backend::prepared::PreparedTensors;
 use crate::device_io::{DeviceSpan, DeviceWeights};
 use crate::error::Result;
 use crate::problem::Config;
@@ -49,7 +50,6 @@ impl CudaBackend {
             DeviceBuffer::borrowed(&be.inner.ctx, &be.inner.tracker, at, len)
         }
         let base = storage.ptr;
-        let (c, h, p) = (cfg.c, cfg.h, cfg.fused_proj_width());
         Ok(CudaPrepared {
             config: cfg,
             id: super::super::next_weights_id(),
@@ -58,18 +58,13 @@ impl CudaBackend {
                 w: view(self, base + layout.fused_w, f.rows() * f.k_pad),
                 bias: layout.fused_b.map(|off| view(self, base + off, f.rows())),
             }),
-            w_in: view(self, base + layout.w_in, p * c),
-            w_out: view(self, base + layout.w_out, c * h),
-            proj_bias: layout.proj_bias.map(|off| view(self, base + off, p)),
-            out_bias: layout.out_bias.map(|off| view(self, base + off, c)),
-            norm_in_w: view(self, base + layout.norms[0], c),
-            norm_in_b: view(self, base + layout.norms[1], c),
-            norm_out_w: view(self, base + layout.norms[2], h),
-            norm_out_b: view(self, base + layout.norms[3], h),
-            biases: {
-                let [a, b, c, d, e] = w.input_linears().map(|l| l.bias.is_some());
-                [a, b, c, d, e, w.out_proj.bias.is_some()]
-            },
+            tensors: PreparedTensors::views(
+                w,
+                &layout,
+                base,
+                |at, len| view(self, at, len),
+                |at, len| view(self, at, len),
+            ),
         })
     }
 }

@@ -298,16 +298,12 @@ impl CudaBackend {
                 ptr.wrapping_add(local * elem).wrapping_sub(global * elem)
             }
         };
+        let weights = prep.tensors.addresses();
         let addresses = |pos| Addresses {
             x: at(x, pos, c as u64 * io),
             mask: at(mask, pos, 4),
             y: at(y, pos, c as u64 * io),
-            norm_in_w: prep.norm_in_w.ptr(),
-            norm_in_b: prep.norm_in_b.ptr(),
-            norm_out_w: prep.norm_out_w.ptr(),
-            norm_out_b: prep.norm_out_b.ptr(),
-            w_out: prep.w_out.ptr(),
-            out_bias: prep.out_bias.as_ref().map_or(0, |bias| bias.ptr()),
+            ..weights
         };
         let count = r * n;
         let gate_of = |local: u64| ws.gate.ptr() + local * g as u64 * 2;

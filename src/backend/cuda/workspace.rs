@@ -14,6 +14,7 @@ use super::tuning::Tuning;
 use crate::backend::caller_workspace::Rebase;
 use crate::backend::gemm::GemmSpec;
 use crate::backend::params::{self, geometry, FusedInputLayout, InputParams, STAGE_THREADS};
+use crate::backend::prepared::{DeviceBytes, PreparedTensors};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::problem::{Config, Problem};
@@ -43,21 +44,19 @@ pub struct CudaPrepared {
     pub(super) id: u64,
     /// Weights in the fused input kernel's order, when that kernel takes this shape.
     pub(super) fused: Option<FusedInput>,
-    /// `[P, C]` f16, rows `[left_proj; left_gate; right_proj; right_gate; out_gate]`.
-    pub(super) w_in: DeviceBuffer<u16>,
-    /// `[C, H]` f16.
-    pub(super) w_out: DeviceBuffer<u16>,
-    /// `[P]` f32 in the order of `w_in`, when any input linear has a bias (af3).
-    pub(super) proj_bias: Option<DeviceBuffer<f32>>,
-    /// `[C]` f32, af3's output-projection bias.
-    pub(super) out_bias: Option<DeviceBuffer<f32>>,
-    pub(super) norm_in_w: DeviceBuffer<f32>,
-    pub(super) norm_in_b: DeviceBuffer<f32>,
-    pub(super) norm_out_w: DeviceBuffer<f32>,
-    pub(super) norm_out_b: DeviceBuffer<f32>,
-    /// Which linear layers have a bias, in [`Weights::linears`](crate::Weights::linears) order:
-    /// the backward returns a bias gradient exactly for those.
-    pub(super) biases: [bool; 6],
+    /// The f16 projections, f32 biases and LayerNorm parameters.
+    pub(super) tensors: PreparedTensors<DeviceBuffer<u16>, DeviceBuffer<f32>>,
+}
+
+// The prepared weights' buffers (`backend/prepared.rs`).
+impl<T> DeviceBytes for DeviceBuffer<T> {
+    fn address(&self) -> u64 {
+        self.ptr()
+    }
+
+    fn byte_len(&self) -> u64 {
+        self.bytes()
+    }
 }
 
 /// One build of the fused input kernel: its entry point, dynamic shared memory and positions

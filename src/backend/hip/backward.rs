@@ -39,7 +39,7 @@ use super::kernels::LDS_BYTES;
 use super::result::{self, BlasHandle, DeviceMem};
 use super::sys;
 use crate::backend::backward_params::{acc_smem, backward_sizes, output_norm_grad_smem, Outputs, THREADS};
-use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, BackwardWeights, KernelArgs, Residency};
+use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, KernelArgs, Residency};
 use crate::device_io::DeviceSpan;
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
@@ -106,13 +106,7 @@ impl HipBackend {
         b: &BackwardBuffers,
         stream: sys::hipStream_t,
     ) -> Result<()> {
-        let opt = |o: &Option<DeviceMem>| o.as_ref().map_or(0, DeviceMem::addr);
-        let w = BackwardWeights {
-            w: [prep.w_in.addr(), prep.w_out.addr()],
-            norms: [prep.norm_in_w.addr(), prep.norm_in_b.addr(), prep.norm_out_w.addr(), prep.norm_out_b.addr()],
-            bias: [opt(&prep.proj_bias), opt(&prep.out_bias)],
-            biases: prep.biases,
-        };
+        let w = prep.tensors.backward_weights();
         // 64 KiB of LDS per CU.
         let device = Residency { shared: LDS_BYTES, units: self.ctx.info.compute_units as usize };
         for step in backward_steps::steps(problem, &w, io, b, device) {
@@ -223,6 +217,6 @@ impl HipBackend {
                 sums?
             }
         };
-        Ok(out.gradients(&sums, prep.biases, c, h))
+        Ok(out.gradients(&sums, prep.tensors.biases, c, h))
     }
 }

@@ -14,6 +14,7 @@ use super::sys;
 use crate::backend::backward_params::BackwardSizes;
 use crate::backend::backward_steps::BackwardKernel;
 use crate::backend::params::STAGE_THREADS;
+use crate::backend::prepared::{DeviceBytes, PreparedTensors};
 use crate::backend::DeviceInfo;
 use crate::error::{Error, Result};
 use crate::problem::Config;
@@ -99,25 +100,23 @@ pub struct HipPrepared {
     pub(super) config: Config,
     /// Which prepared weights these are ([`super::next_weights_id`]).
     pub(super) id: u64,
-    /// f16 `[P, C]`: [left_proj; left_gate; right_proj; right_gate; out_gate].
-    pub(super) w_in: DeviceMem,
-    /// f16 `[C, H]`.
-    pub(super) w_out: DeviceMem,
-    /// f32 `[P]`, when any input-side linear layer has a bias (af3 only).
-    pub(super) proj_bias: Option<DeviceMem>,
-    /// f32 `[C]` (af3 with biases).
-    pub(super) out_bias: Option<DeviceMem>,
-    pub(super) norm_in_w: DeviceMem,
-    pub(super) norm_in_b: DeviceMem,
-    pub(super) norm_out_w: DeviceMem,
-    pub(super) norm_out_b: DeviceMem,
-    /// Which linear layers have a bias: the five input ones, then the output projection (the
-    /// backward returns gradients for those only).
-    pub(super) biases: [bool; 6],
+    /// The f16 projections, f32 biases and LayerNorm parameters.
+    pub(super) tensors: PreparedTensors<DeviceMem, DeviceMem>,
     pub(super) output: HipKernelOutput,
     pub(super) mfma: Option<Arc<Kernel>>,
     /// The fused input kernel, when the layer's forwards use it (one-pass and chunked plans).
     pub(super) input: Option<Arc<Kernel>>,
+}
+
+// The prepared weights' buffers (`backend/prepared.rs`).
+impl DeviceBytes for DeviceMem {
+    fn address(&self) -> u64 {
+        self.addr()
+    }
+
+    fn byte_len(&self) -> u64 {
+        self.bytes() as u64
+    }
 }
 
 pub(super) fn poisoned<T>(_: std::sync::PoisonError<T>) -> Error {

@@ -78,6 +78,7 @@ use super::params::{
     self as launch_params, to_i32, to_i64, Addresses, CommonParams, InputParams, OutputParams, PrepareParams,
     StageParams, INPUT_NORM_ROWS_PER_BLOCK, PREP_THREADS, STAGE_THREADS,
 };
+use super::prepared::PreparedTensors;
 use super::staged_steps::{self, StagedBuffers, StagedStep};
 use super::{
     check_device_forward, check_prepared_for, check_same_weights, device_operands, Backend, Ceilings, DeviceInfo,
@@ -389,16 +390,6 @@ impl HipBackend {
         Ok(mem)
     }
 
-    fn upload_f16(&self, what: &str, v: &[f32]) -> Result<DeviceMem> {
-        if let Some(bad) = v.iter().find(|w| !w.is_finite() || w.abs() > 65504.0) {
-            return Err(Error::Weights(format!("{what} holds {bad}, outside the f16 range the GPU path uses")));
-        }
-        let bits: Vec<u16> = v.iter().map(|&w| half::f16::from_f32(w).to_bits()).collect();
-        let mem = self.alloc_mem(2 * bits.len())?;
-        mem.upload(&self.ctx.stream, 0, &bits)?;
-        Ok(mem)
-    }
-
     fn mfma_kernel(&self) -> Result<Arc<Kernel>> {
         self.lazy_kernel(&self.ctx.mfma, kernels::OUTPUT_PROJECTION)
     }
@@ -433,23 +424,11 @@ impl HipBackend {
     fn prepare_as(&self, w: &Weights, stages: Stages) -> Result<HipPrepared> {
         w.validate()?;
         self.bind()?;
-        let config = w.config();
-        let (fused, proj_bias) = w.fused_input()?;
-        debug_assert_eq!(fused.len(), config.fused_proj_width() * config.c);
-        let proj_bias = proj_bias.map(|b| self.upload_f32(&b)).transpose()?;
         let (mfma, input) = self.stage_kernels(stages)?;
         Ok(HipPrepared {
-            config,
+            config: w.config(),
             id: super::next_weights_id(),
-            w_in: self.upload_f16("the input projections", &fused)?,
-            w_out: self.upload_f16("the output projection", &w.out_proj.weight)?,
-            proj_bias,
-            out_bias: w.out_proj.bias.as_ref().map(|b| self.upload_f32(b)).transpose()?,
-            norm_in_w: self.upload_f32(&w.norm_in.weight)?,
-            norm_in_b: self.upload_f32(&w.norm_in.bias)?,
-            norm_out_w: self.upload_f32(&w.norm_out.weight)?,
-            norm_out_b: self.upload_f32(&w.norm_out.bias)?,
-            biases: w.linears().map(|(_, l)| l.bias.is_some()),
+            tensors: PreparedTensors::upload(w, |h| self.upload_plain(h), |v| self.upload_plain(v))?,
             output: stages.output,
             mfma,
             input,
@@ -500,7 +479,7 @@ impl HipBackend {
         let pass_w = self.alloc_mem(plan.pass_weights_bytes)?;
         let c = plan.c;
         let stream = self.stream();
-        let bias = prepared.proj_bias.as_ref();
+        let bias = prepared.tensors.proj_bias.as_ref();
         for (dst, src, rows) in plan.pass_row_copies() {
             let (dst, src, row) = (dst as u64, src as u64, (c * 2) as u64);
             // SAFETY: both ranges lie inside their allocations: the prepared [P, C] f16 weights
@@ -510,7 +489,7 @@ impl HipBackend {
                 result::copy_dtod_async(
                     self.ctx.api,
                     pass_w.addr() + dst * row,
-                    prepared.w_in.addr() + src * row,
+                    prepared.tensors.w_in.addr() + src * row,
                     rows * c * 2,
                     stream,
                 )?;
@@ -557,24 +536,11 @@ impl HipBackend {
         // No validation here: this may run inside a graph capture. A verdict that exists is used.
         let stages = self.stages_for(&config, false)?;
         let (mfma, input) = self.stage_kernels(stages)?;
-        let (c, h, p) = (config.c, config.h, config.fused_proj_width());
-        let view =
-            |off: u64, bytes: usize| DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, storage.ptr + off, bytes);
+        let view = |off: u64, bytes: usize| DeviceMem::borrowed(self.ctx.api, &self.ctx.tracker, off, bytes);
         Ok(HipPrepared {
             config,
             id: super::next_weights_id(),
-            w_in: view(layout.w_in, p * c * 2),
-            w_out: view(layout.w_out, c * h * 2),
-            proj_bias: layout.proj_bias.map(|off| view(off, p * 4)),
-            out_bias: layout.out_bias.map(|off| view(off, c * 4)),
-            norm_in_w: view(layout.norms[0], c * 4),
-            norm_in_b: view(layout.norms[1], c * 4),
-            norm_out_w: view(layout.norms[2], h * 4),
-            norm_out_b: view(layout.norms[3], h * 4),
-            biases: {
-                let [a, b, c, d, e] = w.input_linears().map(|l| l.bias.is_some());
-                [a, b, c, d, e, w.out_proj.bias.is_some()]
-            },
+            tensors: PreparedTensors::views(w, &layout, storage.ptr, |at, n| view(at, 2 * n), |at, n| view(at, 4 * n)),
             output: stages.output,
             mfma,
             input,
@@ -677,20 +643,7 @@ impl HipBackend {
         let m = problem.shape.rows();
         let api = self.ctx.api;
         let poison = self.ctx.poison.load(Ordering::Relaxed);
-        let base = CommonParams::new(
-            problem,
-            Addresses {
-                x,
-                mask,
-                y,
-                norm_in_w: prep.norm_in_w.addr(),
-                norm_in_b: prep.norm_in_b.addr(),
-                norm_out_w: prep.norm_out_w.addr(),
-                norm_out_b: prep.norm_out_b.addr(),
-                w_out: prep.w_out.addr(),
-                out_bias: prep.out_bias.as_ref().map_or(0, DeviceMem::addr),
-            },
-        )?;
+        let base = CommonParams::new(problem, Addresses { x, mask, y, ..prep.tensors.addresses() })?;
         if problem.io != Precision::F32Io && prep.output != HipKernelOutput::Mfma {
             // input_norm reads 16-bit x, but the rocBLAS output GEMM writes f32 y.
             return Err(Error::Dtype(format!(
@@ -752,7 +705,7 @@ impl HipBackend {
             common: *base,
             z: Plan::address(z, base_of),
             proj: Plan::address(proj, base_of),
-            proj_bias: prep.proj_bias.as_ref().map_or(0, DeviceMem::addr),
+            proj_bias: prep.tensors.proj_bias_address(),
             left: ws.left.addr(),
             right: ws.right.addr(),
             gate: ws.gate.addr(),
@@ -769,7 +722,7 @@ impl HipBackend {
         // 1. LN_C, projection, gating: one fused MFMA kernel over every position, or chunk by
         // chunk (z and proj inside t or their own buffer).
         if let Some(kernel) = prep.input.as_ref() {
-            let p = InputParams { common: base.with_input_weights(prep.w_in.addr())?, ..input };
+            let p = InputParams { common: base.with_input_weights(prep.tensors.w_in.addr())?, ..input };
             let grid = problem.shape.rows().div_ceil(kernels::INPUT_PROJECTION_ROWS);
             // SAFETY: the invariant stated at the top of this section holds for these addresses;
             // w_in is the prepared [4H + G, C] f16 block the kernel reads (C % 4 == 0 and the LDS
@@ -788,7 +741,7 @@ impl HipBackend {
                         0,
                         &p,
                     )?;
-                    gemm(blas, &g, 1.0, prep.w_in.addr(), input.z, 0.0, input.proj)?;
+                    gemm(blas, &g, 1.0, prep.tensors.w_in.addr(), input.z, 0.0, input.proj)?;
                     launch(&k.input_gating, stream, rows.div_ceil(tr), launch_params::gating_smem_bytes(h, tr), &p)?;
                 }
             }
@@ -850,8 +803,8 @@ impl HipBackend {
             scratch: ws.scratch.addr(),
             pass_w: pass_w.addr(),
             t: ws.t.addr(),
-            w_in: prep.w_in.addr(),
-            proj_bias: prep.proj_bias.as_ref().map_or(0, DeviceMem::addr),
+            w_in: prep.tensors.w_in.addr(),
+            proj_bias: prep.tensors.proj_bias_address(),
         };
         // SAFETY (every launch and GEMM below): the steps' addresses lie inside the workspace's
         // buffers, the prepared weights and the call's x, mask and y, as the plan lays them out
@@ -906,8 +859,8 @@ impl HipBackend {
         let (c, h) = (plan.c, plan.h);
         let (batch, n, m) = (problem.shape.batch, problem.shape.n, problem.shape.rows());
         let nn = n * n;
-        let fused = base.with_input_weights(prep.w_in.addr())?;
-        let proj_bias = prep.proj_bias.as_ref().map_or(0, DeviceMem::addr);
+        let fused = base.with_input_weights(prep.tensors.w_in.addr())?;
+        let proj_bias = prep.tensors.proj_bias_address();
         let (hidden_items, gate_items) = kernels::input_projection_items(h, plan.g);
         let tile = kernels::INPUT_PROJECTION_TILE;
         let smem = kernels::input_projection_smem_bytes(c);
@@ -1019,9 +972,9 @@ impl HipBackend {
                         launch_params::output_norm_smem_bytes(h, tp),
                         &np,
                     )?;
-                    gemm(blas, &g, 1.0, prep.w_out.addr(), p.a, 0.0, y)?;
+                    gemm(blas, &g, 1.0, prep.tensors.w_out.addr(), p.a, 0.0, y)?;
                 }
-                if let Some(bias) = &prep.out_bias {
+                if let Some(bias) = &prep.tensors.out_bias {
                     let ones = ones.ok_or_else(|| {
                         Error::InvalidArgument("workspace has no ones vector for the af3 bias".into())
                     })?;
@@ -1165,13 +1118,7 @@ impl Backend for HipBackend {
     }
 
     fn prepared_bytes(&self, p: &HipPrepared) -> u64 {
-        let opt = |b: &Option<DeviceMem>| b.as_ref().map_or(0, |m| m.bytes() as u64);
-        [&p.w_in, &p.w_out, &p.norm_in_w, &p.norm_in_b, &p.norm_out_w, &p.norm_out_b]
-            .iter()
-            .map(|m| m.bytes() as u64)
-            .sum::<u64>()
-            + opt(&p.proj_bias)
-            + opt(&p.out_bias)
+        p.tensors.bytes()
     }
 
     fn exec_plan(ws: &HipWorkspace) -> ExecPlan {
