@@ -163,14 +163,7 @@ impl HipBackend {
         let run = |span: DeviceSpan| -> Result<Vec<f32>> {
             let bufs = BackwardBuffers::new(problem, 0, span.ptr);
             span.check("the backward's workspace", bufs.bytes)?;
-            let blas = self.ctx.blas.lock().map_err(poisoned)?;
-            let own = self.ctx.stream.raw();
-            if stream != own {
-                // SAFETY: the caller's stream is live for the work (this function's contract);
-                // the handle goes back to our stream below, before the lock is released.
-                unsafe { blas.set_stream(stream)? };
-            }
-            let enqueued = (|| -> Result<()> {
+            let enqueue = |blas: &BlasHandle| -> Result<()> {
                 if poison {
                     for &(at, bytes) in &bufs.written {
                         // SAFETY: a buffer laid out for this problem in `span` (checked above).
@@ -178,20 +171,15 @@ impl HipBackend {
                     }
                 }
                 // SAFETY: forwarded from this function's contract; `bufs` lies in `span`.
-                unsafe { self.enqueue_backward(&kernels, &blas, prep, problem, io, &bufs, stream) }
-            })();
-            let restored = if stream != own {
-                // SAFETY: our own stream lives as long as the context that owns the handle.
-                unsafe { blas.set_stream(own) }
-            } else {
-                Ok(())
+                unsafe { self.enqueue_backward(&kernels, blas, prep, problem, io, &bufs, stream) }
             };
+            // SAFETY: the caller's stream is live for the work (this function's contract).
+            let enqueued = unsafe { self.with_blas_on(stream, enqueue) };
             // Whatever was enqueued (all of it, or what came before a failure) still writes dx
             // and the buffers: wait for it, so that the caller's memory is free when this returns.
             // SAFETY: a live stream of this device (the caller's, by contract, or ours).
             let waited = unsafe { result::stream_synchronize(api, stream) };
             enqueued?;
-            restored?;
             waited?;
             let mut sums = vec![0f32; out.len];
             let view = DeviceMem::borrowed(api, &self.ctx.tracker, bufs.sums, out.len * 4);

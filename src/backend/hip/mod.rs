@@ -607,21 +607,33 @@ impl HipBackend {
             return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
         }
         self.bind()?;
+        // SAFETY: forwarded from this function's contract (the stream is live for the work).
+        unsafe { self.with_blas_on(stream, |blas| self.enqueue_stages(blas, prep, ws, problem, x, mask, y, stream)) }
+    }
+
+    /// Runs `f` with the rocBLAS handle bound to `stream` (a caller's, or our own), and binds it
+    /// back to our own stream afterwards, also when `f` failed, before the lock is released: later
+    /// calls never use a caller's stream. `f`'s error comes first, then the rebinding's.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device until the work `f` enqueues on it has run.
+    unsafe fn with_blas_on<R>(&self, stream: sys::hipStream_t, f: impl FnOnce(&BlasHandle) -> Result<R>) -> Result<R> {
         let blas = self.ctx.blas.lock().map_err(poisoned)?;
         let own = self.ctx.stream.raw();
         if stream != own {
-            // SAFETY: the caller's stream is live for the work (this function's contract), and
-            // the handle goes back to our own stream below before anyone else can use it.
+            // SAFETY: this function's contract; the handle goes back to our stream below.
             unsafe { blas.set_stream(stream)? };
         }
-        // SAFETY: forwarded from this function's contract.
-        let run = unsafe { self.enqueue_stages(&blas, prep, ws, problem, x, mask, y, stream) };
-        if stream != own {
-            // Back to our stream even when a stage failed, so later calls do not use the caller's.
+        let run = f(&blas);
+        let restored = if stream != own {
             // SAFETY: our own stream lives as long as the context that owns the handle.
-            unsafe { blas.set_stream(own)? };
-        }
-        run
+            unsafe { blas.set_stream(own) }
+        } else {
+            Ok(())
+        };
+        let out = run?;
+        restored?;
+        Ok(out)
     }
 
     /// # Safety
