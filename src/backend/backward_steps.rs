@@ -55,9 +55,8 @@ pub(crate) struct BackwardBuffers {
     /// `partial`, the f64 partial sums of the column sums; dcat goes over p, dz over e); its other
     /// fields are zero.
     pub(crate) tensors: BackwardParams,
-    /// The widened weights, `[F, C]` and `[C, H]` f32.
-    pub(crate) w_cat: u64,
-    pub(crate) w_out: u64,
+    /// The weights widened to f32: Wcat `[F, C]` and Wout `[C, H]`.
+    pub(crate) widened: [u64; 2],
     /// The weight gradients' per-chunk f32 sums, `[chunks + 1, widest weight]`.
     pub(crate) weight_partial: u64,
     /// The weight gradients, at [`Outputs`]' offsets (f32).
@@ -102,12 +101,12 @@ impl BackwardBuffers {
             du: a(m * h, 4),
             ..BackwardParams::default()
         };
-        let (w_cat, w_out, weight_partial, sums) = (a(f * c, 4), a(c * h, 4), a(chunks * widest, 4), a(out.len, 4));
+        let (widened, weight_partial, sums) = ([a(f * c, 4), a(c * h, 4)], a(chunks * widest, 4), a(out.len, 4));
         tensors.partial = a((MAX_ROW_BLOCKS * f.max(2 * c).max(2 * h)).max(widest), 8);
         // dz goes where s/ds (or v) was: dead after the output stage.
         (tensors.dcat, tensors.dz) = (tensors.p, tensors.e);
         let gemm_ws = if gemm_ws > 0 { base + span.carve(gemm_ws, |at| at) } else { 0 };
-        BackwardBuffers { tensors, w_cat, w_out, weight_partial, sums, gemm_ws, written, bytes: span.end() }
+        BackwardBuffers { tensors, widened, weight_partial, sums, gemm_ws, written, bytes: span.end() }
     }
 }
 
@@ -334,7 +333,8 @@ pub(crate) fn steps(
             }
             column_sum_of(s, part, whole + usize::from(rest > 0), wa * wb, wa * wb, to)
         };
-    for (src, dst, len) in [(w.w[0], b.w_cat, f * c), (w.w[1], b.w_out, c * h)] {
+    let [w_cat, w_out] = b.widened;
+    for (src, dst, len) in [(w.w[0], w_cat, f * c), (w.w[1], w_out, c * h)] {
         let args = KernelArgs::Widen(Widen { src, dst, n: len as i64 });
         s.push(BackwardStep::Launch { kernel: BackwardKernel::Widen, grid: len.div_ceil(threads), smem: 0, args });
     }
@@ -343,7 +343,7 @@ pub(crate) fn steps(
 
     // 1-5: the forward, recomputed, keeping what the backward reads.
     launch(&mut s, BackwardKernel::InputNorm, warp_rows, 0, p);
-    gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), p.z, b.w_cat, p.p);
+    gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), p.z, w_cat, p.p);
     s.push(BackwardStep::Mark("LN_C and the input projection"));
     launch(&mut s, BackwardKernel::Gating, tiles, GATING_SMEM as usize, p);
     s.push(BackwardStep::Mark("gating"));
@@ -357,19 +357,19 @@ pub(crate) fn steps(
     // 6-9: the output projection and gate.
     let out_bias = w.biases[5];
     if af3 {
-        gemm(&mut s, rm(m, c, h, (false, h), (true, h), c), p.u, b.w_out, p.e);
+        gemm(&mut s, rm(m, c, h, (false, h), (true, h), c), p.u, w_out, p.e);
         launch(&mut s, BackwardKernel::OutputGate, (m * c).div_ceil(threads), 0, p);
         weight_grad(&mut s, (p.e, c, c), (p.u, h, h), out.w_out);
         if out_bias {
             column_sum(&mut s, p.e, c, c, out.b_out);
         }
-        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), p.e, b.w_out, p.du);
+        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), p.e, w_out, p.du);
     } else {
         weight_grad(&mut s, (dy, c, c), (p.e, h, h), out.w_out);
         if out_bias {
             column_sum(&mut s, dy, c, c, out.b_out);
         }
-        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy, b.w_out, p.du);
+        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy, w_out, p.du);
         launch(&mut s, BackwardKernel::OutputGate, (m * h).div_ceil(threads), 0, p);
     }
     s.push(BackwardStep::Mark("output projection and gate backward"));
@@ -402,7 +402,7 @@ pub(crate) fn steps(
         column_sum(&mut s, p.dcat, f, f, out.b_cat);
     }
     s.push(BackwardStep::Mark("input weight gradients"));
-    gemm(&mut s, rm(m, c, f, (false, f), (false, c), c), p.dcat, b.w_cat, p.dz);
+    gemm(&mut s, rm(m, c, f, (false, f), (false, c), c), p.dcat, w_cat, p.dz);
     s.push(BackwardStep::Mark("dz = dcat·Wcat"));
     let blocks = BackwardParams { blocks: in_grad_blocks as i32, ..p };
     launch(&mut s, BackwardKernel::InputNormGrad, in_grad_blocks, acc_smem(c), blocks);
