@@ -654,7 +654,8 @@ macro_rules! device_layer {
                 let c = self.lock()?.config().c;
                 let workspace = DeviceSpan { ptr: ws, bytes: ws_bytes };
                 let io = device_io(c, b, n, (x, x_len), (mask, mask_len), (y, y_len), io, workspace, stream)?;
-                let fresh = fresh.map(|(w, ptr, bytes)| entries(w).map(|e| (e, DeviceSpan { ptr, bytes }))).transpose()?;
+                let fresh =
+                    fresh.map(|(w, ptr, bytes)| entries(w).map(|e| (e, DeviceSpan { ptr, bytes }))).transpose()?;
                 py.detach(|| {
                     let mut layer = self.lock()?;
                     if let Some((e, span)) = &fresh {
