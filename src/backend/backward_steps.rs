@@ -440,7 +440,9 @@ mod tests {
             let out = Outputs::new(c, h, fw);
             let b = BackwardBuffers::new(&problem, 4096, span);
             let biases6 = [biases, false, biases, false, false, biases];
-            let w = BackwardWeights { w: [w_in, w_out], norms: [0; 4], bias: [0; 2], biases: biases6 };
+            // Distinct addresses for the LayerNorm parameters and biases, so that a swap shows.
+            let (norms, bias) = ([11, 12, 13, 14].map(|k: u64| k << 40), [15u64 << 40, 16 << 40]);
+            let w = BackwardWeights { w: [w_in, w_out], norms, bias, biases: biases6 };
             let mask = if masked { mask_at } else { 0 };
             let mut regions = vec![
                 (x, (m * c * 4) as u64),
@@ -492,15 +494,24 @@ mod tests {
                                     assert_eq!(p.blocks as usize, grid, "{what}: {kernel:?}");
                                     assert!(grid <= MAX_ROW_BLOCKS, "{what}");
                                 }
+                                let weights = [p.norm_in_w, p.norm_in_b, p.norm_out_w, p.norm_out_b];
+                                assert_eq!((weights, [p.proj_bias, p.out_bias]), (norms, bias), "{what}: {kernel:?}");
+                                assert_eq!((p.x, p.mask, p.dy, p.dx), (x, mask, dy, dx), "{what}: {kernel:?}");
                                 for (addr, len, name) in [
                                     (p.x, m * c * 4, "x"),
                                     (p.dx, m * c * 4, "dx"),
                                     (p.z, m * c * 4, "z"),
+                                    (p.stats_x, 2 * m * 4, "stats_x"),
                                     (p.p, m * fw * 4, "p"),
                                     (p.left, m * h * 4, "left"),
                                     (p.right, m * h * 4, "right"),
                                     (p.t, m * h * 4, "t"),
+                                    (p.u, m * h * 4, "u"),
+                                    (p.stats_t, 2 * m * 4, "stats_t"),
+                                    (p.e, m * c.max(h) * 4, "e"),
+                                    (p.du, m * h * 4, "du"),
                                     (p.dz, m * c * 4, "dz"),
+                                    (p.partial, MAX_ROW_BLOCKS * fw.max(2 * c).max(2 * h) * 8, "partial"),
                                 ] {
                                     inside(addr, len as u64, name);
                                 }
@@ -524,6 +535,17 @@ mod tests {
             }
             assert_eq!(sums_written, want, "{what}: the gradients the column sums write");
         }
+    }
+
+    /// The backends keep their kernels in arrays indexed by `kernel as usize`, in `ALL`'s order,
+    /// loaded by each kernel's entry point.
+    #[test]
+    fn every_kernel_has_its_index_and_a_distinct_entry_point() {
+        for (i, k) in BackwardKernel::ALL.iter().enumerate() {
+            assert_eq!(*k as usize, i, "{k:?}");
+        }
+        let entries: std::collections::BTreeSet<_> = BackwardKernel::ALL.iter().map(|k| k.entry()).collect();
+        assert_eq!(entries.len(), BackwardKernel::ALL.len());
     }
 
     /// The span's bytes: the buffers in order, each 256-byte aligned, then the GEMM workspace
