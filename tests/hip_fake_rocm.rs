@@ -319,6 +319,31 @@ fn a_y_pointer_outside_device_memory_is_caught_by_the_fake() {
     eprintln!("refused as it should be: {e}");
 }
 
+/// `run`'s result with the fake's failure injection `spec` on (`TRIMUL_FAKE_ROCM_FAIL`, see
+/// fake_rocm.cpp: the n-th call of one entry point fails), and off again afterwards.
+fn with_failure<T>(spec: &str, run: impl FnOnce() -> T) -> T {
+    std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", spec);
+    let out = run();
+    std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
+    out
+}
+
+/// `e` is the error of the injected failure `spec` names, naming its entry point.
+fn assert_injected(spec: &str, e: &Error) {
+    let call = spec.split(':').next().unwrap();
+    assert!(e.to_string().contains(&format!("injected failure of {call}")), "{spec}: {e}");
+}
+
+/// On `b`, gpumode C = 32, H = 16 in `dir`: a forward of `fwd` against the reference, which must
+/// take the output path `want`, then a backward of `bwd` against the reference.
+fn forward_then_backward(b: &HipBackend, fwd: Case, bwd: Case, dir: Direction, want: HipKernelOutput, seed: u64) {
+    let cfg = Config::new(Formulation::GpuMode, 32, 16).unwrap();
+    assert_eq!(check(b, cfg, &fwd, dir, false, seed), want);
+    let w = Weights::random(cfg, false, base_seed() ^ (2 * seed)).unwrap();
+    let mut layer = Layer::new(b, &w, Options::new(dir)).unwrap();
+    check_backward(&mut layer, &w, &bwd, base_seed() ^ (2 * seed + 1));
+}
+
 #[test]
 fn each_arch_gets_its_own_code_objects_and_unknown_archs_fail_clearly() {
     let Some(_g) = fake_with_code_objects() else { return };
@@ -326,16 +351,9 @@ fn each_arch_gets_its_own_code_objects_and_unknown_archs_fail_clearly() {
     std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx90a:sramecc+:xnack-");
     let b = backend(true);
     assert_eq!(b.arch(), "gfx90a");
-    let cfg = Config::new(Formulation::GpuMode, 32, 16).unwrap();
-    assert_eq!(
-        check(&b, cfg, &Case::new(6, 1, 32, true, Dist::Normal), Direction::Outgoing, false, 3),
-        HipKernelOutput::Mfma
-    );
     // The backward kernels from gfx90a's own code object.
-    let w = Weights::random(cfg, false, base_seed() ^ 6).unwrap();
-    let mut layer = Layer::new(&b, &w, Options::new(Direction::Outgoing)).unwrap();
-    check_backward(&mut layer, &w, &Case::new(9, 2, 32, true, Dist::Normal), base_seed() ^ 7);
-    drop(layer);
+    let (fwd, bwd) = (Case::new(6, 1, 32, true, Dist::Normal), Case::new(9, 2, 32, true, Dist::Normal));
+    forward_then_backward(&b, fwd, bwd, Direction::Outgoing, HipKernelOutput::Mfma, 3);
     drop(b);
     // RDNA3 with no hipRTC: no kernels, and the error says why.
     std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx1100");
@@ -367,16 +385,10 @@ fn each_arch_gets_its_own_code_objects_and_unknown_archs_fail_clearly() {
     let b = backend(true);
     let kernels = b.info().versions.into_iter().find(|(k, _)| k == "kernels").unwrap().1;
     assert!(kernels.contains("input_norm: hipRTC gfx1100"), "{kernels}");
-    // No MFMA on RDNA: the rocBLAS output path, whatever was asked.
-    assert_eq!(
-        check(&b, cfg, &Case::new(5, 2, 32, true, Dist::Cauchy), Direction::Incoming, false, 4),
-        HipKernelOutput::Blas
-    );
-    // The backward kernels compiled at run time for gfx1100 (one hipRTC compile, ten kernels).
-    let w = Weights::random(cfg, false, base_seed() ^ 8).unwrap();
-    let mut layer = Layer::new(&b, &w, Options::new(Direction::Incoming)).unwrap();
-    check_backward(&mut layer, &w, &Case::new(9, 2, 32, false, Dist::Cauchy), base_seed() ^ 9);
-    drop(layer);
+    // No MFMA on RDNA: the rocBLAS output path, whatever was asked. The backward kernels
+    // compiled at run time for gfx1100 (one hipRTC compile, ten kernels).
+    let (fwd, bwd) = (Case::new(5, 2, 32, true, Dist::Cauchy), Case::new(9, 2, 32, false, Dist::Cauchy));
+    forward_then_backward(&b, fwd, bwd, Direction::Incoming, HipKernelOutput::Blas, 4);
     drop(b);
     // And on gfx942 with everything compiled at run time, MFMA kernel included.
     std::env::set_var("TRIMUL_FAKE_ROCM_ARCH", "gfx942:sramecc+:xnack-");
@@ -745,13 +757,9 @@ fn device_faults_are_errors_and_the_layer_recovers() {
             if warm {
                 assert_eq!(forward(&mut layer).unwrap(), good);
             }
-            std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", spec);
-            let faulted = forward(&mut layer);
-            std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
-            match faulted {
+            match with_failure(spec, || forward(&mut layer)) {
                 Err(e) => {
-                    let call = spec.split(':').next().unwrap();
-                    assert!(e.to_string().contains(&format!("injected failure of {call}")), "{spec}: {e}");
+                    assert_injected(spec, &e);
                     eprintln!("{spec} (warm: {warm}): {e}");
                 }
                 // A warm layer allocates nothing: an injected allocation failure is never reached.
@@ -764,9 +772,8 @@ fn device_faults_are_errors_and_the_layer_recovers() {
         }
     }
     // Preparing the weights can fail too; the next layer prepares normally.
-    std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", "hipMemcpyHtoDAsync:1");
-    let e = Layer::new(&b, &weights, options).err().expect("preparing through a failed copy is an error");
-    std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
+    let e = with_failure("hipMemcpyHtoDAsync:1", || Layer::new(&b, &weights, options).err());
+    let e = e.expect("preparing through a failed copy is an error");
     assert!(e.to_string().contains("injected failure"), "{e}");
     assert_eq!(forward(&mut Layer::new(&b, &weights, options).unwrap()).unwrap(), good);
 }
@@ -917,13 +924,9 @@ fn backward_device_faults_are_errors_and_the_next_backward_is_exact() {
         if spec.starts_with("hipMalloc") {
             b.free_backward_buffers();
         }
-        std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", spec);
-        let faulted = backward(&mut layer);
-        std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
-        match faulted {
+        match with_failure(spec, || backward(&mut layer)) {
             Err(e) => {
-                let call = spec.split(':').next().unwrap();
-                assert!(e.to_string().contains(&format!("injected failure of {call}")), "{spec}: {e}");
+                assert_injected(spec, &e);
                 eprintln!("{spec}: {e}");
             }
             Ok(_) => panic!("{spec}: the backward returned Ok through a device failure"),
@@ -1079,9 +1082,7 @@ fn fast_paths_are_validated_before_use_and_broken_ones_are_never_used() {
 
     // 6. A validation that cannot run to the end (a launch that faults) keeps the kernel out for
     // this process without writing a verdict, and the backend goes on working.
-    std::env::set_var("TRIMUL_FAKE_ROCM_FAIL", "hipModuleLaunchKernel:3");
-    let failed = b.validate(OutputProjection, 48, 8).unwrap();
-    std::env::remove_var("TRIMUL_FAKE_ROCM_FAIL");
+    let failed = with_failure("hipModuleLaunchKernel:3", || b.validate(OutputProjection, 48, 8)).unwrap();
     assert!(!failed.used && failed.reason.contains("validation run failed"), "{failed:?}");
     std::env::set_var("TRIMUL_FAKE_ROCM_SLOW", "input_projection:10000"); // input: a verdict, not used
     assert_eq!(paths_of(&b, gm(48, 8)), (false, HipKernelOutput::Blas));

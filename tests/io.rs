@@ -101,11 +101,10 @@ fn push_norm(out: &mut Named, weight: &str, bias: &str, n: &Norm) {
 fn gpumode_named(w: &Weights) -> Named {
     let mut o = Named::new();
     push_norm(&mut o, "norm.weight", "norm.bias", &w.norm_in);
-    push_linear(&mut o, "left_proj.weight", "-", &w.left_proj);
-    push_linear(&mut o, "right_proj.weight", "-", &w.right_proj);
-    push_linear(&mut o, "left_gate.weight", "-", &w.left_gate);
-    push_linear(&mut o, "right_gate.weight", "-", &w.right_gate);
-    push_linear(&mut o, "out_gate.weight", "-", &w.out_gate);
+    let projections = [&w.left_proj, &w.right_proj, &w.left_gate, &w.right_gate, &w.out_gate];
+    for (name, l) in ["left_proj", "right_proj", "left_gate", "right_gate", "out_gate"].into_iter().zip(projections) {
+        push_linear(&mut o, &format!("{name}.weight"), "-", l);
+    }
     push_norm(&mut o, "to_out_norm.weight", "to_out_norm.bias", &w.norm_out);
     push_linear(&mut o, "to_out.weight", "-", &w.out_proj);
     o
@@ -135,14 +134,16 @@ fn packed_named(w: &Weights, sep: &str) -> Named {
 
 fn openfold_named(w: &Weights) -> Named {
     let mut o = Named::new();
+    let linear =
+        |o: &mut Named, name: &str, l: &Linear| push_linear(o, &format!("{name}.weight"), &format!("{name}.bias"), l);
     push_norm(&mut o, "layer_norm_in.weight", "layer_norm_in.bias", &w.norm_in);
-    push_linear(&mut o, "linear_a_p.weight", "linear_a_p.bias", &w.left_proj);
-    push_linear(&mut o, "linear_a_g.weight", "linear_a_g.bias", &w.left_gate);
-    push_linear(&mut o, "linear_b_p.weight", "linear_b_p.bias", &w.right_proj);
-    push_linear(&mut o, "linear_b_g.weight", "linear_b_g.bias", &w.right_gate);
+    let inputs = [&w.left_proj, &w.left_gate, &w.right_proj, &w.right_gate];
+    for (name, l) in ["linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g"].into_iter().zip(inputs) {
+        linear(&mut o, name, l);
+    }
     push_norm(&mut o, "layer_norm_out.weight", "layer_norm_out.bias", &w.norm_out);
-    push_linear(&mut o, "linear_z.weight", "linear_z.bias", &w.out_proj);
-    push_linear(&mut o, "linear_g.weight", "linear_g.bias", &w.out_gate);
+    linear(&mut o, "linear_z", &w.out_proj);
+    linear(&mut o, "linear_g", &w.out_gate);
     o
 }
 
