@@ -55,8 +55,20 @@ def triangle_multiplicative_update(
     tensors and NumPy arrays on the CPU backend (or the one ``TRIMUL_BACKEND`` names).
     """
     # The weights in signature order (`AF3_WEIGHTS`'s), as the fast path and the checks take them.
-    w = (norm_in_weight, norm_in_bias, p_in_weight, p_in_bias, g_in_weight, g_in_bias)
-    w = (*w, norm_out_weight, norm_out_bias, p_out_weight, p_out_bias, g_out_weight, g_out_bias)
+    w = (
+        norm_in_weight,
+        norm_in_bias,
+        p_in_weight,
+        p_in_bias,
+        g_in_weight,
+        g_in_bias,
+        norm_out_weight,
+        norm_out_bias,
+        p_out_weight,
+        p_out_bias,
+        g_out_weight,
+        g_out_bias,
+    )
     if _torch_module is not None and precision is None and _torch_module._direct(x, w):
         # Weights this stream prepared before: checked then, and still the same tensors.
         y = _torch_module.cached_call(x, mask, w, direction, eps)
