@@ -105,6 +105,28 @@ pub(crate) fn backward_sizes(problem: &crate::problem::Problem) -> BackwardSizes
     (problem.shape.batch, problem.shape.n, cfg.c, cfg.h, cfg.fused_proj_width())
 }
 
+/// `run` on the block a backward's buffers live in when the caller gives no workspace: the one
+/// `kept` from the last backward when it was made for the same `sizes`, else a new one from
+/// `alloc` (the other freed first, so that it does not count against the new). The block is
+/// kept again whatever `run` returns.
+pub(crate) fn in_kept_block<B, T>(
+    kept: &mut Option<(BackwardSizes, B)>,
+    sizes: BackwardSizes,
+    alloc: impl FnOnce() -> crate::error::Result<B>,
+    run: impl FnOnce(&B) -> crate::error::Result<T>,
+) -> crate::error::Result<T> {
+    let block = match kept.take() {
+        Some((k, block)) if k == sizes => block,
+        other => {
+            drop(other);
+            alloc()?
+        }
+    };
+    let out = run(&block);
+    *kept = Some((sizes, block));
+    out
+}
+
 /// Dynamic shared memory of `backward_input_norm_grad` (`TM_BWD_ACC_SMEM`): per-warp sums of
 /// `2w` columns.
 pub(crate) fn acc_smem(w: usize) -> usize {

@@ -17,7 +17,9 @@ use super::blas::MatmulPlan;
 use super::context::{CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
 use super::driver::DeviceBuffer;
 use super::workspace::CudaPrepared;
-use crate::backend::backward_params::{acc_smem, backward_sizes, output_norm_grad_smem, Outputs, THREADS};
+use crate::backend::backward_params::{
+    acc_smem, backward_sizes, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
+};
 use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, KernelArgs, Residency};
 use crate::device_io::DeviceSpan;
 use crate::error::{Error, Result};
@@ -158,18 +160,10 @@ impl CudaBackend {
                     self.inner.backward_block.lock().map_err(|_| {
                         Error::Internal("a backward panicked while holding the backward buffers".into())
                     })?;
-                let block = match kept.take() {
-                    Some((k, block)) if k == backward_sizes(problem) => block,
-                    // Other sizes: that block is freed first, so that it does not count against the
-                    // new (the taken value would otherwise live to the end of this statement).
-                    other => {
-                        drop(other);
-                        self.alloc_buffer::<u8>(bytes as usize)?
-                    }
-                };
-                let sums = run(DeviceSpan { ptr: block.ptr(), bytes });
-                *kept = Some((backward_sizes(problem), block));
-                sums?
+                let alloc = || self.alloc_buffer::<u8>(bytes as usize);
+                in_kept_block(&mut kept, backward_sizes(problem), alloc, |block| {
+                    run(DeviceSpan { ptr: block.ptr(), bytes })
+                })?
             }
         };
         Ok(out.gradients(&sums, prep.tensors.biases, c, h))

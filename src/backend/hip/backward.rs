@@ -38,7 +38,9 @@ use super::context::{launch_by_value, poisoned, BackwardKernels, HipBackend, Hip
 use super::kernels::LDS_BYTES;
 use super::result::{self, BlasHandle, DeviceMem};
 use super::sys;
-use crate::backend::backward_params::{acc_smem, backward_sizes, output_norm_grad_smem, Outputs, THREADS};
+use crate::backend::backward_params::{
+    acc_smem, backward_sizes, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
+};
 use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, KernelArgs, Residency};
 use crate::device_io::DeviceSpan;
 use crate::error::{BackendKind, Error, Result};
@@ -191,18 +193,10 @@ impl HipBackend {
             None => {
                 let bytes = self.backward_span_bytes(problem)?;
                 let mut kept = self.ctx.backward_block.lock().map_err(poisoned)?;
-                let block = match kept.take() {
-                    Some((k, block)) if k == backward_sizes(problem) => block,
-                    // Other sizes: that block is freed first, so that it does not count against the
-                    // new (the taken value would otherwise live to the end of this statement).
-                    other => {
-                        drop(other);
-                        self.alloc_mem(bytes as usize)?
-                    }
-                };
-                let sums = run(DeviceSpan { ptr: block.addr(), bytes });
-                *kept = Some((backward_sizes(problem), block));
-                sums?
+                let alloc = || self.alloc_mem(bytes as usize);
+                in_kept_block(&mut kept, backward_sizes(problem), alloc, |block| {
+                    run(DeviceSpan { ptr: block.addr(), bytes })
+                })?
             }
         };
         Ok(out.gradients(&sums, prep.tensors.biases, c, h))
