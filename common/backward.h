@@ -10,18 +10,24 @@
 //   backward_output_norm_grad dt = ρ·(ĝ − mean(ĝ) − t̂·mean(ĝ⊙t̂)), ĝ = du⊙γ;  Σ du⊙t̂, Σ du
 //   backward_gating_grad      dpX = dX⊙σ(qX)⊙mask, dqX = dX⊙pX⊙mask⊙σ(qX)(1 − σ(qX)), X = L, R
 //   backward_input_norm_grad  dx = ρ·(ĝ − mean(ĝ) − x̂·mean(ĝ⊙x̂)), ĝ = dz⊙γ;  Σ dz⊙x̂, Σ dz
-//   backward_widen            the f16 prepared weights to f32
+//   backward_convert          between precisions: the f16 prepared weights to f32 or bf16, gpumode's
+//                             16-bit dy to f32
 //   backward_column_partials, backward_column_finish
 //                             Σ over positions of each column of an [M, W] matrix (the bias
 //                             gradients) or of the LayerNorm kernels' partial sums, in f64, in a
 //                             fixed order
 //
-// Everything is f32. Position-major tensors are [M, W] row-major; left, right, t (then dt) are
+// Precision: with f32 I/O everything is f32. With 16-bit I/O (`io`: bf16 or f16 x, dy and dx, read
+// and written where they lie) the widest intermediates are 16-bit: z and P in f16, as the forward
+// keeps them (their values are bounded by LN_C; f16 has three more mantissa bits than bf16), dcat
+// in bf16 (a gradient: f32's range), with a bf16 copy of z for dcat's GEMM dWcat = dcatᵀ·z; the
+// rest stays f32 and every kernel computes in f32. Position-major tensors are [M, W] row-major; left, right, t (then dt) are
 // hidden-major [B, H, N²], the layout of the contraction's batched GEMMs. The kernels that move
 // data between the two layouts take TM_BWD_TILE consecutive positions per block and go through
 // shared memory, so that both the hidden-major side (consecutive positions) and the
 // position-major side (consecutive channels) are read and written in whole 128-byte lines.
 #pragma once
+#include "common/params.h"
 
 #define TM_BWD_THREADS 256
 #define TM_BWD_WARPS (TM_BWD_THREADS / 32)
@@ -37,8 +43,8 @@
 // The one argument of the per-position kernels (mirrored by `BackwardParams` in
 // src/backend/cuda/backward.rs: the same fields in the same order).
 typedef struct {
-  const float* x;           // [M, C]
-  const float* dy;          // [M, C]
+  const void* x;            // [M, C] in `io`
+  const void* dy;           // [M, C] in `io`
   const float* mask;        // [M]; null: no mask
   const float* norm_in_w;   // [C]
   const float* norm_in_b;   // [C]
@@ -46,9 +52,10 @@ typedef struct {
   const float* norm_out_b;  // [H]
   const float* proj_bias;   // [F]; null: no input bias
   const float* out_bias;    // [C]; null: no output bias
-  float* z;                 // [M, C] LN_C(x)
+  void* z;                  // [M, C] LN_C(x), in TM_BWD_ZP(io)
+  unsigned short* z_bf16;   // [M, C] z in bf16 where io is 16-bit (else null)
   float* stats_x;           // [M, 2] LN_C's mean and 1/σ
-  float* p;                 // [M, F] z·Wcatᵀ (without bcat)
+  void* p;                  // [M, F] z·Wcatᵀ (without bcat), in TM_BWD_ZP(io)
   float* left;              // [B, H, N²]
   float* right;             // [B, H, N²]
   float* t;                 // [B, H, N²] t, then dt
@@ -56,10 +63,11 @@ typedef struct {
   float* stats_t;           // [M, 2] LN_H's mean and 1/σ
   float* e;                 // af3: [M, C] s = u·Wzᵀ, then ds; gpumode: [M, H] v
   float* du;                // [M, H] du (gpumode: dv first)
-  float* dcat;              // [M, F] [dpL dqL dpR dqR dG]; may be p itself (each element of P is
-                            // read by the thread that then writes its gradient)
+  void* dcat;               // [M, F] [dpL dqL dpR dqR dG] in TM_BWD_DCAT(io); may be p itself (each
+                            // element of P is read by the thread that then writes its gradient,
+                            // and both are f32 or both 16-bit)
   float* dz;                // [M, C] dcat·Wcat
-  float* dx;                // [M, C]
+  void* dx;                 // [M, C] in `io`
   double* partial;          // [blocks, 2W] the LayerNorm backward kernels' per-block column sums
   tm_i64 rows;              // M = B·N²
   tm_i64 n2;                // N²
@@ -69,7 +77,51 @@ typedef struct {
   int af3;                  // 1: af3, 0: gpumode
   float eps;
   int blocks;               // grid of the LayerNorm backward kernels, which loop over positions
+  int io;                   // TM_IO_F32, TM_IO_BF16 or TM_IO_F16: x, dy and dx
+  int pad_;
 } TmBackwardParams;
+
+// The precisions of z and P, and of dcat, for I/O precision IO: f32 with f32 I/O, else f16 and bf16.
+#define TM_BWD_ZP(IO) ((IO) == TM_IO_F32 ? TM_IO_F32 : TM_IO_F16)
+#define TM_BWD_DCAT(IO) ((IO) == TM_IO_F32 ? TM_IO_F32 : TM_IO_BF16)
+
+// Element i of a tensor in precision T (a TM_IO_ value), widened to f32.
+template <int T>
+TM_INLINE float tm_bwd_ld(const void* a, tm_i64 i) {
+  if (T == TM_IO_F32) return ((const float*)a)[i];
+  const unsigned short w = ((const unsigned short*)a)[i];
+  return T == TM_IO_BF16 ? tm_bf2f(w) : tm_h2f(w);
+}
+
+// a[i] = v in precision T, rounded to nearest even where T is 16-bit.
+template <int T>
+TM_INLINE void tm_bwd_st(void* a, tm_i64 i, float v) {
+  if (T == TM_IO_F32) {
+    ((float*)a)[i] = v;
+  } else {
+    ((unsigned short*)a)[i] = T == TM_IO_BF16 ? tm_f2bf(v) : tm_f2h(v);
+  }
+}
+
+// A kernel's body for the launch's I/O precision, or (TM_BWD_BY_MID, for kernels that touch only
+// intermediates) for f32 or one 16-bit I/O precision standing for both: the branch is uniform
+// across the grid; the instantiations share the kernel's register budget.
+#define TM_BWD_BY_IO(body, p)          \
+  switch ((p).io) {                    \
+    case TM_IO_BF16:                   \
+      body<TM_IO_BF16>(p);             \
+      break;                           \
+    case TM_IO_F16:                    \
+      body<TM_IO_F16>(p);              \
+      break;                           \
+    default:                           \
+      body<TM_IO_F32>(p);              \
+  }
+#define TM_BWD_BY_MID(body, p) \
+  if ((p).io == TM_IO_F32)     \
+    body<TM_IO_F32>(p);        \
+  else                         \
+    body<TM_IO_BF16>(p)
 
 // The hidden-major index of (position `row`, channel `h`).
 TM_INLINE tm_i64 tm_bwd_hidden(const TmBackwardParams& p, tm_i64 row, int h) {
@@ -120,28 +172,40 @@ TM_INLINE TmBwdTile tm_bwd_tile() {
 #define TM_BWD_GATING_SMEM (2 * 32 * (TM_BWD_TILE + 1) * 4)
 
 // One warp per position: z = LN_C(x), two-pass statistics in f32 (Cauchy rows cancel in E[x²]).
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm(const TmBackwardParams p) {
+template <int IO>
+TM_INLINE void tm_bwd_input_norm(const TmBackwardParams& p) {
   const int lane = (int)(tm_tid() & 31u);
   const tm_i64 row = (tm_i64)tm_bid() * TM_BWD_ROWS_PER_BLOCK + (tm_tid() >> 5);
   if (row >= p.rows) return;  // whole warps leave together
   const int C = p.c;
-  const float* TM_RESTRICT xr = p.x + row * C;
+  const tm_i64 r0 = row * C;
   float s = 0.f;
-  for (int c = lane; c < C; c += 32) s += xr[c];
+  for (int c = lane; c < C; c += 32) s += tm_bwd_ld<IO>(p.x, r0 + c);
   const float mean = tm_group32_sum(s) / (float)C;
   float q = 0.f;
-  for (int c = lane; c < C; c += 32) q += (xr[c] - mean) * (xr[c] - mean);
+  for (int c = lane; c < C; c += 32) {
+    const float d = tm_bwd_ld<IO>(p.x, r0 + c) - mean;
+    q += d * d;
+  }
   const float rstd = tm_rsqrt(tm_group32_sum(q) / (float)C + p.eps);
-  float* TM_RESTRICT zr = p.z + row * C;
-  for (int c = lane; c < C; c += 32) zr[c] = (xr[c] - mean) * rstd * p.norm_in_w[c] + p.norm_in_b[c];
+  for (int c = lane; c < C; c += 32) {
+    const float z = (tm_bwd_ld<IO>(p.x, r0 + c) - mean) * rstd * p.norm_in_w[c] + p.norm_in_b[c];
+    tm_bwd_st<TM_BWD_ZP(IO)>(p.z, r0 + c, z);
+    if (IO != TM_IO_F32) p.z_bf16[r0 + c] = tm_f2bf(z);
+  }
   if (lane == 0) {
     p.stats_x[2 * row] = mean;
     p.stats_x[2 * row + 1] = rstd;
   }
 }
 
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm(const TmBackwardParams p) {
+  TM_BWD_BY_IO(tm_bwd_input_norm, p);
+}
+
 // left and right, hidden-major, from P's first 4H columns, 32 channels at a time.
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating(const TmBackwardParams p) {
+template <int IO>
+TM_INLINE void tm_bwd_gating(const TmBackwardParams& p) {
   extern __shared__ float tm_dyn_smem[];
   float* sl = tm_dyn_smem;
   float* sr = sl + 32 * (TM_BWD_TILE + 1);
@@ -155,12 +219,12 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
       const tm_i64 row = first + r;
       float l = 0.f, rr = 0.f;
       if (row < p.rows && h < H) {
-        const float* TM_RESTRICT pr = p.p + row * p.f;
+        const tm_i64 pr = row * p.f;
         const float m = p.mask ? p.mask[row] : 1.f;
-        const float pl = pr[h] + tm_bwd_bias(p.proj_bias, h);
-        const float ql = pr[H + h] + tm_bwd_bias(p.proj_bias, H + h);
-        const float pq = pr[2 * H + h] + tm_bwd_bias(p.proj_bias, 2 * H + h);
-        const float qr = pr[3 * H + h] + tm_bwd_bias(p.proj_bias, 3 * H + h);
+        const float pl = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + h) + tm_bwd_bias(p.proj_bias, h);
+        const float ql = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + H + h) + tm_bwd_bias(p.proj_bias, H + h);
+        const float pq = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + 2 * H + h) + tm_bwd_bias(p.proj_bias, 2 * H + h);
+        const float qr = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + 3 * H + h) + tm_bwd_bias(p.proj_bias, 3 * H + h);
         l = pl * tm_sigmoid(ql) * m;
         rr = pq * tm_sigmoid(qr) * m;
       }
@@ -174,11 +238,16 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
   }
 }
 
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating(const TmBackwardParams p) {
+  TM_BWD_BY_MID(tm_bwd_gating, p);
+}
+
 // Dynamic shared memory of the two kernels that hold a tile's whole t: [H][TILE + 1] floats.
 #define TM_BWD_T_SMEM(H) ((H) * (TM_BWD_TILE + 1) * 4)
 
 // u = LN_H(t) and its statistics; gpumode's v = u⊙σ(P_G) too.
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm(const TmBackwardParams p) {
+template <int IO>
+TM_INLINE void tm_bwd_output_norm(const TmBackwardParams& p) {
   extern __shared__ float tm_dyn_smem[];
   float* st = tm_dyn_smem;
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
@@ -203,7 +272,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
       p.u[row * H + h] = u;
       if (!p.af3) {
         const int gc = 4 * H + h;
-        p.e[row * H + h] = u * tm_sigmoid(p.p[row * p.f + gc] + tm_bwd_bias(p.proj_bias, gc));
+        p.e[row * H + h] = u * tm_sigmoid(tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, row * p.f + gc) + tm_bwd_bias(p.proj_bias, gc));
       }
     }
     if (lane == 0) {
@@ -213,24 +282,34 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
   }
 }
 
-// The output gate's backward, one thread per element of the gate (af3 [M, C], gpumode [M, H]).
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_gate(const TmBackwardParams p) {
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm(const TmBackwardParams p) {
+  TM_BWD_BY_MID(tm_bwd_output_norm, p);
+}
+
+// The output gate's backward, one thread per element of the gate (af3 [M, C], gpumode [M, H]):
+// dy in IO (af3 reads it here; gpumode's dv comes from a GEMM, in du).
+template <int IO>
+TM_INLINE void tm_bwd_output_gate(const TmBackwardParams& p) {
   const int H = p.h, W = p.af3 ? p.c : p.h;
   const tm_i64 i = (tm_i64)tm_bid() * TM_BWD_THREADS + tm_tid();
   if (i < p.rows * W) {
     const tm_i64 row = i / W;
     const int col = (int)(i - row * W), gc = 4 * H + col;
-    const float g = tm_sigmoid(p.p[row * p.f + gc] + tm_bwd_bias(p.proj_bias, gc));
+    const float g = tm_sigmoid(tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, row * p.f + gc) + tm_bwd_bias(p.proj_bias, gc));
     if (p.af3) {
-      const float dy = p.dy[i], s = p.e[i] + tm_bwd_bias(p.out_bias, col);
+      const float dy = tm_bwd_ld<IO>(p.dy, i), s = p.e[i] + tm_bwd_bias(p.out_bias, col);
       p.e[i] = dy * g;
-      p.dcat[row * p.f + gc] = dy * s * g * (1.f - g);
+      tm_bwd_st<TM_BWD_DCAT(IO)>(p.dcat, row * p.f + gc, dy * s * g * (1.f - g));
     } else {
       const float dv = p.du[i];
       p.du[i] = dv * g;
-      p.dcat[row * p.f + gc] = dv * p.u[i] * g * (1.f - g);
+      tm_bwd_st<TM_BWD_DCAT(IO)>(p.dcat, row * p.f + gc, dv * p.u[i] * g * (1.f - g));
     }
   }
+}
+
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_gate(const TmBackwardParams p) {
+  TM_BWD_BY_IO(tm_bwd_output_gate, p);
 }
 
 // The LayerNorm backward kernels' column sums, γ's gradient Σ du⊙v̂ and β's Σ du over all
@@ -300,7 +379,8 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
 
 // The gated projections' backward: dcat's first 4H columns from dleft and dright (hidden-major,
 // in `left`/`right`'s place: the caller passes them there) and P.
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad(const TmBackwardParams p) {
+template <int IO>
+TM_INLINE void tm_bwd_gating_grad(const TmBackwardParams& p) {
   extern __shared__ float tm_dyn_smem[];
   const TmBwdTile tile = tm_bwd_tile();
   const int lane = tile.lane, warp = tile.warp, H = p.h;
@@ -318,29 +398,33 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
       if (row >= p.rows || h >= H) continue;
       // dcat is written over P (the caller passes one buffer): each element is read, then
       // written by the same thread, so the pointers may alias (no restrict).
-      const float* pr = p.p + row * p.f;
-      float* dr = p.dcat + row * p.f;
+      const tm_i64 pr = row * p.f;
       const float m = p.mask ? p.mask[row] : 1.f;
       const float d[2] = {sl[lane * (TM_BWD_TILE + 1) + r] * m, sr[lane * (TM_BWD_TILE + 1) + r] * m};
 #pragma unroll
       for (int side = 0; side < 2; ++side) {
         const int cv = 2 * side * H + h, cg = cv + H;
-        const float pv = pr[cv] + tm_bwd_bias(p.proj_bias, cv);
-        const float sg = tm_sigmoid(pr[cg] + tm_bwd_bias(p.proj_bias, cg));
-        dr[cv] = d[side] * sg;
-        dr[cg] = d[side] * pv * sg * (1.f - sg);
+        const float pv = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + cv) + tm_bwd_bias(p.proj_bias, cv);
+        const float sg = tm_sigmoid(tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + cg) + tm_bwd_bias(p.proj_bias, cg));
+        tm_bwd_st<TM_BWD_DCAT(IO)>(p.dcat, pr + cv, d[side] * sg);
+        tm_bwd_st<TM_BWD_DCAT(IO)>(p.dcat, pr + cg, d[side] * pv * sg * (1.f - sg));
       }
     }
     tm_sync();
   }
 }
 
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad(const TmBackwardParams p) {
+  TM_BWD_BY_MID(tm_bwd_gating_grad, p);
+}
+
 // Dynamic shared memory of backward_input_norm_grad: the accumulators.
 #define TM_BWD_ACC_SMEM(C) (TM_BWD_WARPS * 2 * (C) * 4)
 
-// LN_C's backward, one warp per position, blocks looping over positions: dx from dz, x and the
-// statistics; the column sums of dz⊙x̂ and dz.
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_grad(const TmBackwardParams p) {
+// LN_C's backward, one warp per position, blocks looping over positions: dx (in IO) from dz, x
+// (in IO) and the statistics; the column sums of dz⊙x̂ and dz.
+template <int IO>
+TM_INLINE void tm_bwd_input_norm_grad(const TmBackwardParams& p) {
   extern __shared__ float tm_dyn_smem[];
   const int C = p.c;
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
@@ -349,19 +433,18 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_
   tm_bwd_zero_acc(acc, C);
   for (tm_i64 row = (tm_i64)tm_bid() * TM_BWD_WARPS + warp; row < p.rows; row += (tm_i64)p.blocks * TM_BWD_WARPS) {
     const float mean = p.stats_x[2 * row], rstd = p.stats_x[2 * row + 1];
-    const float* TM_RESTRICT xr = p.x + row * C;
-    const float* TM_RESTRICT dzr = p.dz + row * C;
+    const tm_i64 r0 = row * C;
+    const float* TM_RESTRICT dzr = p.dz + r0;
     float sg = 0.f, sgh = 0.f;
     for (int c = lane; c < C; c += 32) {
       const float g = dzr[c] * p.norm_in_w[c];
       sg += g;
-      sgh += g * (xr[c] - mean) * rstd;
+      sgh += g * (tm_bwd_ld<IO>(p.x, r0 + c) - mean) * rstd;
     }
     const float mg = tm_group32_sum(sg) / (float)C, mgh = tm_group32_sum(sgh) / (float)C;
-    float* TM_RESTRICT dxr = p.dx + row * C;
     for (int c = lane; c < C; c += 32) {
-      const float xh = (xr[c] - mean) * rstd, dz = dzr[c];
-      dxr[c] = rstd * (dz * p.norm_in_w[c] - mg - xh * mgh);
+      const float xh = (tm_bwd_ld<IO>(p.x, r0 + c) - mean) * rstd, dz = dzr[c];
+      tm_bwd_st<IO>(p.dx, r0 + c, rstd * (dz * p.norm_in_w[c] - mg - xh * mgh));
       wacc[c] += dz * xh;
       wacc[C + c] += dz;
     }
@@ -369,16 +452,20 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_
   tm_bwd_flush_acc(p, acc, C);
 }
 
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_grad(const TmBackwardParams p) {
+  TM_BWD_BY_IO(tm_bwd_input_norm_grad, p);
+}
+
 // Column sums of an [rows, cols] matrix with leading dimension ld (mirrored by `ColumnSums`).
 typedef struct {
-  const float* a;
+  const void* a;    // in `dtype`
   double* partial;  // [row_blocks, cols]
   float* out;       // [cols]
   tm_i64 rows;
   int cols;
   int ld;
   int row_blocks;
-  int pad_;
+  int dtype;  // TM_IO_F32, TM_IO_BF16 or TM_IO_F16
 } TmColumnSums;
 
 // Block (row block rb, 32-column chunk cb): each warp sums every 8th row of the block's range
@@ -386,7 +473,8 @@ typedef struct {
 // Dynamic shared memory of backward_column_partials: the warps' f64 sums.
 #define TM_BWD_PARTIALS_SMEM (TM_BWD_WARPS * 32 * 8)
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_column_partials(const TmColumnSums s) {
+template <int T>
+TM_INLINE void tm_bwd_column_partials(const TmColumnSums& s) {
   extern __shared__ float tm_dyn_smem[];
   double* red = (double*)tm_dyn_smem;
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
@@ -397,13 +485,26 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_column_part
   const int col = cb * 32 + lane;
   double acc = 0.0;
   if (col < s.cols)
-    for (tm_i64 r = r0 + warp; r < r1; r += TM_BWD_WARPS) acc += (double)s.a[r * s.ld + col];
+    for (tm_i64 r = r0 + warp; r < r1; r += TM_BWD_WARPS) acc += (double)tm_bwd_ld<T>(s.a, r * s.ld + col);
   red[warp * 32 + lane] = acc;
   tm_sync();
   if (warp == 0 && col < s.cols) {
     double t = 0.0;
     for (int w = 0; w < TM_BWD_WARPS; ++w) t += red[w * 32 + lane];
     s.partial[(tm_i64)rb * s.cols + col] = t;
+  }
+}
+
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_column_partials(const TmColumnSums s) {
+  switch (s.dtype) {
+    case TM_IO_BF16:
+      tm_bwd_column_partials<TM_IO_BF16>(s);
+      break;
+    case TM_IO_F16:
+      tm_bwd_column_partials<TM_IO_F16>(s);
+      break;
+    default:
+      tm_bwd_column_partials<TM_IO_F32>(s);
   }
 }
 
@@ -415,14 +516,28 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_column_fini
   s.out[col] = (float)t;
 }
 
-// f16 words to f32 (the prepared weights, for the TF32 GEMMs); mirrored by `Widen`.
+// n elements from one precision to another (TM_IO_ values): the prepared f16 weights to f32 for
+// the TF32 GEMMs or to bf16 for the bf16 ones, and gpumode's 16-bit dy to f32 for its GEMMs;
+// mirrored by `Convert`.
 typedef struct {
-  const unsigned short* src;
-  float* dst;
+  const void* src;
+  void* dst;
   tm_i64 n;
-} TmWiden;
+  int from;
+  int to;
+} TmConvert;
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_widen(const TmWiden w) {
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_convert(const TmConvert w) {
   const tm_i64 i = (tm_i64)tm_bid() * TM_BWD_THREADS + tm_tid();
-  if (i < w.n) w.dst[i] = tm_h2f(w.src[i]);
+  if (i >= w.n) return;
+  const float v = w.from == TM_IO_F32    ? tm_bwd_ld<TM_IO_F32>(w.src, i)
+                  : w.from == TM_IO_BF16 ? tm_bwd_ld<TM_IO_BF16>(w.src, i)
+                                         : tm_bwd_ld<TM_IO_F16>(w.src, i);
+  if (w.to == TM_IO_F32) {
+    tm_bwd_st<TM_IO_F32>(w.dst, i, v);
+  } else if (w.to == TM_IO_BF16) {
+    tm_bwd_st<TM_IO_BF16>(w.dst, i, v);
+  } else {
+    tm_bwd_st<TM_IO_F16>(w.dst, i, v);
+  }
 }

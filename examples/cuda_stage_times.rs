@@ -2,9 +2,10 @@
 //! recorded after every stage (`CudaBackend::record_stages`), printed as milliseconds per stage.
 //! The numbers behind the stage columns of `docs/perf/NOTES.md`.
 //!
-//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io|grad] [NxB[xC],...] [samples] [ranks]`
+//! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io|grad|grad-bf16|grad-f16] [NxB[xC],...] [samples] [ranks]`
 //!
-//! `grad` in place of the precision times the backward's steps instead (f32 x and dy).
+//! `grad` in place of the precision times the backward's steps instead (f32 x, dy and dx;
+//! `grad-bf16` and `grad-f16`: 16-bit ones, on device buffers through `Layer::backward_device`).
 //!
 //! The optional third argument replaces the benchmark shapes with others (C defaults to 128),
 //! e.g. `248x2,256x2,264x2` to see how a stage's time follows the number of positions. The
@@ -20,10 +21,15 @@ fn main() -> trimul::Result<()> {
     use trimul::{suite, Backend, Direction, Formulation, Layer, Options, Precision, Weights};
 
     let formulation: Formulation = std::env::args().nth(1).as_deref().unwrap_or("gpumode").parse()?;
-    // `grad` in place of the precision: the backward's steps (f32) instead of the forward's.
-    let grad = std::env::args().nth(2).as_deref() == Some("grad");
-    let io: Precision =
-        if grad { Precision::F32Io } else { std::env::args().nth(2).as_deref().unwrap_or("f32-io").parse()? };
+    // `grad[-bf16|-f16]` in place of the precision: the backward's steps instead of the forward's.
+    let arg = std::env::args().nth(2).unwrap_or_else(|| "f32-io".into());
+    let grad = arg.starts_with("grad");
+    let io: Precision = match arg.as_str() {
+        "grad" => Precision::F32Io,
+        "grad-bf16" => Precision::Bf16Io,
+        "grad-f16" => Precision::F16Io,
+        other => other.parse()?,
+    };
     let b = CudaBackend::new(0)?;
     println!("{} ({}), {formulation}, {io}", b.info().name, b.info().arch);
     let cases = match std::env::args().nth(3) {
@@ -79,15 +85,32 @@ fn main() -> trimul::Result<()> {
             half = Some((x16, b.alloc_buffer::<u16>(bits.len())?));
         }
         let mut dy_dx = None;
+        let mut dy_dx16 = None;
         if grad {
-            let mut dy = b.alloc(inputs.x.len())?;
-            b.upload(&trimul::rand::Rng::new(3).normal_vec(inputs.x.len(), 1.0), &mut dy)?;
-            dy_dx = Some((dy, b.alloc(inputs.x.len())?));
+            let dy = trimul::rand::Rng::new(3).normal_vec(inputs.x.len(), 1.0);
+            if io == Precision::F32Io {
+                let mut d = b.alloc(inputs.x.len())?;
+                b.upload(&dy, &mut d)?;
+                dy_dx = Some((d, b.alloc(inputs.x.len())?));
+            } else {
+                let bits: Vec<u16> = dy.iter().map(|&v| io.encode_half(v)).collect();
+                let mut d = b.alloc_buffer::<u16>(bits.len())?;
+                b.upload_bits(&bits, &mut d)?;
+                dy_dx16 = Some((d, b.alloc_buffer::<u16>(bits.len())?));
+            }
         }
-        let mut forward = |layer: &mut Layer<CudaBackend>| match (half.as_mut(), dy_dx.as_mut()) {
-            (_, Some((dy, dx))) => layer.backward_buffers(&x, mask.as_ref(), dy, dx, case.shape()).map(drop),
-            (None, None) => layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape()),
-            (Some((x16, y16)), None) => layer.forward_buffers_half(x16, mask.as_ref(), y16, case.shape(), io),
+        let mask_ptr = mask.as_ref().map_or(0, |m| m.ptr());
+        let mut forward = |layer: &mut Layer<CudaBackend>| match (half.as_mut(), dy_dx.as_mut(), dy_dx16.as_ref()) {
+            (_, Some((dy, dx)), _) => layer.backward_buffers(&x, mask.as_ref(), dy, dx, case.shape()).map(drop),
+            (Some((x16, _)), None, Some((dy16, dx16))) => {
+                let ptrs = (x16.ptr(), mask_ptr, dy16.ptr(), dx16.ptr());
+                // SAFETY: the buffers are live allocations of this backend holding the shape's
+                // elements in `io` (the mask f32), used by nothing else during the call, which
+                // waits for its work; the backend's own stream.
+                unsafe { layer.backward_device(ptrs, case.shape(), io, b.stream() as u64, None) }.map(drop)
+            }
+            (None, None, _) => layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape()),
+            (Some((x16, y16)), None, _) => layer.forward_buffers_half(x16, mask.as_ref(), y16, case.shape(), io),
         };
         for _ in 0..3 {
             forward(&mut layer)?;

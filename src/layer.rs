@@ -483,25 +483,28 @@ impl<B: Backend> Layer<B> {
 
     /// [`Layer::backward_buffers`] on caller device memory, stream and workspace
     /// ([`Backend::backward_device`]): for bindings whose tensors the backend did not allocate.
-    /// `io` is `(x, mask, dy, dx)`, the mask 0 when there is none.
+    /// `io` is `(x, mask, dy, dx)`, the mask 0 when there is none; x, dy and dx are in
+    /// `precision` (with 16-bit I/O the backward keeps z, P and dcat, its widest intermediates,
+    /// in bf16: `docs/backward.md`), the mask f32.
     ///
     /// # Safety
-    /// As [`Backend::backward_device`].
+    /// As [`Backend::backward_device`], with x, dy and dx of `precision`'s element size.
     pub unsafe fn backward_device(
         &mut self,
         io: (u64, u64, u64, u64),
         shape: Shape,
+        precision: Precision,
         stream: u64,
         workspace: Option<DeviceSpan>,
     ) -> Result<Gradients> {
-        let problem = self.problem(shape, io.1 != 0)?;
+        let problem = self.problem(shape, io.1 != 0)?.with_io(precision);
         // SAFETY: forwarded from this method's contract.
         unsafe { self.backend.backward_device(&self.prepared, &problem, io, stream, workspace) }
     }
 
-    /// Bytes of the workspace a [`Layer::backward_device`] of this shape needs.
-    pub fn backward_workspace_bytes(&self, shape: Shape, masked: bool) -> Result<u64> {
-        let problem = self.problem(shape, masked)?;
+    /// Bytes of the workspace a [`Layer::backward_device`] of this shape and precision needs.
+    pub fn backward_workspace_bytes(&self, shape: Shape, masked: bool, precision: Precision) -> Result<u64> {
+        let problem = self.problem(shape, masked)?.with_io(precision);
         self.backend.backward_workspace_bytes(&self.prepared, &problem)
     }
 

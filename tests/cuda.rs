@@ -616,6 +616,16 @@ fn backward_matches_the_f64_reference() {
         }
         // The device paths: the backend's kept buffers, then a caller workspace (poisoned too).
         gpu_checks::backward_device_paths_match(&b, &mut layer, &inputs, &dy, &got, shape, &case.name());
+        // 16-bit x, dy and dx (bf16 z, P and dcat, and their GEMMs), in both 16-bit formats where
+        // f16 holds x (normal x).
+        for precision in [Precision::Bf16Io, Precision::F16Io] {
+            if precision == Precision::F16Io && case.dist != Dist::Normal {
+                continue;
+            }
+            let io = (&inputs, dy.as_slice());
+            let worst = gpu_checks::backward_device_16bit_matches(&b, &mut layer, &w, io, shape, precision, &case.name());
+            eprintln!("{} {f:?} {precision:?}: worst rel L2 {worst:.2e}", case.name());
+        }
     }
     b.free_backward_buffers();
     // Widths whose LayerNorm kernels would not fit shared memory are refused up front.

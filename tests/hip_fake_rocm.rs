@@ -836,6 +836,12 @@ fn backward_matches_the_f64_reference() {
         let (got, inputs, dy) = check_backward(&mut layer, &w, &case, s);
         // The device paths: the backend's kept buffers, then a caller workspace (poisoned too).
         gpu_checks::backward_device_paths_match(&b, &mut layer, &inputs, &dy, &got, shape, &case.name());
+        // 16-bit x, dy and dx (bf16 z, P and dcat, and their GEMMs); f16 only on normal x,
+        // whose values f16 holds.
+        let precision = if case.dist == Dist::Normal { Precision::F16Io } else { Precision::Bf16Io };
+        let io = (&inputs, dy.as_slice());
+        let worst = gpu_checks::backward_device_16bit_matches(&b, &mut layer, &w, io, shape, precision, &case.name());
+        eprintln!("{} {precision:?}: worst rel L2 {worst:.2e}", case.name());
     }
     b.free_backward_buffers();
 }
@@ -862,7 +868,7 @@ fn backward_buffer_ranges_are_enforced_by_the_fake() {
     let io = (x.device_ptr(), 0, dy.device_ptr(), short.device_ptr());
     // SAFETY: deliberately not: dx holds half the elements. The fake refuses the launch that
     // would write past it before running it, so no memory outside the allocation is touched.
-    let e = unsafe { layer.backward_device(io, case.shape(), 0, None) }.unwrap_err();
+    let e = unsafe { layer.backward_device(io, case.shape(), Precision::F32Io, 0, None) }.unwrap_err();
     assert!(e.to_string().contains("backward_input_norm_grad dx"), "{e}");
     let mut dx = b.alloc(inputs.x.len()).unwrap();
     layer.backward_buffers(&x, None, &dy, &mut dx, case.shape()).unwrap();

@@ -585,15 +585,18 @@ macro_rules! device_layer {
             }
 
             /// Bytes of the workspace a `backward` of this shape needs.
-            fn backward_workspace_bytes(&self, b: usize, n: usize, masked: bool) -> PyResult<u64> {
-                self.lock()?.backward_workspace_bytes(Shape::new(b, n), masked).map_err(to_py)
+            #[pyo3(signature = (b, n, masked, io=0))]
+            fn backward_workspace_bytes(&self, b: usize, n: usize, masked: bool, io: i32) -> PyResult<u64> {
+                let p = precision(io)?;
+                self.lock()?.backward_workspace_bytes(Shape::new(b, n), masked, p).map_err(to_py)
             }
 
-            /// The native backward on `stream`: x, dy and dx `[b, n, n, C]` f32 device tensors,
-            /// the mask `[b, n, n]` f32 (0: none), the workspace at `ws` (`ws_bytes` ≥
-            /// `backward_workspace_bytes`); the 16 weight-gradient entries (host f32 tensors in
-            /// the canonical order, `None`: not wanted) receive the weights' gradients. Waits
-            /// for the work.
+            /// The native backward on `stream`: x, dy and dx `[b, n, n, C]` device tensors in
+            /// `io` (0 f32, 1 bf16, 2 f16), the mask `[b, n, n]` f32 (0: none), the workspace
+            /// at `ws` (`ws_bytes` ≥ `backward_workspace_bytes` of the same `io`); the 16
+            /// weight-gradient entries (host f32 tensors in the canonical order, `None`: not
+            /// wanted) receive the weights' gradients. Waits for the work.
+            #[pyo3(signature = (x, mask, dy, dx, b, n, outs, ws, stream, io=0))]
             #[allow(clippy::too_many_arguments)]
             fn backward(
                 &self,
@@ -607,7 +610,9 @@ macro_rules! device_layer {
                 outs: Vec<Entry>,
                 ws: (u64, u64),
                 stream: u64,
+                io: i32,
             ) -> PyResult<()> {
+                let p = precision(io)?;
                 let c = self.lock()?.config().c;
                 check_pair_io(c, b, n, x, mask, ("dy", dy))?;
                 check_pair_io(c, b, n, x, mask, ("dx", dx))?;
@@ -619,7 +624,8 @@ macro_rules! device_layer {
                     // device with the element counts checked above, dx and the workspace fresh
                     // allocations (the caller's), all alive until this returns (module docs).
                     let g = unsafe {
-                        layer.backward_device((x.0, mask.0, dy.0, dx.0), Shape::new(b, n), stream, Some(workspace))
+                        let io = (x.0, mask.0, dy.0, dx.0);
+                        layer.backward_device(io, Shape::new(b, n), p, stream, Some(workspace))
                     }
                     .map_err(to_py)?;
                     // SAFETY: the entries are host f32 tensors alive for this call (module docs).

@@ -22,12 +22,13 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
 def test_gradients_match_f64_autograd(device, dtype, bound, direction):
     """Gradients for x and every weight against PyTorch autograd of the same formula in f64. The
     CUDA backward's GEMMs run in TF32 (docs/backward.md): float32 gradients within the 2e-3 of
-    issue 28's bar there."""
+    issue 28's bar there; 16-bit x runs its native 16-bit backward (bf16 intermediates), within
+    the 1e-2 of the bar for 16-bit I/O."""
     if device.type == "cuda" and dtype == torch.float32:
         bound = 2e-3
     b, n, c, h = 1, 16, 32, 16
@@ -145,20 +146,21 @@ def test_training_step_under_cuda_graph_trees():
 
 
 @pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 2e-3), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("direction", ["outgoing", "incoming"])
-def test_cuda_native_backward_at_n_1024(direction):
-    """Issue 28's bar at scale: N = 1024, C = H = 128, af3 with biases, masked, float32 (weight
-    gradients sum over a million positions), every gradient within 2e-3 of PyTorch f64 autograd
-    of the same formula (on the GPU)."""
+def test_cuda_native_backward_at_n_1024(direction, dtype, bound):
+    """Issue 28's bar at scale: N = 1024, C = H = 128, af3 with biases, masked (weight gradients
+    sum over a million positions), every gradient of float32 x within 2e-3 and of bfloat16 x (and
+    weights, and grad) within 1e-2 of PyTorch f64 autograd of the same formula (on the GPU)."""
     c = h = 128
     n = 1024
     dev = torch.device("cuda")
-    w = af3_weights(c, h, True, salt=80, device=dev)
+    w = af3_weights(c, h, True, salt=80, dtype=dtype, device=dev)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in w.items()}
-    x = pair((1, n, n, c), salt=81, device=dev).requires_grad_(True)
+    x = pair((1, n, n, c), salt=81, dtype=dtype, device=dev).requires_grad_(True)
     mask = random_mask((1, n, n), salt=82, device=dev)
-    g = pair((1, n, n, c), salt=83, device=dev)
-    (tmu(x, direction, mask, **leaves) * g).sum().backward()
+    g = pair((1, n, n, c), salt=83, dtype=dtype, device=dev)
+    (tmu(x, direction, mask, **leaves).float() * g.float()).sum().backward()
     got = {"x": x.grad} | {k: leaves[k].grad for k in w}
     del leaves
     ref = {k: v.detach().double().requires_grad_(True) for k, v in w.items()}
@@ -167,8 +169,8 @@ def test_cuda_native_backward_at_n_1024(direction):
     (y * g.double()).sum().backward()
     del y
     errors = {"x": rel(got["x"], xr.grad)} | {k: rel(got[k], ref[k].grad) for k in w}
-    print(f"N = 1024 {direction}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-    assert max(errors.values()) <= 2e-3, errors
+    print(f"N = 1024 {direction} {dtype}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    assert max(errors.values()) <= bound, errors
 
 
 def test_gradient_only_for_what_requires_it(device):

@@ -563,8 +563,9 @@ def _backward_op(
     grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list[Optional[Tensor]], direction: str, eps: float
 ) -> list[Tensor]:
     """The library's native backward on CPU or CUDA tensors, given grad = dL/dy and the forward's
-    twelve weights in signature order (`AF3_WEIGHTS`): float32 gradients of x and of each weight
-    that is not None, in that order, on x's device. Autograd calls it with what the forward
+    twelve weights in signature order (`AF3_WEIGHTS`): the gradients of x (in x's dtype where it
+    is float32, bfloat16 or float16, else float32) and of each weight that is not None (float32),
+    in that order, on x's device. Autograd calls it with what the forward
     checked; called directly (it is public, as
     torch.ops.trimul.triangle_multiplicative_update_backward) it checks its arguments first."""
     _check_backward_args(grad, x, mask, w)
@@ -572,7 +573,7 @@ def _backward_op(
         if _capturing():
             given = [i for i, t in zip(_WEIGHT_SLOTS, w) if t is not None]
             grads = _recomputed_backward(x, mask, w, direction, eps, grad, [True] * 16)
-            return [grads[0]] + [grads[i] for i in given]
+            return [grads[0].to(_dx_dtype(x))] + [grads[i] for i in given]
         with torch.cuda.device(x.get_device()):
             return _cuda_backward(grad, x, mask, w, direction, eps)
     c, h = x.shape[-1], w[2].shape[0] // 2
@@ -588,27 +589,36 @@ def _backward_op(
     layer.backward(
         x32.data_ptr(), x32.numel(), m_ptr, m_len, dy.data_ptr(), dy.numel(), x.shape[0], x.shape[1], entries
     )
-    return [dx] + [g for g in gw if g is not None]
+    return [dx.to(_dx_dtype(x))] + [g for g in gw if g is not None]
+
+
+def _dx_dtype(x: Tensor) -> torch.dtype:
+    """The dtype of the backward op's x gradient: x's where the library takes it as I/O."""
+    return x.dtype if x.dtype in _DTYPE_CODE else torch.float32
 
 
 def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, direction: str, eps: float) -> list:
-    """The native backward on CUDA tensors, on the current stream: x, grad and the mask as float32
-    copies, dx and the workspace from PyTorch's allocator; the weight gradients come back through
-    host memory (a few hundred KiB) and are copied to the device."""
+    """The native backward on CUDA tensors, on the current stream: x and grad in x's precision
+    (float32, or bfloat16 and float16 as they are: the library then keeps its widest
+    intermediates in bfloat16), dx in it too, the mask as float32; dx and the workspace from
+    PyTorch's allocator; the weight gradients come back through host memory (a few hundred KiB)
+    and are copied to the device."""
     index = x.get_device()
     stream = _raw_stream(index)
     e = _cuda_prepare(x, list(w), direction, eps, index, stream)
+    dtype = _dx_dtype(x)
+    io = _DTYPE_CODE[dtype]
     # Contiguous and 16-byte aligned, as the forward's inputs (a view at an odd offset is copied).
-    x32 = _contiguous(x.detach().to(torch.float32))
-    dy = _contiguous(grad.detach().to(torch.float32))
+    xs = _contiguous(x.detach().to(dtype))
+    dy = _contiguous(grad.detach().to(dtype))
     m = None if mask is None else _contiguous(mask.detach().to(torch.float32))
     b, n = x.shape[0], x.shape[1]
-    dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    nbytes = e.layer.backward_workspace_bytes(b, n, m is not None)
+    dx = torch.empty(x.shape, dtype=dtype, device=x.device)
+    nbytes = e.layer.backward_workspace_bytes(b, n, m is not None, io)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     gw = [None if t is None else torch.empty(t.shape, dtype=torch.float32) for t in w]
     e.layer.backward(
-        (x32.data_ptr(), x32.numel()),
+        (xs.data_ptr(), xs.numel()),
         (0, 0) if m is None else (m.data_ptr(), m.numel()),
         (dy.data_ptr(), dy.numel()),
         (dx.data_ptr(), dx.numel()),
@@ -617,6 +627,7 @@ def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, dir
         _entries(gw),
         (ws.data_ptr(), nbytes),
         stream,
+        io,
     )
     return [dx] + [g.to(x.device) for g in gw if g is not None]
 
@@ -643,7 +654,7 @@ def _check_backward_args(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: lis
 @_backward_op.register_fake
 def _(grad, x, mask, w, direction, eps):
     given = [t for t in w if t is not None]
-    return [torch.empty(x.shape, dtype=torch.float32, device=x.device)] + [
+    return [torch.empty(x.shape, dtype=_dx_dtype(x), device=x.device)] + [
         torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in given
     ]
 

@@ -58,7 +58,7 @@ class _DeviceLayer:
     ) -> None: ...
     def reprepare(self, weights: list[Entry], storage: int, storage_bytes: int, stream: int) -> None: ...
     def workspace_bytes(self, b: int, n: int, masked: bool, io: int, limit: Optional[int] = None) -> int: ...
-    def backward_workspace_bytes(self, b: int, n: int, masked: bool) -> int: ...
+    def backward_workspace_bytes(self, b: int, n: int, masked: bool, io: int = 0) -> int: ...
     def backward(
         self,
         x: tuple[int, int],
@@ -70,10 +70,13 @@ class _DeviceLayer:
         outs: list[Entry],
         ws: tuple[int, int],
         stream: int,
+        io: int = 0,
     ) -> None:
         """The native backward on `stream` (CUDA; HIP raises that it has none yet): (address,
-        elements) of x, mask, dy and dx (float32 device tensors), 16 host float32 entries for the
-        weights' gradients, the workspace (address, bytes); waits for the work."""
+        elements) of x, mask, dy and dx (device tensors in `io`: 0 float32, 1 bfloat16, 2 float16;
+        the mask float32), 16 host float32 entries for the weights' gradients, the workspace
+        (address, bytes) of at least `backward_workspace_bytes` of the same `io`; waits for the
+        work."""
     def forward(
         self,
         x: int,

@@ -4,6 +4,7 @@
 //! test. Shared by the backends that run the backward.
 
 use crate::gradients::Gradients;
+use crate::problem::Precision;
 use crate::weights::{Linear, Norm};
 
 /// Threads per block of every backward kernel (`TM_BWD_THREADS`).
@@ -153,6 +154,7 @@ pub(crate) struct BackwardParams {
     pub(crate) proj_bias: u64,
     pub(crate) out_bias: u64,
     pub(crate) z: u64,
+    pub(crate) z_bf16: u64,
     pub(crate) stats_x: u64,
     pub(crate) p: u64,
     pub(crate) left: u64,
@@ -174,6 +176,25 @@ pub(crate) struct BackwardParams {
     pub(crate) af3: i32,
     pub(crate) eps: f32,
     pub(crate) blocks: i32,
+    /// x's, dy's and dx's precision ([`io_code`]); z and P are f16 and dcat bf16 when it is
+    /// 16-bit.
+    pub(crate) io: i32,
+    pub(crate) pad: i32,
+}
+
+/// The kernels' code (`TM_IO_F32`, `TM_IO_BF16`, `TM_IO_F16`) of a precision.
+pub(crate) fn io_code(p: Precision) -> i32 {
+    match p {
+        Precision::F32Io => 0,
+        Precision::Bf16Io => 1,
+        Precision::F16Io => 2,
+    }
+}
+
+/// Bytes of one element of z, P and dcat (`TM_BWD_ZP`, `TM_BWD_DCAT`): f32 with f32 I/O, 16-bit
+/// (f16, f16 and bf16) with 16-bit I/O.
+pub(crate) fn mid_bytes(p: Precision) -> usize {
+    p.io_bytes()
 }
 
 /// `TmColumnSums`.
@@ -187,16 +208,20 @@ pub(crate) struct ColumnSums {
     pub(crate) cols: i32,
     pub(crate) ld: i32,
     pub(crate) row_blocks: i32,
-    pub(crate) pad: i32,
+    /// `a`'s precision ([`io_code`]).
+    pub(crate) dtype: i32,
 }
 
-/// `TmWiden`.
+/// `TmConvert`.
 #[repr(C)]
 #[derive(Copy, Clone)]
-pub(crate) struct Widen {
+pub(crate) struct Convert {
     pub(crate) src: u64,
     pub(crate) dst: u64,
     pub(crate) n: i64,
+    /// The precisions ([`io_code`]) of `src` and `dst`.
+    pub(crate) from: i32,
+    pub(crate) to: i32,
 }
 
 #[cfg(test)]
@@ -207,7 +232,7 @@ mod tests {
 
     use super::*;
 
-    /// The Rust mirrors of `TmBackwardParams`, `TmColumnSums` and `TmWiden` equal the C structs
+    /// The Rust mirrors of `TmBackwardParams`, `TmColumnSums` and `TmConvert` equal the C structs
     /// field by field, and the geometry and shared-memory sizes the launches use equal the
     /// kernels' macros: a host clang checks `static_assert`s of every offset and size against
     /// `common/backward.h`, compiled with the CPU emulation's portability layer
@@ -221,11 +246,11 @@ mod tests {
         }
         let mut v = fields! {
             "TmBackwardParams", BackwardParams, x, dy, mask, norm_in_w, norm_in_b, norm_out_w, norm_out_b,
-            proj_bias, out_bias, z, stats_x, p, left, right, t, u, stats_t, e, du, dcat, dz, dx, partial, rows,
-            n2, c, h, f, af3, eps, blocks
+            proj_bias, out_bias, z, z_bf16, stats_x, p, left, right, t, u, stats_t, e, du, dcat, dz, dx, partial, rows,
+            n2, c, h, f, af3, eps, blocks, io
         };
-        v.extend(fields! { "TmColumnSums", ColumnSums, a, partial, out, rows, cols, ld, row_blocks });
-        v.extend(fields! { "TmWiden", Widen, src, dst, n });
+        v.extend(fields! { "TmColumnSums", ColumnSums, a, partial, out, rows, cols, ld, row_blocks, dtype });
+        v.extend(fields! { "TmConvert", Convert, src, dst, n, from, to });
         let mut src = String::from("#include \"tests/hip_emu/emu.h\"\n#include \"common/backward.h\"\n");
         for (st, f, off) in v {
             src += &format!("static_assert(__builtin_offsetof({st}, {f}) == {off}, \"{st}::{f}\");\n");
@@ -246,7 +271,7 @@ mod tests {
         for (st, size) in [
             ("TmBackwardParams", size_of::<BackwardParams>()),
             ("TmColumnSums", size_of::<ColumnSums>()),
-            ("TmWiden", size_of::<Widen>()),
+            ("TmConvert", size_of::<Convert>()),
         ] {
             src += &format!("static_assert(sizeof({st}) == {size}, \"{st} size\");\n");
         }

@@ -23,29 +23,38 @@
 //! 14 GEMM              dz = dcat·Wcat (over s)
 //! 15 input_norm_grad   dx; Σ dz⊙x̂ → dγ_in, Σ dz → dβ_in
 //! ```
-//! Before them, the prepared f16 weights are widened to f32 (`widen`).
+//! Before them, the prepared f16 weights are converted for the GEMMs (`convert`), and gpumode's
+//! 16-bit dy to f32.
 //!
 //! # Precision and memory
-//! The kernels compute and store in f32. The column sums are f64 in a fixed order: the bias
+//! The kernels compute in f32. With f32 I/O every intermediate is f32 and the GEMMs read f32
+//! (TF32 on tensor cores). With 16-bit I/O (bf16 or f16 x, dy and dx, read and written as they
+//! are) the widest intermediates are 16-bit and so are the GEMMs on them, with f32 accumulation:
+//! z and P in f16, as the forward keeps them (LN_C bounds them; f16 rounds 4× finer than bf16),
+//! P = z·Wcatᵀ on the prepared f16 Wcat itself; dcat, a gradient, in bf16 (f32's range), with
+//! dWcat = dcatᵀ·z on a bf16 copy of z and dz = dcat·Wcat on Wcat converted to bf16. Everything
+//! else stays f32. The column sums are f64 in a fixed order: the bias
 //! sums (skipped for biases the layer lacks) in f64 from the start, per row block then across
 //! blocks; the LayerNorm-weight sums f32 per warp inside the LayerNorm backward kernels, then
 //! f64. The GEMMs read and write f32 (each backend says in what precision its BLAS computes
 //! them), the weight gradients' sums over all `M` positions in about [`WEIGHT_CHUNKS`] chunks of
-//! one strided batch, their f32 partials added in f64. Every intermediate is a whole f32 tensor,
-//! the later ones over earlier ones that are dead by then: about `(C + F + 5H + max(C, H))·4`
-//! bytes per position (6 KiB at C = H = 128), nothing chunked; x, dy and dx are the caller's.
+//! one strided batch, their f32 partials added in f64. Every intermediate is a whole tensor, the
+//! later ones over earlier ones that are dead by then: about `(C + F)·4 + (5H + max(C, H))·4`
+//! bytes per position with f32 I/O and `(2C + F)·2 + (5H + max(C, H))·4` with 16-bit (6 KiB and
+//! 4.75 KiB at C = H = 128; gpumode adds an f32 copy of a 16-bit dy), nothing chunked; x, dy and
+//! dx are the caller's.
 
 #![forbid(unsafe_code)]
 
 #[cfg(doc)]
 use super::backward_params::WEIGHT_CHUNKS;
 use super::backward_params::{
-    acc_smem, chunk_rows, output_norm_grad_smem, BackwardParams, ColumnSums, Outputs, Widen, GATING_SMEM,
-    MAX_ROW_BLOCKS, PARTIALS_SMEM, ROWS_PER_BLOCK, THREADS, TILE, WARPS,
+    acc_smem, chunk_rows, io_code, mid_bytes, output_norm_grad_smem, BackwardParams, ColumnSums, Convert, Outputs,
+    GATING_SMEM, MAX_ROW_BLOCKS, PARTIALS_SMEM, ROWS_PER_BLOCK, THREADS, TILE, WARPS,
 };
 use super::caller_workspace::SpanCarver;
 use super::gemm::GemmSpec;
-use crate::problem::{Direction, Formulation, Problem};
+use crate::problem::{Direction, Formulation, Precision, Problem};
 
 /// One backward's device tensors, as addresses into one span (each 256-byte aligned, in the order
 /// of [`BackwardBuffers::new`]). What each holds is in the module docs' step list.
@@ -55,8 +64,11 @@ pub(crate) struct BackwardBuffers {
     /// `partial`, the f64 partial sums of the column sums; dcat goes over p, dz over e); its other
     /// fields are zero.
     pub(crate) tensors: BackwardParams,
-    /// The weights widened to f32: Wcat `[F, C]` and Wout `[C, H]`.
+    /// The weights converted for the GEMMs: Wcat `[F, C]` (f32, or bf16 with 16-bit I/O, for
+    /// dz = dcat·Wcat) and Wout `[C, H]` (f32).
     pub(crate) widened: [u64; 2],
+    /// gpumode's dy converted to f32 `[M, C]` for its GEMMs, where dy is 16-bit (else 0).
+    pub(crate) dy_f32: u64,
     /// The weight gradients' per-chunk f32 sums, `[chunks + 1, widest weight]`.
     pub(crate) weight_partial: u64,
     /// The weight gradients, at [`Outputs`]' offsets (f32).
@@ -88,10 +100,13 @@ impl BackwardBuffers {
             written.push((at, bytes));
             at
         };
+        let e = mid_bytes(problem.io);
+        let sixteen = problem.io != Precision::F32Io;
         let mut tensors = BackwardParams {
-            z: a(m * c, 4),
+            z: a(m * c, e),
+            z_bf16: if sixteen { a(m * c, 2) } else { 0 },
             stats_x: a(2 * m, 4),
-            p: a(m * f, 4),
+            p: a(m * f, e),
             left: a(m * h, 4),
             right: a(m * h, 4),
             t: a(m * h, 4),
@@ -101,12 +116,13 @@ impl BackwardBuffers {
             du: a(m * h, 4),
             ..BackwardParams::default()
         };
-        let (widened, weight_partial, sums) = ([a(f * c, 4), a(c * h, 4)], a(chunks * widest, 4), a(out.len, 4));
+        let (widened, weight_partial, sums) = ([a(f * c, e), a(c * h, 4)], a(chunks * widest, 4), a(out.len, 4));
         tensors.partial = a((MAX_ROW_BLOCKS * f.max(2 * c).max(2 * h)).max(widest), 8);
+        let dy_f32 = if sixteen && cfg.formulation == Formulation::GpuMode { a(m * c, 4) } else { 0 };
         // dz goes where s/ds (or v) was: dead after the output stage.
         (tensors.dcat, tensors.dz) = (tensors.p, tensors.e);
         let gemm_ws = if gemm_ws > 0 { base + span.carve(gemm_ws, |at| at) } else { 0 };
-        BackwardBuffers { tensors, widened, weight_partial, sums, gemm_ws, written, bytes: span.end() }
+        BackwardBuffers { tensors, widened, dy_f32, weight_partial, sums, gemm_ws, written, bytes: span.end() }
     }
 }
 
@@ -153,7 +169,7 @@ pub(crate) enum BackwardKernel {
     InputNormGrad,
     ColumnPartials,
     ColumnFinish,
-    Widen,
+    Convert,
 }
 
 impl BackwardKernel {
@@ -168,7 +184,7 @@ impl BackwardKernel {
         BackwardKernel::InputNormGrad,
         BackwardKernel::ColumnPartials,
         BackwardKernel::ColumnFinish,
-        BackwardKernel::Widen,
+        BackwardKernel::Convert,
     ];
 
     /// The kernel's entry point.
@@ -183,7 +199,7 @@ impl BackwardKernel {
             BackwardKernel::InputNormGrad => "backward_input_norm_grad",
             BackwardKernel::ColumnPartials => "backward_column_partials",
             BackwardKernel::ColumnFinish => "backward_column_finish",
-            BackwardKernel::Widen => "backward_widen",
+            BackwardKernel::Convert => "backward_convert",
         }
     }
 
@@ -201,7 +217,25 @@ impl BackwardKernel {
 pub(crate) enum KernelArgs {
     Backward(BackwardParams),
     ColumnSums(ColumnSums),
-    Widen(Widen),
+    Convert(Convert),
+}
+
+/// The element type of a GEMM's operands, or of its result; it accumulates in f32 either way (on
+/// tensor cores: TF32 for f32 operands).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum GemmElem {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl GemmElem {
+    pub(crate) fn bytes(self) -> usize {
+        match self {
+            GemmElem::F32 => 4,
+            GemmElem::F16 | GemmElem::Bf16 => 2,
+        }
+    }
 }
 
 /// One operation of a backward, every address resolved.
@@ -209,15 +243,16 @@ pub(crate) enum KernelArgs {
 pub(crate) enum BackwardStep {
     /// A launch of `grid` blocks of [`THREADS`] threads with `smem` bytes of dynamic shared memory.
     Launch { kernel: BackwardKernel, grid: usize, smem: usize, args: KernelArgs },
-    /// A row-major f32 GEMM `D = op(U)·op(V)` ([`GemmSpec::row_major`]: A = V, B = U).
-    Gemm { spec: GemmSpec, u: u64, v: u64, d: u64 },
+    /// A row-major GEMM `D = op(U)·op(V)` ([`GemmSpec::row_major`]: A = V, B = U), U and V in
+    /// `inputs`, D in `output`.
+    Gemm { spec: GemmSpec, u: u64, v: u64, d: u64, inputs: GemmElem, output: GemmElem },
     /// The steps before this one are the named stage (a backend's timeline may mark it).
     Mark(#[cfg_attr(not(feature = "cuda"), allow(dead_code))] &'static str),
 }
 
 /// The backward of `problem` as steps, on the caller's `x`, `mask` (0: none), `dy` and `dx`
-/// (`[M, C]` f32, the mask `[M]`), the weights `w` and the buffers `b`: the weight gradients
-/// land in `b.sums` at [`Outputs`]' offsets.
+/// (`[M, C]` in `problem.io`, the mask `[M]` f32), the weights `w` and the buffers `b`: the
+/// weight gradients land in `b.sums` at [`Outputs`]' offsets.
 pub(crate) fn steps(
     problem: &Problem,
     w: &BackwardWeights,
@@ -250,8 +285,18 @@ pub(crate) fn steps(
         af3: i32::from(af3),
         eps: problem.eps,
         blocks: 0,
+        io: io_code(problem.io),
         ..b.tensors
     };
+    // z and P, and dcat (and the GEMMs on them): f32, or f16 and bf16 with 16-bit I/O.
+    let sixteen = problem.io != Precision::F32Io;
+    let (zp, dc) = if sixteen { (GemmElem::F16, GemmElem::Bf16) } else { (GemmElem::F32, GemmElem::F32) };
+    let code = |g: GemmElem| match g {
+        GemmElem::F32 => io_code(Precision::F32Io),
+        GemmElem::F16 => io_code(Precision::F16Io),
+        GemmElem::Bf16 => io_code(Precision::Bf16Io),
+    };
+    let (f32_, f32_code) = (GemmElem::F32, code(GemmElem::F32));
     let threads = THREADS as usize;
     let t_smem = h * (TILE + 1) * 4;
     let out_grad_smem = output_norm_grad_smem(h);
@@ -264,7 +309,9 @@ pub(crate) fn steps(
     let launch = |s: &mut Vec<BackwardStep>, kernel, grid, smem, p: BackwardParams| {
         s.push(BackwardStep::Launch { kernel, grid, smem, args: KernelArgs::Backward(p) })
     };
-    let gemm = |s: &mut Vec<BackwardStep>, spec, u, v, d| s.push(BackwardStep::Gemm { spec, u, v, d });
+    let gemm = |s: &mut Vec<BackwardStep>, spec, u, v, d, inputs, output| {
+        s.push(BackwardStep::Gemm { spec, u, v, d, inputs, output })
+    };
     let column_sums = |s: &mut Vec<BackwardStep>, sums: ColumnSums, partials_grid: Option<usize>| {
         if let Some(grid) = partials_grid {
             let args = KernelArgs::ColumnSums(sums);
@@ -278,8 +325,9 @@ pub(crate) fn steps(
         let (grid, args) = ((sums.cols as usize).div_ceil(threads), KernelArgs::ColumnSums(sums));
         s.push(BackwardStep::Launch { kernel: BackwardKernel::ColumnFinish, grid, smem: 0, args });
     };
-    // Σ over `rows` rows of `a` (leading dimension `ld`) of `cols` columns into `sums[to..]`.
-    let column_sum_of = |s: &mut Vec<BackwardStep>, a: u64, rows: usize, cols: usize, ld: usize, to: usize| {
+    // Σ over `rows` rows of `a` (in `dtype`, leading dimension `ld`) of `cols` columns into
+    // `sums[to..]`.
+    let column_sum_of = |s: &mut Vec<BackwardStep>, (a, dtype): (u64, i32), rows: usize, cols: usize, ld: usize, to: usize| {
         let row_blocks = rows.div_ceil(256).clamp(1, MAX_ROW_BLOCKS);
         let sums = ColumnSums {
             a,
@@ -289,12 +337,13 @@ pub(crate) fn steps(
             cols: cols as i32,
             ld: ld as i32,
             row_blocks: row_blocks as i32,
-            pad: 0,
+            dtype,
         };
         column_sums(s, sums, Some(row_blocks * cols.div_ceil(32)));
     };
-    let column_sum =
-        |s: &mut Vec<BackwardStep>, a: u64, cols: usize, ld: usize, to: usize| column_sum_of(s, a, m, cols, ld, to);
+    let column_sum = |s: &mut Vec<BackwardStep>, a: (u64, i32), cols: usize, ld: usize, to: usize| {
+        column_sum_of(s, a, m, cols, ld, to)
+    };
     // The LayerNorm backward kernels' per-block sums of [γ | β] (2w columns) into `to`.
     let finish = |s: &mut Vec<BackwardStep>, blocks: usize, w: usize, to: usize| {
         let sums = ColumnSums {
@@ -305,15 +354,20 @@ pub(crate) fn steps(
             cols: (2 * w) as i32,
             ld: 0,
             row_blocks: blocks as i32,
-            pad: 0,
+            dtype: f32_code,
         };
         column_sums(s, sums, None);
     };
     // dW[wa, wb] = Σ_r U[r, :wa]ᵀ·V[r, :wb] over all M rows (U, V position-major with leading
-    // dimensions lu, lv), in chunks of `rows` positions: one strided batch of GEMMs for the
-    // whole chunks and one GEMM for the rest, each into its own f32 partial, summed in f64.
-    let weight_grad =
-        |s: &mut Vec<BackwardStep>, (u, wa, lu): (u64, usize, usize), (v, wb, lv): (u64, usize, usize), to| {
+    // dimensions lu, lv, both in `inputs`), in chunks of `rows`
+    // positions: one strided batch of GEMMs for the whole chunks and one GEMM for the rest, each
+    // into its own f32 partial, summed in f64.
+    let weight_grad = |s: &mut Vec<BackwardStep>,
+                       (u, wa, lu): (u64, usize, usize),
+                       (v, wb, lv): (u64, usize, usize),
+                       inputs: GemmElem,
+                       to| {
+        let e = inputs.bytes();
             let rows = chunk_rows(m);
             let (whole, rest) = (m / rows, m % rows);
             let part = b.weight_partial;
@@ -325,31 +379,40 @@ pub(crate) fn steps(
                 stride_d: if whole > 1 { wa * wb } else { 0 },
                 ..spec
             };
-            gemm(s, batched, u, v, part);
-            if rest > 0 {
-                let (at_u, at_v) = ((whole * rows * lu * 4) as u64, (whole * rows * lv * 4) as u64);
-                let tail = rm(wa, wb, rest, (true, lu), (false, lv), wb);
-                gemm(s, tail, u + at_u, v + at_v, part + (whole * wa * wb * 4) as u64);
-            }
-            column_sum_of(s, part, whole + usize::from(rest > 0), wa * wb, wa * wb, to)
-        };
+        gemm(s, batched, u, v, part, inputs, f32_);
+        if rest > 0 {
+            let (at_u, at_v) = ((whole * rows * lu * e) as u64, (whole * rows * lv * e) as u64);
+            let tail = rm(wa, wb, rest, (true, lu), (false, lv), wb);
+            gemm(s, tail, u + at_u, v + at_v, part + (whole * wa * wb * 4) as u64, inputs, f32_);
+        }
+        column_sum_of(s, (part, f32_code), whole + usize::from(rest > 0), wa * wb, wa * wb, to)
+    };
     let [w_cat, w_out] = b.widened;
-    for (src, dst, len) in [(w.w[0], w_cat, f * c), (w.w[1], w_out, c * h)] {
-        let args = KernelArgs::Widen(Widen { src, dst, n: len as i64 });
-        s.push(BackwardStep::Launch { kernel: BackwardKernel::Widen, grid: len.div_ceil(threads), smem: 0, args });
+    let f16_code = io_code(Precision::F16Io);
+    let mut converts = vec![(w.w[0], f16_code, w_cat, code(dc), f * c), (w.w[1], f16_code, w_out, f32_code, c * h)];
+    // gpumode's dy feeds two GEMMs, whose other operands are f32.
+    let dy_f32 = if b.dy_f32 != 0 { b.dy_f32 } else { dy };
+    if b.dy_f32 != 0 {
+        converts.push((dy, p.io, b.dy_f32, f32_code, m * c));
+    }
+    for (src, from, dst, to, len) in converts {
+        let args = KernelArgs::Convert(Convert { src, dst, n: len as i64, from, to });
+        s.push(BackwardStep::Launch { kernel: BackwardKernel::Convert, grid: len.div_ceil(threads), smem: 0, args });
     }
     let outgoing = problem.direction == Direction::Outgoing;
     s.push(BackwardStep::Mark("start"));
 
     // 1-5: the forward, recomputed, keeping what the backward reads.
     launch(&mut s, BackwardKernel::InputNorm, warp_rows, 0, p);
-    gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), p.z, w_cat, p.p);
+    // With 16-bit I/O, on the prepared f16 Wcat itself.
+    let w_zp = if sixteen { w.w[0] } else { w_cat };
+    gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), p.z, w_zp, p.p, zp, zp);
     s.push(BackwardStep::Mark("LN_C and the input projection"));
     launch(&mut s, BackwardKernel::Gating, tiles, GATING_SMEM as usize, p);
     s.push(BackwardStep::Mark("gating"));
     // Outgoing t = L·Rᵀ, incoming t = Lᵀ·R, per (b, h).
     let square = |u_t: bool, v_t: bool| rm(n, n, n, (u_t, n), (v_t, n), n).batched(bh, n2);
-    gemm(&mut s, square(!outgoing, outgoing), p.left, p.right, p.t);
+    gemm(&mut s, square(!outgoing, outgoing), p.left, p.right, p.t, f32_, f32_);
     s.push(BackwardStep::Mark("contraction"));
     launch(&mut s, BackwardKernel::OutputNorm, tiles, t_smem, p);
     s.push(BackwardStep::Mark("LN_H"));
@@ -357,19 +420,19 @@ pub(crate) fn steps(
     // 6-9: the output projection and gate.
     let out_bias = w.biases[5];
     if af3 {
-        gemm(&mut s, rm(m, c, h, (false, h), (true, h), c), p.u, w_out, p.e);
+        gemm(&mut s, rm(m, c, h, (false, h), (true, h), c), p.u, w_out, p.e, f32_, f32_);
         launch(&mut s, BackwardKernel::OutputGate, (m * c).div_ceil(threads), 0, p);
-        weight_grad(&mut s, (p.e, c, c), (p.u, h, h), out.w_out);
+        weight_grad(&mut s, (p.e, c, c), (p.u, h, h), f32_, out.w_out);
         if out_bias {
-            column_sum(&mut s, p.e, c, c, out.b_out);
+            column_sum(&mut s, (p.e, f32_code), c, c, out.b_out);
         }
-        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), p.e, w_out, p.du);
+        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), p.e, w_out, p.du, f32_, f32_);
     } else {
-        weight_grad(&mut s, (dy, c, c), (p.e, h, h), out.w_out);
+        weight_grad(&mut s, (dy_f32, c, c), (p.e, h, h), f32_, out.w_out);
         if out_bias {
-            column_sum(&mut s, dy, c, c, out.b_out);
+            column_sum(&mut s, (dy_f32, f32_code), c, c, out.b_out);
         }
-        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy, w_out, p.du);
+        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy_f32, w_out, p.du, f32_, f32_);
         launch(&mut s, BackwardKernel::OutputGate, (m * h).div_ceil(threads), 0, p);
     }
     s.push(BackwardStep::Mark("output projection and gate backward"));
@@ -385,11 +448,11 @@ pub(crate) fn steps(
     let dt = p.t;
     let (dleft, dright) = (p.u, p.du);
     if outgoing {
-        gemm(&mut s, square(false, false), dt, p.right, dleft);
-        gemm(&mut s, square(true, false), dt, p.left, dright);
+        gemm(&mut s, square(false, false), dt, p.right, dleft, f32_, f32_);
+        gemm(&mut s, square(true, false), dt, p.left, dright, f32_, f32_);
     } else {
-        gemm(&mut s, square(false, true), p.right, dt, dleft);
-        gemm(&mut s, square(false, false), p.left, dt, dright);
+        gemm(&mut s, square(false, true), p.right, dt, dleft, f32_, f32_);
+        gemm(&mut s, square(false, false), p.left, dt, dright, f32_, f32_);
     }
     s.push(BackwardStep::Mark("contraction backward"));
 
@@ -397,12 +460,13 @@ pub(crate) fn steps(
     let grads = BackwardParams { left: dleft, right: dright, ..p };
     launch(&mut s, BackwardKernel::GatingGrad, tiles, GATING_SMEM as usize, grads);
     s.push(BackwardStep::Mark("gating backward"));
-    weight_grad(&mut s, (p.dcat, f, f), (p.z, c, c), out.w_cat);
+    let z_dc = if sixteen { p.z_bf16 } else { p.z };
+    weight_grad(&mut s, (p.dcat, f, f), (z_dc, c, c), dc, out.w_cat);
     if w.biases[..5].iter().any(|&b| b) {
-        column_sum(&mut s, p.dcat, f, f, out.b_cat);
+        column_sum(&mut s, (p.dcat, code(dc)), f, f, out.b_cat);
     }
     s.push(BackwardStep::Mark("input weight gradients"));
-    gemm(&mut s, rm(m, c, f, (false, f), (false, c), c), p.dcat, w_cat, p.dz);
+    gemm(&mut s, rm(m, c, f, (false, f), (false, c), c), p.dcat, w_cat, p.dz, dc, f32_);
     s.push(BackwardStep::Mark("dz = dcat·Wcat"));
     let blocks = BackwardParams { blocks: in_grad_blocks as i32, ..p };
     launch(&mut s, BackwardKernel::InputNormGrad, in_grad_blocks, acc_smem(c), blocks);
@@ -425,16 +489,22 @@ mod tests {
     fn steps_stay_inside_their_buffers_and_write_every_gradient_once() {
         // Each tensor far from the others.
         let [x, mask_at, dy, dx, w_in, w_out, span] = std::array::from_fn::<u64, 7, _>(|i| (i as u64 + 1) << 40);
-        for (f, batch, n, c, h, dir, biases, masked) in [
-            (Formulation::Af3, 1, 9, 16, 24, Direction::Outgoing, true, true),
-            (Formulation::Af3, 2, 7, 24, 8, Direction::Incoming, false, false),
-            (Formulation::GpuMode, 1, 12, 32, 16, Direction::Incoming, false, true),
-            (Formulation::GpuMode, 3, 5, 8, 40, Direction::Outgoing, true, false),
+        let (f32_, bf16, f16) = (Precision::F32Io, Precision::Bf16Io, Precision::F16Io);
+        for (f, batch, n, c, h, dir, biases, masked, io) in [
+            (Formulation::Af3, 1, 9, 16, 24, Direction::Outgoing, true, true, f32_),
+            (Formulation::Af3, 2, 7, 24, 8, Direction::Incoming, false, false, f32_),
+            (Formulation::GpuMode, 1, 12, 32, 16, Direction::Incoming, false, true, f32_),
+            (Formulation::GpuMode, 3, 5, 8, 40, Direction::Outgoing, true, false, f32_),
             // Enough positions for whole chunks and a rest in the weight gradients' sums.
-            (Formulation::Af3, 1, 130, 8, 8, Direction::Outgoing, true, false),
+            (Formulation::Af3, 1, 130, 8, 8, Direction::Outgoing, true, false, f32_),
+            // 16-bit I/O: bf16 z, P and dcat; gpumode's dy converted to f32.
+            (Formulation::Af3, 1, 130, 8, 8, Direction::Outgoing, true, false, bf16),
+            (Formulation::Af3, 2, 7, 24, 8, Direction::Incoming, false, true, f16),
+            (Formulation::GpuMode, 3, 5, 8, 40, Direction::Outgoing, true, false, bf16),
         ] {
             let cfg = Config::new(f, c, h).unwrap();
-            let problem = Problem::new(cfg, Shape::new(batch, n), dir, masked).unwrap();
+            let problem = Problem::new(cfg, Shape::new(batch, n), dir, masked).unwrap().with_io(io);
+            let (xe, e) = (io.io_bytes(), mid_bytes(io));
             let what = format!("{problem:?} biases={biases}");
             let (m, fw) = (problem.shape.rows(), cfg.fused_proj_width());
             let out = Outputs::new(c, h, fw);
@@ -445,10 +515,10 @@ mod tests {
             let w = BackwardWeights { w: [w_in, w_out], norms, bias, biases: biases6 };
             let mask = if masked { mask_at } else { 0 };
             let mut regions = vec![
-                (x, (m * c * 4) as u64),
+                (x, (m * c * xe) as u64),
                 (mask_at, if masked { (m * 4) as u64 } else { 0 }),
-                (dy, (m * c * 4) as u64),
-                (dx, (m * c * 4) as u64),
+                (dy, (m * c * xe) as u64),
+                (dx, (m * c * xe) as u64),
                 (w_in, (fw * c * 2) as u64),
                 (w_out, (c * h * 2) as u64),
             ];
@@ -461,19 +531,23 @@ mod tests {
             let mut sums_written = vec![0u32; out.len];
             for step in steps(&problem, &w, (x, mask, dy, dx), &b, Residency { shared: 65536, units: 4 }) {
                 match step {
-                    BackwardStep::Gemm { spec, u, v, d } => {
-                        let batched = |one: u64, stride: usize| 4 * ((spec.batch as u64 - 1) * stride as u64 + one);
+                    BackwardStep::Gemm { spec, u, v, d, inputs, output } => {
+                        let (si, so) = (inputs.bytes() as u64, output.bytes() as u64);
+                        // Every 16-bit GEMM is one of the input projection's, on z, P or dcat.
+                        assert!(io != f32_ || (si, so) == (4, 4), "{what}: a 16-bit GEMM with f32 I/O");
+                        let batched = |one: u64, stride: usize, e| e * ((spec.batch as u64 - 1) * stride as u64 + one);
                         let ((ar, ac), (br, bc)) = (spec.a_dims(), spec.b_dims());
-                        inside(v, batched(matrix(ar, ac, spec.lda), spec.stride_a), "GEMM V");
-                        inside(u, batched(matrix(br, bc, spec.ldb), spec.stride_b), "GEMM U");
-                        inside(d, batched(matrix(spec.m, spec.n, spec.ldd), spec.stride_d), "GEMM D");
+                        inside(v, batched(matrix(ar, ac, spec.lda), spec.stride_a, si), "GEMM V");
+                        inside(u, batched(matrix(br, bc, spec.ldb), spec.stride_b, si), "GEMM U");
+                        inside(d, batched(matrix(spec.m, spec.n, spec.ldd), spec.stride_d, so), "GEMM D");
                     }
                     BackwardStep::Launch { kernel, grid, smem, args } => {
                         assert!(grid >= 1 && smem <= 65536, "{what}: {kernel:?} grid {grid} smem {smem}");
                         match args {
-                            KernelArgs::Widen(a) => {
-                                inside(a.src, a.n as u64 * 2, "widen src");
-                                inside(a.dst, a.n as u64 * 4, "widen dst");
+                            KernelArgs::Convert(a) => {
+                                let size = |code: i32| if code == 0 { 4 } else { 2 };
+                                inside(a.src, a.n as u64 * size(a.from), "convert src");
+                                inside(a.dst, a.n as u64 * size(a.to), "convert dst");
                                 assert_eq!(grid, (a.n as usize).div_ceil(THREADS as usize), "{what}");
                             }
                             KernelArgs::ColumnSums(a) => {
@@ -481,7 +555,8 @@ mod tests {
                                 inside(a.out, cols as u64 * 4, "column sums out");
                                 inside(a.partial, (a.row_blocks as usize * cols * 8) as u64, "partials");
                                 if kernel == BackwardKernel::ColumnPartials {
-                                    inside(a.a, 4 * matrix(cols, a.rows as usize, a.ld as usize), "column sums a");
+                                    let size = if a.dtype == 0 { 4 } else { 2 };
+                                    inside(a.a, size * matrix(cols, a.rows as usize, a.ld as usize), "column sums a");
                                 } else {
                                     let at = ((a.out - b.sums) / 4) as usize;
                                     for k in &mut sums_written[at..at + cols] {
@@ -497,12 +572,14 @@ mod tests {
                                 let weights = [p.norm_in_w, p.norm_in_b, p.norm_out_w, p.norm_out_b];
                                 assert_eq!((weights, [p.proj_bias, p.out_bias]), (norms, bias), "{what}: {kernel:?}");
                                 assert_eq!((p.x, p.mask, p.dy, p.dx), (x, mask, dy, dx), "{what}: {kernel:?}");
+                                assert_eq!(p.io, io_code(io), "{what}: {kernel:?}");
                                 for (addr, len, name) in [
-                                    (p.x, m * c * 4, "x"),
-                                    (p.dx, m * c * 4, "dx"),
-                                    (p.z, m * c * 4, "z"),
+                                    (p.x, m * c * xe, "x"),
+                                    (p.dx, m * c * xe, "dx"),
+                                    (p.z, m * c * e, "z"),
+                                    (p.z_bf16, if io == f32_ { 0 } else { m * c * 2 }, "z_bf16"),
                                     (p.stats_x, 2 * m * 4, "stats_x"),
-                                    (p.p, m * fw * 4, "p"),
+                                    (p.p, m * fw * e, "p"),
                                     (p.left, m * h * 4, "left"),
                                     (p.right, m * h * 4, "right"),
                                     (p.t, m * h * 4, "t"),

@@ -322,15 +322,38 @@ int main(int argc, char** argv) {
     }
   }
 
-  // f16 words widened to f32.
+  // Between precisions: f16 to f32 and to bf16 (the weights), bf16 and f16 to f32 (gpumode's dy),
+  // f32 to bf16 and f16 (rounded to nearest even).
   {
-    std::vector<tm_half> h16(1000);
-    std::vector<float> f32(h16.size(), NAN);
-    for (auto& v : h16) v = tm_f2h((float)normal(rng));
-    TmWiden w{h16.data(), f32.data(), (tm_i64)h16.size()};
-    emu::launch((unsigned)((h16.size() + TM_BWD_THREADS - 1) / TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_widen(w); });
-    for (size_t i = 0; i < h16.size(); ++i)
-      if (f32[i] != tm_h2f(h16[i])) return fail("widen", (long long)i, f32[i], tm_h2f(h16[i]));
+    std::vector<float> src(1000);
+    fill(src, 0.0, 3.0);
+    std::vector<unsigned short> h16(src.size()), b16(src.size());
+    for (size_t i = 0; i < src.size(); ++i) {
+      h16[i] = tm_f2h(src[i]);
+      b16[i] = tm_f2bf(src[i]);
+    }
+    auto decode = [](int t, const void* a, size_t i) {
+      return t == TM_IO_F32 ? (double)((const float*)a)[i]
+             : t == TM_IO_BF16 ? (double)tm_bf2f(((const unsigned short*)a)[i])
+                               : (double)tm_h2f(((const unsigned short*)a)[i]);
+    };
+    const void* from_data[3] = {src.data(), b16.data(), h16.data()};
+    for (int from = TM_IO_F32; from <= TM_IO_F16; ++from)
+      for (int to = TM_IO_F32; to <= TM_IO_F16; ++to) {
+        std::vector<float> out(src.size(), NAN);  // room for either width
+        TmConvert w{from_data[from], out.data(), (tm_i64)src.size(), from, to};
+        emu::launch((unsigned)((src.size() + TM_BWD_THREADS - 1) / TM_BWD_THREADS), TM_BWD_THREADS,
+                    [&] { backward_convert(w); });
+        for (size_t i = 0; i < src.size(); ++i) {
+          const double v = decode(from, from_data[from], i);
+          // The value rounded once to `to`, as the host rounds it.
+          const double want = to == TM_IO_F32 ? (double)(float)v
+                              : to == TM_IO_BF16 ? (double)tm_bf2f(tm_f2bf((float)v))
+                                                 : (double)tm_h2f(tm_f2h((float)v));
+          const double got = decode(to, out.data(), i);
+          if (got != want) return fail("convert", (long long)(from * 3 + to) * 100000 + (long long)i, got, want);
+        }
+      }
   }
 
   std::printf("ok\n");

@@ -12,9 +12,10 @@
 //   The ten backward kernels (common/backward.h) are dispatched too (launch_backward), each after
 //   checking its buffers, that its grid covers the work as the kernel divides it, and that its
 //   dynamic LDS is the size the kernel's macros give.
-// - rocblas_gemm_ex / _strided_batched_ex implement rocBLAS's column-major semantics for f16/f32
-//   operands (f16 A/B with f16 or f32 C/D: the forward; f32 throughout: the backward) with f32
-//   compute and accumulation, after checking every operand span.
+// - rocblas_gemm_ex / _strided_batched_ex implement rocBLAS's column-major semantics for f16, bf16
+//   and f32 operands (f16 A/B with f16 or f32 C/D: the forward; f32 throughout, or bf16 A/B with
+//   bf16 or f32 C/D: the backward) with f32 compute and accumulation, after checking every
+//   operand span.
 // A violation makes the call that detects it fail with code 999, whose hipGetErrorName is the
 // violation's text, so the Rust side surfaces it as an ordinary error.
 //
@@ -211,15 +212,20 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
     check_guards(name.c_str());
     return status();
   };
-  if (name == "backward_widen") {
-    const TmWiden w = *(const TmWiden*)args[0];
+  // Bytes of an element of precision `t` (a TM_IO_ value); an unknown one is a violation.
+  auto bytes = [&](int t) -> size_t {
+    if (t < TM_IO_F32 || t > TM_IO_F16) fail(name + ": unknown precision " + std::to_string(t));
+    return t == TM_IO_F32 ? 4 : 2;
+  };
+  if (name == "backward_convert") {
+    const TmConvert w = *(const TmConvert*)args[0];
     if (w.n < 0) fail(name + ": negative length");
     geometry((tm_i64)gx * TM_BWD_THREADS >= w.n, "the grid does not cover every element");
     lds(0);
-    need(w.src, (size_t)w.n * 2, "backward_widen source");
-    need(w.dst, (size_t)w.n * 4, "backward_widen destination");
+    need(w.src, (size_t)w.n * bytes(w.from), "backward_convert source");
+    need(w.dst, (size_t)w.n * bytes(w.to), "backward_convert destination");
     if (!violation.empty()) return status();
-    emu::launch(gx, TM_BWD_THREADS, [&] { backward_widen(w); }, after);
+    emu::launch(gx, TM_BWD_THREADS, [&] { backward_convert(w); }, after);
     return finish();
   }
   if (name == "backward_column_partials" || name == "backward_column_finish") {
@@ -232,7 +238,8 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
     if (partials) {
       geometry(gx == rb * ((cols + 31) / 32), "the grid is not row_blocks x 32-column chunks");
       lds(TM_BWD_PARTIALS_SMEM);
-      if (s.rows > 0) need(s.a, ((size_t)(s.rows - 1) * s.ld + cols) * 4, "backward_column_partials matrix");
+      if (s.rows > 0)
+        need(s.a, ((size_t)(s.rows - 1) * s.ld + cols) * bytes(s.dtype), "backward_column_partials matrix");
     } else {
       geometry((size_t)gx * TM_BWD_THREADS >= cols, "the grid does not cover every column");
       lds(0);
@@ -251,6 +258,9 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
     fail(name + ": bad sizes");
   if (!violation.empty()) return status();
   const size_t M = (size_t)p.rows, C = (size_t)p.c, H = (size_t)p.h, F = (size_t)p.f;
+  // x, dy and dx in the I/O precision; z, P and dcat 16-bit where it is 16-bit (z f16 with a bf16
+  // copy, P f16, dcat bf16).
+  const size_t io = bytes(p.io), mid = io;
   const size_t tiles = (M + TM_BWD_TILE - 1) / TM_BWD_TILE;
   auto mask_and_bias = [&] {
     if (p.mask) need(p.mask, M * 4, (name + " mask").c_str());
@@ -265,8 +275,9 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
   if (name == "backward_input_norm") {
     geometry(gx == (M + TM_BWD_ROWS_PER_BLOCK - 1) / TM_BWD_ROWS_PER_BLOCK, "the grid is not one warp per position");
     lds(0);
-    need(p.x, M * C * 4, "backward_input_norm x");
-    need(p.z, M * C * 4, "backward_input_norm z");
+    need(p.x, M * C * io, "backward_input_norm x");
+    need(p.z, M * C * mid, "backward_input_norm z");
+    if (p.io != TM_IO_F32) need(p.z_bf16, M * C * 2, "backward_input_norm bf16 z");
     need(p.stats_x, M * 2 * 4, "backward_input_norm stats");
     need(p.norm_in_w, C * 4, "LN_C weight");
     need(p.norm_in_b, C * 4, "LN_C bias");
@@ -274,10 +285,10 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
     geometry(gx == tiles, "the grid is not one block per tile");
     lds(TM_BWD_GATING_SMEM);
     mask_and_bias();
-    need(p.p, M * F * 4, (name + " P").c_str());
+    need(p.p, M * F * mid, (name + " P").c_str());
     need(p.left, M * H * 4, (name + " left").c_str());
     need(p.right, M * H * 4, (name + " right").c_str());
-    if (name == "backward_gating_grad") need(p.dcat, M * F * 4, "backward_gating_grad dcat");
+    if (name == "backward_gating_grad") need(p.dcat, M * F * mid, "backward_gating_grad dcat");
   } else if (name == "backward_output_norm") {
     geometry(gx == tiles, "the grid is not one block per tile");
     lds(TM_BWD_T_SMEM(H));
@@ -288,7 +299,7 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
     need(p.norm_out_b, H * 4, "LN_H bias");
     if (!p.af3) {
       mask_and_bias();
-      need(p.p, M * F * 4, "backward_output_norm P");
+      need(p.p, M * F * mid, "backward_output_norm P");
       need(p.e, M * H * 4, "backward_output_norm v");
     }
   } else if (name == "backward_output_gate") {
@@ -296,10 +307,10 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
     geometry((size_t)gx * TM_BWD_THREADS >= M * W, "the grid does not cover every element");
     lds(0);
     mask_and_bias();
-    need(p.p, M * F * 4, "backward_output_gate P");
-    need(p.dcat, M * F * 4, "backward_output_gate dcat");
+    need(p.p, M * F * mid, "backward_output_gate P");
+    need(p.dcat, M * F * mid, "backward_output_gate dcat");
     if (p.af3) {
-      need(p.dy, M * C * 4, "backward_output_gate dy");
+      need(p.dy, M * C * io, "backward_output_gate dy");
       need(p.e, M * C * 4, "backward_output_gate s");
       if (p.out_bias) need(p.out_bias, C * 4, "backward_output_gate output bias");
     } else {
@@ -316,9 +327,9 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
   } else if (name == "backward_input_norm_grad") {
     lds(TM_BWD_ACC_SMEM(C));
     looping(C);
-    need(p.x, M * C * 4, "backward_input_norm_grad x");
+    need(p.x, M * C * io, "backward_input_norm_grad x");
     need(p.dz, M * C * 4, "backward_input_norm_grad dz");
-    need(p.dx, M * C * 4, "backward_input_norm_grad dx");
+    need(p.dx, M * C * io, "backward_input_norm_grad dx");
     need(p.stats_x, M * 2 * 4, "backward_input_norm_grad stats");
     need(p.norm_in_w, C * 4, "LN_C weight");
   } else {
@@ -723,13 +734,17 @@ const char* rocblas_status_to_string(int s) {
   return text.c_str();
 }
 
+// rocblas_datatype: 150 f16, 151 f32, 168 bf16.
 static float load(const void* p, int type, size_t i) {
   if (type == 150) return (float)((const _Float16*)p)[i];
+  if (type == 168) return tm_bf2f(((const unsigned short*)p)[i]);
   return ((const float*)p)[i];
 }
 static void store(void* p, int type, size_t i, float v) {
   if (type == 150)
     ((_Float16*)p)[i] = (_Float16)v;
+  else if (type == 168)
+    ((unsigned short*)p)[i] = tm_f2bf(v);
   else
     ((float*)p)[i] = v;
 }
@@ -747,7 +762,8 @@ static int gemm(int ta, int tb, int m, int n, int k, const void* alpha, const vo
   if ((ta != 111 && ta != 112) || (tb != 111 && tb != 112)) return bad("operation");
   if (compute != 151) return bad("compute type is not f32");
   for (int t : {at, bt, ct, dt})
-    if (t != 150 && t != 151) return bad("data type");
+    if (t != 150 && t != 151 && t != 168) return bad("data type");
+  if (at != bt) return bad("A and B of different types");
   if (m < 0 || n < 0 || k < 0 || batch < 1) return bad("sizes");
   const int a_rows = ta == 111 ? m : k, a_cols = ta == 111 ? k : m;
   const int b_rows = tb == 111 ? k : n, b_cols = tb == 111 ? n : k;
@@ -756,7 +772,7 @@ static int gemm(int ta, int tb, int m, int n, int k, const void* alpha, const vo
   auto span = [&](int rows, int cols, int ld, int64_t stride) {
     return rows == 0 || cols == 0 ? 0 : (size_t)(batch - 1) * stride + (size_t)(cols - 1) * ld + rows;
   };
-  const size_t ea = at == 150 ? 2 : 4, eb = bt == 150 ? 2 : 4, ec = ct == 150 ? 2 : 4, ed = dt == 150 ? 2 : 4;
+  const size_t ea = at == 151 ? 4 : 2, eb = bt == 151 ? 4 : 2, ec = ct == 151 ? 4 : 2, ed = dt == 151 ? 4 : 2;
   need(a, span(a_rows, a_cols, lda, sa) * ea, "rocBLAS A");
   need(b, span(b_rows, b_cols, ldb, sb) * eb, "rocBLAS B");
   need(d, span(m, n, ldd, sd) * ed, "rocBLAS D");

@@ -5,7 +5,7 @@
 
 use trimul::reference;
 use trimul::suite::{self, Case, Dist, Inputs};
-use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Problem, Shape, TriMul, Weights};
+use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Problem, Shape, TriMul, Weights};
 
 /// GPU MODE's rule: every element within TOL + TOL·|ref|.
 pub const TOL: f64 = 2e-2;
@@ -136,7 +136,7 @@ pub fn backward_device_paths_match<B: Backend>(
     b.download(&dx, &mut dx_host).unwrap();
     assert!(g2.x.is_empty() && dx_host == got.x, "{name}: backward_buffers gave another dx");
     assert_eq!(g2.tensors()[1..], got.tensors()[1..], "{name}: backward_buffers' weight gradients");
-    let bytes = layer.backward_workspace_bytes(shape, mask.is_some()).unwrap();
+    let bytes = layer.backward_workspace_bytes(shape, mask.is_some(), Precision::F32Io).unwrap();
     let ws = b.alloc(bytes.div_ceil(4) as usize).unwrap();
     let dx2 = b.alloc(inputs.x.len()).unwrap();
     let addr = |buffer: &B::Buffer| B::buffer_addr(buffer).expect("a device buffer has an address");
@@ -144,13 +144,80 @@ pub fn backward_device_paths_match<B: Backend>(
     let span = trimul::DeviceSpan { ptr: addr(&ws), bytes };
     // SAFETY: every pointer is a live allocation of this backend holding the shape's elements
     // (the workspace its reported bytes), unused by anything else until the call returns.
-    let g3 = unsafe { layer.backward_device(io, shape, 0, Some(span)) }.unwrap();
+    let g3 = unsafe { layer.backward_device(io, shape, Precision::F32Io, 0, Some(span)) }.unwrap();
     b.download(&dx2, &mut dx_host).unwrap();
     assert!(dx_host == got.x && g3.tensors()[1..] == got.tensors()[1..], "{name}: caller workspace");
     let small = trimul::DeviceSpan { ptr: addr(&ws), bytes: bytes - 256 };
     // SAFETY: as above; the call is refused before anything is launched.
-    let e = unsafe { layer.backward_device(io, shape, 0, Some(small)) }.unwrap_err();
+    let e = unsafe { layer.backward_device(io, shape, Precision::F32Io, 0, Some(small)) }.unwrap_err();
     assert!(e.to_string().contains("workspace"), "{e}");
     let e = layer.backward_buffers(&x, mask.as_ref(), &dyd, &mut b.alloc(7).unwrap(), shape).unwrap_err();
     assert!(e.to_string().contains("dx has 7 elements"), "{e}");
+}
+
+/// Issue 28's bar for gradients with 16-bit I/O: relative L2 against the f64 reference.
+pub const MAX_REL_L2_16BIT: f64 = 1e-2;
+
+/// `layer`'s backward on 16-bit device tensors: x and dy rounded to `precision` (bf16 or f16)
+/// and uploaded as their bit patterns, dx (NaN-filled first) read back the same way, a caller
+/// workspace. Every gradient is within [`MAX_REL_L2_16BIT`] of the f64 reference of the same
+/// rounded x and dy, and the workspace is smaller than f32 I/O's (z, P and dcat are bf16).
+/// Returns the worst relative L2.
+#[allow(dead_code)] // not every test binary runs a backward
+pub fn backward_device_16bit_matches<B: Backend>(
+    b: &B,
+    layer: &mut Layer<B>,
+    weights: &Weights,
+    (inputs, dy): (&Inputs, &[f32]),
+    shape: Shape,
+    precision: Precision,
+    name: &str,
+) -> f64 {
+    // 16-bit words, two to an f32 word of the backend's buffers (little-endian: the first low).
+    let pack = |bits: &[u16]| -> Vec<f32> {
+        bits.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | u32::from(*p.get(1).unwrap_or(&0)) << 16)).collect()
+    };
+    let round = |v: &[f32]| -> (Vec<u16>, Vec<f32>) {
+        let bits: Vec<u16> = v.iter().map(|&e| precision.encode_half(e)).collect();
+        let rounded = bits.iter().map(|&h| precision.decode_half(h)).collect();
+        (bits, rounded)
+    };
+    let up = |v: &[f32]| {
+        let mut d = b.alloc(v.len()).unwrap();
+        b.upload(v, &mut d).unwrap();
+        d
+    };
+    let ((xb, x), (dyb, dy)) = (round(&inputs.x), round(dy));
+    let (xd, dyd) = (up(&pack(&xb)), up(&pack(&dyb)));
+    let mask = inputs.mask.as_deref().map(up);
+    let dx = up(&pack(&vec![0xFFFF; x.len()]));
+    let masked = mask.is_some();
+    let bytes = layer.backward_workspace_bytes(shape, masked, precision).unwrap();
+    let f32_bytes = layer.backward_workspace_bytes(shape, masked, Precision::F32Io).unwrap();
+    assert!(bytes < f32_bytes, "{name}: {precision:?} workspace {bytes} bytes, f32's {f32_bytes}");
+    let ws = b.alloc(bytes.div_ceil(4) as usize).unwrap();
+    let addr = |buffer: &B::Buffer| B::buffer_addr(buffer).expect("a device buffer has an address");
+    let io = (addr(&xd), mask.as_ref().map_or(0, addr), addr(&dyd), addr(&dx));
+    let span = trimul::DeviceSpan { ptr: addr(&ws), bytes };
+    // SAFETY: every pointer is a live allocation of this backend holding the shape's elements
+    // in `precision` (the mask f32, the workspace its reported bytes), unused by anything else
+    // until the call returns.
+    let mut got = unsafe { layer.backward_device(io, shape, precision, 0, Some(span)) }.unwrap();
+    let mut words = vec![0f32; x.len().div_ceil(2)];
+    b.download(&dx, &mut words).unwrap();
+    let halves = words.iter().flat_map(|w| [w.to_bits() as u16, (w.to_bits() >> 16) as u16]);
+    got.x = halves.take(x.len()).map(|h| precision.decode_half(h)).collect();
+    let problem = layer.problem(shape, masked).unwrap();
+    let want = reference::backward(weights, &problem, &x, inputs.mask.as_deref(), &dy).unwrap();
+    let mut worst = 0f64;
+    for ((gname, g), (_, r)) in got.tensors().iter().zip(want.tensors()) {
+        let e = reference::compare(g, r, 0.0, f64::INFINITY);
+        eprintln!("{name} {precision:?} {gname}: rel L2 {:.2e}", e.rel_l2);
+        assert!(
+            e.nan_mismatch == 0 && e.rel_l2 > 0.0 && e.rel_l2 <= MAX_REL_L2_16BIT,
+            "{name} {precision:?} {gname}: {e:?}"
+        );
+        worst = worst.max(e.rel_l2);
+    }
+    worst
 }

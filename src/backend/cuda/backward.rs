@@ -13,14 +13,14 @@
 
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
-use super::blas::MatmulPlan;
+use super::blas::{Elem, MatmulPlan};
 use super::context::{CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
 use super::driver::DeviceBuffer;
 use super::workspace::CudaPrepared;
 use crate::backend::backward_params::{
     acc_smem, backward_sizes, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
 };
-use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, KernelArgs, Residency};
+use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, GemmElem, KernelArgs, Residency};
 use crate::device_io::DeviceSpan;
 use crate::error::{Error, Result};
 use crate::gradients::Gradients;
@@ -99,12 +99,20 @@ impl CudaBackend {
                         match &args {
                             KernelArgs::Backward(p) => stage.launch_with(grid, THREADS, smem, stream, p, false),
                             KernelArgs::ColumnSums(p) => stage.launch_with(grid, THREADS, smem, stream, p, false),
-                            KernelArgs::Widen(p) => stage.launch_with(grid, THREADS, smem, stream, p, false),
+                            KernelArgs::Convert(p) => stage.launch_with(grid, THREADS, smem, stream, p, false),
                         }?
                     }
                 }
-                BackwardStep::Gemm { spec, u, v, d } => {
-                    let mut plan = MatmulPlan::tf32(blas, spec, MAX_GEMM_WORKSPACE)?;
+                BackwardStep::Gemm { spec, u, v, d, inputs, output } => {
+                    let elem = |e| match e {
+                        GemmElem::F32 => Elem::F32,
+                        GemmElem::F16 => Elem::F16,
+                        GemmElem::Bf16 => Elem::Bf16,
+                    };
+                    // The largest power of two (up to 256) that divides every operand's address.
+                    let alignment = 1u32 << (u | v | d | 256).trailing_zeros();
+                    let types = (elem(inputs), elem(output));
+                    let mut plan = MatmulPlan::backward(blas, spec, types, MAX_GEMM_WORKSPACE, alignment)?;
                     // SAFETY: `u`, `v` and `d` hold the matrices `spec` describes (as above);
                     // the workspace holds MAX_GEMM_WORKSPACE bytes; all live until the stream has
                     // run the call. Row-major D = op(U)·op(V) is column-major A = V, B = U.

@@ -49,6 +49,7 @@ impl Drop for BlasHandle {
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Elem {
     F16,
+    Bf16,
     F32,
 }
 
@@ -56,6 +57,7 @@ impl Elem {
     fn cuda(self) -> cudaDataType {
         match self {
             Elem::F16 => cudaDataType::CUDA_R_16F,
+            Elem::Bf16 => cudaDataType::CUDA_R_16BF,
             Elem::F32 => cudaDataType::CUDA_R_32F,
         }
     }
@@ -201,11 +203,19 @@ impl MatmulPlan {
         Self::build(handle, spec, Elem::F16, d_type, false, max_workspace, 0, Some(alignment))
     }
 
-    /// A GEMM on f32 A, B and D on the tensor cores in TF32 (inputs rounded to a 10-bit
-    /// mantissa, as f16's, with f32's range; f32 accumulation): the backward's products, whose
-    /// operands (gradients) have no range a 16-bit format is sure to hold.
-    pub(crate) fn tf32(handle: &BlasHandle, spec: GemmSpec, max_workspace: usize) -> Result<Self> {
-        Self::build(handle, spec, Elem::F32, Elem::F32, false, max_workspace, 0, None)
+    /// A GEMM of the backward, A and B in `inputs` and D in `output`, with f32 accumulation:
+    /// f32 operands run on the tensor cores in TF32 (rounded to a 10-bit mantissa, as f16's, with
+    /// f32's range, which gradients need), bf16 ones as they are. Every operand's address is a
+    /// multiple of `alignment` bytes (a power of two; the weight gradients' tail GEMMs start
+    /// inside their buffers).
+    pub(crate) fn backward(
+        handle: &BlasHandle,
+        spec: GemmSpec,
+        (inputs, output): (Elem, Elem),
+        max_workspace: usize,
+        alignment: u32,
+    ) -> Result<Self> {
+        Self::build(handle, spec, inputs, output, false, max_workspace, 0, Some(alignment))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -220,7 +230,7 @@ impl MatmulPlan {
         alignment: Option<u32>,
     ) -> Result<Self> {
         let compute = match ab_type {
-            Elem::F16 => cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            Elem::F16 | Elem::Bf16 => cublasComputeType_t::CUBLAS_COMPUTE_32F,
             Elem::F32 => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
         };
         let desc = lt::create_matmul_desc(compute, cudaDataType::CUDA_R_32F)

@@ -862,6 +862,8 @@ impl Backend for CudaBackend {
         dy: &DeviceBuffer<f32>,
         dx: &mut DeviceBuffer<f32>,
     ) -> Result<Gradients> {
+        // The buffers are f32 whatever precision the problem names.
+        let problem = &problem.with_io(Precision::F32Io);
         check_prepared_for(&prepared.config, problem)?;
         super::check_backward_io(problem, x.len(), mask.map(DeviceBuffer::len), dy.len(), Some(dx.len()))?;
         // SAFETY: the buffers are this backend's allocations of the lengths checked above,

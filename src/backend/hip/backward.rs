@@ -13,7 +13,7 @@
 //! (reduced-mantissa) path only when a handle's math mode asks for it, which this backend never
 //! sets, but nothing has run on AMD hardware, so neither the path rocBLAS picks nor its error
 //! has been observed. On the fake ROCm (`tests/hip_emu/fake_rocm.cpp`) the GEMMs are plain f32
-//! sums. The weights are the prepared f16 ones, widened to f32 by `backward_widen`.
+//! sums. The weights are the prepared f16 ones, converted to f32 by `backward_convert`.
 //!
 //! # Memory
 //! Every intermediate is a whole f32 tensor, as on CUDA (about `(C + F + 5H + max(C, H))·4`
@@ -41,7 +41,7 @@ use super::sys;
 use crate::backend::backward_params::{
     acc_smem, backward_sizes, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
 };
-use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, KernelArgs, Residency};
+use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, GemmElem, KernelArgs, Residency};
 use crate::device_io::DeviceSpan;
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
@@ -123,13 +123,18 @@ impl HipBackend {
                         match &args {
                             KernelArgs::Backward(p) => launch_by_value(kernel, stream, grid, THREADS, smem, p),
                             KernelArgs::ColumnSums(p) => launch_by_value(kernel, stream, grid, THREADS, smem, p),
-                            KernelArgs::Widen(p) => launch_by_value(kernel, stream, grid, THREADS, smem, p),
+                            KernelArgs::Convert(p) => launch_by_value(kernel, stream, grid, THREADS, smem, p),
                         }?
                     }
                 }
-                BackwardStep::Gemm { spec, u, v, d } => {
-                    let g = RocblasGemm::from_spec(&spec, DataType::F32, DataType::F32)?;
-                    // SAFETY: `u`, `v` and `d` hold the f32 matrices `spec` describes (as above),
+                BackwardStep::Gemm { spec, u, v, d, inputs, output } => {
+                    let ty = |e| match e {
+                        GemmElem::F32 => DataType::F32,
+                        GemmElem::F16 => DataType::F16,
+                        GemmElem::Bf16 => DataType::Bf16,
+                    };
+                    let g = RocblasGemm::from_spec(&spec, ty(inputs), ty(output))?;
+                    // SAFETY: `u`, `v` and `d` hold the matrices `spec` describes (as above),
                     // live until the stream has run the call; `blas` is bound to `stream`.
                     // Row-major D = op(U)·op(V) is column-major A = V, B = U.
                     unsafe { blas.gemm(&g, 1.0, v, u, 0.0, d)? }

@@ -11,7 +11,8 @@
 #![forbid(unsafe_code)]
 
 use super::sys::{
-    rocblas_datatype, rocblas_int, rocblas_operation, rocblas_stride, ROCBLAS_DATATYPE_F16_R, ROCBLAS_DATATYPE_F32_R,
+    rocblas_datatype, rocblas_int, rocblas_operation, rocblas_stride, ROCBLAS_DATATYPE_BF16_R, ROCBLAS_DATATYPE_F16_R,
+    ROCBLAS_DATATYPE_F32_R,
     ROCBLAS_OPERATION_NONE, ROCBLAS_OPERATION_TRANSPOSE,
 };
 use crate::backend::gemm::GemmSpec;
@@ -21,6 +22,7 @@ use crate::error::{Error, Result};
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum DataType {
     F16,
+    Bf16,
     F32,
 }
 
@@ -28,6 +30,7 @@ impl DataType {
     pub fn rocblas(self) -> rocblas_datatype {
         match self {
             DataType::F16 => ROCBLAS_DATATYPE_F16_R,
+            DataType::Bf16 => ROCBLAS_DATATYPE_BF16_R,
             DataType::F32 => ROCBLAS_DATATYPE_F32_R,
         }
     }

@@ -51,7 +51,7 @@ const MFMA_STAGES: [&str; 2] = ["input_projection", "output_projection"];
 /// type's size in the Rust mirror. Every forward stage has one kernel named after it; the
 /// backward stage has the ten of `common/backward.h`.
 fn stage_kernels(stage: &'static str) -> Vec<(&'static str, &'static str, usize)> {
-    use crate::backend::backward_params::{BackwardParams, ColumnSums, Widen};
+    use crate::backend::backward_params::{BackwardParams, ColumnSums, Convert};
     use std::mem::size_of;
     match stage {
         "prepare_weights" => vec![(stage, "TmPrepareParams", size_of::<params::PrepareParams>())],
@@ -73,7 +73,7 @@ fn stage_kernels(stage: &'static str) -> Vec<(&'static str, &'static str, usize)
                 ["backward_column_partials", "backward_column_finish"]
                     .map(|k| (k, "TmColumnSums", size_of::<ColumnSums>())),
             );
-            v.push(("backward_widen", "TmWiden", size_of::<Widen>()));
+            v.push(("backward_convert", "TmConvert", size_of::<Convert>()));
             v
         }
         _ => vec![(stage, "TmOutputParams", size_of::<OutputParams>())],

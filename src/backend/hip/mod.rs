@@ -1307,6 +1307,8 @@ impl Backend for HipBackend {
         dy: &HipBuffer,
         dx: &mut HipBuffer,
     ) -> Result<Gradients> {
+        // The buffers are f32 whatever precision the problem names.
+        let problem = &problem.with_io(Precision::F32Io);
         check_prepared_for(&prepared.config, problem)?;
         super::check_backward_io(problem, x.len, mask.map(|m| m.len), dy.len, Some(dx.len))?;
         let io = (x.mem.addr(), mask.map_or(0, |m| m.mem.addr()), dy.mem.addr(), dx.mem.addr());

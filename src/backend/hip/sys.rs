@@ -71,6 +71,7 @@ pub const ROCBLAS_OPERATION_NONE: rocblas_operation = 111;
 pub const ROCBLAS_OPERATION_TRANSPOSE: rocblas_operation = 112;
 pub const ROCBLAS_DATATYPE_F16_R: rocblas_datatype = 150;
 pub const ROCBLAS_DATATYPE_F32_R: rocblas_datatype = 151;
+pub const ROCBLAS_DATATYPE_BF16_R: rocblas_datatype = 168;
 pub const ROCBLAS_GEMM_ALGO_STANDARD: c_int = 0;
 pub const ROCBLAS_GEMM_FLAGS_NONE: u32 = 0;
 
