@@ -18,10 +18,16 @@
 //                             fixed order
 //
 // Precision: with f32 I/O everything is f32. With 16-bit I/O (`io`: bf16 or f16 x, dy and dx, read
-// and written where they lie) the widest intermediates are 16-bit: z and P in f16, as the forward
-// keeps them (their values are bounded by LN_C; f16 has three more mantissa bits than bf16), dcat
-// in bf16 (a gradient: f32's range), with a bf16 copy of z for dcat's GEMM dWcat = dcatᵀ·z; the
-// rest stays f32 and every kernel computes in f32. Position-major tensors are [M, W] row-major; left, right, t (then dt) are
+// and written where they lie) the tensors of the input side and the contraction are 16-bit, those
+// of the output side f32:
+// - z, P, left, right and t, the forward's values, in f16 (TM_BWD_F), as the forward keeps them
+//   (LN_C bounds them, and f16 rounds 8x finer than bf16);
+// - dt and dcat, gradients, in bf16 (TM_BWD_G), for f32's range, with bf16 copies of z, left and
+//   right for the GEMMs that multiply them with a gradient (a GEMM's operands share one type);
+// - u, s/ds (v), du, dleft, dright, dz and the statistics in f32: each bf16 rounding on a
+//   gradient's path adds about 2e-3 to its relative error, and with these in bf16 too, gradients
+//   came within 1e-2 of the f64 reference only just (docs/perf/NOTES.md, twenty-sixth session).
+// Every kernel computes in f32. Position-major tensors are [M, W] row-major; left, right, t (then dt) are
 // hidden-major [B, H, N²], the layout of the contraction's batched GEMMs. The kernels that move
 // data between the two layouts take TM_BWD_TILE consecutive positions per block and go through
 // shared memory, so that both the hidden-major side (consecutive positions) and the
@@ -52,18 +58,20 @@ typedef struct {
   const float* norm_out_b;  // [H]
   const float* proj_bias;   // [F]; null: no input bias
   const float* out_bias;    // [C]; null: no output bias
-  void* z;                  // [M, C] LN_C(x), in TM_BWD_ZP(io)
+  void* z;                  // [M, C] LN_C(x), in TM_BWD_F(io)
   unsigned short* z_bf16;   // [M, C] z in bf16 where io is 16-bit (else null)
   float* stats_x;           // [M, 2] LN_C's mean and 1/σ
-  void* p;                  // [M, F] z·Wcatᵀ (without bcat), in TM_BWD_ZP(io)
-  float* left;              // [B, H, N²]
-  float* right;             // [B, H, N²]
-  float* t;                 // [B, H, N²] t, then dt
+  void* p;                  // [M, F] z·Wcatᵀ (without bcat), in TM_BWD_F(io)
+  void* left;               // [B, H, N²] in TM_BWD_F(io)
+  void* right;              // [B, H, N²] in TM_BWD_F(io)
+  void* t;                  // [B, H, N²] t in TM_BWD_F(io), then dt in TM_BWD_G(io)
   float* u;                 // [M, H] LN_H(t)
+  unsigned short* left_bf16;   // left and right in bf16 where io is 16-bit (else null)
+  unsigned short* right_bf16;
   float* stats_t;           // [M, 2] LN_H's mean and 1/σ
   float* e;                 // af3: [M, C] s = u·Wzᵀ, then ds; gpumode: [M, H] v
   float* du;                // [M, H] du (gpumode: dv first)
-  void* dcat;               // [M, F] [dpL dqL dpR dqR dG] in TM_BWD_DCAT(io); may be p itself (each
+  void* dcat;               // [M, F] [dpL dqL dpR dqR dG] in TM_BWD_G(io); may be p itself (each
                             // element of P is read by the thread that then writes its gradient,
                             // and both are f32 or both 16-bit)
   float* dz;                // [M, C] dcat·Wcat
@@ -81,9 +89,10 @@ typedef struct {
   int pad_;
 } TmBackwardParams;
 
-// The precisions of z and P, and of dcat, for I/O precision IO: f32 with f32 I/O, else f16 and bf16.
-#define TM_BWD_ZP(IO) ((IO) == TM_IO_F32 ? TM_IO_F32 : TM_IO_F16)
-#define TM_BWD_DCAT(IO) ((IO) == TM_IO_F32 ? TM_IO_F32 : TM_IO_BF16)
+// The precisions of z, P, left, right and t, and of dt and dcat, for I/O precision IO: f32 with
+// f32 I/O, else f16 and bf16.
+#define TM_BWD_F(IO) ((IO) == TM_IO_F32 ? TM_IO_F32 : TM_IO_F16)
+#define TM_BWD_G(IO) ((IO) == TM_IO_F32 ? TM_IO_F32 : TM_IO_BF16)
 
 // Element i of a tensor in precision T (a TM_IO_ value), widened to f32.
 template <int T>
@@ -103,25 +112,10 @@ TM_INLINE void tm_bwd_st(void* a, tm_i64 i, float v) {
   }
 }
 
-// A kernel's body for the launch's I/O precision, or (TM_BWD_BY_MID, for kernels that touch only
-// intermediates) for f32 or one 16-bit I/O precision standing for both: the branch is uniform
-// across the grid; the instantiations share the kernel's register budget.
-#define TM_BWD_BY_IO(body, p)          \
-  switch ((p).io) {                    \
-    case TM_IO_BF16:                   \
-      body<TM_IO_BF16>(p);             \
-      break;                           \
-    case TM_IO_F16:                    \
-      body<TM_IO_F16>(p);              \
-      break;                           \
-    default:                           \
-      body<TM_IO_F32>(p);              \
-  }
-#define TM_BWD_BY_MID(body, p) \
-  if ((p).io == TM_IO_F32)     \
-    body<TM_IO_F32>(p);        \
-  else                         \
-    body<TM_IO_BF16>(p)
+// Each per-position kernel has two entry points, `name` for f32 I/O and `name_16` for 16-bit I/O
+// (bf16 and f16 differ only in how x, dy and dx are read and written), each its own kernel: with
+// both precisions in one, the LN_H kernels spilled under their 32-register cap and ran a sixth
+// slower in f32.
 
 // The hidden-major index of (position `row`, channel `h`).
 TM_INLINE tm_i64 tm_bwd_hidden(const TmBackwardParams& p, tm_i64 row, int h) {
@@ -132,23 +126,25 @@ TM_INLINE tm_i64 tm_bwd_hidden(const TmBackwardParams& p, tm_i64 row, int h) {
 // Loads channels [h0, h0 + hn) of the tile's positions from a hidden-major tensor into
 // `s[h − h0][r]` (row stride TM_BWD_TILE + 1: conflict-free both ways); zeros past the last
 // position. Lane = position, warp = channel: each warp reads 32 consecutive positions.
-TM_INLINE void tm_bwd_load_hidden(const TmBackwardParams& p, const float* TM_RESTRICT src, float* s, tm_i64 first,
-                                  int h0, int hn) {
+template <int T>
+TM_INLINE void tm_bwd_load_hidden(const TmBackwardParams& p, const void* TM_RESTRICT src, float* TM_RESTRICT s,
+                                  tm_i64 first, int h0, int hn) {
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
   const tm_i64 row = first + lane;
   for (int hl = warp; hl < hn; hl += TM_BWD_WARPS) {
-    s[hl * (TM_BWD_TILE + 1) + lane] = row < p.rows ? src[tm_bwd_hidden(p, row, h0 + hl)] : 0.f;
+    s[hl * (TM_BWD_TILE + 1) + lane] = row < p.rows ? tm_bwd_ld<T>(src, tm_bwd_hidden(p, row, h0 + hl)) : 0.f;
   }
 }
 
 // The reverse: `s[h − h0][r]` into the hidden-major tensor.
-TM_INLINE void tm_bwd_store_hidden(const TmBackwardParams& p, float* TM_RESTRICT dst, const float* s, tm_i64 first,
-                                   int h0, int hn) {
+template <int T>
+TM_INLINE void tm_bwd_store_hidden(const TmBackwardParams& p, void* TM_RESTRICT dst, const float* TM_RESTRICT s,
+                                   tm_i64 first, int h0, int hn) {
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
   const tm_i64 row = first + lane;
   if (row >= p.rows) return;
   for (int hl = warp; hl < hn; hl += TM_BWD_WARPS) {
-    dst[tm_bwd_hidden(p, row, h0 + hl)] = s[hl * (TM_BWD_TILE + 1) + lane];
+    tm_bwd_st<T>(dst, tm_bwd_hidden(p, row, h0 + hl), s[hl * (TM_BWD_TILE + 1) + lane]);
   }
 }
 
@@ -190,7 +186,7 @@ TM_INLINE void tm_bwd_input_norm(const TmBackwardParams& p) {
   const float rstd = tm_rsqrt(tm_group32_sum(q) / (float)C + p.eps);
   for (int c = lane; c < C; c += 32) {
     const float z = (tm_bwd_ld<IO>(p.x, r0 + c) - mean) * rstd * p.norm_in_w[c] + p.norm_in_b[c];
-    tm_bwd_st<TM_BWD_ZP(IO)>(p.z, r0 + c, z);
+    tm_bwd_st<TM_BWD_F(IO)>(p.z, r0 + c, z);
     if (IO != TM_IO_F32) p.z_bf16[r0 + c] = tm_f2bf(z);
   }
   if (lane == 0) {
@@ -200,7 +196,13 @@ TM_INLINE void tm_bwd_input_norm(const TmBackwardParams& p) {
 }
 
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm(const TmBackwardParams p) {
-  TM_BWD_BY_IO(tm_bwd_input_norm, p);
+  tm_bwd_input_norm<TM_IO_F32>(p);
+}
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_16(const TmBackwardParams p) {
+  if (p.io == TM_IO_F16)
+    tm_bwd_input_norm<TM_IO_F16>(p);
+  else
+    tm_bwd_input_norm<TM_IO_BF16>(p);
 }
 
 // left and right, hidden-major, from P's first 4H columns, 32 channels at a time.
@@ -221,10 +223,10 @@ TM_INLINE void tm_bwd_gating(const TmBackwardParams& p) {
       if (row < p.rows && h < H) {
         const tm_i64 pr = row * p.f;
         const float m = p.mask ? p.mask[row] : 1.f;
-        const float pl = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + h) + tm_bwd_bias(p.proj_bias, h);
-        const float ql = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + H + h) + tm_bwd_bias(p.proj_bias, H + h);
-        const float pq = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + 2 * H + h) + tm_bwd_bias(p.proj_bias, 2 * H + h);
-        const float qr = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + 3 * H + h) + tm_bwd_bias(p.proj_bias, 3 * H + h);
+        const float pl = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + h) + tm_bwd_bias(p.proj_bias, h);
+        const float ql = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + H + h) + tm_bwd_bias(p.proj_bias, H + h);
+        const float pq = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + 2 * H + h) + tm_bwd_bias(p.proj_bias, 2 * H + h);
+        const float qr = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + 3 * H + h) + tm_bwd_bias(p.proj_bias, 3 * H + h);
         l = pl * tm_sigmoid(ql) * m;
         rr = pq * tm_sigmoid(qr) * m;
       }
@@ -232,14 +234,21 @@ TM_INLINE void tm_bwd_gating(const TmBackwardParams& p) {
       sr[lane * (TM_BWD_TILE + 1) + r] = rr;
     }
     tm_sync();
-    tm_bwd_store_hidden(p, p.left, sl, first, h0, hn);
-    tm_bwd_store_hidden(p, p.right, sr, first, h0, hn);
+    tm_bwd_store_hidden<TM_BWD_F(IO)>(p, p.left, sl, first, h0, hn);
+    tm_bwd_store_hidden<TM_BWD_F(IO)>(p, p.right, sr, first, h0, hn);
+    if (IO != TM_IO_F32) {
+      tm_bwd_store_hidden<TM_IO_BF16>(p, p.left_bf16, sl, first, h0, hn);
+      tm_bwd_store_hidden<TM_IO_BF16>(p, p.right_bf16, sr, first, h0, hn);
+    }
     tm_sync();
   }
 }
 
 extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating(const TmBackwardParams p) {
-  TM_BWD_BY_MID(tm_bwd_gating, p);
+  tm_bwd_gating<TM_IO_F32>(p);
+}
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_16(const TmBackwardParams p) {
+  tm_bwd_gating<TM_IO_BF16>(p);
 }
 
 // Dynamic shared memory of the two kernels that hold a tile's whole t: [H][TILE + 1] floats.
@@ -253,7 +262,7 @@ TM_INLINE void tm_bwd_output_norm(const TmBackwardParams& p) {
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
   const tm_i64 first = (tm_i64)tm_bid() * TM_BWD_TILE;
   const int H = p.h;
-  tm_bwd_load_hidden(p, p.t, st, first, 0, H);
+  tm_bwd_load_hidden<TM_BWD_F(IO)>(p, p.t, st, first, 0, H);
   tm_sync();
   for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
     const tm_i64 row = first + r;
@@ -272,7 +281,8 @@ TM_INLINE void tm_bwd_output_norm(const TmBackwardParams& p) {
       p.u[row * H + h] = u;
       if (!p.af3) {
         const int gc = 4 * H + h;
-        p.e[row * H + h] = u * tm_sigmoid(tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, row * p.f + gc) + tm_bwd_bias(p.proj_bias, gc));
+        const float g = tm_sigmoid(tm_bwd_ld<TM_BWD_F(IO)>(p.p, row * p.f + gc) + tm_bwd_bias(p.proj_bias, gc));
+        p.e[row * H + h] = u * g;
       }
     }
     if (lane == 0) {
@@ -283,7 +293,10 @@ TM_INLINE void tm_bwd_output_norm(const TmBackwardParams& p) {
 }
 
 extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm(const TmBackwardParams p) {
-  TM_BWD_BY_MID(tm_bwd_output_norm, p);
+  tm_bwd_output_norm<TM_IO_F32>(p);
+}
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_16(const TmBackwardParams p) {
+  tm_bwd_output_norm<TM_IO_BF16>(p);
 }
 
 // The output gate's backward, one thread per element of the gate (af3 [M, C], gpumode [M, H]):
@@ -295,21 +308,27 @@ TM_INLINE void tm_bwd_output_gate(const TmBackwardParams& p) {
   if (i < p.rows * W) {
     const tm_i64 row = i / W;
     const int col = (int)(i - row * W), gc = 4 * H + col;
-    const float g = tm_sigmoid(tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, row * p.f + gc) + tm_bwd_bias(p.proj_bias, gc));
+    const float g = tm_sigmoid(tm_bwd_ld<TM_BWD_F(IO)>(p.p, row * p.f + gc) + tm_bwd_bias(p.proj_bias, gc));
     if (p.af3) {
       const float dy = tm_bwd_ld<IO>(p.dy, i), s = p.e[i] + tm_bwd_bias(p.out_bias, col);
       p.e[i] = dy * g;
-      tm_bwd_st<TM_BWD_DCAT(IO)>(p.dcat, row * p.f + gc, dy * s * g * (1.f - g));
+      tm_bwd_st<TM_BWD_G(IO)>(p.dcat, row * p.f + gc, dy * s * g * (1.f - g));
     } else {
       const float dv = p.du[i];
       p.du[i] = dv * g;
-      tm_bwd_st<TM_BWD_DCAT(IO)>(p.dcat, row * p.f + gc, dv * p.u[i] * g * (1.f - g));
+      tm_bwd_st<TM_BWD_G(IO)>(p.dcat, row * p.f + gc, dv * p.u[i] * g * (1.f - g));
     }
   }
 }
 
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_gate(const TmBackwardParams p) {
-  TM_BWD_BY_IO(tm_bwd_output_gate, p);
+  tm_bwd_output_gate<TM_IO_F32>(p);
+}
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_gate_16(const TmBackwardParams p) {
+  if (p.io == TM_IO_F16)
+    tm_bwd_output_gate<TM_IO_F16>(p);
+  else
+    tm_bwd_output_gate<TM_IO_BF16>(p);
 }
 
 // The LayerNorm backward kernels' column sums, γ's gradient Σ du⊙v̂ and β's Σ du over all
@@ -336,7 +355,8 @@ TM_INLINE void tm_bwd_flush_acc(const TmBackwardParams& p, const float* acc, int
 
 // LN_H's backward: dt (hidden-major, over t) from du and t, tile after tile; the column sums of
 // du⊙t̂ and du.
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_grad(const TmBackwardParams p) {
+template <int IO>
+TM_INLINE void tm_bwd_output_norm_grad(const TmBackwardParams& p) {
   extern __shared__ float tm_dyn_smem[];
   const int H = p.h;
   float* st = tm_dyn_smem;
@@ -347,7 +367,7 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
   const tm_i64 tiles = (p.rows + TM_BWD_TILE - 1) / TM_BWD_TILE;
   for (tm_i64 tile = tm_bid(); tile < tiles; tile += p.blocks) {
     const tm_i64 first = tile * TM_BWD_TILE;
-    tm_bwd_load_hidden(p, p.t, st, first, 0, H);
+    tm_bwd_load_hidden<TM_BWD_F(IO)>(p, p.t, st, first, 0, H);
     tm_sync();
     for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
       const tm_i64 row = first + r;
@@ -371,10 +391,17 @@ extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOC
       }
     }
     tm_sync();
-    tm_bwd_store_hidden(p, p.t, st, first, 0, H);
+    tm_bwd_store_hidden<TM_BWD_G(IO)>(p, p.t, st, first, 0, H);
     tm_sync();  // the next tile's loads overwrite st
   }
   tm_bwd_flush_acc(p, acc, H);
+}
+
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_grad(const TmBackwardParams p) {
+  tm_bwd_output_norm_grad<TM_IO_F32>(p);
+}
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_grad_16(const TmBackwardParams p) {
+  tm_bwd_output_norm_grad<TM_IO_BF16>(p);
 }
 
 // The gated projections' backward: dcat's first 4H columns from dleft and dright (hidden-major,
@@ -389,8 +416,8 @@ TM_INLINE void tm_bwd_gating_grad(const TmBackwardParams& p) {
   float* sr = sl + 32 * (TM_BWD_TILE + 1);
   for (int h0 = 0; h0 < H; h0 += 32) {
     const int h = h0 + lane, hn = H - h0 < 32 ? H - h0 : 32;
-    tm_bwd_load_hidden(p, p.left, sl, first, h0, hn);
-    tm_bwd_load_hidden(p, p.right, sr, first, h0, hn);
+    tm_bwd_load_hidden<TM_IO_F32>(p, p.left, sl, first, h0, hn);
+    tm_bwd_load_hidden<TM_IO_F32>(p, p.right, sr, first, h0, hn);
     tm_sync();
 #pragma unroll 1
     for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
@@ -404,10 +431,10 @@ TM_INLINE void tm_bwd_gating_grad(const TmBackwardParams& p) {
 #pragma unroll
       for (int side = 0; side < 2; ++side) {
         const int cv = 2 * side * H + h, cg = cv + H;
-        const float pv = tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + cv) + tm_bwd_bias(p.proj_bias, cv);
-        const float sg = tm_sigmoid(tm_bwd_ld<TM_BWD_ZP(IO)>(p.p, pr + cg) + tm_bwd_bias(p.proj_bias, cg));
-        tm_bwd_st<TM_BWD_DCAT(IO)>(p.dcat, pr + cv, d[side] * sg);
-        tm_bwd_st<TM_BWD_DCAT(IO)>(p.dcat, pr + cg, d[side] * pv * sg * (1.f - sg));
+        const float pv = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + cv) + tm_bwd_bias(p.proj_bias, cv);
+        const float sg = tm_sigmoid(tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + cg) + tm_bwd_bias(p.proj_bias, cg));
+        tm_bwd_st<TM_BWD_G(IO)>(p.dcat, pr + cv, d[side] * sg);
+        tm_bwd_st<TM_BWD_G(IO)>(p.dcat, pr + cg, d[side] * pv * sg * (1.f - sg));
       }
     }
     tm_sync();
@@ -415,7 +442,10 @@ TM_INLINE void tm_bwd_gating_grad(const TmBackwardParams& p) {
 }
 
 extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad(const TmBackwardParams p) {
-  TM_BWD_BY_MID(tm_bwd_gating_grad, p);
+  tm_bwd_gating_grad<TM_IO_F32>(p);
+}
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad_16(const TmBackwardParams p) {
+  tm_bwd_gating_grad<TM_IO_BF16>(p);
 }
 
 // Dynamic shared memory of backward_input_norm_grad: the accumulators.
@@ -453,7 +483,13 @@ TM_INLINE void tm_bwd_input_norm_grad(const TmBackwardParams& p) {
 }
 
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_grad(const TmBackwardParams p) {
-  TM_BWD_BY_IO(tm_bwd_input_norm_grad, p);
+  tm_bwd_input_norm_grad<TM_IO_F32>(p);
+}
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_grad_16(const TmBackwardParams p) {
+  if (p.io == TM_IO_F16)
+    tm_bwd_input_norm_grad<TM_IO_F16>(p);
+  else
+    tm_bwd_input_norm_grad<TM_IO_BF16>(p);
 }
 
 // Column sums of an [rows, cols] matrix with leading dimension ld (mirrored by `ColumnSums`).

@@ -623,7 +623,8 @@ fn backward_matches_the_f64_reference() {
                 continue;
             }
             let io = (&inputs, dy.as_slice());
-            let worst = gpu_checks::backward_device_16bit_matches(&b, &mut layer, &w, io, shape, precision, &case.name());
+            let worst =
+                gpu_checks::backward_device_16bit_matches(&b, &mut layer, &w, io, shape, precision, &case.name());
             eprintln!("{} {f:?} {precision:?}: worst rel L2 {worst:.2e}", case.name());
         }
     }

@@ -161,6 +161,8 @@ pub(crate) struct BackwardParams {
     pub(crate) right: u64,
     pub(crate) t: u64,
     pub(crate) u: u64,
+    pub(crate) left_bf16: u64,
+    pub(crate) right_bf16: u64,
     pub(crate) stats_t: u64,
     pub(crate) e: u64,
     pub(crate) du: u64,
@@ -176,8 +178,8 @@ pub(crate) struct BackwardParams {
     pub(crate) af3: i32,
     pub(crate) eps: f32,
     pub(crate) blocks: i32,
-    /// x's, dy's and dx's precision ([`io_code`]); z and P are f16 and dcat bf16 when it is
-    /// 16-bit.
+    /// x's, dy's and dx's precision ([`io_code`]); with 16-bit I/O, z, P, left, right and t are
+    /// f16, dt and dcat bf16 (`common/backward.h`).
     pub(crate) io: i32,
     pub(crate) pad: i32,
 }
@@ -191,8 +193,8 @@ pub(crate) fn io_code(p: Precision) -> i32 {
     }
 }
 
-/// Bytes of one element of z, P and dcat (`TM_BWD_ZP`, `TM_BWD_DCAT`): f32 with f32 I/O, 16-bit
-/// (f16, f16 and bf16) with 16-bit I/O.
+/// Bytes of one element of z, P, left, right, t, dt and dcat (`TM_BWD_F`, `TM_BWD_G`): f32 with
+/// f32 I/O, 16-bit (f16 or bf16) with 16-bit I/O.
 pub(crate) fn mid_bytes(p: Precision) -> usize {
     p.io_bytes()
 }
@@ -246,7 +248,7 @@ mod tests {
         }
         let mut v = fields! {
             "TmBackwardParams", BackwardParams, x, dy, mask, norm_in_w, norm_in_b, norm_out_w, norm_out_b,
-            proj_bias, out_bias, z, z_bf16, stats_x, p, left, right, t, u, stats_t, e, du, dcat, dz, dx, partial, rows,
+            proj_bias, out_bias, z, z_bf16, stats_x, p, left, right, t, u, left_bf16, right_bf16, stats_t, e, du, dcat, dz, dx, partial, rows,
             n2, c, h, f, af3, eps, blocks, io
         };
         v.extend(fields! { "TmColumnSums", ColumnSums, a, partial, out, rows, cols, ld, row_blocks, dtype });

@@ -61,13 +61,13 @@ use crate::problem::{Direction, Formulation, Precision, Problem};
 #[derive(Clone)]
 pub(crate) struct BackwardBuffers {
     /// The kernels' intermediates, in the fields of their argument struct (`z` … `du` and
-    /// `partial`, the f64 partial sums of the column sums; dcat goes over p, dz over e); its other
-    /// fields are zero.
+    /// `partial`, the f64 partial sums of the column sums; dcat goes over p, dz over z and its
+    /// bf16 copy); its other fields are zero.
     pub(crate) tensors: BackwardParams,
     /// The weights converted for the GEMMs: Wcat `[F, C]` (f32, or bf16 with 16-bit I/O, for
     /// dz = dcat·Wcat) and Wout `[C, H]` (f32).
     pub(crate) widened: [u64; 2],
-    /// gpumode's dy converted to f32 `[M, C]` for its GEMMs, where dy is 16-bit (else 0).
+    /// gpumode's 16-bit dy converted to f32 `[M, C]` for its GEMMs (else 0).
     pub(crate) dy_f32: u64,
     /// The weight gradients' per-chunk f32 sums, `[chunks + 1, widest weight]`.
     pub(crate) weight_partial: u64,
@@ -102,25 +102,33 @@ impl BackwardBuffers {
         };
         let e = mid_bytes(problem.io);
         let sixteen = problem.io != Precision::F32Io;
+        // z, left and right: f32, or with 16-bit I/O f16 and a bf16 copy side by side in the same
+        // bytes. z's block holds the f32 dz at the end (dead once dWcat has read z).
+        let (z, left, right) = (a(m * c, 4), a(m * h, 4), a(m * h, 4));
+        let copy = |at: u64, elements: usize| if sixteen { at + (elements * 2) as u64 } else { 0 };
         let mut tensors = BackwardParams {
-            z: a(m * c, e),
-            z_bf16: if sixteen { a(m * c, 2) } else { 0 },
+            z,
+            z_bf16: copy(z, m * c),
             stats_x: a(2 * m, 4),
             p: a(m * f, e),
-            left: a(m * h, 4),
-            right: a(m * h, 4),
-            t: a(m * h, 4),
+            left,
+            right,
+            t: a(m * h, e),
             u: a(m * h, 4),
+            left_bf16: copy(left, m * h),
+            right_bf16: copy(right, m * h),
             stats_t: a(2 * m, 4),
             e: a(m * c.max(h), 4),
             du: a(m * h, 4),
+            dz: z,
             ..BackwardParams::default()
         };
         let (widened, weight_partial, sums) = ([a(f * c, e), a(c * h, 4)], a(chunks * widest, 4), a(out.len, 4));
         tensors.partial = a((MAX_ROW_BLOCKS * f.max(2 * c).max(2 * h)).max(widest), 8);
-        let dy_f32 = if sixteen && cfg.formulation == Formulation::GpuMode { a(m * c, 4) } else { 0 };
-        // dz goes where s/ds (or v) was: dead after the output stage.
-        (tensors.dcat, tensors.dz) = (tensors.p, tensors.e);
+        // gpumode's dy feeds TF32 GEMMs: a 16-bit dy needs an f32 copy.
+        let gpumode = cfg.formulation == Formulation::GpuMode;
+        let dy_f32 = if gpumode && sixteen { a(m * c, 4) } else { 0 };
+        tensors.dcat = tensors.p;
         let gemm_ws = if gemm_ws > 0 { base + span.carve(gemm_ws, |at| at) } else { 0 };
         BackwardBuffers { tensors, widened, dy_f32, weight_partial, sums, gemm_ws, written, bytes: span.end() }
     }
@@ -173,7 +181,7 @@ pub(crate) enum BackwardKernel {
 }
 
 impl BackwardKernel {
-    /// Every kernel, in declaration order (a backend keeps them in an array in this order).
+    /// Every kernel, in declaration order.
     pub(crate) const ALL: [BackwardKernel; 10] = [
         BackwardKernel::InputNorm,
         BackwardKernel::Gating,
@@ -187,7 +195,42 @@ impl BackwardKernel {
         BackwardKernel::Convert,
     ];
 
-    /// The kernel's entry point.
+    /// Whether the kernel has a second entry point for 16-bit I/O (`<entry>_16`, its own kernel so
+    /// that one precision's code does not add to the other's registers): the seven per-position
+    /// kernels, whose argument is a `BackwardParams`.
+    pub(crate) fn has_16(self) -> bool {
+        !matches!(self, BackwardKernel::ColumnPartials | BackwardKernel::ColumnFinish | BackwardKernel::Convert)
+    }
+
+    /// Every entry point, `(kernel, 16-bit)`: the ten kernels' f32 ones in [`BackwardKernel::ALL`]'s
+    /// order, then the seven 16-bit ones. A backend keeps them in an array in this order
+    /// ([`BackwardKernel::index`]).
+    pub(crate) fn entries() -> impl Iterator<Item = (BackwardKernel, bool)> {
+        let sixteen = BackwardKernel::ALL.into_iter().filter(|k| k.has_16()).map(|k| (k, true));
+        BackwardKernel::ALL.into_iter().map(|k| (k, false)).chain(sixteen)
+    }
+
+    /// The place of an entry point in [`BackwardKernel::entries`]' order (a kernel without a
+    /// 16-bit one has its f32 one there).
+    pub(crate) fn index(self, sixteen: bool) -> usize {
+        // The kernels with a 16-bit entry point come first in `ALL`.
+        if sixteen && self.has_16() {
+            BackwardKernel::ALL.len() + self as usize
+        } else {
+            self as usize
+        }
+    }
+
+    /// The name of an entry point.
+    pub(crate) fn entry_name(self, sixteen: bool) -> String {
+        if sixteen && self.has_16() {
+            format!("{}_16", self.entry())
+        } else {
+            self.entry().to_string()
+        }
+    }
+
+    /// The kernel's f32 entry point.
     pub(crate) fn entry(self) -> &'static str {
         match self {
             BackwardKernel::InputNorm => "backward_input_norm",
@@ -241,8 +284,9 @@ impl GemmElem {
 /// One operation of a backward, every address resolved.
 #[derive(Copy, Clone)]
 pub(crate) enum BackwardStep {
-    /// A launch of `grid` blocks of [`THREADS`] threads with `smem` bytes of dynamic shared memory.
-    Launch { kernel: BackwardKernel, grid: usize, smem: usize, args: KernelArgs },
+    /// A launch of `grid` blocks of [`THREADS`] threads with `smem` bytes of dynamic shared memory,
+    /// of the kernel's 16-bit entry point when `sixteen` ([`BackwardKernel::has_16`]).
+    Launch { kernel: BackwardKernel, sixteen: bool, grid: usize, smem: usize, args: KernelArgs },
     /// A row-major GEMM `D = op(U)·op(V)` ([`GemmSpec::row_major`]: A = V, B = U), U and V in
     /// `inputs`, D in `output`.
     Gemm { spec: GemmSpec, u: u64, v: u64, d: u64, inputs: GemmElem, output: GemmElem },
@@ -288,9 +332,16 @@ pub(crate) fn steps(
         io: io_code(problem.io),
         ..b.tensors
     };
-    // z and P, and dcat (and the GEMMs on them): f32, or f16 and bf16 with 16-bit I/O.
+    // z, P, left, right and t (`fw`), and dt and dcat (`b16`), and the GEMMs on them: f32, or with
+    // 16-bit I/O f16 and bf16; a GEMM of a gradient and z, left or right reads its bf16 copy. The
+    // output side stays f32 (TF32 GEMMs).
     let sixteen = problem.io != Precision::F32Io;
-    let (zp, dc) = if sixteen { (GemmElem::F16, GemmElem::Bf16) } else { (GemmElem::F32, GemmElem::F32) };
+    let (fw, b16) = if sixteen { (GemmElem::F16, GemmElem::Bf16) } else { (GemmElem::F32, GemmElem::F32) };
+    let copy = |value: u64, bf16: u64| if sixteen { bf16 } else { value };
+    let (z_g, left_g, right_g) = (copy(p.z, p.z_bf16), copy(p.left, p.left_bf16), copy(p.right, p.right_bf16));
+    // Wcat as P's GEMM reads it (with 16-bit I/O, the prepared f16 one itself).
+    let [w_cat, w_out] = b.widened;
+    let w_cat_f = if sixteen { w.w[0] } else { w_cat };
     let code = |g: GemmElem| match g {
         GemmElem::F32 => io_code(Precision::F32Io),
         GemmElem::F16 => io_code(Precision::F16Io),
@@ -307,7 +358,7 @@ pub(crate) fn steps(
     let rm = GemmSpec::row_major;
     let mut s = Vec::new();
     let launch = |s: &mut Vec<BackwardStep>, kernel, grid, smem, p: BackwardParams| {
-        s.push(BackwardStep::Launch { kernel, grid, smem, args: KernelArgs::Backward(p) })
+        s.push(BackwardStep::Launch { kernel, sixteen, grid, smem, args: KernelArgs::Backward(p) })
     };
     let gemm = |s: &mut Vec<BackwardStep>, spec, u, v, d, inputs, output| {
         s.push(BackwardStep::Gemm { spec, u, v, d, inputs, output })
@@ -317,30 +368,32 @@ pub(crate) fn steps(
             let args = KernelArgs::ColumnSums(sums);
             s.push(BackwardStep::Launch {
                 kernel: BackwardKernel::ColumnPartials,
+                sixteen: false,
                 grid,
                 smem: PARTIALS_SMEM as usize,
                 args,
             });
         }
         let (grid, args) = ((sums.cols as usize).div_ceil(threads), KernelArgs::ColumnSums(sums));
-        s.push(BackwardStep::Launch { kernel: BackwardKernel::ColumnFinish, grid, smem: 0, args });
+        s.push(BackwardStep::Launch { kernel: BackwardKernel::ColumnFinish, sixteen: false, grid, smem: 0, args });
     };
     // Σ over `rows` rows of `a` (in `dtype`, leading dimension `ld`) of `cols` columns into
     // `sums[to..]`.
-    let column_sum_of = |s: &mut Vec<BackwardStep>, (a, dtype): (u64, i32), rows: usize, cols: usize, ld: usize, to: usize| {
-        let row_blocks = rows.div_ceil(256).clamp(1, MAX_ROW_BLOCKS);
-        let sums = ColumnSums {
-            a,
-            partial: p.partial,
-            out: b.sums + (to * 4) as u64,
-            rows: rows as i64,
-            cols: cols as i32,
-            ld: ld as i32,
-            row_blocks: row_blocks as i32,
-            dtype,
+    let column_sum_of =
+        |s: &mut Vec<BackwardStep>, (a, dtype): (u64, i32), rows: usize, cols: usize, ld: usize, to: usize| {
+            let row_blocks = rows.div_ceil(256).clamp(1, MAX_ROW_BLOCKS);
+            let sums = ColumnSums {
+                a,
+                partial: p.partial,
+                out: b.sums + (to * 4) as u64,
+                rows: rows as i64,
+                cols: cols as i32,
+                ld: ld as i32,
+                row_blocks: row_blocks as i32,
+                dtype,
+            };
+            column_sums(s, sums, Some(row_blocks * cols.div_ceil(32)));
         };
-        column_sums(s, sums, Some(row_blocks * cols.div_ceil(32)));
-    };
     let column_sum = |s: &mut Vec<BackwardStep>, a: (u64, i32), cols: usize, ld: usize, to: usize| {
         column_sum_of(s, a, m, cols, ld, to)
     };
@@ -368,17 +421,17 @@ pub(crate) fn steps(
                        inputs: GemmElem,
                        to| {
         let e = inputs.bytes();
-            let rows = chunk_rows(m);
-            let (whole, rest) = (m / rows, m % rows);
-            let part = b.weight_partial;
-            let spec = rm(wa, wb, rows, (true, lu), (false, lv), wb);
-            let batched = GemmSpec {
-                batch: whole,
-                stride_a: if whole > 1 { rows * lv } else { 0 },
-                stride_b: if whole > 1 { rows * lu } else { 0 },
-                stride_d: if whole > 1 { wa * wb } else { 0 },
-                ..spec
-            };
+        let rows = chunk_rows(m);
+        let (whole, rest) = (m / rows, m % rows);
+        let part = b.weight_partial;
+        let spec = rm(wa, wb, rows, (true, lu), (false, lv), wb);
+        let batched = GemmSpec {
+            batch: whole,
+            stride_a: if whole > 1 { rows * lv } else { 0 },
+            stride_b: if whole > 1 { rows * lu } else { 0 },
+            stride_d: if whole > 1 { wa * wb } else { 0 },
+            ..spec
+        };
         gemm(s, batched, u, v, part, inputs, f32_);
         if rest > 0 {
             let (at_u, at_v) = ((whole * rows * lu * e) as u64, (whole * rows * lv * e) as u64);
@@ -387,32 +440,30 @@ pub(crate) fn steps(
         }
         column_sum_of(s, (part, f32_code), whole + usize::from(rest > 0), wa * wb, wa * wb, to)
     };
-    let [w_cat, w_out] = b.widened;
     let f16_code = io_code(Precision::F16Io);
-    let mut converts = vec![(w.w[0], f16_code, w_cat, code(dc), f * c), (w.w[1], f16_code, w_out, f32_code, c * h)];
-    // gpumode's dy feeds two GEMMs, whose other operands are f32.
+    let mut converts = vec![(w.w[0], f16_code, w_cat, code(b16), f * c), (w.w[1], f16_code, w_out, f32_code, c * h)];
+    // gpumode's dy feeds two TF32 GEMMs: a 16-bit dy through an f32 copy.
     let dy_f32 = if b.dy_f32 != 0 { b.dy_f32 } else { dy };
     if b.dy_f32 != 0 {
         converts.push((dy, p.io, b.dy_f32, f32_code, m * c));
     }
     for (src, from, dst, to, len) in converts {
         let args = KernelArgs::Convert(Convert { src, dst, n: len as i64, from, to });
-        s.push(BackwardStep::Launch { kernel: BackwardKernel::Convert, grid: len.div_ceil(threads), smem: 0, args });
+        let grid = len.div_ceil(threads);
+        s.push(BackwardStep::Launch { kernel: BackwardKernel::Convert, sixteen: false, grid, smem: 0, args });
     }
     let outgoing = problem.direction == Direction::Outgoing;
     s.push(BackwardStep::Mark("start"));
 
     // 1-5: the forward, recomputed, keeping what the backward reads.
     launch(&mut s, BackwardKernel::InputNorm, warp_rows, 0, p);
-    // With 16-bit I/O, on the prepared f16 Wcat itself.
-    let w_zp = if sixteen { w.w[0] } else { w_cat };
-    gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), p.z, w_zp, p.p, zp, zp);
+    gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), p.z, w_cat_f, p.p, fw, fw);
     s.push(BackwardStep::Mark("LN_C and the input projection"));
     launch(&mut s, BackwardKernel::Gating, tiles, GATING_SMEM as usize, p);
     s.push(BackwardStep::Mark("gating"));
     // Outgoing t = L·Rᵀ, incoming t = Lᵀ·R, per (b, h).
     let square = |u_t: bool, v_t: bool| rm(n, n, n, (u_t, n), (v_t, n), n).batched(bh, n2);
-    gemm(&mut s, square(!outgoing, outgoing), p.left, p.right, p.t, f32_, f32_);
+    gemm(&mut s, square(!outgoing, outgoing), p.left, p.right, p.t, fw, fw);
     s.push(BackwardStep::Mark("contraction"));
     launch(&mut s, BackwardKernel::OutputNorm, tiles, t_smem, p);
     s.push(BackwardStep::Mark("LN_H"));
@@ -430,7 +481,7 @@ pub(crate) fn steps(
     } else {
         weight_grad(&mut s, (dy_f32, c, c), (p.e, h, h), f32_, out.w_out);
         if out_bias {
-            column_sum(&mut s, (dy_f32, f32_code), c, c, out.b_out);
+            column_sum(&mut s, (dy, p.io), c, c, out.b_out);
         }
         gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy_f32, w_out, p.du, f32_, f32_);
         launch(&mut s, BackwardKernel::OutputGate, (m * h).div_ceil(threads), 0, p);
@@ -448,11 +499,11 @@ pub(crate) fn steps(
     let dt = p.t;
     let (dleft, dright) = (p.u, p.du);
     if outgoing {
-        gemm(&mut s, square(false, false), dt, p.right, dleft, f32_, f32_);
-        gemm(&mut s, square(true, false), dt, p.left, dright, f32_, f32_);
+        gemm(&mut s, square(false, false), dt, right_g, dleft, b16, f32_);
+        gemm(&mut s, square(true, false), dt, left_g, dright, b16, f32_);
     } else {
-        gemm(&mut s, square(false, true), p.right, dt, dleft, f32_, f32_);
-        gemm(&mut s, square(false, false), p.left, dt, dright, f32_, f32_);
+        gemm(&mut s, square(false, true), right_g, dt, dleft, b16, f32_);
+        gemm(&mut s, square(false, false), left_g, dt, dright, b16, f32_);
     }
     s.push(BackwardStep::Mark("contraction backward"));
 
@@ -460,13 +511,12 @@ pub(crate) fn steps(
     let grads = BackwardParams { left: dleft, right: dright, ..p };
     launch(&mut s, BackwardKernel::GatingGrad, tiles, GATING_SMEM as usize, grads);
     s.push(BackwardStep::Mark("gating backward"));
-    let z_dc = if sixteen { p.z_bf16 } else { p.z };
-    weight_grad(&mut s, (p.dcat, f, f), (z_dc, c, c), dc, out.w_cat);
+    weight_grad(&mut s, (p.dcat, f, f), (z_g, c, c), b16, out.w_cat);
     if w.biases[..5].iter().any(|&b| b) {
-        column_sum(&mut s, (p.dcat, code(dc)), f, f, out.b_cat);
+        column_sum(&mut s, (p.dcat, code(b16)), f, f, out.b_cat);
     }
     s.push(BackwardStep::Mark("input weight gradients"));
-    gemm(&mut s, rm(m, c, f, (false, f), (false, c), c), p.dcat, w_cat, p.dz, dc, f32_);
+    gemm(&mut s, rm(m, c, f, (false, f), (false, c), c), p.dcat, w_cat, p.dz, b16, f32_);
     s.push(BackwardStep::Mark("dz = dcat·Wcat"));
     let blocks = BackwardParams { blocks: in_grad_blocks as i32, ..p };
     launch(&mut s, BackwardKernel::InputNormGrad, in_grad_blocks, acc_smem(c), blocks);
@@ -541,7 +591,8 @@ mod tests {
                         inside(u, batched(matrix(br, bc, spec.ldb), spec.stride_b, si), "GEMM U");
                         inside(d, batched(matrix(spec.m, spec.n, spec.ldd), spec.stride_d, so), "GEMM D");
                     }
-                    BackwardStep::Launch { kernel, grid, smem, args } => {
+                    BackwardStep::Launch { kernel, sixteen, grid, smem, args } => {
+                        assert_eq!(sixteen, kernel.has_16() && io != f32_, "{what}: {kernel:?}'s entry point");
                         assert!(grid >= 1 && smem <= 65536, "{what}: {kernel:?} grid {grid} smem {smem}");
                         match args {
                             KernelArgs::Convert(a) => {
@@ -580,10 +631,12 @@ mod tests {
                                     (p.z_bf16, if io == f32_ { 0 } else { m * c * 2 }, "z_bf16"),
                                     (p.stats_x, 2 * m * 4, "stats_x"),
                                     (p.p, m * fw * e, "p"),
-                                    (p.left, m * h * 4, "left"),
-                                    (p.right, m * h * 4, "right"),
-                                    (p.t, m * h * 4, "t"),
+                                    (p.left, m * h * e, "left"),
+                                    (p.right, m * h * e, "right"),
+                                    (p.t, m * h * e, "t"),
                                     (p.u, m * h * 4, "u"),
+                                    (p.left_bf16, if io == f32_ { 0 } else { m * h * 2 }, "left_bf16"),
+                                    (p.right_bf16, if io == f32_ { 0 } else { m * h * 2 }, "right_bf16"),
                                     (p.stats_t, 2 * m * 4, "stats_t"),
                                     (p.e, m * c.max(h) * 4, "e"),
                                     (p.du, m * h * 4, "du"),
@@ -614,15 +667,19 @@ mod tests {
         }
     }
 
-    /// The backends keep their kernels in arrays indexed by `kernel as usize`, in `ALL`'s order,
-    /// loaded by each kernel's entry point.
+    /// The backends keep the entry points in arrays in `entries()`' order, indexed by `index`,
+    /// each loaded by its own name.
     #[test]
-    fn every_kernel_has_its_index_and_a_distinct_entry_point() {
-        for (i, k) in BackwardKernel::ALL.iter().enumerate() {
-            assert_eq!(*k as usize, i, "{k:?}");
+    fn every_entry_point_has_its_index_and_a_distinct_name() {
+        let all: Vec<_> = BackwardKernel::entries().collect();
+        assert_eq!(all.len(), 17);
+        for (i, &(k, sixteen)) in all.iter().enumerate() {
+            assert_eq!(k.index(sixteen), i, "{k:?} {sixteen}");
+            assert_eq!(k.index(false), k as usize, "{k:?}");
         }
-        let entries: std::collections::BTreeSet<_> = BackwardKernel::ALL.iter().map(|k| k.entry()).collect();
-        assert_eq!(entries.len(), BackwardKernel::ALL.len());
+        let names: std::collections::BTreeSet<_> = all.iter().map(|&(k, s)| k.entry_name(s)).collect();
+        assert_eq!(names.len(), all.len());
+        assert_eq!(BackwardKernel::Convert.index(true), BackwardKernel::Convert as usize);
     }
 
     /// The span's bytes: the buffers in order, each 256-byte aligned, then the GEMM workspace

@@ -197,7 +197,10 @@ int mach_of(const std::string& p) {
 // The backward kernels of common/backward.h (src/backend/hip/backward.rs launches them): every
 // buffer a kernel will touch must lie in device memory before it runs, the grid must cover the
 // work as the kernel divides it, and the dynamic LDS must be what the kernel's macros say.
-int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** args) {
+int launch_backward(const std::string& entry, unsigned gx, unsigned smem, void** args) {
+  // A per-position kernel's 16-bit entry point (`<name>_16`) gets its f32 one's checks.
+  const bool sixteen = entry.size() > 3 && entry.compare(entry.size() - 3, 3, "_16") == 0;
+  const std::string name = sixteen ? entry.substr(0, entry.size() - 3) : entry;
   auto geometry = [&](bool ok, const char* what) {
     if (!ok) fail(name + ": " + what);
   };
@@ -256,10 +259,11 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
   if (p.rows < 1 || p.n2 < 1 || p.rows % p.n2 != 0 || p.c < 1 || p.h < 1 || (p.af3 != 0 && p.af3 != 1) ||
       p.f != 4 * p.h + (p.af3 ? p.c : p.h))
     fail(name + ": bad sizes");
+  if (sixteen != (p.io != TM_IO_F32)) fail(entry + ": not the entry point for I/O precision " + std::to_string(p.io));
   if (!violation.empty()) return status();
   const size_t M = (size_t)p.rows, C = (size_t)p.c, H = (size_t)p.h, F = (size_t)p.f;
-  // x, dy and dx in the I/O precision; z, P and dcat 16-bit where it is 16-bit (z f16 with a bf16
-  // copy, P f16, dcat bf16).
+  // x, dy and dx in the I/O precision; z, P, left, right, t (then dt) and dcat 16-bit where it is
+  // 16-bit (with bf16 copies of z, left and right), the rest f32.
   const size_t io = bytes(p.io), mid = io;
   const size_t tiles = (M + TM_BWD_TILE - 1) / TM_BWD_TILE;
   auto mask_and_bias = [&] {
@@ -286,13 +290,19 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
     lds(TM_BWD_GATING_SMEM);
     mask_and_bias();
     need(p.p, M * F * mid, (name + " P").c_str());
-    need(p.left, M * H * 4, (name + " left").c_str());
-    need(p.right, M * H * 4, (name + " right").c_str());
+    // gating writes left and right; gating_grad reads dleft and dright there, f32.
+    const size_t lr = name == "backward_gating" ? mid : 4;
+    need(p.left, M * H * lr, (name + " left").c_str());
+    need(p.right, M * H * lr, (name + " right").c_str());
+    if (p.io != TM_IO_F32 && name == "backward_gating") {
+      need(p.left_bf16, M * H * 2, "backward_gating bf16 left");
+      need(p.right_bf16, M * H * 2, "backward_gating bf16 right");
+    }
     if (name == "backward_gating_grad") need(p.dcat, M * F * mid, "backward_gating_grad dcat");
   } else if (name == "backward_output_norm") {
     geometry(gx == tiles, "the grid is not one block per tile");
     lds(TM_BWD_T_SMEM(H));
-    need(p.t, M * H * 4, "backward_output_norm t");
+    need(p.t, M * H * mid, "backward_output_norm t");
     need(p.u, M * H * 4, "backward_output_norm u");
     need(p.stats_t, M * 2 * 4, "backward_output_norm stats");
     need(p.norm_out_w, H * 4, "LN_H weight");
@@ -320,7 +330,7 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
   } else if (name == "backward_output_norm_grad") {
     lds(TM_BWD_T_ACC_SMEM(H));
     looping(H);
-    need(p.t, M * H * 4, "backward_output_norm_grad t");
+    need(p.t, M * H * mid, "backward_output_norm_grad t");
     need(p.du, M * H * 4, "backward_output_norm_grad du");
     need(p.stats_t, M * 2 * 4, "backward_output_norm_grad stats");
     need(p.norm_out_w, H * 4, "LN_H weight");
@@ -337,20 +347,25 @@ int launch_backward(const std::string& name, unsigned gx, unsigned smem, void** 
     return kFail;
   }
   if (!violation.empty()) return status();
-  if (name == "backward_input_norm")
-    emu::launch(gx, TM_BWD_THREADS, [&] { backward_input_norm(p); }, after);
-  else if (name == "backward_gating")
-    emu::launch(gx, TM_BWD_THREADS, [&] { backward_gating(p); }, after);
-  else if (name == "backward_output_norm")
-    emu::launch(gx, TM_BWD_THREADS, [&] { backward_output_norm(p); }, after);
-  else if (name == "backward_output_gate")
-    emu::launch(gx, TM_BWD_THREADS, [&] { backward_output_gate(p); }, after);
-  else if (name == "backward_output_norm_grad")
-    emu::launch(gx, TM_BWD_THREADS, [&] { backward_output_norm_grad(p); }, after);
-  else if (name == "backward_gating_grad")
-    emu::launch(gx, TM_BWD_THREADS, [&] { backward_gating_grad(p); }, after);
-  else
-    emu::launch(gx, TM_BWD_THREADS, [&] { backward_input_norm_grad(p); }, after);
+  // The entry point launched, as the kernel's name says.
+  using Kernel = void (*)(TmBackwardParams);
+  struct Entries {
+    const char* name;
+    Kernel f32, f16;
+  };
+  static const Entries entries[] = {
+      {"backward_input_norm", backward_input_norm, backward_input_norm_16},
+      {"backward_gating", backward_gating, backward_gating_16},
+      {"backward_output_norm", backward_output_norm, backward_output_norm_16},
+      {"backward_output_gate", backward_output_gate, backward_output_gate_16},
+      {"backward_output_norm_grad", backward_output_norm_grad, backward_output_norm_grad_16},
+      {"backward_gating_grad", backward_gating_grad, backward_gating_grad_16},
+      {"backward_input_norm_grad", backward_input_norm_grad, backward_input_norm_grad_16},
+  };
+  Kernel kernel = nullptr;
+  for (const Entries& e : entries)
+    if (name == e.name) kernel = sixteen ? e.f16 : e.f32;
+  emu::launch(gx, TM_BWD_THREADS, [&] { kernel(p); }, after);
   return finish();
 }
 }  // namespace

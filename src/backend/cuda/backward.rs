@@ -88,8 +88,8 @@ impl CudaBackend {
         let blas = &self.inner.blas;
         for step in backward_steps::steps(problem, &w, io, b, device) {
             match step {
-                BackwardStep::Launch { kernel, grid, smem, args } => {
-                    let (stage, grid, smem) = (k.stage(kernel), u32::try_from(grid), smem as u32);
+                BackwardStep::Launch { kernel, sixteen, grid, smem, args } => {
+                    let (stage, grid, smem) = (k.stage(kernel, sixteen), u32::try_from(grid), smem as u32);
                     let grid = grid.map_err(|_| Error::Internal(format!("{kernel:?}: grid too large")))?;
                     // SAFETY: every address in `args` lies in a buffer of the size the kernel's
                     // argument struct's comments give for this problem (the caller's by this

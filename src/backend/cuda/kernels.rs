@@ -63,15 +63,15 @@ pub(crate) struct Kernels {
     pub origin: String,
 }
 
-/// The entry points of the `backward` stage, one per [`BackwardKernel`] in its order. Those with
+/// The entry points of the `backward` stage, in [`BackwardKernel::entries`]' order. Those with
 /// a large tile ([`BackwardKernel::large_smem`]) have their shared-memory limit raised to the
 /// opt-in maximum.
 pub(crate) struct BackwardKernels(Vec<Stage>);
 
 impl BackwardKernels {
-    /// The entry point of one step's kernel.
-    pub(crate) fn stage(&self, kernel: BackwardKernel) -> &Stage {
-        &self.0[kernel as usize]
+    /// The entry point of one step's kernel (its 16-bit one when `sixteen`).
+    pub(crate) fn stage(&self, kernel: BackwardKernel, sixteen: bool) -> &Stage {
+        &self.0[kernel.index(sixteen)]
     }
 }
 
@@ -182,9 +182,9 @@ impl Kernels {
             .ctx("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
             Ok(stage)
         };
-        let mut backward = Vec::with_capacity(BackwardKernel::ALL.len());
-        for k in BackwardKernel::ALL {
-            let stage = get(&format!("backward:{}", k.entry()))?;
+        let mut backward = Vec::new();
+        for (k, sixteen) in BackwardKernel::entries() {
+            let stage = get(&format!("backward:{}", k.entry_name(sixteen)))?;
             backward.push(if k.large_smem() { raise(stage)? } else { stage });
         }
         let backward = BackwardKernels(backward);

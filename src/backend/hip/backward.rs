@@ -113,8 +113,8 @@ impl HipBackend {
         let device = Residency { shared: LDS_BYTES, units: self.ctx.info.compute_units as usize };
         for step in backward_steps::steps(problem, &w, io, b, device) {
             match step {
-                BackwardStep::Launch { kernel, grid, smem, args } => {
-                    let kernel = k.kernel(kernel);
+                BackwardStep::Launch { kernel, sixteen, grid, smem, args } => {
+                    let kernel = k.kernel(kernel, sixteen);
                     // SAFETY: every address in `args` lies in a buffer of the size the kernel's
                     // argument struct's comments give for this problem (the caller's by this
                     // function's contract, the rest in `b`; `backward_steps`' tests check the

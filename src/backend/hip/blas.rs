@@ -12,8 +12,7 @@
 
 use super::sys::{
     rocblas_datatype, rocblas_int, rocblas_operation, rocblas_stride, ROCBLAS_DATATYPE_BF16_R, ROCBLAS_DATATYPE_F16_R,
-    ROCBLAS_DATATYPE_F32_R,
-    ROCBLAS_OPERATION_NONE, ROCBLAS_OPERATION_TRANSPOSE,
+    ROCBLAS_DATATYPE_F32_R, ROCBLAS_OPERATION_NONE, ROCBLAS_OPERATION_TRANSPOSE,
 };
 use crate::backend::gemm::GemmSpec;
 use crate::error::{Error, Result};

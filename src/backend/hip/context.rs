@@ -138,16 +138,16 @@ fn geometry(kernel: &Kernel, grid: usize, smem: usize) -> Result<(u32, u32)> {
 /// The code object (or source) holding the ten kernels (`hip/backward.hip`).
 const STAGE: &str = "backward";
 
-/// The ten backward kernels, loaded for one device.
+/// The backward kernels' entry points, loaded for one device.
 pub(super) struct BackwardKernels(Vec<Kernel>);
 
 impl BackwardKernels {
-    /// The entry point of one step's kernel.
-    pub(super) fn kernel(&self, kernel: BackwardKernel) -> &Kernel {
-        &self.0[kernel as usize]
+    /// The entry point of one step's kernel (its 16-bit one when `sixteen`).
+    pub(super) fn kernel(&self, kernel: BackwardKernel, sixteen: bool) -> &Kernel {
+        &self.0[kernel.index(sixteen)]
     }
 
-    /// Loads the ten kernels from the `backward` stage's code object for `target_id`, or from
+    /// Loads the entry points from the `backward` stage's code object for `target_id`, or from
     /// its source compiled once with hipRTC (archs without a prebuilt object, or `force_rtc`).
     /// Unlike the forward's stages, a prebuilt object the runtime rejects is an error here, not
     /// a retry with hipRTC.
@@ -172,7 +172,7 @@ impl BackwardKernels {
                     result::rtc_compile(sys::hiprtc()?, source, STAGE, &options)?.into()
                 }
             };
-        let kernels = BackwardKernel::ALL.iter().map(|k| Kernel::load(api, &code, k.entry()));
+        let kernels = BackwardKernel::entries().map(|(k, sixteen)| Kernel::load(api, &code, &k.entry_name(sixteen)));
         Ok(BackwardKernels(kernels.collect::<Result<_>>()?))
     }
 }

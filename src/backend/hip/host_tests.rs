@@ -49,13 +49,15 @@ const MFMA_STAGES: [&str; 2] = ["input_projection", "output_projection"];
 
 /// The kernels of a stage's code object: entry point, the C type of its one argument and that
 /// type's size in the Rust mirror. Every forward stage has one kernel named after it; the
-/// backward stage has the ten of `common/backward.h`.
-fn stage_kernels(stage: &'static str) -> Vec<(&'static str, &'static str, usize)> {
+/// backward stage has the seventeen entry points of `common/backward.h`.
+fn stage_kernels(stage: &'static str) -> Vec<(String, &'static str, usize)> {
     use crate::backend::backward_params::{BackwardParams, ColumnSums, Convert};
     use std::mem::size_of;
     match stage {
-        "prepare_weights" => vec![(stage, "TmPrepareParams", size_of::<params::PrepareParams>())],
-        "input_norm" | "input_gating" | "input_projection" => vec![(stage, "TmInputParams", size_of::<InputParams>())],
+        "prepare_weights" => vec![(stage.into(), "TmPrepareParams", size_of::<params::PrepareParams>())],
+        "input_norm" | "input_gating" | "input_projection" => {
+            vec![(stage.into(), "TmInputParams", size_of::<InputParams>())]
+        }
         "backward" => {
             let mut v: Vec<_> = [
                 "backward_input_norm",
@@ -67,16 +69,17 @@ fn stage_kernels(stage: &'static str) -> Vec<(&'static str, &'static str, usize)
                 "backward_input_norm_grad",
             ]
             .into_iter()
+            .flat_map(|k| [k.to_string(), format!("{k}_16")])
             .map(|k| (k, "TmBackwardParams", size_of::<BackwardParams>()))
             .collect();
             v.extend(
                 ["backward_column_partials", "backward_column_finish"]
-                    .map(|k| (k, "TmColumnSums", size_of::<ColumnSums>())),
+                    .map(|k| (k.into(), "TmColumnSums", size_of::<ColumnSums>())),
             );
-            v.push(("backward_convert", "TmConvert", size_of::<Convert>()));
+            v.push(("backward_convert".into(), "TmConvert", size_of::<Convert>()));
             v
         }
-        _ => vec![(stage, "TmOutputParams", size_of::<OutputParams>())],
+        _ => vec![(stage.into(), "TmOutputParams", size_of::<OutputParams>())],
     }
 }
 
