@@ -502,6 +502,36 @@ impl<B: Backend> Layer<B> {
         unsafe { self.backend.backward_device(&self.prepared, &problem, io, stream, workspace) }
     }
 
+    /// [`Layer::backward_device`] with the weight gradients kept on the device
+    /// ([`Backend::backward_device_async`]): each is copied (f32) to its destination in `grads`
+    /// (device addresses in the order of [`Gradients::tensors`] after x, every bias in its place;
+    /// 0: not wanted) once the stream has run the backward. Returns once the work is enqueued,
+    /// waiting for nothing; the workspace is required.
+    ///
+    /// # Safety
+    /// As [`Backend::backward_device_async`].
+    pub unsafe fn backward_device_async(
+        &mut self,
+        io: (u64, u64, u64, u64),
+        shape: Shape,
+        precision: Precision,
+        stream: u64,
+        (workspace, grads): (DeviceSpan, [u64; 16]),
+    ) -> Result<()> {
+        let problem = self.problem(shape, io.1 != 0)?.with_io(precision);
+        // SAFETY: forwarded from this method's contract.
+        unsafe { self.backend.backward_device_async(&self.prepared, &problem, io, stream, workspace, grads) }
+    }
+
+    /// The element count of each weight's gradient, in the order of [`Gradients::tensors`] after
+    /// x with every bias in its place (whether or not the layer has it): the destinations of
+    /// [`Layer::backward_device_async`].
+    pub fn gradient_sizes(&self) -> [usize; 16] {
+        let (c, h) = (self.config.c, self.config.h);
+        let g = self.config.fused_proj_width() - 4 * h;
+        [c, c, h * c, h, h * c, h, h * c, h, h * c, h, g * c, g, h, h, c * h, c]
+    }
+
     /// Bytes of the workspace a [`Layer::backward_device`] of this shape and precision needs.
     pub fn backward_workspace_bytes(&self, shape: Shape, masked: bool, precision: Precision) -> Result<u64> {
         let problem = self.problem(shape, masked)?.with_io(precision);

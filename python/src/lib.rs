@@ -594,9 +594,10 @@ macro_rules! device_layer {
             /// The native backward on `stream`: x, dy and dx `[b, n, n, C]` device tensors in
             /// `io` (0 f32, 1 bf16, 2 f16), the mask `[b, n, n]` f32 (0: none), the workspace
             /// at `ws` (`ws_bytes` ≥ `backward_workspace_bytes` of the same `io`); the 16
-            /// weight-gradient entries (host f32 tensors in the canonical order, `None`: not
-            /// wanted) receive the weights' gradients. Waits for the work.
-            #[pyo3(signature = (x, mask, dy, dx, b, n, outs, ws, stream, io=0))]
+            /// weight-gradient entries (f32 tensors in the canonical order, `None`: not wanted)
+            /// receive the weights' gradients. Host entries: waits for the work. Device entries
+            /// (`on_device`): the gradients are copied there on `stream`, and nothing waits.
+            #[pyo3(signature = (x, mask, dy, dx, b, n, outs, ws, stream, io=0, on_device=false))]
             #[allow(clippy::too_many_arguments)]
             fn backward(
                 &self,
@@ -611,6 +612,7 @@ macro_rules! device_layer {
                 ws: (u64, u64),
                 stream: u64,
                 io: i32,
+                on_device: bool,
             ) -> PyResult<()> {
                 let p = precision(io)?;
                 let c = self.lock()?.config().c;
@@ -618,16 +620,35 @@ macro_rules! device_layer {
                 check_pair_io(c, b, n, x, mask, ("dx", dx))?;
                 let outs = gradient_entries::<16>(outs, 1)?;
                 let workspace = DeviceSpan { ptr: ws.0, bytes: ws.1 };
+                let io4 = (x.0, mask.0, dy.0, dx.0);
+                if on_device {
+                    let mut layer = self.lock()?;
+                    let mut grads = [0u64; 16];
+                    for (i, (e, want)) in outs.iter().zip(layer.gradient_sizes()).enumerate() {
+                        if let Some((ptr, len, _)) = *e {
+                            if len != want {
+                                return Err(PyValueError::new_err(format!(
+                                    "the gradient entry of {} has {len} elements, expected {want}",
+                                    grad_name(1 + i)
+                                )));
+                            }
+                            grads[i] = ptr;
+                        }
+                    }
+                    // SAFETY: as below; the entries are device f32 tensors of the lengths just
+                    // checked, alive until the stream has run the work (module docs).
+                    return unsafe {
+                        layer.backward_device_async(io4, Shape::new(b, n), p, stream, (workspace, grads))
+                    }
+                    .map_err(to_py);
+                }
                 py.detach(|| {
                     let mut layer = self.lock()?;
                     // SAFETY: x, mask, dy, dx and the workspace are live device tensors of this
                     // device with the element counts checked above, dx and the workspace fresh
                     // allocations (the caller's), all alive until this returns (module docs).
-                    let g = unsafe {
-                        let io = (x.0, mask.0, dy.0, dx.0);
-                        layer.backward_device(io, Shape::new(b, n), p, stream, Some(workspace))
-                    }
-                    .map_err(to_py)?;
+                    let g = unsafe { layer.backward_device(io4, Shape::new(b, n), p, stream, Some(workspace)) }
+                        .map_err(to_py)?;
                     // SAFETY: the entries are host f32 tensors alive for this call (module docs).
                     unsafe { write_gradients(&outs, &gradient_slots(&g), 1) }
                 })

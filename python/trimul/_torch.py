@@ -243,6 +243,29 @@ def _cuda_prepare(x: Tensor, originals: list, direction: str, eps: float, index:
     return entry
 
 
+# Layers for weights being trained (or otherwise not cached), by device, stream, direction, eps,
+# C, H and which weights are given: each call prepares its weights again, into the entry's
+# storage, keeping the layer and its plans (making a layer and planning its GEMMs cost about a
+# millisecond of host time per call). Calls on one stream run in order, so the layers of a model
+# that share these share one entry.
+_fresh: dict = {}
+
+
+def _fresh_entry(x: Tensor, originals: list, direction: str, eps: float, index: int, stream: int) -> _Entry:
+    """A layer with `originals` prepared into it on `stream` by this call (see `_fresh`)."""
+    c, h = x.shape[-1], originals[2].shape[0] // 2
+    key = (index, stream, direction, eps, c, h, tuple(t is None for t in originals))
+    e = _fresh.get(key)
+    if e is None:
+        e = _cuda_prepare(x, originals, direction, eps, index, stream)
+        if not _in_cudagraph_tree(index):
+            _fresh[key] = e
+        return e
+    w = _prepared_weights(originals, c, h, x.device)
+    e.layer.reprepare(_entries(w), e.storage.data_ptr(), e.storage.numel(), stream)
+    return e
+
+
 def _in_cudagraph_tree(index: int) -> bool:
     """Whether torch.compile's CUDA-graph trees are warming up or recording on this device: their
     memory pool is then the allocator's, and a cached tensor allocated there would be overwritten
@@ -280,8 +303,10 @@ def _cuda_forward_on(
     # Inside a CUDA-graph capture the preparation is captured with the forward (every replay
     # prepares from the parameters' current values); nothing captured enters the cache. Nor do
     # weights being trained (see `_op`).
-    if _capturing() or not cache:
+    if _capturing():
         e = _cuda_prepare(x, originals, direction, eps, index, stream)
+    elif not cache:
+        e = _fresh_entry(x, originals, direction, eps, index, stream)
     else:
         key = (index, stream, direction, eps, *map(id, originals))
         e = _cache.get(key, originals)
@@ -520,8 +545,8 @@ def _setup_context(ctx, inputs, output):
 
 def _native_backward(x: Tensor) -> bool:
     """Whether the library's backward op takes x's device: the CPU, and CUDA outside a CUDA-graph
-    capture (the native backward waits for its work, which a capture cannot hold; the op checks
-    again when it runs, for graphs captured after tracing). ROCm has no native backward yet."""
+    capture (the native backward has not run inside one; the op checks again when it runs, for
+    graphs captured after tracing). ROCm has no native backward yet."""
     if x.device.type == "cpu":
         return True
     return x.is_cuda and not _HIP and not _capturing()
@@ -548,9 +573,10 @@ def _backward(ctx, grad):
     return tuple(out)
 
 
-# The native CUDA backward waits for its work (the weight gradients come back through host
-# memory): a CUDA graph cannot hold it. Tagged so, torch.compile's CUDA-graph trees leave the op
-# out of their graphs (PyTorch >= 2.7 has the tag); inside a capture it recomputes instead.
+# The native CUDA backward no longer waits for its work (its weight gradients stay on the
+# device), but it has not been run inside a CUDA graph: its layer is prepared again and its GEMMs
+# planned on every call. Tagged so, torch.compile's CUDA-graph trees leave the op out of their
+# graphs (PyTorch >= 2.7 has the tag); inside a capture it recomputes instead.
 _UNSAFE_IN_GRAPHS = (
     {"tags": (torch.Tag.cudagraph_unsafe,)}
     if hasattr(torch.Tag, "cudagraph_unsafe") and "tags" in inspect.signature(torch.library.custom_op).parameters
@@ -599,13 +625,13 @@ def _dx_dtype(x: Tensor) -> torch.dtype:
 
 def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, direction: str, eps: float) -> list:
     """The native backward on CUDA tensors, on the current stream: x and grad in x's precision
-    (float32, or bfloat16 and float16 as they are: the library then keeps its widest
-    intermediates in bfloat16), dx in it too, the mask as float32; dx and the workspace from
-    PyTorch's allocator; the weight gradients come back through host memory (a few hundred KiB)
-    and are copied to the device."""
+    (float32, or bfloat16 and float16 as they are: the library then keeps most intermediates in
+    16 bits), dx in it too, the mask as float32; dx, the workspace and the weight gradients
+    (float32, written on the device at the end of the stream's work) from PyTorch's allocator.
+    Nothing waits for the GPU."""
     index = x.get_device()
     stream = _raw_stream(index)
-    e = _cuda_prepare(x, list(w), direction, eps, index, stream)
+    e = _fresh_entry(x, list(w), direction, eps, index, stream)
     dtype = _dx_dtype(x)
     io = _DTYPE_CODE[dtype]
     # Contiguous and 16-byte aligned, as the forward's inputs (a view at an odd offset is copied).
@@ -616,7 +642,7 @@ def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, dir
     dx = torch.empty(x.shape, dtype=dtype, device=x.device)
     nbytes = e.layer.backward_workspace_bytes(b, n, m is not None, io)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    gw = [None if t is None else torch.empty(t.shape, dtype=torch.float32) for t in w]
+    gw = [None if t is None else torch.empty(t.shape, dtype=torch.float32, device=x.device) for t in w]
     e.layer.backward(
         (xs.data_ptr(), xs.numel()),
         (0, 0) if m is None else (m.data_ptr(), m.numel()),
@@ -628,8 +654,9 @@ def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, dir
         (ws.data_ptr(), nbytes),
         stream,
         io,
+        True,
     )
-    return [dx] + [g.to(x.device) for g in gw if g is not None]
+    return [dx] + [g for g in gw if g is not None]
 
 
 def _check_backward_args(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list) -> None:

@@ -71,12 +71,13 @@ class _DeviceLayer:
         ws: tuple[int, int],
         stream: int,
         io: int = 0,
+        on_device: bool = False,
     ) -> None:
         """The native backward on `stream` (CUDA; HIP raises that it has none yet): (address,
         elements) of x, mask, dy and dx (device tensors in `io`: 0 float32, 1 bfloat16, 2 float16;
-        the mask float32), 16 host float32 entries for the weights' gradients, the workspace
-        (address, bytes) of at least `backward_workspace_bytes` of the same `io`; waits for the
-        work."""
+        the mask float32), 16 float32 entries for the weights' gradients, the workspace (address,
+        bytes) of at least `backward_workspace_bytes` of the same `io`. Host entries: waits for
+        the work; device entries (`on_device`): written on `stream`, nothing waits."""
     def forward(
         self,
         x: int,

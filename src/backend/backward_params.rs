@@ -61,6 +61,41 @@ impl Outputs {
         Outputs { len: at, ..o }
     }
 
+    /// Where each weight's gradient lies in the sums, `(offset, floats)`, in the order of
+    /// [`Gradients::tensors`] after x with every bias in its place (`None`: a bias the layer does
+    /// not have, `biases` in [`Gradients::linears`]' order): norm_in's weight and bias, then each
+    /// of left_proj, left_gate, right_proj, right_gate and out_gate's weight and bias, norm_out's,
+    /// out_proj's.
+    pub(crate) fn slots(&self, biases: [bool; 6], c: usize, h: usize) -> [Option<(usize, usize)>; 16] {
+        let f = (self.b_cat - self.w_cat) / c;
+        let fused = |i: usize, w0: usize, w1: usize| {
+            [Some((self.w_cat + w0 * c, (w1 - w0) * c)), biases[i].then_some((self.b_cat + w0, w1 - w0))]
+        };
+        let [lp, lpb] = fused(0, 0, h);
+        let [lg, lgb] = fused(1, h, 2 * h);
+        let [rp, rpb] = fused(2, 2 * h, 3 * h);
+        let [rg, rgb] = fused(3, 3 * h, 4 * h);
+        let [og, ogb] = fused(4, 4 * h, f);
+        [
+            Some((self.norm_in_w, c)),
+            Some((self.norm_in_b, c)),
+            lp,
+            lpb,
+            lg,
+            lgb,
+            rp,
+            rpb,
+            rg,
+            rgb,
+            og,
+            ogb,
+            Some((self.norm_out_w, h)),
+            Some((self.norm_out_b, h)),
+            Some((self.w_out, c * h)),
+            biases[5].then_some((self.b_out, c)),
+        ]
+    }
+
     /// The weight gradients from the downloaded `sums` (laid out as `self` says), with a bias
     /// gradient exactly where the layer has that bias (`biases`, in [`Gradients::linears`]'
     /// order), and an empty `x`.
@@ -84,6 +119,55 @@ impl Outputs {
             out_proj: Linear::new(seg(self.w_out, c * h), biases[5].then(|| seg(self.b_out, c)), c, h),
         }
     }
+}
+
+/// The weights in [`Outputs::slots`]' order, by name.
+pub(crate) const WEIGHT_SLOTS: [&str; 16] = [
+    "norm_in.weight",
+    "norm_in.bias",
+    "left_proj.weight",
+    "left_proj.bias",
+    "left_gate.weight",
+    "left_gate.bias",
+    "right_proj.weight",
+    "right_proj.bias",
+    "right_gate.weight",
+    "right_gate.bias",
+    "out_gate.weight",
+    "out_gate.bias",
+    "norm_out.weight",
+    "norm_out.bias",
+    "out_proj.weight",
+    "out_proj.bias",
+];
+
+/// The copies that put the weight gradients where `grads` says (device addresses in
+/// [`Outputs::slots`]' order, 0: not wanted): `(destination, offset into the sums, floats)`. A
+/// destination for a bias the layer does not have, or one not 4-byte aligned, is an error.
+pub(crate) fn gradient_copies(
+    out: &Outputs,
+    biases: [bool; 6],
+    (c, h): (usize, usize),
+    grads: [u64; 16],
+) -> crate::error::Result<Vec<(u64, usize, usize)>> {
+    let mut copies = Vec::new();
+    for ((dst, slot), name) in grads.into_iter().zip(out.slots(biases, c, h)).zip(WEIGHT_SLOTS) {
+        match (dst, slot) {
+            (0, _) => {}
+            (_, None) => {
+                return Err(crate::error::Error::InvalidArgument(format!(
+                    "a destination for the gradient of {name}, which this layer does not have"
+                )))
+            }
+            (d, Some(_)) if d % 4 != 0 => {
+                return Err(crate::error::Error::InvalidArgument(format!(
+                    "the gradient of {name} must go to a 4-byte aligned address (got {d:#x})"
+                )))
+            }
+            (d, Some((at, n))) => copies.push((d, at, n)),
+        }
+    }
+    Ok(copies)
 }
 
 /// Positions per chunk of a weight gradient's sum over all `M` positions: about
@@ -229,6 +313,20 @@ pub(crate) struct Convert {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
+
+    /// `slots` names, in order, exactly the ranges `gradients` reads for each tensor.
+    #[test]
+    fn slots_are_where_gradients_reads_each_weight() {
+        for (c, h, g, biases) in [(8, 4, 8, [true; 6]), (6, 10, 10, [false, true, false, false, true, false])] {
+            let out = Outputs::new(c, h, 4 * h + g);
+            let sums: Vec<f32> = (0..out.len).map(|i| i as f32).collect();
+            let grads = out.gradients(&sums, biases, c, h);
+            let from_slots: Vec<Vec<f32>> =
+                out.slots(biases, c, h).into_iter().flatten().map(|(at, n)| sums[at..at + n].to_vec()).collect();
+            let tensors: Vec<Vec<f32>> = grads.tensors()[1..].iter().map(|(_, t)| t.to_vec()).collect();
+            assert_eq!(from_slots, tensors, "C = {c}, H = {h}, biases {biases:?}");
+        }
+    }
     use std::mem::{offset_of, size_of};
     use std::process::{Command, Stdio};
 

@@ -432,6 +432,29 @@ pub trait Backend: Clone + Send + Sync {
         Err(Error::Unsupported { backend: self.kind(), what: "the backward pass on device memory".into() })
     }
 
+    /// [`Backend::backward_device`] with the weight gradients kept on the device: once the
+    /// stream has run the backward, each is copied (f32) to its destination in `grads`, device
+    /// addresses in the order of [`Gradients::tensors`] after x, with every bias in its place (0:
+    /// not wanted; a bias the layer does not have takes 0). Returns once the work is enqueued:
+    /// nothing waits, so the workspace, where the sums are made, is required.
+    ///
+    /// # Safety
+    /// As [`Backend::backward_device`], until the stream has run the work; each non-zero
+    /// destination is a device allocation of this backend holding its weight's element count of
+    /// f32, overlapping none of the other tensors.
+    unsafe fn backward_device_async(
+        &self,
+        prepared: &Self::Prepared,
+        problem: &Problem,
+        io: (u64, u64, u64, u64),
+        stream: u64,
+        workspace: DeviceSpan,
+        grads: [u64; 16],
+    ) -> Result<()> {
+        let _ = (prepared, problem, io, stream, workspace, grads);
+        Err(Error::Unsupported { backend: self.kind(), what: "the backward pass on device memory".into() })
+    }
+
     /// Bytes of the caller workspace a [`Backend::backward_device`] of `problem` needs.
     fn backward_workspace_bytes(&self, prepared: &Self::Prepared, problem: &Problem) -> Result<u64> {
         let _ = (prepared, problem);

@@ -147,6 +147,50 @@ pub fn backward_device_paths_match<B: Backend>(
     let g3 = unsafe { layer.backward_device(io, shape, Precision::F32Io, 0, Some(span)) }.unwrap();
     b.download(&dx2, &mut dx_host).unwrap();
     assert!(dx_host == got.x && g3.tensors()[1..] == got.tensors()[1..], "{name}: caller workspace");
+    // The weight gradients kept on the device: the same values, copied where the caller says on
+    // the stream (the backend's own here); nothing waits, so the downloads, after the work on
+    // that stream, do.
+    let sizes = layer.gradient_sizes();
+    let bufs: Vec<B::Buffer> = sizes.iter().map(|&n| b.alloc(n).unwrap()).collect();
+    let want: Vec<&[f32]> = got.tensors()[1..].iter().map(|(_, t)| *t).collect();
+    // Every weight the layer has (the host backward gave its gradient), in the canonical order.
+    let names = [
+        "norm_in.weight",
+        "norm_in.bias",
+        "left_proj.weight",
+        "left_proj.bias",
+        "left_gate.weight",
+        "left_gate.bias",
+        "right_proj.weight",
+        "right_proj.bias",
+        "right_gate.weight",
+        "right_gate.bias",
+        "out_gate.weight",
+        "out_gate.bias",
+        "norm_out.weight",
+        "norm_out.bias",
+        "out_proj.weight",
+        "out_proj.bias",
+    ];
+    let present: Vec<bool> = names.iter().map(|n| got.tensors().iter().any(|(g, _)| g == n)).collect();
+    let grads: [u64; 16] = std::array::from_fn(|i| if present[i] { addr(&bufs[i]) } else { 0 });
+    // SAFETY: as above; each destination holds its weight's element count of f32.
+    unsafe { layer.backward_device_async(io, shape, Precision::F32Io, b.stream_handle(), (span, grads)) }.unwrap();
+    let mut device = Vec::new();
+    for (buf, _) in bufs.iter().zip(&present).filter(|(_, &p)| p) {
+        let mut v = vec![0f32; B::buffer_len(buf)];
+        b.download(buf, &mut v).unwrap();
+        device.push(v);
+    }
+    assert!(device.iter().map(Vec::as_slice).eq(want.iter().copied()), "{name}: weight gradients kept on the device");
+    if let Some(absent) = present.iter().position(|&p| !p) {
+        let mut bad = grads;
+        bad[absent] = addr(&bufs[absent]);
+        // SAFETY: as above; refused before anything is enqueued.
+        let stream = b.stream_handle();
+        let e = unsafe { layer.backward_device_async(io, shape, Precision::F32Io, stream, (span, bad)) }.unwrap_err();
+        assert!(e.to_string().contains("does not have"), "{e}");
+    }
     let small = trimul::DeviceSpan { ptr: addr(&ws), bytes: bytes - 256 };
     // SAFETY: as above; the call is refused before anything is launched.
     let e = unsafe { layer.backward_device(io, shape, Precision::F32Io, 0, Some(small)) }.unwrap_err();

@@ -11,14 +11,15 @@
 //! from the backend, which keeps them for the next backward of the same sizes
 //! (`Backend::free_backward_buffers`).
 
+use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use super::blas::{Elem, MatmulPlan};
 use super::context::{CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
-use super::driver::DeviceBuffer;
+use super::driver::{DeviceBuffer, DriverResult};
 use super::workspace::CudaPrepared;
 use crate::backend::backward_params::{
-    acc_smem, backward_sizes, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
+    acc_smem, backward_sizes, gradient_copies, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
 };
 use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, GemmElem, KernelArgs, Residency};
 use crate::device_io::DeviceSpan;
@@ -122,6 +123,47 @@ impl CudaBackend {
             }
         }
         Ok(())
+    }
+
+    /// The backward on device memory, on `stream`, its buffers carved from `workspace`, the
+    /// weight gradients copied on the device to `grads` ([`Outputs::slots`]' order, 0: not
+    /// wanted) at the end; returns once enqueued.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue_backward`] for `io`, until the stream has run the work; the
+    /// workspace span and each destination are device memory of their sizes that nothing else
+    /// uses meanwhile.
+    pub(super) unsafe fn backward_on_device_async(
+        &self,
+        prep: &CudaPrepared,
+        problem: &Problem,
+        io: (CUdeviceptr, CUdeviceptr, CUdeviceptr, CUdeviceptr),
+        stream: CUstream,
+        span: DeviceSpan,
+        grads: [u64; 16],
+    ) -> Result<()> {
+        let cfg = problem.config;
+        let (c, h) = (cfg.c, cfg.h);
+        let out = Outputs::new(c, h, cfg.fused_proj_width());
+        let copies = gradient_copies(&out, prep.tensors.biases, (c, h), grads)?;
+        let b = BackwardBuffers::new(problem, MAX_GEMM_WORKSPACE as u64, span.ptr);
+        span.check("the backward's workspace", b.bytes)?;
+        let enqueue = || -> Result<()> {
+            // SAFETY: forwarded from this function's contract; `b` lies in `span`, checked.
+            unsafe { self.enqueue_backward(prep, problem, io, &b, stream)? };
+            for (dst, at, n) in copies {
+                // SAFETY: the sums lie in `b`, the destination holds `n` floats (the contract).
+                unsafe { cu::memcpy_dtod_async(dst, b.sums + (at * 4) as u64, n * 4, stream) }
+                    .ctx("cuMemcpyDtoDAsync(weight gradients)")?;
+            }
+            Ok(())
+        };
+        enqueue().inspect_err(|_| {
+            // What was enqueued before the failure still writes dx and the buffers: wait for it,
+            // so that the caller's memory is free when this returns, as promised.
+            // SAFETY: a live stream of this context (the caller's).
+            let _ = unsafe { cudarc::driver::result::stream::synchronize(stream) };
+        })
     }
 
     /// The backward on device memory, on `stream` (see

@@ -892,6 +892,22 @@ impl Backend for CudaBackend {
         unsafe { self.backward_on_device(prepared, problem, (x, mask, dy, dx), stream as CUstream, workspace) }
     }
 
+    unsafe fn backward_device_async(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        io: (u64, u64, u64, u64),
+        stream: u64,
+        workspace: DeviceSpan,
+        grads: [u64; 16],
+    ) -> Result<()> {
+        super::check_device_backward(&prepared.config, problem, io)?;
+        self.check_backward_fits(problem)?;
+        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        // SAFETY: forwarded from this method's contract.
+        unsafe { self.backward_on_device_async(prepared, problem, io, stream as CUstream, workspace, grads) }
+    }
+
     fn backward_workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> Result<u64> {
         check_prepared_for(&prepared.config, problem)?;
         self.backward_span_bytes(problem)

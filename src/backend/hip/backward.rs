@@ -39,7 +39,7 @@ use super::kernels::LDS_BYTES;
 use super::result::{self, BlasHandle, DeviceMem};
 use super::sys;
 use crate::backend::backward_params::{
-    acc_smem, backward_sizes, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
+    acc_smem, backward_sizes, gradient_copies, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
 };
 use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, GemmElem, KernelArgs, Residency};
 use crate::device_io::DeviceSpan;
@@ -143,6 +143,57 @@ impl HipBackend {
             }
         }
         Ok(())
+    }
+
+    /// The backward on device memory, on `stream`, its buffers carved from `workspace`, the
+    /// weight gradients copied on the device to `grads` ([`Outputs::slots`]' order, 0: not
+    /// wanted) at the end; returns once enqueued.
+    ///
+    /// # Safety
+    /// As [`HipBackend::enqueue_backward`] for `io`, until the stream has run the work; `stream`
+    /// is a live stream of this device (or 0); the workspace span and each destination are device
+    /// memory of their sizes that nothing else uses meanwhile.
+    pub(super) unsafe fn backward_on_device_async(
+        &self,
+        prep: &HipPrepared,
+        problem: &Problem,
+        io: (u64, u64, u64, u64),
+        stream: sys::hipStream_t,
+        span: DeviceSpan,
+        grads: [u64; 16],
+    ) -> Result<()> {
+        let cfg = problem.config;
+        let (c, h) = (cfg.c, cfg.h);
+        let out = Outputs::new(c, h, cfg.fused_proj_width());
+        let copies = gradient_copies(&out, prep.tensors.biases, (c, h), grads)?;
+        let kernels = self.backward_kernels()?;
+        let api = self.ctx.api;
+        let bufs = BackwardBuffers::new(problem, 0, span.ptr);
+        span.check("the backward's workspace", bufs.bytes)?;
+        let poison = self.ctx.poison.load(Ordering::Relaxed);
+        let enqueue = |blas: &BlasHandle| -> Result<()> {
+            if poison {
+                for &(at, bytes) in &bufs.written {
+                    // SAFETY: a buffer laid out for this problem in `span` (checked above).
+                    unsafe { result::memset_async(api, at, POISON_BYTE, bytes as usize, stream)? };
+                }
+            }
+            // SAFETY: forwarded from this function's contract; `bufs` lies in `span`.
+            unsafe { self.enqueue_backward(&kernels, blas, prep, problem, io, &bufs, stream)? };
+            for (dst, at, n) in copies {
+                // SAFETY: the sums lie in `bufs`, the destination holds `n` floats (the contract).
+                unsafe { result::copy_dtod_async(api, dst, bufs.sums + (at * 4) as u64, n * 4, stream)? };
+            }
+            Ok(())
+        };
+        // SAFETY: the caller's stream is live for the work (this function's contract).
+        let enqueued = unsafe { self.with_blas_on(stream, enqueue) };
+        if enqueued.is_err() {
+            // What was enqueued before the failure still writes dx and the buffers: wait for it.
+            // SAFETY: a live stream of this device.
+            let _ = unsafe { result::stream_synchronize(api, stream) };
+        }
+        enqueued
     }
 
     /// The backward on device memory, on `stream`, its buffers carved from `workspace` or else

@@ -1336,6 +1336,23 @@ impl Backend for HipBackend {
         unsafe { self.backward_on_device(prepared, problem, (x, mask, dy, dx), stream as sys::hipStream_t, workspace) }
     }
 
+    unsafe fn backward_device_async(
+        &self,
+        prepared: &HipPrepared,
+        problem: &Problem,
+        io: (u64, u64, u64, u64),
+        stream: u64,
+        workspace: DeviceSpan,
+        grads: [u64; 16],
+    ) -> Result<()> {
+        super::check_device_backward(&prepared.config, problem, io)?;
+        problem.validate()?;
+        self.check_backward_fits(problem)?;
+        self.bind()?;
+        // SAFETY: forwarded from this method's contract.
+        unsafe { self.backward_on_device_async(prepared, problem, io, stream as sys::hipStream_t, workspace, grads) }
+    }
+
     fn backward_workspace_bytes(&self, prepared: &HipPrepared, problem: &Problem) -> Result<u64> {
         check_prepared_for(&prepared.config, problem)?;
         self.backward_span_bytes(problem)
