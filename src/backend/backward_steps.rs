@@ -256,6 +256,9 @@ impl BackwardKernel {
 }
 
 /// The one argument struct a kernel takes.
+// The per-position kernels' struct is 256 bytes, the others' under 50: a backward's list holds a
+// few dozen steps, built once per call, so boxing the large one would only add allocations.
+#[allow(clippy::large_enum_variant)]
 #[derive(Copy, Clone)]
 pub(crate) enum KernelArgs {
     Backward(BackwardParams),

@@ -4,10 +4,11 @@
 //! by `cuda/backward.cu`, and cuBLASLt for the GEMMs between them.
 //!
 //! # Precision and memory
-//! The GEMMs read f32 and run on the tensor cores in TF32 (10-bit mantissa, as the forward's
-//! f16 operands, but f32's range, which gradients need) with f32 accumulation, including the
-//! weight gradients' sums over all `M` positions. The weights are the prepared f16 ones,
-//! widened. The buffers, cuBLASLt's workspace last, come from a caller's workspace span, or else
+//! With f32 I/O the GEMMs read f32 and run on the tensor cores in TF32 (10-bit mantissa, as the
+//! forward's f16 operands, but f32's range, which gradients need) with f32 accumulation,
+//! including the weight gradients' sums over all `M` positions; with 16-bit I/O those of the
+//! input side and the contraction read f16 or bf16 (the step list's module docs say which).
+//! The weights are the prepared f16 ones, converted where a GEMM needs another type. The buffers, cuBLASLt's workspace last, come from a caller's workspace span, or else
 //! from the backend, which keeps them for the next backward of the same sizes
 //! (`Backend::free_backward_buffers`).
 

@@ -6,9 +6,12 @@
 //! [`GemmSpec`](crate::backend::gemm::GemmSpec)s.
 //!
 //! # Precision
-//! The kernels compute and store in f32; the bias and LayerNorm-weight column sums are f64 in a
-//! fixed order, as on CUDA. The GEMMs read and write f32 and are asked for f32 compute
-//! (`rocblas_datatype_f32_r` everywhere, rocBLAS's default math mode): on CUDA they run in TF32.
+//! The kernels compute in f32 and store as the step list says (f32 with f32 I/O; mostly f16 and
+//! bf16 with 16-bit I/O, `crate::backend::backward_steps`); the bias and LayerNorm-weight column
+//! sums are f64 in a fixed order, as on CUDA. With f32 I/O the GEMMs read and write f32 and are
+//! asked for f32 compute (`rocblas_datatype_f32_r` everywhere, rocBLAS's default math mode): on
+//! CUDA they run in TF32; with 16-bit I/O, the 16-bit ones are f16 or bf16 `gemm_ex` calls with
+//! f32 compute.
 //! What rocBLAS does with such a call on an MI300 is not known here: rocBLAS may pick an xf32
 //! (reduced-mantissa) path only when a handle's math mode asks for it, which this backend never
 //! sets, but nothing has run on AMD hardware, so neither the path rocBLAS picks nor its error
@@ -16,14 +19,15 @@
 //! sums. The weights are the prepared f16 ones, converted to f32 by `backward_convert`.
 //!
 //! # Memory
-//! Every intermediate is a whole f32 tensor, as on CUDA (about `(C + F + 5H + max(C, H))·4`
-//! bytes per position, nothing chunked), carved from a caller's workspace span or from one block
+//! Every intermediate is a whole tensor, as on CUDA (about `(C + F + 5H + max(C, H))·4` bytes
+//! per position with f32 I/O, nothing chunked), carved from a caller's workspace span or from one block
 //! the backend allocates and keeps for the next backward of the same sizes
 //! ([`Backend::free_backward_buffers`](crate::Backend) drops it). With poisoning on (the tests),
 //! every intermediate is filled with NaN first. rocBLAS manages its own GEMM workspace.
 //!
 //! # Kernels
-//! The ten kernels are loaded on the first backward (a forward-only user never loads them):
+//! The kernels' seventeen entry points are loaded on the first backward (a forward-only user
+//! never loads them):
 //! from the prebuilt `backward` code object for the device's processor, else compiled once with
 //! hipRTC; one module per kernel, each from that one image.
 //!
