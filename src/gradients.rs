@@ -60,6 +60,27 @@ impl<T> Gradients<T> {
     }
 }
 
+/// The sixteen weight tensors' names, in the order the device entry points take them and
+/// [`Gradients::tensors`] lists them after x, every bias in its place.
+pub const WEIGHT_NAMES: [&str; 16] = [
+    "norm_in.weight",
+    "norm_in.bias",
+    "left_proj.weight",
+    "left_proj.bias",
+    "left_gate.weight",
+    "left_gate.bias",
+    "right_proj.weight",
+    "right_proj.bias",
+    "right_gate.weight",
+    "right_gate.bias",
+    "out_gate.weight",
+    "out_gate.bias",
+    "norm_out.weight",
+    "norm_out.bias",
+    "out_proj.weight",
+    "out_proj.bias",
+];
+
 impl Gradients {
     /// Checks that every gradient has the shape of its weight (and a bias gradient exactly
     /// where the weights have a bias) and that `x` has `x_len` values: what a backend must

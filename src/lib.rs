@@ -61,7 +61,7 @@ pub use device_io::{
     ForwardIo, Operands,
 };
 pub use error::{BackendKind, Error, Result};
-pub use gradients::Gradients;
+pub use gradients::{Gradients, WEIGHT_NAMES};
 pub use io::{NamingScheme, PairInput};
 pub use layer::{IoElement, Layer, Options, Precision, TriMul};
 pub use plan::{ExecPlan, MemoryNeeds};

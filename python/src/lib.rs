@@ -31,28 +31,8 @@ use trimul::backend::cuda::CudaBackend;
 use trimul::backend::hip::HipBackend;
 use trimul::{
     BackendKind, Config, DType, Device, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights,
-    Direction, Error, Formulation, Layer, Linear, Norm, Options, Precision, Shape, TriMul, Weights,
+    Direction, Error, Formulation, Layer, Linear, Norm, Options, Precision, Shape, TriMul, Weights, WEIGHT_NAMES,
 };
-
-/// The canonical order of the weight entries every constructor takes.
-const WEIGHT_NAMES: [&str; 16] = [
-    "norm_in.weight",
-    "norm_in.bias",
-    "left_proj.weight",
-    "left_proj.bias",
-    "left_gate.weight",
-    "left_gate.bias",
-    "right_proj.weight",
-    "right_proj.bias",
-    "right_gate.weight",
-    "right_gate.bias",
-    "out_gate.weight",
-    "out_gate.bias",
-    "norm_out.weight",
-    "norm_out.bias",
-    "out_proj.weight",
-    "out_proj.bias",
-];
 
 /// One weight entry: address, element count, dtype code.
 type Entry = Option<(u64, usize, i32)>;

@@ -3,7 +3,7 @@
 //! structs, their launch geometry and their shared-memory sizes, checked against the header by a
 //! test. Shared by the backends that run the backward.
 
-use crate::gradients::Gradients;
+use crate::gradients::{Gradients, WEIGHT_NAMES};
 use crate::problem::Precision;
 use crate::weights::{Linear, Norm};
 
@@ -121,37 +121,19 @@ impl Outputs {
     }
 }
 
-/// The weights in [`Outputs::slots`]' order, by name.
-pub(crate) const WEIGHT_SLOTS: [&str; 16] = [
-    "norm_in.weight",
-    "norm_in.bias",
-    "left_proj.weight",
-    "left_proj.bias",
-    "left_gate.weight",
-    "left_gate.bias",
-    "right_proj.weight",
-    "right_proj.bias",
-    "right_gate.weight",
-    "right_gate.bias",
-    "out_gate.weight",
-    "out_gate.bias",
-    "norm_out.weight",
-    "norm_out.bias",
-    "out_proj.weight",
-    "out_proj.bias",
-];
-
-/// The copies that put the weight gradients where `grads` says (device addresses in
-/// [`Outputs::slots`]' order, 0: not wanted): `(destination, offset into the sums, floats)`. A
-/// destination for a bias the layer does not have, or one not 4-byte aligned, is an error.
+/// The copies that put the weight gradients of `problem`'s backward where `grads` says (device
+/// addresses in [`Outputs::slots`]' order, 0: not wanted; `biases` as there): `(destination,
+/// offset into the sums, floats)`. A destination for a bias the layer does not have, or one not
+/// 4-byte aligned, is an error.
 pub(crate) fn gradient_copies(
-    out: &Outputs,
+    problem: &crate::problem::Problem,
     biases: [bool; 6],
-    (c, h): (usize, usize),
     grads: [u64; 16],
 ) -> crate::error::Result<Vec<(u64, usize, usize)>> {
+    let (c, h) = (problem.config.c, problem.config.h);
+    let out = Outputs::new(c, h, problem.config.fused_proj_width());
     let mut copies = Vec::new();
-    for ((dst, slot), name) in grads.into_iter().zip(out.slots(biases, c, h)).zip(WEIGHT_SLOTS) {
+    for ((dst, slot), name) in grads.into_iter().zip(out.slots(biases, c, h)).zip(WEIGHT_NAMES) {
         match (dst, slot) {
             (0, _) => {}
             (_, None) => {
@@ -325,6 +307,12 @@ mod tests {
                 out.slots(biases, c, h).into_iter().flatten().map(|(at, n)| sums[at..at + n].to_vec()).collect();
             let tensors: Vec<Vec<f32>> = grads.tensors()[1..].iter().map(|(_, t)| t.to_vec()).collect();
             assert_eq!(from_slots, tensors, "C = {c}, H = {h}, biases {biases:?}");
+            // The names, in the same order, of the weights the layer has.
+            let names: Vec<String> = grads.tensors()[1..].iter().map(|(n, _)| n.clone()).collect();
+            let slots = out.slots(biases, c, h);
+            let want: Vec<&str> =
+                WEIGHT_NAMES.iter().zip(slots).filter(|(_, s)| s.is_some()).map(|(n, _)| *n).collect();
+            assert_eq!(names, want);
         }
     }
     use std::mem::{offset_of, size_of};

@@ -5,7 +5,9 @@
 
 use trimul::reference;
 use trimul::suite::{self, Case, Dist, Inputs};
-use trimul::{Backend, Device, Direction, Formulation, Layer, Options, Precision, Problem, Shape, TriMul, Weights};
+use trimul::{
+    Backend, Device, Direction, Formulation, Layer, Options, Precision, Problem, Shape, TriMul, Weights, WEIGHT_NAMES,
+};
 
 /// GPU MODE's rule: every element within TOL + TOL·|ref|.
 pub const TOL: f64 = 2e-2;
@@ -154,25 +156,7 @@ pub fn backward_device_paths_match<B: Backend>(
     let bufs: Vec<B::Buffer> = sizes.iter().map(|&n| b.alloc(n).unwrap()).collect();
     let want: Vec<&[f32]> = got.tensors()[1..].iter().map(|(_, t)| *t).collect();
     // Every weight the layer has (the host backward gave its gradient), in the canonical order.
-    let names = [
-        "norm_in.weight",
-        "norm_in.bias",
-        "left_proj.weight",
-        "left_proj.bias",
-        "left_gate.weight",
-        "left_gate.bias",
-        "right_proj.weight",
-        "right_proj.bias",
-        "right_gate.weight",
-        "right_gate.bias",
-        "out_gate.weight",
-        "out_gate.bias",
-        "norm_out.weight",
-        "norm_out.bias",
-        "out_proj.weight",
-        "out_proj.bias",
-    ];
-    let present: Vec<bool> = names.iter().map(|n| got.tensors().iter().any(|(g, _)| g == n)).collect();
+    let present: Vec<bool> = WEIGHT_NAMES.iter().map(|n| got.tensors().iter().any(|(g, _)| g == n)).collect();
     let grads: [u64; 16] = std::array::from_fn(|i| if present[i] { addr(&bufs[i]) } else { 0 });
     // SAFETY: as above; each destination holds its weight's element count of f32.
     unsafe { layer.backward_device_async(io, shape, Precision::F32Io, b.stream_handle(), (span, grads)) }.unwrap();

@@ -143,10 +143,7 @@ impl CudaBackend {
         span: DeviceSpan,
         grads: [u64; 16],
     ) -> Result<()> {
-        let cfg = problem.config;
-        let (c, h) = (cfg.c, cfg.h);
-        let out = Outputs::new(c, h, cfg.fused_proj_width());
-        let copies = gradient_copies(&out, prep.tensors.biases, (c, h), grads)?;
+        let copies = gradient_copies(problem, prep.tensors.biases, grads)?;
         let b = BackwardBuffers::new(problem, MAX_GEMM_WORKSPACE as u64, span.ptr);
         span.check("the backward's workspace", b.bytes)?;
         let enqueue = || -> Result<()> {

@@ -166,10 +166,7 @@ impl HipBackend {
         span: DeviceSpan,
         grads: [u64; 16],
     ) -> Result<()> {
-        let cfg = problem.config;
-        let (c, h) = (cfg.c, cfg.h);
-        let out = Outputs::new(c, h, cfg.fused_proj_width());
-        let copies = gradient_copies(&out, prep.tensors.biases, (c, h), grads)?;
+        let copies = gradient_copies(problem, prep.tensors.biases, grads)?;
         let kernels = self.backward_kernels()?;
         let api = self.ctx.api;
         let bufs = BackwardBuffers::new(problem, 0, span.ptr);
