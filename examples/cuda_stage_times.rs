@@ -5,7 +5,7 @@
 //! `cargo run --release --features cuda --example cuda_stage_times [gpumode|af3] [f32-io|bf16-io|f16-io|grad|grad-bf16|grad-f16] [NxB[xC],...] [samples] [ranks]`
 //!
 //! `grad` in place of the precision times the backward's steps instead (f32 x, dy and dx;
-//! `grad-bf16` and `grad-f16`: 16-bit ones, on device buffers through `Layer::backward_device`).
+//! `grad-bf16` and `grad-f16`: 16-bit ones, through `Layer::backward_buffers_half`).
 //!
 //! The optional third argument replaces the benchmark shapes with others (C defaults to 128),
 //! e.g. `248x2,256x2,264x2` to see how a stage's time follows the number of positions. The
@@ -99,15 +99,10 @@ fn main() -> trimul::Result<()> {
                 dy_dx16 = Some((d, b.alloc_buffer::<u16>(bits.len())?));
             }
         }
-        let mask_ptr = mask.as_ref().map_or(0, |m| m.ptr());
-        let mut forward = |layer: &mut Layer<CudaBackend>| match (half.as_mut(), dy_dx.as_mut(), dy_dx16.as_ref()) {
+        let mut forward = |layer: &mut Layer<CudaBackend>| match (half.as_mut(), dy_dx.as_mut(), dy_dx16.as_mut()) {
             (_, Some((dy, dx)), _) => layer.backward_buffers(&x, mask.as_ref(), dy, dx, case.shape()).map(drop),
             (Some((x16, _)), None, Some((dy16, dx16))) => {
-                let ptrs = (x16.ptr(), mask_ptr, dy16.ptr(), dx16.ptr());
-                // SAFETY: the buffers are live allocations of this backend holding the shape's
-                // elements in `io` (the mask f32), used by nothing else during the call, which
-                // waits for its work; the backend's own stream.
-                unsafe { layer.backward_device(ptrs, case.shape(), io, b.stream() as u64, None) }.map(drop)
+                layer.backward_buffers_half((x16, mask.as_ref(), dy16), dx16, case.shape(), io).map(drop)
             }
             (None, None, _) => layer.forward_buffers(&x, mask.as_ref(), &mut y, case.shape()),
             (Some((x16, y16)), None, _) => layer.forward_buffers_half(x16, mask.as_ref(), y16, case.shape(), io),

@@ -588,6 +588,24 @@ impl Layer<crate::backend::cuda::CudaBackend> {
         self.forward_io(&problem, Self::half_io(None, mask, xy, io)?)
     }
 
+    /// [`Layer::backward_buffers`] on 16-bit device buffers: x, dy and dx in precision `io`
+    /// (bf16 or f16 bit patterns), the mask f32; `∂L/∂x` into `dx` and the weight and bias
+    /// gradients returned (f32, with an empty `x`). Waits for the work.
+    pub fn backward_buffers_half(
+        &mut self,
+        (x, mask, dy): (
+            &crate::backend::cuda::DeviceBuffer<u16>,
+            Option<&crate::backend::cuda::DeviceBuffer<f32>>,
+            &crate::backend::cuda::DeviceBuffer<u16>,
+        ),
+        dx: &mut crate::backend::cuda::DeviceBuffer<u16>,
+        shape: Shape,
+        io: Precision,
+    ) -> Result<Gradients> {
+        let problem = self.problem(shape, mask.is_some())?.with_io(io);
+        self.backend.backward_buffers_half(&self.prepared, &problem, (x, mask, dy), dx)
+    }
+
     /// The I/O of 16-bit buffers, refused for `io` f32 (the buffers hold 16-bit words).
     fn half_io<'a>(
         x: Option<&'a crate::backend::cuda::DeviceBuffer<u16>>,

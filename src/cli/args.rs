@@ -165,7 +165,8 @@ pub struct BenchArgs {
     #[arg(long, default_value = "f32-io", value_parser = parse_precision_arg)]
     pub precision: trimul::Precision,
     /// Also time the backward pass (every gradient for a random dy), after the forward, with
-    /// the same calls, and report its peak memory on a GPU; CPU and CUDA backends, f32 I/O.
+    /// the same calls, and report its peak memory on a GPU; CPU and CUDA backends (with
+    /// --precision bf16-io or f16-io: x, dy and dx 16-bit on CUDA).
     #[arg(long)]
     pub grad: bool,
     /// Time the forward sharded by rows across this many GPUs of this host (NCCL; CUDA only)

@@ -129,12 +129,8 @@ pub fn run(args: &BenchArgs) -> CliResult {
         probe: None,
         grad: args.grad,
     };
-    if plan.grad && (plan.fresh_weights || plan.in_place || plan.budget.is_some() || plan.precision != Precision::F32Io)
-    {
-        return Err(CliError::usage(
-            "--grad cannot be combined with --fresh-weights, --in-place, --max-memory or 16-bit --precision \
-             (the backward takes f32 x and dy so far)",
-        ));
+    if plan.grad && (plan.fresh_weights || plan.in_place || plan.budget.is_some()) {
+        return Err(CliError::usage("--grad cannot be combined with --fresh-weights, --in-place or --max-memory"));
     }
     if plan.precision != Precision::F32Io {
         if kind != BackendKind::Cuda {
@@ -604,24 +600,9 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
         (samples, telemetry) = (timed.samples, timed.telemetry);
         backend.synchronize()?;
         if let Some((dy, dx)) = grad_buffers.as_mut() {
-            progress.set_message(format!("{}: timing the backward", case.name()));
-            let mut times = Vec::with_capacity(plan.repeats as usize);
-            backend.reset_peak_memory();
-            let held = backend.peak_memory();
-            for i in 0..plan.warmup + plan.repeats {
-                let ms = backend
-                    .elapsed_ms(&mut || layer.backward_buffers(&xs[0], masks[0].as_ref(), dy, dx, shape).map(drop))?;
-                if i >= plan.warmup {
-                    times.push(ms);
-                }
-                progress.inc(1);
-            }
-            backward = (
-                Some(trimul::report::SampleStats::from_samples(&times)?.median),
-                backend.peak_memory().zip(held).map(|(peak, held)| peak.saturating_sub(held)),
-            );
-            // Not held into the next shape's forward, whose peak memory is reported.
-            backend.free_backward_buffers();
+            backward = time_backward(backend, job, &mut || {
+                layer.backward_buffers(&xs[0], masks[0].as_ref(), dy, dx, shape).map(drop)
+            })?;
         }
     }
     backend.synchronize()?;
@@ -632,6 +613,32 @@ fn measure<B: Backend>(backend: &B, job: &Job) -> trimul::Result<Outcome> {
         .with_plan(plan.budget, exec_plan, plan.in_place)
         .with_telemetry(telemetry);
     Ok(Outcome::Done(Box::new(Measured { result, sets })))
+}
+
+/// `--grad`: the median time of `backward` over the plan's repeats after its warm-ups (device
+/// events), and the device memory it held beyond what was held before; the backend's kept
+/// backward buffers are then freed, so that the next shape's forward peak does not count them.
+fn time_backward<B: Backend>(
+    backend: &B,
+    job: &Job,
+    backward: &mut dyn FnMut() -> trimul::Result<()>,
+) -> trimul::Result<(Option<f64>, Option<u64>)> {
+    let (plan, progress) = (job.plan, job.progress);
+    progress.set_message(format!("{}: timing the backward", job.case.name()));
+    let mut times = Vec::with_capacity(plan.repeats as usize);
+    backend.reset_peak_memory();
+    let held = backend.peak_memory();
+    for i in 0..plan.warmup + plan.repeats {
+        let ms = backend.elapsed_ms(backward)?;
+        if i >= plan.warmup {
+            times.push(ms);
+        }
+        progress.inc(1);
+    }
+    let median = trimul::report::SampleStats::from_samples(&times)?.median;
+    let peak = backend.peak_memory().zip(held).map(|(peak, held)| peak.saturating_sub(held));
+    backend.free_backward_buffers();
+    Ok((Some(median), peak))
 }
 
 /// Buffer sets to rotate over: enough that the `x` tensors reach [`ROTATION_BYTES`], at most
@@ -810,6 +817,14 @@ mod half {
         let mut masks = vec![inputs.mask.as_deref().map(upload_mask).transpose()?];
         // In place, y is x: no separate output buffers.
         let mut ys = if plan.in_place { Vec::new() } else { vec![backend.alloc_buffer::<u16>(bits.len())?] };
+        // --grad: a 16-bit dy and dx (the backward reads x and the mask from set 0).
+        let mut grad_buffers = if plan.grad {
+            let dy = trimul::rand::Rng::new(input_seed ^ 0xD1).normal_vec(bits.len(), 1.0);
+            let dy: Vec<u16> = dy.iter().map(|&v| io.encode_half(v)).collect();
+            Some((upload_bits(&dy)?, backend.alloc_buffer::<u16>(bits.len())?))
+        } else {
+            None
+        };
 
         progress.set_message(format!("{}: checked forward", case.name()));
         if plan.in_place {
@@ -853,7 +868,15 @@ mod half {
                 layer.forward_buffers_half(&xs[k], masks[k].as_ref(), &mut ys[k], shape, io)
             }
         })?;
+        let mut backward = (None, None);
+        if let Some((dy, dx)) = grad_buffers.as_mut() {
+            backend.synchronize()?;
+            backward = time_backward(backend, job, &mut || {
+                layer.backward_buffers_half((&xs[0], masks[0].as_ref(), dy), dx, shape, io).map(drop)
+            })?;
+        }
         let result = ShapeResult::from_samples(case.name(), &problem, case.dist.as_str(), &timed.samples, ceilings)?
+            .with_backward(backward.0, backward.1)
             .with_check(cmp.max_abs, cmp.rel_l2, cmp.passed())
             .with_memory(peak, Some(used_ws))
             .with_plan(plan.budget, exec_plan, plan.in_place)

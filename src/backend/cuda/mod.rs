@@ -433,6 +433,28 @@ impl CudaBackend {
         // cuMemFree, which waits for the work enqueued on them.
         unsafe { ForwardIo::device_buffers(x.map(arg), mask.map(|m| (m.ptr(), m.len())), arg(y), io) }
     }
+
+    /// The backward on device buffers holding x, dy and dx in `problem`'s 16-bit precision, the
+    /// mask f32, on the backend's stream: what
+    /// [`Layer::backward_buffers_half`](crate::Layer::backward_buffers_half) runs. Waits.
+    pub(crate) fn backward_buffers_half(
+        &self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        (x, mask, dy): (&DeviceBuffer<u16>, Option<&DeviceBuffer<f32>>, &DeviceBuffer<u16>),
+        dx: &mut DeviceBuffer<u16>,
+    ) -> Result<Gradients> {
+        if problem.io == Precision::F32Io {
+            return Err(Error::Dtype("16-bit device buffers were given with the precision f32-io".into()));
+        }
+        super::check_backward_io(problem, x.len(), mask.map(DeviceBuffer::len), dy.len(), Some(dx.len()))?;
+        let io = (x.ptr(), mask.map_or(0, |m| m.ptr()), dy.ptr(), dx.ptr());
+        // SAFETY: the buffers are this backend's allocations of the lengths checked above (in
+        // 16-bit elements; the mask f32), borrowed until this call returns, which waits for the
+        // work; `dx` is borrowed mutably, so it aliases none of the others. The backend's own
+        // stream: its buffers were written there.
+        unsafe { self.backward_device(prepared, problem, io, self.stream() as u64, None) }
+    }
 }
 
 impl CudaBackend {
