@@ -484,8 +484,8 @@ impl<B: Backend> Layer<B> {
     /// [`Layer::backward_buffers`] on caller device memory, stream and workspace
     /// ([`Backend::backward_device`]): for bindings whose tensors the backend did not allocate.
     /// `io` is `(x, mask, dy, dx)`, the mask 0 when there is none; x, dy and dx are in
-    /// `precision` (with 16-bit I/O the backward keeps z, P and dcat, its widest intermediates,
-    /// in bf16: `docs/backward.md`), the mask f32.
+    /// `precision` (with 16-bit I/O the backward keeps most intermediates in f16 or bf16:
+    /// `docs/backward.md`), the mask f32.
     ///
     /// # Safety
     /// As [`Backend::backward_device`], with x, dy and dx of `precision`'s element size.

@@ -616,7 +616,7 @@ fn backward_matches_the_f64_reference() {
         }
         // The device paths: the backend's kept buffers, then a caller workspace (poisoned too).
         gpu_checks::backward_device_paths_match(&b, &mut layer, &inputs, &dy, &got, shape, &case.name());
-        // 16-bit x, dy and dx (bf16 z, P and dcat, and their GEMMs), in both 16-bit formats where
+        // 16-bit x, dy and dx (16-bit intermediates and GEMMs), in both 16-bit formats where
         // f16 holds x (normal x).
         for precision in [Precision::Bf16Io, Precision::F16Io] {
             if precision == Precision::F16Io && case.dist != Dist::Normal {

@@ -836,7 +836,7 @@ fn backward_matches_the_f64_reference() {
         let (got, inputs, dy) = check_backward(&mut layer, &w, &case, s);
         // The device paths: the backend's kept buffers, then a caller workspace (poisoned too).
         gpu_checks::backward_device_paths_match(&b, &mut layer, &inputs, &dy, &got, shape, &case.name());
-        // 16-bit x, dy and dx (bf16 z, P and dcat, and their GEMMs); f16 only on normal x,
+        // 16-bit x, dy and dx (16-bit intermediates and GEMMs); f16 only on normal x,
         // whose values f16 holds.
         let precision = if case.dist == Dist::Normal { Precision::F16Io } else { Precision::Bf16Io };
         let io = (&inputs, dy.as_slice());

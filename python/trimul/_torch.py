@@ -159,8 +159,9 @@ _prepared_bytes: dict = {}
 
 
 def clear_cache() -> None:
-    """Forgets every prepared weight set (they are prepared again on next use)."""
+    """Forgets every prepared weight set and kept layer (they are made again on next use)."""
     _cache.clear()
+    _fresh.clear()
 
 
 def _cacheable(tensors: list) -> bool:
@@ -243,18 +244,19 @@ def _cuda_prepare(x: Tensor, originals: list, direction: str, eps: float, index:
     return entry
 
 
-# Layers for weights being trained (or otherwise not cached), by device, stream, direction, eps,
-# C, H and which weights are given: each call prepares its weights again, into the entry's
-# storage, keeping the layer and its plans (making a layer and planning its GEMMs cost about a
-# millisecond of host time per call). Calls on one stream run in order, so the layers of a model
-# that share these share one entry.
+# Layers for weights being trained (or otherwise not cached), by thread, device, stream,
+# direction, eps, C, H and which weights are given: each call prepares its weights again, into the
+# entry's storage, keeping the layer and its plans (making a layer and planning its GEMMs cost
+# about a millisecond of host time per call). One thread's calls on one stream run in order, so
+# the layers of a model that share these share one entry; another thread, whose preparation could
+# come between this thread's preparation and launch, has its own.
 _fresh: dict = {}
 
 
 def _fresh_entry(x: Tensor, originals: list, direction: str, eps: float, index: int, stream: int) -> _Entry:
     """A layer with `originals` prepared into it on `stream` by this call (see `_fresh`)."""
     c, h = x.shape[-1], originals[2].shape[0] // 2
-    key = (index, stream, direction, eps, c, h, tuple(t is None for t in originals))
+    key = (threading.get_ident(), index, stream, direction, eps, c, h, tuple(t is None for t in originals))
     e = _fresh.get(key)
     if e is None:
         e = _cuda_prepare(x, originals, direction, eps, index, stream)

@@ -73,7 +73,8 @@ class _DeviceLayer:
         io: int = 0,
         on_device: bool = False,
     ) -> None:
-        """The native backward on `stream` (CUDA; HIP raises that it has none yet): (address,
+        """The native backward on `stream` (HIP's has run on the fake ROCm only, and the torch op
+        does not call it): (address,
         elements) of x, mask, dy and dx (device tensors in `io`: 0 float32, 1 bfloat16, 2 float16;
         the mask float32), 16 float32 entries for the weights' gradients, the workspace (address,
         bytes) of at least `backward_workspace_bytes` of the same `io`. Host entries: waits for

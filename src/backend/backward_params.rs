@@ -4,7 +4,7 @@
 //! test. Shared by the backends that run the backward.
 
 use crate::gradients::{Gradients, WEIGHT_NAMES};
-use crate::problem::Precision;
+use crate::problem::{Formulation, Precision};
 use crate::weights::{Linear, Norm};
 
 /// Threads per block of every backward kernel (`TM_BWD_THREADS`).
@@ -163,13 +163,15 @@ pub(crate) fn chunk_rows(m: usize) -> usize {
 /// Target chunks of a weight gradient's sum (about one per SM of an H100; not tuned for AMD GPUs).
 pub(crate) const WEIGHT_CHUNKS: usize = 128;
 
-/// What a kept backward block is sized for: B, N, C, H and F.
-pub(crate) type BackwardSizes = (usize, usize, usize, usize, usize);
+/// What a kept backward block is laid out for: B, N, C, H, F, the formulation and the I/O
+/// precision (16-bit I/O keeps smaller intermediates; gpumode's adds an f32 dy), everything the
+/// layout's bytes follow from.
+pub(crate) type BackwardSizes = (usize, usize, usize, usize, usize, Formulation, Precision);
 
 /// The sizes of `problem`'s backward block.
 pub(crate) fn backward_sizes(problem: &crate::problem::Problem) -> BackwardSizes {
     let cfg = problem.config;
-    (problem.shape.batch, problem.shape.n, cfg.c, cfg.h, cfg.fused_proj_width())
+    (problem.shape.batch, problem.shape.n, cfg.c, cfg.h, cfg.fused_proj_width(), cfg.formulation, problem.io)
 }
 
 /// `run` on the block a backward's buffers live in when the caller gives no workspace: the one

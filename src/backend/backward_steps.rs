@@ -20,29 +20,34 @@
 //! 12 gating_grad       dcat[:, :4H] (dcat over P, column by column: output_gate writes dG over
 //!                      P_G, gating_grad the rest over P's first 4H columns)
 //! 13 GEMM              dWcat = dcatᵀ·z; Σ dcat → dbcat
-//! 14 GEMM              dz = dcat·Wcat (over s)
+//! 14 GEMM              dz = dcat·Wcat (over z)
 //! 15 input_norm_grad   dx; Σ dz⊙x̂ → dγ_in, Σ dz → dβ_in
 //! ```
 //! Before them, the prepared f16 weights are converted for the GEMMs (`convert`), and gpumode's
 //! 16-bit dy to f32.
 //!
 //! # Precision and memory
-//! The kernels compute in f32. With f32 I/O every intermediate is f32 and the GEMMs read f32
-//! (TF32 on tensor cores). With 16-bit I/O (bf16 or f16 x, dy and dx, read and written as they
-//! are) the widest intermediates are 16-bit and so are the GEMMs on them, with f32 accumulation:
-//! z and P in f16, as the forward keeps them (LN_C bounds them; f16 rounds 4× finer than bf16),
-//! P = z·Wcatᵀ on the prepared f16 Wcat itself; dcat, a gradient, in bf16 (f32's range), with
-//! dWcat = dcatᵀ·z on a bf16 copy of z and dz = dcat·Wcat on Wcat converted to bf16. Everything
-//! else stays f32. The column sums are f64 in a fixed order: the bias
-//! sums (skipped for biases the layer lacks) in f64 from the start, per row block then across
-//! blocks; the LayerNorm-weight sums f32 per warp inside the LayerNorm backward kernels, then
-//! f64. The GEMMs read and write f32 (each backend says in what precision its BLAS computes
-//! them), the weight gradients' sums over all `M` positions in about [`WEIGHT_CHUNKS`] chunks of
-//! one strided batch, their f32 partials added in f64. Every intermediate is a whole tensor, the
-//! later ones over earlier ones that are dead by then: about `(C + F)·4 + (5H + max(C, H))·4`
-//! bytes per position with f32 I/O and `(2C + F)·2 + (5H + max(C, H))·4` with 16-bit (6 KiB and
-//! 4.75 KiB at C = H = 128; gpumode adds an f32 copy of a 16-bit dy), nothing chunked; x, dy and
-//! dx are the caller's.
+//! The kernels compute in f32. With f32 I/O every intermediate is f32 and the GEMMs read and
+//! write f32 (each backend says in what precision its BLAS computes them: TF32 on CUDA). With
+//! 16-bit I/O (bf16 or f16 x, dy and dx, read and written as they are) the input side and the
+//! contraction are 16-bit, with f32 accumulation in every GEMM:
+//! - z, P, left, right and t, the forward's values, in f16, as the forward keeps them (LN_C
+//!   bounds them; f16 rounds 8× finer than bf16): P = z·Wcatᵀ on the prepared f16 Wcat itself,
+//!   t = contraction(left, right) in f16;
+//! - dt and dcat, gradients, in bf16 (f32's range), with bf16 copies of z, left and right for the
+//!   GEMMs that multiply them with a gradient (dWcat, dz on Wcat converted to bf16, and the
+//!   contraction's backward, whose dleft and dright come out in f32);
+//! - u, s/ds (v), du, dleft, dright, dz and the statistics in f32, the output side's GEMMs TF32:
+//!   every bf16 rounding on a gradient's path adds about 2e-3 to its relative error.
+//!
+//! The column sums are f64 in a fixed order: the bias sums (skipped for biases the layer lacks)
+//! in f64 from the start, per row block then across blocks; the LayerNorm-weight sums f32 per
+//! warp inside the LayerNorm backward kernels, then f64. The weight gradients' sums over all `M`
+//! positions run in about [`WEIGHT_CHUNKS`] chunks of one strided batch, their f32 partials
+//! added in f64. Every intermediate is a whole tensor, the later ones over earlier ones that are
+//! dead by then: about `(C + F + 5H + max(C, H))·4` bytes per position with f32 I/O and
+//! `(C + 4H + max(C, H))·4 + (F + H)·2` with 16-bit (6 KiB and 4.5 KiB at C = H = 128; gpumode
+//! adds an f32 copy of a 16-bit dy), nothing chunked; x, dy and dx are the caller's.
 
 #![forbid(unsafe_code)]
 
@@ -550,7 +555,7 @@ mod tests {
             (Formulation::GpuMode, 3, 5, 8, 40, Direction::Outgoing, true, false, f32_),
             // Enough positions for whole chunks and a rest in the weight gradients' sums.
             (Formulation::Af3, 1, 130, 8, 8, Direction::Outgoing, true, false, f32_),
-            // 16-bit I/O: bf16 z, P and dcat; gpumode's dy converted to f32.
+            // 16-bit I/O: the input side and the contraction 16-bit; gpumode's dy converted to f32.
             (Formulation::Af3, 1, 130, 8, 8, Direction::Outgoing, true, false, bf16),
             (Formulation::Af3, 2, 7, 24, 8, Direction::Incoming, false, true, f16),
             (Formulation::GpuMode, 3, 5, 8, 40, Direction::Outgoing, true, false, bf16),
@@ -586,7 +591,7 @@ mod tests {
                 match step {
                     BackwardStep::Gemm { spec, u, v, d, inputs, output } => {
                         let (si, so) = (inputs.bytes() as u64, output.bytes() as u64);
-                        // Every 16-bit GEMM is one of the input projection's, on z, P or dcat.
+                        // With f32 I/O every GEMM is f32.
                         assert!(io != f32_ || (si, so) == (4, 4), "{what}: a 16-bit GEMM with f32 I/O");
                         let batched = |one: u64, stride: usize, e| e * ((spec.batch as u64 - 1) * stride as u64 + one);
                         let ((ar, ac), (br, bc)) = (spec.a_dims(), spec.b_dims());

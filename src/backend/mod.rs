@@ -412,7 +412,8 @@ pub trait Backend: Clone + Send + Sync {
     /// [`Backend::backward_buffers`] on caller device memory and the caller's stream (a raw
     /// `CUstream`/`hipStream_t` as an integer, 0 the legacy default stream, as
     /// [`crate::DeviceIo::stream`]), for bindings whose tensors the backend did not allocate:
-    /// `x`, `dy` and `dx` are `[B,N,N,C]` f32, `mask` `[B,N,N]` f32 or 0. The intermediates are
+    /// `x`, `dy` and `dx` are `[B,N,N,C]` in `problem.io` (f32, bf16 or f16), `mask` `[B,N,N]` f32
+    /// or 0. The intermediates are
     /// carved from `workspace` (at least [`Backend::backward_workspace_bytes`]) when given, else
     /// from a block the backend allocates and keeps for the next backward. Waits for the work.
     ///

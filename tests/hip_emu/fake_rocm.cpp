@@ -9,9 +9,10 @@
 // - hipModuleLaunchKernel runs the *real kernel bodies* (common/*.h, hip/output_projection.h),
 //   compiled for the host against tests/hip_emu/emu.h, block by block, and checks that no block
 //   touches LDS beyond the dynamic size the launch passed.
-//   The ten backward kernels (common/backward.h) are dispatched too (launch_backward), each after
-//   checking its buffers, that its grid covers the work as the kernel divides it, and that its
-//   dynamic LDS is the size the kernel's macros give.
+//   The backward kernels (common/backward.h, seventeen entry points) are dispatched too
+//   (launch_backward), each after checking its buffers (sized by the I/O precision), that its
+//   grid covers the work as the kernel divides it, that its dynamic LDS is the size the kernel's
+//   macros give, and that a 16-bit entry point gets 16-bit I/O and an f32 one f32.
 // - rocblas_gemm_ex / _strided_batched_ex implement rocBLAS's column-major semantics for f16, bf16
 //   and f32 operands (f16 A/B with f16 or f32 C/D: the forward; f32 throughout, or bf16 A/B with
 //   bf16 or f32 C/D: the backward) with f32 compute and accumulation, after checking every

@@ -189,14 +189,15 @@ pub const MAX_REL_L2_16BIT: f64 = 1e-2;
 /// `layer`'s backward on 16-bit device tensors: x and dy rounded to `precision` (bf16 or f16)
 /// and uploaded as their bit patterns, dx (NaN-filled first) read back the same way, a caller
 /// workspace. Every gradient is within [`MAX_REL_L2_16BIT`] of the f64 reference of the same
-/// rounded x and dy, and the workspace is smaller than f32 I/O's (z, P and dcat are bf16).
-/// Returns the worst relative L2.
+/// rounded x and dy, and the workspace is smaller than f32 I/O's (most intermediates are
+/// 16-bit). The backend's kept block gives the same gradients, and an f32 backward after it gets
+/// a block of its own size. Returns the worst relative L2.
 #[allow(dead_code)] // not every test binary runs a backward
 pub fn backward_device_16bit_matches<B: Backend>(
     b: &B,
     layer: &mut Layer<B>,
     weights: &Weights,
-    (inputs, dy): (&Inputs, &[f32]),
+    (inputs, dy32): (&Inputs, &[f32]),
     shape: Shape,
     precision: Precision,
     name: &str,
@@ -215,7 +216,7 @@ pub fn backward_device_16bit_matches<B: Backend>(
         b.upload(v, &mut d).unwrap();
         d
     };
-    let ((xb, x), (dyb, dy)) = (round(&inputs.x), round(dy));
+    let ((xb, x), (dyb, dy)) = (round(&inputs.x), round(dy32));
     let (xd, dyd) = (up(&pack(&xb)), up(&pack(&dyb)));
     let mask = inputs.mask.as_deref().map(up);
     let dx = up(&pack(&vec![0xFFFF; x.len()]));
@@ -231,10 +232,21 @@ pub fn backward_device_16bit_matches<B: Backend>(
     // in `precision` (the mask f32, the workspace its reported bytes), unused by anything else
     // until the call returns.
     let mut got = unsafe { layer.backward_device(io, shape, precision, 0, Some(span)) }.unwrap();
-    let mut words = vec![0f32; x.len().div_ceil(2)];
-    b.download(&dx, &mut words).unwrap();
-    let halves = words.iter().flat_map(|w| [w.to_bits() as u16, (w.to_bits() >> 16) as u16]);
-    got.x = halves.take(x.len()).map(|h| precision.decode_half(h)).collect();
+    let read_dx = || {
+        let mut words = vec![0f32; x.len().div_ceil(2)];
+        b.download(&dx, &mut words).unwrap();
+        let halves = words.iter().flat_map(|w| [w.to_bits() as u16, (w.to_bits() >> 16) as u16]);
+        halves.take(x.len()).map(|h| precision.decode_half(h)).collect::<Vec<f32>>()
+    };
+    got.x = read_dx();
+    // The backend's kept block, first laid out for this 16-bit backward: the same gradients bit
+    // for bit; then an f32 backward of the same sizes, whose larger layout must not reuse it.
+    b.free_backward_buffers();
+    // SAFETY: as above, without a workspace.
+    let mut kept = unsafe { layer.backward_device(io, shape, precision, 0, None) }.unwrap();
+    kept.x = read_dx();
+    assert!(kept.tensors() == got.tensors(), "{name} {precision:?}: the kept block's gradients differ");
+    layer.backward(&inputs.x, inputs.mask.as_deref(), dy32, shape).unwrap();
     let problem = layer.problem(shape, masked).unwrap();
     let want = reference::backward(weights, &problem, &x, inputs.mask.as_deref(), &dy).unwrap();
     let mut worst = 0f64;

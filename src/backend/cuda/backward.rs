@@ -61,8 +61,8 @@ impl CudaBackend {
         }
     }
 
-    /// Enqueues the backward on device memory: `x`, `dy` and `dx` are `[M, C]` f32, `mask` `[M]`
-    /// f32 or 0; the weight gradients land in `b.sums` at [`Outputs`]' offsets once the stream
+    /// Enqueues the backward on device memory: `x`, `dy` and `dx` are `[M, C]` in `problem.io`,
+    /// `mask` `[M]` f32 or 0; the weight gradients land in `b.sums` at [`Outputs`]' offsets once the stream
     /// has run. With poisoning on (the tests), every buffer a step writes is filled with NaN
     /// first, so that an element a step fails to write shows in the gradients.
     ///
