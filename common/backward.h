@@ -195,14 +195,9 @@ TM_INLINE void tm_bwd_input_norm(const TmBackwardParams& p) {
   }
 }
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm(const TmBackwardParams p) {
-  tm_bwd_input_norm<TM_IO_F32>(p);
-}
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm(const TmBackwardParams p) { tm_bwd_input_norm<TM_IO_F32>(p); }
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_16(const TmBackwardParams p) {
-  if (p.io == TM_IO_F16)
-    tm_bwd_input_norm<TM_IO_F16>(p);
-  else
-    tm_bwd_input_norm<TM_IO_BF16>(p);
+  p.io == TM_IO_F16 ? tm_bwd_input_norm<TM_IO_F16>(p) : tm_bwd_input_norm<TM_IO_BF16>(p);
 }
 
 // left and right, hidden-major, from P's first 4H columns, 32 channels at a time.
@@ -244,12 +239,8 @@ TM_INLINE void tm_bwd_gating(const TmBackwardParams& p) {
   }
 }
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating(const TmBackwardParams p) {
-  tm_bwd_gating<TM_IO_F32>(p);
-}
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_16(const TmBackwardParams p) {
-  tm_bwd_gating<TM_IO_BF16>(p);
-}
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating(const TmBackwardParams p) { tm_bwd_gating<TM_IO_F32>(p); }
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_16(const TmBackwardParams p) { tm_bwd_gating<TM_IO_BF16>(p); }
 
 // Dynamic shared memory of the two kernels that hold a tile's whole t: [H][TILE + 1] floats.
 #define TM_BWD_T_SMEM(H) ((H) * (TM_BWD_TILE + 1) * 4)
@@ -292,12 +283,8 @@ TM_INLINE void tm_bwd_output_norm(const TmBackwardParams& p) {
   }
 }
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm(const TmBackwardParams p) {
-  tm_bwd_output_norm<TM_IO_F32>(p);
-}
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_16(const TmBackwardParams p) {
-  tm_bwd_output_norm<TM_IO_BF16>(p);
-}
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm(const TmBackwardParams p) { tm_bwd_output_norm<TM_IO_F32>(p); }
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_16(const TmBackwardParams p) { tm_bwd_output_norm<TM_IO_BF16>(p); }
 
 // The output gate's backward, one thread per element of the gate (af3 [M, C], gpumode [M, H]):
 // dy in IO (af3 reads it here; gpumode's dv comes from a GEMM, in du).
@@ -321,14 +308,9 @@ TM_INLINE void tm_bwd_output_gate(const TmBackwardParams& p) {
   }
 }
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_gate(const TmBackwardParams p) {
-  tm_bwd_output_gate<TM_IO_F32>(p);
-}
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_gate(const TmBackwardParams p) { tm_bwd_output_gate<TM_IO_F32>(p); }
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_output_gate_16(const TmBackwardParams p) {
-  if (p.io == TM_IO_F16)
-    tm_bwd_output_gate<TM_IO_F16>(p);
-  else
-    tm_bwd_output_gate<TM_IO_BF16>(p);
+  p.io == TM_IO_F16 ? tm_bwd_output_gate<TM_IO_F16>(p) : tm_bwd_output_gate<TM_IO_BF16>(p);
 }
 
 // The LayerNorm backward kernels' column sums, γ's gradient Σ du⊙v̂ and β's Σ du over all
@@ -397,12 +379,8 @@ TM_INLINE void tm_bwd_output_norm_grad(const TmBackwardParams& p) {
   tm_bwd_flush_acc(p, acc, H);
 }
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_grad(const TmBackwardParams p) {
-  tm_bwd_output_norm_grad<TM_IO_F32>(p);
-}
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_grad_16(const TmBackwardParams p) {
-  tm_bwd_output_norm_grad<TM_IO_BF16>(p);
-}
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_grad(const TmBackwardParams p) { tm_bwd_output_norm_grad<TM_IO_F32>(p); }
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_output_norm_grad_16(const TmBackwardParams p) { tm_bwd_output_norm_grad<TM_IO_BF16>(p); }
 
 // The gated projections' backward: dcat's first 4H columns from dleft and dright (hidden-major,
 // in `left`/`right`'s place: the caller passes them there) and P.
@@ -441,12 +419,8 @@ TM_INLINE void tm_bwd_gating_grad(const TmBackwardParams& p) {
   }
 }
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad(const TmBackwardParams p) {
-  tm_bwd_gating_grad<TM_IO_F32>(p);
-}
-extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad_16(const TmBackwardParams p) {
-  tm_bwd_gating_grad<TM_IO_BF16>(p);
-}
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad(const TmBackwardParams p) { tm_bwd_gating_grad<TM_IO_F32>(p); }
+extern "C" __global__ void TM_LAUNCH_BOUNDS_MIN(TM_BWD_THREADS, TM_BWD_TILE_BLOCKS) backward_gating_grad_16(const TmBackwardParams p) { tm_bwd_gating_grad<TM_IO_BF16>(p); }
 
 // Dynamic shared memory of backward_input_norm_grad: the accumulators.
 #define TM_BWD_ACC_SMEM(C) (TM_BWD_WARPS * 2 * (C) * 4)
@@ -482,14 +456,9 @@ TM_INLINE void tm_bwd_input_norm_grad(const TmBackwardParams& p) {
   tm_bwd_flush_acc(p, acc, C);
 }
 
-extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_grad(const TmBackwardParams p) {
-  tm_bwd_input_norm_grad<TM_IO_F32>(p);
-}
+extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_grad(const TmBackwardParams p) { tm_bwd_input_norm_grad<TM_IO_F32>(p); }
 extern "C" __global__ void TM_LAUNCH_BOUNDS(TM_BWD_THREADS) backward_input_norm_grad_16(const TmBackwardParams p) {
-  if (p.io == TM_IO_F16)
-    tm_bwd_input_norm_grad<TM_IO_F16>(p);
-  else
-    tm_bwd_input_norm_grad<TM_IO_BF16>(p);
+  p.io == TM_IO_F16 ? tm_bwd_input_norm_grad<TM_IO_F16>(p) : tm_bwd_input_norm_grad<TM_IO_BF16>(p);
 }
 
 // Column sums of an [rows, cols] matrix with leading dimension ld (mirrored by `ColumnSums`).

@@ -205,6 +205,23 @@ impl DeviceWeights {
     }
 }
 
+/// A backward on caller device memory that leaves the weight gradients on the device
+/// ([`crate::Backend::backward_device_async`]).
+#[derive(Copy, Clone, Debug)]
+pub struct BackwardDeviceIo {
+    /// x, the mask (0: none), dy and dx: `[B, N, N, C]` in the problem's precision, the mask
+    /// `[B, N, N]` f32; dx aliases none of the others.
+    pub tensors: (u64, u64, u64, u64),
+    /// The stream every launch and copy is enqueued on (0: the legacy default stream).
+    pub stream: u64,
+    /// The intermediates' workspace, at least `backward_workspace_bytes`; the weight gradients
+    /// are summed there before they are copied out.
+    pub workspace: DeviceSpan,
+    /// Where each weight's gradient goes (f32, of the weight's element count), in the order of
+    /// [`crate::WEIGHT_NAMES`]; 0: not wanted (and for a bias the layer does not have).
+    pub grads: [u64; 16],
+}
+
 /// A range of device memory the caller owns: a workspace, or storage for prepared weights.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct DeviceSpan {

@@ -5,7 +5,7 @@
 
 use crate::backend::{cpu::CpuBackend, Backend};
 use crate::device::Device;
-use crate::device_io::{BackwardIo, DeviceIo, DeviceSpan, DeviceWeights, ForwardIo};
+use crate::device_io::{BackwardDeviceIo, BackwardIo, DeviceIo, DeviceSpan, DeviceWeights, ForwardIo};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
 use crate::plan::{self, ExecPlan, MemoryNeeds};
@@ -503,24 +503,21 @@ impl<B: Backend> Layer<B> {
     }
 
     /// [`Layer::backward_device`] with the weight gradients kept on the device
-    /// ([`Backend::backward_device_async`]): each is copied (f32) to its destination in `grads`
-    /// (device addresses in the order of [`Gradients::tensors`] after x, every bias in its place;
-    /// 0: not wanted) once the stream has run the backward. Returns once the work is enqueued,
-    /// waiting for nothing; the workspace is required.
+    /// ([`Backend::backward_device_async`]): each is copied (f32) to its destination in
+    /// `io.grads` once the stream has run the backward, x, dy and dx being in `precision`.
+    /// Returns once the work is enqueued, waiting for nothing.
     ///
     /// # Safety
     /// As [`Backend::backward_device_async`].
     pub unsafe fn backward_device_async(
         &mut self,
-        io: (u64, u64, u64, u64),
+        io: BackwardDeviceIo,
         shape: Shape,
         precision: Precision,
-        stream: u64,
-        (workspace, grads): (DeviceSpan, [u64; 16]),
     ) -> Result<()> {
-        let problem = self.problem(shape, io.1 != 0)?.with_io(precision);
+        let problem = self.problem(shape, io.tensors.1 != 0)?.with_io(precision);
         // SAFETY: forwarded from this method's contract.
-        unsafe { self.backend.backward_device_async(&self.prepared, &problem, io, stream, workspace, grads) }
+        unsafe { self.backend.backward_device_async(&self.prepared, &problem, io) }
     }
 
     /// The element count of each weight's gradient, in the order of [`Gradients::tensors`] after

@@ -57,8 +57,8 @@ pub(crate) mod test_seed;
 pub use backend::{Backend, Ceilings, DeviceInfo, MemoryInfo};
 pub use device::Device;
 pub use device_io::{
-    BackwardIo, DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceOperands, DeviceSpan, DeviceTensor, DeviceWeights,
-    ForwardIo, Operands,
+    BackwardDeviceIo, BackwardIo, DType, DeviceIo, DeviceLinear, DeviceNorm, DeviceOperands, DeviceSpan, DeviceTensor,
+    DeviceWeights, ForwardIo, Operands,
 };
 pub use error::{BackendKind, Error, Result};
 pub use gradients::{Gradients, WEIGHT_NAMES};

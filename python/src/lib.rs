@@ -30,8 +30,9 @@ use pyo3::prelude::*;
 use trimul::backend::cuda::CudaBackend;
 use trimul::backend::hip::HipBackend;
 use trimul::{
-    BackendKind, Config, DType, Device, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor, DeviceWeights,
-    Direction, Error, Formulation, Layer, Linear, Norm, Options, Precision, Shape, TriMul, Weights, WEIGHT_NAMES,
+    BackendKind, BackwardDeviceIo, Config, DType, Device, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor,
+    DeviceWeights, Direction, Error, Formulation, Layer, Linear, Norm, Options, Precision, Shape, TriMul, Weights,
+    WEIGHT_NAMES,
 };
 
 /// One weight entry: address, element count, dtype code.
@@ -617,10 +618,8 @@ macro_rules! device_layer {
                     }
                     // SAFETY: as below; the entries are device f32 tensors of the lengths just
                     // checked, alive until the stream has run the work (module docs).
-                    return unsafe {
-                        layer.backward_device_async(io4, Shape::new(b, n), p, stream, (workspace, grads))
-                    }
-                    .map_err(to_py);
+                    let io = BackwardDeviceIo { tensors: io4, stream, workspace, grads };
+                    return unsafe { layer.backward_device_async(io, Shape::new(b, n), p) }.map_err(to_py);
                 }
                 py.detach(|| {
                     let mut layer = self.lock()?;

@@ -48,7 +48,7 @@ pub(crate) mod prepared;
 #[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) mod staged_steps;
 
-use crate::device_io::{BackwardIo, DeviceOperands, DeviceSpan, DeviceWeights, ForwardIo, Operands};
+use crate::device_io::{BackwardDeviceIo, BackwardIo, DeviceOperands, DeviceSpan, DeviceWeights, ForwardIo, Operands};
 pub use crate::device_io::{HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
@@ -434,10 +434,9 @@ pub trait Backend: Clone + Send + Sync {
     }
 
     /// [`Backend::backward_device`] with the weight gradients kept on the device: once the
-    /// stream has run the backward, each is copied (f32) to its destination in `grads`, device
-    /// addresses in the order of [`Gradients::tensors`] after x, with every bias in its place (0:
-    /// not wanted; a bias the layer does not have takes 0). Returns once the work is enqueued:
-    /// nothing waits, so the workspace, where the sums are made, is required.
+    /// stream has run the backward, each is copied (f32) to its destination in `io.grads`.
+    /// Returns once the work is enqueued: nothing waits, so the workspace, where the sums are
+    /// made, is required.
     ///
     /// # Safety
     /// As [`Backend::backward_device`], until the stream has run the work; each non-zero
@@ -447,12 +446,9 @@ pub trait Backend: Clone + Send + Sync {
         &self,
         prepared: &Self::Prepared,
         problem: &Problem,
-        io: (u64, u64, u64, u64),
-        stream: u64,
-        workspace: DeviceSpan,
-        grads: [u64; 16],
+        io: BackwardDeviceIo,
     ) -> Result<()> {
-        let _ = (prepared, problem, io, stream, workspace, grads);
+        let _ = (prepared, problem, io);
         Err(Error::Unsupported { backend: self.kind(), what: "the backward pass on device memory".into() })
     }
 

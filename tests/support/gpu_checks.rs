@@ -6,7 +6,8 @@
 use trimul::reference;
 use trimul::suite::{self, Case, Dist, Inputs};
 use trimul::{
-    Backend, Device, Direction, Formulation, Layer, Options, Precision, Problem, Shape, TriMul, Weights, WEIGHT_NAMES,
+    Backend, BackwardDeviceIo, Device, Direction, Formulation, Layer, Options, Precision, Problem, Shape, TriMul,
+    Weights, WEIGHT_NAMES,
 };
 
 /// GPU MODE's rule: every element within TOL + TOL·|ref|.
@@ -159,7 +160,8 @@ pub fn backward_device_paths_match<B: Backend>(
     let present: Vec<bool> = WEIGHT_NAMES.iter().map(|n| got.tensors().iter().any(|(g, _)| g == n)).collect();
     let grads: [u64; 16] = std::array::from_fn(|i| if present[i] { addr(&bufs[i]) } else { 0 });
     // SAFETY: as above; each destination holds its weight's element count of f32.
-    unsafe { layer.backward_device_async(io, shape, Precision::F32Io, b.stream_handle(), (span, grads)) }.unwrap();
+    let call = |grads| BackwardDeviceIo { tensors: io, stream: b.stream_handle(), workspace: span, grads };
+    unsafe { layer.backward_device_async(call(grads), shape, Precision::F32Io) }.unwrap();
     let mut device = Vec::new();
     for (buf, _) in bufs.iter().zip(&present).filter(|(_, &p)| p) {
         let mut v = vec![0f32; B::buffer_len(buf)];
@@ -171,8 +173,7 @@ pub fn backward_device_paths_match<B: Backend>(
         let mut bad = grads;
         bad[absent] = addr(&bufs[absent]);
         // SAFETY: as above; refused before anything is enqueued.
-        let stream = b.stream_handle();
-        let e = unsafe { layer.backward_device_async(io, shape, Precision::F32Io, stream, (span, bad)) }.unwrap_err();
+        let e = unsafe { layer.backward_device_async(call(bad), shape, Precision::F32Io) }.unwrap_err();
         assert!(e.to_string().contains("does not have"), "{e}");
     }
     let small = trimul::DeviceSpan { ptr: addr(&ws), bytes: bytes - 256 };

@@ -23,7 +23,7 @@ use crate::backend::backward_params::{
     acc_smem, backward_sizes, gradient_copies, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
 };
 use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, GemmElem, KernelArgs, Residency};
-use crate::device_io::DeviceSpan;
+use crate::device_io::{BackwardDeviceIo, DeviceSpan};
 use crate::error::{Error, Result};
 use crate::gradients::Gradients;
 use crate::problem::Problem;
@@ -126,29 +126,27 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The backward on device memory, on `stream`, its buffers carved from `workspace`, the
-    /// weight gradients copied on the device to `grads` ([`Outputs::slots`]' order, 0: not
-    /// wanted) at the end; returns once enqueued.
+    /// The backward on device memory, on `io.stream`, its buffers carved from `io.workspace`,
+    /// the weight gradients copied on the device to `io.grads` at the end; returns once
+    /// enqueued.
     ///
     /// # Safety
-    /// As [`CudaBackend::enqueue_backward`] for `io`, until the stream has run the work; the
-    /// workspace span and each destination are device memory of their sizes that nothing else
-    /// uses meanwhile.
+    /// As [`CudaBackend::enqueue_backward`] for `io.tensors`, until the stream has run the work;
+    /// the workspace span and each destination are device memory of their sizes that nothing
+    /// else uses meanwhile.
     pub(super) unsafe fn backward_on_device_async(
         &self,
         prep: &CudaPrepared,
         problem: &Problem,
-        io: (CUdeviceptr, CUdeviceptr, CUdeviceptr, CUdeviceptr),
-        stream: CUstream,
-        span: DeviceSpan,
-        grads: [u64; 16],
+        io: BackwardDeviceIo,
     ) -> Result<()> {
-        let copies = gradient_copies(problem, prep.tensors.biases, grads)?;
+        let (span, stream) = (io.workspace, io.stream as CUstream);
+        let copies = gradient_copies(problem, prep.tensors.biases, io.grads)?;
         let b = BackwardBuffers::new(problem, MAX_GEMM_WORKSPACE as u64, span.ptr);
         span.check("the backward's workspace", b.bytes)?;
         let enqueue = || -> Result<()> {
             // SAFETY: forwarded from this function's contract; `b` lies in `span`, checked.
-            unsafe { self.enqueue_backward(prep, problem, io, &b, stream)? };
+            unsafe { self.enqueue_backward(prep, problem, io.tensors, &b, stream)? };
             for (dst, at, n) in copies {
                 // SAFETY: the sums lie in `b`, the destination holds `n` floats (the contract).
                 unsafe { cu::memcpy_dtod_async(dst, b.sums + (at * 4) as u64, n * 4, stream) }

@@ -67,7 +67,7 @@ use super::gpu_ceilings;
 use super::params::FusedInputLayout;
 use super::prepared::{f16_words, PreparedTensors};
 use super::{check_prepared_for, device_operands, Backend, Ceilings, DeviceInfo, MemoryInfo};
-use crate::device_io::{BackwardIo, DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
+use crate::device_io::{BackwardDeviceIo, BackwardIo, DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
 use crate::plan::{Blas, Capabilities, ExecPlan, InputStage, Plan};
@@ -918,16 +918,13 @@ impl Backend for CudaBackend {
         &self,
         prepared: &CudaPrepared,
         problem: &Problem,
-        io: (u64, u64, u64, u64),
-        stream: u64,
-        workspace: DeviceSpan,
-        grads: [u64; 16],
+        io: BackwardDeviceIo,
     ) -> Result<()> {
-        super::check_device_backward(&prepared.config, problem, io)?;
+        super::check_device_backward(&prepared.config, problem, io.tensors)?;
         self.check_backward_fits(problem)?;
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         // SAFETY: forwarded from this method's contract.
-        unsafe { self.backward_on_device_async(prepared, problem, io, stream as CUstream, workspace, grads) }
+        unsafe { self.backward_on_device_async(prepared, problem, io) }
     }
 
     fn backward_workspace_bytes(&self, prepared: &CudaPrepared, problem: &Problem) -> Result<u64> {

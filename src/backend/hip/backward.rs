@@ -46,7 +46,7 @@ use crate::backend::backward_params::{
     acc_smem, backward_sizes, gradient_copies, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
 };
 use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, GemmElem, KernelArgs, Residency};
-use crate::device_io::DeviceSpan;
+use crate::device_io::{BackwardDeviceIo, DeviceSpan};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
 use crate::problem::Problem;
@@ -149,24 +149,22 @@ impl HipBackend {
         Ok(())
     }
 
-    /// The backward on device memory, on `stream`, its buffers carved from `workspace`, the
-    /// weight gradients copied on the device to `grads` ([`Outputs::slots`]' order, 0: not
-    /// wanted) at the end; returns once enqueued.
+    /// The backward on device memory, on `io.stream`, its buffers carved from `io.workspace`,
+    /// the weight gradients copied on the device to `io.grads` at the end; returns once
+    /// enqueued.
     ///
     /// # Safety
-    /// As [`HipBackend::enqueue_backward`] for `io`, until the stream has run the work; `stream`
-    /// is a live stream of this device (or 0); the workspace span and each destination are device
-    /// memory of their sizes that nothing else uses meanwhile.
+    /// As [`HipBackend::enqueue_backward`] for `io.tensors`, until the stream has run the work;
+    /// the stream is a live stream of this device (or 0); the workspace span and each
+    /// destination are device memory of their sizes that nothing else uses meanwhile.
     pub(super) unsafe fn backward_on_device_async(
         &self,
         prep: &HipPrepared,
         problem: &Problem,
-        io: (u64, u64, u64, u64),
-        stream: sys::hipStream_t,
-        span: DeviceSpan,
-        grads: [u64; 16],
+        io: BackwardDeviceIo,
     ) -> Result<()> {
-        let copies = gradient_copies(problem, prep.tensors.biases, grads)?;
+        let (span, stream) = (io.workspace, io.stream as sys::hipStream_t);
+        let copies = gradient_copies(problem, prep.tensors.biases, io.grads)?;
         let kernels = self.backward_kernels()?;
         let api = self.ctx.api;
         let bufs = BackwardBuffers::new(problem, 0, span.ptr);
@@ -180,7 +178,7 @@ impl HipBackend {
                 }
             }
             // SAFETY: forwarded from this function's contract; `bufs` lies in `span`.
-            unsafe { self.enqueue_backward(&kernels, blas, prep, problem, io, &bufs, stream)? };
+            unsafe { self.enqueue_backward(&kernels, blas, prep, problem, io.tensors, &bufs, stream)? };
             for (dst, at, n) in copies {
                 // SAFETY: the sums lie in `bufs`, the destination holds `n` floats (the contract).
                 unsafe { result::copy_dtod_async(api, dst, bufs.sums + (at * 4) as u64, n * 4, stream)? };

@@ -84,7 +84,7 @@ use super::{
     check_device_forward, check_prepared_for, check_same_weights, device_operands, Backend, Ceilings, DeviceInfo,
     MemoryInfo,
 };
-use crate::device_io::{BackwardIo, DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
+use crate::device_io::{BackwardDeviceIo, BackwardIo, DeviceSpan, DeviceWeights, ForwardIo, HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
 use crate::plan::ExecPlan;
@@ -1340,17 +1340,14 @@ impl Backend for HipBackend {
         &self,
         prepared: &HipPrepared,
         problem: &Problem,
-        io: (u64, u64, u64, u64),
-        stream: u64,
-        workspace: DeviceSpan,
-        grads: [u64; 16],
+        io: BackwardDeviceIo,
     ) -> Result<()> {
-        super::check_device_backward(&prepared.config, problem, io)?;
+        super::check_device_backward(&prepared.config, problem, io.tensors)?;
         problem.validate()?;
         self.check_backward_fits(problem)?;
         self.bind()?;
         // SAFETY: forwarded from this method's contract.
-        unsafe { self.backward_on_device_async(prepared, problem, io, stream as sys::hipStream_t, workspace, grads) }
+        unsafe { self.backward_on_device_async(prepared, problem, io) }
     }
 
     fn backward_workspace_bytes(&self, prepared: &HipPrepared, problem: &Problem) -> Result<u64> {
