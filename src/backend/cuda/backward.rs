@@ -126,40 +126,60 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The backward on device memory, on `io.stream`, its buffers carved from `io.workspace`,
-    /// the weight gradients copied on the device to `io.grads` at the end; returns once
-    /// enqueued.
+    /// Lays `problem`'s backward out in `span` and enqueues it on `stream`, then the
+    /// weight-gradient `copies` ([`gradient_copies`]) after it; returns the layout. On a failure,
+    /// waits for what was enqueued before it (it still writes dx and the buffers), so that the
+    /// caller's memory is free when this returns, as promised.
     ///
     /// # Safety
-    /// As [`CudaBackend::enqueue_backward`] for `io.tensors`, until the stream has run the work;
-    /// the workspace span and each destination are device memory of their sizes that nothing
-    /// else uses meanwhile.
-    pub(super) unsafe fn backward_on_device_async(
+    /// As [`CudaBackend::enqueue_backward`] for `io`, until the stream has run the work; `span`
+    /// and each copy's destination are device memory of their sizes that nothing else uses
+    /// meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_in(
         &self,
         prep: &CudaPrepared,
         problem: &Problem,
-        io: BackwardDeviceIo,
-    ) -> Result<()> {
-        let (span, stream) = (io.workspace, io.stream as CUstream);
-        let copies = gradient_copies(problem, prep.tensors.biases, io.grads)?;
+        io: (CUdeviceptr, CUdeviceptr, CUdeviceptr, CUdeviceptr),
+        span: DeviceSpan,
+        stream: CUstream,
+        copies: &[(u64, usize, usize)],
+    ) -> Result<BackwardBuffers> {
         let b = BackwardBuffers::new(problem, MAX_GEMM_WORKSPACE as u64, span.ptr);
         span.check("the backward's workspace", b.bytes)?;
         let enqueue = || -> Result<()> {
             // SAFETY: forwarded from this function's contract; `b` lies in `span`, checked.
-            unsafe { self.enqueue_backward(prep, problem, io.tensors, &b, stream)? };
-            for (dst, at, n) in copies {
+            unsafe { self.enqueue_backward(prep, problem, io, &b, stream)? };
+            for &(dst, at, n) in copies {
                 // SAFETY: the sums lie in `b`, the destination holds `n` floats (the contract).
                 unsafe { cu::memcpy_dtod_async(dst, b.sums + (at * 4) as u64, n * 4, stream) }
                     .ctx("cuMemcpyDtoDAsync(weight gradients)")?;
             }
             Ok(())
         };
-        enqueue().inspect_err(|_| {
-            // What was enqueued before the failure still writes dx and the buffers: wait for it,
-            // so that the caller's memory is free when this returns, as promised.
-            // SAFETY: a live stream of this context (the caller's).
+        if let Err(e) = enqueue() {
+            // SAFETY: a live stream of this context (the caller's or the backend's).
             let _ = unsafe { cudarc::driver::result::stream::synchronize(stream) };
-        })
+            return Err(e);
+        }
+        Ok(b)
+    }
+
+    /// The backward on device memory, on `io.stream`, its buffers carved from `io.workspace`,
+    /// the weight gradients copied on the device to `io.grads` at the end; returns once
+    /// enqueued.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue_in`].
+    pub(super) unsafe fn backward_on_device_async(
+        &self,
+        prep: &CudaPrepared,
+        problem: &Problem,
+        io: BackwardDeviceIo,
+    ) -> Result<()> {
+        let copies = gradient_copies(problem, prep.tensors.biases, io.grads)?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.enqueue_in(prep, problem, io.tensors, io.workspace, io.stream as CUstream, &copies) }.map(drop)
     }
 
     /// The backward on device memory, on `stream` (see
@@ -182,16 +202,8 @@ impl CudaBackend {
         let (c, h, f) = (cfg.c, cfg.h, cfg.fused_proj_width());
         let out = Outputs::new(c, h, f);
         let run = |span: DeviceSpan| -> Result<Vec<f32>> {
-            let b = BackwardBuffers::new(problem, MAX_GEMM_WORKSPACE as u64, span.ptr);
-            span.check("the backward's workspace", b.bytes)?;
-            // SAFETY: forwarded from this function's contract; `b` lies in `span`, checked.
-            if let Err(e) = unsafe { self.enqueue_backward(prep, problem, io, &b, stream) } {
-                // What was enqueued before the failure still writes dx and the buffers: wait for
-                // it, so that the caller's memory is free when this returns, as promised.
-                // SAFETY: a live stream of this context (the caller's or the backend's).
-                let _ = unsafe { cudarc::driver::result::stream::synchronize(stream) };
-                return Err(e);
-            }
+            // SAFETY: forwarded from this function's contract.
+            let b = unsafe { self.enqueue_in(prep, problem, io, span, stream, &[]) }?;
             let mut sums = vec![0f32; out.len];
             let view = DeviceBuffer::<f32>::borrowed(&self.inner.ctx, &self.inner.tracker, b.sums, out.len);
             // Waits for the backward: the buffers are free for the next call once this returns.

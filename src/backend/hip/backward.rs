@@ -149,23 +149,26 @@ impl HipBackend {
         Ok(())
     }
 
-    /// The backward on device memory, on `io.stream`, its buffers carved from `io.workspace`,
-    /// the weight gradients copied on the device to `io.grads` at the end; returns once
-    /// enqueued.
+    /// Lays `problem`'s backward out in `span` and enqueues it on `stream` with `blas` bound
+    /// there (every buffer a step writes filled with NaN first when poisoning is on), then the
+    /// weight-gradient `copies` ([`gradient_copies`]) after it; returns the layout. On a failure,
+    /// what came before it may still be running: the caller waits.
     ///
     /// # Safety
-    /// As [`HipBackend::enqueue_backward`] for `io.tensors`, until the stream has run the work;
-    /// the stream is a live stream of this device (or 0); the workspace span and each
-    /// destination are device memory of their sizes that nothing else uses meanwhile.
-    pub(super) unsafe fn backward_on_device_async(
+    /// As [`HipBackend::enqueue_backward`] for `io`, until the stream has run the work; `stream`
+    /// is a live stream of this device (or 0); `span` and each copy's destination are device
+    /// memory of their sizes that nothing else uses meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_in(
         &self,
+        kernels: &BackwardKernels,
         prep: &HipPrepared,
         problem: &Problem,
-        io: BackwardDeviceIo,
-    ) -> Result<()> {
-        let (span, stream) = (io.workspace, io.stream as sys::hipStream_t);
-        let copies = gradient_copies(problem, prep.tensors.biases, io.grads)?;
-        let kernels = self.backward_kernels()?;
+        io: (u64, u64, u64, u64),
+        span: DeviceSpan,
+        stream: sys::hipStream_t,
+        copies: &[(u64, usize, usize)],
+    ) -> Result<BackwardBuffers> {
         let api = self.ctx.api;
         let bufs = BackwardBuffers::new(problem, 0, span.ptr);
         span.check("the backward's workspace", bufs.bytes)?;
@@ -178,21 +181,41 @@ impl HipBackend {
                 }
             }
             // SAFETY: forwarded from this function's contract; `bufs` lies in `span`.
-            unsafe { self.enqueue_backward(&kernels, blas, prep, problem, io.tensors, &bufs, stream)? };
-            for (dst, at, n) in copies {
+            unsafe { self.enqueue_backward(kernels, blas, prep, problem, io, &bufs, stream)? };
+            for &(dst, at, n) in copies {
                 // SAFETY: the sums lie in `bufs`, the destination holds `n` floats (the contract).
                 unsafe { result::copy_dtod_async(api, dst, bufs.sums + (at * 4) as u64, n * 4, stream)? };
             }
             Ok(())
         };
         // SAFETY: the caller's stream is live for the work (this function's contract).
-        let enqueued = unsafe { self.with_blas_on(stream, enqueue) };
+        unsafe { self.with_blas_on(stream, enqueue) }?;
+        Ok(bufs)
+    }
+
+    /// The backward on device memory, on `io.stream`, its buffers carved from `io.workspace`,
+    /// the weight gradients copied on the device to `io.grads` at the end; returns once
+    /// enqueued.
+    ///
+    /// # Safety
+    /// As [`HipBackend::enqueue_in`].
+    pub(super) unsafe fn backward_on_device_async(
+        &self,
+        prep: &HipPrepared,
+        problem: &Problem,
+        io: BackwardDeviceIo,
+    ) -> Result<()> {
+        let stream = io.stream as sys::hipStream_t;
+        let copies = gradient_copies(problem, prep.tensors.biases, io.grads)?;
+        let kernels = self.backward_kernels()?;
+        // SAFETY: forwarded from this function's contract.
+        let enqueued = unsafe { self.enqueue_in(&kernels, prep, problem, io.tensors, io.workspace, stream, &copies) };
         if enqueued.is_err() {
             // What was enqueued before the failure still writes dx and the buffers: wait for it.
             // SAFETY: a live stream of this device.
-            let _ = unsafe { result::stream_synchronize(api, stream) };
+            let _ = unsafe { result::stream_synchronize(self.ctx.api, stream) };
         }
-        enqueued
+        enqueued.map(drop)
     }
 
     /// The backward on device memory, on `stream`, its buffers carved from `workspace` or else
@@ -216,27 +239,14 @@ impl HipBackend {
         let out = Outputs::new(c, h, f);
         let kernels = self.backward_kernels()?;
         let api = self.ctx.api;
-        let poison = self.ctx.poison.load(Ordering::Relaxed);
         let run = |span: DeviceSpan| -> Result<Vec<f32>> {
-            let bufs = BackwardBuffers::new(problem, 0, span.ptr);
-            span.check("the backward's workspace", bufs.bytes)?;
-            let enqueue = |blas: &BlasHandle| -> Result<()> {
-                if poison {
-                    for &(at, bytes) in &bufs.written {
-                        // SAFETY: a buffer laid out for this problem in `span` (checked above).
-                        unsafe { result::memset_async(api, at, POISON_BYTE, bytes as usize, stream)? };
-                    }
-                }
-                // SAFETY: forwarded from this function's contract; `bufs` lies in `span`.
-                unsafe { self.enqueue_backward(&kernels, blas, prep, problem, io, &bufs, stream) }
-            };
-            // SAFETY: the caller's stream is live for the work (this function's contract).
-            let enqueued = unsafe { self.with_blas_on(stream, enqueue) };
+            // SAFETY: forwarded from this function's contract.
+            let enqueued = unsafe { self.enqueue_in(&kernels, prep, problem, io, span, stream, &[]) };
             // Whatever was enqueued (all of it, or what came before a failure) still writes dx
             // and the buffers: wait for it, so that the caller's memory is free when this returns.
             // SAFETY: a live stream of this device (the caller's, by contract, or ours).
             let waited = unsafe { result::stream_synchronize(api, stream) };
-            enqueued?;
+            let bufs = enqueued?;
             waited?;
             let mut sums = vec![0f32; out.len];
             let view = DeviceMem::borrowed(api, &self.ctx.tracker, bufs.sums, out.len * 4);
