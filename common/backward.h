@@ -87,6 +87,7 @@ typedef struct {
   int blocks;               // grid of the LayerNorm backward kernels, which loop over positions
   int io;                   // TM_IO_F32, TM_IO_BF16 or TM_IO_F16: x, dy and dx
   int pad_;
+  const void* w_out;        // [C, H] f16, the prepared output projection (backward_output_side)
 } TmBackwardParams;
 
 // The precisions of z, P, left, right and t, and of dt and dcat, for I/O precision IO: f32 with

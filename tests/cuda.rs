@@ -590,7 +590,8 @@ fn budget_errors_come_before_any_work() {
 /// The CUDA backward (issue 28) against the f64 reference: every gradient within issue 28's 2e-3
 /// (its GEMMs run in TF32), with poisoned intermediates; sizes off every tile (N = 13, C = 40,
 /// H = 24, B = 2) as well as a whole-tile af3 case; the same gradients from `backward_buffers`
-/// (the cached buffers) and from `backward_device` with a caller workspace; refusals named.
+/// (the cached buffers) and from `backward_device` with a caller workspace; with 16-bit I/O both
+/// the fused output side (af3, N = 64 and 32) and the separate steps (N = 13); refusals named.
 #[test]
 fn backward_matches_the_f64_reference() {
     let Some(b) = cuda() else { return };
@@ -599,6 +600,8 @@ fn backward_matches_the_f64_reference() {
         (Formulation::Af3, true, Direction::Incoming, Case::new(13, 2, 40, true, Dist::Normal), 24),
         (Formulation::GpuMode, false, Direction::Outgoing, Case::new(13, 2, 40, false, Dist::Cauchy), 24),
         (Formulation::Af3, true, Direction::Outgoing, Case::new(64, 1, 128, true, Dist::Normal), 128),
+        // 16-bit: the fused output side (C, H multiples of 16, N² of 64), H < C, two batches.
+        (Formulation::Af3, false, Direction::Incoming, Case::new(32, 2, 64, true, Dist::Cauchy), 48),
     ];
     for (f, biases, dir, case, h) in cases {
         let w = Weights::random(trimul::Config::new(f, case.c, h).unwrap(), biases, s).unwrap();

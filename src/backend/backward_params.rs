@@ -196,6 +196,15 @@ pub(crate) fn in_kept_block<B, T>(
     out
 }
 
+/// Positions per tile of CUDA's fused output side (`BO_BM` of `cuda/backward_output.cu`).
+pub(crate) const OUTPUT_SIDE_ROWS: usize = 64;
+
+/// Dynamic shared memory of CUDA's fused output side (`BO_SMEM`): Wz `[128][136]` and four
+/// `[64][136]` tiles in 16 bits, then `(2 + 8)·64 + 8 + 8·96 + 4·128` floats (112160 bytes; the
+/// kernel's `static_assert` holds the same number).
+pub(crate) const OUTPUT_SIDE_SMEM: usize =
+    (128 + 4 * OUTPUT_SIDE_ROWS) * 136 * 2 + (10 * OUTPUT_SIDE_ROWS + 8 + 8 * 96 + 4 * 128) * 4;
+
 /// Dynamic shared memory of `backward_input_norm_grad` (`TM_BWD_ACC_SMEM`): per-warp sums of
 /// `2w` columns.
 pub(crate) fn acc_smem(w: usize) -> usize {
@@ -250,6 +259,8 @@ pub(crate) struct BackwardParams {
     /// f16, dt and dcat bf16 (`common/backward.h`).
     pub(crate) io: i32,
     pub(crate) pad: i32,
+    /// The prepared f16 output projection `[C, H]` (the fused output side reads it).
+    pub(crate) w_out: u64,
 }
 
 /// The kernels' code (`TM_IO_F32`, `TM_IO_BF16`, `TM_IO_F16`) of a precision.
@@ -337,7 +348,7 @@ mod tests {
         let mut v = fields! {
             "TmBackwardParams", BackwardParams, x, dy, mask, norm_in_w, norm_in_b, norm_out_w, norm_out_b,
             proj_bias, out_bias, z, z_bf16, stats_x, p, left, right, t, u, left_bf16, right_bf16, stats_t, e, du, dcat, dz, dx, partial, rows,
-            n2, c, h, f, af3, eps, blocks, io
+            n2, c, h, f, af3, eps, blocks, io, w_out
         };
         v.extend(fields! { "TmColumnSums", ColumnSums, a, partial, out, rows, cols, ld, row_blocks, dtype });
         v.extend(fields! { "TmConvert", Convert, src, dst, n, from, to });

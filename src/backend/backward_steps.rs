@@ -55,7 +55,8 @@
 use super::backward_params::WEIGHT_CHUNKS;
 use super::backward_params::{
     acc_smem, chunk_rows, io_code, mid_bytes, output_norm_grad_smem, BackwardParams, ColumnSums, Convert, Outputs,
-    GATING_SMEM, MAX_ROW_BLOCKS, PARTIALS_SMEM, ROWS_PER_BLOCK, THREADS, TILE, WARPS,
+    GATING_SMEM, MAX_ROW_BLOCKS, OUTPUT_SIDE_ROWS, OUTPUT_SIDE_SMEM, PARTIALS_SMEM, ROWS_PER_BLOCK, THREADS, TILE,
+    WARPS,
 };
 use super::caller_workspace::SpanCarver;
 use super::gemm::GemmSpec;
@@ -153,11 +154,14 @@ pub(crate) struct BackwardWeights {
 }
 
 /// How many blocks of a kernel are resident at once on a device: `shared` bytes of shared
-/// memory (LDS) per multiprocessor (CU), `units` of them, at most 8 blocks of [`THREADS`] each.
+/// memory (LDS) per multiprocessor (CU), `units` of them, at most 8 blocks of [`THREADS`] each;
+/// and whether the backend runs the output side as one kernel
+/// ([`BackwardKernel::OutputSide`], CUDA's, where a block may take [`OUTPUT_SIDE_SMEM`]).
 #[derive(Copy, Clone, Debug)]
 pub(crate) struct Residency {
     pub(crate) shared: usize,
     pub(crate) units: usize,
+    pub(crate) output_side: bool,
 }
 
 impl Residency {
@@ -170,7 +174,24 @@ impl Residency {
     }
 }
 
-/// The kernels of `common/backward.h`.
+/// Whether `problem`'s output side runs as CUDA's one kernel ([`BackwardKernel::OutputSide`]):
+/// where the device has it, for af3 with 16-bit I/O, C and H multiples of 16 up to 128 (its
+/// tiles), N² a multiple of its 64-position tile (no tile crosses a batch), and `dy` 16-byte
+/// aligned (it is read 16 bytes at a time).
+pub(crate) fn fuses_output_side(problem: &Problem, dy: u64, device: Residency) -> bool {
+    let (cfg, n) = (problem.config, problem.shape.n);
+    device.output_side
+        && cfg.formulation == Formulation::Af3
+        && problem.io != Precision::F32Io
+        && cfg.c % 16 == 0
+        && cfg.c <= 128
+        && cfg.h % 16 == 0
+        && cfg.h <= 128
+        && (n * n) % OUTPUT_SIDE_ROWS == 0
+        && dy % 16 == 0
+}
+
+/// The kernels of `common/backward.h`, and CUDA's fused output side (`cuda/backward_output.cu`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum BackwardKernel {
     InputNorm,
@@ -183,10 +204,13 @@ pub(crate) enum BackwardKernel {
     ColumnPartials,
     ColumnFinish,
     Convert,
+    /// CUDA only: LN_H, the output projection and gate, and their backward in one kernel, for
+    /// af3 with 16-bit I/O ([`fuses_output_side`]); one entry point for bf16 and f16.
+    OutputSide,
 }
 
 impl BackwardKernel {
-    /// Every kernel, in declaration order.
+    /// Every portable kernel (both backends'), in declaration order.
     pub(crate) const ALL: [BackwardKernel; 10] = [
         BackwardKernel::InputNorm,
         BackwardKernel::Gating,
@@ -204,7 +228,13 @@ impl BackwardKernel {
     /// that one precision's code does not add to the other's registers): the seven per-position
     /// kernels, whose argument is a `BackwardParams`.
     pub(crate) fn has_16(self) -> bool {
-        !matches!(self, BackwardKernel::ColumnPartials | BackwardKernel::ColumnFinish | BackwardKernel::Convert)
+        !matches!(
+            self,
+            BackwardKernel::ColumnPartials
+                | BackwardKernel::ColumnFinish
+                | BackwardKernel::Convert
+                | BackwardKernel::OutputSide
+        )
     }
 
     /// Every entry point, `(kernel, 16-bit)`: the ten kernels' f32 ones in [`BackwardKernel::ALL`]'s
@@ -215,11 +245,19 @@ impl BackwardKernel {
         BackwardKernel::ALL.into_iter().map(|k| (k, false)).chain(sixteen)
     }
 
-    /// The place of an entry point in [`BackwardKernel::entries`]' order (a kernel without a
-    /// 16-bit one has its f32 one there).
+    /// CUDA's entry points: [`BackwardKernel::entries`], then the fused output side's.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn cuda_entries() -> impl Iterator<Item = (BackwardKernel, bool)> {
+        BackwardKernel::entries().chain(std::iter::once((BackwardKernel::OutputSide, false)))
+    }
+
+    /// The place of an entry point in [`BackwardKernel::cuda_entries`]' order, which begins with
+    /// [`BackwardKernel::entries`]' (a kernel without a 16-bit one has its f32 one there).
     pub(crate) fn index(self, sixteen: bool) -> usize {
         // The kernels with a 16-bit entry point come first in `ALL`.
-        if sixteen && self.has_16() {
+        if self == BackwardKernel::OutputSide {
+            BackwardKernel::entries().count()
+        } else if sixteen && self.has_16() {
             BackwardKernel::ALL.len() + self as usize
         } else {
             self as usize
@@ -248,6 +286,16 @@ impl BackwardKernel {
             BackwardKernel::ColumnPartials => "backward_column_partials",
             BackwardKernel::ColumnFinish => "backward_column_finish",
             BackwardKernel::Convert => "backward_convert",
+            BackwardKernel::OutputSide => "backward_output_side",
+        }
+    }
+
+    /// The kernel file (stage) that holds it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn stage(self) -> &'static str {
+        match self {
+            BackwardKernel::OutputSide => "backward_output",
+            _ => "backward",
         }
     }
 
@@ -256,7 +304,13 @@ impl BackwardKernel {
     /// `TM_BWD_ACC_SMEM(C)`.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // HIP's kernels take their LDS as declared
     pub(crate) fn large_smem(self) -> bool {
-        matches!(self, BackwardKernel::OutputNorm | BackwardKernel::OutputNormGrad | BackwardKernel::InputNormGrad)
+        matches!(
+            self,
+            BackwardKernel::OutputNorm
+                | BackwardKernel::OutputNormGrad
+                | BackwardKernel::InputNormGrad
+                | BackwardKernel::OutputSide
+        )
     }
 }
 
@@ -338,6 +392,7 @@ pub(crate) fn steps(
         eps: problem.eps,
         blocks: 0,
         io: io_code(problem.io),
+        w_out: w.w[1],
         ..b.tensors
     };
     // z, P, left, right and t (`fw`), and dt and dcat (`b16`), and the GEMMs on them: f32, or with
@@ -405,20 +460,22 @@ pub(crate) fn steps(
     let column_sum = |s: &mut Vec<BackwardStep>, a: (u64, i32), cols: usize, ld: usize, to: usize| {
         column_sum_of(s, a, m, cols, ld, to)
     };
-    // The LayerNorm backward kernels' per-block sums of [γ | β] (2w columns) into `to`.
-    let finish = |s: &mut Vec<BackwardStep>, blocks: usize, w: usize, to: usize| {
+    // Per-block sums of `cols` columns (from `partial` + `skip` f64s) into `to`: the LayerNorm
+    // backward kernels' [γ | β], 2w columns.
+    let finish_at = |s: &mut Vec<BackwardStep>, blocks: usize, cols: usize, skip: usize, to: usize| {
         let sums = ColumnSums {
             a: 0,
-            partial: p.partial,
+            partial: p.partial + (skip * 8) as u64,
             out: b.sums + (to * 4) as u64,
             rows: 0,
-            cols: (2 * w) as i32,
+            cols: cols as i32,
             ld: 0,
             row_blocks: blocks as i32,
             dtype: f32_code,
         };
         column_sums(s, sums, None);
     };
+    let finish = |s: &mut Vec<BackwardStep>, blocks: usize, w: usize, to: usize| finish_at(s, blocks, 2 * w, 0, to);
     // dW[wa, wb] = Σ_r U[r, :wa]ᵀ·V[r, :wb] over all M rows (U, V position-major with leading
     // dimensions lu, lv, both in `inputs`), in chunks of `rows`
     // positions: one strided batch of GEMMs for the whole chunks and one GEMM for the rest, each
@@ -473,34 +530,53 @@ pub(crate) fn steps(
     let square = |u_t: bool, v_t: bool| rm(n, n, n, (u_t, n), (v_t, n), n).batched(bh, n2);
     gemm(&mut s, square(!outgoing, outgoing), p.left, p.right, p.t, fw, fw);
     s.push(BackwardStep::Mark("contraction"));
-    launch(&mut s, BackwardKernel::OutputNorm, tiles, t_smem, p);
-    s.push(BackwardStep::Mark("LN_H"));
-
-    // 6-9: the output projection and gate.
     let out_bias = w.biases[5];
-    if af3 {
-        gemm(&mut s, rm(m, c, h, (false, h), (true, h), c), p.u, w_out, p.e, f32_, f32_);
-        launch(&mut s, BackwardKernel::OutputGate, (m * c).div_ceil(threads), 0, p);
-        weight_grad(&mut s, (p.e, c, c), (p.u, h, h), f32_, out.w_out);
+    if fuses_output_side(problem, dy, device) {
+        // 5-10 in one kernel: dt over t, dG over P_G, and bf16 ds (in e) and u for dWz.
+        let per_unit = (device.shared / OUTPUT_SIDE_SMEM).clamp(1, 2);
+        let grid = (per_unit * device.units.max(1)).min(m / OUTPUT_SIDE_ROWS).clamp(1, MAX_ROW_BLOCKS);
+        let fused = BackwardParams { blocks: grid as i32, ..p };
+        s.push(BackwardStep::Launch {
+            kernel: BackwardKernel::OutputSide,
+            sixteen: false,
+            grid,
+            smem: OUTPUT_SIDE_SMEM,
+            args: KernelArgs::Backward(fused),
+        });
+        finish(&mut s, grid, h, out.norm_out_w);
         if out_bias {
-            column_sum(&mut s, (p.e, f32_code), c, c, out.b_out);
+            finish_at(&mut s, grid, c, grid * 2 * h, out.b_out);
         }
-        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), p.e, w_out, p.du, f32_, f32_);
+        weight_grad(&mut s, (p.e, c, c), (p.u, h, h), GemmElem::Bf16, out.w_out);
+        s.push(BackwardStep::Mark("output side (fused)"));
     } else {
-        weight_grad(&mut s, (dy_f32, c, c), (p.e, h, h), f32_, out.w_out);
-        if out_bias {
-            column_sum(&mut s, (dy, p.io), c, c, out.b_out);
+        launch(&mut s, BackwardKernel::OutputNorm, tiles, t_smem, p);
+        s.push(BackwardStep::Mark("LN_H"));
+        // 6-9: the output projection and gate.
+        if af3 {
+            gemm(&mut s, rm(m, c, h, (false, h), (true, h), c), p.u, w_out, p.e, f32_, f32_);
+            launch(&mut s, BackwardKernel::OutputGate, (m * c).div_ceil(threads), 0, p);
+            weight_grad(&mut s, (p.e, c, c), (p.u, h, h), f32_, out.w_out);
+            if out_bias {
+                column_sum(&mut s, (p.e, f32_code), c, c, out.b_out);
+            }
+            gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), p.e, w_out, p.du, f32_, f32_);
+        } else {
+            weight_grad(&mut s, (dy_f32, c, c), (p.e, h, h), f32_, out.w_out);
+            if out_bias {
+                column_sum(&mut s, (dy, p.io), c, c, out.b_out);
+            }
+            gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy_f32, w_out, p.du, f32_, f32_);
+            launch(&mut s, BackwardKernel::OutputGate, (m * h).div_ceil(threads), 0, p);
         }
-        gemm(&mut s, rm(m, h, c, (false, c), (false, h), h), dy_f32, w_out, p.du, f32_, f32_);
-        launch(&mut s, BackwardKernel::OutputGate, (m * h).div_ceil(threads), 0, p);
-    }
-    s.push(BackwardStep::Mark("output projection and gate backward"));
+        s.push(BackwardStep::Mark("output projection and gate backward"));
 
-    // 10: LN_H.
-    let blocks = BackwardParams { blocks: out_grad_blocks as i32, ..p };
-    launch(&mut s, BackwardKernel::OutputNormGrad, out_grad_blocks, out_grad_smem, blocks);
-    finish(&mut s, out_grad_blocks, h, out.norm_out_w);
-    s.push(BackwardStep::Mark("LN_H backward"));
+        // 10: LN_H.
+        let blocks = BackwardParams { blocks: out_grad_blocks as i32, ..p };
+        launch(&mut s, BackwardKernel::OutputNormGrad, out_grad_blocks, out_grad_smem, blocks);
+        finish(&mut s, out_grad_blocks, h, out.norm_out_w);
+        s.push(BackwardStep::Mark("LN_H backward"));
+    }
 
     // 11: the contraction. Outgoing dL = dT·R, dR = dTᵀ·L; incoming dL = R·dTᵀ, dR = L·dT.
     // dleft and dright go where u and du were (dead after LN_H's backward).
@@ -559,6 +635,9 @@ mod tests {
             (Formulation::Af3, 1, 130, 8, 8, Direction::Outgoing, true, false, bf16),
             (Formulation::Af3, 2, 7, 24, 8, Direction::Incoming, false, true, f16),
             (Formulation::GpuMode, 3, 5, 8, 40, Direction::Outgoing, true, false, bf16),
+            // CUDA's fused output side: af3, 16-bit, C and H multiples of 16, N² of 64.
+            (Formulation::Af3, 1, 16, 32, 16, Direction::Outgoing, true, true, bf16),
+            (Formulation::Af3, 2, 8, 16, 48, Direction::Incoming, false, false, f16),
         ] {
             let cfg = Config::new(f, c, h).unwrap();
             let problem = Problem::new(cfg, Shape::new(batch, n), dir, masked).unwrap().with_io(io);
@@ -587,7 +666,11 @@ mod tests {
             };
             let matrix = |rows: usize, cols: usize, ld: usize| ((cols.max(1) - 1) * ld + rows) as u64;
             let mut sums_written = vec![0u32; out.len];
-            for step in steps(&problem, &w, (x, mask, dy, dx), &b, Residency { shared: 65536, units: 4 }) {
+            let device = Residency { shared: 233472, units: 4, output_side: true };
+            let fused = fuses_output_side(&problem, dy, device);
+            assert_eq!(fused, f == Formulation::Af3 && io != f32_ && c % 16 == 0 && n % 8 == 0, "{what}");
+            let mut fused_launches = 0;
+            for step in steps(&problem, &w, (x, mask, dy, dx), &b, device) {
                 match step {
                     BackwardStep::Gemm { spec, u, v, d, inputs, output } => {
                         let (si, so) = (inputs.bytes() as u64, output.bytes() as u64);
@@ -601,7 +684,8 @@ mod tests {
                     }
                     BackwardStep::Launch { kernel, sixteen, grid, smem, args } => {
                         assert_eq!(sixteen, kernel.has_16() && io != f32_, "{what}: {kernel:?}'s entry point");
-                        assert!(grid >= 1 && smem <= 65536, "{what}: {kernel:?} grid {grid} smem {smem}");
+                        let most = if kernel == BackwardKernel::OutputSide { OUTPUT_SIDE_SMEM } else { 65536 };
+                        assert!(grid >= 1 && smem <= most, "{what}: {kernel:?} grid {grid} smem {smem}");
                         match args {
                             KernelArgs::Convert(a) => {
                                 let size = |code: i32| if code == 0 { 4 } else { 2 };
@@ -624,9 +708,22 @@ mod tests {
                                 }
                             }
                             KernelArgs::Backward(p) => {
-                                if matches!(kernel, BackwardKernel::OutputNormGrad | BackwardKernel::InputNormGrad) {
+                                if matches!(
+                                    kernel,
+                                    BackwardKernel::OutputNormGrad
+                                        | BackwardKernel::InputNormGrad
+                                        | BackwardKernel::OutputSide
+                                ) {
                                     assert_eq!(p.blocks as usize, grid, "{what}: {kernel:?}");
                                     assert!(grid <= MAX_ROW_BLOCKS, "{what}");
+                                }
+                                if kernel == BackwardKernel::OutputSide {
+                                    // Its per-block sums: [grid][2H], then [grid][C].
+                                    fused_launches += 1;
+                                    inside(p.partial, (grid * (2 * h + c) * 8) as u64, "output side's partial");
+                                    inside(p.w_out, (c * h * 2) as u64, "w_out");
+                                    assert_eq!(p.w_out, w_out, "{what}");
+                                    assert!(grid <= m / OUTPUT_SIDE_ROWS, "{what}");
                                 }
                                 let weights = [p.norm_in_w, p.norm_in_b, p.norm_out_w, p.norm_out_b];
                                 assert_eq!((weights, [p.proj_bias, p.out_bias]), (norms, bias), "{what}: {kernel:?}");
@@ -659,6 +756,7 @@ mod tests {
                     BackwardStep::Mark(_) => {}
                 }
             }
+            assert_eq!(fused_launches, usize::from(fused), "{what}");
             let mut want = vec![0u32; out.len];
             let input_bias = w.biases[..5].iter().any(|&b| b);
             for (at, len, on) in [
@@ -679,11 +777,14 @@ mod tests {
     /// each loaded by its own name.
     #[test]
     fn every_entry_point_has_its_index_and_a_distinct_name() {
-        let all: Vec<_> = BackwardKernel::entries().collect();
-        assert_eq!(all.len(), 17);
+        let all: Vec<_> = BackwardKernel::cuda_entries().collect();
+        assert_eq!((BackwardKernel::entries().count(), all.len()), (17, 18));
+        assert_eq!(all[17], (BackwardKernel::OutputSide, false));
         for (i, &(k, sixteen)) in all.iter().enumerate() {
             assert_eq!(k.index(sixteen), i, "{k:?} {sixteen}");
-            assert_eq!(k.index(false), k as usize, "{k:?}");
+            if k != BackwardKernel::OutputSide {
+                assert_eq!(k.index(false), k as usize, "{k:?}");
+            }
         }
         let names: std::collections::BTreeSet<_> = all.iter().map(|&(k, s)| k.entry_name(s)).collect();
         assert_eq!(names.len(), all.len());

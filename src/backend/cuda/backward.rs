@@ -20,7 +20,7 @@ use super::context::{CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
 use super::driver::{DeviceBuffer, DriverResult};
 use super::workspace::CudaPrepared;
 use crate::backend::backward_params::{
-    acc_smem, backward_sizes, gradient_copies, in_kept_block, output_norm_grad_smem, Outputs, THREADS,
+    acc_smem, backward_sizes, gradient_copies, in_kept_block, output_norm_grad_smem, Outputs, OUTPUT_SIDE_SMEM, THREADS,
 };
 use crate::backend::backward_steps::{self, BackwardBuffers, BackwardStep, GemmElem, KernelArgs, Residency};
 use crate::device_io::{BackwardDeviceIo, DeviceSpan};
@@ -85,7 +85,11 @@ impl CudaBackend {
             }
         }
         let w = prep.tensors.backward_weights();
-        let device = Residency { shared: self.inner.smem_per_sm, units: self.inner.info.compute_units as usize };
+        let device = Residency {
+            shared: self.inner.smem_per_sm,
+            units: self.inner.info.compute_units as usize,
+            output_side: OUTPUT_SIDE_SMEM <= self.inner.kernels.max_smem,
+        };
         let k = &self.inner.kernels.backward;
         let blas = &self.inner.blas;
         for step in backward_steps::steps(problem, &w, io, b, device) {

@@ -63,7 +63,8 @@ pub(crate) struct Kernels {
     pub origin: String,
 }
 
-/// The entry points of the `backward` stage, in [`BackwardKernel::entries`]' order. Those with
+/// The entry points of the `backward` and `backward_output` stages, in
+/// [`BackwardKernel::cuda_entries`]' order. Those with
 /// a large tile ([`BackwardKernel::large_smem`]) have their shared-memory limit raised to the
 /// opt-in maximum.
 pub(crate) struct BackwardKernels(Vec<Stage>);
@@ -183,8 +184,8 @@ impl Kernels {
             Ok(stage)
         };
         let mut backward = Vec::new();
-        for (k, sixteen) in BackwardKernel::entries() {
-            let stage = get(&format!("backward:{}", k.entry_name(sixteen)))?;
+        for (k, sixteen) in BackwardKernel::cuda_entries() {
+            let stage = get(&format!("{}:{}", k.stage(), k.entry_name(sixteen)))?;
             backward.push(if k.large_smem() { raise(stage)? } else { stage });
         }
         let backward = BackwardKernels(backward);

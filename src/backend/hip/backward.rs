@@ -114,7 +114,8 @@ impl HipBackend {
     ) -> Result<()> {
         let w = prep.tensors.backward_weights();
         // 64 KiB of LDS per CU.
-        let device = Residency { shared: LDS_BYTES, units: self.ctx.info.compute_units as usize };
+        // The output side as separate steps: its fused kernel is CUDA's (mma.sync).
+        let device = Residency { shared: LDS_BYTES, units: self.ctx.info.compute_units as usize, output_side: false };
         for step in backward_steps::steps(problem, &w, io, b, device) {
             match step {
                 BackwardStep::Launch { kernel, sixteen, grid, smem, args } => {
