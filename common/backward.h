@@ -131,9 +131,12 @@ template <int T>
 TM_INLINE void tm_bwd_load_hidden(const TmBackwardParams& p, const void* TM_RESTRICT src, float* TM_RESTRICT s,
                                   tm_i64 first, int h0, int hn) {
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
-  const tm_i64 row = first + lane;
+  const tm_i64 row = first + lane, n2 = p.n2;
+  // Channel h0 of this lane's position, once: the 64-bit division in tm_bwd_hidden, redone for
+  // every element (the compiler kept it in the loop), was most of these kernels' instructions.
+  const tm_i64 at = row < p.rows ? tm_bwd_hidden(p, row, h0) : 0;
   for (int hl = warp; hl < hn; hl += TM_BWD_WARPS) {
-    s[hl * (TM_BWD_TILE + 1) + lane] = row < p.rows ? tm_bwd_ld<T>(src, tm_bwd_hidden(p, row, h0 + hl)) : 0.f;
+    s[hl * (TM_BWD_TILE + 1) + lane] = row < p.rows ? tm_bwd_ld<T>(src, at + hl * n2) : 0.f;
   }
 }
 
@@ -142,10 +145,11 @@ template <int T>
 TM_INLINE void tm_bwd_store_hidden(const TmBackwardParams& p, void* TM_RESTRICT dst, const float* TM_RESTRICT s,
                                    tm_i64 first, int h0, int hn) {
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
-  const tm_i64 row = first + lane;
+  const tm_i64 row = first + lane, n2 = p.n2;
   if (row >= p.rows) return;
+  const tm_i64 at = tm_bwd_hidden(p, row, h0);  // as in tm_bwd_load_hidden
   for (int hl = warp; hl < hn; hl += TM_BWD_WARPS) {
-    tm_bwd_st<T>(dst, tm_bwd_hidden(p, row, h0 + hl), s[hl * (TM_BWD_TILE + 1) + lane]);
+    tm_bwd_st<T>(dst, at + hl * n2, s[hl * (TM_BWD_TILE + 1) + lane]);
   }
 }
 
@@ -210,19 +214,25 @@ TM_INLINE void tm_bwd_gating(const TmBackwardParams& p) {
   const TmBwdTile tile = tm_bwd_tile();
   const int lane = tile.lane, warp = tile.warp, H = p.h;
   const tm_i64 first = tile.first;
+  const tm_i64 rows = p.rows, f = p.f;
   for (int h0 = 0; h0 < H; h0 += 32) {
     const int h = h0 + lane, hn = H - h0 < 32 ? H - h0 : 32;
+    // This lane's channel's biases, once per chunk rather than per position.
+    float bias[4] = {0.f, 0.f, 0.f, 0.f};
+    if (p.proj_bias && h < H) {
+      for (int k = 0; k < 4; ++k) bias[k] = p.proj_bias[k * H + h];
+    }
 #pragma unroll 1
     for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
       const tm_i64 row = first + r;
       float l = 0.f, rr = 0.f;
-      if (row < p.rows && h < H) {
-        const tm_i64 pr = row * p.f;
+      if (row < rows && h < H) {
+        const tm_i64 pr = row * f;
         const float m = p.mask ? p.mask[row] : 1.f;
-        const float pl = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + h) + tm_bwd_bias(p.proj_bias, h);
-        const float ql = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + H + h) + tm_bwd_bias(p.proj_bias, H + h);
-        const float pq = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + 2 * H + h) + tm_bwd_bias(p.proj_bias, 2 * H + h);
-        const float qr = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + 3 * H + h) + tm_bwd_bias(p.proj_bias, 3 * H + h);
+        const float pl = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + h) + bias[0];
+        const float ql = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + H + h) + bias[1];
+        const float pq = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + 2 * H + h) + bias[2];
+        const float qr = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + 3 * H + h) + bias[3];
         l = pl * tm_sigmoid(ql) * m;
         rr = pq * tm_sigmoid(qr) * m;
       }
@@ -393,25 +403,30 @@ TM_INLINE void tm_bwd_gating_grad(const TmBackwardParams& p) {
   const tm_i64 first = tile.first;
   float* sl = tm_dyn_smem;
   float* sr = sl + 32 * (TM_BWD_TILE + 1);
+  const tm_i64 rows = p.rows, f = p.f;
   for (int h0 = 0; h0 < H; h0 += 32) {
     const int h = h0 + lane, hn = H - h0 < 32 ? H - h0 : 32;
     tm_bwd_load_hidden<TM_IO_F32>(p, p.left, sl, first, h0, hn);
     tm_bwd_load_hidden<TM_IO_F32>(p, p.right, sr, first, h0, hn);
+    float bias[4] = {0.f, 0.f, 0.f, 0.f};  // as in tm_bwd_gating
+    if (p.proj_bias && h < H) {
+      for (int k = 0; k < 4; ++k) bias[k] = p.proj_bias[k * H + h];
+    }
     tm_sync();
 #pragma unroll 1
     for (int r = warp; r < TM_BWD_TILE; r += TM_BWD_WARPS) {
       const tm_i64 row = first + r;
-      if (row >= p.rows || h >= H) continue;
+      if (row >= rows || h >= H) continue;
       // dcat is written over P (the caller passes one buffer): each element is read, then
       // written by the same thread, so the pointers may alias (no restrict).
-      const tm_i64 pr = row * p.f;
+      const tm_i64 pr = row * f;
       const float m = p.mask ? p.mask[row] : 1.f;
       const float d[2] = {sl[lane * (TM_BWD_TILE + 1) + r] * m, sr[lane * (TM_BWD_TILE + 1) + r] * m};
 #pragma unroll
       for (int side = 0; side < 2; ++side) {
         const int cv = 2 * side * H + h, cg = cv + H;
-        const float pv = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + cv) + tm_bwd_bias(p.proj_bias, cv);
-        const float sg = tm_sigmoid(tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + cg) + tm_bwd_bias(p.proj_bias, cg));
+        const float pv = tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + cv) + bias[2 * side];
+        const float sg = tm_sigmoid(tm_bwd_ld<TM_BWD_F(IO)>(p.p, pr + cg) + bias[2 * side + 1]);
         tm_bwd_st<TM_BWD_G(IO)>(p.dcat, pr + cv, d[side] * sg);
         tm_bwd_st<TM_BWD_G(IO)>(p.dcat, pr + cg, d[side] * pv * sg * (1.f - sg));
       }
