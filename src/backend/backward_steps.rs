@@ -24,7 +24,10 @@
 //! 15 input_norm_grad   dx; Σ dz⊙x̂ → dγ_in, Σ dz → dβ_in
 //! ```
 //! Before them, the prepared f16 weights are converted for the GEMMs (`convert`), and gpumode's
-//! 16-bit dy to f32.
+//! 16-bit dy to f32. Where [`fuses_output_side`] (CUDA, af3, 16-bit I/O, C and H up to 128),
+//! steps 5-10 are one kernel, [`BackwardKernel::OutputSide`] (`cuda/backward_output.cu`): dt over
+//! t, dG over P_G, the column sums of γ, β and bz, and bf16 ds and u for the one GEMM left,
+//! dWz = dsᵀ·u.
 //!
 //! # Precision and memory
 //! The kernels compute in f32. With f32 I/O every intermediate is f32 and the GEMMs read and

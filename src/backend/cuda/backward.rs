@@ -1,7 +1,8 @@
 //! The CUDA backward pass: every gradient of `L` given `dy`, recomputing the forward's
 //! intermediates from `x`. The steps are [`crate::backend::backward_steps`]'s (its module docs
 //! list them, `docs/backward.md` derives the math): the kernels of `common/backward.h` compiled
-//! by `cuda/backward.cu`, and cuBLASLt for the GEMMs between them.
+//! by `cuda/backward.cu`, cuBLASLt for the GEMMs between them, and for af3 with 16-bit
+//! I/O the output side as one kernel (`cuda/backward_output.cu`).
 //!
 //! # Precision and memory
 //! With f32 I/O the GEMMs read f32 and run on the tensor cores in TF32 (10-bit mantissa, as the
