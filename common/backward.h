@@ -27,6 +27,9 @@
 // - u, s/ds (v), du, dleft, dright, dz and the statistics in f32: each bf16 rounding on a
 //   gradient's path adds about 2e-3 to its relative error, and with these in bf16 too, gradients
 //   came within 1e-2 of the f64 reference only just (docs/perf/NOTES.md, twenty-sixth session).
+//   (CUDA's fused output side for af3, cuda/backward_output.cu, which replaces output_norm,
+//   output_gate and output_norm_grad there, keeps u in f16 and ds scaled into f16 in shared
+//   memory instead: its header says why that holds the same accuracy.)
 // Every kernel computes in f32. Position-major tensors are [M, W] row-major; left, right, t (then dt) are
 // hidden-major [B, H, N²], the layout of the contraction's batched GEMMs. The kernels that move
 // data between the two layouts take TM_BWD_TILE consecutive positions per block and go through

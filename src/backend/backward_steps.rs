@@ -318,7 +318,7 @@ impl BackwardKernel {
 }
 
 /// The one argument struct a kernel takes.
-// The per-position kernels' struct is 256 bytes, the others' under 50: a backward's list holds a
+// The per-position kernels' struct is 264 bytes, the others' under 50: a backward's list holds a
 // few dozen steps, built once per call, so boxing the large one would only add allocations.
 #[allow(clippy::large_enum_variant)]
 #[derive(Copy, Clone)]
@@ -509,7 +509,12 @@ pub(crate) fn steps(
         column_sum_of(s, (part, f32_code), whole + usize::from(rest > 0), wa * wb, wa * wb, to)
     };
     let f16_code = io_code(Precision::F16Io);
-    let mut converts = vec![(w.w[0], f16_code, w_cat, code(b16), f * c), (w.w[1], f16_code, w_out, f32_code, c * h)];
+    // The fused output side reads the prepared f16 Wz itself; the separate steps an f32 copy.
+    let fused = fuses_output_side(problem, dy, device);
+    let mut converts = vec![(w.w[0], f16_code, w_cat, code(b16), f * c)];
+    if !fused {
+        converts.push((w.w[1], f16_code, w_out, f32_code, c * h));
+    }
     // gpumode's dy feeds two TF32 GEMMs: a 16-bit dy through an f32 copy.
     let dy_f32 = if b.dy_f32 != 0 { b.dy_f32 } else { dy };
     if b.dy_f32 != 0 {
@@ -534,7 +539,7 @@ pub(crate) fn steps(
     gemm(&mut s, square(!outgoing, outgoing), p.left, p.right, p.t, fw, fw);
     s.push(BackwardStep::Mark("contraction"));
     let out_bias = w.biases[5];
-    if fuses_output_side(problem, dy, device) {
+    if fused {
         // 5-10 in one kernel: dt over t, dG over P_G, and bf16 ds (in e) and u for dWz.
         let per_unit = (device.shared / OUTPUT_SIDE_SMEM).clamp(1, 2);
         let grid = (per_unit * device.units.max(1)).min(m / OUTPUT_SIDE_ROWS).clamp(1, MAX_ROW_BLOCKS);
