@@ -154,10 +154,8 @@ __device__ __forceinline__ void bo_run(const TmBackwardParams& p) {
     const tm_i64 first = tile * BO_BM, b = first / p.n2, pos0 = first - b * p.n2;
     // 1. t by hand (transposed); the gate's pre-activations and dy are on their way (cp.async,
     // issued during the previous tile).
-    // Two channels per thread, so that each position's pair leaves as one 4-byte store (the
-    // shared-memory instructions, not DRAM, bound this kernel: ncu's short-scoreboard and MIO
-    // stalls).
-    // Each channel's 16 positions are 32 bytes, a whole sector.
+    // Two channels per thread, so that each position's pair goes to shared memory as one 4-byte
+    // store, and 16 positions per channel: 32 bytes, a whole sector.
 #pragma unroll 1
     for (int i = tid; i < (H / 2) * (BO_BM / 16); i += BO_THREADS) {
       const int h = 2 * (i % (H / 2)), q = i / (H / 2);
