@@ -409,6 +409,56 @@ def test_eager_calls_without_gradients_skip_the_dispatcher_with_the_same_result(
         assert impl._direct(x, [p])
 
 
+def test_eager_training_calls_skip_the_dispatcher_with_the_same_gradients(monkeypatch, device):
+    """An eager call that records gradients runs the op's implementation under a plain autograd
+    Function (`_EagerAutograd`): the registered op's forward and backward are not called, and the
+    result and every gradient are bit for bit the op's. A dispatch mode sends the call through the
+    op; a second derivative is refused, not silently wrong."""
+    import trimul._torch as impl
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    c, h, n = 32, 16, 12
+    w = af3_weights(c, h, True, salt=84, device=device)
+    x = pair((1, n, n, c), salt=85, device=device)
+    mask = random_mask((1, n, n), salt=86, device=device)
+    g = pair((1, n, n, c), salt=87, device=device)
+
+    def grads(call):
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in w.items()}
+        xs = x.detach().clone().requires_grad_(True)
+        y = call(xs, leaves)
+        (y * g).sum().backward()
+        return [y.detach(), xs.grad] + [leaves[k].grad for k in AF3_WEIGHTS if k in leaves]
+
+    def via_op(xs, leaves):
+        args = [leaves.get(k) for k in AF3_WEIGHTS]
+        return torch.ops.trimul.triangle_multiplicative_update(xs, mask, *args, "outgoing", 1e-5)
+
+    reference_grads = grads(via_op)
+    calls = []
+    for name in ("_op", "_backward_op"):
+        real = getattr(impl, name)
+        monkeypatch.setattr(impl, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    eager = grads(lambda xs, leaves: tmu(xs, "outgoing", mask, **leaves))
+    assert not calls, f"the eager training call went through {calls}"
+    assert all(torch.equal(a, b) for a, b in zip(eager, reference_grads))
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        moded = grads(lambda xs, leaves: tmu(xs, "outgoing", mask, **leaves))
+    assert any("trimul.triangle_multiplicative_update" in f for f in calls), calls
+    assert all(torch.equal(a, b) for a, b in zip(moded, reference_grads))
+
+    xs = x.detach().clone().requires_grad_(True)
+    (dx,) = torch.autograd.grad(tmu(xs, "outgoing", mask, **w).pow(2).sum(), xs, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.sum().backward()
+
+
 @needs_cuda
 def test_calls_with_prepared_weights_take_the_short_path_and_still_check_x_and_the_mask(monkeypatch):
     """Once a stream has prepared a weight set, later calls check only x and the mask against it

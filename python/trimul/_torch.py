@@ -563,8 +563,12 @@ def _backward(ctx, grad):
     if not any(t is not None and need[i] for i, t in slots):
         return (None,) * 16
     if _native_backward(x):
-        # An op of its own, so that tracing (torch.compile, opcheck) sees one opaque call.
-        given = _backward_op(grad, x, mask, list(w), ctx.direction, ctx.eps)
+        if _eager(grad, ()) and x.__class__ is torch.Tensor:
+            # Nothing traces or records this call: the implementation without the dispatcher.
+            given = _backward_impl(grad, x, mask, list(w), ctx.direction, ctx.eps)
+        else:
+            # An op of its own, so that tracing (torch.compile, opcheck) sees one opaque call.
+            given = _backward_op(grad, x, mask, list(w), ctx.direction, ctx.eps)
         grads = dict(zip([i for i, t in slots if t is not None], given))
     else:
         grads = _recomputed_backward(x, mask, w, ctx.direction, ctx.eps, grad, need)
@@ -597,6 +601,13 @@ def _backward_op(
     checked; called directly (it is public, as
     torch.ops.trimul.triangle_multiplicative_update_backward) it checks its arguments first."""
     _check_backward_args(grad, x, mask, w)
+    return _backward_impl(grad, x, mask, w, direction, eps)
+
+
+def _backward_impl(
+    grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list[Optional[Tensor]], direction: str, eps: float
+) -> list[Tensor]:
+    """The backward op's implementation, on arguments it has checked (or autograd has)."""
     if x.is_cuda:
         if _capturing():
             given = [i for i, t in zip(_WEIGHT_SLOTS, w) if t is not None]
@@ -710,6 +721,29 @@ def _recomputed_backward(x, mask, w, direction, eps, grad, need) -> dict:
 _op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAutograd(torch.autograd.Function):
+    """The op's forward and backward for eager calls that record gradients (`_eager`): the same
+    implementation, context and backward as the registered op's, without the dispatcher's
+    custom-op layers, whose Python costs a few hundred microseconds of host time per training
+    step (more than the GPU work of a forward and backward at N = 256). Its backward runs once:
+    the gradients it returns are not themselves differentiable, as the op's are not."""
+
+    @staticmethod
+    def forward(x, mask, *rest):
+        # `update` checked the arguments and made the mask float32.
+        w, direction, eps = list(rest[:12]), rest[12], rest[13]
+        return _forward(x, mask, w, direction, eps, not _any_requires_grad(*w))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        return _backward(ctx, grad)
+
+
 def _check_tensors(x: Tensor, mask: Optional[Tensor], weights: dict) -> Optional[Tensor]:
     """Types, dtypes, devices and shapes of x `[B, N, N, C]`, the mask and the weights (by
     cuEquivariance's names); returns the mask as f32."""
@@ -774,8 +808,11 @@ def update(x, direction, mask, weights: dict, eps, precision) -> Tensor:
         if m3 is not None:
             m3 = m3.to(torch.bfloat16).to(torch.float32)
         w = [None if t is None else t.to(torch.bfloat16) for t in w]
-    if _direct(x4, w):
-        y = _forward(x4, m3, w, direction, eps)
+    if _eager(x4, w):
+        if torch.is_grad_enabled() and (x4.requires_grad or _any_requires_grad(*w)):
+            y = _EagerAutograd.apply(x4, m3, *w, direction, eps)
+        else:
+            y = _forward(x4, m3, w, direction, eps)
     else:
         y = torch.ops.trimul.triangle_multiplicative_update(x4, m3, *w, direction, eps)
     return y if y.shape == original_shape else y.view(original_shape)
@@ -797,22 +834,27 @@ _forward_ad = torch.autograd.forward_ad
 _profiling = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 
 
-def _direct(x: Tensor, w: Sequence) -> bool:
-    """Whether an eager call may run the op's implementation without PyTorch's dispatcher: plain
-    tensors, no gradient to record (in reverse or forward mode), no compiler or `torch.jit.trace`
-    tracing, no functorch transform, and no dispatch or function mode active (fake tensors,
-    functionalization, profilers' modes). Then the dispatcher would only forward
-    the call; going around it saves its cost on every call of an inference run. Everything else
-    goes through the registered op. (Written for speed: it runs on every call.)"""
+def _eager(x: Tensor, w: Sequence) -> bool:
+    """Whether a call may run the op's implementation without PyTorch's dispatcher: plain
+    tensors, no compiler or `torch.jit.trace` tracing, no forward-mode AD, no functorch transform,
+    and no dispatch or function mode active (fake tensors, functionalization, profilers' modes).
+    Then the dispatcher would only forward the call (and, for a call that records gradients, wrap
+    it in its autograd layer: `_EagerAutograd` is that layer without the rest); going around it
+    saves its cost on every call. Everything else goes through the registered op. (Written for
+    speed: it runs on every call.)"""
     if x.__class__ is not torch.Tensor or _is_compiling():
         return False
     if _dispatch_modes() or _function_modes() or _tracing() or _functorch_active() or _profiling():
         return False
     if _forward_ad._current_level >= 0:  # forward-mode AD: the op has no forward derivative
         return False
-    if not _PLAIN.issuperset(map(type, w)):
-        return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or _any_requires_grad(*w)))
+    return _PLAIN.issuperset(map(type, w))
+
+
+def _direct(x: Tensor, w: Sequence) -> bool:
+    """Whether an eager call (`_eager`) records no gradient: the op's implementation then runs as
+    it is, with nothing around it."""
+    return _eager(x, w) and not (torch.is_grad_enabled() and (x.requires_grad or _any_requires_grad(*w)))
 
 
 # Tensor classes that add no behaviour of their own (nn.Parameter only marks a module's weight),

@@ -13,11 +13,13 @@
 //! from the backend, which keeps them for the next backward of the same sizes
 //! (`Backend::free_backward_buffers`).
 
+use std::collections::hash_map::Entry;
+
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use super::blas::{Elem, MatmulPlan};
-use super::context::{CudaBackend, MAX_GEMM_WORKSPACE, POISON_BYTE};
+use super::context::{CudaBackend, BACKWARD_PLANS, MAX_GEMM_WORKSPACE, POISON_BYTE};
 use super::driver::{DeviceBuffer, DriverResult};
 use super::workspace::CudaPrepared;
 use crate::backend::backward_params::{
@@ -93,6 +95,11 @@ impl CudaBackend {
         };
         let k = &self.inner.kernels.backward;
         let blas = &self.inner.blas;
+        let mut plans = self
+            .inner
+            .backward_gemms
+            .lock()
+            .map_err(|_| Error::Internal("a backward panicked while holding the GEMM plans".into()))?;
         for step in backward_steps::steps(problem, &w, io, b, device) {
             match step {
                 BackwardStep::Launch { kernel, sixteen, grid, smem, args } => {
@@ -119,7 +126,16 @@ impl CudaBackend {
                     // The largest power of two (up to 256) that divides every operand's address.
                     let alignment = 1u32 << (u | v | d | 256).trailing_zeros();
                     let types = (elem(inputs), elem(output));
-                    let mut plan = MatmulPlan::backward(blas, spec, types, MAX_GEMM_WORKSPACE, alignment)?;
+                    let key = (spec, types.0, types.1, alignment);
+                    if plans.len() >= BACKWARD_PLANS && !plans.contains_key(&key) {
+                        plans.clear();
+                    }
+                    let plan = match plans.entry(key) {
+                        Entry::Occupied(kept) => kept.into_mut(),
+                        Entry::Vacant(new) => {
+                            new.insert(MatmulPlan::backward(blas, spec, types, MAX_GEMM_WORKSPACE, alignment)?)
+                        }
+                    };
                     // SAFETY: `u`, `v` and `d` hold the matrices `spec` describes (as above);
                     // the workspace holds MAX_GEMM_WORKSPACE bytes; all live until the stream has
                     // run the call. Row-major D = op(U)·op(V) is column-major A = V, B = U.

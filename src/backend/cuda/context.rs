@@ -8,11 +8,12 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::blas::BlasHandle;
+use super::blas::{BlasHandle, Elem, MatmulPlan};
 use super::driver::{AllocTracker, DeviceBuffer, Timeline};
 use super::kernels::Kernels;
 use super::tuning::{Tuning, TuningTable};
 use crate::backend::backward_params::BackwardSizes;
+use crate::backend::gemm::GemmSpec;
 use crate::backend::DeviceInfo;
 
 /// Largest cuBLASLt workspace a GEMM may borrow.
@@ -100,7 +101,19 @@ pub(super) struct Inner {
     /// for (batch, N, C, H, F), kept for the next backward of the same sizes
     /// (`Backend::free_backward_buffers` drops it).
     pub(super) backward_block: std::sync::Mutex<Option<(BackwardSizes, DeviceBuffer<u8>)>>,
+    /// The backward's cuBLASLt plans by GEMM, operand and result types and operand alignment,
+    /// made on first use: choosing an algorithm (`cublasLtMatmulAlgoGetHeuristic`) costs tens of
+    /// microseconds of host time per GEMM, several hundred per backward otherwise. Emptied when
+    /// it passes [`BACKWARD_PLANS`] entries.
+    pub(super) backward_gemms: std::sync::Mutex<BackwardPlans>,
 }
+
+/// The backward's cached cuBLASLt plans ([`Inner::backward_gemms`]).
+pub(super) type BackwardPlans = std::collections::HashMap<(GemmSpec, Elem, Elem, u32), MatmulPlan>;
+
+/// How many backward GEMM plans the backend keeps (a backward has nine or ten; a training run
+/// sees a few shapes).
+pub(super) const BACKWARD_PLANS: usize = 64;
 
 /// An NVIDIA GPU with its stream, cuBLASLt handle and loaded kernels. Cheap to clone.
 ///

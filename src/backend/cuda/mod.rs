@@ -177,6 +177,7 @@ impl CudaBackend {
                 smem_per_sm,
                 timeline: std::sync::Mutex::new(None),
                 backward_block: std::sync::Mutex::new(None),
+                backward_gemms: std::sync::Mutex::new(Default::default()),
                 resident_output: AtomicBool::new(
                     std::env::var("TRIMUL_CUDA_RESIDENT_OUTPUT").map_or(true, |v| v.trim() != "0"),
                 ),
