@@ -44,13 +44,6 @@
 static_assert(BO_SMEM == 112160, "OUTPUT_SIDE_SMEM in src/backend/backward_params.rs");
 static_assert(BO_THREADS == TM_BWD_THREADS, "one block size for every backward kernel");
 
-// 16 bytes to global memory in one instruction: written as a plain uint4 store, nvcc split dt's
-// into eight 4-byte ones (SASS), and each of those touched 32 sectors (ncu: 3.5x the sectors
-// written).
-__device__ __forceinline__ void bo_st16(void* p, uint4 v) {
-  asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
-
 __device__ __forceinline__ void bo_zero(float (&acc)[2][4][4]) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
@@ -66,13 +59,6 @@ __device__ __forceinline__ float bo_ld16(tm_half v) {
   return T == TM_IO_BF16 ? tm_bf2f(v) : tm_h2f(v);
 }
 
-// Two f32 as packed bf16 (rounded to nearest even), `lo` at the lower address: one instruction
-// where tm_f2bf takes seven.
-__device__ __forceinline__ unsigned bo_pack_bf2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
 
 // Adds a tile's column sums, two adjacent columns per lane (lane's 2·(lane % 4) + j), over the 8
 // row groups of the warp and into the warp's sums at `at` (columns 8·nt + 2·quad + j).
@@ -221,11 +207,11 @@ __device__ __forceinline__ void bo_run(const TmBackwardParams& p) {
           const float u0 = t0 * gam[2 * k] + bet[2 * k], u1 = t1 * gam[2 * k + 1] + bet[2 * k + 1];
           th[k] = mma_pack_h2(t0, t1);
           uh[k] = mma_pack_h2(u0, u1);
-          ub[k] = bo_pack_bf2(u0, u1);
+          ub[k] = mma_pack_bf2(u0, u1);
         }
         *(uint4*)(row + h0) = make_uint4(th[0], th[1], th[2], th[3]);
         *(uint4*)(su + r * BO_LD + h0) = make_uint4(uh[0], uh[1], uh[2], uh[3]);
-        bo_st16((tm_half*)p.u + (first + r) * H + h0, make_uint4(ub[0], ub[1], ub[2], ub[3]));
+        st_u4((tm_half*)p.u + (first + r) * H + h0, make_uint4(ub[0], ub[1], ub[2], ub[3]));
       }
       // |dy|'s largest value over the tile.
       float mx = 0.f;
@@ -287,8 +273,8 @@ __device__ __forceinline__ void bo_run(const TmBackwardParams& p) {
             const float dy0 = bo_ld16<IO>((tm_half)(dw & 0xffffu)), dy1 = bo_ld16<IO>((tm_half)(dw >> 16));
             const float s0 = acc[mt][nt][2 * half] + bz0, s1 = acc[mt][nt][2 * half + 1] + bz1;
             const float ds0 = dy0 * g0, ds1 = dy1 * g1;
-            *gcell = bo_pack_bf2(dy0 * s0 * g0 * (1.f - g0), dy1 * s1 * g1 * (1.f - g1));
-            *dcell = bo_pack_bf2(ds0, ds1);
+            *gcell = mma_pack_bf2(dy0 * s0 * g0 * (1.f - g0), dy1 * s1 * g1 * (1.f - g1));
+            *dcell = mma_pack_bf2(ds0, ds1);
             *(unsigned*)(su + r * BO_LD + c) = mma_pack_h2(ds0 * scale, ds1 * scale);
             sz0 += ds0;
             sz1 += ds1;
@@ -303,8 +289,8 @@ __device__ __forceinline__ void bo_run(const TmBackwardParams& p) {
 #pragma unroll 1
     for (int i = tid; i < BO_BM * (C / 8); i += BO_THREADS) {
       const int r = i / (C / 8), col = (i - r * (C / 8)) * 8;
-      bo_st16((tm_half*)p.dcat + (first + r) * F + 4 * H + col, *(const uint4*)(sg + r * BO_LD + col));
-      bo_st16((tm_half*)p.e + (first + r) * C + col, *(const uint4*)(sd + r * BO_LD + col));
+      st_u4((tm_half*)p.dcat + (first + r) * F + 4 * H + col, *(const uint4*)(sg + r * BO_LD + col));
+      st_u4((tm_half*)p.e + (first + r) * C + col, *(const uint4*)(sd + r * BO_LD + col));
     }
 
     // 6. du = ds·Wz (Wz in sw read k-major), then LN_H's backward per position: the row sums of ĝ
@@ -382,7 +368,7 @@ __device__ __forceinline__ void bo_run(const TmBackwardParams& p) {
               tg[nt][j] += du * th;
               tb[nt][j] += du;
             }
-            *cell = bo_pack_bf2(dt[0], dt[1]);
+            *cell = mma_pack_bf2(dt[0], dt[1]);
           }
         }
 #pragma unroll
@@ -408,8 +394,8 @@ __device__ __forceinline__ void bo_run(const TmBackwardParams& p) {
           w0[k] = (a & 0xffffu) | (c << 16);
           w1[k] = (a >> 16) | (c & 0xffff0000u);
         }
-        bo_st16(dst + half * 8, make_uint4(w0[0], w0[1], w0[2], w0[3]));
-        bo_st16(dst + p.n2 + half * 8, make_uint4(w1[0], w1[1], w1[2], w1[3]));
+        st_u4(dst + half * 8, make_uint4(w0[0], w0[1], w0[2], w0[3]));
+        st_u4(dst + p.n2 + half * 8, make_uint4(w1[0], w1[1], w1[2], w1[3]));
       }
     }
     __syncthreads();  // the next tile overwrites sa, sg and sd

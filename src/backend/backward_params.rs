@@ -205,6 +205,14 @@ pub(crate) const OUTPUT_SIDE_ROWS: usize = 64;
 pub(crate) const OUTPUT_SIDE_SMEM: usize =
     (128 + 4 * OUTPUT_SIDE_ROWS) * 136 * 2 + (10 * OUTPUT_SIDE_ROWS + 8 + 8 * 96 + 4 * 128) * 4;
 
+/// Positions per tile of CUDA's 16-byte-vector gating kernels (`BG_BM` of
+/// `cuda/backward_gating.cu`).
+pub(crate) const GATING_VEC_ROWS: usize = 64;
+
+/// Dynamic shared memory of those kernels (`BG_SMEM`): two `[64][65]` float tiles (33280 bytes;
+/// the kernel's `static_assert` holds the same number).
+pub(crate) const GATING_VEC_SMEM: usize = 2 * 64 * (GATING_VEC_ROWS + 1) * 4;
+
 /// Dynamic shared memory of `backward_input_norm_grad` (`TM_BWD_ACC_SMEM`): per-warp sums of
 /// `2w` columns.
 pub(crate) fn acc_smem(w: usize) -> usize {

@@ -58,8 +58,8 @@
 use super::backward_params::WEIGHT_CHUNKS;
 use super::backward_params::{
     acc_smem, chunk_rows, io_code, mid_bytes, output_norm_grad_smem, BackwardParams, ColumnSums, Convert, Outputs,
-    GATING_SMEM, MAX_ROW_BLOCKS, OUTPUT_SIDE_ROWS, OUTPUT_SIDE_SMEM, PARTIALS_SMEM, ROWS_PER_BLOCK, THREADS, TILE,
-    WARPS,
+    GATING_SMEM, GATING_VEC_ROWS, GATING_VEC_SMEM, MAX_ROW_BLOCKS, OUTPUT_SIDE_ROWS, OUTPUT_SIDE_SMEM, PARTIALS_SMEM,
+    ROWS_PER_BLOCK, THREADS, TILE, WARPS,
 };
 use super::caller_workspace::SpanCarver;
 use super::gemm::GemmSpec;
@@ -158,13 +158,15 @@ pub(crate) struct BackwardWeights {
 
 /// How many blocks of a kernel are resident at once on a device: `shared` bytes of shared
 /// memory (LDS) per multiprocessor (CU), `units` of them, at most 8 blocks of [`THREADS`] each;
-/// and whether the backend runs the output side as one kernel
-/// ([`BackwardKernel::OutputSide`], CUDA's, where a block may take [`OUTPUT_SIDE_SMEM`]).
+/// whether the backend runs the output side as one kernel ([`BackwardKernel::OutputSide`],
+/// CUDA's, where a block may take [`OUTPUT_SIDE_SMEM`]), and whether it has the 16-byte-vector
+/// gating kernels ([`BackwardKernel::GatingVec`], CUDA's).
 #[derive(Copy, Clone, Debug)]
 pub(crate) struct Residency {
     pub(crate) shared: usize,
     pub(crate) units: usize,
     pub(crate) output_side: bool,
+    pub(crate) vector_gating: bool,
 }
 
 impl Residency {
@@ -194,7 +196,22 @@ pub(crate) fn fuses_output_side(problem: &Problem, dy: u64, device: Residency) -
         && dy % 16 == 0
 }
 
-/// The kernels of `common/backward.h`, and CUDA's fused output side (`cuda/backward_output.cu`).
+/// Whether `problem`'s two gating steps run as CUDA's 16-byte-vector kernels
+/// ([`BackwardKernel::GatingVec`], [`BackwardKernel::GatingGradVec`]): where the device has them,
+/// with 16-bit I/O (P in f16, dcat in bf16), H and `F = 4H + G` multiples of 8 (P's rows and
+/// their gated columns 16-byte aligned), and N² a multiple of their 64-position tile (no tile
+/// crosses a batch).
+pub(crate) fn vector_gating(problem: &Problem, device: Residency) -> bool {
+    let (cfg, n) = (problem.config, problem.shape.n);
+    device.vector_gating
+        && problem.io != Precision::F32Io
+        && cfg.h % 8 == 0
+        && cfg.fused_proj_width() % 8 == 0
+        && (n * n) % GATING_VEC_ROWS == 0
+}
+
+/// The kernels of `common/backward.h`, CUDA's fused output side (`cuda/backward_output.cu`) and
+/// CUDA's vector gating kernels (`cuda/backward_gating.cu`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum BackwardKernel {
     InputNorm,
@@ -210,6 +227,10 @@ pub(crate) enum BackwardKernel {
     /// CUDA only: LN_H, the output projection and gate, and their backward in one kernel, for
     /// af3 with 16-bit I/O ([`fuses_output_side`]); one entry point for bf16 and f16.
     OutputSide,
+    /// CUDA only: [`BackwardKernel::Gating`] and [`BackwardKernel::GatingGrad`] with 16-bit I/O
+    /// in 16-byte vectors and 64-position tiles ([`vector_gating`]); the same values.
+    GatingVec,
+    GatingGradVec,
 }
 
 impl BackwardKernel {
@@ -237,6 +258,8 @@ impl BackwardKernel {
                 | BackwardKernel::ColumnFinish
                 | BackwardKernel::Convert
                 | BackwardKernel::OutputSide
+                | BackwardKernel::GatingVec
+                | BackwardKernel::GatingGradVec
         )
     }
 
@@ -248,18 +271,22 @@ impl BackwardKernel {
         BackwardKernel::ALL.into_iter().map(|k| (k, false)).chain(sixteen)
     }
 
-    /// CUDA's entry points: [`BackwardKernel::entries`], then the fused output side's.
+    /// CUDA's own kernels, in their order after [`BackwardKernel::entries`]'.
+    const CUDA_ONLY: [BackwardKernel; 3] =
+        [BackwardKernel::OutputSide, BackwardKernel::GatingVec, BackwardKernel::GatingGradVec];
+
+    /// CUDA's entry points: [`BackwardKernel::entries`], then those of its own kernels.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn cuda_entries() -> impl Iterator<Item = (BackwardKernel, bool)> {
-        BackwardKernel::entries().chain(std::iter::once((BackwardKernel::OutputSide, false)))
+        BackwardKernel::entries().chain(BackwardKernel::CUDA_ONLY.into_iter().map(|k| (k, false)))
     }
 
     /// The place of an entry point in [`BackwardKernel::cuda_entries`]' order, which begins with
     /// [`BackwardKernel::entries`]' (a kernel without a 16-bit one has its f32 one there).
     pub(crate) fn index(self, sixteen: bool) -> usize {
         // The kernels with a 16-bit entry point come first in `ALL`.
-        if self == BackwardKernel::OutputSide {
-            BackwardKernel::entries().count()
+        if let Some(at) = BackwardKernel::CUDA_ONLY.iter().position(|&k| k == self) {
+            BackwardKernel::entries().count() + at
         } else if sixteen && self.has_16() {
             BackwardKernel::ALL.len() + self as usize
         } else {
@@ -290,6 +317,8 @@ impl BackwardKernel {
             BackwardKernel::ColumnFinish => "backward_column_finish",
             BackwardKernel::Convert => "backward_convert",
             BackwardKernel::OutputSide => "backward_output_side",
+            BackwardKernel::GatingVec => "backward_gating_vec",
+            BackwardKernel::GatingGradVec => "backward_gating_grad_vec",
         }
     }
 
@@ -298,6 +327,7 @@ impl BackwardKernel {
     pub(crate) fn stage(self) -> &'static str {
         match self {
             BackwardKernel::OutputSide => "backward_output",
+            BackwardKernel::GatingVec | BackwardKernel::GatingGradVec => "backward_gating",
             _ => "backward",
         }
     }
@@ -423,7 +453,8 @@ pub(crate) fn steps(
     let tiles = m.div_ceil(TILE);
     let rm = GemmSpec::row_major;
     let mut s = Vec::new();
-    let launch = |s: &mut Vec<BackwardStep>, kernel, grid, smem, p: BackwardParams| {
+    let launch = |s: &mut Vec<BackwardStep>, kernel: BackwardKernel, grid, smem, p: BackwardParams| {
+        let sixteen = sixteen && kernel.has_16();
         s.push(BackwardStep::Launch { kernel, sixteen, grid, smem, args: KernelArgs::Backward(p) })
     };
     let gemm = |s: &mut Vec<BackwardStep>, spec, u, v, d, inputs, output| {
@@ -532,7 +563,14 @@ pub(crate) fn steps(
     launch(&mut s, BackwardKernel::InputNorm, warp_rows, 0, p);
     gemm(&mut s, rm(m, f, c, (false, c), (true, c), f), p.z, w_cat_f, p.p, fw, fw);
     s.push(BackwardStep::Mark("LN_C and the input projection"));
-    launch(&mut s, BackwardKernel::Gating, tiles, GATING_SMEM as usize, p);
+    // The gating steps' kernels: CUDA's vector ones where they apply, else the portable ones.
+    let vec_tiles = m / GATING_VEC_ROWS;
+    let (gating, gating_grad, gating_grid, gating_smem) = if vector_gating(problem, device) {
+        (BackwardKernel::GatingVec, BackwardKernel::GatingGradVec, vec_tiles, GATING_VEC_SMEM)
+    } else {
+        (BackwardKernel::Gating, BackwardKernel::GatingGrad, tiles, GATING_SMEM as usize)
+    };
+    launch(&mut s, gating, gating_grid, gating_smem, p);
     s.push(BackwardStep::Mark("gating"));
     // Outgoing t = L·Rᵀ, incoming t = Lᵀ·R, per (b, h).
     let square = |u_t: bool, v_t: bool| rm(n, n, n, (u_t, n), (v_t, n), n).batched(bh, n2);
@@ -601,7 +639,7 @@ pub(crate) fn steps(
 
     // 12-15: the input projections and LN_C.
     let grads = BackwardParams { left: dleft, right: dright, ..p };
-    launch(&mut s, BackwardKernel::GatingGrad, tiles, GATING_SMEM as usize, grads);
+    launch(&mut s, gating_grad, gating_grid, gating_smem, grads);
     s.push(BackwardStep::Mark("gating backward"));
     weight_grad(&mut s, (p.dcat, f, f), (z_g, c, c), b16, out.w_cat);
     if w.biases[..5].iter().any(|&b| b) {
@@ -674,10 +712,12 @@ mod tests {
             };
             let matrix = |rows: usize, cols: usize, ld: usize| ((cols.max(1) - 1) * ld + rows) as u64;
             let mut sums_written = vec![0u32; out.len];
-            let device = Residency { shared: 233472, units: 4, output_side: true };
+            let device = Residency { shared: 233472, units: 4, output_side: true, vector_gating: true };
             let fused = fuses_output_side(&problem, dy, device);
             assert_eq!(fused, f == Formulation::Af3 && io != f32_ && c % 16 == 0 && n % 8 == 0, "{what}");
-            let mut fused_launches = 0;
+            let vec = vector_gating(&problem, device);
+            assert_eq!(vec, io != f32_ && h % 8 == 0 && fw % 8 == 0 && n % 8 == 0, "{what}");
+            let (mut fused_launches, mut gating_kernels) = (0, Vec::new());
             for step in steps(&problem, &w, (x, mask, dy, dx), &b, device) {
                 match step {
                     BackwardStep::Gemm { spec, u, v, d, inputs, output } => {
@@ -725,6 +765,18 @@ mod tests {
                                     assert_eq!(p.blocks as usize, grid, "{what}: {kernel:?}");
                                     assert!(grid <= MAX_ROW_BLOCKS, "{what}");
                                 }
+                                if matches!(
+                                    kernel,
+                                    BackwardKernel::Gating
+                                        | BackwardKernel::GatingGrad
+                                        | BackwardKernel::GatingVec
+                                        | BackwardKernel::GatingGradVec
+                                ) {
+                                    // One block per tile, every position covered.
+                                    let rows = if vec { GATING_VEC_ROWS } else { TILE };
+                                    assert_eq!(grid, m.div_ceil(rows), "{what}: {kernel:?}");
+                                    gating_kernels.push(kernel);
+                                }
                                 if kernel == BackwardKernel::OutputSide {
                                     // Its per-block sums: [grid][2H], then [grid][C].
                                     fused_launches += 1;
@@ -765,6 +817,12 @@ mod tests {
                 }
             }
             assert_eq!(fused_launches, usize::from(fused), "{what}");
+            let want = if vec {
+                [BackwardKernel::GatingVec, BackwardKernel::GatingGradVec]
+            } else {
+                [BackwardKernel::Gating, BackwardKernel::GatingGrad]
+            };
+            assert_eq!(gating_kernels, want, "{what}");
             let mut want = vec![0u32; out.len];
             let input_bias = w.biases[..5].iter().any(|&b| b);
             for (at, len, on) in [
@@ -786,11 +844,11 @@ mod tests {
     #[test]
     fn every_entry_point_has_its_index_and_a_distinct_name() {
         let all: Vec<_> = BackwardKernel::cuda_entries().collect();
-        assert_eq!((BackwardKernel::entries().count(), all.len()), (17, 18));
-        assert_eq!(all[17], (BackwardKernel::OutputSide, false));
+        assert_eq!((BackwardKernel::entries().count(), all.len()), (17, 20));
+        assert_eq!(all[17..], BackwardKernel::CUDA_ONLY.map(|k| (k, false)));
         for (i, &(k, sixteen)) in all.iter().enumerate() {
             assert_eq!(k.index(sixteen), i, "{k:?} {sixteen}");
-            if k != BackwardKernel::OutputSide {
+            if !BackwardKernel::CUDA_ONLY.contains(&k) {
                 assert_eq!(k.index(false), k as usize, "{k:?}");
             }
         }

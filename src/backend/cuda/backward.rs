@@ -92,6 +92,7 @@ impl CudaBackend {
             shared: self.inner.smem_per_sm,
             units: self.inner.info.compute_units as usize,
             output_side: OUTPUT_SIDE_SMEM <= self.inner.kernels.max_smem,
+            vector_gating: self.inner.vector_gating,
         };
         let k = &self.inner.kernels.backward;
         let blas = &self.inner.blas;

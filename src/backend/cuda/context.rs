@@ -106,6 +106,9 @@ pub(super) struct Inner {
     /// microseconds of host time per GEMM, several hundred per backward otherwise. Emptied when
     /// it passes [`BACKWARD_PLANS`] entries.
     pub(super) backward_gemms: std::sync::Mutex<BackwardPlans>,
+    /// Whether the backward's gating steps use the 16-byte-vector kernels where they apply
+    /// (`TRIMUL_CUDA_VECTOR_GATING=0` turns them off, to compare).
+    pub(super) vector_gating: bool,
 }
 
 /// The backward's cached cuBLASLt plans ([`Inner::backward_gemms`]).

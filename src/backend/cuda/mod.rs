@@ -178,6 +178,7 @@ impl CudaBackend {
                 timeline: std::sync::Mutex::new(None),
                 backward_block: std::sync::Mutex::new(None),
                 backward_gemms: std::sync::Mutex::new(Default::default()),
+                vector_gating: std::env::var("TRIMUL_CUDA_VECTOR_GATING").map_or(true, |v| v.trim() != "0"),
                 resident_output: AtomicBool::new(
                     std::env::var("TRIMUL_CUDA_RESIDENT_OUTPUT").map_or(true, |v| v.trim() != "0"),
                 ),

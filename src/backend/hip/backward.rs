@@ -115,7 +115,12 @@ impl HipBackend {
         let w = prep.tensors.backward_weights();
         // 64 KiB of LDS per CU.
         // The output side as separate steps: its fused kernel is CUDA's (mma.sync).
-        let device = Residency { shared: LDS_BYTES, units: self.ctx.info.compute_units as usize, output_side: false };
+        let device = Residency {
+            shared: LDS_BYTES,
+            units: self.ctx.info.compute_units as usize,
+            output_side: false,
+            vector_gating: false,
+        };
         for step in backward_steps::steps(problem, &w, io, b, device) {
             match step {
                 BackwardStep::Launch { kernel, sixteen, grid, smem, args } => {
