@@ -116,6 +116,46 @@ TM_INLINE void tm_bwd_st(void* a, tm_i64 i, float v) {
   }
 }
 
+// Elements [i, i + 4) of a tensor in precision T, i a multiple of 4 and the tensor 16-byte
+// aligned: one 16-byte (f32) or 8-byte (16-bit) access.
+template <int T>
+TM_INLINE void tm_bwd_ld4(const void* a, tm_i64 i, float (&v)[4]) {
+  if (T == TM_IO_F32) {
+    const tm_f4 f = *(const tm_f4*)((const float*)a + i);
+    for (int k = 0; k < 4; ++k) v[k] = f.v[k];
+  } else {
+    const tm_u64h w = *(const tm_u64h*)((const unsigned short*)a + i);
+    for (int k = 0; k < 4; ++k) {
+      const unsigned short e = (unsigned short)(w.v[k / 2] >> (16 * (k % 2)));
+      v[k] = T == TM_IO_BF16 ? tm_bf2f(e) : tm_h2f(e);
+    }
+  }
+}
+
+template <int T>
+TM_INLINE void tm_bwd_st4(void* a, tm_i64 i, const float (&v)[4]) {
+  if (T == TM_IO_F32) {
+    tm_f4 f;
+    for (int k = 0; k < 4; ++k) f.v[k] = v[k];
+    *(tm_f4*)((float*)a + i) = f;
+  } else {
+    tm_u64h w;
+    for (int k = 0; k < 2; ++k) {
+      const float lo = v[2 * k], hi = v[2 * k + 1];
+      w.v[k] = T == TM_IO_BF16 ? (unsigned)tm_f2bf(lo) | ((unsigned)tm_f2bf(hi) << 16) : tm_pack2(lo, hi);
+    }
+    *(tm_u64h*)((unsigned short*)a + i) = w;
+  }
+}
+
+// Whether a LayerNorm kernel over rows of width C (and a row-major [M, C] tensor at each of
+// `a`, `b`) takes its narrow path: C a multiple of 4 up to 128, so that each lane of a 32-lane
+// group owns 4 consecutive channels of every row (one vector access, its weights and its column
+// sums in registers), and both tensors 16-byte aligned. Uniform across the grid.
+TM_INLINE bool tm_bwd_narrow(int C, const void* a, const void* b) {
+  return C % 4 == 0 && C <= 128 && (((unsigned long long)a | (unsigned long long)b) & 15u) == 0;
+}
+
 // Each per-position kernel has two entry points, `name` for f32 I/O and `name_16` for 16-bit I/O
 // (bf16 and f16 differ only in how x, dy and dx are read and written), each its own kernel: with
 // both precisions in one, the LN_H kernels spilled under their 32-register cap and ran a sixth
@@ -183,6 +223,28 @@ TM_INLINE void tm_bwd_input_norm(const TmBackwardParams& p) {
   if (row >= p.rows) return;  // whole warps leave together
   const int C = p.c;
   const tm_i64 r0 = row * C;
+  if (tm_bwd_narrow(C, p.x, p.z)) {
+    // Lane owns channels [4·lane, 4·lane + 4): x read once, as one vector.
+    const int c0 = 4 * lane;
+    const bool on = c0 < C;
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (on) tm_bwd_ld4<IO>(p.x, r0 + c0, x);
+    const float mean = tm_group32_sum(x[0] + x[1] + x[2] + x[3]) / (float)C;
+    float q = 0.f;
+    for (int k = 0; k < 4; ++k) q += on ? (x[k] - mean) * (x[k] - mean) : 0.f;
+    const float rstd = tm_rsqrt(tm_group32_sum(q) / (float)C + p.eps);
+    if (on) {
+      float z[4];
+      for (int k = 0; k < 4; ++k) z[k] = (x[k] - mean) * rstd * p.norm_in_w[c0 + k] + p.norm_in_b[c0 + k];
+      tm_bwd_st4<TM_BWD_F(IO)>(p.z, r0 + c0, z);
+      if (IO != TM_IO_F32) tm_bwd_st4<TM_IO_BF16>(p.z_bf16, r0 + c0, z);
+    }
+    if (lane == 0) {
+      p.stats_x[2 * row] = mean;
+      p.stats_x[2 * row + 1] = rstd;
+    }
+    return;
+  }
   float s = 0.f;
   for (int c = lane; c < C; c += 32) s += tm_bwd_ld<IO>(p.x, r0 + c);
   const float mean = tm_group32_sum(s) / (float)C;
@@ -454,6 +516,48 @@ TM_INLINE void tm_bwd_input_norm_grad(const TmBackwardParams& p) {
   float* acc = tm_dyn_smem;
   float* wacc = acc + warp * 2 * C;
   tm_bwd_zero_acc(acc, C);
+  if (tm_bwd_narrow(C, p.x, p.dx)) {
+    // Lane owns channels [4·lane, 4·lane + 4) of every row: dz and x read once, as vectors, and
+    // the column sums in registers until the end.
+    const int c0 = 4 * lane;
+    const bool on = c0 < C;
+    float w[4] = {0.f, 0.f, 0.f, 0.f}, sxh[4] = {0.f, 0.f, 0.f, 0.f}, sdz[4] = {0.f, 0.f, 0.f, 0.f};
+    if (on)
+      for (int k = 0; k < 4; ++k) w[k] = p.norm_in_w[c0 + k];
+    for (tm_i64 row = (tm_i64)tm_bid() * TM_BWD_WARPS + warp; row < p.rows; row += (tm_i64)p.blocks * TM_BWD_WARPS) {
+      const float mean = p.stats_x[2 * row], rstd = p.stats_x[2 * row + 1];
+      const tm_i64 r0 = row * C;
+      float dz[4] = {0.f, 0.f, 0.f, 0.f}, xh[4] = {0.f, 0.f, 0.f, 0.f};
+      if (on) {
+        tm_bwd_ld4<TM_IO_F32>(p.dz, r0 + c0, dz);
+        tm_bwd_ld4<IO>(p.x, r0 + c0, xh);
+        for (int k = 0; k < 4; ++k) xh[k] = (xh[k] - mean) * rstd;
+      }
+      float sg = 0.f, sgh = 0.f;
+      for (int k = 0; k < 4; ++k) {
+        const float g = dz[k] * w[k];
+        sg += g;
+        sgh += g * xh[k];
+      }
+      const float mg = tm_group32_sum(sg) / (float)C, mgh = tm_group32_sum(sgh) / (float)C;
+      if (on) {
+        float dx[4];
+        for (int k = 0; k < 4; ++k) {
+          dx[k] = rstd * (dz[k] * w[k] - mg - xh[k] * mgh);
+          sxh[k] += dz[k] * xh[k];
+          sdz[k] += dz[k];
+        }
+        tm_bwd_st4<IO>(p.dx, r0 + c0, dx);
+      }
+    }
+    if (on)
+      for (int k = 0; k < 4; ++k) {
+        wacc[c0 + k] = sxh[k];
+        wacc[C + c0 + k] = sdz[k];
+      }
+    tm_bwd_flush_acc(p, acc, C);
+    return;
+  }
   for (tm_i64 row = (tm_i64)tm_bid() * TM_BWD_WARPS + warp; row < p.rows; row += (tm_i64)p.blocks * TM_BWD_WARPS) {
     const float mean = p.stats_x[2 * row], rstd = p.stats_x[2 * row + 1];
     const tm_i64 r0 = row * C;
