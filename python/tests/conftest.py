@@ -23,6 +23,12 @@ SEED = _seed()
 print(f"trimul python tests: seed {SEED} (replay with TRIMUL_TEST_SEED={SEED})")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The seed again at the end, where `-q` and output capture keep it too (a failure on random
+    inputs is replayed with it)."""
+    terminalreporter.write_line(f"trimul python tests: seed {SEED} (replay with TRIMUL_TEST_SEED={SEED})")
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.version.hip is None
 

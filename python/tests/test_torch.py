@@ -414,8 +414,9 @@ def test_eager_training_calls_skip_the_dispatcher_with_the_same_gradients(monkey
     Function (`_EagerAutograd`): the registered op's forward and backward are not called, and the
     result and every gradient are bit for bit the op's. A dispatch mode sends the call through the
     op; a second derivative is refused, not silently wrong."""
-    import trimul._torch as impl
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    import trimul._torch as impl
 
     c, h, n = 32, 16, 12
     w = af3_weights(c, h, True, salt=84, device=device)
