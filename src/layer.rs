@@ -167,7 +167,7 @@ impl<B: Backend> Layer<B> {
     /// [`Layer::device_workspace_bytes`] within `limit` bytes as well (the caller's free memory,
     /// say): the kept plan when it is this shape's and fits `limit`, else a new one. Where the
     /// one-pass workspace does not fit, the CUDA backend plans hidden passes and row chunks in
-    /// the caller's memory, as [`Layer::forward`] does in its own (fused input kernel only;
+    /// the caller's memory, as [`Layer::forward_into`] does in its own (fused input kernel only;
     /// otherwise, and on HIP, the one-pass plan's out-of-memory error).
     pub fn device_workspace_bytes_within(
         &mut self,

@@ -27,7 +27,10 @@
 //! 16-bit dy to f32. Where [`fuses_output_side`] (CUDA, af3, 16-bit I/O, C and H up to 128),
 //! steps 5-10 are one kernel, [`BackwardKernel::OutputSide`] (`cuda/backward_output.cu`): dt over
 //! t, dG over P_G, the column sums of γ, β and bz, and bf16 ds and u for the one GEMM left,
-//! dWz = dsᵀ·u.
+//! dWz = dsᵀ·u. Where [`vector_gating`] (CUDA, 16-bit I/O, H and F multiples of 8, N² of 64),
+//! steps 3 and 12 are CUDA's 16-byte-vector kernels ([`BackwardKernel::GatingVec`],
+//! [`BackwardKernel::GatingGradVec`], `cuda/backward_gating.cu`), with the same inputs and
+//! outputs.
 //!
 //! # Precision and memory
 //! The kernels compute in f32. With f32 I/O every intermediate is f32 and the GEMMs read and
