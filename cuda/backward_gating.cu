@@ -44,6 +44,26 @@ __device__ __forceinline__ void bg_bias8(const float* b, int h, float (&out)[8])
   out[4] = hi.x, out[5] = hi.y, out[6] = hi.z, out[7] = hi.w;
 }
 
+// The four gated columns' biases of channels [h, h + 8) (zeros without biases).
+__device__ __forceinline__ void bg_biases(const TmBackwardParams& p, int h, float (&bias)[4][8]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) bg_bias8(p.proj_bias ? p.proj_bias + k * p.h : nullptr, h, bias[k]);
+}
+
+// A block's tile of BG_BM positions: its two shared tiles, its first position, and the
+// hidden-major index of channel 0 there (a tile never crosses a batch).
+struct BgTile {
+  float* sl;
+  float* sr;
+  tm_i64 r0, hid0;
+};
+
+__device__ __forceinline__ BgTile bg_tile(const TmBackwardParams& p) {
+  extern __shared__ float bg_smem[];
+  const tm_i64 r0 = (tm_i64)blockIdx.x * BG_BM, b = r0 / p.n2;
+  return BgTile{bg_smem, bg_smem + BG_HC * BG_LD, r0, b * p.h * p.n2 + (r0 - b * p.n2)};
+}
+
 // Eight f16 values of a 16-byte vector, widened.
 __device__ __forceinline__ void bg_widen8(uint4 v, float (&out)[8]) {
   const unsigned w[4] = {v.x, v.y, v.z, v.w};
@@ -55,13 +75,10 @@ __device__ __forceinline__ void bg_widen8(uint4 v, float (&out)[8]) {
 }
 
 extern "C" __global__ void __launch_bounds__(BG_THREADS) backward_gating_vec(const TmBackwardParams p) {
-  extern __shared__ float bg_smem[];
-  float* sl = bg_smem;
-  float* sr = sl + BG_HC * BG_LD;
+  const BgTile tile = bg_tile(p);
+  float *sl = tile.sl, *sr = tile.sr;
   const int tid = (int)threadIdx.x, H = p.h;
-  const tm_i64 F = p.f, n2 = p.n2, r0 = (tm_i64)blockIdx.x * BG_BM;
-  const tm_i64 b = r0 / n2;
-  const tm_i64 hid0 = b * H * n2 + (r0 - b * n2);  // channel 0 of the tile's first position
+  const tm_i64 F = p.f, n2 = p.n2, r0 = tile.r0, hid0 = tile.hid0;
   const tm_half* P = (const tm_half*)p.p;
   for (int h0 = 0; h0 < H; h0 += BG_HC) {
     const int hn = H - h0 < BG_HC ? H - h0 : BG_HC;
@@ -69,8 +86,7 @@ extern "C" __global__ void __launch_bounds__(BG_THREADS) backward_gating_vec(con
     const int v = tid & 7, h = h0 + 8 * v;
     if (8 * v < hn) {
       float bias[4][8];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) bg_bias8(p.proj_bias ? p.proj_bias + k * H : nullptr, h, bias[k]);
+      bg_biases(p, h, bias);
       for (int i = tid >> 3; i < BG_BM; i += BG_THREADS / 8) {
         const tm_i64 row = r0 + i;
         const tm_half* pr = P + row * F + h;
@@ -106,13 +122,10 @@ extern "C" __global__ void __launch_bounds__(BG_THREADS) backward_gating_vec(con
 }
 
 extern "C" __global__ void __launch_bounds__(BG_THREADS) backward_gating_grad_vec(const TmBackwardParams p) {
-  extern __shared__ float bg_smem[];
-  float* sl = bg_smem;
-  float* sr = sl + BG_HC * BG_LD;
+  const BgTile tile = bg_tile(p);
+  float *sl = tile.sl, *sr = tile.sr;
   const int tid = (int)threadIdx.x, H = p.h;
-  const tm_i64 F = p.f, n2 = p.n2, r0 = (tm_i64)blockIdx.x * BG_BM;
-  const tm_i64 b = r0 / n2;
-  const tm_i64 hid0 = b * H * n2 + (r0 - b * n2);
+  const tm_i64 F = p.f, n2 = p.n2, r0 = tile.r0, hid0 = tile.hid0;
   for (int h0 = 0; h0 < H; h0 += BG_HC) {
     const int hn = H - h0 < BG_HC ? H - h0 : BG_HC;
     // dleft and dright of the chunk: 4 positions (16 bytes of f32) per thread, a channel's 64
@@ -129,8 +142,7 @@ extern "C" __global__ void __launch_bounds__(BG_THREADS) backward_gating_grad_ve
     const int v = tid & 7, h = h0 + 8 * v;
     if (8 * v < hn) {
       float bias[4][8];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) bg_bias8(p.proj_bias ? p.proj_bias + k * H : nullptr, h, bias[k]);
+      bg_biases(p, h, bias);
       for (int i = tid >> 3; i < BG_BM; i += BG_THREADS / 8) {
         const tm_i64 row = r0 + i;
         // dcat is written over P: each thread reads its four vectors of P before writing the
