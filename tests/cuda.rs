@@ -591,7 +591,9 @@ fn budget_errors_come_before_any_work() {
 /// (its GEMMs run in TF32), with poisoned intermediates; sizes off every tile (N = 13, C = 40,
 /// H = 24, B = 2) as well as a whole-tile af3 case; the same gradients from `backward_buffers`
 /// (the cached buffers) and from `backward_device` with a caller workspace; with 16-bit I/O both
-/// the fused output side (af3, N = 64 and 32) and the separate steps (N = 13); refusals named.
+/// the fused output side (af3, N = 64 and 32) and the separate steps (N = 13), the vector gating
+/// kernels (N = 64, 32 and 16) and the portable ones (N = 13), the LayerNorm kernels' narrow path
+/// (C ≤ 128) and their general one (C = 136); refusals named.
 #[test]
 fn backward_matches_the_f64_reference() {
     let Some(b) = cuda() else { return };
@@ -602,6 +604,9 @@ fn backward_matches_the_f64_reference() {
         (Formulation::Af3, true, Direction::Outgoing, Case::new(64, 1, 128, true, Dist::Normal), 128),
         // 16-bit: the fused output side (C, H multiples of 16, N² of 64), H < C, two batches.
         (Formulation::Af3, false, Direction::Incoming, Case::new(32, 2, 64, true, Dist::Cauchy), 48),
+        // gpumode on the vector gating kernels (N² of 64), C above the LayerNorm kernels' narrow
+        // path (C ≤ 128).
+        (Formulation::GpuMode, false, Direction::Incoming, Case::new(16, 1, 136, true, Dist::Normal), 40),
     ];
     for (f, biases, dir, case, h) in cases {
         let w = Weights::random(trimul::Config::new(f, case.c, h).unwrap(), biases, s).unwrap();

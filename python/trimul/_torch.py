@@ -563,8 +563,10 @@ def _backward(ctx, grad):
     if not any(t is not None and need[i] for i, t in slots):
         return (None,) * 16
     if _native_backward(x):
-        if _eager(grad, ()) and x.__class__ is torch.Tensor:
-            # Nothing traces or records this call: the implementation without the dispatcher.
+        if not torch.is_grad_enabled() and _eager(grad, ()) and x.__class__ is torch.Tensor:
+            # Nothing traces or records this call (no `create_graph`, whose gradients must carry
+            # the op's node, so that differentiating them raises rather than gives zeros): the
+            # implementation without the dispatcher.
             given = _backward_impl(grad, x, mask, list(w), ctx.direction, ctx.eps)
         else:
             # An op of its own, so that tracing (torch.compile, opcheck) sees one opaque call.

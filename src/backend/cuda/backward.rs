@@ -96,11 +96,9 @@ impl CudaBackend {
         };
         let k = &self.inner.kernels.backward;
         let blas = &self.inner.blas;
-        let mut plans = self
-            .inner
-            .backward_gemms
-            .lock()
-            .map_err(|_| Error::Internal("a backward panicked while holding the GEMM plans".into()))?;
+        // A backward that panicked while holding the plans left no half-made entry (an insert is
+        // the last thing done to the map): the cache is still sound, so its lock is taken back.
+        let mut plans = self.inner.backward_gemms.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for step in backward_steps::steps(problem, &w, io, b, device) {
             match step {
                 BackwardStep::Launch { kernel, sixteen, grid, smem, args } => {
