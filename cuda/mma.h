@@ -95,10 +95,6 @@ __device__ __forceinline__ unsigned mma_sigmoid2_halves(float h_lo, float h_hi) 
   return r;
 }
 
-// One k16 step of a warp's 32 x (8·NT) tile: acc[mt][nt] += A[rows a_row0 + 16·mt ..][k] ·
-// B[rows b_row0 + 8·nt ..][k]ᵀ for the 16 k from a_col (A) and b_col (B). A and B are f16 in
-// shared memory, row-major with pitches lda and ldb halves, at shared-window addresses a_u and
-// b_u; B's rows are the output columns (the weights' natural [out, in] layout).
 // A's two m16 x k16 fragments of a warp's 32 rows: rows a_row0 + 16·mt, the 16 k from a_col.
 __device__ __forceinline__ void mma_load_a32(unsigned (&a)[2][4], unsigned a_u, int lda, int a_row0, int a_col) {
   const unsigned lane = threadIdx.x & 31;
@@ -109,18 +105,29 @@ __device__ __forceinline__ void mma_load_a32(unsigned (&a)[2][4], unsigned a_u, 
   }
 }
 
-template <int NT>
-__device__ __forceinline__ void mma_warp_k16(float (&acc)[2][NT][4], unsigned a_u, int lda, int a_row0, int a_col,
-                                             unsigned b_u, int ldb, int b_row0, int b_col) {
+// mma_warp_k16's body for B stored n-major ([n][k], ldmatrix) or k-major ([k][n],
+// ldmatrix.trans, which hands out the transposed 8 x 8 tiles: the same m16n8k16 B fragments); the
+// output columns from n0, the k from k0.
+template <int NT, bool K_MAJOR>
+__device__ __forceinline__ void mma_warp_k16_b(float (&acc)[2][NT][4], unsigned a_u, int lda, int a_row0, int a_col,
+                                               unsigned b_u, int ldb, int n0, int k0) {
   const unsigned lane = threadIdx.x & 31;
   unsigned a[2][4];
   mma_load_a32(a, a_u, lda, a_row0, a_col);
 #pragma unroll
   for (int np = 0; np < NT / 2; ++np) {  // pairs of n8 tiles
-    const int nrow = b_row0 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
-    const int kcol = b_col + ((lane >> 3) & 1) * 8;
     unsigned b0, b1, b2, b3;
-    mma_ldmatrix_x4(b_u + (nrow * ldb + kcol) * 2, b0, b1, b2, b3);
+    if (K_MAJOR) {
+      const int tile = lane >> 3;
+      const int krow = k0 + (tile & 1) * 8 + (lane & 7), ncol = n0 + np * 16 + (tile >> 1) * 8;
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                   : "r"(b_u + (krow * ldb + ncol) * 2));
+    } else {
+      const int nrow = n0 + np * 16 + (lane & 7) + ((lane >> 4) << 3);
+      const int kcol = k0 + ((lane >> 3) & 1) * 8;
+      mma_ldmatrix_x4(b_u + (nrow * ldb + kcol) * 2, b0, b1, b2, b3);
+    }
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       mma_16816(acc[mt][2 * np], a[mt], b0, b1);
@@ -129,29 +136,22 @@ __device__ __forceinline__ void mma_warp_k16(float (&acc)[2][NT][4], unsigned a_
   }
 }
 
+// One k16 step of a warp's 32 x (8·NT) tile: acc[mt][nt] += A[rows a_row0 + 16·mt ..][k] ·
+// B[rows b_row0 + 8·nt ..][k]ᵀ for the 16 k from a_col (A) and b_col (B). A and B are f16 in
+// shared memory, row-major with pitches lda and ldb halves, at shared-window addresses a_u and
+// b_u; B's rows are the output columns (the weights' natural [out, in] layout).
+template <int NT>
+__device__ __forceinline__ void mma_warp_k16(float (&acc)[2][NT][4], unsigned a_u, int lda, int a_row0, int a_col,
+                                             unsigned b_u, int ldb, int b_row0, int b_col) {
+  mma_warp_k16_b<NT, false>(acc, a_u, lda, a_row0, a_col, b_u, ldb, b_row0, b_col);
+}
+
 // mma_warp_k16 with B stored k-major ([k][n] row-major, pitch ldb halves): the output columns
-// b_n0 + 8·nt, the k from b_k0. ldmatrix.trans hands out the transposed 8 x 8 tiles, which are the
-// m16n8k16 B fragments (the backward's du = ds·Wz reads Wz [C][H] this way).
+// b_n0 + 8·nt, the k from b_k0 (the backward's du = ds·Wz reads Wz [C][H] this way).
 template <int NT>
 __device__ __forceinline__ void mma_warp_k16_kn(float (&acc)[2][NT][4], unsigned a_u, int lda, int a_row0, int a_col,
                                                 unsigned b_u, int ldb, int b_k0, int b_n0) {
-  const unsigned lane = threadIdx.x & 31;
-  unsigned a[2][4];
-  mma_load_a32(a, a_u, lda, a_row0, a_col);
-#pragma unroll
-  for (int np = 0; np < NT / 2; ++np) {
-    const int tile = lane >> 3;
-    const int krow = b_k0 + (tile & 1) * 8 + (lane & 7), ncol = b_n0 + np * 16 + (tile >> 1) * 8;
-    unsigned b0, b1, b2, b3;
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                 : "r"(b_u + (krow * ldb + ncol) * 2));
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      mma_16816(acc[mt][2 * np], a[mt], b0, b1);
-      mma_16816(acc[mt][2 * np + 1], a[mt], b2, b3);
-    }
-  }
+  mma_warp_k16_b<NT, true>(acc, a_u, lda, a_row0, a_col, b_u, ldb, b_n0, b_k0);
 }
 
 // ---- sm_90: stmatrix, four 8 x 8 tiles of 16-bit values from the mma fragment layout (thread t
