@@ -515,10 +515,10 @@ TM_INLINE void tm_bwd_input_norm_grad(const TmBackwardParams& p) {
   const int lane = (int)(tm_tid() & 31u), warp = (int)(tm_tid() >> 5);
   float* acc = tm_dyn_smem;
   float* wacc = acc + warp * 2 * C;
-  tm_bwd_zero_acc(acc, C);
   if (tm_bwd_narrow(C, p.x, p.dx)) {
     // Lane owns channels [4·lane, 4·lane + 4) of every row: dz and x read once, as vectors, and
-    // the column sums in registers until the end.
+    // the column sums in registers until the end, then written (not added) to every column of
+    // the warp's accumulators, so they need no zeroing.
     const int c0 = 4 * lane;
     const bool on = c0 < C;
     float w[4] = {0.f, 0.f, 0.f, 0.f}, sxh[4] = {0.f, 0.f, 0.f, 0.f}, sdz[4] = {0.f, 0.f, 0.f, 0.f};
@@ -558,6 +558,7 @@ TM_INLINE void tm_bwd_input_norm_grad(const TmBackwardParams& p) {
     tm_bwd_flush_acc(p, acc, C);
     return;
   }
+  tm_bwd_zero_acc(acc, C);
   for (tm_i64 row = (tm_i64)tm_bid() * TM_BWD_WARPS + warp; row < p.rows; row += (tm_i64)p.blocks * TM_BWD_WARPS) {
     const float mean = p.stats_x[2 * row], rstd = p.stats_x[2 * row + 1];
     const tm_i64 r0 = row * C;
