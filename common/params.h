@@ -9,7 +9,8 @@
 // Layouts (M = B*N*N positions, row m = (b*N + i)*N + j):
 //   x, y       [M, C] f32 (bf16 or f16 where io_dtype says)    z  [rows, C] f16 (one chunk of positions)
 //   proj       [rows, P] f16, P = 4*proj_h + proj_g, columns [left_proj | left_gate | right_proj | right_gate | out_gate]
-//   left/right [B, H, N, N] f16   (the contraction layout: one N x N matrix per (b, h))
+//   left/right [B, H, N, N] f16   (the contraction layout: one N x N matrix per (b, h); a rank's rows
+//                                  only in the sharded forward: see mat_rows)
 //   gate       [M, G] f16, sigmoid already applied (G = H for gpumode, C for af3); rows from buf_row0
 //   t          [B, H, N, N] f16   a [M, H] f16 (output-projection operand)
 #pragma once
@@ -50,7 +51,12 @@ struct TmParams {
   int io_dtype;  // x and y: TM_IO_F32, TM_IO_BF16 or TM_IO_F16 (the fused CUDA kernels, input_norm,
                  // HIP's output_projection; every other stage takes f32)
   int k_pad, h_pad, g_pad;  // w_in's padding (0 without fused weights)
-  int reserved;
+  // Rows of each N x N matrix that left, right and t hold (0: all N). A rank of the sharded
+  // forward keeps only its own rows i in [r0, r0 + mat_rows), matrices mat_rows*N elements apart,
+  // and passes those pointers moved back by r0*N elements, so that position (b, i, j) of matrix
+  // (b, h) is still at (b*H + h)*stride + i*N + j. Read by the fused CUDA kernels only (the
+  // sharded forward runs no other); every other kernel takes 0.
+  int mat_rows;
 };
 
 // The input stage: input_norm, input_gating and the fused CUDA input projection.

@@ -278,18 +278,18 @@ __device__ __forceinline__ void ip_stage_gating(tm_half* sl, tm_half* sr, int r,
 template <int BM>
 __device__ __forceinline__ void ip_store_gating(const TmInputParams& p, const tm_half* sl, const tm_half* sr, int chunk,
                                                 tm_i64 tile0, tm_i64 m_total, tm_i64 tb0, tm_i64 trem0, tm_i64 nn,
-                                                int lr_h0, int lr_h) {
+                                                tm_i64 ms, int lr_h0, int lr_h) {
   const unsigned tid = threadIdx.x;
   constexpr int runs = BM / 8;
   constexpr int ch_step = IP_THREADS / runs;  // channels a pass over the threads covers
   const int run = tid % runs, ch0 = tid / runs;
   if ((nn % 8 == 0) && (tile0 + BM <= m_total) && (trem0 + BM <= nn)) {
-    const tm_i64 base = tb0 * lr_h * nn + trem0 + run * 8;
+    const tm_i64 base = tb0 * lr_h * ms + trem0 + run * 8;
 #pragma unroll
     for (int i = 0; i < 32 / ch_step; ++i) {
       const int ch = ch0 + i * ch_step, h = chunk * 32 + ch;
       if (h >= p.h || h < lr_h0 || h >= lr_h0 + lr_h) continue;
-      const tm_i64 off = base + (tm_i64)(h - lr_h0) * nn;
+      const tm_i64 off = base + (tm_i64)(h - lr_h0) * ms;
       *(uint4*)(p.left + off) = *(const uint4*)(sl + ch * (BM + 8) + run * 8);
       *(uint4*)(p.right + off) = *(const uint4*)(sr + ch * (BM + 8) + run * 8);
     }
@@ -311,13 +311,13 @@ __device__ __forceinline__ void ip_store_gating(const TmInputParams& p, const tm
           rem -= nn;
           ++b;
         }
-        *(uint4*)(out + (b * lr_h + (h - lr_h0)) * nn + rem) = *(const uint4*)src;
+        *(uint4*)(out + (b * lr_h + (h - lr_h0)) * ms + rem) = *(const uint4*)src;
       } else {
         for (int e = 0; e < 8; ++e) {
           const tm_i64 rr = row + e;
           if (rr >= m_total) break;
           const tm_i64 b = rr / nn, rem = rr - b * nn;
-          out[(b * lr_h + (h - lr_h0)) * nn + rem] = src[e];
+          out[(b * lr_h + (h - lr_h0)) * ms + rem] = src[e];
         }
       }
     }
@@ -357,6 +357,7 @@ __device__ __forceinline__ void ip_store_gate(const TmInputParams& p, const tm_h
 // What a launch covers, shared by both bodies.
 struct IpLaunch {
   tm_i64 m_total, tile0, nn, tb0, trem0;
+  tm_i64 ms;  // elements between left's (and right's) matrices: N², or mat_rows·N (common/params.h)
   int nks, n_gating, chunk0, n_chunks, lr_h0, lr_h;
 };
 
@@ -379,6 +380,7 @@ __device__ __forceinline__ IpLaunch ip_launch(const TmInputParams& p) {
   l.lr_h0 = p.lr_h0;
   l.lr_h = p.lr_h > 0 ? p.lr_h : p.h;
   l.nn = (tm_i64)p.n * p.n;
+  l.ms = (tm_i64)(p.mat_rows > 0 ? p.mat_rows : p.n) * p.n;
   // Batch and in-batch position of the tile's first row: the epilogue's stores step from here
   // instead of dividing by N² per store.
   l.tb0 = l.tile0 / l.nn;
@@ -404,7 +406,7 @@ __device__ __forceinline__ void ip_store_chunk(const TmInputParams& p, const IpL
                                                const tm_half* stage_buf) {
   if (chunk < l.n_gating) {
     ip_store_gating<BM>(p, stage_buf, stage_buf + 32 * (BM + 8), chunk, l.tile0, l.m_total, l.tb0, l.trem0, l.nn,
-                        l.lr_h0, l.lr_h);
+                        l.ms, l.lr_h0, l.lr_h);
   } else {
     ip_store_gate<BM, HINT>(p, stage_buf, (chunk - l.n_gating) * IP_BN, l.tile0, l.m_total);
   }
@@ -798,6 +800,7 @@ __device__ __forceinline__ IpLaunch ws_launch(const TmInputParams& p, tm_i64 til
   l.lr_h0 = 0;
   l.lr_h = p.h;
   l.nn = (tm_i64)p.n * p.n;
+  l.ms = (tm_i64)(p.mat_rows > 0 ? p.mat_rows : p.n) * p.n;
   l.tb0 = tile0 / l.nn;
   l.trem0 = tile0 - l.tb0 * l.nn;
   return l;
@@ -916,7 +919,7 @@ __device__ __forceinline__ void ws_store_wg(const TmInputParams& p, const IpLaun
   const unsigned char* st = (const unsigned char*)stage_buf;  // this warpgroup's 8 KB (ip_epilogue_sm90)
   if (chunk < l.n_gating) {
     const int run = t & 7, ch = t >> 3;  // 16-byte run of positions, channel among the 16
-    const tm_i64 off = l.tb0 * l.lr_h * l.nn + l.trem0 + run * 8 + (tm_i64)(chunk * 32 + 16 * wg + ch) * l.nn;
+    const tm_i64 off = l.tb0 * l.lr_h * l.ms + l.trem0 + run * 8 + (tm_i64)(chunk * 32 + 16 * wg + ch) * l.ms;
     *(uint4*)(p.left + off) = *(const uint4*)(st + ch * 128 + ((run ^ (ch & 7)) << 4));
     *(uint4*)(p.right + off) = *(const uint4*)(st + (16 + ch) * 128 + ((run ^ (ch & 7)) << 4));
   } else {

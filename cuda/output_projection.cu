@@ -333,6 +333,7 @@ __device__ __forceinline__ void output_projection_body(const TmOutputParams& p) 
   // loads all its pieces (32 bytes of one channel: 16 positions) before storing any; the tile
   // has H·BM/16 <= 512 pieces, at most OP_T_INFLIGHT per thread.
   const tm_i64 b0 = first / nn, rem0 = first - b0 * nn;
+  const tm_i64 ms = (tm_i64)(p.mat_rows > 0 ? p.mat_rows : p.n) * p.n;  // between t's matrices
   const int total = H * (OP_BM / 16);
   uint4 v[OP_T_INFLIGHT][2];
   {
@@ -343,7 +344,7 @@ __device__ __forceinline__ void output_projection_body(const TmOutputParams& p) 
       const int h = i % H, seg = i / H;  // consecutive threads: consecutive channels
       if (i >= total) continue;
       if (fast) {
-        const uint4* src = (const uint4*)(p.t + (b0 * H + h) * nn + rem0 + seg * 16);
+        const uint4* src = (const uint4*)(p.t + (b0 * H + h) * ms + rem0 + seg * 16);
         v[u][0] = src[0];
         v[u][1] = src[1];
       } else {
@@ -354,7 +355,7 @@ __device__ __forceinline__ void output_projection_body(const TmOutputParams& p) 
           if (r < np) {
             const tm_i64 row = first + r;
             const tm_i64 b = row / nn, rem = row - b * nn;
-            e16[e] = p.t[(b * H + h) * nn + rem];
+            e16[e] = p.t[(b * H + h) * ms + rem];
           }
         }
       }
@@ -426,10 +427,11 @@ static_assert(TM_OP_SMEM + 128 * OP_RAW_LD * 2 == TM_OP_RESIDENT_SMEM, "common/s
 // 1024 pieces of 16 bytes, 8 consecutive threads per channel's 128-byte run.
 __device__ __forceinline__ void op_prefetch_t(const TmOutputParams& p, tm_half* sraw, tm_i64 first) {
   const tm_i64 nn = (tm_i64)p.n * p.n, b = first / nn, rem = first - b * nn;
+  const tm_i64 ms = (tm_i64)(p.mat_rows > 0 ? p.mat_rows : p.n) * p.n;  // between t's matrices
 #pragma unroll
   for (int k = 0; k < 128 * (OP_BM / 8) / OP_THREADS; ++k) {
     const int i = threadIdx.x + k * OP_THREADS, h = i >> 3, q = i & 7;
-    mma_cp_async16(mma_smem_addr(sraw + h * OP_RAW_LD + q * 8), p.t + (b * 128 + h) * nn + rem + q * 8);
+    mma_cp_async16(mma_smem_addr(sraw + h * OP_RAW_LD + q * 8), p.t + (b * 128 + h) * ms + rem + q * 8);
   }
   asm volatile("cp.async.commit_group;");
 }

@@ -19,8 +19,9 @@ use rayon::prelude::*;
 use crate::backend::cuda::{CudaBackend, CudaPrepared, DeviceBuffer, EventPair, ShardWorkspace};
 use crate::backend::Backend;
 use crate::collective::Communicator;
+use crate::device_io::{HostWords, HostWordsMut};
 use crate::error::{Error, Result};
-use crate::plan::shard::CHUNK_MATRICES;
+use crate::plan::shard::{RankPlan, ShardOptions, CHUNK_MATRICES};
 use crate::problem::{Precision, Problem};
 use crate::weights::Weights;
 
@@ -32,6 +33,8 @@ pub struct ShardedLayer {
     comm: Communicator,
     /// The host path's device copies of the rank's x, mask and y, kept across calls.
     io: Option<RankBuffers>,
+    /// Whether x (and the mask) have been uploaded into `io`.
+    uploaded: bool,
     /// The events around the last timed forward.
     timed: Option<EventPair>,
 }
@@ -44,23 +47,68 @@ struct RankBuffers {
 
 impl ShardedLayer {
     /// Rank `comm.rank()` of a sharded forward of `problem` (the global problem: every row),
-    /// on the GPU the communicator is bound to, with `weights` prepared there.
+    /// on the GPU the communicator is bound to, with `weights` prepared there. Its plan fits
+    /// the memory free now: allocate the rank's x, mask and y first (or use
+    /// [`ShardedLayer::for_uploads`], whose buffers come first).
     pub fn new(weights: &Weights, problem: &Problem, comm: Communicator) -> Result<Self> {
-        Self::with_chunk_matrices(weights, problem, comm, CHUNK_MATRICES)
+        Self::with_options(weights, problem, comm, ShardOptions::default())
     }
 
-    /// As [`ShardedLayer::new`], the contraction's exchanges in chunks of `chunk_matrices` of
-    /// the `B·H` matrices (every rank must use the same number).
-    pub fn with_chunk_matrices(
+    /// As [`ShardedLayer::new`], with the plan's choices `options` fixed instead of left to
+    /// memory (every rank must be given the same).
+    pub fn with_options(
         weights: &Weights,
         problem: &Problem,
         comm: Communicator,
-        chunk_matrices: usize,
+        options: ShardOptions,
     ) -> Result<Self> {
+        Self::build(weights, problem, comm, options, false)
+    }
+
+    /// As [`ShardedLayer::with_options`] for the host path ([`ShardedLayer::upload`],
+    /// [`ShardedLayer::download`]): the device buffers of the rank's x, mask and y are allocated
+    /// before the workspace is planned around them.
+    pub fn for_uploads(
+        weights: &Weights,
+        problem: &Problem,
+        comm: Communicator,
+        options: ShardOptions,
+    ) -> Result<Self> {
+        Self::build(weights, problem, comm, options, true)
+    }
+
+    fn build(
+        weights: &Weights,
+        problem: &Problem,
+        comm: Communicator,
+        options: ShardOptions,
+        host_io: bool,
+    ) -> Result<Self> {
+        problem.validate()?;
         let backend = CudaBackend::new(comm.device())?;
         let prepared = backend.prepare(weights)?;
-        let ws = backend.shard_workspace(&prepared, problem, comm.rank(), comm.ranks(), chunk_matrices)?;
-        Ok(ShardedLayer { backend, prepared, ws, comm, io: None, timed: None })
+        let io = if host_io {
+            let rows = crate::plan::shard::row_split(problem.shape.n, comm.ranks())?
+                .get(comm.rank())
+                .cloned()
+                .ok_or_else(|| Error::InvalidArgument(format!("rank {} of {}", comm.rank(), comm.ranks())))?;
+            let own = problem.shape.batch * rows.len() * problem.shape.n;
+            let bytes = own * problem.config.c * problem.io.io_bytes();
+            Some(RankBuffers {
+                x: backend.alloc_buffer(bytes)?,
+                mask: if problem.masked { Some(backend.alloc_buffer(own)?) } else { None },
+                y: if problem.in_place { None } else { Some(backend.alloc_buffer(bytes)?) },
+            })
+        } else {
+            None
+        };
+        let ws = backend.shard_workspace(&prepared, problem, comm.rank(), comm.ranks(), options)?;
+        Ok(ShardedLayer { backend, prepared, ws, comm, io, uploaded: false, timed: None })
+    }
+
+    /// The rank's plan: its hidden passes, steps and buffers.
+    pub fn plan(&self) -> &RankPlan {
+        self.ws.plan()
     }
 
     /// The rows of the first pair index this rank holds.
@@ -109,64 +157,123 @@ impl ShardedLayer {
     /// Uploads this rank's rows of x (f32, rounded to the problem's I/O precision) and mask to
     /// device buffers kept for the next calls.
     pub fn upload(&mut self, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
+        let io = self.ws.problem().io;
+        if io == Precision::F32Io {
+            self.upload_words(HostWords::F32(x), mask)
+        } else {
+            let bits: Vec<u16> = x.par_iter().map(|&v| io.encode_half(v)).collect();
+            self.upload_words(HostWords::Half(&bits), mask)
+        }
+    }
+
+    /// As [`ShardedLayer::upload`], x as the I/O precision holds it (f32 values, or the bits of
+    /// bf16 or f16 ones).
+    pub fn upload_words(&mut self, x: HostWords<'_>, mask: Option<&[f32]>) -> Result<()> {
         let (x_len, mask_len) = (self.x_len(), self.mask_len());
-        let problem = *self.ws.problem();
-        if x.len() != x_len {
-            return Err(Error::Shape(format!(
-                "rank {} holds {x_len} elements of x, {} given",
-                self.comm.rank(),
-                x.len()
+        self.check_upload(&x, x_len, mask, mask_len)?;
+        self.ensure_buffers()?;
+        self.uploaded = false;
+        let stream = self.backend.stream();
+        let io = self.io.as_mut().ok_or_else(|| Error::Internal("no device buffers".into()))?;
+        // SAFETY: the host slices outlive the copies: the stream is synchronised below.
+        unsafe {
+            io.x.upload_host_at(0, x, stream)?;
+            if let (Some(buf), Some(m)) = (io.mask.as_mut(), mask) {
+                buf.upload_host_at(0, HostWords::F32(m), stream)?;
+            }
+        }
+        self.backend.synchronize()?;
+        self.uploaded = true;
+        Ok(())
+    }
+
+    fn check_upload(&self, x: &HostWords<'_>, x_len: usize, mask: Option<&[f32]>, mask_len: usize) -> Result<()> {
+        let problem = self.ws.problem();
+        let (len, half) = match x {
+            HostWords::F32(v) => (v.len(), false),
+            HostWords::Half(v) => (v.len(), true),
+        };
+        if half == (problem.io == Precision::F32Io) {
+            return Err(Error::InvalidArgument(format!(
+                "x as {} words for a problem of {} I/O",
+                if half { "16-bit" } else { "f32" },
+                problem.io
             )));
+        }
+        if len != x_len {
+            return Err(Error::Shape(format!("rank {} holds {x_len} elements of x, {len} given", self.comm.rank())));
         }
         match mask {
             Some(m) if !problem.masked => {
-                return Err(Error::InvalidArgument(format!("a mask of {} elements for an unmasked problem", m.len())))
+                Err(Error::InvalidArgument(format!("a mask of {} elements for an unmasked problem", m.len())))
             }
-            Some(m) if m.len() != mask_len => {
-                return Err(Error::Shape(format!(
-                    "rank {} holds {mask_len} mask elements, {} given",
-                    self.comm.rank(),
-                    m.len()
-                )))
-            }
-            None if problem.masked => {
-                return Err(Error::InvalidArgument("the problem is masked; no mask given".into()))
-            }
-            _ => {}
+            Some(m) if m.len() != mask_len => Err(Error::Shape(format!(
+                "rank {} holds {mask_len} mask elements, {} given",
+                self.comm.rank(),
+                m.len()
+            ))),
+            None if problem.masked => Err(Error::InvalidArgument("the problem is masked; no mask given".into())),
+            _ => Ok(()),
         }
-        let stream = self.backend.stream();
-        let bytes = encode(x, problem.io);
-        let io = match self.io.take() {
-            Some(io) => io,
-            None => RankBuffers {
-                x: self.backend.alloc_buffer(bytes.len())?,
-                mask: if problem.masked { Some(self.backend.alloc_buffer(mask_len)?) } else { None },
-                y: if problem.in_place { None } else { Some(self.backend.alloc_buffer(bytes.len())?) },
-            },
-        };
-        let io = self.io.insert(io);
-        io.x.upload(&bytes, stream)?;
-        if let (Some(buf), Some(m)) = (io.mask.as_mut(), mask) {
-            buf.upload(m, stream)?;
+    }
+
+    /// The host path's device buffers of the rank's x, mask and y (allocated once).
+    fn ensure_buffers(&mut self) -> Result<()> {
+        if self.io.is_none() {
+            let problem = *self.ws.problem();
+            let bytes = self.x_len() * problem.io.io_bytes();
+            self.io = Some(RankBuffers {
+                x: self.backend.alloc_buffer(bytes)?,
+                mask: if problem.masked { Some(self.backend.alloc_buffer(self.mask_len())?) } else { None },
+                y: if problem.in_place { None } else { Some(self.backend.alloc_buffer(bytes)?) },
+            });
         }
         Ok(())
     }
 
     /// The forward of the rows [`ShardedLayer::upload`] put on the device (in place: over them).
     pub fn forward_uploaded(&mut self) -> Result<()> {
-        let io = self.io.as_ref().ok_or_else(|| Error::InvalidArgument("no rows uploaded".into()))?;
+        let io = self
+            .io
+            .as_ref()
+            .filter(|_| self.uploaded)
+            .ok_or_else(|| Error::InvalidArgument("no rows uploaded".into()))?;
         let (x, mask) = (io.x.ptr(), io.mask.as_ref().map_or(0, |m| m.ptr()));
         let y = io.y.as_ref().map_or(x, |y| y.ptr());
-        // SAFETY: the buffers were sized for this rank's rows in `upload` and live in `self`.
+        // SAFETY: the buffers were sized for this rank's rows and live in `self`.
         unsafe { self.forward_device(x, mask, y, 0) }
     }
 
     /// Waits for the forward and returns this rank's rows of y as f32.
     pub fn download(&self) -> Result<Vec<f32>> {
-        let io = self.io.as_ref().ok_or_else(|| Error::InvalidArgument("no rows uploaded".into()))?;
-        let mut bytes = vec![0u8; io.x.len()];
-        io.y.as_ref().unwrap_or(&io.x).download(&mut bytes, self.backend.stream())?;
-        Ok(decode(&bytes, self.ws.problem().io))
+        self.download_positions(0..self.mask_len())
+    }
+
+    /// Waits for the forward and returns y at this rank's local positions `positions` (its
+    /// rows one after another, `[B, r, N]`), `[positions, C]` as f32.
+    pub fn download_positions(&self, positions: Range<usize>) -> Result<Vec<f32>> {
+        let io = self
+            .io
+            .as_ref()
+            .filter(|_| self.uploaded)
+            .ok_or_else(|| Error::InvalidArgument("no rows uploaded".into()))?;
+        if positions.end > self.mask_len() || positions.start > positions.end {
+            return Err(Error::Shape(format!("positions {positions:?} of a rank holding {}", self.mask_len())));
+        }
+        let problem = self.ws.problem();
+        let (c, width) = (problem.config.c, problem.io.io_bytes());
+        let (offset, len) = ((positions.start * c * width) as u64, positions.len() * c);
+        let y = io.y.as_ref().unwrap_or(&io.x);
+        let stream = self.backend.stream();
+        if problem.io == Precision::F32Io {
+            let mut out = vec![0f32; len];
+            y.download_host_at(offset, HostWordsMut::F32(&mut out), stream)?;
+            Ok(out)
+        } else {
+            let mut bits = vec![0u16; len];
+            y.download_host_at(offset, HostWordsMut::Half(&mut bits), stream)?;
+            Ok(bits.par_iter().map(|&b| problem.io.decode_half(b)).collect())
+        }
     }
 
     /// Enqueues the forward of the uploaded rows between two events on this rank's stream
@@ -189,26 +296,6 @@ impl ShardedLayer {
     }
 }
 
-fn encode(x: &[f32], io: Precision) -> Vec<u8> {
-    let width = io.io_bytes();
-    let mut out = vec![0u8; x.len() * width];
-    out.par_chunks_mut(width).zip(x.par_iter()).for_each(|(o, &v)| match io {
-        Precision::F32Io => o.copy_from_slice(&v.to_le_bytes()),
-        _ => o.copy_from_slice(&io.encode_half(v).to_le_bytes()),
-    });
-    out
-}
-
-fn decode(bytes: &[u8], io: Precision) -> Vec<f32> {
-    bytes
-        .par_chunks_exact(io.io_bytes())
-        .map(|b| match io {
-            Precision::F32Io => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-            _ => io.decode_half(u16::from_le_bytes([b[0], b[1]])),
-        })
-        .collect()
-}
-
 /// Every rank of a sharded forward on the GPUs of this host, in one process (one thread per
 /// GPU while a forward runs).
 pub struct ShardedGroup {
@@ -218,21 +305,40 @@ pub struct ShardedGroup {
 
 impl ShardedGroup {
     /// A sharded forward of `problem` over `gpus` (CUDA device numbers, rank order), with
-    /// `weights` prepared on each.
+    /// `weights` prepared on each, each rank's plan the widest that fits its GPU.
     ///
     /// `TRIMUL_SHARD_CHUNK_MATRICES` sets how many of the `B·H` matrices each exchange step moves
     /// (default [`CHUNK_MATRICES`]), to measure others.
     pub fn on_local_gpus(weights: &Weights, problem: &Problem, gpus: &[usize]) -> Result<Self> {
-        problem.validate()?;
         let chunk = std::env::var("TRIMUL_SHARD_CHUNK_MATRICES")
             .ok()
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(CHUNK_MATRICES);
+        Self::with_options(weights, problem, gpus, ShardOptions { chunk_matrices: chunk, ..ShardOptions::default() })
+    }
+
+    /// As [`ShardedGroup::on_local_gpus`] with the plan's choices `options` fixed (the same
+    /// for every rank).
+    pub fn with_options(weights: &Weights, problem: &Problem, gpus: &[usize], options: ShardOptions) -> Result<Self> {
+        problem.validate()?;
         let comms = Communicator::for_local_gpus(gpus)?;
-        let layers = comms
+        let layers: Vec<ShardedLayer> = comms
             .into_iter()
-            .map(|comm| ShardedLayer::with_chunk_matrices(weights, problem, comm, chunk))
+            .map(|comm| ShardedLayer::for_uploads(weights, problem, comm, options))
             .collect::<Result<_>>()?;
+        // Every rank must run the same passes and steps (the exchanges pair up call by call):
+        // GPUs with different free memory could plan differently.
+        if let Some(l) = layers
+            .iter()
+            .find(|l| (l.plan().pass, l.plan().output_rows) != (layers[0].plan().pass, layers[0].plan().output_rows))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "rank {} planned {} but rank 0 {}: fix the plan with ShardOptions",
+                l.comm.rank(),
+                l.plan().describe(),
+                layers[0].plan().describe()
+            )));
+        }
         Ok(ShardedGroup { layers, problem: *problem })
     }
 
@@ -262,7 +368,7 @@ impl ShardedGroup {
                 layer.comm.rank()
             )));
         }
-        if let Some(layer) = self.layers.iter().find(|l| l.io.is_none()) {
+        if let Some(layer) = self.layers.iter().find(|l| !l.uploaded) {
             return Err(Error::InvalidArgument(format!("rank {} has no rows uploaded", layer.comm.rank())));
         }
         let enqueued = self.on_every_rank(enqueue);
@@ -278,9 +384,26 @@ impl ShardedGroup {
 
     /// Uploads each rank's rows of the whole `x` (`[B, N, N, C]` f32) and `mask` (`[B, N, N]`).
     pub fn upload(&mut self, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
+        let io = self.problem.io;
+        if io == Precision::F32Io {
+            self.upload_words(HostWords::F32(x), mask)
+        } else {
+            let bits: Vec<u16> = x.par_iter().map(|&v| io.encode_half(v)).collect();
+            self.upload_words(HostWords::Half(&bits), mask)
+        }
+    }
+
+    /// As [`ShardedGroup::upload`], the whole x as the I/O precision holds it (f32 values, or
+    /// the bits of bf16 or f16 ones): at N = 16384 in bf16, 64 GiB of host memory, which the
+    /// f32 form would double.
+    pub fn upload_words(&mut self, x: HostWords<'_>, mask: Option<&[f32]>) -> Result<()> {
         let p = self.problem;
-        if x.len() != p.x_len() {
-            return Err(Error::Shape(format!("x has {} elements, the problem {}", x.len(), p.x_len())));
+        let len = match x {
+            HostWords::F32(v) => v.len(),
+            HostWords::Half(v) => v.len(),
+        };
+        if len != p.x_len() {
+            return Err(Error::Shape(format!("x has {len} elements, the problem {}", p.x_len())));
         }
         if let Some(m) = mask.filter(|m| m.len() != p.mask_len()) {
             return Err(Error::Shape(format!("the mask has {} elements, the problem {}", m.len(), p.mask_len())));
@@ -288,16 +411,51 @@ impl ShardedGroup {
         let (b, n, c) = (p.shape.batch, p.shape.n, p.config.c);
         for layer in &mut self.layers {
             let rows = layer.rows();
-            let pick = |v: &[f32], width: usize| -> Vec<f32> {
-                (0..b)
-                    .flat_map(|bi| {
-                        v[(bi * n + rows.start) * n * width..(bi * n + rows.end) * n * width].iter().copied()
-                    })
-                    .collect()
-            };
-            layer.upload(&pick(x, c), mask.map(|m| pick(m, 1)).as_deref())?;
+            let span = |bi: usize, width: usize| (bi * n + rows.start) * n * width..(bi * n + rows.end) * n * width;
+            if b == 1 {
+                // The rank's rows are one contiguous run: no copy.
+                let xs = match x {
+                    HostWords::F32(v) => HostWords::F32(&v[span(0, c)]),
+                    HostWords::Half(v) => HostWords::Half(&v[span(0, c)]),
+                };
+                layer.upload_words(xs, mask.map(|m| &m[span(0, 1)]))?;
+            } else {
+                let pick_mask = mask.map(|m| (0..b).flat_map(|bi| m[span(bi, 1)].to_vec()).collect::<Vec<f32>>());
+                match x {
+                    HostWords::F32(v) => {
+                        let xs: Vec<f32> = (0..b).flat_map(|bi| v[span(bi, c)].to_vec()).collect();
+                        layer.upload_words(HostWords::F32(&xs), pick_mask.as_deref())?;
+                    }
+                    HostWords::Half(v) => {
+                        let xs: Vec<u16> = (0..b).flat_map(|bi| v[span(bi, c)].to_vec()).collect();
+                        layer.upload_words(HostWords::Half(&xs), pick_mask.as_deref())?;
+                    }
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Enqueues the forward of the uploaded rows on every rank (see [`ShardedGroup::forward`]).
+    pub fn forward_uploaded(&mut self) -> Result<()> {
+        self.enqueue_on_every_rank()
+    }
+
+    /// Waits for the forwards and returns y's row `i` of batch `b` (`[N, C]` f32) from the
+    /// rank that holds it.
+    pub fn y_row(&self, b: usize, i: usize) -> Result<Vec<f32>> {
+        let n = self.problem.shape.n;
+        if b >= self.problem.shape.batch || i >= n {
+            return Err(Error::Shape(format!("row {i} of batch {b} of B = {}, N = {n}", self.problem.shape.batch)));
+        }
+        let layer = self
+            .layers
+            .iter()
+            .find(|l| l.rows().contains(&i))
+            .ok_or_else(|| Error::Internal(format!("no rank holds row {i}")))?;
+        let rows = layer.rows();
+        let first = (b * rows.len() + i - rows.start) * n;
+        layer.download_positions(first..first + n)
     }
 
     /// One forward of the whole x and mask; returns the whole y (`[B, N, N, C]` f32, rounded

@@ -132,37 +132,44 @@ impl GemmSpec {
         GemmSpec { batch, stride_a: s, stride_b: s, stride_d: s, ..self }
     }
 
-    /// One rank's contraction on a row-sharded pair tensor (`plan::shard`), for `batch`
-    /// consecutive matrices of the `[B, H, N, N]` left, right and t (stride N²), the rank
-    /// holding rows `rows` of the first pair index:
+    /// One rank's contraction GEMM for one exchange step of `count` matrices on a row-sharded
+    /// pair tensor (`plan::shard`), every operand in the compact layout: a rank's rows of a matrix,
+    /// `[rows, N]` row-major, the step's matrices one after another. The rank holds `own` rows;
+    /// `block` is rank p's rows (global indices):
     ///
-    /// - outgoing: the block `cols` of its rows of t, `T[i ∈ rows, j ∈ cols] = Σ_k L[i, k]·R[j, k]`,
-    ///   from its rows of left and the rows `cols` of right (its own, or gathered from a peer);
-    /// - incoming (`cols` is ignored): a partial t over its rows of the contracted index for
-    ///   every `(i, j)`, `T[i, j] = Σ_{k ∈ rows} L[k, i]·R[k, j]`, which the ranks then sum by
-    ///   row blocks.
+    /// - outgoing: the column block `block` of the rank's rows of t,
+    ///   `T[i, j ∈ block] = Σ_k L[i, k]·R_p[j, k]`, from its rows of left (`[own, N]`) and p's
+    ///   rows of right (`[|block|, N]`), into its t (`[own, N]`, starting at column
+    ///   `block.start`);
+    /// - incoming: p's rows of the partial t over the rank's rows of the contracted index,
+    ///   `T_p[i ∈ block, j] = Σ_{k ∈ own} L[k, i]·R[k, j]`, from its rows of left and right
+    ///   (`[own, N]` each, left read from column `block.start`), into a `[|block|, N]` matrix.
     ///
-    /// Returns the spec and the element offsets of A (= right), B (= left) and D (= t) within
-    /// each matrix.
+    /// Returns the spec and the element offsets of A (= right), B (= left) and D (= t) from
+    /// the step's first matrix of each.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA sharded forward's
-    pub fn shard_contraction(
+    pub fn shard_step(
         direction: Direction,
         n: usize,
-        rows: std::ops::Range<usize>,
-        cols: std::ops::Range<usize>,
-        batch: usize,
+        own: usize,
+        block: std::ops::Range<usize>,
+        count: usize,
     ) -> (Self, [usize; 3]) {
-        let (r0, r) = (rows.start, rows.len());
-        match direction {
-            Direction::Outgoing => {
-                let spec = GemmSpec::row_major(r, cols.len(), n, (false, n), (true, n), n).batched(batch, n * n);
-                (spec, [cols.start * n, r0 * n, r0 * n + cols.start])
-            }
-            Direction::Incoming => {
-                let spec = GemmSpec::row_major(n, n, r, (true, n), (false, n), n).batched(batch, n * n);
-                (spec, [r0 * n, r0 * n, 0])
-            }
-        }
+        let p = block.len();
+        let (spec, strides, offsets) = match direction {
+            Direction::Outgoing => (
+                GemmSpec::row_major(own, p, n, (false, n), (true, n), n),
+                [p * n, own * n, own * n],
+                [0, 0, block.start],
+            ),
+            Direction::Incoming => (
+                GemmSpec::row_major(p, n, own, (true, n), (false, n), n),
+                [own * n, own * n, p * n],
+                [0, block.start, 0],
+            ),
+        };
+        let [a, b, d] = if count > 1 { strides } else { [0; 3] };
+        (GemmSpec { batch: count, stride_a: a, stride_b: b, stride_d: d, ..spec }, offsets)
     }
 
     /// Rows and columns of A and B as stored (column-major), for layout descriptors.
@@ -257,37 +264,50 @@ mod tests {
         }
     }
 
-    /// Every rank's piece of a sharded contraction (uneven splits, both directions) puts
-    /// together the whole one: outgoing, each rank's rows of t; incoming, the sum of every
-    /// rank's partial t.
+    /// Every rank's pieces of a sharded contraction in the compact layout (uneven splits, both
+    /// directions) put together the whole one: outgoing, each rank's rows of t from its column
+    /// blocks; incoming, the sum over ranks of each rank's partial rows.
     #[test]
-    fn shard_contractions_put_together_the_whole() {
+    fn shard_steps_put_together_the_whole() {
         let (bh, n) = (2, 7);
         let mut r = Rng::new(5);
         let left = r.normal_vec(bh * n * n, 1.0);
         let right = r.normal_vec(bh * n * n, 1.0);
+        // A rank's rows of every matrix, one matrix after another.
+        let compact = |v: &[f32], rows: &std::ops::Range<usize>| -> Vec<f32> {
+            (0..bh).flat_map(|s| v[s * n * n + rows.start * n..s * n * n + rows.end * n].to_vec()).collect()
+        };
         for dir in [Direction::Outgoing, Direction::Incoming] {
             let mut whole = vec![0f32; bh * n * n];
             GemmSpec::contraction(dir, bh, n).run_host(&right, &left, &mut whole);
             let mut pieced = vec![0f32; bh * n * n];
             let split = crate::plan::shard::row_split(n, 3).unwrap();
             for rows in split.clone() {
-                let mut t = vec![f32::NAN; bh * n * n];
-                // Outgoing: one GEMM per column block (each rank's rows of right).
-                let blocks: Vec<std::ops::Range<usize>> =
-                    if dir == Direction::Outgoing { split.clone() } else { std::iter::once(0..n).collect() };
-                for cols in blocks {
-                    let (spec, [oa, ob, od]) = GemmSpec::shard_contraction(dir, n, rows.clone(), cols, bh);
-                    spec.run_host(&right[oa..], &left[ob..], &mut t[od..]);
-                }
-                for s in 0..bh {
-                    for i in 0..n {
-                        for j in 0..n {
-                            let at = s * n * n + i * n + j;
-                            match dir {
-                                Direction::Outgoing if rows.contains(&i) => pieced[at] = t[at],
-                                Direction::Outgoing => assert!(t[at].is_nan(), "rank {rows:?} wrote row {i}"),
-                                Direction::Incoming => pieced[at] += t[at],
+                let (l, rr) = (compact(&left, &rows), compact(&right, &rows));
+                for block in split.clone() {
+                    let (spec, [oa, ob, od]) = GemmSpec::shard_step(dir, n, rows.len(), block.clone(), bh);
+                    match dir {
+                        Direction::Outgoing => {
+                            let mut t = vec![f32::NAN; bh * rows.len() * n];
+                            spec.run_host(&compact(&right, &block)[oa..], &l[ob..], &mut t[od..]);
+                            for s in 0..bh {
+                                for (li, i) in rows.clone().enumerate() {
+                                    for j in block.clone() {
+                                        pieced[s * n * n + i * n + j] = t[(s * rows.len() + li) * n + j];
+                                    }
+                                }
+                            }
+                        }
+                        Direction::Incoming => {
+                            let mut t = vec![f32::NAN; bh * block.len() * n];
+                            spec.run_host(&rr[oa..], &l[ob..], &mut t[od..]);
+                            assert!(t.iter().all(|v| v.is_finite()), "every element of the block written");
+                            for s in 0..bh {
+                                for (bi, i) in block.clone().enumerate() {
+                                    for j in 0..n {
+                                        pieced[s * n * n + i * n + j] += t[(s * block.len() + bi) * n + j];
+                                    }
+                                }
                             }
                         }
                     }

@@ -101,7 +101,10 @@ pub struct CommonParams {
     k_pad: i32,
     h_pad: i32,
     g_pad: i32,
-    reserved: i32,
+    /// Rows of each `N × N` matrix of left, right and t the buffers hold (0: all N): a rank's
+    /// rows in the sharded forward, its pointers moved back by its first row (`common/params.h`).
+    /// The fused CUDA kernels read it; every other kernel needs 0.
+    mat_rows: i32,
 }
 
 /// Mirror of `TmInputParams` in `common/params.h`: the common part and the input stage's buffers.
@@ -171,7 +174,7 @@ pub fn field_offsets() -> Vec<(&'static str, &'static str, usize)> {
     }
     let mut v = fields! {
         "TmParams", CommonParams, x, mask, y, norm_in_w, norm_in_b, norm_out_w, norm_out_b, w_in, w_in_bias, w_out,
-        out_bias, row0, rows, batch, n, c, h, g, formulation, eps, io_dtype, k_pad, h_pad, g_pad, reserved
+        out_bias, row0, rows, batch, n, c, h, g, formulation, eps, io_dtype, k_pad, h_pad, g_pad, mat_rows
     };
     v.extend(fields! {
         "TmInputParams", InputParams, z, proj, proj_bias, left, right, gate, buf_row0, proj_h, proj_g, tile_rows,
@@ -223,7 +226,7 @@ impl CommonParams {
             k_pad: 0,
             h_pad: 0,
             g_pad: 0,
-            reserved: 0,
+            mat_rows: 0,
         })
     }
 
@@ -251,6 +254,14 @@ impl CommonParams {
     #[cfg_attr(not(feature = "rocm"), allow(dead_code))] // HIP's input_projection
     pub fn with_input_weights(self, w: u64) -> Result<Self> {
         Ok(CommonParams { w_in: w, w_in_bias: 0, k_pad: self.c, h_pad: self.h, g_pad: self.g, ..self })
+    }
+
+    /// The same with left, right and t holding `rows` rows of each `N × N` matrix (the sharded
+    /// forward's compact buffers: the caller moves their pointers back by the first row's
+    /// `r0·N` elements).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA sharded forward's
+    pub fn with_matrix_rows(self, rows: usize) -> Result<Self> {
+        Ok(CommonParams { mat_rows: to_i32(rows, "rows of a rank's matrices")?, ..self })
     }
 
     /// The formulation [`CommonParams::new`] was given.

@@ -2,7 +2,6 @@
 //! the grouped in-place broadcasts and reductions the sharded forward enqueues.
 
 use std::ffi::CStr;
-use std::ops::Range;
 
 use cudarc::driver::sys::CUstream;
 use cudarc::nccl::{result as nc, sys};
@@ -164,28 +163,24 @@ impl Communicator {
         self.device
     }
 
-    /// Enqueues, in one NCCL group on `stream`, for every f16 buffer in `matrices` and every
-    /// rank `r`: the halves `blocks[r]` (element offsets within each buffer) broadcast in place
-    /// from rank `r` to all ranks. Every rank must make the same call with the same blocks.
+    /// Enqueues, in one NCCL group on `stream`, one broadcast of f16 elements per entry of
+    /// `transfers`: `count` halves from `send` on rank `root` to `recv` on every rank (on the root
+    /// itself too; `send == recv` there is in place). Every rank must make the same call with the
+    /// same roots and counts, in the same order.
     ///
     /// # Safety
-    /// Every buffer holds at least `blocks[r].end` halves on this rank's device; they stay alive
-    /// until the stream has run the group.
-    pub(crate) unsafe fn broadcast_blocks(
-        &mut self,
-        matrices: impl Iterator<Item = u64>,
-        blocks: &[Range<usize>],
-        stream: CUstream,
-    ) -> Result<()> {
-        self.grouped("ncclBroadcast", matrices, blocks, |comm, ptr, count, root| {
-            // SAFETY: as the caller guarantees; in place (send = receive buffer) is allowed.
+    /// On the root `send` holds `count` halves, on every rank `recv` has room for them, on this
+    /// rank's device; they stay alive until the stream has run the group.
+    pub(crate) unsafe fn broadcast(&mut self, transfers: &[Transfer], stream: CUstream) -> Result<()> {
+        self.grouped("ncclBroadcast", transfers, |comm, t| {
+            // SAFETY: as the caller guarantees.
             unsafe {
                 nc::broadcast(
-                    ptr,
-                    ptr,
-                    count,
+                    t.send as *const std::ffi::c_void,
+                    t.recv as *mut std::ffi::c_void,
+                    t.count,
                     sys::ncclDataType_t::ncclFloat16,
-                    root,
+                    t.root as i32,
                     comm,
                     stream as sys::cudaStream_t,
                 )
@@ -193,28 +188,25 @@ impl Communicator {
         })
     }
 
-    /// Enqueues, in one NCCL group on `stream`, for every f16 buffer in `matrices` and every
-    /// rank `r`: the sum over ranks of the halves `blocks[r]`, written in place on rank `r`
-    /// (the other ranks' copies are only read). Every rank must make the same call.
+    /// Enqueues, in one NCCL group on `stream`, one sum of f16 elements per entry of `transfers`:
+    /// the `count` halves at `send` summed over every rank into `recv` on rank `root` (`recv` is
+    /// only written there; `send == recv` on the root is in place). Every rank must make the
+    /// same call with the same roots and counts, in the same order.
     ///
     /// # Safety
-    /// As [`Communicator::broadcast_blocks`].
-    pub(crate) unsafe fn sum_blocks_to_owners(
-        &mut self,
-        matrices: impl Iterator<Item = u64>,
-        blocks: &[Range<usize>],
-        stream: CUstream,
-    ) -> Result<()> {
-        self.grouped("ncclReduce", matrices, blocks, |comm, ptr, count, root| {
-            // SAFETY: as the caller guarantees; in place at the root is allowed.
+    /// As [`Communicator::broadcast`], with `send` holding `count` halves on every rank and
+    /// `recv` room for them on the root.
+    pub(crate) unsafe fn sum_to_roots(&mut self, transfers: &[Transfer], stream: CUstream) -> Result<()> {
+        self.grouped("ncclReduce", transfers, |comm, t| {
+            // SAFETY: as the caller guarantees.
             unsafe {
                 nc::reduce(
-                    ptr,
-                    ptr,
-                    count,
+                    t.send as *const std::ffi::c_void,
+                    t.recv as *mut std::ffi::c_void,
+                    t.count,
                     sys::ncclDataType_t::ncclFloat16,
                     sys::ncclRedOp_t::ncclSum,
-                    root,
+                    t.root as i32,
                     comm,
                     stream as sys::cudaStream_t,
                 )
@@ -225,14 +217,8 @@ impl Communicator {
     fn grouped(
         &mut self,
         call: &str,
-        matrices: impl Iterator<Item = u64>,
-        blocks: &[Range<usize>],
-        mut op: impl FnMut(
-            sys::ncclComm_t,
-            *mut std::ffi::c_void,
-            usize,
-            i32,
-        ) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
+        transfers: &[Transfer],
+        mut op: impl FnMut(sys::ncclComm_t, &Transfer) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
     ) -> Result<()> {
         if self.aborted {
             return Err(Error::InvalidArgument(format!(
@@ -240,18 +226,15 @@ impl Communicator {
                 self.rank
             )));
         }
-        if blocks.len() != self.ranks {
-            return Err(Error::Internal(format!("{} row blocks for {} ranks", blocks.len(), self.ranks)));
+        if let Some(t) = transfers.iter().find(|t| t.root >= self.ranks) {
+            return Err(Error::Internal(format!("{call} from rank {} of {} ranks", t.root, self.ranks)));
         }
         nc::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
         let mut first_err = None;
-        'all: for base in matrices {
-            for (root, block) in blocks.iter().enumerate() {
-                let ptr = (base + 2 * block.start as u64) as *mut std::ffi::c_void;
-                if let Err(e) = op(self.comm, ptr, block.len(), root as i32) {
-                    first_err = Some(nccl_err(call, e));
-                    break 'all;
-                }
+        for t in transfers {
+            if let Err(e) = op(self.comm, t) {
+                first_err = Some(nccl_err(call, e));
+                break;
             }
         }
         // The group is closed whatever happened inside it, so NCCL is never left mid-group.
@@ -261,6 +244,16 @@ impl Communicator {
             None => end.map(|_| ()),
         }
     }
+}
+
+/// One broadcast or reduction of [`Communicator::broadcast`] and [`Communicator::sum_to_roots`]:
+/// device addresses on this rank, a count of f16 elements and the root rank.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Transfer {
+    pub send: u64,
+    pub recv: u64,
+    pub count: usize,
+    pub root: usize,
 }
 
 impl Drop for Communicator {

@@ -1,41 +1,35 @@
-//! Row-sharded forwards across GPUs (issue 29): the row split, the exchange's row blocks and
-//! chunks the CUDA sharded forward runs (`backend/cuda/shard.rs`), and the memory arithmetic of
-//! the design for long N (compact row buffers and hidden passes, not built yet).
-//!
-//! What runs today: outgoing gathers right by in-place broadcasts of each rank's row blocks;
-//! incoming sums each rank's partial t to the owner of each row block (an f16 reduction), the
-//! [`IncomingExchange::ReduceScatter`] way with 16-bit partials. The ring and the gather below
-//! are design.
+//! Row-sharded forwards across GPUs (issue 29): the row split, and the plan one rank of the CUDA
+//! sharded forward (`backend/cuda/shard.rs`) runs: its buffers, hidden passes and exchange steps,
+//! chosen to fit its memory.
 //!
 //! Each of `R` ranks holds rows `i ∈ [r0, r1)` of x (and receives the same rows of y): for every
-//! batch, `(r1 − r0)·N` positions. Its input stage makes left and right for those positions only.
-//! The contraction needs more than a rank's own rows:
+//! batch, `r·N` positions (`r = r1 − r0`). Its input stage makes left and right for those
+//! positions only, and it keeps only its own rows of each `N × N` matrix of left, right and t
+//! (`[B, channels, r, N]`: the kernels' `mat_rows`). The contraction needs more:
 //!
 //! - **outgoing**, `t[b,i,j,h] = Σ_k left[b,i,k,h]·right[b,j,k,h]`: the rank's rows of t need its
-//!   own rows of left and *every* rank's rows of right. Per hidden pass of `hc` channels the
-//!   rank gathers the others' right (`B·N·N·hc` halves in all, its own rows among them) and
-//!   computes t's column block of each peer as that peer's rows arrive (a ring overlaps the
-//!   transfer of one block with the GEMM of another).
+//!   own rows of left and *every* rank's rows of right. Each rank broadcasts its rows of right,
+//!   chunk by chunk of matrices, into the others' exchange buffers; the GEMM of the rank's own
+//!   column block needs no exchange and runs first, each peer's block once its rows are in.
 //! - **incoming**, `t[b,i,j,h] = Σ_k left[b,k,i,h]·right[b,k,j,h]`: the sum runs over the *first*
-//!   index, the one the ranks split. A rank can form the partial sum over its own `k` for every
-//!   `(i, j)` and the ranks then reduce-scatter those partials by rows of `i`
-//!   ([`IncomingExchange::ReduceScatter`]); or it gathers every rank's right and the column
-//!   block `left[k, i ∈ own]` of every peer, and sums locally ([`IncomingExchange::Gather`]).
+//!   index, the one the ranks split. Each rank forms the partial sum over its own `k` for every
+//!   `(i, j)`, the owner's row block of it straight into its t and every peer's block into the
+//!   exchange buffer, and each block is then summed into its owner's t (an f16 reduction: one
+//!   more rounding per rank than on one GPU).
 //!
-//! The output stage needs all H channels of t at a position and nothing from other positions:
-//! it stays local, over row chunks, with the gate recomputed from x (so in-place mode works per
-//! rank as on one GPU).
-//!
-//! What a rank holds ([`RankMemory`]): its rows of x, mask and y (x alone in place); its rows of
-//! t for every hidden channel (t must be complete before LN_H); and per hidden pass, per channel,
-//! its own left and right rows and the exchanged operand. The widest pass that fits a rank's
-//! budget is [`RankMemory::widest_pass`]. `docs/multi-gpu.md` works the numbers through for
-//! N = 16384 on two 80 GB H100s.
+//! Either way a rank holds, per hidden channel of a pass, its own rows of left and right and
+//! the other ranks' rows of one matrix (`(N + r)·N` halves), and t of every channel for its own
+//! rows (`H·r·N` halves: t must be whole before LN_H). The output stage needs nothing from other
+//! positions: it stays local, with the gate stored by the input stage when it fits, or else
+//! made again from x per row chunk (so in-place mode works per rank as on one GPU).
+//! [`RankPlan::new`] picks the widest pass that fits a rank's memory; `docs/multi-gpu.md` works
+//! the numbers through for N = 16384 on two 80 GB H100s.
 
 use std::ops::Range;
 
+use super::budget::widest_hidden_chunk;
 use crate::error::{Error, Result};
-use crate::problem::{Direction, Problem};
+use crate::problem::Problem;
 
 /// The rows of the first pair index `i` each of `ranks` ranks holds: as even as possible, the
 /// first `n % ranks` ranks one row more.
@@ -55,136 +49,212 @@ pub fn row_split(n: usize, ranks: usize) -> Result<Vec<Range<usize>>> {
         .collect())
 }
 
-/// Each rank's rows as element offsets within one `N × N` matrix of the `[B, H, N, N]`
-/// intermediates: rows `[r0, r1)` are the contiguous halves `[r0·N, r1·N)`, the unit every
-/// exchange moves.
-pub fn matrix_blocks(split: &[Range<usize>], n: usize) -> Vec<Range<usize>> {
-    split.iter().map(|r| r.start * n..r.end * n).collect()
-}
-
-/// Matrices of the `[B, H, N, N]` intermediates per step of the sharded forward's pipeline (by
-/// default): the chunks' exchanges run on the communication stream under GEMMs on the compute
-/// stream (outgoing: under the GEMMs against the rank's own rows; incoming: one chunk's sums
-/// under the next chunk's GEMM).
+/// Matrices per exchange step of the sharded forward's pipeline (by default): the steps'
+/// exchanges run on the communication stream under GEMMs on the compute stream (outgoing:
+/// under the GEMMs of the rank's own column block; incoming: one step's sums under the next
+/// step's GEMMs).
 pub const CHUNK_MATRICES: usize = 8;
 
-/// The pipeline's chunks of the `matrices = B·H` matrices, `per_chunk` each (the last one
-/// fewer), in order.
-pub fn matrix_chunks(matrices: usize, per_chunk: usize) -> Vec<Range<usize>> {
-    let per_chunk = per_chunk.max(1);
-    (0..matrices).step_by(per_chunk).map(|m0| m0..(m0 + per_chunk).min(matrices)).collect()
-}
+/// Hidden passes are chosen in multiples of this many channels (fewer only when H is).
+pub const PASS_STEP: usize = 8;
 
-/// What one rank of today's sharded forward (`backend::cuda`, one pass, every buffer of the
-/// contraction full size) holds besides the caller's x, mask and y, in bytes: left, right and
-/// t as `[B, H, N, N]` f16 each (the gathered operand and the partial sums need every row; the
-/// rank's own rows alone are a third of that), and the output gate of its own positions.
-/// Narrower hidden passes over compact row buffers ([`RankMemory`]) are what N = 16384 needs.
-pub fn full_buffers_bytes(problem: &Problem, rows: &Range<usize>) -> u64 {
-    let (b, n) = (problem.shape.batch as u64, problem.shape.n as u64);
-    let matrices = b * problem.config.h as u64 * n * n;
-    let gate = b * rows.len() as u64 * n * problem.config.gate_width() as u64;
-    (3 * matrices + gate) * 2
-}
+/// Positions per output-stage chunk (at most) when the gate is made again from x.
+pub const OUTPUT_ROWS: usize = 1 << 20;
 
-/// How the incoming direction exchanges its operands (see the module docs).
+/// What a caller may fix in a rank's plan instead of leaving it to the memory it has (every
+/// rank must be given the same).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum IncomingExchange {
-    /// Partial t over the rank's own `k` for every `(i, j)` of a pass, reduce-scattered by rows;
-    /// the partials in f32 (`4` bytes) or 16 bits (`2`: one more rounding per rank).
-    ReduceScatter {
-        /// Bytes per element of the partial sums.
-        partial_bytes: usize,
-    },
-    /// Every rank's right and every peer's column block of left gathered, summed locally.
-    Gather,
+pub struct ShardOptions {
+    /// Matrices per exchange step ([`CHUNK_MATRICES`] by default).
+    pub chunk_matrices: usize,
+    /// Hidden channels per pass (`None`: the widest that fits).
+    pub hidden_pass: Option<usize>,
+    /// `Some(rows)`: the output stage per chunk of `rows` positions with the gate made again
+    /// from x, even where the stored gate would fit (`None`: stored when it fits).
+    pub output_rows: Option<usize>,
 }
 
-/// What one rank holds for a sharded forward (bytes).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct RankMemory {
-    /// Its rows of x, the mask (f32) and y (x alone in place).
-    pub io: u64,
-    /// Its rows of t, every hidden channel, f16.
-    pub t: u64,
-    /// Per hidden channel of one pass: its left and right rows (f16) and the exchanged operand.
-    pub per_channel: u64,
-    /// Bytes moved into this rank per hidden channel (what the link carries for it).
-    pub received_per_channel: u64,
+impl Default for ShardOptions {
+    fn default() -> Self {
+        ShardOptions { chunk_matrices: CHUNK_MATRICES, hidden_pass: None, output_rows: None }
+    }
 }
 
-impl RankMemory {
-    /// What the rank holding `rows` of `problem` (the global problem: its N, C, H, I/O
-    /// precision, direction and in-place flag) holds among `ranks` ranks.
-    pub fn of(problem: &Problem, rows: Range<usize>, ranks: usize, incoming: IncomingExchange) -> RankMemory {
-        let (b, n) = (problem.shape.batch as u64, problem.shape.n as u64);
-        let (c, h) = (problem.config.c as u64, problem.config.h as u64);
-        let r = (rows.end - rows.start) as u64;
-        let own = b * r * n; // positions this rank holds
-        let all = b * n * n;
-        let io_elem = problem.io.io_bytes() as u64;
-        let mask = if problem.masked { own * 4 } else { 0 };
-        let io = own * c * io_elem * if problem.in_place { 1 } else { 2 } + mask;
-        let t = own * h * 2;
-        let lr = 2 * own * 2; // its left and right rows, f16
-        let peers = ranks.saturating_sub(1) as u64;
-        let (per_channel, received_per_channel) = match problem.direction {
-            // Its left rows, and right for every row (its own among them).
-            Direction::Outgoing => (own * 2 + all * 2, (all - own) * 2),
-            Direction::Incoming => match incoming {
-                IncomingExchange::ReduceScatter { partial_bytes } => {
-                    let pb = partial_bytes as u64;
-                    // Partials of every (i, j): the peers' rows of them leave, its own arrive
-                    // from each peer.
-                    (lr + all * pb, peers * own * pb)
-                }
-                IncomingExchange::Gather => {
-                    // Right for every row, and left's column block of its own i from each peer.
-                    let left_cols = peers * b * r * r * 2;
-                    (lr + (all - own) * 2 + left_cols, (all - own) * 2 + left_cols)
-                }
-            },
+/// One exchange step of a pass: batch `b`'s channels `channels` (relative to the pass's first).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// The batch.
+    pub b: usize,
+    /// The step's channels, counted from the pass's first.
+    pub channels: Range<usize>,
+}
+
+/// The plan of one rank of a sharded forward: the global problem, the rows of every rank, the
+/// hidden passes and how the output stage gets its gate. Element counts are of f16 buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankPlan {
+    /// Every rank's rows of the first pair index ([`row_split`]).
+    pub split: Vec<Range<usize>>,
+    /// This rank.
+    pub rank: usize,
+    /// B of the global problem.
+    pub b: usize,
+    /// N of the global problem.
+    pub n: usize,
+    /// H of the global problem.
+    pub h: usize,
+    /// The output gate's width G (H for gpumode, C for af3).
+    pub g: usize,
+    /// Hidden channels per pass (the last pass may have fewer).
+    pub pass: usize,
+    /// Matrices per exchange step.
+    pub chunk: usize,
+    /// `None`: the gate of every own position, stored by the last pass's input stage;
+    /// `Some(rows)`: the output stage per chunk of at most `rows` positions, each with its gate
+    /// made again from x first.
+    pub output_rows: Option<usize>,
+}
+
+impl RankPlan {
+    /// The plan for rank `rank` of `ranks` of `problem` (the global problem: every row), whose
+    /// buffers ([`RankPlan::bytes`]) must fit `budget` bytes: the stored gate and one pass if
+    /// they fit, else the gate made again per row chunk and the widest pass that fits.
+    pub fn new(problem: &Problem, ranks: usize, rank: usize, options: ShardOptions, budget: u64) -> Result<RankPlan> {
+        let split = row_split(problem.shape.n, ranks)?;
+        if rank >= ranks {
+            return Err(Error::InvalidArgument(format!("rank {rank} of a communicator of {ranks} ranks")));
+        }
+        let h = problem.config.h;
+        let plan = |pass: usize, output_rows: Option<usize>| RankPlan {
+            split: split.clone(),
+            rank,
+            b: problem.shape.batch,
+            n: problem.shape.n,
+            h,
+            g: problem.config.gate_width(),
+            pass,
+            chunk: options.chunk_matrices.max(1),
+            output_rows,
         };
-        RankMemory { io, t, per_channel, received_per_channel }
+        if let Some(pass) = options.hidden_pass {
+            if pass == 0 || pass > h {
+                return Err(Error::InvalidArgument(format!("hidden passes of {pass} channels for H = {h}")));
+            }
+        }
+        if let Some(0) = options.output_rows {
+            return Err(Error::InvalidArgument("output chunks of 0 positions".into()));
+        }
+        let chunked = options.output_rows.unwrap_or(OUTPUT_ROWS);
+        let candidates = match (options.hidden_pass, options.output_rows) {
+            (Some(p), o) => vec![plan(p, o), plan(p, Some(chunked))],
+            (None, Some(rows)) => {
+                let need = |hc| plan(hc, Some(rows)).bytes();
+                widest_hidden_chunk(h, PASS_STEP, budget, need).map(|hc| plan(hc, Some(rows))).into_iter().collect()
+            }
+            (None, None) => {
+                let need = |hc| plan(hc, Some(chunked)).bytes();
+                let narrow = widest_hidden_chunk(h, PASS_STEP, budget, need).map(|hc| plan(hc, Some(chunked)));
+                std::iter::once(plan(h, None)).chain(narrow).collect()
+            }
+        };
+        let narrowest = candidates.last().cloned().unwrap_or_else(|| plan(h.min(PASS_STEP), Some(chunked)));
+        candidates.into_iter().find(|p| p.bytes() <= budget).ok_or_else(|| Error::OutOfMemory {
+            backend: crate::error::BackendKind::Cuda,
+            what: format!(
+                "rank {rank}'s sharded forward (its rows of t for all {h} channels, and per pass of {} channels its \
+                 rows of left and right and the other ranks' rows of one matrix)",
+                narrowest.pass
+            ),
+            needed: narrowest.bytes(),
+            available: budget,
+        })
     }
 
-    /// Bytes besides the pass buffers: x/mask/y, t, the prepared weights and a fixed reserve
-    /// (output-stage scratch, communicator buffers).
-    pub fn fixed(&self, weights: u64, reserve: u64) -> u64 {
-        self.io.saturating_add(self.t).saturating_add(weights).saturating_add(reserve)
+    /// This rank's rows of the first pair index.
+    pub fn rows(&self) -> Range<usize> {
+        self.split[self.rank].clone()
     }
 
-    /// The widest hidden pass (channels, a multiple of `step` unless H is smaller) whose buffers
-    /// fit `budget` after [`RankMemory::fixed`]; `None` when not even `step` channels do.
-    pub fn widest_pass(&self, h: usize, step: usize, budget: u64, weights: u64, reserve: u64) -> Option<usize> {
-        let left = budget.checked_sub(self.fixed(weights, reserve))?;
-        super::budget::widest_hidden_chunk(h, step, left, |hc| (hc as u64).saturating_mul(self.per_channel))
+    /// The hidden passes: channel ranges of at most [`RankPlan::pass`] channels, in order.
+    pub fn passes(&self) -> Vec<Range<usize>> {
+        (0..self.h).step_by(self.pass.max(1)).map(|h0| h0..(h0 + self.pass).min(self.h)).collect()
+    }
+
+    /// The exchange steps of a pass of `channels` channels: per batch, runs of at most
+    /// [`RankPlan::chunk`] channels (a step's matrices are contiguous in every buffer).
+    pub fn steps(&self, channels: usize) -> Vec<Step> {
+        (0..self.b)
+            .flat_map(|b| {
+                (0..channels)
+                    .step_by(self.chunk.max(1))
+                    .map(move |c0| Step { b, channels: c0..(c0 + self.chunk).min(channels) })
+            })
+            .collect()
+    }
+
+    /// Halves of left (and of right) for one pass: `[B, pass, r, N]`, the rank's rows.
+    pub fn pair_len(&self) -> usize {
+        self.b * self.pass * self.rows().len() * self.n
+    }
+
+    /// Halves of the exchange buffer: for every other rank `p`, `[B, pass, r_p, N]` (outgoing:
+    /// its rows of right; incoming: this rank's partial sums of its rows of t), in rank order.
+    pub fn exchange_len(&self) -> usize {
+        self.b * self.pass * (self.n - self.rows().len()) * self.n
+    }
+
+    /// Where rank `peer`'s region starts in the exchange buffer (halves).
+    pub fn exchange_offset(&self, peer: usize) -> usize {
+        let before: usize = (0..peer).filter(|&q| q != self.rank).map(|q| self.split[q].len()).sum();
+        self.b * self.pass * before * self.n
+    }
+
+    /// Halves of t: `[B, H, r, N]`, the rank's rows of every channel.
+    pub fn t_len(&self) -> usize {
+        self.b * self.h * self.rows().len() * self.n
+    }
+
+    /// Halves of the gate buffer: every own position's (`[B·r·N, G]`), or one output chunk's.
+    pub fn gate_len(&self) -> usize {
+        let own = self.b * self.rows().len() * self.n;
+        self.output_rows.map_or(own, |rows| rows.min(own)) * self.g
+    }
+
+    /// Bytes of every buffer the plan holds (all f16).
+    pub fn bytes(&self) -> u64 {
+        2 * (2 * self.pair_len() + self.exchange_len() + self.t_len() + self.gate_len()) as u64
+    }
+
+    /// The output stage's chunks of one batch's own positions, `(first, count)` relative to the
+    /// batch's first own position: one chunk with the stored gate.
+    pub fn output_chunks(&self) -> Vec<(usize, usize)> {
+        let own = self.rows().len() * self.n;
+        let rows = self.output_rows.unwrap_or(own).max(1);
+        (0..own).step_by(rows).map(|r| (r, rows.min(own - r))).collect()
+    }
+
+    /// `one pass, gate stored` or `8 passes of 16 channels, output per 1048576 positions`.
+    pub fn describe(&self) -> String {
+        let passes = self.passes().len();
+        let passes =
+            if passes == 1 { "one pass".to_string() } else { format!("{passes} passes of {} channels", self.pass) };
+        match self.output_rows {
+            None => format!("{passes}, gate stored"),
+            Some(rows) => format!("{passes}, output per {rows} positions with the gate made again"),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::{Config, Formulation, Precision, Shape};
+    use crate::problem::{Config, Direction, Formulation, Precision, Shape};
 
     const GIB: u64 = 1 << 30;
 
     fn af3(n: usize, direction: Direction) -> Problem {
         let cfg = Config::new(Formulation::Af3, 128, 128).unwrap();
         Problem::new(cfg, Shape::new(1, n), direction, true).unwrap().with_io(Precision::Bf16Io).in_place(true)
-    }
-
-    #[test]
-    fn blocks_and_chunks_cover_everything_once() {
-        let split = row_split(10, 3).unwrap();
-        assert_eq!(matrix_blocks(&split, 10), vec![0..40, 40..70, 70..100]);
-        assert_eq!(matrix_chunks(20, 8), vec![0..8, 8..16, 16..20]);
-        assert_eq!(matrix_chunks(8, 8), vec![0..8]);
-        assert_eq!(matrix_chunks(2, 0), vec![0..1, 1..2]);
-        let cfg = Config::new(Formulation::Af3, 128, 128).unwrap();
-        let p = Problem::new(cfg, Shape::new(1, 4096), Direction::Outgoing, false).unwrap();
-        // left, right, t: 4 GiB each; the gate of 2048 rows: 2 GiB.
-        assert_eq!(full_buffers_bytes(&p, &(0..2048)), 14 * GIB);
     }
 
     #[test]
@@ -195,52 +265,73 @@ mod tests {
         assert!(row_split(4, 5).is_err() && row_split(4, 0).is_err());
     }
 
-    /// The issue's case: N = 16384, af3 bf16 in place, two 80 GB H100s (79.2 GiB each as the
-    /// driver reports it, less the 2% margin). x (= y) is 32 GiB a rank, t another 32 GiB; what
-    /// is left takes hidden passes of 16 channels outgoing.
+    /// Passes, steps, the exchange regions and output chunks cover everything once.
     #[test]
-    fn n16384_fits_two_h100s_in_passes_of_16_channels() {
-        let budget = (79.2 * GIB as f64) as u64;
-        let budget = budget - budget / 50;
-        let p = af3(16384, Direction::Outgoing);
-        let rows = row_split(16384, 2).unwrap();
-        let m = RankMemory::of(&p, rows[0].clone(), 2, IncomingExchange::Gather);
-        assert_eq!(m.io, 32 * GIB + GIB / 2); // x in place, and the f32 mask
-        assert_eq!(m.t, 32 * GIB);
-        // Per channel: its left rows (256 MiB) and right for all rows (512 MiB).
-        assert_eq!(m.per_channel, 768 << 20);
-        assert_eq!(m.received_per_channel, 256 << 20);
-        let reserve = GIB; // output-stage scratch, cuBLASLt, NCCL buffers
-        assert_eq!(m.widest_pass(128, 8, budget, 1 << 20, reserve), Some(16));
-        // Incoming, reduce-scattering f32 partials: 1.5 GiB a channel, 8 channels a pass.
-        let p = af3(16384, Direction::Incoming);
-        let rs = RankMemory::of(&p, rows[0].clone(), 2, IncomingExchange::ReduceScatter { partial_bytes: 4 });
-        assert_eq!(rs.per_channel, (512 << 20) + GIB);
-        assert_eq!(rs.widest_pass(128, 8, budget, 1 << 20, reserve), Some(8));
-        // Gathering instead: right (256 MiB) and the peer's column block of left (128 MiB) arrive,
-        // 896 MiB a channel with its own rows: passes of 8 channels too, 3/4 of the traffic.
-        let g = RankMemory::of(&p, rows[0].clone(), 2, IncomingExchange::Gather);
-        assert_eq!(g.per_channel, (896 << 20));
-        assert_eq!(g.received_per_channel, (256 << 20) + (128 << 20));
-        assert_eq!(rs.received_per_channel, 512 << 20);
-        assert_eq!(g.widest_pass(128, 8, budget, 1 << 20, reserve), Some(8));
-        // One GPU cannot hold it: x and t alone take 128 GiB.
-        let one = RankMemory::of(&af3(16384, Direction::Outgoing), 0..16384, 1, IncomingExchange::Gather);
-        assert!(one.fixed(0, 0) > budget);
+    fn passes_steps_and_regions_cover_everything_once() {
+        let cfg = Config::new(Formulation::GpuMode, 64, 20).unwrap();
+        let p = Problem::new(cfg, Shape::new(2, 10), Direction::Outgoing, false).unwrap();
+        let opts = ShardOptions { chunk_matrices: 3, hidden_pass: Some(8), output_rows: Some(16) };
+        let plan = RankPlan::new(&p, 3, 1, opts, u64::MAX).unwrap();
+        assert_eq!(plan.rows(), 4..7);
+        assert_eq!(plan.passes(), vec![0..8, 8..16, 16..20]);
+        let steps = plan.steps(8);
+        assert_eq!(steps.len(), 6);
+        assert_eq!(steps[2], Step { b: 0, channels: 6..8 });
+        assert_eq!(steps[3], Step { b: 1, channels: 0..3 });
+        // Left/right [2, 8, 3, 10]; peers 0 (4 rows) and 2 (3 rows) one after the other.
+        assert_eq!(plan.pair_len(), 2 * 8 * 3 * 10);
+        assert_eq!(plan.exchange_len(), 2 * 8 * 7 * 10);
+        assert_eq!(plan.exchange_offset(0), 0);
+        assert_eq!(plan.exchange_offset(2), 2 * 8 * 4 * 10);
+        assert_eq!(plan.t_len(), 2 * 20 * 3 * 10);
+        assert_eq!(plan.gate_len(), 16 * 20);
+        assert_eq!(plan.output_chunks(), vec![(0, 16), (16, 14)]);
+        // The stored gate: every own position's, one output chunk per batch.
+        let stored = RankPlan::new(&p, 3, 1, ShardOptions::default(), u64::MAX).unwrap();
+        assert_eq!((stored.pass, stored.output_rows, stored.gate_len()), (20, None, 2 * 30 * 20));
+        assert_eq!(stored.output_chunks(), vec![(0, 30)]);
+        assert_eq!(stored.describe(), "one pass, gate stored");
+        assert!(RankPlan::new(&p, 3, 3, opts, u64::MAX).is_err());
+        assert!(RankPlan::new(&p, 3, 0, ShardOptions { hidden_pass: Some(0), ..opts }, u64::MAX).is_err());
+        assert!(RankPlan::new(&p, 3, 0, ShardOptions { output_rows: Some(0), ..opts }, u64::MAX).is_err());
     }
 
+    /// Memory decides: the stored gate and one pass when they fit, then the gate made again,
+    /// then narrower passes; an error naming the bytes when not even the narrowest fits.
     #[test]
-    fn uneven_splits_and_out_of_place_count_their_own_rows() {
-        let cfg = Config::new(Formulation::GpuMode, 64, 32).unwrap();
-        let p = Problem::new(cfg, Shape::new(2, 10), Direction::Outgoing, false).unwrap();
-        let rows = row_split(10, 3).unwrap();
-        let m = RankMemory::of(&p, rows[0].clone(), 3, IncomingExchange::Gather);
-        let own = 2 * 4 * 10;
-        assert_eq!(m.io, own * 64 * 4 * 2);
-        assert_eq!(m.t, own * 32 * 2);
-        assert_eq!(m.per_channel, own * 2 + 2 * 100 * 2);
-        assert_eq!(m.received_per_channel, (200 - own) * 2);
-        assert_eq!(m.widest_pass(32, 8, m.fixed(0, 0) + 8 * m.per_channel, 0, 0), Some(8));
-        assert_eq!(m.widest_pass(32, 8, m.fixed(0, 0) + 7 * m.per_channel, 0, 0), None);
+    fn the_widest_plan_that_fits_is_chosen() {
+        let p = af3(4096, Direction::Incoming);
+        let pick = |budget| RankPlan::new(&p, 2, 0, ShardOptions::default(), budget);
+        let one = pick(u64::MAX).unwrap();
+        // t 2 GiB, left and right 2 GiB each, the peer's rows 2 GiB, the gate 2 GiB.
+        assert_eq!(one.bytes(), 10 * GIB);
+        assert_eq!(pick(10 * GIB).unwrap(), one);
+        let regate = pick(10 * GIB - 1).unwrap();
+        assert_eq!((regate.pass, regate.output_rows), (128, Some(OUTPUT_ROWS)));
+        let narrow = pick(5 * GIB).unwrap();
+        assert!(narrow.pass < 128 && narrow.pass % PASS_STEP == 0 && narrow.bytes() <= 5 * GIB, "{narrow:?}");
+        let err = pick(2 * GIB).unwrap_err().to_string();
+        assert!(err.contains("rank 0") && err.contains("8 channels"), "{err}");
+    }
+
+    /// The issue's case: N = 16384, af3 bf16 in place, two 80 GB H100s (79.2 GiB each as the
+    /// driver reports it, less the 2% margin). x (= y) is 32 GiB a rank and the f32 mask 0.5
+    /// GiB; t another 32 GiB; each channel of a pass 768 MiB (its rows of left and right, the
+    /// peer's rows of one matrix), in either direction.
+    #[test]
+    fn n16384_fits_two_h100s_in_passes_of_8_channels() {
+        let device = (79.2 * GIB as f64) as u64;
+        let io = 32 * GIB + GIB / 2;
+        let reserve = GIB; // cuBLASLt's workspace, NCCL's buffers
+        let budget = device - super::super::budget::margin(device) - io - reserve;
+        for dir in [Direction::Outgoing, Direction::Incoming] {
+            let plan = RankPlan::new(&af3(16384, dir), 2, 1, ShardOptions::default(), budget).unwrap();
+            assert_eq!(plan.t_len() as u64 * 2, 32 * GIB);
+            assert_eq!((2 * plan.pair_len() + plan.exchange_len()) as u64 * 2, plan.pass as u64 * (768 << 20));
+            assert_eq!((plan.pass, plan.passes().len(), plan.output_rows), (8, 16, Some(OUTPUT_ROWS)), "{plan:?}");
+        }
+        // One GPU cannot hold it: x and t alone take 128 GiB.
+        let one = RankPlan::new(&af3(16384, Direction::Outgoing), 1, 0, ShardOptions::default(), u64::MAX).unwrap();
+        assert!(one.t_len() as u64 * 2 + 64 * GIB > device);
     }
 }

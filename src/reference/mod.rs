@@ -168,7 +168,7 @@ enum Side {
 
 /// The checks every entry point makes before computing: valid weights of the problem's
 /// configuration, a mask exactly when the problem is masked, and the lengths of `x` and the mask.
-fn check_inputs(weights: &Weights, problem: &Problem, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
+fn check_inputs<X>(weights: &Weights, problem: &Problem, x: &[X], mask: Option<&[f32]>) -> Result<()> {
     weights.validate()?;
     let (w, p) = (weights.config(), problem.config);
     if w != p {
@@ -205,8 +205,8 @@ struct Model<'a, X = f32> {
     out_proj: Lin,
 }
 
-impl<'a> Model<'a> {
-    fn new(weights: &Weights, problem: &Problem, x: &'a [f32], mask: Option<&'a [f32]>) -> Result<Self> {
+impl<'a, X> Model<'a, X> {
+    fn new(weights: &Weights, problem: &Problem, x: &'a [X], mask: Option<&'a [f32]>) -> Result<Self> {
         check_inputs(weights, problem, x, mask)?;
         Ok(Model {
             problem: *problem,
@@ -390,11 +390,13 @@ pub fn backward(
 /// `y` at the given positions only, `[positions.len(), C]` in f64, each computed exactly as
 /// [`forward`] would. Every distinct line of `left` and `right` the positions need is computed
 /// once (see the module docs), so a grid of 64 × 64 positions at N = 1024, C = 768 costs 128
-/// lines of `N·2H·C` multiply-adds, a few seconds on 2 cores.
-pub fn forward_at(
+/// lines of `N·2H·C` multiply-adds, a few seconds on 2 cores. `x` in any type that widens to
+/// f64 exactly: f32, or `half::bf16`/`half::f16` as 16-bit I/O holds it (N = 16384 in bf16 is
+/// 64 GiB of host memory, in f32 twice that).
+pub fn forward_at<X: Copy + Into<f64> + Sync>(
     weights: &Weights,
     problem: &Problem,
-    x: &[f32],
+    x: &[X],
     mask: Option<&[f32]>,
     positions: &[Position],
 ) -> Result<Vec<f64>> {

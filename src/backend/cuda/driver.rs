@@ -210,17 +210,27 @@ impl<T> DeviceBuffer<T> {
     /// # Safety
     /// `src` stays alive and unchanged until `stream` has run the copy.
     pub(crate) unsafe fn upload_host_async(&mut self, src: HostWords<'_>, stream: CUstream) -> Result<()> {
+        // SAFETY: this function's contract.
+        unsafe { self.upload_host_at(0, src, stream) }
+    }
+
+    /// As [`DeviceBuffer::upload_host_async`], into the buffer from byte `offset`.
+    ///
+    /// # Safety
+    /// As [`DeviceBuffer::upload_host_async`].
+    pub(crate) unsafe fn upload_host_at(&mut self, offset: u64, src: HostWords<'_>, stream: CUstream) -> Result<()> {
         let bytes = match src {
             HostWords::F32(v) => std::mem::size_of_val(v),
             HostWords::Half(v) => std::mem::size_of_val(v),
         };
-        self.check_fits(bytes, "upload")?;
-        // SAFETY: the bytes fit our allocation (checked above); `src` outlives the copy (this
-        // function's contract).
+        self.check_fits_at(offset, bytes, "upload")?;
+        let at = self.ptr + offset;
+        // SAFETY: the bytes fit our allocation from `offset` (checked above); `src` outlives the
+        // copy (this function's contract).
         unsafe {
             match src {
-                HostWords::F32(v) => cu::memcpy_htod_async(self.ptr, v, stream),
-                HostWords::Half(v) => cu::memcpy_htod_async(self.ptr, v, stream),
+                HostWords::F32(v) => cu::memcpy_htod_async(at, v, stream),
+                HostWords::Half(v) => cu::memcpy_htod_async(at, v, stream),
             }
         }
         .ctx("cuMemcpyHtoDAsync")
@@ -229,28 +239,38 @@ impl<T> DeviceBuffer<T> {
     /// Copy of the start of this buffer into host words after all work on `stream`; waits.
     /// Checks that they fit.
     pub(crate) fn download_host(&self, dst: HostWordsMut<'_>, stream: CUstream) -> Result<()> {
+        self.download_host_at(0, dst, stream)
+    }
+
+    /// As [`DeviceBuffer::download_host`], from byte `offset` of the buffer.
+    pub(crate) fn download_host_at(&self, offset: u64, dst: HostWordsMut<'_>, stream: CUstream) -> Result<()> {
         let bytes = match &dst {
             HostWordsMut::F32(v) => std::mem::size_of_val(*v),
             HostWordsMut::Half(v) => std::mem::size_of_val(*v),
         };
-        self.check_fits(bytes, "download")?;
+        self.check_fits_at(offset, bytes, "download")?;
+        let at = self.ptr + offset;
         // SAFETY: the bytes lie inside our allocation (checked above); `dst` is borrowed
         // exclusively and its types (f32, u16) are valid for any bit pattern; we synchronise
         // before returning, so `dst` outlives the copy.
         unsafe {
             match dst {
-                HostWordsMut::F32(v) => cu::memcpy_dtoh_async(v, self.ptr, stream),
-                HostWordsMut::Half(v) => cu::memcpy_dtoh_async(v, self.ptr, stream),
+                HostWordsMut::F32(v) => cu::memcpy_dtoh_async(v, at, stream),
+                HostWordsMut::Half(v) => cu::memcpy_dtoh_async(v, at, stream),
             }
             .ctx("cuMemcpyDtoHAsync")?;
             cu::stream::synchronize(stream).ctx("cuStreamSynchronize")
         }
     }
 
-    /// The error for a copy of `bytes` that does not fit this buffer; binds the context.
-    fn check_fits(&self, bytes: usize, what: &str) -> Result<()> {
-        if bytes as u64 > self.bytes() {
-            return Err(Error::Shape(format!("{what} of {bytes} bytes with a buffer of {}", self.bytes())));
+    /// The error for a copy of `bytes` from byte `offset` that does not fit this buffer; binds
+    /// the context.
+    fn check_fits_at(&self, offset: u64, bytes: usize, what: &str) -> Result<()> {
+        if offset.checked_add(bytes as u64).is_none_or(|end| end > self.bytes()) {
+            return Err(Error::Shape(format!(
+                "{what} of {bytes} bytes from byte {offset} of a buffer of {}",
+                self.bytes()
+            )));
         }
         self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")
     }

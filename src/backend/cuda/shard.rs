@@ -1,36 +1,36 @@
 //! One rank's forward on a row-sharded pair tensor (issue 29; `plan::shard` has the layout, the
 //! exchanges and the memory arithmetic, `collective` the communicator).
 //!
-//! The rank holds rows `[r0, r1)` of x and y for every batch, `[B, r1 − r0, N, C]`. Its input
-//! and output stages are the one-pass forward's fused kernels over its own positions (per
-//! batch, the positions `(b·N + r0)·N .. (b·N + r1)·N`); only the contraction needs other
-//! ranks' data. Left, right and t are full-size `[B, H, N, N]` f16 buffers on every rank, in
-//! the layout the kernels index by global position, and the contraction runs in chunks of
-//! matrices (`plan::shard::CHUNK_MATRICES` by default) so that the exchanges (NCCL, on a second
-//! stream) run under GEMMs:
+//! The rank holds rows `[r0, r1)` of x and y for every batch, `[B, r1 − r0, N, C]`, and keeps
+//! only those rows of each `N × N` matrix of left, right and t (the kernels' `mat_rows`, their
+//! pointers moved back by `r0·N` elements so that they still index by global position). Its
+//! input and output stages are the one-pass forward's fused kernels over its own positions (per
+//! batch, the positions `(b·N + r0)·N .. (b·N + r1)·N`). Per hidden pass ([`RankPlan`]), the
+//! input stage makes left and right of the pass's channels, and the contraction runs in steps of
+//! matrices so that the exchanges (NCCL, on a second stream) run under GEMMs:
 //!
-//! - **outgoing**: each rank broadcasts its rows of right to the others, chunk by chunk; the
-//!   compute stream first runs every chunk's GEMM against the rank's own rows of right (no
-//!   exchange needed), then each chunk's GEMMs against the peers' rows once that chunk's
-//!   broadcast is done.
-//! - **incoming**: each rank computes, chunk by chunk, the partial t over its own rows of the
-//!   contracted index for every `(i, j)`; each chunk's partials are then summed to the rank that
-//!   owns each row block (an f16 reduction: one more rounding per rank than on one GPU), under
-//!   the next chunk's GEMM.
+//! - **outgoing**: each rank broadcasts its rows of right, one call per step and rank, into the
+//!   others' exchange buffers; the compute stream first runs every step's GEMM of the rank's own
+//!   column block (no exchange needed), then each step's peer blocks once its broadcast is done.
+//! - **incoming**: per step, the partial t over the rank's rows of the contracted index, its own
+//!   row block straight into its t and each peer's into the exchange buffer; each block is then
+//!   summed into its owner's t (an f16 reduction: one more rounding per rank than on one GPU)
+//!   under the next step's GEMMs.
 //!
-//! The GEMMs run on blocks inside the buffers (offsets of `r0·N` halves and the chunks' starts),
-//! so their plans are told the alignment those addresses have.
+//! The output stage reads the gate the last pass stored, or, where the plan has no room for it,
+//! makes the gate from x per row chunk first (the chunked plan's way).
 //!
 //! Consecutive forwards on one workspace are ordered even on different streams: each waits for
 //! the previous one's end. Every rank must enqueue the same forwards in the same order, each
 //! rank from its own thread (NCCL: one thread driving several ranks would have to group their
 //! calls together).
 //!
-//! The kernels address x, the mask and y by global position; the rank's buffers hold only its
-//! rows, so each batch's launch gets base addresses moved back by the positions before its
+//! The kernels address x, the mask and y by global position too; the rank's buffers hold only
+//! its rows, so each batch's launch gets base addresses moved back by the positions before its
 //! first own one (wrapping arithmetic: the kernels only form addresses of positions in the
 //! launch, which are inside the rank's buffers).
 
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -44,30 +44,41 @@ use super::driver::{DeviceBuffer, DriverResult};
 use super::workspace::CudaPrepared;
 use crate::backend::check_prepared_for;
 use crate::backend::gemm::GemmSpec;
-use crate::backend::params::{Addresses, CommonParams, InputParams, OutputParams};
-use crate::collective::Communicator;
+use crate::backend::params::{to_i32, Addresses, CommonParams, InputParams, OutputParams};
+use crate::collective::{Communicator, Transfer};
 use crate::error::{BackendKind, Error, Result};
-use crate::plan::shard::{full_buffers_bytes, matrix_blocks, matrix_chunks, row_split};
+use crate::plan::budget::margin;
+use crate::plan::shard::{RankPlan, ShardOptions};
 use crate::problem::{Direction, Problem};
+
+/// Device memory a rank keeps free besides the plan's buffers, the cuBLASLt workspace and
+/// [`margin`]: NCCL's own buffers, allocated on its first exchange.
+const NCCL_RESERVE: u64 = 1 << 30;
 
 /// The buffers, GEMM plans, second stream and events of one rank's sharded forward of one
 /// problem. Made by [`CudaBackend::shard_workspace`].
 pub struct ShardWorkspace {
     problem: Problem,
-    split: Vec<Range<usize>>,
-    rank: usize,
+    plan: RankPlan,
+    /// The pass's rows of left and right, `[B, hc, r, N]` each.
     left: DeviceBuffer<u16>,
     right: DeviceBuffer<u16>,
+    /// Per other rank, its rows of the pass's matrices: right (outgoing) or this rank's partial
+    /// sums of them (incoming).
+    exchange: DeviceBuffer<u16>,
+    /// The rank's rows of t, every channel, `[B, H, r, N]`.
     t: DeviceBuffer<u16>,
+    /// The gate of every own position, or of one output chunk.
     gate: DeviceBuffer<u16>,
     gemm_ws: DeviceBuffer<u8>,
-    /// Per chunk of matrices, its GEMMs (see [`ChunkGemms`]).
-    gemms: Vec<ChunkGemms>,
+    /// One plan per distinct step GEMM: `(spec, alignment)`.
+    gemms: HashMap<(GemmSpec, u32), MatmulPlan>,
     exchange_stream: Arc<CudaStream>,
-    /// One event per chunk, and one for "the input stage is done" / "every exchange is done".
-    chunk_done: Vec<CUevent>,
-    stage_done: CUevent,
-    /// Recorded at the end of each forward; the next one's stream waits for it.
+    /// One event per step of a pass, "the pass's input stage is done", "the pass's exchanges
+    /// are done" and the forward's end (the next forward's stream waits for it).
+    step_done: Vec<CUevent>,
+    input_done: CUevent,
+    pass_exchanged: CUevent,
     forward_done: CUevent,
     /// Whether the current forward has enqueued an exchange: a failure after that leaves the
     /// peers waiting for this rank (`sharded::ShardedGroup` then aborts the communicators).
@@ -79,21 +90,11 @@ pub struct ShardWorkspace {
 // every method that records or waits on them takes `&mut self`.
 unsafe impl Send for ShardWorkspace {}
 
-/// The contraction GEMMs of one chunk of matrices, each with the element offsets of right,
-/// left and t within a matrix ([`GemmSpec::shard_contraction`]).
-struct ChunkGemms {
-    matrices: Range<usize>,
-    /// Outgoing: the rank's rows of t against its own rows of right, which need no exchange.
-    /// Incoming: the partial t over the rank's rows of the contracted index.
-    own: (MatmulPlan, [usize; 3]),
-    /// Outgoing: against each peer's rows of right, once the chunk's exchange is done.
-    peers: Vec<(MatmulPlan, [usize; 3])>,
-}
-
 impl Drop for ShardWorkspace {
     fn drop(&mut self) {
         let _ = self.exchange_stream.context().bind_to_thread();
-        for &ev in self.chunk_done.iter().chain([&self.stage_done, &self.forward_done]) {
+        let last = [&self.input_done, &self.pass_exchanged, &self.forward_done];
+        for &ev in self.step_done.iter().chain(last) {
             // SAFETY: created in `shard_workspace` in this context, destroyed once.
             let _ = unsafe { cu::event::destroy(ev) };
         }
@@ -108,7 +109,12 @@ impl ShardWorkspace {
 
     /// This rank's rows of the first pair index.
     pub fn rows(&self) -> Range<usize> {
-        self.split[self.rank].clone()
+        self.plan.rows()
+    }
+
+    /// The plan: passes, steps and buffers.
+    pub fn plan(&self) -> &RankPlan {
+        &self.plan
     }
 
     /// Whether the last forward enqueued on this workspace got as far as an exchange (see
@@ -119,30 +125,46 @@ impl ShardWorkspace {
 
     /// Device bytes the workspace holds.
     pub fn bytes(&self) -> u64 {
-        self.left.bytes() + self.right.bytes() + self.t.bytes() + self.gate.bytes() + self.gemm_ws.bytes()
+        [self.left.bytes(), self.right.bytes(), self.exchange.bytes(), self.t.bytes(), self.gate.bytes()]
+            .iter()
+            .sum::<u64>()
+            + self.gemm_ws.bytes()
     }
+}
+
+/// Every step GEMM of `plan` with the element offsets of its operands from the step's first
+/// matrices, keyed by the block's rank: outgoing, the column block of each rank (the own one
+/// included); incoming, each rank's row block of the partial t.
+fn step_gemms(plan: &RankPlan, direction: Direction, count: usize) -> Vec<(usize, GemmSpec, [usize; 3], u32)> {
+    let own = plan.rows().len();
+    plan.split
+        .iter()
+        .enumerate()
+        .map(|(p, block)| {
+            let (spec, offsets) = GemmSpec::shard_step(direction, plan.n, own, block.clone(), count);
+            // Every matrix and region starts at a multiple of N halves; the column offsets
+            // (`offsets`) add theirs.
+            let at = offsets.iter().map(|&o| 2 * o as u64).fold(2 * plan.n as u64, gcd);
+            (p, spec, offsets, alignment(at))
+        })
+        .collect()
 }
 
 impl CudaBackend {
     /// The workspace for rank `rank` of `ranks` of a sharded forward of `problem` (the global
-    /// problem: every row), its contraction in chunks of `chunk_matrices` of the `B·H` matrices
-    /// (every rank must use the same). Refuses, before allocating, what today's sharded forward
-    /// does not take: layers without the fused input and output kernels on this GPU, and
-    /// buffers that do not fit in free memory.
+    /// problem: every row), planned to fit the device's free memory (less [`margin`], the
+    /// cuBLASLt workspace and room for NCCL): every rank must get the same `options`. Refuses,
+    /// before allocating, what the sharded forward does not take: layers without the fused input
+    /// and output kernels on this GPU, and plans that do not fit.
     pub fn shard_workspace(
         &self,
         prep: &CudaPrepared,
         problem: &Problem,
         rank: usize,
         ranks: usize,
-        chunk_matrices: usize,
+        options: ShardOptions,
     ) -> Result<ShardWorkspace> {
         check_prepared_for(&prep.config, problem)?;
-        let split = row_split(problem.shape.n, ranks)?;
-        let rows = split
-            .get(rank)
-            .cloned()
-            .ok_or_else(|| Error::InvalidArgument(format!("rank {rank} of a communicator of {ranks} ranks")))?;
         let tuning = self.tuning_for(problem);
         if self.fused_kernel_for(prep, problem, tuning).is_none() || self.fused_output_fits(problem).is_none() {
             return Err(Error::Unsupported {
@@ -154,60 +176,42 @@ impl CudaBackend {
                 backend: BackendKind::Cuda,
             });
         }
-        let need = full_buffers_bytes(problem, &rows) + MAX_GEMM_WORKSPACE as u64;
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
-        let (free, _) = cu::mem_get_info().ctx("cuMemGetInfo")?;
-        if need > free as u64 {
-            return Err(Error::OutOfMemory {
-                backend: BackendKind::Cuda,
-                what: format!(
-                    "rank {rank}'s sharded forward (left, right and t of every row in f16, the gate of its {} rows)",
-                    rows.len()
-                ),
-                needed: need,
-                available: free as u64,
-            });
-        }
-        let (b, n, h) = (problem.shape.batch, problem.shape.n, problem.config.h);
-        let matrices = b * h;
-        let gate_len = b * rows.len() * n * problem.config.gate_width();
-        let chunks = matrix_chunks(matrices, chunk_matrices);
-        // The byte offsets every plan's operands sit at besides the allocations' own 256-byte
-        // alignment: the chunks' starts, and the blocks' offsets within a matrix.
-        let chunk_starts = chunks.iter().map(|c| (c.start * n * n * 2) as u64).fold(0, gcd);
-        let gemm = |cols: Range<usize>, batch| -> Result<(MatmulPlan, [usize; 3])> {
-            let (spec, offsets) = GemmSpec::shard_contraction(problem.direction, n, rows.clone(), cols, batch);
-            let at = offsets.iter().map(|&o| 2 * o as u64).fold(chunk_starts, gcd);
-            let plan = MatmulPlan::new_aligned(&self.inner.blas, spec, Elem::F16, MAX_GEMM_WORKSPACE, alignment(at))?;
-            Ok((plan, offsets))
-        };
-        let mut gemms = Vec::new();
-        for matrices in chunks {
-            let batch = matrices.len();
-            let (own, peers) = match problem.direction {
-                Direction::Outgoing => {
-                    let peers = split.iter().filter(|p| **p != rows).map(|p| gemm(p.clone(), batch));
-                    (gemm(rows.clone(), batch)?, peers.collect::<Result<_>>()?)
+        let (free, total) = cu::mem_get_info().ctx("cuMemGetInfo")?;
+        let budget = (free as u64)
+            .saturating_sub(margin(total as u64))
+            .saturating_sub(MAX_GEMM_WORKSPACE as u64)
+            .saturating_sub(NCCL_RESERVE);
+        let plan = RankPlan::new(problem, ranks, rank, options, budget)?;
+        let mut gemms = HashMap::new();
+        let mut counts: Vec<usize> =
+            plan.passes().iter().flat_map(|p| plan.steps(p.len())).map(|s| s.channels.len()).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        for count in counts {
+            for (_, spec, _, align) in step_gemms(&plan, problem.direction, count) {
+                if let std::collections::hash_map::Entry::Vacant(e) = gemms.entry((spec, align)) {
+                    e.insert(MatmulPlan::new_aligned(&self.inner.blas, spec, Elem::F16, MAX_GEMM_WORKSPACE, align)?);
                 }
-                Direction::Incoming => (gemm(0..n, batch)?, Vec::new()),
-            };
-            gemms.push(ChunkGemms { matrices, own, peers });
+            }
         }
+        let steps = plan.steps(plan.pass).len();
         let event = || cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING).ctx("cuEventCreate");
         Ok(ShardWorkspace {
             problem: *problem,
-            rank,
-            left: self.alloc_buffer(matrices * n * n)?,
-            right: self.alloc_buffer(matrices * n * n)?,
-            t: self.alloc_buffer(matrices * n * n)?,
-            gate: self.alloc_buffer(gate_len)?,
+            left: self.alloc_buffer(plan.pair_len())?,
+            right: self.alloc_buffer(plan.pair_len())?,
+            exchange: self.alloc_buffer(plan.exchange_len())?,
+            t: self.alloc_buffer(plan.t_len())?,
+            gate: self.alloc_buffer(plan.gate_len())?,
             gemm_ws: self.alloc_buffer(MAX_GEMM_WORKSPACE)?,
-            chunk_done: (0..gemms.len()).map(|_| event()).collect::<Result<_>>()?,
-            stage_done: event()?,
+            step_done: (0..steps).map(|_| event()).collect::<Result<_>>()?,
+            input_done: event()?,
+            pass_exchanged: event()?,
             forward_done: event()?,
             exchanged: false,
             gemms,
-            split,
+            plan,
             exchange_stream: self.inner.ctx.new_stream().ctx("cuStreamCreate")?,
             weights_of: prep.id,
         })
@@ -238,11 +242,11 @@ impl CudaBackend {
         if ws.weights_of != prep.id {
             return Err(Error::InvalidArgument("this shard workspace was made for other prepared weights".into()));
         }
-        if (comm.rank(), comm.ranks()) != (ws.rank, ws.split.len()) {
+        if (comm.rank(), comm.ranks()) != (ws.plan.rank, ws.plan.split.len()) {
             return Err(Error::InvalidArgument(format!(
                 "the workspace is rank {} of {}, the communicator rank {} of {}",
-                ws.rank,
-                ws.split.len(),
+                ws.plan.rank,
+                ws.plan.split.len(),
                 comm.rank(),
                 comm.ranks()
             )));
@@ -263,9 +267,12 @@ impl CudaBackend {
             _ => return Err(Error::Internal("the sharded forward's fused kernels went away".into())),
         };
         let f = prep.fused.as_ref().ok_or_else(|| Error::Internal("no fused input weights".into()))?;
-        let (b, n, c, g) = (problem.shape.batch, problem.shape.n, problem.config.c, problem.config.gate_width());
-        let rows = ws.rows();
+        let (b, n, c, h, g) =
+            (problem.shape.batch, problem.shape.n, problem.config.c, problem.config.h, problem.config.gate_width());
+        let plan = ws.plan.clone();
+        let rows = plan.rows();
         let (r0, r) = (rows.start, rows.len());
+        let rank = plan.rank;
         let io = problem.io.io_bytes() as u64;
         let wait = |s: CUstream, ev: CUevent| {
             // SAFETY: both are live handles of this context (waiting on a never-recorded event
@@ -281,7 +288,7 @@ impl CudaBackend {
         // every buffer before this one writes them.
         wait(stream, ws.forward_done)?;
         if inner.poison.load(std::sync::atomic::Ordering::Relaxed) {
-            for buf in [&mut ws.left, &mut ws.right, &mut ws.t, &mut ws.gate] {
+            for buf in [&mut ws.left, &mut ws.right, &mut ws.exchange, &mut ws.t, &mut ws.gate] {
                 buf.memset_async(POISON_BYTE, stream)?;
             }
             if !problem.in_place {
@@ -306,91 +313,188 @@ impl CudaBackend {
             ..weights
         };
         let count = r * n;
+        let stored_gate = plan.output_rows.is_none();
         let gate_of = |local: u64| ws.gate.ptr() + local * g as u64 * 2;
+        // The compact buffers' pointers as the kernels take them: moved back by r0·N halves.
+        let shift = (r0 * n * 2) as u64;
+        let n_gating = f.layout.h_pad / 32;
+        let gate_chunks_end = to_i32(n_gating + f.layout.g_pad / 128, "last gate column chunk")?;
+        let fused = |pos: (u64, u64)| -> Result<CommonParams> {
+            CommonParams::new(&problem, addresses(pos))?
+                .with_fused(&f.layout, f.w.ptr(), f.bias.as_ref().map_or(0, |bias| bias.ptr()))?
+                .with_matrix_rows(r)
+        };
+        let passes = plan.passes();
+        let exchange = ws.exchange_stream.cu_stream();
+        let (left, right, xbuf, t, gemm_ws, gemm_ws_len) =
+            (ws.left.ptr(), ws.right.ptr(), ws.exchange.ptr(), ws.t.ptr(), ws.gemm_ws.ptr(), ws.gemm_ws.len());
+        let half = |elems: usize| 2 * elems as u64;
 
         self.mark("start", stream)?;
-        // 1. The input stage over the rank's positions: LN_C, projections, gating; left and right
-        // at their global rows, the gate at the rank's.
-        for &pos in &batches {
-            let common = CommonParams::new(&problem, addresses(pos))?
-                .with_fused(&f.layout, f.w.ptr(), f.bias.as_ref().map_or(0, |bias| bias.ptr()))?
-                .over(pos.0 as usize, count)?;
-            let kp = InputParams {
-                common,
-                left: ws.left.ptr(),
-                right: ws.right.ptr(),
-                gate: gate_of(pos.1),
-                buf_row0: pos.0 as i64,
-                ..InputParams::default()
+        for (pi, pass) in passes.iter().enumerate() {
+            let hc = pass.len();
+            let last = pi + 1 == passes.len();
+            // The previous pass's exchanges read right (outgoing) and the exchange buffer
+            // (incoming): done before this pass writes them.
+            wait(stream, ws.pass_exchanged)?;
+            // 1. The input stage over the rank's positions: LN_C, projections, gating; the pass's
+            // channels of left and right at the rank's rows, and the gate with the last pass
+            // when the plan stores it.
+            for &pos in &batches {
+                let with_gate = stored_gate && last;
+                let kp = InputParams {
+                    common: fused(pos)?.over(pos.0 as usize, count)?,
+                    left: left.wrapping_sub(shift),
+                    right: right.wrapping_sub(shift),
+                    gate: if with_gate { gate_of(pos.1) } else { 0 },
+                    buf_row0: pos.0 as i64,
+                    chunk_begin: to_i32(pass.start / 32, "first column chunk")?,
+                    chunk_end: match (with_gate, pass.start) {
+                        (true, 0) => 0,
+                        (true, _) => gate_chunks_end,
+                        (false, _) => to_i32(pass.end.div_ceil(32), "last column chunk")?,
+                    },
+                    lr_h0: to_i32(pass.start, "first channel of a pass")?,
+                    lr_h: to_i32(hc, "channels of a pass")?,
+                    ..InputParams::default()
+                };
+                // SAFETY: the addresses cover the launch's positions (the caller's buffers and
+                // `ws`'s compact ones, moved back by the positions before the first own one).
+                input.launch(count, stream, &kp)?;
+            }
+            if passes.len() == 1 {
+                self.mark("input (LN, projections, gating)", stream)?;
+            }
+
+            // 2. The contraction in steps, each step's exchange on the second stream.
+            let steps = plan.steps(hc);
+            let gemms = step_gemms(&plan, problem.direction, plan.chunk.min(hc));
+            let tail = (hc % plan.chunk != 0 && hc > plan.chunk)
+                .then(|| step_gemms(&plan, problem.direction, hc % plan.chunk));
+            // Element offsets of a step's first matrix: in left and right (this rank's rows),
+            // in rank p's region of the exchange buffer, and in t.
+            let mine = |s: &crate::plan::shard::Step| (s.b * hc + s.channels.start) * r * n;
+            let theirs = |s: &crate::plan::shard::Step, p: usize| {
+                plan.exchange_offset(p) + (s.b * hc + s.channels.start) * plan.split[p].len() * n
             };
-            // SAFETY: the addresses cover the launch's positions (the caller's buffers, moved
-            // back by the positions before the first own one) and `ws`'s full-size buffers.
-            input.launch(count, stream, &kp)?;
-        }
-        self.mark("input (LN, projections, gating)", stream)?;
-
-        // 2. The contraction in chunks, each chunk's exchange on the second stream.
-        let blocks = matrix_blocks(&ws.split, n);
-        let matrix_bytes = (n * n * 2) as u64;
-        let exchange = ws.exchange_stream.cu_stream();
-        let (left, right, t, gemm_ws, gemm_ws_len) =
-            (ws.left.ptr(), ws.right.ptr(), ws.t.ptr(), ws.gemm_ws.ptr(), ws.gemm_ws.len());
-        let run = |(gemm, [oa, ob, od]): &mut (MatmulPlan, [usize; 3]), m0: u64| {
-            let (oa, ob, od) = (2 * *oa as u64, 2 * *ob as u64, 2 * *od as u64);
-            // SAFETY: the offsets stay inside the chunk's matrices of the full-size buffers
-            // (`GemmSpec::shard_contraction`), which live in `ws` until the stream has run them.
-            unsafe {
-                gemm.run(&inner.blas, right + m0 + oa, left + m0 + ob, t + m0 + od, 0, gemm_ws, gemm_ws_len, stream)
-            }
-        };
-        // From here on a failure leaves the peers waiting for this rank's exchanges.
-        ws.exchanged = true;
-        match problem.direction {
-            Direction::Outgoing => {
-                record(ws.stage_done, stream)?;
-                wait(exchange, ws.stage_done)?;
-                for (chunk, &done) in ws.gemms.iter().zip(&ws.chunk_done) {
-                    let mats = chunk.matrices.clone().map(|m| right + m as u64 * matrix_bytes);
-                    // SAFETY: every matrix of right holds N² halves, the blocks lie inside one,
-                    // and `ws` keeps right alive; the stream waited for the input stage.
-                    comm.broadcast_blocks(mats, &blocks, exchange)?;
-                    record(done, exchange)?;
+            let t_at = |s: &crate::plan::shard::Step| (s.b * h + pass.start + s.channels.start) * r * n;
+            let mut run = |s: &crate::plan::shard::Step, p: usize, a: u64, bb: u64, d: u64| -> Result<()> {
+                let list =
+                    if s.channels.len() == plan.chunk.min(hc) { &gemms } else { tail.as_ref().unwrap_or(&gemms) };
+                let (_, spec, [oa, ob, od], align) = list[p];
+                let gemm = ws
+                    .gemms
+                    .get_mut(&(spec, align))
+                    .ok_or_else(|| Error::Internal("a step GEMM has no plan".into()))?;
+                // SAFETY: the operands are the step's matrices inside `ws`'s buffers (and t's
+                // column or row block), which live until the stream has run them.
+                unsafe {
+                    gemm.run(&inner.blas, a + half(oa), bb + half(ob), d + half(od), 0, gemm_ws, gemm_ws_len, stream)
                 }
-                // Every chunk's block against the rank's own rows of right first (no exchange
-                // needed), so the broadcasts run under them; then the peers' blocks, each chunk
-                // once its broadcast is done.
-                for chunk in ws.gemms.iter_mut() {
-                    run(&mut chunk.own, chunk.matrices.start as u64 * matrix_bytes)?;
-                }
-                for (chunk, &done) in ws.gemms.iter_mut().zip(&ws.chunk_done) {
-                    wait(stream, done)?;
-                    for peer in chunk.peers.iter_mut() {
-                        run(peer, chunk.matrices.start as u64 * matrix_bytes)?;
+            };
+            record(ws.input_done, stream)?;
+            // From here on a failure leaves the peers waiting for this rank's exchanges.
+            ws.exchanged = true;
+            match problem.direction {
+                Direction::Outgoing => {
+                    wait(exchange, ws.input_done)?;
+                    for (s, &done) in steps.iter().zip(&ws.step_done) {
+                        let transfers: Vec<Transfer> = plan
+                            .split
+                            .iter()
+                            .enumerate()
+                            .map(|(p, block)| {
+                                let count = s.channels.len() * block.len() * n;
+                                let (send, recv) = if p == rank {
+                                    (right + half(mine(s)), right + half(mine(s)))
+                                } else {
+                                    (0, xbuf + half(theirs(s, p)))
+                                };
+                                Transfer { send, recv, count, root: p }
+                            })
+                            .collect();
+                        // SAFETY: the root's rows of the step's matrices of right go into the
+                        // others' regions of the exchange buffer, both inside `ws`'s buffers;
+                        // the exchange stream waited for the input stage.
+                        unsafe { comm.broadcast(&transfers, exchange)? };
+                        record(done, exchange)?;
                     }
+                    // Every step's own column block first (no exchange needed), so the
+                    // broadcasts run under them; then the peers' blocks, each step's once its
+                    // broadcast is done.
+                    for s in &steps {
+                        run(s, rank, right + half(mine(s)), left + half(mine(s)), t + half(t_at(s)))?;
+                    }
+                    for (s, &done) in steps.iter().zip(&ws.step_done) {
+                        wait(stream, done)?;
+                        for p in (0..plan.split.len()).filter(|&p| p != rank) {
+                            run(s, p, xbuf + half(theirs(s, p)), left + half(mine(s)), t + half(t_at(s)))?;
+                        }
+                    }
+                    record(ws.pass_exchanged, stream)?;
+                }
+                Direction::Incoming => {
+                    for (s, &done) in steps.iter().zip(&ws.step_done) {
+                        // The partial rows of every rank's block: its own into t, the others'
+                        // into their regions of the exchange buffer.
+                        for p in 0..plan.split.len() {
+                            let d = if p == rank { t + half(t_at(s)) } else { xbuf + half(theirs(s, p)) };
+                            run(s, p, right + half(mine(s)), left + half(mine(s)), d)?;
+                        }
+                        record(done, stream)?;
+                        wait(exchange, done)?;
+                        let transfers: Vec<Transfer> = plan
+                            .split
+                            .iter()
+                            .enumerate()
+                            .map(|(p, block)| {
+                                let count = s.channels.len() * block.len() * n;
+                                let send = if p == rank { t + half(t_at(s)) } else { xbuf + half(theirs(s, p)) };
+                                Transfer { send, recv: t + half(t_at(s)), count, root: p }
+                            })
+                            .collect();
+                        // SAFETY: every rank's partial rows of the step, inside `ws`'s buffers,
+                        // summed into the owner's t (in place there), after the step's GEMMs.
+                        unsafe { comm.sum_to_roots(&transfers, exchange)? };
+                    }
+                    record(ws.pass_exchanged, exchange)?;
                 }
             }
-            Direction::Incoming => {
-                for (chunk, &done) in ws.gemms.iter_mut().zip(&ws.chunk_done) {
-                    run(&mut chunk.own, chunk.matrices.start as u64 * matrix_bytes)?;
-                    record(done, stream)?;
-                    wait(exchange, done)?;
-                    let mats = chunk.matrices.clone().map(|m| t + m as u64 * matrix_bytes);
-                    // SAFETY: as for the broadcasts, on t after the chunk's GEMM.
-                    comm.sum_blocks_to_owners(mats, &blocks, exchange)?;
-                }
-                record(ws.stage_done, exchange)?;
-                wait(stream, ws.stage_done)?;
+            if passes.len() == 1 {
+                self.mark("contraction and exchange", stream)?;
             }
         }
-        self.mark("contraction and exchange", stream)?;
+        // Incoming: t is whole once the last sums are in.
+        wait(stream, ws.pass_exchanged)?;
+        if passes.len() > 1 {
+            self.mark("hidden passes (input, contraction, exchange)", stream)?;
+        }
 
-        // 3. The output stage over the rank's positions.
+        // 3. The output stage over the rank's positions: per batch the stored gate, or per row
+        // chunk the gate made from x first.
         for &pos in &batches {
-            let common = CommonParams::new(&problem, addresses(pos))?.over(pos.0 as usize, count)?;
-            let kp =
-                OutputParams { common, t, gate: gate_of(pos.1), buf_row0: pos.0 as i64, ..OutputParams::default() };
-            // SAFETY: as for the input stage; t holds every row the launch reads.
-            self.launch_output(output, &kp, stream)?;
+            for (first, rows) in plan.output_chunks() {
+                let row0 = pos.0 as usize + first;
+                let common = CommonParams::new(&problem, addresses(pos))?.with_matrix_rows(r)?.over(row0, rows)?;
+                let (gate, buf_row0) = if stored_gate {
+                    (gate_of(pos.1), pos.0 as i64)
+                } else {
+                    let kp = InputParams {
+                        common: fused(pos)?.over(row0, rows)?,
+                        gate: ws.gate.ptr(),
+                        buf_row0: row0 as i64,
+                        chunk_begin: to_i32(n_gating, "first gate column chunk")?,
+                        chunk_end: gate_chunks_end,
+                        ..InputParams::default()
+                    };
+                    // SAFETY: as for the input stage; the gate buffer holds one chunk's rows.
+                    input.launch(rows, stream, &kp)?;
+                    (ws.gate.ptr(), row0 as i64)
+                };
+                let kp = OutputParams { common, t: t.wrapping_sub(shift), gate, buf_row0, ..OutputParams::default() };
+                // SAFETY: as for the input stage; t holds the rank's rows of every channel.
+                self.launch_output(output, &kp, stream)?;
+            }
         }
         record(ws.forward_done, stream)?;
         self.mark("output stage", stream)
