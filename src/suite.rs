@@ -198,17 +198,58 @@ pub fn generate_inputs(case: &Case, seed: u64) -> Inputs {
         use rayon::prelude::*;
         let mut x = vec![0.0f32; len];
         x.par_chunks_mut(PARALLEL_INPUT_LEN).enumerate().for_each(|(i, chunk)| {
-            let mut r = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
-            let v = match case.dist {
-                Dist::Normal => r.normal_vec(chunk.len(), 1.0),
-                Dist::Cauchy => r.cauchy_vec(chunk.len(), CAUCHY_SCALE),
-            };
-            chunk.copy_from_slice(&v);
+            chunk.copy_from_slice(&input_block(case.dist, seed, i, chunk.len()));
         });
         x
     };
     let mask = case.masked.then(|| rng.mask_vec(rows));
     Inputs { x, mask }
+}
+
+/// Block `i` of a long case's x ([`PARALLEL_INPUT_LEN`] values but the last), from its own
+/// generator seeded with `(seed, i)`.
+fn input_block(dist: Dist, seed: u64, i: usize, len: usize) -> Vec<f32> {
+    let mut r = Rng::new(seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407));
+    match dist {
+        Dist::Normal => r.normal_vec(len, 1.0),
+        Dist::Cauchy => r.cauchy_vec(len, CAUCHY_SCALE),
+    }
+}
+
+/// The inputs of a long case as 16-bit I/O holds them, x rounded to `T` (`half::bf16` or
+/// `half::f16`) straight from its generators: at N = 16384 (C = 128) x is 64 GiB this way,
+/// where [`generate_inputs`] would hold 128 GiB of f32. The values are [`generate_inputs`]'s
+/// rounded, for cases it generates in blocks (more than [`PARALLEL_INPUT_LEN`] values).
+pub fn generate_inputs_half<T: HalfValue>(case: &Case, seed: u64) -> (Vec<T>, Option<Vec<f32>>) {
+    use rayon::prelude::*;
+    let rows = case.batch * case.n * case.n;
+    let mut x = vec![T::from_f32(0.0); rows * case.c];
+    x.par_chunks_mut(PARALLEL_INPUT_LEN).enumerate().for_each(|(i, chunk)| {
+        let values = input_block(case.dist, seed, i, chunk.len());
+        for (o, v) in chunk.iter_mut().zip(values) {
+            *o = T::from_f32(v);
+        }
+    });
+    let mask = case.masked.then(|| Rng::new(seed).mask_vec(rows));
+    (x, mask)
+}
+
+/// The 16-bit value types [`generate_inputs_half`] makes.
+pub trait HalfValue: Copy + Send + Sync + Into<f64> {
+    /// `v` rounded to nearest even.
+    fn from_f32(v: f32) -> Self;
+}
+
+impl HalfValue for half::bf16 {
+    fn from_f32(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+}
+
+impl HalfValue for half::f16 {
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
 }
 
 /// Inputs above this many values are generated in parallel blocks of this size (small ones keep
@@ -226,6 +267,17 @@ pub fn floor_ms(problem: &Problem, gemm_tflops: f64, bandwidth_gbs: f64) -> f64 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The 16-bit generator gives the f32 one's values rounded (a long case: blocks).
+    #[test]
+    fn half_inputs_are_the_f32_ones_rounded() {
+        let case = Case::new(1500, 1, 8, true, Dist::Cauchy);
+        let want = generate_inputs(&case, 7);
+        let (x, mask) = generate_inputs_half::<half::bf16>(&case, 7);
+        assert!(x.len() > PARALLEL_INPUT_LEN);
+        assert!(want.x.iter().zip(&x).all(|(w, h)| half::bf16::from_f32(*w).to_bits() == h.to_bits()));
+        assert_eq!(mask, want.mask);
+    }
 
     #[test]
     fn eighteen_test_cases_with_unique_names() {

@@ -6,6 +6,7 @@
 use std::io::Write;
 
 use trimul::backend::cuda::CudaBackend;
+use trimul::plan::shard::ShardOptions;
 use trimul::rand::Rng;
 use trimul::reference;
 use trimul::sharded::ShardedGroup;
@@ -33,24 +34,48 @@ fn two_gpus() -> Option<CudaBackend> {
 /// One sharded forward of `problem` over `gpus` GPUs against the f64 reference and the one-GPU
 /// forward of the same (rounded) x.
 fn check(one: &CudaBackend, problem: &Problem, biases: bool, gpus: usize, seed: u64) {
+    check_with(one, problem, biases, gpus, seed, None)
+}
+
+/// As [`check`], with the ranks' plans fixed by `options` (else left to memory), which every
+/// rank must then show.
+fn check_with(
+    one: &CudaBackend,
+    problem: &Problem,
+    biases: bool,
+    gpus: usize,
+    seed: u64,
+    options: Option<ShardOptions>,
+) {
     let weights = Weights::random(problem.config, biases, seed).unwrap();
     let mut rng = Rng::new(seed ^ 0x5A);
     let x: Vec<f32> = rng.cauchy_vec(problem.x_len(), 1.0).into_iter().map(|v| problem.io.round(v)).collect();
     let mask = problem.masked.then(|| rng.mask_vec(problem.mask_len()));
     let devices: Vec<usize> = (0..gpus).collect();
-    let mut group = ShardedGroup::on_local_gpus(&weights, problem, &devices).unwrap();
+    let mut group = match options {
+        Some(o) => ShardedGroup::with_options(&weights, problem, &devices, o).unwrap(),
+        None => ShardedGroup::on_local_gpus(&weights, problem, &devices).unwrap(),
+    };
+    if let Some(o) = options {
+        for layer in group.layers() {
+            let plan = layer.plan();
+            assert_eq!(o.hidden_pass.unwrap_or(problem.config.h), plan.pass, "{plan:?}");
+            assert_eq!(o.output_rows, plan.output_rows, "{plan:?}");
+        }
+    }
     group.set_poison(true);
     let y = group.forward(&x, mask.as_deref()).unwrap();
     // Twice: a second forward reuses every buffer and must not see the first one's leftovers.
     let y2 = group.forward(&x, mask.as_deref()).unwrap();
     let what = format!(
-        "{} {} {} B={} N={} on {gpus} GPUs{}",
+        "{} {} {} B={} N={} on {gpus} GPUs{}, {}",
         problem.config.formulation,
         problem.direction,
         problem.io,
         problem.shape.batch,
         problem.shape.n,
-        if problem.in_place { " in place" } else { "" }
+        if problem.in_place { " in place" } else { "" },
+        group.layers()[0].plan().describe()
     );
     assert!(y.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: two forwards differ");
     let cmp = reference::check(&weights, problem, &x, mask.as_deref(), &y, TOL, TOL).unwrap();
@@ -93,6 +118,24 @@ fn sharded_forward_matches_reference_and_one_gpu() {
         check(&one, &problem(Formulation::Af3, dir, 2, 97, Precision::F32Io), true, 2, s);
         check(&one, &problem(Formulation::Af3, dir, 1, 97, Precision::Bf16Io), true, 2, s);
         check(&one, &problem(Formulation::GpuMode, dir, 2, 64, Precision::F32Io), false, 2, s);
+    }
+}
+
+/// Hidden passes (of 24 channels: passes that start inside the fused kernel's 32-channel
+/// chunks, and a shorter last one), exchange steps of 5 matrices (a shorter last step per
+/// batch), and the output stage in chunks of 1000 positions with the gate made again from x
+/// (several per batch, the last shorter; in place too): what a rank runs when memory is short.
+#[test]
+fn sharded_forward_in_hidden_passes_with_the_gate_made_again() {
+    let Some(one) = two_gpus() else { return };
+    let s = seed();
+    let o = ShardOptions { chunk_matrices: 5, hidden_pass: Some(24), output_rows: Some(1000), memory_limit: None };
+    for dir in [Direction::Outgoing, Direction::Incoming] {
+        check_with(&one, &problem(Formulation::Af3, dir, 2, 97, Precision::Bf16Io), true, 2, s, Some(o));
+        check_with(&one, &problem(Formulation::GpuMode, dir, 1, 64, Precision::F32Io), false, 2, s, Some(o));
+        let in_place = problem(Formulation::Af3, dir, 1, 200, Precision::Bf16Io).in_place(true);
+        check_with(&one, &in_place, true, 2, s, Some(ShardOptions { output_rows: None, ..o }));
+        check_with(&one, &in_place, true, 2, s, Some(o));
     }
 }
 

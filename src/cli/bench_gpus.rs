@@ -8,14 +8,21 @@
 //! Before timing, the sharded y is compared with the one-GPU y (a difference beyond `trimul
 //! check`'s tolerance fails the run). In place, the timed calls write y over x and the next call
 //! reads it: the times are right, the values drift.
+//!
+//! Past N = 8192 (one H100 cannot hold N = 16384) there is no one-GPU run: x is generated
+//! straight into bf16 or f16 and the sharded y is checked against the f64 reference at `trimul
+//! check`'s sampled positions instead.
 
 use std::process::ExitCode;
 
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use trimul::backend::cuda::CudaBackend;
+use trimul::device_io::HostWords;
+use trimul::plan::shard::ShardOptions;
 use trimul::reference;
 use trimul::sharded::ShardedGroup;
-use trimul::suite::{generate_inputs, Case, Dist};
+use trimul::suite::{generate_inputs, generate_inputs_half, Case, Dist};
 use trimul::{Backend, Config, Layer, Options, Precision, Problem, Shape, Weights};
 
 use super::args::BenchArgs;
@@ -24,10 +31,10 @@ use super::output::emit;
 use super::seed::clock_seed;
 
 pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
-    if args.json.is_some() || args.grad || args.fresh_weights || args.max_memory.is_some() || args.suite.is_some() {
+    if args.json.is_some() || args.grad || args.fresh_weights || args.suite.is_some() {
         return Err(CliError::usage(
-            "--gpus takes --n, --formulation, --direction, --precision, --in-place, --repeats, --warmup and --seed; \
-             not --json, --grad, --fresh-weights, --max-memory or --suite (yet)",
+            "--gpus takes --n, --formulation, --direction, --precision, --in-place, --max-memory (per GPU), --repeats, \
+             --warmup and --seed; not --json, --grad, --fresh-weights or --suite (yet)",
         ));
     }
     let ns = if args.n.is_empty() { vec![1024, 2048, 4096] } else { args.n.clone() };
@@ -39,11 +46,12 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
     let devices: Vec<usize> = (0..gpus).collect();
     let one = CudaBackend::new(0)?;
     emit(&format!(
-        "trimul bench --gpus {gpus}: {} {} {}, B = 1, C = H = 128, masked{}, seed {seed}; NCCL {}; median of {repeats} after {warmup}",
+        "trimul bench --gpus {gpus}: {} {} {}, B = 1, C = H = 128, masked{}{}, seed {seed}; NCCL {}; median of {repeats} after {warmup}",
         config.formulation,
         trimul::Direction::from(args.direction),
         args.precision,
         if args.in_place { ", in place" } else { "" },
+        args.max_memory.map_or(String::new(), |m| format!(", at most {} per GPU", trimul::units::fmt_bytes(m))),
         trimul::collective::nccl_version()?,
     ))?;
     emit(&format!(
@@ -56,6 +64,10 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
     ))?;
     let mut disagreements = 0;
     for n in ns {
+        if n > ONE_GPU_MAX_N {
+            disagreements += usize::from(!large(args, gpus, &weights, n, seed, warmup, repeats)?);
+            continue;
+        }
         let problem = Problem::new(config, Shape::new(1, n), args.direction.into(), true)?
             .with_io(args.precision)
             .in_place(args.in_place);
@@ -66,7 +78,7 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
 
         let (one_ms, one_y) = one_gpu(&one, &weights, &problem, &x, &mask, warmup, repeats)?;
         let one_stages = one.stage_times()?;
-        let mut group = ShardedGroup::on_local_gpus(&weights, &problem, &devices)?;
+        let mut group = group_for(&weights, &problem, &devices, args.max_memory)?;
         let y = group.forward(&x, Some(&mask))?;
         // `trimul check`'s rule, around the one-GPU result.
         let cmp = reference::compare(&y, &one_y, TOL, TOL);
@@ -89,13 +101,122 @@ pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
     if disagreements > 0 {
         return Err(CliError {
             code: EXIT_FAILED,
-            message: format!("the sharded forward disagreed with the one-GPU forward at {disagreements} N"),
+            message: format!(
+                "the sharded forward failed its check (the one-GPU y, or the f64 reference) at {disagreements} N"
+            ),
         });
     }
     Ok(ExitCode::SUCCESS)
 }
 
 const TOL: f64 = 2e-2;
+
+/// The group of every GPU in `devices`, each rank within `max_memory` bytes (`--max-memory`:
+/// per GPU) when given.
+fn group_for(
+    weights: &Weights,
+    problem: &Problem,
+    devices: &[usize],
+    max_memory: Option<u64>,
+) -> trimul::Result<ShardedGroup> {
+    match max_memory {
+        None => ShardedGroup::on_local_gpus(weights, problem, devices),
+        Some(limit) => {
+            let options = ShardOptions { memory_limit: Some(limit), ..ShardOptions::default() };
+            ShardedGroup::with_options(weights, problem, devices, options)
+        }
+    }
+}
+
+/// Past this N the sharded forward is not compared with one GPU (at N = 16384 one H100 cannot
+/// hold x and t) and the inputs are generated in the I/O precision: see [`large`].
+const ONE_GPU_MAX_N: usize = 8192;
+
+/// One N past [`ONE_GPU_MAX_N`]: x generated straight into 16-bit values (`bf16-io` or
+/// `f16-io`: 64 GiB of host memory at N = 16384, 128 in f32), one sharded forward checked
+/// against the f64 reference at the sampled positions of `trimul check` (y's rows downloaded
+/// from their ranks), then timed. Returns whether the check passed.
+#[allow(clippy::too_many_arguments)]
+fn large(
+    args: &BenchArgs,
+    gpus: usize,
+    weights: &Weights,
+    n: usize,
+    seed: u64,
+    warmup: usize,
+    repeats: usize,
+) -> CliResult<bool> {
+    let problem = Problem::new(weights.config(), Shape::new(1, n), args.direction.into(), true)?
+        .with_io(args.precision)
+        .in_place(args.in_place);
+    let case = Case::new(n, 1, 128, true, Dist::Normal);
+    match args.precision {
+        Precision::Bf16Io => {
+            let (x, mask) = generate_inputs_half::<half::bf16>(&case, seed ^ n as u64);
+            large_with(&problem, gpus, args.max_memory, weights, x.reinterpret_cast(), &x, mask.as_deref(), seed, warmup, repeats)
+        }
+        Precision::F16Io => {
+            let (x, mask) = generate_inputs_half::<half::f16>(&case, seed ^ n as u64);
+            large_with(&problem, gpus, args.max_memory, weights, x.reinterpret_cast(), &x, mask.as_deref(), seed, warmup, repeats)
+        }
+        _ => Err(CliError::usage(format!(
+            "--gpus at N = {n} > {ONE_GPU_MAX_N} takes --precision bf16-io or f16-io (f32 x would need {} GiB of host memory)",
+            (problem.x_len() * 4) >> 30
+        ))),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn large_with<X: Copy + Into<f64> + Sync>(
+    problem: &Problem,
+    gpus: usize,
+    max_memory: Option<u64>,
+    weights: &Weights,
+    bits: &[u16],
+    x: &[X],
+    mask: Option<&[f32]>,
+    seed: u64,
+    warmup: usize,
+    repeats: usize,
+) -> CliResult<bool> {
+    let n = problem.shape.n;
+    let devices: Vec<usize> = (0..gpus).collect();
+    let mut group = group_for(weights, problem, &devices, max_memory)?;
+    group.upload_words(HostWords::Half(bits), mask)?;
+    group.forward_uploaded()?;
+    let positions = reference::sample_positions(problem.shape, seed);
+    let mut rows: Vec<usize> = positions.iter().map(|p| p.i).collect();
+    rows.dedup();
+    let c = problem.config.c;
+    let mut got = Vec::with_capacity(positions.len() * c);
+    for i in rows {
+        let y = group.y_row(0, i)?;
+        for p in positions.iter().filter(|p| p.i == i) {
+            got.extend_from_slice(&y[p.j * c..(p.j + 1) * c]);
+        }
+    }
+    let want = reference::forward_at(weights, problem, x, mask, &positions)?;
+    let cmp = reference::compare(&got, &want, TOL, TOL);
+    let plans: Vec<String> = group.layers().iter().map(|l| l.plan().describe()).collect();
+    // In place the timed calls read the previous call's y: the same work, drifting values.
+    let ms = median(group.time(warmup, repeats)?);
+    let stages = group.stage_times()?;
+    emit(&format!(
+        "{n:>6} {:>12} {ms:>12.3} {:>7}   sampled f64 check ({} positions): {}; max |Δ| {:.3e}, rel L2 {:.3e}",
+        "-",
+        "-",
+        positions.len(),
+        if cmp.passed() { "passed" } else { "FAILED" },
+        cmp.max_abs,
+        cmp.rel_l2
+    ))?;
+    emit(&format!("{:>6} plan: {}", "", plans.join(" | ")))?;
+    for (rank, st) in stages.iter().enumerate() {
+        let parts: Vec<String> = st.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();
+        emit(&format!("{:>6} rank {rank}: {}", "", parts.join(", ")))?;
+    }
+    Ok(cmp.passed())
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -72,11 +72,15 @@ pub struct ShardOptions {
     /// `Some(rows)`: the output stage per chunk of `rows` positions with the gate made again
     /// from x, even where the stored gate would fit (`None`: stored when it fits).
     pub output_rows: Option<usize>,
+    /// Bytes a rank may hold on its GPU in all: its rows of x, the mask and y, the prepared
+    /// weights, the workspace and room for NCCL (`None`: what the GPU has free, less a margin).
+    /// The plan then fits both.
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for ShardOptions {
     fn default() -> Self {
-        ShardOptions { chunk_matrices: CHUNK_MATRICES, hidden_pass: None, output_rows: None }
+        ShardOptions { chunk_matrices: CHUNK_MATRICES, hidden_pass: None, output_rows: None, memory_limit: None }
     }
 }
 
@@ -270,7 +274,7 @@ mod tests {
     fn passes_steps_and_regions_cover_everything_once() {
         let cfg = Config::new(Formulation::GpuMode, 64, 20).unwrap();
         let p = Problem::new(cfg, Shape::new(2, 10), Direction::Outgoing, false).unwrap();
-        let opts = ShardOptions { chunk_matrices: 3, hidden_pass: Some(8), output_rows: Some(16) };
+        let opts = ShardOptions { chunk_matrices: 3, hidden_pass: Some(8), output_rows: Some(16), memory_limit: None };
         let plan = RankPlan::new(&p, 3, 1, opts, u64::MAX).unwrap();
         assert_eq!(plan.rows(), 4..7);
         assert_eq!(plan.passes(), vec![0..8, 8..16, 16..20]);

@@ -153,7 +153,8 @@ fn step_gemms(plan: &RankPlan, direction: Direction, count: usize) -> Vec<(usize
 impl CudaBackend {
     /// The workspace for rank `rank` of `ranks` of a sharded forward of `problem` (the global
     /// problem: every row), planned to fit the device's free memory (less [`margin`], the
-    /// cuBLASLt workspace and room for NCCL): every rank must get the same `options`. Refuses,
+    /// cuBLASLt workspace and room for NCCL) and `options.memory_limit`: every rank must get
+    /// the same `options`. Refuses,
     /// before allocating, what the sharded forward does not take: layers without the fused input
     /// and output kernels on this GPU, and plans that do not fit.
     pub fn shard_workspace(
@@ -178,10 +179,18 @@ impl CudaBackend {
         }
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         let (free, total) = cu::mem_get_info().ctx("cuMemGetInfo")?;
-        let budget = (free as u64)
-            .saturating_sub(margin(total as u64))
-            .saturating_sub(MAX_GEMM_WORKSPACE as u64)
-            .saturating_sub(NCCL_RESERVE);
+        let fixed = MAX_GEMM_WORKSPACE as u64 + NCCL_RESERVE;
+        let mut budget = (free as u64).saturating_sub(margin(total as u64)).saturating_sub(fixed);
+        if let Some(limit) = options.memory_limit {
+            // The limit counts the rank's x, mask and y and the prepared weights too.
+            let rows = crate::plan::shard::row_split(problem.shape.n, ranks)?.get(rank).map_or(0, |r| r.len());
+            let own = (problem.shape.batch * rows * problem.shape.n) as u64;
+            let x = own * (problem.config.c * problem.io.io_bytes()) as u64;
+            let io = x * if problem.in_place { 1 } else { 2 } + if problem.masked { own * 4 } else { 0 };
+            let weights = prep.tensors.bytes()
+                + prep.fused.as_ref().map_or(0, |f| f.w.bytes() + f.bias.as_ref().map_or(0, |b| b.bytes()));
+            budget = budget.min(limit.saturating_sub(io + weights + fixed));
+        }
         let plan = RankPlan::new(problem, ranks, rank, options, budget)?;
         let mut gemms = HashMap::new();
         let mut counts: Vec<usize> =
