@@ -55,9 +55,6 @@ pub fn row_split(n: usize, ranks: usize) -> Result<Vec<Range<usize>>> {
 /// step's GEMMs).
 pub const CHUNK_MATRICES: usize = 8;
 
-/// Hidden passes are chosen in multiples of this many channels (fewer only when H is).
-pub const PASS_STEP: usize = 8;
-
 /// Positions per output-stage chunk (at most) when the gate is made again from x.
 pub const OUTPUT_ROWS: usize = 1 << 20;
 
@@ -128,7 +125,18 @@ impl RankPlan {
         if rank >= ranks {
             return Err(Error::InvalidArgument(format!("rank {rank} of a communicator of {ranks} ranks")));
         }
-        let h = problem.config.h;
+        let (n, h) = (problem.shape.n, problem.config.h);
+        // The kernels store and load left, right and t 16 bytes (8 halves) at a time where N²
+        // is a multiple of 8; a rank's matrices then must start and end on such a boundary too.
+        if (n * n) % 8 == 0 {
+            if let Some(r) = split.iter().find(|r| (r.start * n) % 8 != 0 || (r.len() * n) % 8 != 0) {
+                return Err(Error::Shape(format!(
+                    "N = {n} over {ranks} ranks gives a rank rows {r:?}, whose {} elements of each N × N matrix are \
+                     not a multiple of 8 (the kernels' 16-byte accesses): use N a multiple of 8, or 2 ranks",
+                    r.len() * n
+                )));
+            }
+        }
         let plan = |pass: usize, output_rows: Option<usize>| RankPlan {
             split: split.clone(),
             rank,
@@ -153,15 +161,15 @@ impl RankPlan {
             (Some(p), o) => vec![plan(p, o), plan(p, Some(chunked))],
             (None, Some(rows)) => {
                 let need = |hc| plan(hc, Some(rows)).bytes();
-                widest_hidden_chunk(h, PASS_STEP, budget, need).map(|hc| plan(hc, Some(rows))).into_iter().collect()
+                widest_hidden_chunk(h, 1, budget, need).map(|hc| plan(hc, Some(rows))).into_iter().collect()
             }
             (None, None) => {
                 let need = |hc| plan(hc, Some(chunked)).bytes();
-                let narrow = widest_hidden_chunk(h, PASS_STEP, budget, need).map(|hc| plan(hc, Some(chunked)));
+                let narrow = widest_hidden_chunk(h, 1, budget, need).map(|hc| plan(hc, Some(chunked)));
                 std::iter::once(plan(h, None)).chain(narrow).collect()
             }
         };
-        let narrowest = candidates.last().cloned().unwrap_or_else(|| plan(h.min(PASS_STEP), Some(chunked)));
+        let narrowest = plan(options.hidden_pass.unwrap_or(1), Some(chunked));
         candidates.into_iter().find(|p| p.bytes() <= budget).ok_or_else(|| Error::OutOfMemory {
             backend: crate::error::BackendKind::Cuda,
             what: format!(
@@ -313,9 +321,20 @@ mod tests {
         let regate = pick(10 * GIB - 1).unwrap();
         assert_eq!((regate.pass, regate.output_rows), (128, Some(OUTPUT_ROWS)));
         let narrow = pick(5 * GIB).unwrap();
-        assert!(narrow.pass < 128 && narrow.pass % PASS_STEP == 0 && narrow.bytes() <= 5 * GIB, "{narrow:?}");
+        // t 2 GiB and the gate chunk 256 MiB leave 2.75 GiB: 44 channels of 64 MiB, in three
+        // passes of 43 (the last 42).
+        assert_eq!((narrow.pass, narrow.passes().len()), (43, 3), "{narrow:?}");
+        assert!(narrow.bytes() <= 5 * GIB);
         let err = pick(2 * GIB).unwrap_err().to_string();
-        assert!(err.contains("rank 0") && err.contains("8 channels"), "{err}");
+        assert!(err.contains("rank 0") && err.contains("of 1 channels"), "{err}");
+        // Rank rows whose matrices would break the kernels' 16-byte accesses are refused.
+        let cfg = Config::new(Formulation::Af3, 128, 128).unwrap();
+        let p100 = Problem::new(cfg, Shape::new(1, 100), Direction::Outgoing, false).unwrap();
+        let err = RankPlan::new(&p100, 3, 0, ShardOptions::default(), u64::MAX).unwrap_err().to_string();
+        assert!(err.contains("not a multiple of 8"), "{err}");
+        assert!(RankPlan::new(&p100, 2, 1, ShardOptions::default(), u64::MAX).is_ok());
+        let p97 = Problem::new(cfg, Shape::new(1, 97), Direction::Outgoing, false).unwrap();
+        assert!(RankPlan::new(&p97, 3, 2, ShardOptions::default(), u64::MAX).is_ok());
     }
 
     /// The issue's case: N = 16384, af3 bf16 in place, two 80 GB H100s (79.2 GiB each as the
@@ -323,7 +342,7 @@ mod tests {
     /// GiB; t another 32 GiB; each channel of a pass 768 MiB (its rows of left and right, the
     /// peer's rows of one matrix), in either direction.
     #[test]
-    fn n16384_fits_two_h100s_in_passes_of_8_channels() {
+    fn n16384_fits_two_h100s_in_passes_of_15_channels() {
         let device = (79.2 * GIB as f64) as u64;
         let io = 32 * GIB + GIB / 2;
         let reserve = GIB; // cuBLASLt's workspace, NCCL's buffers
@@ -332,7 +351,8 @@ mod tests {
             let plan = RankPlan::new(&af3(16384, dir), 2, 1, ShardOptions::default(), budget).unwrap();
             assert_eq!(plan.t_len() as u64 * 2, 32 * GIB);
             assert_eq!((2 * plan.pair_len() + plan.exchange_len()) as u64 * 2, plan.pass as u64 * (768 << 20));
-            assert_eq!((plan.pass, plan.passes().len(), plan.output_rows), (8, 16, Some(OUTPUT_ROWS)), "{plan:?}");
+            // 11.9 GiB left after t and a gate chunk: 15 channels, 9 passes (the last of 8).
+            assert_eq!((plan.pass, plan.passes().len(), plan.output_rows), (15, 9, Some(OUTPUT_ROWS)), "{plan:?}");
         }
         // One GPU cannot hold it: x and t alone take 128 GiB.
         let one = RankPlan::new(&af3(16384, Direction::Outgoing), 1, 0, ShardOptions::default(), u64::MAX).unwrap();
