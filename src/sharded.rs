@@ -13,6 +13,7 @@
 //!   in, a whole y out (what `trimul check --gpus` and `trimul bench --gpus` run).
 
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
@@ -20,7 +21,7 @@ use crate::backend::cuda::{CudaBackend, CudaPrepared, DeviceBuffer, EventPair, S
 use crate::backend::Backend;
 use crate::collective::Communicator;
 use crate::device_io::{HostWords, HostWordsMut};
-use crate::error::{Error, Result};
+use crate::error::{BackendKind, Error, Result};
 use crate::plan::shard::{RankPlan, ShardOptions, CHUNK_MATRICES};
 use crate::problem::{Precision, Problem};
 use crate::weights::Weights;
@@ -276,6 +277,38 @@ impl ShardedLayer {
         }
     }
 
+    /// Waits for this rank's last forward, at most `timeout`. NCCL has no deadline of its own:
+    /// a peer that failed or stopped leaves this rank's exchanges waiting on the GPU forever.
+    /// If NCCL reports an error or the time runs out, this rank's communicator is aborted (its
+    /// waiting exchanges end) and the error returned; the layer refuses further forwards.
+    ///
+    /// Only once the ranks have exchanged before (NCCL connects in the first exchange, on the
+    /// host) does a lost peer show here; a peer lost before that blocks the first forward's
+    /// enqueueing itself.
+    pub fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            match self.progress() {
+                Ok(true) => return Ok(()),
+                Ok(false) if start.elapsed() < timeout => std::thread::sleep(Duration::from_micros(100)),
+                Ok(false) => {
+                    self.comm.abort();
+                    return Err(lost_peer(self.comm.rank(), timeout));
+                }
+                Err(e) => {
+                    self.comm.abort();
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Whether the last forward has finished; an error where NCCL or the GPU reports one.
+    fn progress(&self) -> Result<bool> {
+        self.comm.async_error()?;
+        self.ws.forward_finished()
+    }
+
     /// Enqueues the forward of the uploaded rows between two events on this rank's stream
     /// (read with [`ShardedLayer::take_elapsed_ms`]).
     fn forward_uploaded_timed(&mut self) -> Result<()> {
@@ -301,7 +334,13 @@ impl ShardedLayer {
 pub struct ShardedGroup {
     layers: Vec<ShardedLayer>,
     problem: Problem,
+    /// How long a forward may take on every rank before a peer counts as lost.
+    timeout: Duration,
 }
+
+/// How long [`ShardedGroup`] and [`ShardedLayer::wait`] wait by default for a forward before a
+/// peer counts as lost (N = 16384 takes about 1.5 s on two GPUs).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 impl ShardedGroup {
     /// A sharded forward of `problem` over `gpus` (CUDA device numbers, rank order), with
@@ -339,7 +378,47 @@ impl ShardedGroup {
                 layers[0].plan().describe()
             )));
         }
-        Ok(ShardedGroup { layers, problem: *problem })
+        Ok(ShardedGroup { layers, problem: *problem, timeout: DEFAULT_TIMEOUT })
+    }
+
+    /// How long a forward may take on every rank before a peer counts as lost
+    /// ([`DEFAULT_TIMEOUT`] unless set): then every communicator is aborted and the call waiting
+    /// for the forward returns an error instead of hanging.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    /// Waits until every rank's last forward has finished, at most the group's timeout; on an
+    /// error or the timeout aborts every communicator and returns the error (see
+    /// [`ShardedLayer::wait`]).
+    fn wait_for_every_rank(&mut self) -> Result<()> {
+        let start = Instant::now();
+        let failed = loop {
+            let mut done = true;
+            let mut error = None;
+            for layer in &self.layers {
+                match layer.progress() {
+                    Ok(finished) => done &= finished,
+                    Err(e) => {
+                        error = Some(e);
+                        break;
+                    }
+                }
+            }
+            match error {
+                Some(e) => break e,
+                None if done => return Ok(()),
+                None if start.elapsed() >= self.timeout => {
+                    let stuck = self.layers.iter().position(|l| !matches!(l.progress(), Ok(true))).unwrap_or(0);
+                    break lost_peer(stuck, self.timeout);
+                }
+                None => std::thread::sleep(Duration::from_micros(100)),
+            }
+        };
+        for layer in &mut self.layers {
+            layer.comm.abort();
+        }
+        Err(failed)
     }
 
     /// The ranks.
@@ -436,13 +515,15 @@ impl ShardedGroup {
         Ok(())
     }
 
-    /// Enqueues the forward of the uploaded rows on every rank (see [`ShardedGroup::forward`]).
+    /// The forward of the uploaded rows on every rank, waited for (see
+    /// [`ShardedGroup::forward`] and [`ShardedGroup::set_timeout`]).
     pub fn forward_uploaded(&mut self) -> Result<()> {
-        self.enqueue_on_every_rank()
+        self.enqueue_on_every_rank()?;
+        self.wait_for_every_rank()
     }
 
-    /// Waits for the forwards and returns y's row `i` of batch `b` (`[N, C]` f32) from the
-    /// rank that holds it.
+    /// y's row `i` of batch `b` (`[N, C]` f32) after [`ShardedGroup::forward_uploaded`], from
+    /// the rank that holds it.
     pub fn y_row(&self, b: usize, i: usize) -> Result<Vec<f32>> {
         let n = self.problem.shape.n;
         if b >= self.problem.shape.batch || i >= n {
@@ -468,6 +549,7 @@ impl ShardedGroup {
     pub fn forward(&mut self, x: &[f32], mask: Option<&[f32]>) -> Result<Vec<f32>> {
         self.upload(x, mask)?;
         self.enqueue_on_every_rank()?;
+        self.wait_for_every_rank()?;
         let parts = self.on_every_rank(|layer| layer.download())?;
         let p = self.problem;
         let (b, n, c) = (p.shape.batch, p.shape.n, p.config.c);
@@ -490,6 +572,7 @@ impl ShardedGroup {
         let mut out = Vec::with_capacity(repeats);
         for call in 0..warmup + repeats {
             self.enqueue_on_every_rank_with(ShardedLayer::forward_uploaded_timed)?;
+            self.wait_for_every_rank()?;
             let ms = self.on_every_rank(ShardedLayer::take_elapsed_ms)?;
             if call >= warmup {
                 out.push(ms.into_iter().fold(0.0, f64::max));
@@ -505,6 +588,7 @@ impl ShardedGroup {
             layer.backend.record_stages();
         }
         self.enqueue_on_every_rank()?;
+        self.wait_for_every_rank()?;
         self.on_every_rank(|layer| layer.backend.stage_times())
     }
 
@@ -520,5 +604,40 @@ impl ShardedGroup {
                 .collect()
         });
         results.into_iter().collect()
+    }
+}
+
+/// The error of a forward that did not finish within `timeout` on `rank`.
+fn lost_peer(rank: usize, timeout: Duration) -> Error {
+    Error::driver(
+        BackendKind::Cuda,
+        "the sharded forward's exchanges",
+        format!(
+            "rank {rank} had not finished after {:.1} s: a peer failed or stopped; the communicators were aborted",
+            timeout.as_secs_f64()
+        ),
+    )
+}
+
+/// Test support: enqueues the uploaded rows' forward on every rank but `lost`, as if that
+/// rank's process had died, then waits as [`ShardedGroup::forward_uploaded`] does.
+#[doc(hidden)]
+impl ShardedGroup {
+    pub fn forward_losing_rank(&mut self, lost: usize) -> Result<()> {
+        let enqueued: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .layers
+                .iter_mut()
+                .enumerate()
+                .filter(|(rank, _)| *rank != lost)
+                .map(|(_, layer)| s.spawn(move || layer.forward_uploaded()))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(Error::Internal("a rank's thread panicked".into()))))
+                .collect()
+        });
+        enqueued.into_iter().collect::<Result<Vec<()>>>()?;
+        self.wait_for_every_rank()
     }
 }

@@ -206,3 +206,31 @@ fn ranks_joined_by_unique_id_match_one_gpu() {
     // A wrong id length is an error, not a crash.
     assert!(trimul::collective::Communicator::join(&id[..10], 2, 0, 0).is_err());
 }
+
+/// A rank that stops once the ranks have exchanged (its process died, its GPU hung): the
+/// others' exchanges would wait on the GPU forever. The group's deadline aborts every
+/// communicator and returns an error naming the rank left waiting, in both directions; the
+/// group then refuses further forwards, and dropping it does not hang.
+#[test]
+fn a_lost_rank_is_an_error_not_a_hang() {
+    let Some(_one) = two_gpus() else { return };
+    for dir in [Direction::Outgoing, Direction::Incoming] {
+        let p = problem(Formulation::Af3, dir, 1, 128, Precision::Bf16Io);
+        let weights = Weights::random(p.config, true, seed()).unwrap();
+        let mut rng = Rng::new(seed() ^ 0x105);
+        let x = rng.normal_vec(p.x_len(), 1.0);
+        let mask = rng.mask_vec(p.mask_len());
+        let mut group = ShardedGroup::on_local_gpus(&weights, &p, &[0, 1]).unwrap();
+        group.upload(&x, Some(&mask)).unwrap();
+        // The ranks connect in their first exchange.
+        group.forward_uploaded().unwrap();
+        group.set_timeout(std::time::Duration::from_secs(2));
+        let start = std::time::Instant::now();
+        let err = group.forward_losing_rank(1).unwrap_err().to_string();
+        assert!(err.contains("rank 0") && err.contains("aborted"), "{dir}: {err}");
+        assert!(start.elapsed().as_secs() < 30, "{dir}: took {:?}", start.elapsed());
+        let again = group.forward(&x, Some(&mask)).unwrap_err().to_string();
+        assert!(again.contains("aborted"), "{dir}: {again}");
+        drop(group);
+    }
+}

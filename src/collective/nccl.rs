@@ -143,6 +143,23 @@ impl Communicator {
         }
     }
 
+    /// An error NCCL met on this communicator while its operations ran (`ncclCommGetAsyncError`:
+    /// a peer's connection lost, a remote failure), or `Ok` while none.
+    pub fn async_error(&self) -> Result<()> {
+        if self.aborted {
+            return Ok(());
+        }
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator and a place for the result.
+        let call = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+        for r in [call, state] {
+            if !matches!(r, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) {
+                return Err(nccl_err("ncclCommGetAsyncError", nc::NcclError(r)));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether [`Communicator::abort`] was called.
     pub fn is_aborted(&self) -> bool {
         self.aborted

@@ -123,6 +123,18 @@ impl ShardWorkspace {
         self.exchanged
     }
 
+    /// Whether the last forward enqueued on this workspace has finished on the GPU (its last
+    /// event; true when none was enqueued), without waiting.
+    pub fn forward_finished(&self) -> Result<bool> {
+        self.exchange_stream.context().bind_to_thread().ctx("cuCtxSetCurrent")?;
+        // SAFETY: a live event of this context (a never-recorded event reports complete).
+        match unsafe { cu::event::query(self.forward_done) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == cusys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(Error::driver(BackendKind::Cuda, "cuEventQuery", format!("{e:?}"))),
+        }
+    }
+
     /// Device bytes the workspace holds.
     pub fn bytes(&self) -> u64 {
         [self.left.bytes(), self.right.bytes(), self.exchange.bytes(), self.t.bytes(), self.gate.bytes()]
