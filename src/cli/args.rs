@@ -152,6 +152,7 @@ pub struct BenchArgs {
     pub seed: Option<u64>,
     /// Device memory a forward may hold: weights, x, mask, y and workspace (e.g. 24GB, 20GiB).
     /// Shapes whose fastest plan does not fit run in chunks; default: the device's free memory.
+    /// With --gpus: per GPU, its rows of x, mask and y included.
     #[arg(long, value_name = "BYTES", value_parser = parse_bytes_arg)]
     pub max_memory: Option<u64>,
     /// Write y over x (one tensor instead of two on the device).
@@ -170,7 +171,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub grad: bool,
     /// Time the forward sharded by rows across this many GPUs of this host (NCCL; CUDA only)
-    /// against the one-GPU forward, B = 1, C = H = 128, N from `--n` (default 1024, 2048, 4096).
+    /// against the one-GPU forward, B = 1, C = H = 128, N from `--n` (default 1024, 2048, 4096);
+    /// past N = 8192 against the sampled f64 reference instead (16-bit I/O).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(2..=64))]
     pub gpus: Option<u32>,
 }

@@ -27,8 +27,9 @@
 //!   `y`, or in a scratch buffer shared by the two phases), for each way a backend runs its
 //!   input stage ([`InputStage`]).
 //!
-//! - [`shard`]: what each rank holds when the pair tensor is split by rows across GPUs (issue
-//!   29), and the widest hidden pass a rank's budget allows.
+//! - [`shard`]: the rows each rank holds when the pair tensor is split by rows across GPUs
+//!   (issue 29), and one rank's plan: its buffers, hidden passes and exchange steps, the widest
+//!   that fits its memory.
 //!
 //! Backends declare what they can do and execute a plan; they do no budget arithmetic of their
 //! own.
