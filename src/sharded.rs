@@ -158,13 +158,7 @@ impl ShardedLayer {
     /// Uploads this rank's rows of x (f32, rounded to the problem's I/O precision) and mask to
     /// device buffers kept for the next calls.
     pub fn upload(&mut self, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
-        let io = self.ws.problem().io;
-        if io == Precision::F32Io {
-            self.upload_words(HostWords::F32(x), mask)
-        } else {
-            let bits: Vec<u16> = x.par_iter().map(|&v| io.encode_half(v)).collect();
-            self.upload_words(HostWords::Half(&bits), mask)
-        }
+        as_words(x, self.ws.problem().io, |w| self.upload_words(w, mask))
     }
 
     /// As [`ShardedLayer::upload`], x as the I/O precision holds it (f32 values, or the bits of
@@ -463,13 +457,7 @@ impl ShardedGroup {
 
     /// Uploads each rank's rows of the whole `x` (`[B, N, N, C]` f32) and `mask` (`[B, N, N]`).
     pub fn upload(&mut self, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
-        let io = self.problem.io;
-        if io == Precision::F32Io {
-            self.upload_words(HostWords::F32(x), mask)
-        } else {
-            let bits: Vec<u16> = x.par_iter().map(|&v| io.encode_half(v)).collect();
-            self.upload_words(HostWords::Half(&bits), mask)
-        }
+        as_words(x, self.problem.io, |w| self.upload_words(w, mask))
     }
 
     /// As [`ShardedGroup::upload`], the whole x as the I/O precision holds it (f32 values, or
@@ -604,6 +592,16 @@ impl ShardedGroup {
                 .collect()
         });
         results.into_iter().collect()
+    }
+}
+
+/// `x` as `io` holds it, handed to `f`: as it is for f32 I/O, else its 16-bit words.
+fn as_words<R>(x: &[f32], io: Precision, f: impl FnOnce(HostWords<'_>) -> R) -> R {
+    if io == Precision::F32Io {
+        f(HostWords::F32(x))
+    } else {
+        let bits: Vec<u16> = x.par_iter().map(|&v| io.encode_half(v)).collect();
+        f(HostWords::Half(&bits))
     }
 }
 

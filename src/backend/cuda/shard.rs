@@ -48,7 +48,7 @@ use crate::backend::params::{to_i32, Addresses, CommonParams, InputParams, Outpu
 use crate::collective::{Communicator, Transfer};
 use crate::error::{BackendKind, Error, Result};
 use crate::plan::budget::margin;
-use crate::plan::shard::{RankPlan, ShardOptions};
+use crate::plan::shard::{RankPlan, ShardOptions, Step};
 use crate::problem::{Direction, Problem};
 
 /// Device memory a rank keeps free besides the plan's buffers, the cuBLASLt workspace and
@@ -394,12 +394,11 @@ impl CudaBackend {
                 .then(|| step_gemms(&plan, problem.direction, hc % plan.chunk));
             // Element offsets of a step's first matrix: in left and right (this rank's rows),
             // in rank p's region of the exchange buffer, and in t.
-            let mine = |s: &crate::plan::shard::Step| (s.b * hc + s.channels.start) * r * n;
-            let theirs = |s: &crate::plan::shard::Step, p: usize| {
-                plan.exchange_offset(p) + (s.b * hc + s.channels.start) * plan.split[p].len() * n
-            };
-            let t_at = |s: &crate::plan::shard::Step| (s.b * h + pass.start + s.channels.start) * r * n;
-            let mut run = |s: &crate::plan::shard::Step, p: usize, a: u64, bb: u64, d: u64| -> Result<()> {
+            let mine = |s: &Step| (s.b * hc + s.channels.start) * r * n;
+            let theirs =
+                |s: &Step, p: usize| plan.exchange_offset(p) + (s.b * hc + s.channels.start) * plan.split[p].len() * n;
+            let t_at = |s: &Step| (s.b * h + pass.start + s.channels.start) * r * n;
+            let mut run = |s: &Step, p: usize, a: u64, bb: u64, d: u64| -> Result<()> {
                 let list =
                     if s.channels.len() == plan.chunk.min(hc) { &gemms } else { tail.as_ref().unwrap_or(&gemms) };
                 let (_, spec, [oa, ob, od], align) = list[p];
@@ -413,6 +412,15 @@ impl CudaBackend {
                     gemm.run(&inner.blas, a + half(oa), bb + half(ob), d + half(od), 0, gemm_ws, gemm_ws_len, stream)
                 }
             };
+            // One step's exchange: per rank p, the step's matrices of p's rows, from and to the
+            // addresses `ends(p)` gives (send, receive).
+            let transfers = |s: &Step, ends: &dyn Fn(usize) -> (u64, u64)| -> Vec<Transfer> {
+                let sized = |(p, block): (usize, &Range<usize>)| {
+                    let (send, recv) = ends(p);
+                    Transfer { send, recv, count: s.channels.len() * block.len() * n, root: p }
+                };
+                plan.split.iter().enumerate().map(sized).collect()
+            };
             record(ws.input_done, stream)?;
             // From here on a failure leaves the peers waiting for this rank's exchanges.
             ws.exchanged = true;
@@ -420,20 +428,10 @@ impl CudaBackend {
                 Direction::Outgoing => {
                     wait(exchange, ws.input_done)?;
                     for (s, &done) in steps.iter().zip(&ws.step_done) {
-                        let transfers: Vec<Transfer> = plan
-                            .split
-                            .iter()
-                            .enumerate()
-                            .map(|(p, block)| {
-                                let count = s.channels.len() * block.len() * n;
-                                let (send, recv) = if p == rank {
-                                    (right + half(mine(s)), right + half(mine(s)))
-                                } else {
-                                    (0, xbuf + half(theirs(s, p)))
-                                };
-                                Transfer { send, recv, count, root: p }
-                            })
-                            .collect();
+                        let transfers = transfers(s, &|p| match p == rank {
+                            true => (right + half(mine(s)), right + half(mine(s))),
+                            false => (0, xbuf + half(theirs(s, p))),
+                        });
                         // SAFETY: the root's rows of the step's matrices of right go into the
                         // others' regions of the exchange buffer, both inside `ws`'s buffers;
                         // the exchange stream waited for the input stage.
@@ -464,16 +462,10 @@ impl CudaBackend {
                         }
                         record(done, stream)?;
                         wait(exchange, done)?;
-                        let transfers: Vec<Transfer> = plan
-                            .split
-                            .iter()
-                            .enumerate()
-                            .map(|(p, block)| {
-                                let count = s.channels.len() * block.len() * n;
-                                let send = if p == rank { t + half(t_at(s)) } else { xbuf + half(theirs(s, p)) };
-                                Transfer { send, recv: t + half(t_at(s)), count, root: p }
-                            })
-                            .collect();
+                        let transfers = transfers(s, &|p| match p == rank {
+                            true => (t + half(t_at(s)), t + half(t_at(s))),
+                            false => (xbuf + half(theirs(s, p)), t + half(t_at(s))),
+                        });
                         // SAFETY: every rank's partial rows of the step, inside `ws`'s buffers,
                         // summed into the owner's t (in place there), after the step's GEMMs.
                         unsafe { comm.sum_to_roots(&transfers, exchange)? };
