@@ -287,7 +287,7 @@ impl ShardedLayer {
                 Ok(false) if start.elapsed() < timeout => std::thread::sleep(Duration::from_micros(100)),
                 Ok(false) => {
                     self.comm.abort();
-                    return Err(lost_peer(self.comm.rank(), timeout));
+                    return Err(lost_peer(&[self.comm.rank()], timeout));
                 }
                 Err(e) => {
                     self.comm.abort();
@@ -354,23 +354,20 @@ impl ShardedGroup {
     /// for every rank).
     pub fn with_options(weights: &Weights, problem: &Problem, gpus: &[usize], options: ShardOptions) -> Result<Self> {
         problem.validate()?;
-        let comms = Communicator::for_local_gpus(gpus)?;
-        let layers: Vec<ShardedLayer> = comms
-            .into_iter()
-            .map(|comm| ShardedLayer::for_uploads(weights, problem, comm, options))
-            .collect::<Result<_>>()?;
-        // Every rank must run the same passes and steps (the exchanges pair up call by call):
-        // GPUs with different free memory could plan differently.
-        if let Some(l) = layers
-            .iter()
-            .find(|l| (l.plan().pass, l.plan().output_rows) != (layers[0].plan().pass, layers[0].plan().output_rows))
-        {
-            return Err(Error::InvalidArgument(format!(
-                "rank {} planned {} but rank 0 {}: fix the plan with ShardOptions",
-                l.comm.rank(),
-                l.plan().describe(),
-                layers[0].plan().describe()
-            )));
+        let build = |options: ShardOptions| -> Result<Vec<ShardedLayer>> {
+            Communicator::for_local_gpus(gpus)?
+                .into_iter()
+                .map(|comm| ShardedLayer::for_uploads(weights, problem, comm, options))
+                .collect()
+        };
+        let mut layers = build(options)?;
+        // Every rank must run the same passes (the exchanges pair up call by call): GPUs with
+        // different free memory can plan differently, and then every rank takes the narrowest.
+        let narrowest = layers.iter().map(|l| l.plan().pass).min().unwrap_or(0);
+        if layers.iter().any(|l| l.plan().pass != narrowest) {
+            let options = ShardOptions { hidden_pass: Some(narrowest), ..options };
+            drop(layers);
+            layers = build(options)?;
         }
         Ok(ShardedGroup { layers, problem: *problem, timeout: DEFAULT_TIMEOUT })
     }
@@ -388,11 +385,12 @@ impl ShardedGroup {
     fn wait_for_every_rank(&mut self) -> Result<()> {
         let start = Instant::now();
         let failed = loop {
-            let mut done = true;
+            let mut waiting = Vec::new();
             let mut error = None;
-            for layer in &self.layers {
+            for (rank, layer) in self.layers.iter().enumerate() {
                 match layer.progress() {
-                    Ok(finished) => done &= finished,
+                    Ok(true) => {}
+                    Ok(false) => waiting.push(rank),
                     Err(e) => {
                         error = Some(e);
                         break;
@@ -401,11 +399,8 @@ impl ShardedGroup {
             }
             match error {
                 Some(e) => break e,
-                None if done => return Ok(()),
-                None if start.elapsed() >= self.timeout => {
-                    let stuck = self.layers.iter().position(|l| !matches!(l.progress(), Ok(true))).unwrap_or(0);
-                    break lost_peer(stuck, self.timeout);
-                }
+                None if waiting.is_empty() => return Ok(()),
+                None if start.elapsed() >= self.timeout => break lost_peer(&waiting, self.timeout),
                 None => std::thread::sleep(Duration::from_micros(100)),
             }
         };
@@ -605,13 +600,16 @@ fn as_words<R>(x: &[f32], io: Precision, f: impl FnOnce(HostWords<'_>) -> R) -> 
     }
 }
 
-/// The error of a forward that did not finish within `timeout` on `rank`.
-fn lost_peer(rank: usize, timeout: Duration) -> Error {
+/// The error of a forward that had not finished within `timeout` on the ranks `waiting`.
+fn lost_peer(waiting: &[usize], timeout: Duration) -> Error {
+    let ranks: Vec<String> = waiting.iter().map(usize::to_string).collect();
     Error::driver(
         BackendKind::Cuda,
         "the sharded forward's exchanges",
         format!(
-            "rank {rank} had not finished after {:.1} s: a peer failed or stopped; the communicators were aborted",
+            "rank{} {} had not finished after {:.1} s: a peer failed or stopped; the communicators were aborted",
+            if waiting.len() == 1 { "" } else { "s" },
+            ranks.join(", "),
             timeout.as_secs_f64()
         ),
     )

@@ -124,7 +124,8 @@ fn sharded_forward_matches_reference_and_one_gpu() {
 /// Hidden passes (of 24 channels: passes that start inside the fused kernel's 32-channel
 /// chunks, and a shorter last one), exchange steps of 5 matrices (a shorter last step per
 /// batch), and the output stage in chunks of 1000 positions with the gate made again from x
-/// (several per batch, the last shorter; in place too): what a rank runs when memory is short.
+/// (several per batch, the last shorter; B = 2; in place too): what a rank runs when memory is
+/// short.
 #[test]
 fn sharded_forward_in_hidden_passes_with_the_gate_made_again() {
     let Some(one) = two_gpus() else { return };
@@ -133,6 +134,11 @@ fn sharded_forward_in_hidden_passes_with_the_gate_made_again() {
     for dir in [Direction::Outgoing, Direction::Incoming] {
         check_with(&one, &problem(Formulation::Af3, dir, 2, 97, Precision::Bf16Io), true, 2, s, Some(o));
         check_with(&one, &problem(Formulation::GpuMode, dir, 1, 64, Precision::F32Io), false, 2, s, Some(o));
+        // B = 2 with N² a multiple of 8: the kernels' 16-byte accesses on each batch's rows,
+        // the gate made again and stored by the last of several passes.
+        let b2 = problem(Formulation::Af3, dir, 2, 64, Precision::Bf16Io);
+        check_with(&one, &b2, true, 2, s, Some(o));
+        check_with(&one, &b2, true, 2, s, Some(ShardOptions { output_rows: None, ..o }));
         let in_place = problem(Formulation::Af3, dir, 1, 200, Precision::Bf16Io).in_place(true);
         check_with(&one, &in_place, true, 2, s, Some(ShardOptions { output_rows: None, ..o }));
         check_with(&one, &in_place, true, 2, s, Some(o));
@@ -232,5 +238,43 @@ fn a_lost_rank_is_an_error_not_a_hang() {
         let again = group.forward(&x, Some(&mask)).unwrap_err().to_string();
         assert!(again.contains("aborted"), "{dir}: {again}");
         drop(group);
+    }
+}
+
+/// Ranks that planned different passes (here fixed so on purpose; GPUs with different free
+/// memory can too) find out together at their first forward, from one small all-reduce, and
+/// each returns an error naming the plans instead of exchanging mismatched blocks.
+#[test]
+fn ranks_that_planned_differently_refuse_together() {
+    let Some(_one) = two_gpus() else { return };
+    let p = problem(Formulation::Af3, Direction::Outgoing, 1, 64, Precision::Bf16Io);
+    let weights = Weights::random(p.config, true, seed()).unwrap();
+    let mut rng = Rng::new(seed() ^ 0xD1F);
+    let x = rng.normal_vec(p.x_len(), 1.0);
+    let mask = rng.mask_vec(p.mask_len());
+    let id = trimul::collective::Communicator::unique_id().unwrap();
+    let (n, c) = (p.shape.n, p.config.c);
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = [32, 64]
+            .into_iter()
+            .enumerate()
+            .map(|(rank, pass)| {
+                let (id, weights, x, mask) = (&id, &weights, &x, &mask);
+                s.spawn(move || {
+                    let comm = trimul::collective::Communicator::join(id, 2, rank, rank).unwrap();
+                    let options = ShardOptions { hidden_pass: Some(pass), ..ShardOptions::default() };
+                    let mut layer = trimul::sharded::ShardedLayer::with_options(weights, &p, comm, options).unwrap();
+                    let rows = layer.rows();
+                    layer
+                        .upload(&x[rows.start * n * c..rows.end * n * c], Some(&mask[rows.start * n..rows.end * n]))
+                        .unwrap();
+                    layer.forward_uploaded().unwrap_err().to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errors {
+        assert!(e.contains("planned different passes (from 32 to 64 channels"), "{e}");
     }
 }

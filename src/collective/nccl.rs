@@ -144,10 +144,10 @@ impl Communicator {
     }
 
     /// An error NCCL met on this communicator while its operations ran (`ncclCommGetAsyncError`:
-    /// a peer's connection lost, a remote failure), or `Ok` while none.
+    /// a peer's connection lost, a remote failure), or that it was aborted; `Ok` while neither.
     pub fn async_error(&self) -> Result<()> {
         if self.aborted {
-            return Ok(());
+            return Err(self.aborted_error());
         }
         let mut state = sys::ncclResult_t::ncclSuccess;
         // SAFETY: a live communicator and a place for the result.
@@ -231,6 +231,57 @@ impl Communicator {
         })
     }
 
+    /// Enqueues on `stream` the element-wise minimum and maximum over every rank of the
+    /// `count` u64 at `values`, into `min` and `max` (this rank's device addresses). Every rank
+    /// must make the same call.
+    ///
+    /// # Safety
+    /// The three are device buffers of at least `count` u64 on this rank's device, alive until
+    /// the stream has run the reductions.
+    pub(crate) unsafe fn min_max_u64(
+        &mut self,
+        values: u64,
+        min: u64,
+        max: u64,
+        count: usize,
+        stream: CUstream,
+    ) -> Result<()> {
+        if self.aborted {
+            return Err(self.aborted_error());
+        }
+        nc::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+        let mut first_err = None;
+        for (out, op) in [(min, sys::ncclRedOp_t::ncclMin), (max, sys::ncclRedOp_t::ncclMax)] {
+            // SAFETY: as the caller guarantees.
+            let r = unsafe {
+                nc::all_reduce(
+                    values as *const std::ffi::c_void,
+                    out as *mut std::ffi::c_void,
+                    count,
+                    sys::ncclDataType_t::ncclUint64,
+                    op,
+                    self.comm,
+                    stream as sys::cudaStream_t,
+                )
+            };
+            if let Err(e) = r {
+                first_err.get_or_insert(nccl_err("ncclAllReduce", e));
+            }
+        }
+        let end = nc::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
+        match first_err {
+            Some(e) => Err(e),
+            None => end.map(|_| ()),
+        }
+    }
+
+    fn aborted_error(&self) -> Error {
+        Error::InvalidArgument(format!(
+            "rank {}'s communicator was aborted after an earlier failure; make a new one",
+            self.rank
+        ))
+    }
+
     fn grouped(
         &mut self,
         call: &str,
@@ -238,10 +289,7 @@ impl Communicator {
         mut op: impl FnMut(sys::ncclComm_t, &Transfer) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
     ) -> Result<()> {
         if self.aborted {
-            return Err(Error::InvalidArgument(format!(
-                "rank {}'s communicator was aborted after an earlier failure; make a new one",
-                self.rank
-            )));
+            return Err(self.aborted_error());
         }
         if let Some(t) = transfers.iter().find(|t| t.root >= self.ranks) {
             return Err(Error::Internal(format!("{call} from rank {} of {} ranks", t.root, self.ranks)));

@@ -118,8 +118,10 @@ pub struct RankPlan {
 
 impl RankPlan {
     /// The plan for rank `rank` of `ranks` of `problem` (the global problem: every row), whose
-    /// buffers ([`RankPlan::bytes`]) must fit `budget` bytes: the stored gate and one pass if
-    /// they fit, else the gate made again per row chunk and the widest pass that fits.
+    /// buffers must fit `budget` bytes: the stored gate and one pass if they fit, else the gate
+    /// made again per row chunk and the widest pass that fits. The choice is made for the rank
+    /// with the most rows (rank 0), so that ranks given the same budget plan the same passes
+    /// and steps (their exchanges pair up call by call).
     pub fn new(problem: &Problem, ranks: usize, rank: usize, options: ShardOptions, budget: u64) -> Result<RankPlan> {
         let split = row_split(problem.shape.n, ranks)?;
         if rank >= ranks {
@@ -153,6 +155,8 @@ impl RankPlan {
                 return Err(Error::InvalidArgument(format!("hidden passes of {pass} channels for H = {h}")));
             }
         }
+        // Rank 0 holds the most rows, and a plan's bytes grow with the rows.
+        let worst = |pass: usize, output_rows: Option<usize>| RankPlan { rank: 0, ..plan(pass, output_rows) }.bytes();
         if let Some(0) = options.output_rows {
             return Err(Error::InvalidArgument("output chunks of 0 positions".into()));
         }
@@ -160,25 +164,45 @@ impl RankPlan {
         let candidates = match (options.hidden_pass, options.output_rows) {
             (Some(p), o) => vec![plan(p, o), plan(p, Some(chunked))],
             (None, Some(rows)) => {
-                let need = |hc| plan(hc, Some(rows)).bytes();
+                let need = |hc| worst(hc, Some(rows));
                 widest_hidden_chunk(h, 1, budget, need).map(|hc| plan(hc, Some(rows))).into_iter().collect()
             }
             (None, None) => {
-                let need = |hc| plan(hc, Some(chunked)).bytes();
+                let need = |hc| worst(hc, Some(chunked));
                 let narrow = widest_hidden_chunk(h, 1, budget, need).map(|hc| plan(hc, Some(chunked)));
                 std::iter::once(plan(h, None)).chain(narrow).collect()
             }
         };
         let narrowest = plan(options.hidden_pass.unwrap_or(1), Some(chunked));
-        candidates.into_iter().find(|p| p.bytes() <= budget).ok_or_else(|| Error::OutOfMemory {
+        candidates.into_iter().find(|p| worst(p.pass, p.output_rows) <= budget).ok_or_else(|| Error::OutOfMemory {
             backend: crate::error::BackendKind::Cuda,
             what: format!(
                 "rank {rank}'s sharded forward (its rows of t for all {h} channels, and per pass of {} channels its \
                  rows of left and right and the other ranks' rows of one matrix)",
                 narrowest.pass
             ),
-            needed: narrowest.bytes(),
+            needed: worst(narrowest.pass, narrowest.output_rows),
             available: budget,
+        })
+    }
+
+    /// The bytes of a per-rank memory `limit` left for a plan once the rank's rows of x, the
+    /// mask and y and `held` more bytes (prepared weights, the libraries' workspaces) are
+    /// counted; the rows of the rank with the most (rank 0), so that every rank given the same
+    /// limit gets the same budget.
+    pub fn budget_within(problem: &Problem, ranks: usize, limit: u64, held: u64) -> Result<u64> {
+        let rows = row_split(problem.shape.n, ranks)?[0].len();
+        let own = (problem.shape.batch * rows * problem.shape.n) as u64;
+        let x = own * (problem.config.c * problem.io.io_bytes()) as u64;
+        let io = x * if problem.in_place { 1 } else { 2 } + if problem.masked { own * 4 } else { 0 };
+        limit.checked_sub(io + held).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "a memory limit of {} per GPU is below what a rank holds before any workspace: its rows of x, the \
+                 mask and y ({}) and {} of weights and library workspaces",
+                crate::units::fmt_bytes(limit),
+                crate::units::fmt_bytes(io),
+                crate::units::fmt_bytes(held)
+            ))
         })
     }
 
@@ -245,7 +269,8 @@ impl RankPlan {
         (0..own).step_by(rows).map(|r| (r, rows.min(own - r))).collect()
     }
 
-    /// `one pass, gate stored` or `8 passes of 16 channels, output per 1048576 positions`.
+    /// `one pass, gate stored` or `9 passes of 15 channels, output per 1048576 positions with
+    /// the gate made again`.
     pub fn describe(&self) -> String {
         let passes = self.passes().len();
         let passes =
@@ -321,8 +346,8 @@ mod tests {
         let regate = pick(10 * GIB - 1).unwrap();
         assert_eq!((regate.pass, regate.output_rows), (128, Some(OUTPUT_ROWS)));
         let narrow = pick(5 * GIB).unwrap();
-        // t 2 GiB and the gate chunk 256 MiB leave 2.75 GiB: 44 channels of 64 MiB, in three
-        // passes of 43 (the last 42).
+        // t 2 GiB and the gate chunk 256 MiB leave 2.75 GiB: 58 channels of 48 MiB, balanced
+        // into three passes of 43 (the last 42).
         assert_eq!((narrow.pass, narrow.passes().len()), (43, 3), "{narrow:?}");
         assert!(narrow.bytes() <= 5 * GIB);
         let err = pick(2 * GIB).unwrap_err().to_string();
@@ -335,6 +360,25 @@ mod tests {
         assert!(RankPlan::new(&p100, 2, 1, ShardOptions::default(), u64::MAX).is_ok());
         let p97 = Problem::new(cfg, Shape::new(1, 97), Direction::Outgoing, false).unwrap();
         assert!(RankPlan::new(&p97, 3, 2, ShardOptions::default(), u64::MAX).is_ok());
+    }
+
+    /// Ranks with uneven rows plan alike (rank 0's rows decide), and a memory limit leaves the
+    /// same budget to every rank, or an error naming what it does not cover.
+    #[test]
+    fn uneven_ranks_plan_alike_and_limits_count_the_rows() {
+        let p = af3(4097, Direction::Outgoing);
+        let budget = 5 * GIB;
+        let plans: Vec<RankPlan> =
+            (0..2).map(|r| RankPlan::new(&p, 2, r, ShardOptions::default(), budget).unwrap()).collect();
+        assert_eq!(plans[0].rows().len(), plans[1].rows().len() + 1);
+        assert_eq!((plans[0].pass, plans[0].output_rows), (plans[1].pass, plans[1].output_rows));
+        assert!(plans[0].bytes() <= budget && plans[1].bytes() < plans[0].bytes());
+        // In place, bf16: x 2049·4097·128·2 bytes and the f32 mask 2049·4097·4.
+        let own = 2049 * 4097u64;
+        let held = 1 << 20;
+        assert_eq!(RankPlan::budget_within(&p, 2, 10 * GIB, held).unwrap(), 10 * GIB - own * 256 - own * 4 - held);
+        let err = RankPlan::budget_within(&p, 2, GIB, held).unwrap_err().to_string();
+        assert!(err.contains("below what a rank holds"), "{err}");
     }
 
     /// The issue's case: N = 16384, af3 bf16 in place, two 80 GB H100s (79.2 GiB each as the

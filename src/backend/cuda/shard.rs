@@ -83,8 +83,19 @@ pub struct ShardWorkspace {
     /// Whether the current forward has enqueued an exchange: a failure after that leaves the
     /// peers waiting for this rank (`sharded::ShardedGroup` then aborts the communicators).
     exchanged: bool,
+    /// Whether the last forward failed after its first launch (its end event then marks where
+    /// its enqueued work ends, and waiting for it is an error).
+    failed: bool,
+    /// Whether the ranks have checked, at this workspace's first forward, that they planned
+    /// the same passes and steps; and the 3 × [`AGREE`] u64 that check reduces.
+    agreed: bool,
+    agree: DeviceBuffer<u64>,
     weights_of: u64,
 }
+
+/// What the ranks' plans must agree on (the exchanges pair up call by call): the pass width and
+/// the exchange step.
+const AGREE: usize = 2;
 
 // SAFETY: the events are plain driver handles usable from any thread with the context bound;
 // every method that records or waits on them takes `&mut self`.
@@ -126,6 +137,11 @@ impl ShardWorkspace {
     /// Whether the last forward enqueued on this workspace has finished on the GPU (its last
     /// event; true when none was enqueued), without waiting.
     pub fn forward_finished(&self) -> Result<bool> {
+        if self.failed {
+            return Err(Error::InvalidArgument(
+                "this rank's last sharded forward failed while it was being enqueued".into(),
+            ));
+        }
         self.exchange_stream.context().bind_to_thread().ctx("cuCtxSetCurrent")?;
         // SAFETY: a live event of this context (a never-recorded event reports complete).
         match unsafe { cu::event::query(self.forward_done) } {
@@ -195,13 +211,9 @@ impl CudaBackend {
         let mut budget = (free as u64).saturating_sub(margin(total as u64)).saturating_sub(fixed);
         if let Some(limit) = options.memory_limit {
             // The limit counts the rank's x, mask and y and the prepared weights too.
-            let rows = crate::plan::shard::row_split(problem.shape.n, ranks)?.get(rank).map_or(0, |r| r.len());
-            let own = (problem.shape.batch * rows * problem.shape.n) as u64;
-            let x = own * (problem.config.c * problem.io.io_bytes()) as u64;
-            let io = x * if problem.in_place { 1 } else { 2 } + if problem.masked { own * 4 } else { 0 };
             let weights = prep.tensors.bytes()
                 + prep.fused.as_ref().map_or(0, |f| f.w.bytes() + f.bias.as_ref().map_or(0, |b| b.bytes()));
-            budget = budget.min(limit.saturating_sub(io + weights + fixed));
+            budget = budget.min(RankPlan::budget_within(problem, ranks, limit, weights + fixed)?);
         }
         let plan = RankPlan::new(problem, ranks, rank, options, budget)?;
         let mut gemms = HashMap::new();
@@ -231,6 +243,9 @@ impl CudaBackend {
             pass_exchanged: event()?,
             forward_done: event()?,
             exchanged: false,
+            failed: false,
+            agreed: false,
+            agree: self.alloc_buffer(3 * AGREE)?,
             gemms,
             plan,
             exchange_stream: self.inner.ctx.new_stream().ctx("cuStreamCreate")?,
@@ -246,6 +261,10 @@ impl CudaBackend {
     /// # Safety
     /// The buffers are device allocations of those sizes in this backend's context, alive until
     /// `stream` has run the work; `x` and `y` do not overlap unless equal (in place).
+    ///
+    /// If it fails after its first launch, the work it did enqueue still ends at the forward's
+    /// end event, and waiting for the forward ([`ShardWorkspace::forward_finished`]) is an
+    /// error.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn enqueue_shard(
         &self,
@@ -258,7 +277,45 @@ impl CudaBackend {
         stream: CUstream,
     ) -> Result<()> {
         ws.exchanged = false;
+        ws.failed = false;
+        let mut launched = false;
+        // SAFETY: this function's contract.
+        let result = unsafe { self.enqueue_shard_steps(prep, ws, comm, [x, mask, y], stream, &mut launched) };
+        if result.is_err() && launched {
+            ws.failed = true;
+            // The end event after everything enqueued, the exchange stream's work included, so
+            // that the next forward waits for it.
+            let exchange = ws.exchange_stream.cu_stream();
+            // SAFETY: live handles of this context.
+            unsafe {
+                let _ = cu::event::record(ws.input_done, exchange);
+                let _ = cu::stream::wait_event(stream, ws.input_done, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT);
+                let _ = cu::event::record(ws.forward_done, stream);
+            }
+        }
+        result
+    }
+
+    /// The body of [`CudaBackend::enqueue_shard`]; sets `launched` once it has enqueued work.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue_shard`].
+    unsafe fn enqueue_shard_steps(
+        &self,
+        prep: &CudaPrepared,
+        ws: &mut ShardWorkspace,
+        comm: &mut Communicator,
+        [x, mask, y]: [CUdeviceptr; 3],
+        stream: CUstream,
+        launched: &mut bool,
+    ) -> Result<()> {
         let problem = ws.problem;
+        if comm.is_aborted() {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}'s communicator was aborted after an earlier failure; make a new layer",
+                comm.rank()
+            )));
+        }
         check_prepared_for(&prep.config, &problem)?;
         if ws.weights_of != prep.id {
             return Err(Error::InvalidArgument("this shard workspace was made for other prepared weights".into()));
@@ -308,6 +365,29 @@ impl CudaBackend {
         // The previous forward on this workspace, maybe on another stream, must be done with
         // every buffer before this one writes them.
         wait(stream, ws.forward_done)?;
+        *launched = true;
+        if !ws.agreed {
+            // Every rank's pass width and step, reduced to their minimum and maximum: equal on
+            // every rank exactly when the plans agree, so every rank gets the same answer.
+            let mine = [ws.plan.pass as u64, ws.plan.chunk as u64];
+            ws.agree.upload(&[mine, [0; AGREE], [0; AGREE]].concat(), stream)?;
+            let at = |k: u64| ws.agree.ptr() + k * (AGREE * 8) as u64;
+            // SAFETY: three runs of AGREE u64 inside `ws.agree`, waited for below.
+            unsafe { comm.min_max_u64(at(0), at(1), at(2), AGREE, stream)? };
+            let mut all = [0u64; 3 * AGREE];
+            ws.agree.download(&mut all, stream)?;
+            if all[AGREE..2 * AGREE] != all[2 * AGREE..] {
+                return Err(Error::InvalidArgument(format!(
+                    "the ranks planned different passes (from {} to {} channels; exchange steps of {} to {} \
+                     matrices): give every rank the same ShardOptions (hidden_pass, chunk_matrices)",
+                    all[AGREE],
+                    all[2 * AGREE],
+                    all[AGREE + 1],
+                    all[2 * AGREE + 1]
+                )));
+            }
+            ws.agreed = true;
+        }
         if inner.poison.load(std::sync::atomic::Ordering::Relaxed) {
             for buf in [&mut ws.left, &mut ws.right, &mut ws.exchange, &mut ws.t, &mut ws.gate] {
                 buf.memset_async(POISON_BYTE, stream)?;
@@ -355,9 +435,6 @@ impl CudaBackend {
         for (pi, pass) in passes.iter().enumerate() {
             let hc = pass.len();
             let last = pi + 1 == passes.len();
-            // The previous pass's exchanges read right (outgoing) and the exchange buffer
-            // (incoming): done before this pass writes them.
-            wait(stream, ws.pass_exchanged)?;
             // 1. The input stage over the rank's positions: LN_C, projections, gating; the pass's
             // channels of left and right at the rank's rows, and the gate with the last pass
             // when the plan stores it.
@@ -386,9 +463,16 @@ impl CudaBackend {
             if passes.len() == 1 {
                 self.mark("input (LN, projections, gating)", stream)?;
             }
+            // The previous pass's sums (incoming) read the exchange buffer and t: done before
+            // this pass's GEMMs write them. (Its broadcasts, outgoing, read right, which the
+            // input stage above rewrote: the compute stream waited for each of them already.)
+            wait(stream, ws.pass_exchanged)?;
 
             // 2. The contraction in steps, each step's exchange on the second stream.
             let steps = plan.steps(hc);
+            if steps.len() > ws.step_done.len() {
+                return Err(Error::Internal(format!("{} steps for {} events", steps.len(), ws.step_done.len())));
+            }
             let gemms = step_gemms(&plan, problem.direction, plan.chunk.min(hc));
             let tail = (hc % plan.chunk != 0 && hc > plan.chunk)
                 .then(|| step_gemms(&plan, problem.direction, hc % plan.chunk));
@@ -399,9 +483,11 @@ impl CudaBackend {
                 |s: &Step, p: usize| plan.exchange_offset(p) + (s.b * hc + s.channels.start) * plan.split[p].len() * n;
             let t_at = |s: &Step| (s.b * h + pass.start + s.channels.start) * r * n;
             let mut run = |s: &Step, p: usize, a: u64, bb: u64, d: u64| -> Result<()> {
-                let list =
-                    if s.channels.len() == plan.chunk.min(hc) { &gemms } else { tail.as_ref().unwrap_or(&gemms) };
-                let (_, spec, [oa, ob, od], align) = list[p];
+                let list = if s.channels.len() == plan.chunk.min(hc) { Some(&gemms) } else { tail.as_ref() };
+                let &(_, spec, [oa, ob, od], align) = list
+                    .and_then(|l| l.get(p))
+                    .filter(|g| g.1.batch == s.channels.len())
+                    .ok_or_else(|| Error::Internal(format!("no GEMM for a step of {} matrices", s.channels.len())))?;
                 let gemm = ws
                     .gemms
                     .get_mut(&(spec, align))
