@@ -351,7 +351,8 @@ impl ShardedGroup {
     }
 
     /// As [`ShardedGroup::on_local_gpus`] with the plan's choices `options` fixed (the same
-    /// for every rank).
+    /// for every rank). Where `options` leaves the pass width to memory and the GPUs' free
+    /// memory gives different widths, every rank is planned again with the narrowest.
     pub fn with_options(weights: &Weights, problem: &Problem, gpus: &[usize], options: ShardOptions) -> Result<Self> {
         problem.validate()?;
         let build = |options: ShardOptions| -> Result<Vec<ShardedLayer>> {
