@@ -292,9 +292,12 @@ pub fn odd_channel_widths(device: &Device, p: &Profile) {
     // about |t0 − t1|: where the two nearly cancel, 16-bit left, right and t (the GPUs) are
     // amplified up to 1/√eps ≈ 300 at an element, and with random inputs some positions do (the
     // fake ROCm gave 11 of 162 elements outside the tolerance, TRIMUL_TEST_SEED=
-    // 8350585567461198324). Such a backend takes H = 3 there, the narrowest width whose LN_H
-    // needs three nearly equal channels to go wrong; the f32 CPU takes H = 2.
-    let narrow = if p.half_intermediates { 3 } else { 2 };
+    // 8350585567461198324). H = 3 still goes wrong often enough: one element past the rule in
+    // 2 of 25 seeds on the fake ROCm (TRIMUL_TEST_SEED=1021, 1023, 8350294169111282556: |Δ| 2.3e-2
+    // to 3.4e-2 where t's three channels nearly agree), the same before and after the
+    // twenty-ninth session. Such a backend takes H = 5 there (0 of 40 seeds); the f32 CPU takes
+    // H = 2.
+    let narrow = if p.half_intermediates { 5 } else { 2 };
     let cases = [
         Case { h: 19, ..Case::new(20, 2, 37, true, Dist::Normal) },
         Case { h: 1, ..Case::new(9, 1, 1, false, Dist::Normal) },
