@@ -46,6 +46,18 @@ struct RankBuffers {
     y: Option<DeviceBuffer<u8>>,
 }
 
+impl RankBuffers {
+    /// The device buffers of `positions` of `problem`'s x, mask and y (none for y in place).
+    fn alloc(backend: &CudaBackend, problem: &Problem, positions: usize) -> Result<Self> {
+        let bytes = positions * problem.config.c * problem.io.io_bytes();
+        Ok(RankBuffers {
+            x: backend.alloc_buffer(bytes)?,
+            mask: if problem.masked { Some(backend.alloc_buffer(positions)?) } else { None },
+            y: if problem.in_place { None } else { Some(backend.alloc_buffer(bytes)?) },
+        })
+    }
+}
+
 impl ShardedLayer {
     /// Rank `comm.rank()` of a sharded forward of `problem` (the global problem: every row),
     /// on the GPU the communicator is bound to, with `weights` prepared there. Its plan fits
@@ -93,13 +105,7 @@ impl ShardedLayer {
                 .get(comm.rank())
                 .cloned()
                 .ok_or_else(|| Error::InvalidArgument(format!("rank {} of {}", comm.rank(), comm.ranks())))?;
-            let own = problem.shape.batch * rows.len() * problem.shape.n;
-            let bytes = own * problem.config.c * problem.io.io_bytes();
-            Some(RankBuffers {
-                x: backend.alloc_buffer(bytes)?,
-                mask: if problem.masked { Some(backend.alloc_buffer(own)?) } else { None },
-                y: if problem.in_place { None } else { Some(backend.alloc_buffer(bytes)?) },
-            })
+            Some(RankBuffers::alloc(&backend, problem, problem.shape.batch * rows.len() * problem.shape.n)?)
         } else {
             None
         };
@@ -215,13 +221,7 @@ impl ShardedLayer {
     /// The host path's device buffers of the rank's x, mask and y (allocated once).
     fn ensure_buffers(&mut self) -> Result<()> {
         if self.io.is_none() {
-            let problem = *self.ws.problem();
-            let bytes = self.x_len() * problem.io.io_bytes();
-            self.io = Some(RankBuffers {
-                x: self.backend.alloc_buffer(bytes)?,
-                mask: if problem.masked { Some(self.backend.alloc_buffer(self.mask_len())?) } else { None },
-                y: if problem.in_place { None } else { Some(self.backend.alloc_buffer(bytes)?) },
-            });
+            self.io = Some(RankBuffers::alloc(&self.backend, self.ws.problem(), self.mask_len())?);
         }
         Ok(())
     }
