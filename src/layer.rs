@@ -266,6 +266,11 @@ impl<B: Backend> Layer<B> {
         unsafe { self.forward_device(&io) }
     }
 
+    /// The prepared weights.
+    pub(crate) fn prepared(&self) -> &B::Prepared {
+        &self.prepared
+    }
+
     /// The backend the layer runs on.
     pub fn backend(&self) -> &B {
         &self.backend

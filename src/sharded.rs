@@ -22,16 +22,214 @@ use crate::backend::Backend;
 use crate::collective::Communicator;
 use crate::device_io::{HostWords, HostWordsMut};
 use crate::error::{BackendKind, Error, Result};
+use crate::layer::Layer;
 use crate::plan::shard::{RankPlan, ShardOptions, CHUNK_MATRICES};
 use crate::problem::{Precision, Problem};
 use crate::weights::Weights;
 
-/// One rank of a sharded forward: its GPU, the prepared weights and its workspace.
-pub struct ShardedLayer {
+/// One rank's side of sharded forwards over one communicator: its GPU, the communicator, and
+/// one workspace per problem (shape) it has run, shared by every layer of that shape. What a
+/// model with many TriMul layers keeps per GPU (the Python package keeps one per process group
+/// and device); its forwards take any layer's weights prepared on this GPU.
+pub struct ShardedRank {
     backend: CudaBackend,
-    prepared: CudaPrepared,
-    ws: ShardWorkspace,
     comm: Communicator,
+    options: ShardOptions,
+    workspaces: Vec<ShardWorkspace>,
+    /// The workspace of the last forward enqueued: the next forward waits for it.
+    last: Option<usize>,
+}
+
+impl ShardedRank {
+    /// The rank of `comm` on the GPU the communicator is bound to, each workspace planned to
+    /// fit the memory free when it is made.
+    pub fn new(comm: Communicator) -> Result<Self> {
+        Self::with_options(comm, ShardOptions::default())
+    }
+
+    /// As [`ShardedRank::new`], with the plans' choices `options` fixed instead of left to
+    /// memory (every rank must be given the same).
+    pub fn with_options(comm: Communicator, options: ShardOptions) -> Result<Self> {
+        let backend = CudaBackend::new(comm.device())?;
+        Ok(ShardedRank { backend, comm, options, workspaces: Vec::new(), last: None })
+    }
+
+    /// This rank's number in the communicator.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// How many ranks the communicator has.
+    pub fn ranks(&self) -> usize {
+        self.comm.ranks()
+    }
+
+    /// The rank's GPU.
+    pub fn backend(&self) -> &CudaBackend {
+        &self.backend
+    }
+
+    /// The rows of the first pair index this rank holds of a pair tensor of `n` rows.
+    pub fn rows(&self, n: usize) -> Result<Range<usize>> {
+        crate::plan::shard::row_split(n, self.comm.ranks())?
+            .get(self.comm.rank())
+            .cloned()
+            .ok_or_else(|| Error::InvalidArgument(format!("rank {} of {}", self.comm.rank(), self.comm.ranks())))
+    }
+
+    /// Device bytes the workspaces hold.
+    pub fn workspace_bytes(&self) -> u64 {
+        self.workspaces.iter().map(ShardWorkspace::bytes).sum()
+    }
+
+    /// Waits (at most `timeout`, as [`ShardedRank::wait`]) for the last forward, then frees
+    /// every workspace; the next forward of each shape plans anew.
+    pub fn release_workspaces(&mut self, timeout: Duration) -> Result<()> {
+        self.wait(timeout)?;
+        self.workspaces.clear();
+        self.last = None;
+        Ok(())
+    }
+
+    /// The workspace of `problem`, made now if this rank has none yet; its index.
+    fn workspace_for(&mut self, prepared: &CudaPrepared, problem: &Problem) -> Result<usize> {
+        if let Some(i) = self.workspaces.iter().position(|w| w.problem() == problem) {
+            return Ok(i);
+        }
+        let (rank, ranks) = (self.comm.rank(), self.comm.ranks());
+        let ws = self.backend.shard_workspace(prepared, problem, rank, ranks, self.options)?;
+        self.workspaces.push(ws);
+        Ok(self.workspaces.len() - 1)
+    }
+
+    /// The plan of this rank's part of `problem` (planned now if it has not run yet).
+    pub fn plan_for(&mut self, layer: &Layer<CudaBackend>, problem: &Problem) -> Result<&RankPlan> {
+        self.check_layer(layer)?;
+        let i = self.workspace_for(layer.prepared(), problem)?;
+        Ok(self.workspaces[i].plan())
+    }
+
+    fn check_layer(&self, layer: &Layer<CudaBackend>) -> Result<()> {
+        if layer.backend().ordinal() != self.comm.device() {
+            return Err(Error::InvalidArgument(format!(
+                "the layer's weights are on GPU {}, rank {}'s communicator on GPU {}",
+                layer.backend().ordinal(),
+                self.comm.rank(),
+                self.comm.device()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Enqueues this rank's part of the forward of `problem` (the global problem: every row;
+    /// [`Layer::problem`] gives it, direction and eps the layer's) with `layer`'s weights on
+    /// `stream` (0: the rank's own stream), planning the shape's workspace on its first use. Every rank of the communicator must enqueue the same
+    /// forwards (same shapes, same order), each rank from its own thread or process.
+    ///
+    /// # Safety
+    /// As [`ShardedLayer::forward_device`]: `x` and `y` hold the rank's rows of the problem
+    /// (`[B, r1 − r0, N, C]` in its I/O precision; equal when it is in place, else not
+    /// overlapping), `mask` its rows of the mask (`[B, r1 − r0, N]` f32, or 0 unmasked), device
+    /// allocations on this rank's GPU alive until `stream` has run the forward.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn forward_layer(
+        &mut self,
+        layer: &Layer<CudaBackend>,
+        problem: &Problem,
+        x: u64,
+        mask: u64,
+        y: u64,
+        stream: u64,
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        let options = layer.options();
+        if (problem.direction, problem.eps) != (options.direction, options.eps) {
+            return Err(Error::InvalidArgument(format!(
+                "a problem of direction {} and eps {} for a layer made for {} and {}",
+                problem.direction, problem.eps, options.direction, options.eps
+            )));
+        }
+        // SAFETY: this function's contract.
+        unsafe { self.forward_prepared(layer.prepared(), problem, x, mask, y, stream) }
+    }
+
+    /// As [`ShardedRank::forward_layer`], with weights prepared on this rank's GPU.
+    unsafe fn forward_prepared(
+        &mut self,
+        prepared: &CudaPrepared,
+        problem: &Problem,
+        x: u64,
+        mask: u64,
+        y: u64,
+        stream: u64,
+    ) -> Result<()> {
+        if self.comm.is_aborted() {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}'s communicator was aborted after an earlier failure; make a new one",
+                self.comm.rank()
+            )));
+        }
+        problem.validate()?;
+        let i = self.workspace_for(prepared, problem)?;
+        let stream = if stream == 0 { self.backend.stream() } else { stream as cudarc::driver::sys::CUstream };
+        self.backend.bind_to_thread()?;
+        if let Some(last) = self.last.filter(|&l| l != i) {
+            self.workspaces[last].order_before(stream)?;
+        }
+        self.last = Some(i);
+        // SAFETY: the caller's contract; the workspace is this rank's for `problem`.
+        unsafe { self.backend.enqueue_shard(prepared, &mut self.workspaces[i], &mut self.comm, x, mask, y, stream) }
+    }
+
+    /// Waits for this rank's last forward, at most `timeout`. NCCL has no deadline of its own:
+    /// a peer that failed or stopped leaves this rank's exchanges waiting on the GPU forever.
+    /// If NCCL reports an error or the time runs out, this rank's communicator is aborted (its
+    /// waiting exchanges end) and the error returned; the rank refuses further forwards.
+    ///
+    /// Only once the ranks have exchanged before (NCCL connects in the first exchange, on the
+    /// host) does a lost peer show here; a peer lost before that blocks the first forward's
+    /// enqueueing itself.
+    pub fn wait(&mut self, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        loop {
+            match self.progress() {
+                Ok(true) => return Ok(()),
+                Ok(false) if start.elapsed() < timeout => std::thread::sleep(Duration::from_micros(100)),
+                Ok(false) => {
+                    self.comm.abort();
+                    return Err(lost_peer(&[self.comm.rank()], timeout));
+                }
+                Err(e) => {
+                    self.comm.abort();
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// Whether the last forward has finished (each forward waits for the one before, so every
+    /// earlier one has too); an error where NCCL or the GPU reports one.
+    fn progress(&self) -> Result<bool> {
+        self.comm.async_error()?;
+        match self.last {
+            Some(i) => self.workspaces[i].forward_finished(),
+            None => Ok(true),
+        }
+    }
+
+    /// Whether the last forward got as far as an exchange before it failed or finished.
+    fn exchange_started(&self) -> bool {
+        self.last.is_some_and(|i| self.workspaces[i].exchange_started())
+    }
+}
+
+/// One rank of a sharded forward of one problem with one set of weights: a [`ShardedRank`] with
+/// its weights prepared, and device buffers of the rank's rows for the host path.
+pub struct ShardedLayer {
+    rank: ShardedRank,
+    prepared: CudaPrepared,
+    /// The index of the problem's workspace in `rank`.
+    ws: usize,
     /// The host path's device copies of the rank's x, mask and y, kept across calls.
     io: Option<RankBuffers>,
     /// Whether x (and the mask) have been uploaded into `io`.
@@ -98,50 +296,50 @@ impl ShardedLayer {
         host_io: bool,
     ) -> Result<Self> {
         problem.validate()?;
-        let backend = CudaBackend::new(comm.device())?;
-        let prepared = backend.prepare(weights)?;
+        let mut rank = ShardedRank::with_options(comm, options)?;
+        let prepared = rank.backend.prepare(weights)?;
         let io = if host_io {
-            let rows = crate::plan::shard::row_split(problem.shape.n, comm.ranks())?
-                .get(comm.rank())
-                .cloned()
-                .ok_or_else(|| Error::InvalidArgument(format!("rank {} of {}", comm.rank(), comm.ranks())))?;
-            Some(RankBuffers::alloc(&backend, problem, problem.shape.batch * rows.len() * problem.shape.n)?)
+            let rows = rank.rows(problem.shape.n)?;
+            Some(RankBuffers::alloc(&rank.backend, problem, problem.shape.batch * rows.len() * problem.shape.n)?)
         } else {
             None
         };
-        let ws = backend.shard_workspace(&prepared, problem, comm.rank(), comm.ranks(), options)?;
-        Ok(ShardedLayer { backend, prepared, ws, comm, io, uploaded: false, timed: None })
+        let ws = rank.workspace_for(&prepared, problem)?;
+        Ok(ShardedLayer { rank, prepared, ws, io, uploaded: false, timed: None })
+    }
+
+    fn workspace(&self) -> &ShardWorkspace {
+        &self.rank.workspaces[self.ws]
     }
 
     /// The rank's plan: its hidden passes, steps and buffers.
     pub fn plan(&self) -> &RankPlan {
-        self.ws.plan()
+        self.workspace().plan()
     }
 
     /// The rows of the first pair index this rank holds.
     pub fn rows(&self) -> Range<usize> {
-        self.ws.rows()
+        self.workspace().rows()
     }
 
     /// The global problem.
     pub fn problem(&self) -> &Problem {
-        self.ws.problem()
+        self.workspace().problem()
     }
 
     /// The rank's GPU.
     pub fn backend(&self) -> &CudaBackend {
-        &self.backend
+        &self.rank.backend
     }
 
     /// Elements of this rank's x (and y): `B·(r1 − r0)·N·C`.
     pub fn x_len(&self) -> usize {
-        let p = self.ws.problem();
-        p.shape.batch * self.rows().len() * p.shape.n * p.config.c
+        self.mask_len() * self.problem().config.c
     }
 
     /// Elements of this rank's mask: `B·(r1 − r0)·N`.
     pub fn mask_len(&self) -> usize {
-        let p = self.ws.problem();
+        let p = self.problem();
         p.shape.batch * self.rows().len() * p.shape.n
     }
 
@@ -157,14 +355,15 @@ impl ShardedLayer {
     /// overlapping), `mask` of [`ShardedLayer::mask_len`] f32 (or 0 unmasked), alive until the
     /// stream has run the forward.
     pub unsafe fn forward_device(&mut self, x: u64, mask: u64, y: u64, stream: u64) -> Result<()> {
-        let stream = if stream == 0 { self.backend.stream() } else { stream as cudarc::driver::sys::CUstream };
-        self.backend.enqueue_shard(&self.prepared, &mut self.ws, &mut self.comm, x, mask, y, stream)
+        let problem = *self.problem();
+        // SAFETY: this function's contract.
+        unsafe { self.rank.forward_prepared(&self.prepared, &problem, x, mask, y, stream) }
     }
 
     /// Uploads this rank's rows of x (f32, rounded to the problem's I/O precision) and mask to
     /// device buffers kept for the next calls.
     pub fn upload(&mut self, x: &[f32], mask: Option<&[f32]>) -> Result<()> {
-        as_words(x, self.ws.problem().io, |w| self.upload_words(w, mask))
+        as_words(x, self.problem().io, |w| self.upload_words(w, mask))
     }
 
     /// As [`ShardedLayer::upload`], x as the I/O precision holds it (f32 values, or the bits of
@@ -174,7 +373,7 @@ impl ShardedLayer {
         self.check_upload(&x, x_len, mask, mask_len)?;
         self.ensure_buffers()?;
         self.uploaded = false;
-        let stream = self.backend.stream();
+        let stream = self.rank.backend.stream();
         let io = self.io.as_mut().ok_or_else(|| Error::Internal("no device buffers".into()))?;
         // SAFETY: the host slices outlive the copies: the stream is synchronised below.
         unsafe {
@@ -183,13 +382,14 @@ impl ShardedLayer {
                 buf.upload_host_at(0, HostWords::F32(m), stream)?;
             }
         }
-        self.backend.synchronize()?;
+        self.rank.backend.synchronize()?;
         self.uploaded = true;
         Ok(())
     }
 
     fn check_upload(&self, x: &HostWords<'_>, x_len: usize, mask: Option<&[f32]>, mask_len: usize) -> Result<()> {
-        let problem = self.ws.problem();
+        let problem = self.problem();
+        let rank = self.rank.rank();
         let (len, half) = match x {
             HostWords::F32(v) => (v.len(), false),
             HostWords::Half(v) => (v.len(), true),
@@ -202,17 +402,15 @@ impl ShardedLayer {
             )));
         }
         if len != x_len {
-            return Err(Error::Shape(format!("rank {} holds {x_len} elements of x, {len} given", self.comm.rank())));
+            return Err(Error::Shape(format!("rank {rank} holds {x_len} elements of x, {len} given")));
         }
         match mask {
             Some(m) if !problem.masked => {
                 Err(Error::InvalidArgument(format!("a mask of {} elements for an unmasked problem", m.len())))
             }
-            Some(m) if m.len() != mask_len => Err(Error::Shape(format!(
-                "rank {} holds {mask_len} mask elements, {} given",
-                self.comm.rank(),
-                m.len()
-            ))),
+            Some(m) if m.len() != mask_len => {
+                Err(Error::Shape(format!("rank {rank} holds {mask_len} mask elements, {} given", m.len())))
+            }
             None if problem.masked => Err(Error::InvalidArgument("the problem is masked; no mask given".into())),
             _ => Ok(()),
         }
@@ -221,7 +419,7 @@ impl ShardedLayer {
     /// The host path's device buffers of the rank's x, mask and y (allocated once).
     fn ensure_buffers(&mut self) -> Result<()> {
         if self.io.is_none() {
-            self.io = Some(RankBuffers::alloc(&self.backend, self.ws.problem(), self.mask_len())?);
+            self.io = Some(RankBuffers::alloc(&self.rank.backend, self.problem(), self.mask_len())?);
         }
         Ok(())
     }
@@ -255,11 +453,11 @@ impl ShardedLayer {
         if positions.end > self.mask_len() || positions.start > positions.end {
             return Err(Error::Shape(format!("positions {positions:?} of a rank holding {}", self.mask_len())));
         }
-        let problem = self.ws.problem();
+        let problem = self.problem();
         let (c, width) = (problem.config.c, problem.io.io_bytes());
         let (offset, len) = ((positions.start * c * width) as u64, positions.len() * c);
         let y = io.y.as_ref().unwrap_or(&io.x);
-        let stream = self.backend.stream();
+        let stream = self.rank.backend.stream();
         if problem.io == Precision::F32Io {
             let mut out = vec![0f32; len];
             y.download_host_at(offset, HostWordsMut::F32(&mut out), stream)?;
@@ -271,53 +469,26 @@ impl ShardedLayer {
         }
     }
 
-    /// Waits for this rank's last forward, at most `timeout`. NCCL has no deadline of its own:
-    /// a peer that failed or stopped leaves this rank's exchanges waiting on the GPU forever.
-    /// If NCCL reports an error or the time runs out, this rank's communicator is aborted (its
-    /// waiting exchanges end) and the error returned; the layer refuses further forwards.
-    ///
-    /// Only once the ranks have exchanged before (NCCL connects in the first exchange, on the
-    /// host) does a lost peer show here; a peer lost before that blocks the first forward's
-    /// enqueueing itself.
+    /// Waits for this rank's last forward, at most `timeout` (see [`ShardedRank::wait`]).
     pub fn wait(&mut self, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        loop {
-            match self.progress() {
-                Ok(true) => return Ok(()),
-                Ok(false) if start.elapsed() < timeout => std::thread::sleep(Duration::from_micros(100)),
-                Ok(false) => {
-                    self.comm.abort();
-                    return Err(lost_peer(&[self.comm.rank()], timeout));
-                }
-                Err(e) => {
-                    self.comm.abort();
-                    return Err(e);
-                }
-            }
-        }
-    }
-
-    /// Whether the last forward has finished; an error where NCCL or the GPU reports one.
-    fn progress(&self) -> Result<bool> {
-        self.comm.async_error()?;
-        self.ws.forward_finished()
+        self.rank.wait(timeout)
     }
 
     /// Enqueues the forward of the uploaded rows between two events on this rank's stream
     /// (read with [`ShardedLayer::take_elapsed_ms`]).
     fn forward_uploaded_timed(&mut self) -> Result<()> {
-        self.backend.bind_to_thread()?;
+        self.rank.backend.bind_to_thread()?;
         let events = EventPair::new()?;
-        events.record_start(self.backend.stream())?;
+        events.record_start(self.rank.backend.stream())?;
         self.forward_uploaded()?;
-        events.record_stop(self.backend.stream())?;
+        events.record_stop(self.rank.backend.stream())?;
         self.timed = Some(events);
         Ok(())
     }
 
     /// Waits for the last timed forward and returns its device milliseconds.
     fn take_elapsed_ms(&mut self) -> Result<f64> {
-        self.backend.bind_to_thread()?;
+        self.rank.backend.bind_to_thread()?;
         let events = self.timed.take().ok_or_else(|| Error::Internal("no timed forward to read".into()))?;
         events.elapsed_ms()
     }
@@ -389,7 +560,7 @@ impl ShardedGroup {
             let mut waiting = Vec::new();
             let mut error = None;
             for (rank, layer) in self.layers.iter().enumerate() {
-                match layer.progress() {
+                match layer.rank.progress() {
                     Ok(true) => {}
                     Ok(false) => waiting.push(rank),
                     Err(e) => {
@@ -406,7 +577,7 @@ impl ShardedGroup {
             }
         };
         for layer in &mut self.layers {
-            layer.comm.abort();
+            layer.rank.comm.abort();
         }
         Err(failed)
     }
@@ -420,7 +591,7 @@ impl ShardedGroup {
     /// writes fails a check (see [`CudaBackend::set_poison`]).
     pub fn set_poison(&self, on: bool) {
         for l in &self.layers {
-            l.backend.set_poison(on);
+            l.rank.backend.set_poison(on);
         }
     }
 
@@ -431,21 +602,21 @@ impl ShardedGroup {
     }
 
     fn enqueue_on_every_rank_with(&mut self, enqueue: fn(&mut ShardedLayer) -> Result<()>) -> Result<()> {
-        if let Some(layer) = self.layers.iter().find(|l| l.comm.is_aborted()) {
+        if let Some(layer) = self.layers.iter().find(|l| l.rank.comm.is_aborted()) {
             return Err(Error::InvalidArgument(format!(
                 "this group's communicators were aborted after rank {}'s earlier failure; make a new group",
-                layer.comm.rank()
+                layer.rank.rank()
             )));
         }
         if let Some(layer) = self.layers.iter().find(|l| !l.uploaded) {
-            return Err(Error::InvalidArgument(format!("rank {} has no rows uploaded", layer.comm.rank())));
+            return Err(Error::InvalidArgument(format!("rank {} has no rows uploaded", layer.rank.rank())));
         }
         let enqueued = self.on_every_rank(enqueue);
         // A rank that failed before its first exchange leaves nobody waiting if every rank
         // did; once any rank has enqueued an exchange, the others would wait for the failed one.
-        if enqueued.is_err() && self.layers.iter().any(|l| l.ws.exchange_started()) {
+        if enqueued.is_err() && self.layers.iter().any(|l| l.rank.exchange_started()) {
             for layer in &mut self.layers {
-                layer.comm.abort();
+                layer.rank.comm.abort();
             }
         }
         enqueued.map(drop)
@@ -569,11 +740,11 @@ impl ShardedGroup {
     /// events): each rank's stages and their milliseconds.
     pub fn stage_times(&mut self) -> Result<Vec<Vec<(String, f64)>>> {
         for layer in &self.layers {
-            layer.backend.record_stages();
+            layer.rank.backend.record_stages();
         }
         self.enqueue_on_every_rank()?;
         self.wait_for_every_rank()?;
-        self.on_every_rank(|layer| layer.backend.stage_times())
+        self.on_every_rank(|layer| layer.rank.backend.stage_times())
     }
 
     /// Runs `work` on every rank at once, one thread each (NCCL needs every rank enqueueing

@@ -278,3 +278,119 @@ fn ranks_that_planned_differently_refuse_together() {
         assert!(e.contains("planned different passes (from 32 to 64 channels"), "{e}");
     }
 }
+
+/// One `ShardedRank` per GPU serving several layers and shapes, as a model's layers share one
+/// (the Python package's way): two weight sets, outgoing f32 at N = 64 and incoming bf16 at
+/// N = 97 (uneven rows), on caller device buffers; a second layer of a shape run before reuses
+/// its workspace. Each rank's rows equal the one-GPU forward's.
+#[test]
+fn one_rank_serves_several_layers_and_shapes() {
+    let Some(one) = two_gpus() else { return };
+    let s = seed();
+    let cases = [
+        (problem(Formulation::Af3, Direction::Outgoing, 1, 64, Precision::F32Io), s),
+        (problem(Formulation::Af3, Direction::Incoming, 2, 97, Precision::Bf16Io), s ^ 1),
+        (problem(Formulation::Af3, Direction::Outgoing, 1, 64, Precision::F32Io), s ^ 2),
+    ];
+    let inputs: Vec<(Weights, Vec<f32>, Vec<f32>)> = cases
+        .iter()
+        .map(|(p, seed)| {
+            let mut rng = Rng::new(seed ^ 0x3A);
+            let x = rng.cauchy_vec(p.x_len(), 1.0).into_iter().map(|v| p.io.round(v)).collect();
+            (Weights::random(p.config, true, *seed).unwrap(), x, rng.mask_vec(p.mask_len()))
+        })
+        .collect();
+    let comms = trimul::collective::Communicator::for_local_gpus(&[0, 1]).unwrap();
+    let parts: Vec<Vec<(std::ops::Range<usize>, Vec<f32>)>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let (cases, inputs) = (&cases, &inputs);
+                sc.spawn(move || {
+                    let mut rank = trimul::sharded::ShardedRank::new(comm).unwrap();
+                    let gpu = rank.backend().clone();
+                    let mut out = Vec::new();
+                    let mut bytes_after = Vec::new();
+                    for ((p, _), (weights, x, mask)) in cases.iter().zip(inputs) {
+                        let layer = Layer::new(&gpu, weights, Options::new(p.direction)).unwrap();
+                        let rows = rank.rows(p.shape.n).unwrap();
+                        let (n, c, w) = (p.shape.n, p.config.c, p.io.io_bytes());
+                        // The rank's rows of every batch, one batch after another.
+                        let pick = |v: &[f32], width: usize| -> Vec<f32> {
+                            (0..p.shape.batch)
+                                .flat_map(|b| {
+                                    v[(b * n + rows.start) * n * width..(b * n + rows.end) * n * width].to_vec()
+                                })
+                                .collect()
+                        };
+                        let xs = pick(x, c);
+                        let xb: Vec<u8> = match p.io {
+                            Precision::F32Io => xs.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                            _ => xs.iter().flat_map(|&v| p.io.encode_half(v).to_le_bytes()).collect(),
+                        };
+                        let mb: Vec<u8> = pick(mask, 1).iter().flat_map(|v| v.to_le_bytes()).collect();
+                        let mut xd = gpu.alloc_buffer::<u8>(xb.len()).unwrap();
+                        let mut md = gpu.alloc_buffer::<u8>(mb.len()).unwrap();
+                        let yd = gpu.alloc_buffer::<u8>(xb.len()).unwrap();
+                        gpu.upload_bytes(&xb, &mut xd).unwrap();
+                        gpu.upload_bytes(&mb, &mut md).unwrap();
+                        let problem = layer.problem(p.shape, true).unwrap().with_io(p.io);
+                        // SAFETY: the buffers hold the rank's rows and outlive the forward
+                        // (waited for below).
+                        unsafe { rank.forward_layer(&layer, &problem, xd.ptr(), md.ptr(), yd.ptr(), 0) }.unwrap();
+                        rank.wait(std::time::Duration::from_secs(60)).unwrap();
+                        let mut yb = vec![0u8; xb.len()];
+                        gpu.download_bytes(&yd, &mut yb).unwrap();
+                        let y: Vec<f32> = match p.io {
+                            Precision::F32Io => {
+                                yb.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+                            }
+                            _ => {
+                                yb.chunks_exact(w).map(|b| p.io.decode_half(u16::from_le_bytes([b[0], b[1]]))).collect()
+                            }
+                        };
+                        out.push((rows, y));
+                        bytes_after.push(rank.workspace_bytes());
+                    }
+                    // The third case's shape ran first: its layer took that workspace.
+                    assert_eq!(bytes_after[1], bytes_after[2], "a shape run before planned a second workspace");
+                    // A layer of the other direction is refused, not run as this problem's.
+                    let (p, _) = &cases[0];
+                    let other = Layer::new(&gpu, &inputs[0].0, Options::new(Direction::Incoming)).unwrap();
+                    // SAFETY: refused before any launch.
+                    let err = unsafe { rank.forward_layer(&other, p, 16, 0, 32, 0) }.unwrap_err().to_string();
+                    assert!(err.contains("direction"), "{err}");
+                    rank.release_workspaces(std::time::Duration::from_secs(60)).unwrap();
+                    assert_eq!(rank.workspace_bytes(), 0);
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, ((p, _), (weights, x, mask))) in cases.iter().zip(&inputs).enumerate() {
+        let mut layer = Layer::new(&one, weights, Options::new(p.direction)).unwrap();
+        let want: Vec<f32> = match p.io {
+            Precision::F32Io => {
+                let mut y = vec![f32::NAN; x.len()];
+                layer.forward_into(x, Some(mask), &mut y, p.shape).unwrap();
+                y
+            }
+            _ => {
+                let xh: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                let mut y = vec![half::bf16::NAN; xh.len()];
+                layer.forward_into(&xh, Some(mask), &mut y, p.shape).unwrap();
+                y.iter().map(|v| v.to_f32()).collect()
+            }
+        };
+        let (n, c) = (p.shape.n, p.config.c);
+        for rank_parts in &parts {
+            let (rows, y) = &rank_parts[i];
+            let want: Vec<f32> = (0..p.shape.batch)
+                .flat_map(|b| want[(b * n + rows.start) * n * c..(b * n + rows.end) * n * c].to_vec())
+                .collect();
+            let cmp = reference::compare(y, &want, TOL, TOL);
+            assert_eq!(cmp.bad, 0, "case {i}, rows {rows:?}: differs from the one-GPU forward: {cmp}");
+        }
+    }
+}

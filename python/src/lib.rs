@@ -12,6 +12,11 @@
 //!   or synchronised here, except that `backward` waits for its work (it returns the weight
 //!   gradients in host memory).
 //!
+//! - `CudaShardedRank`: one rank of forwards sharded by rows across GPUs (NCCL), joined from a
+//!   unique id the Python side broadcasts through `torch.distributed`; its forwards take a
+//!   `CudaLayer`'s prepared weights and the caller's tensors and stream, and allocate their
+//!   workspace themselves (one per shape, kept until `release`).
+//!
 //! Weights arrive as 16 entries in the canonical order of [`WEIGHT_NAMES`], each `None` or
 //! `(address, elements, dtype)` with dtype 0 = f32, 1 = bf16, 2 = f16.
 //!
@@ -29,6 +34,8 @@ use pyo3::prelude::*;
 
 use trimul::backend::cuda::CudaBackend;
 use trimul::backend::hip::HipBackend;
+use trimul::collective::Communicator;
+use trimul::sharded::ShardedRank;
 use trimul::{
     BackendKind, BackwardDeviceIo, Config, DType, Device, DeviceIo, DeviceLinear, DeviceNorm, DeviceSpan, DeviceTensor,
     DeviceWeights, Direction, Error, Formulation, Layer, Linear, Norm, Options, Precision, Shape, TriMul, Weights,
@@ -685,6 +692,136 @@ macro_rules! device_layer {
 device_layer!(CudaLayer, CudaBackend, cuda_backend, "CUDA");
 device_layer!(HipLayer, HipBackend, hip_backend, "HIP");
 
+/// One rank of forwards sharded by rows across GPUs: the NCCL communicator it joined and a
+/// workspace per shape, shared by every `CudaLayer` on its device.
+#[pyclass(module = "trimul._trimul")]
+struct CudaShardedRank {
+    rank: Mutex<ShardedRank>,
+}
+
+impl CudaShardedRank {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, ShardedRank>> {
+        self.rank.lock().map_err(|_| PyRuntimeError::new_err("a previous call on this rank panicked"))
+    }
+}
+
+#[pymethods]
+impl CudaShardedRank {
+    /// Joins rank `rank` of `ranks` on CUDA device `device` to the communicator named by
+    /// `unique_id` (`nccl_unique_id` on one rank, the same bytes on every rank): returns once
+    /// every rank has joined.
+    #[new]
+    fn new(py: Python<'_>, unique_id: Vec<u8>, ranks: usize, rank: usize, device: usize) -> PyResult<Self> {
+        let joined = py.detach(|| Communicator::join(&unique_id, ranks, rank, device).and_then(ShardedRank::new));
+        Ok(CudaShardedRank { rank: Mutex::new(joined.map_err(to_py)?) })
+    }
+
+    /// The rows `(r0, r1)` of the first pair index this rank holds of a pair tensor of `n` rows.
+    fn rows(&self, n: usize) -> PyResult<(usize, usize)> {
+        let rows = self.lock()?.rows(n).map_err(to_py)?;
+        Ok((rows.start, rows.end))
+    }
+
+    /// Device bytes of the workspaces kept.
+    fn workspace_bytes(&self) -> PyResult<u64> {
+        Ok(self.lock()?.workspace_bytes())
+    }
+
+    /// Waits for the last forward (at most `timeout_s` seconds; then, or on an NCCL error,
+    /// aborts the communicator and raises), then frees the workspaces.
+    fn release(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = timeout(timeout_s)?;
+        py.detach(|| self.lock()?.release_workspaces(timeout).map_err(to_py))
+    }
+
+    /// Fills y and every intermediate with NaN before each forward, so an element nobody writes
+    /// fails a check (the tests' switch).
+    fn set_poison(&self, on: bool) -> PyResult<()> {
+        self.lock()?.backend().set_poison(on);
+        Ok(())
+    }
+
+    /// Waits for the last forward, at most `timeout_s` seconds (see `release`).
+    fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = timeout(timeout_s)?;
+        py.detach(|| self.lock()?.wait(timeout).map_err(to_py))
+    }
+
+    /// Enqueues this rank's part of y = TriMul(x) with `layer`'s weights on `stream`: x and y
+    /// the rank's rows `[b, r1 − r0, n, C]` in `io`, the mask its rows `[b, r1 − r0, n]` f32
+    /// (0: none). Every rank must make the same calls in the same order.
+    #[pyo3(signature = (layer, x, x_len, mask, mask_len, y, y_len, b, n, io, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        layer: PyRef<'_, CudaLayer>,
+        x: u64,
+        x_len: usize,
+        mask: u64,
+        mask_len: usize,
+        y: u64,
+        y_len: usize,
+        b: usize,
+        n: usize,
+        io: i32,
+        stream: u64,
+    ) -> PyResult<()> {
+        let p = precision(io)?;
+        let layer: &CudaLayer = &layer;
+        py.detach(|| {
+            let mut rank = self.lock()?;
+            let layer = layer.lock()?;
+            let rows = rank.rows(n).map_err(to_py)?;
+            let c = layer.config().c;
+            let positions = b * rows.len() * n;
+            for (what, len, want) in [("x", x_len, positions * c), ("y", y_len, positions * c)] {
+                if len != want {
+                    return Err(PyValueError::new_err(format!(
+                        "{what} has {len} elements; rank {} holds rows {}..{} of N = {n}: B·{}·N·C = {want}",
+                        rank.rank(),
+                        rows.start,
+                        rows.end,
+                        rows.len()
+                    )));
+                }
+            }
+            if mask != 0 && mask_len != positions {
+                return Err(PyValueError::new_err(format!("the mask has {mask_len} elements, expected {positions}")));
+            }
+            let problem = layer.problem(Shape::new(b, n), mask != 0).map_err(to_py)?.with_io(p).in_place(x == y);
+            // SAFETY: x, the mask and y are live device tensors on the rank's device with the
+            // element counts checked above, kept alive by the caller's stream-ordered allocator
+            // until the stream has run the work (module docs).
+            unsafe { rank.forward_layer(&layer, &problem, x, mask, y, stream) }.map_err(to_py)
+        })
+    }
+}
+
+fn timeout(seconds: f64) -> PyResult<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(seconds)
+        .map_err(|_| PyValueError::new_err(format!("timeout of {seconds} s: give a non-negative number of seconds")))
+}
+
+/// The rows `(r0, r1)` of a pair tensor of `n` rows each of `ranks` ranks holds (as even as
+/// possible, the first ranks one more).
+#[pyfunction]
+fn row_split(n: usize, ranks: usize) -> PyResult<Vec<(usize, usize)>> {
+    Ok(trimul::plan::shard::row_split(n, ranks).map_err(to_py)?.into_iter().map(|r| (r.start, r.end)).collect())
+}
+
+/// A fresh NCCL unique id (128 bytes) for `CudaShardedRank`.
+#[pyfunction]
+fn nccl_unique_id() -> PyResult<Vec<u8>> {
+    Communicator::unique_id().map_err(to_py)
+}
+
+/// NCCL's version, or why it cannot be loaded.
+#[pyfunction]
+fn nccl_version() -> PyResult<String> {
+    trimul::collective::nccl_version().map_err(to_py)
+}
+
 /// Bytes of device storage a `CudaLayer` of this configuration prepares its weights into.
 #[pyfunction]
 fn cuda_prepared_bytes(device: usize, formulation: &str, c: usize, h: usize, biases: bool) -> PyResult<u64> {
@@ -761,6 +898,10 @@ fn _trimul(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<HostLayer>()?;
     m.add_class::<CudaLayer>()?;
     m.add_class::<HipLayer>()?;
+    m.add_class::<CudaShardedRank>()?;
+    m.add_function(wrap_pyfunction!(nccl_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_version, m)?)?;
+    m.add_function(wrap_pyfunction!(row_split, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_prepared_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(hip_prepared_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(hip_validate, m)?)?;

@@ -268,6 +268,19 @@ def _fresh_entry(x: Tensor, originals: list, direction: str, eps: float, index: 
     return e
 
 
+def prepared_entry(x: Tensor, originals: list, direction: str, eps: float, index: int, stream: int) -> _Entry:
+    """The layer of `originals` prepared on this device and stream: from the cache when these
+    tensors were prepared before and have not changed, else prepared now (and cached where they
+    are cacheable). x gives the device and C."""
+    key = (index, stream, direction, eps, *map(id, originals))
+    e = _cache.get(key, originals)
+    if e is None:
+        e = _cuda_prepare(x, originals, direction, eps, index, stream)
+        if _cacheable(originals) and not _in_cudagraph_tree(index):
+            _cache.put(key, originals, e)
+    return e
+
+
 def _in_cudagraph_tree(index: int) -> bool:
     """Whether torch.compile's CUDA-graph trees are warming up or recording on this device: their
     memory pool is then the allocator's, and a cached tensor allocated there would be overwritten
@@ -310,12 +323,7 @@ def _cuda_forward_on(
     elif not cache:
         e = _fresh_entry(x, originals, direction, eps, index, stream)
     else:
-        key = (index, stream, direction, eps, *map(id, originals))
-        e = _cache.get(key, originals)
-        if e is None:
-            e = _cuda_prepare(x, originals, direction, eps, index, stream)
-            if _cacheable(originals) and not _in_cudagraph_tree(index):
-                _cache.put(key, originals, e)
+        e = prepared_entry(x, originals, direction, eps, index, stream)
     b, n = x.shape[0], x.shape[1]
     io = _DTYPE_CODE[x.dtype]
     wkey = (b, n, mask is not None, io)

@@ -195,6 +195,11 @@ impl CudaBackend {
         self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")
     }
 
+    /// The CUDA device number this backend runs on.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ctx.ordinal()
+    }
+
     /// The backend's own stream (every forward of [`Backend::forward`] runs on it).
     pub fn stream(&self) -> CUstream {
         self.inner.stream.cu_stream()

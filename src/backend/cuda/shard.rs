@@ -90,7 +90,6 @@ pub struct ShardWorkspace {
     /// the same passes and steps; and the 3 × [`AGREE`] u64 that check reduces.
     agreed: bool,
     agree: DeviceBuffer<u64>,
-    weights_of: u64,
 }
 
 /// What the ranks' plans must agree on (the exchanges pair up call by call): the pass width and
@@ -149,6 +148,14 @@ impl ShardWorkspace {
             Err(e) if e.0 == cusys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             Err(e) => Err(Error::driver(BackendKind::Cuda, "cuEventQuery", format!("{e:?}"))),
         }
+    }
+
+    /// Makes `stream` wait for the last forward enqueued on this workspace: forwards of one
+    /// communicator on several workspaces run one after another.
+    pub(crate) fn order_before(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: live handles of this context (a never-recorded event is complete).
+        unsafe { cu::stream::wait_event(stream, self.forward_done, cusys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .ctx("cuStreamWaitEvent")
     }
 
     /// Device bytes the workspace holds.
@@ -249,7 +256,6 @@ impl CudaBackend {
             gemms,
             plan,
             exchange_stream: self.inner.ctx.new_stream().ctx("cuStreamCreate")?,
-            weights_of: prep.id,
         })
     }
 
@@ -316,10 +322,9 @@ impl CudaBackend {
                 comm.rank()
             )));
         }
+        // Any prepared weights of the problem's configuration: the workspace depends on the
+        // problem only, so the layers of a model share one per shape.
         check_prepared_for(&prep.config, &problem)?;
-        if ws.weights_of != prep.id {
-            return Err(Error::InvalidArgument("this shard workspace was made for other prepared weights".into()));
-        }
         if (comm.rank(), comm.ranks()) != (ws.plan.rank, ws.plan.split.len()) {
             return Err(Error::InvalidArgument(format!(
                 "the workspace is rank {} of {}, the communicator rank {} of {}",
@@ -342,7 +347,15 @@ impl CudaBackend {
         let tuning = self.tuning_for(&problem);
         let (input, output) = match (self.fused_kernel_for(prep, &problem, tuning), self.fused_output_fits(&problem)) {
             (Some(i), Some(o)) => (i, o),
-            _ => return Err(Error::Internal("the sharded forward's fused kernels went away".into())),
+            _ => {
+                return Err(Error::Unsupported {
+                    what: format!(
+                        "a sharded forward of these weights on {} (they do not take the fused input kernel)",
+                        inner.info.name
+                    ),
+                    backend: BackendKind::Cuda,
+                })
+            }
         };
         let f = prep.fused.as_ref().ok_or_else(|| Error::Internal("no fused input weights".into()))?;
         let (b, n, c, h, g) =

@@ -1,0 +1,142 @@
+"""trimul.distributed: the row-sharded call across the GPUs of a torch.distributed group.
+
+Here: its argument checks (which must raise on every rank alike, before any exchange), the row
+split, and a group of one rank. The two-GPU run (`distributed_worker.py` under
+`torch.distributed.run`) needs two CUDA GPUs and skips, saying so, elsewhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import SEED, af3_weights, cuda_available, pair
+
+import trimul
+from trimul import _trimul
+from trimul import distributed as tmd
+
+TWO_GPUS = cuda_available() and torch.cuda.device_count() >= 2
+if not TWO_GPUS:
+    print("SKIPPED: fewer than two CUDA GPUs: the two-GPU run of trimul.distributed does not run here")
+
+
+def test_rows_are_split_as_evenly_as_possible_first_ranks_one_more():
+    assert _trimul.row_split(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert _trimul.row_split(8, 2) == [(0, 4), (4, 8)]
+    with pytest.raises(ValueError, match="cannot split N = 2"):
+        _trimul.row_split(2, 3)
+
+
+def test_needs_an_initialised_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    x, w = pair((1, 8, 8, 16), 1), af3_weights(16, 8, False, 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tmd.triangle_multiplicative_update(x, **w)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        tmd.rows(8)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_of_one_rank_runs_the_whole_tensor(one_rank_group):
+    x, w = pair((2, 9, 9, 16), 3), af3_weights(16, 8, True, 4)
+    mask = (pair((2, 9, 9), 5) > 0).float()
+    assert tmd.rows(9) == (0, 9)
+    got = tmd.triangle_multiplicative_update(x, "incoming", mask=mask, **w)
+    want = trimul.triangle_multiplicative_update(x, "incoming", mask=mask, **w)
+    assert torch.equal(got, want)
+
+
+def _call(x, mask=None, world=2, me=0, precision=None, **w):
+    """The sharded path's checks as rank `me` of `world` would make them (no exchange is reached:
+    every case raises first)."""
+    return tmd._sharded(None, None, world, me, x, "outgoing", mask, w, 1e-5, precision)
+
+
+def _full_weights(device="cpu"):
+    return af3_weights(64, 32, False, 6, device=device)
+
+
+def test_host_tensors_are_refused_with_the_reason():
+    x = pair((1, 8, 16, 64), 7)
+    with pytest.raises(ValueError, match="runs on CUDA devices"):
+        _call(x, **_full_weights())
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        _call(x.numpy(), **_full_weights())
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+@pytest.mark.parametrize(
+    "case, exc, message",
+    [
+        ("rows", ValueError, "this rank holds rows 0..8"),
+        ("mask", ValueError, "mask has shape"),
+        ("precision", ValueError, "f32 accuracy"),
+        ("grad", NotImplementedError, "no backward yet"),
+        ("weights", ValueError, "p_in_weight has shape"),
+        ("device", ValueError, "every tensor must be on x's device"),
+    ],
+)
+def test_bad_calls_raise_before_any_exchange(case, exc, message):
+    w = _full_weights(device="cuda")
+    x = pair((1, 8, 16, 64), 8, device="cuda")
+    mask = None
+    precision = None
+    if case == "rows":
+        x = pair((1, 9, 16, 64), 8, device="cuda")
+    elif case == "mask":
+        mask = torch.ones(1, 16, 16, device="cuda")
+    elif case == "precision":
+        precision = "float32"
+    elif case == "grad":
+        x.requires_grad_()
+    elif case == "weights":
+        w["p_in_weight"] = w["p_in_weight"][:, :-1]
+    elif case == "device":
+        w["g_out_weight"] = w["g_out_weight"].cpu()
+    with pytest.raises(exc, match=message):
+        _call(x, mask, precision=precision, **w)
+    assert not tmd._ranks, "a refused call joined a communicator"
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA GPUs")
+def test_two_gpus_match_the_f64_reference_and_one_gpu(tmp_path):
+    env = {**os.environ, "TRIMUL_TEST_SEED": str(SEED), "NCCL_NVLS_ENABLE": "0"}
+    worker = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker, str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    log = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0, log
+    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert [r["rows_64"] for r in reports] == [[0, 32], [32, 64]]
+    for r in reports:
+        assert not r["failures"], r["failures"][0]
+        print(f"rank {r['rank']}:")
+        for c in r["cases"]:
+            print(
+                f"  {c['name']:30} {c['shape']} rel L2 {c['rel']:.2e} (one GPU {c['rel_one_gpu']:.2e}), "
+                f"{c['bad']} elements outside the rule"
+            )
+            assert c["bad"] == 0, c
+            # The sharded call's only extra rounding is incoming's f16 sum of partial t.
+            assert c["rel"] <= 1.5 * c["rel_one_gpu"] + 5e-4, c
+        assert len(r["cases"]) == 6
+        errors = r["errors"]
+        assert errors["wrong rows"].startswith("ValueError") and "rows" in errors["wrong rows"], errors
+        assert errors["gradients"].startswith("NotImplementedError"), errors
+        assert errors["precision"].startswith("ValueError"), errors

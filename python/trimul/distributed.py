@@ -1,0 +1,287 @@
+"""The triangle multiplicative update on a pair tensor sharded by rows across the GPUs of a
+``torch.distributed`` process group (one GPU per process, NVIDIA GPUs through NCCL).
+
+Each rank holds rows ``[r0, r1)`` of the first pair index of x (``x[..., r0:r1, :, :]``) and
+receives the same rows of the update; ``rows(n, group)`` says which rows (as even as possible,
+the first ranks one more). The exchanges the contraction needs run inside the call, through a
+NCCL communicator of trimul's own that the group's ranks join on their first call (its unique id
+travels through the group)::
+
+    import torch.distributed as dist
+    from trimul import distributed as tmd
+
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(local_rank)
+    r0, r1 = tmd.rows(n)
+    y_rows = tmd.triangle_multiplicative_update(
+        x[..., r0:r1, :, :], "outgoing", mask=mask[..., r0:r1, :], **weights
+    )
+
+Every rank of the group must make the same calls, with the same shapes and weights' shapes, in
+the same order (the exchanges pair up call by call), as for any collective. The call enqueues
+its work on the current stream and returns; nothing waits for it.
+
+What this path does not do yet: gradients (x and the weights must not require grad: run it under
+``torch.no_grad()``), CUDA-graph capture, ``torch.compile`` (it runs outside the graph), AMD GPUs
+(RCCL is not wired), and a deadline for a peer that never comes (NCCL waits for it forever;
+``wait`` gives one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import _args, _trimul
+
+__all__ = ["triangle_multiplicative_update", "rows", "wait", "release"]
+
+# One rank object per (process group, device): the communicator its ranks joined and a workspace
+# per shape, shared by every layer.
+_ranks: dict = {}
+# The tests' switch: new rank objects fill y and their intermediates with NaN before each forward.
+_poison = False
+
+
+def rows(n: int, group=None) -> tuple[int, int]:
+    """The rows ``(r0, r1)`` of the first pair index this rank holds of a pair tensor of ``n``
+    rows, in ``group`` (default: the world)."""
+    dist = _dist()
+    world, me = _membership(dist, group)
+    return tuple(_trimul.row_split(int(n), world)[me])
+
+
+def triangle_multiplicative_update(
+    x,
+    direction: str = "outgoing",
+    mask=None,
+    norm_in_weight=None,
+    norm_in_bias=None,
+    p_in_weight=None,
+    p_in_bias=None,
+    g_in_weight=None,
+    g_in_bias=None,
+    norm_out_weight=None,
+    norm_out_bias=None,
+    p_out_weight=None,
+    p_out_bias=None,
+    g_out_weight=None,
+    g_out_bias=None,
+    eps: float = 1e-5,
+    precision: Optional[Any] = None,
+    group=None,
+):
+    """``trimul.triangle_multiplicative_update`` on this rank's rows of a row-sharded pair tensor.
+
+    ``x`` is ``[..., r1 - r0, N, C]``: this rank's rows of the first pair index (``rows(N)``),
+    every column; ``mask`` ``[..., r1 - r0, N]`` the same rows of the mask, of any dtype. The
+    weights are the whole layer's, the same on every rank. Returns this rank's rows of the update
+    (no residual), shaped like ``x``, in ``x``'s dtype (bfloat16 with ``precision="bfloat16"``).
+
+    ``group`` is a ``torch.distributed`` process group (default: the world), one CUDA device per
+    rank: x's. A group of one rank runs ``trimul.triangle_multiplicative_update`` on the whole
+    tensor.
+    """
+    weights = dict(
+        zip(
+            _args.AF3_WEIGHTS,
+            (
+                norm_in_weight,
+                norm_in_bias,
+                p_in_weight,
+                p_in_bias,
+                g_in_weight,
+                g_in_bias,
+                norm_out_weight,
+                norm_out_bias,
+                p_out_weight,
+                p_out_bias,
+                g_out_weight,
+                g_out_bias,
+            ),
+        )
+    )
+    dist = _dist()
+    world, me = _membership(dist, group)
+    if world == 1:
+        from . import triangle_multiplicative_update as whole
+
+        return whole(x, direction, mask, **weights, eps=eps, precision=precision)
+    return _sharded(dist, group, world, me, x, direction, mask, weights, eps, precision)
+
+
+def wait(timeout: float = 300.0, group=None, device=None) -> None:
+    """Waits, at most ``timeout`` seconds, for this rank's last sharded call in ``group`` on
+    ``device`` (default: the current CUDA device) to finish on the GPU. A peer that failed or
+    stopped would leave the exchanges waiting forever (and ``torch.cuda.synchronize`` with them):
+    here an NCCL error or the deadline aborts trimul's communicator and raises ``RuntimeError``;
+    that group's later calls then raise too (``release`` it and start again)."""
+    rank = _ranks.get(_key(_dist(), group, _device_index(device)))
+    if rank is not None:
+        rank.wait(float(timeout))
+
+
+def release(group=None, timeout: float = 300.0) -> None:
+    """Waits for this rank's sharded calls in ``group`` (on every device), then frees their
+    workspaces and trimul's communicator; the next call joins a new one (every rank must release
+    together). Prepared weights are kept (``trimul.clear_cache`` forgets them)."""
+    dist = _dist()
+    g = _group_key(dist, group)
+    for key in [k for k in _ranks if k[0] is g]:
+        rank = _ranks.pop(key)
+        rank.release(float(timeout))
+
+
+def _dist():
+    try:
+        import torch.distributed as dist
+    except ImportError as e:
+        raise RuntimeError(f"trimul.distributed needs PyTorch with torch.distributed ({e})") from None
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "trimul.distributed needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group)"
+        )
+    return dist
+
+
+def _membership(dist, group) -> tuple[int, int]:
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    if me < 0:
+        raise ValueError("this process is not a member of the process group given")
+    return world, me
+
+
+def _group_key(dist, group):
+    return dist.group.WORLD if group is None else group
+
+
+def _key(dist, group, index: int) -> tuple:
+    return (_group_key(dist, group), index)
+
+
+def _device_index(device) -> int:
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    return torch.device(device).index if not isinstance(device, int) else device
+
+
+def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict, eps, precision):
+    import torch
+
+    from . import _torch
+
+    _args.check_direction(direction)
+    eps = _args.check_eps(eps)
+    mode = _args.DEFAULT if precision is None else _args.parse_precision(precision)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor on a CUDA device, got {type(x).__name__}")
+    if x.device.type != "cuda":
+        raise ValueError(f"x is on {x.device}; the sharded forward runs on CUDA devices, one per rank")
+    if torch.version.hip is not None:
+        raise NotImplementedError(
+            "the sharded forward runs on NVIDIA GPUs through NCCL; RCCL (AMD) is not wired yet: "
+            "use trimul.triangle_multiplicative_update on each GPU's whole tensor"
+        )
+    if mode in (_args.FP32, _args.TF32):
+        raise ValueError(
+            f"precision={precision!r} asks for f32 accuracy, which trimul computes on the CPU only; its GPU "
+            "path keeps f16 intermediates (10-bit mantissa, values up to 65504): use precision=None"
+        )
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor like x, got {type(mask).__name__}")
+    w = [weights[n] for n in _args.AF3_WEIGHTS]
+    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in w)):
+        raise NotImplementedError(
+            "the sharded forward has no backward yet: call it under torch.no_grad() (or with tensors "
+            "that do not require grad)"
+        )
+    if x.dtype not in _torch._DTYPE_CODE:
+        raise TypeError(f"x has dtype {x.dtype}; trimul takes float32, bfloat16 or float16")
+    original_shape = x.shape
+    x4 = x if x.dim() == 4 else x.reshape(_args.fold_leading(tuple(x.shape), 4))
+    b, r, n, c = (int(d) for d in x4.shape)
+    m3 = None
+    if mask is not None:
+        m3 = mask if mask.dim() == 3 else mask.reshape(_args.fold_leading(tuple(mask.shape), 3))
+        _torch._check_tensor("mask", m3, x4)
+        if tuple(m3.shape) != (b, r, n):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected x's without its channel dim")
+    for name, t in weights.items():
+        if t is not None:
+            _torch._check_tensor(name, t, x4)
+    # The whole pair tensor's shapes: the weights' checks are the one-GPU call's.
+    _args.check_af3_shapes((b, n, n, c), None, weights)
+    r0, r1 = _trimul.row_split(n, world)[me]
+    if r != r1 - r0:
+        raise ValueError(
+            f"x has {r} rows of the first pair index on rank {me} of {world}; with N = {n} this rank holds "
+            f"rows {r0}..{r1} ({r1 - r0} rows): pass x[..., {r0}:{r1}, :, :] (see trimul.distributed.rows)"
+        )
+    if mode == _args.BFLOAT16:
+        x4 = x4.to(torch.bfloat16)
+        w = [None if t is None else t.to(torch.bfloat16) for t in w]
+    if m3 is not None:
+        m3 = m3.to(torch.float32)
+        if mode == _args.BFLOAT16:
+            m3 = m3.to(torch.bfloat16).to(torch.float32)
+        m3 = m3.contiguous()
+    x4 = x4.contiguous()
+    index = x4.get_device()
+    with torch.cuda.device(index):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the sharded forward cannot be captured in a CUDA graph yet (its first call waits)")
+        stream = torch.cuda.current_stream(index).cuda_stream
+        entry = _torch.prepared_entry(x4, w, direction, eps, index, stream)
+        rank = _rank(dist, group, world, me, index)
+        y = torch.empty_like(x4)
+        args = (
+            entry.layer,
+            x4.data_ptr(),
+            x4.numel(),
+            0 if m3 is None else m3.data_ptr(),
+            0 if m3 is None else m3.numel(),
+            y.data_ptr(),
+            y.numel(),
+            b,
+            n,
+            _torch._DTYPE_CODE[x4.dtype],
+            stream,
+        )
+        try:
+            rank.forward(*args)
+        except RuntimeError as e:
+            if not str(e).startswith("out of memory"):
+                raise
+            # The shape's workspace is allocated outside PyTorch's caching allocator: hand the
+            # cached blocks back to the driver and plan once more within what is then free.
+            torch.cuda.empty_cache()
+            rank.forward(*args)
+    return y if y.shape == original_shape else y.view(original_shape)
+
+
+def _rank(dist, group, world: int, me: int, index: int):
+    """This process's rank object of `group` on device `index`, joined on first use: group rank 0
+    makes an NCCL unique id and the group broadcasts it (or rank 0's error, so that every rank
+    raises instead of waiting)."""
+    key = _key(dist, group, index)
+    rank = _ranks.get(key)
+    if rank is not None:
+        return rank
+    message = [None]
+    if me == 0:
+        try:
+            message[0] = ("id", bytes(_trimul.nccl_unique_id()))
+        except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
+            message[0] = ("error", f"{type(e).__name__}: {e}")
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    # On the group's own device kind (the current CUDA device, `index`, for NCCL; the CPU for gloo).
+    dist.broadcast_object_list(message, src=src, group=group)
+    kind, value = message[0]
+    if kind == "error":
+        raise RuntimeError(f"rank 0 of the group could not make an NCCL unique id: {value}")
+    rank = _ranks[key] = _trimul.CudaShardedRank(value, world, me, index)
+    rank.set_poison(_poison)
+    return rank
