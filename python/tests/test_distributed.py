@@ -19,6 +19,7 @@ from conftest import SEED, af3_weights, cuda_available, pair
 import trimul
 from trimul import _trimul
 from trimul import distributed as tmd
+from trimul._args import AF3_WEIGHTS
 
 TWO_GPUS = cuda_available() and torch.cuda.device_count() >= 2
 if not TWO_GPUS:
@@ -65,7 +66,8 @@ def test_a_group_of_one_rank_runs_the_whole_tensor(one_rank_group):
 def _call(x, mask=None, world=2, me=0, precision=None, **w):
     """The sharded path's checks as rank `me` of `world` would make them (no exchange is reached:
     every case raises first)."""
-    return tmd._sharded(None, None, world, me, x, "outgoing", mask, w, 1e-5, precision)
+    weights = {name: w.get(name) for name in AF3_WEIGHTS}
+    return tmd._sharded(None, None, world, me, x, "outgoing", mask, weights, 1e-5, precision)
 
 
 def _full_weights(device="cpu"):
