@@ -83,7 +83,7 @@ def main() -> None:
         for what, call in (
             ("wrong rows", lambda: tmd.triangle_multiplicative_update(x[:, : r1 - r0 + 1], **w)),
             ("gradients", lambda: tmd.triangle_multiplicative_update(x[:, r0:r1].clone().requires_grad_(), **w)),
-            ("precision", lambda: tmd.triangle_multiplicative_update(x[:, r0:r1], precision="float32", **w)),
+            ("precision", lambda: tmd.triangle_multiplicative_update(x[:, r0:r1], precision="ieee", **w)),
         ):
             try:
                 call()

@@ -104,7 +104,7 @@ def test_bad_calls_raise_before_any_exchange(case, exc, message):
     elif case == "mask":
         mask = torch.ones(1, 16, 16, device="cuda")
     elif case == "precision":
-        precision = "float32"
+        precision = "ieee"
     elif case == "grad":
         x.requires_grad_()
     elif case == "weights":
@@ -141,4 +141,4 @@ def test_two_gpus_match_the_f64_reference_and_one_gpu(tmp_path):
         errors = r["errors"]
         assert errors["wrong rows"].startswith("ValueError") and "rows" in errors["wrong rows"], errors
         assert errors["gradients"].startswith("NotImplementedError"), errors
-        assert errors["precision"].startswith("ValueError"), errors
+        assert errors["precision"].startswith("ValueError") and "f32 accuracy" in errors["precision"], errors
