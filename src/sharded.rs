@@ -15,6 +15,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
+use cudarc::driver::sys::CUstream;
 use rayon::prelude::*;
 
 use crate::backend::cuda::{CudaBackend, CudaPrepared, DeviceBuffer, EventPair, ShardWorkspace};
@@ -123,7 +124,9 @@ impl ShardedRank {
 
     /// Enqueues this rank's part of the forward of `problem` (the global problem: every row;
     /// [`Layer::problem`] gives it, direction and eps the layer's) with `layer`'s weights on
-    /// `stream` (0: the rank's own stream), planning the shape's workspace on its first use. Every rank of the communicator must enqueue the same
+    /// `stream`, a `CUstream` of the rank's GPU as the one-GPU device API takes it (0 is the
+    /// legacy default stream, PyTorch's default one), planning the shape's workspace on its
+    /// first use. Every rank of the communicator must enqueue the same
     /// forwards (same shapes, same order), each rank from its own thread or process.
     ///
     /// # Safety
@@ -150,7 +153,7 @@ impl ShardedRank {
             )));
         }
         // SAFETY: this function's contract.
-        unsafe { self.forward_prepared(layer.prepared(), problem, x, mask, y, stream) }
+        unsafe { self.forward_prepared(layer.prepared(), problem, x, mask, y, stream as CUstream) }
     }
 
     /// As [`ShardedRank::forward_layer`], with weights prepared on this rank's GPU.
@@ -161,7 +164,7 @@ impl ShardedRank {
         x: u64,
         mask: u64,
         y: u64,
-        stream: u64,
+        stream: CUstream,
     ) -> Result<()> {
         if self.comm.is_aborted() {
             return Err(Error::InvalidArgument(format!(
@@ -171,7 +174,6 @@ impl ShardedRank {
         }
         problem.validate()?;
         let i = self.workspace_for(prepared, problem)?;
-        let stream = if stream == 0 { self.backend.stream() } else { stream as cudarc::driver::sys::CUstream };
         self.backend.bind_to_thread()?;
         if let Some(last) = self.last.filter(|&l| l != i) {
             self.workspaces[last].order_before(stream)?;
@@ -356,6 +358,7 @@ impl ShardedLayer {
     /// stream has run the forward.
     pub unsafe fn forward_device(&mut self, x: u64, mask: u64, y: u64, stream: u64) -> Result<()> {
         let problem = *self.problem();
+        let stream = if stream == 0 { self.rank.backend.stream() } else { stream as CUstream };
         // SAFETY: this function's contract.
         unsafe { self.rank.forward_prepared(&self.prepared, &problem, x, mask, y, stream) }
     }

@@ -337,7 +337,8 @@ fn one_rank_serves_several_layers_and_shapes() {
                         let problem = layer.problem(p.shape, true).unwrap().with_io(p.io);
                         // SAFETY: the buffers hold the rank's rows and outlive the forward
                         // (waited for below).
-                        unsafe { rank.forward_layer(&layer, &problem, xd.ptr(), md.ptr(), yd.ptr(), 0) }.unwrap();
+                        unsafe { rank.forward_layer(&layer, &problem, xd.ptr(), md.ptr(), yd.ptr(), gpu.stream() as u64) }
+                            .unwrap();
                         rank.wait(std::time::Duration::from_secs(60)).unwrap();
                         let mut yb = vec![0u8; xb.len()];
                         gpu.download_bytes(&yd, &mut yb).unwrap();

@@ -43,10 +43,18 @@ def run_case(case, salt: int, device) -> dict:
     w = af3_weights(c, h, biases, salt + 2, dtype=dtype, device=device)
     r0, r1 = tmd.rows(n)
     rows = (..., slice(r0, r1), slice(None), slice(None))
-    with torch.no_grad():
+    torch.cuda.synchronize()
+    # On PyTorch's default stream, or (odd salts' hundreds) a side stream: the call must run on
+    # the current one. The rows are written there after ~50 ms of sleep and y is copied to the
+    # host there at once, so a forward on any other stream would read x before it exists or
+    # hand back y before it is written.
+    side = torch.cuda.Stream() if (salt // 100) % 2 else None
+    with torch.no_grad(), torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        x_rows = x[rows] * 1
         got = tmd.triangle_multiplicative_update(
-            x[rows], direction, mask=None if mask is None else mask[rows[:-1]], **w
-        )
+            x_rows, direction, mask=None if mask is None else mask[rows[:-1]], **w
+        ).cpu()
         one = trimul.triangle_multiplicative_update(x, direction, mask=mask, **w)[rows]
     torch.cuda.synchronize()
     want = f64_reference(x, direction, mask, **w)[rows]
