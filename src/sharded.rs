@@ -39,7 +39,13 @@ pub struct ShardedRank {
     workspaces: Vec<ShardWorkspace>,
     /// The workspace of the last forward enqueued: the next forward waits for it.
     last: Option<usize>,
+    /// Room for the ranks' agreement on a new workspace's budget: 3 × [`AGREE`] u64.
+    agree: DeviceBuffer<u64>,
 }
+
+/// What the ranks agree on before planning a workspace: the budget (its minimum) and whether
+/// any rank failed (its maximum).
+const AGREE: usize = 2;
 
 impl ShardedRank {
     /// The rank of `comm` on the GPU the communicator is bound to, each workspace planned to
@@ -52,7 +58,8 @@ impl ShardedRank {
     /// memory (every rank must be given the same).
     pub fn with_options(comm: Communicator, options: ShardOptions) -> Result<Self> {
         let backend = CudaBackend::new(comm.device())?;
-        Ok(ShardedRank { backend, comm, options, workspaces: Vec::new(), last: None })
+        let agree = backend.alloc_buffer(3 * AGREE)?;
+        Ok(ShardedRank { backend, comm, options, workspaces: Vec::new(), last: None, agree })
     }
 
     /// This rank's number in the communicator.
@@ -84,29 +91,61 @@ impl ShardedRank {
     }
 
     /// Waits (at most `timeout`, as [`ShardedRank::wait`]) for the last forward, then frees
-    /// every workspace; the next forward of each shape plans anew.
+    /// every workspace; the next forward of each problem plans anew. The workspaces are freed
+    /// even where the wait fails (an NCCL error, the deadline: the communicator is then aborted,
+    /// which ends its waiting kernels), and that error is returned.
     pub fn release_workspaces(&mut self, timeout: Duration) -> Result<()> {
-        self.wait(timeout)?;
+        let waited = if self.comm.is_aborted() { Ok(()) } else { self.wait(timeout) };
         self.workspaces.clear();
         self.last = None;
-        Ok(())
+        waited
     }
 
-    /// The workspace of `problem`, made now if this rank has none yet; its index.
-    fn workspace_for(&mut self, prepared: &CudaPrepared, problem: &Problem) -> Result<usize> {
+    /// The workspace of `problem`, made now if this rank has none yet; its index. With `agree`
+    /// the ranks first agree, in one small all-reduce, on the smallest of their budgets (so that
+    /// they plan alike) and on whether any of them cannot plan (then every rank fails here,
+    /// before any exchange of the forward): every rank must then make the same call.
+    fn workspace_for(&mut self, prepared: &CudaPrepared, problem: &Problem, agree: bool) -> Result<usize> {
         if let Some(i) = self.workspaces.iter().position(|w| w.problem() == problem) {
             return Ok(i);
         }
         let (rank, ranks) = (self.comm.rank(), self.comm.ranks());
-        let ws = self.backend.shard_workspace(prepared, problem, rank, ranks, self.options)?;
+        let mine = self.backend.shard_budget(prepared, problem, ranks, self.options);
+        let budget = if agree {
+            let ([budget, _], [_, failed]) = self.min_max([*mine.as_ref().unwrap_or(&0), u64::from(mine.is_err())])?;
+            let mine = mine?;
+            if failed != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "another rank could not plan its workspace of this problem (that rank raised the reason);                      no rank runs it (rank {rank} had {} free for it)",
+                    crate::units::fmt_bytes(mine)
+                )));
+            }
+            budget
+        } else {
+            mine?
+        };
+        let ws = self.backend.shard_workspace_within(prepared, problem, rank, ranks, self.options, budget)?;
         self.workspaces.push(ws);
         Ok(self.workspaces.len() - 1)
+    }
+
+    /// Every rank's `values`, reduced to their minimum and their maximum (waits for it).
+    fn min_max(&mut self, values: [u64; AGREE]) -> Result<([u64; AGREE], [u64; AGREE])> {
+        let stream = self.backend.stream();
+        self.backend.bind_to_thread()?;
+        self.agree.upload(&[values, [0; AGREE], [0; AGREE]].concat(), stream)?;
+        let at = |k: u64| self.agree.ptr() + k * (AGREE * 8) as u64;
+        // SAFETY: three runs of AGREE u64 inside `self.agree`, waited for by the download.
+        unsafe { self.comm.min_max_u64(at(0), at(1), at(2), AGREE, stream)? };
+        let mut all = [0u64; 3 * AGREE];
+        self.agree.download(&mut all, stream)?;
+        Ok(([all[2], all[3]], [all[4], all[5]]))
     }
 
     /// The plan of this rank's part of `problem` (planned now if it has not run yet).
     pub fn plan_for(&mut self, layer: &Layer<CudaBackend>, problem: &Problem) -> Result<&RankPlan> {
         self.check_layer(layer)?;
-        let i = self.workspace_for(layer.prepared(), problem)?;
+        let i = self.workspace_for(layer.prepared(), problem, true)?;
         Ok(self.workspaces[i].plan())
     }
 
@@ -153,10 +192,13 @@ impl ShardedRank {
             )));
         }
         // SAFETY: this function's contract.
-        unsafe { self.forward_prepared(layer.prepared(), problem, x, mask, y, stream as CUstream) }
+        unsafe { self.forward_prepared(layer.prepared(), problem, x, mask, y, stream as CUstream, true) }
     }
 
-    /// As [`ShardedRank::forward_layer`], with weights prepared on this rank's GPU.
+    /// As [`ShardedRank::forward_layer`], with weights prepared on this rank's GPU; `agree`: a
+    /// workspace made now is planned within a budget the ranks agree on (see
+    /// [`ShardedRank::workspace_for`]).
+    #[allow(clippy::too_many_arguments)]
     unsafe fn forward_prepared(
         &mut self,
         prepared: &CudaPrepared,
@@ -165,6 +207,7 @@ impl ShardedRank {
         mask: u64,
         y: u64,
         stream: CUstream,
+        agree: bool,
     ) -> Result<()> {
         if self.comm.is_aborted() {
             return Err(Error::InvalidArgument(format!(
@@ -173,14 +216,21 @@ impl ShardedRank {
             )));
         }
         problem.validate()?;
-        let i = self.workspace_for(prepared, problem)?;
+        let i = self.workspace_for(prepared, problem, agree)?;
         self.backend.bind_to_thread()?;
         if let Some(last) = self.last.filter(|&l| l != i) {
             self.workspaces[last].order_before(stream)?;
         }
-        self.last = Some(i);
         // SAFETY: the caller's contract; the workspace is this rank's for `problem`.
-        unsafe { self.backend.enqueue_shard(prepared, &mut self.workspaces[i], &mut self.comm, x, mask, y, stream) }
+        let enqueued = unsafe {
+            self.backend.enqueue_shard(prepared, &mut self.workspaces[i], &mut self.comm, x, mask, y, stream)
+        };
+        // The last forward is the last one that enqueued work (a call refused before its first
+        // launch leaves the one before it the last, to wait for and to order after).
+        if enqueued.is_ok() || self.workspaces[i].failed_after_launch() {
+            self.last = Some(i);
+        }
+        enqueued
     }
 
     /// Waits for this rank's last forward, at most `timeout`. NCCL has no deadline of its own:
@@ -306,7 +356,9 @@ impl ShardedLayer {
         } else {
             None
         };
-        let ws = rank.workspace_for(&prepared, problem)?;
+        // Planned on each rank's own (`ShardedGroup` builds its ranks one after another in one
+        // thread, and re-plans them alike where they differ).
+        let ws = rank.workspace_for(&prepared, problem, false)?;
         Ok(ShardedLayer { rank, prepared, ws, io, uploaded: false, timed: None })
     }
 
@@ -360,7 +412,7 @@ impl ShardedLayer {
         let problem = *self.problem();
         let stream = if stream == 0 { self.rank.backend.stream() } else { stream as CUstream };
         // SAFETY: this function's contract.
-        unsafe { self.rank.forward_prepared(&self.prepared, &problem, x, mask, y, stream) }
+        unsafe { self.rank.forward_prepared(&self.prepared, &problem, x, mask, y, stream, false) }
     }
 
     /// Uploads this rank's rows of x (f32, rounded to the problem's I/O precision) and mask to

@@ -281,8 +281,9 @@ fn ranks_that_planned_differently_refuse_together() {
 
 /// One `ShardedRank` per GPU serving several layers and shapes, as a model's layers share one
 /// (the Python package's way): two weight sets, outgoing f32 at N = 64 and incoming bf16 at
-/// N = 97 (uneven rows), on caller device buffers; a second layer of a shape run before reuses
-/// its workspace. Each rank's rows equal the one-GPU forward's.
+/// N = 97 (uneven rows), on caller device buffers, enqueued back to back on two streams; a second
+/// layer of a shape run before reuses its workspace. Each rank's rows equal the one-GPU
+/// forward's.
 #[test]
 fn one_rank_serves_several_layers_and_shapes() {
     let Some(one) = two_gpus() else { return };
@@ -310,11 +311,15 @@ fn one_rank_serves_several_layers_and_shapes() {
                     let mut rank = trimul::sharded::ShardedRank::new(comm).unwrap();
                     let gpu = rank.backend().clone();
                     let mut out = Vec::new();
-                    let mut bytes_after = Vec::new();
+                    // Every case's rows uploaded first, then the three forwards enqueued back to
+                    // back with no wait between them, the second on the legacy default stream
+                    // (the others on the backend's): the rank orders them across workspaces and
+                    // streams. Then one wait, and the downloads.
+                    let mut staged = Vec::new();
                     for ((p, _), (weights, x, mask)) in cases.iter().zip(inputs) {
                         let layer = Layer::new(&gpu, weights, Options::new(p.direction)).unwrap();
                         let rows = rank.rows(p.shape.n).unwrap();
-                        let (n, c, w) = (p.shape.n, p.config.c, p.io.io_bytes());
+                        let (n, c) = (p.shape.n, p.config.c);
                         // The rank's rows of every batch, one batch after another.
                         let pick = |v: &[f32], width: usize| -> Vec<f32> {
                             (0..p.shape.batch)
@@ -334,24 +339,30 @@ fn one_rank_serves_several_layers_and_shapes() {
                         let yd = gpu.alloc_buffer::<u8>(xb.len()).unwrap();
                         gpu.upload_bytes(&xb, &mut xd).unwrap();
                         gpu.upload_bytes(&mb, &mut md).unwrap();
+                        staged.push((layer, rows, xd, md, yd));
+                    }
+                    let mut bytes_after = Vec::new();
+                    for (i, ((p, _), (layer, _, xd, md, yd))) in cases.iter().zip(&staged).enumerate() {
                         let problem = layer.problem(p.shape, true).unwrap().with_io(p.io);
+                        let stream = if i == 1 { 0 } else { gpu.stream() as u64 };
                         // SAFETY: the buffers hold the rank's rows and outlive the forward
                         // (waited for below).
-                        unsafe { rank.forward_layer(&layer, &problem, xd.ptr(), md.ptr(), yd.ptr(), gpu.stream() as u64) }
-                            .unwrap();
-                        rank.wait(std::time::Duration::from_secs(60)).unwrap();
-                        let mut yb = vec![0u8; xb.len()];
-                        gpu.download_bytes(&yd, &mut yb).unwrap();
+                        unsafe { rank.forward_layer(layer, &problem, xd.ptr(), md.ptr(), yd.ptr(), stream) }.unwrap();
+                        bytes_after.push(rank.workspace_bytes());
+                    }
+                    rank.wait(std::time::Duration::from_secs(60)).unwrap();
+                    for ((p, _), (_, rows, xd, _, yd)) in cases.iter().zip(&staged) {
+                        let mut yb = vec![0u8; xd.len()];
+                        gpu.download_bytes(yd, &mut yb).unwrap();
                         let y: Vec<f32> = match p.io {
                             Precision::F32Io => {
                                 yb.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
                             }
                             _ => {
-                                yb.chunks_exact(w).map(|b| p.io.decode_half(u16::from_le_bytes([b[0], b[1]]))).collect()
+                                yb.chunks_exact(2).map(|b| p.io.decode_half(u16::from_le_bytes([b[0], b[1]]))).collect()
                             }
                         };
-                        out.push((rows, y));
-                        bytes_after.push(rank.workspace_bytes());
+                        out.push((rows.clone(), y));
                     }
                     // The third case's shape ran first: its layer took that workspace.
                     assert_eq!(bytes_after[1], bytes_after[2], "a shape run before planned a second workspace");

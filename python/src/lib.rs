@@ -717,14 +717,16 @@ impl CudaShardedRank {
     }
 
     /// The rows `(r0, r1)` of the first pair index this rank holds of a pair tensor of `n` rows.
-    fn rows(&self, n: usize) -> PyResult<(usize, usize)> {
-        let rows = self.lock()?.rows(n).map_err(to_py)?;
+    fn rows(&self, py: Python<'_>, n: usize) -> PyResult<(usize, usize)> {
+        // Every method takes the rank's lock without the GIL: another thread may hold it while
+        // it waits for a forward.
+        let rows = py.detach(|| self.lock()?.rows(n).map_err(to_py))?;
         Ok((rows.start, rows.end))
     }
 
     /// Device bytes of the workspaces kept.
-    fn workspace_bytes(&self) -> PyResult<u64> {
-        Ok(self.lock()?.workspace_bytes())
+    fn workspace_bytes(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| Ok(self.lock()?.workspace_bytes()))
     }
 
     /// Waits for the last forward (at most `timeout_s` seconds; then, or on an NCCL error,
@@ -736,9 +738,11 @@ impl CudaShardedRank {
 
     /// Fills y and every intermediate with NaN before each forward, so an element nobody writes
     /// fails a check (the tests' switch).
-    fn set_poison(&self, on: bool) -> PyResult<()> {
-        self.lock()?.backend().set_poison(on);
-        Ok(())
+    fn set_poison(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        py.detach(|| {
+            self.lock()?.backend().set_poison(on);
+            Ok(())
+        })
     }
 
     /// Waits for the last forward, at most `timeout_s` seconds (see `release`).

@@ -25,43 +25,88 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import af3_weights, compare, f64_reference, pair, random_mask  # noqa: E402
 
 import trimul  # noqa: E402
+from trimul import _trimul  # noqa: E402
 from trimul import distributed as tmd  # noqa: E402
 
-# (name, direction, leading dims, N, C, H, dtype, masked, biases, inputs)
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (name, direction, leading dims, N, C, H, dtype, mask dtype or None, biases, inputs, precision)
 CASES = [
-    ("outgoing f32 masked", "outgoing", (1,), 64, 128, 128, torch.float32, True, False, "normal"),
-    ("incoming bf16 biases", "incoming", (2,), 48, 128, 64, torch.bfloat16, False, True, "normal"),
-    ("outgoing f16 odd N", "outgoing", (), 37, 64, 32, torch.float16, True, True, "normal"),
-    ("incoming bf16 cauchy masked", "incoming", (1, 2), 40, 128, 128, torch.bfloat16, True, False, "cauchy"),
+    ("outgoing f32 masked", "outgoing", (1,), 64, 128, 128, F32, F32, False, "normal", None),
+    ("incoming bf16 biases", "incoming", (2,), 48, 128, 64, BF16, None, True, "normal", None),
+    ("outgoing f16 odd N bool mask", "outgoing", (), 37, 64, 32, F16, torch.bool, True, "normal", None),
+    ("incoming bf16 cauchy masked", "incoming", (1, 2), 40, 128, 128, BF16, F32, False, "cauchy", None),
+    ("incoming f32 as bfloat16", "incoming", (1,), 32, 64, 32, F32, F32, True, "normal", "bfloat16"),
 ]
 
 
 def run_case(case, salt: int, device) -> dict:
-    name, direction, lead, n, c, h, dtype, masked, biases, inputs = case
+    name, direction, lead, n, c, h, dtype, mask_dtype, biases, inputs, precision = case
     x = pair((*lead, n, n, c), salt, inputs, dtype=dtype, device=device)
-    mask = random_mask((*lead, n, n), salt + 1, device=device) if masked else None
+    mask = None if mask_dtype is None else random_mask((*lead, n, n), salt + 1, device=device).to(mask_dtype)
     w = af3_weights(c, h, biases, salt + 2, dtype=dtype, device=device)
     r0, r1 = tmd.rows(n)
     rows = (..., slice(r0, r1), slice(None), slice(None))
-    torch.cuda.synchronize()
+    m_rows = None if mask is None else mask[rows[:-1]]
     # On PyTorch's default stream, or (odd salts' hundreds) a side stream: the call must run on
-    # the current one. The rows are written there after ~50 ms of sleep and y is copied to the
-    # host there at once, so a forward on any other stream would read x before it exists or
-    # hand back y before it is written.
+    # the current one. A first call (on other values) plans the workspace, whose host wait would
+    # hide a wrong stream; then the rows are written on the stream after ~50 ms of sleep and y
+    # is copied to the host there at once, so a forward on any other stream would read x before
+    # it is written (the first call's values lie there) or hand back y before it is written.
     side = torch.cuda.Stream() if (salt // 100) % 2 else None
     with torch.no_grad(), torch.cuda.stream(side):
+        tmd.triangle_multiplicative_update(-x[rows], direction, mask=m_rows, precision=precision, **w)
+        torch.cuda.synchronize()
         torch.cuda._sleep(100_000_000)
         x_rows = x[rows] * 1
-        got = tmd.triangle_multiplicative_update(
-            x_rows, direction, mask=None if mask is None else mask[rows[:-1]], **w
-        ).cpu()
-        one = trimul.triangle_multiplicative_update(x, direction, mask=mask, **w)[rows]
+        got = tmd.triangle_multiplicative_update(x_rows, direction, mask=m_rows, precision=precision, **w).cpu()
+        one = trimul.triangle_multiplicative_update(x, direction, mask=mask, precision=precision, **w)[rows]
     torch.cuda.synchronize()
+    if precision == "bfloat16":
+        x = x.to(torch.bfloat16)
+        w = {k: v.to(torch.bfloat16) for k, v in w.items()}
+    mask = None if mask is None else mask.float()
     want = f64_reference(x, direction, mask, **w)[rows]
     bad, rel = compare(got, want)
     bad_one, rel_one = compare(one, want)
     return {
         "name": name,
+        "shape": list(got.shape),
+        "dtype": str(got.dtype),
+        "bad": bad,
+        "rel": rel,
+        "bad_one_gpu": bad_one,
+        "rel_one_gpu": rel_one,
+    }
+
+
+def back_to_back(device) -> dict:
+    """Outgoing then incoming (two workspaces, two layers) on the default stream with no wait
+    between them or before the first reads their results."""
+    n, c, h = 48, 128, 128
+    x = pair((1, n, n, c), 31, dtype=torch.bfloat16, device=device)
+    w_out = af3_weights(c, h, True, 32, dtype=torch.bfloat16, device=device)
+    w_in = af3_weights(c, h, False, 33, dtype=torch.bfloat16, device=device)
+    r0, r1 = tmd.rows(n)
+    with torch.no_grad():
+        torch.cuda._sleep(50_000_000)
+        a = tmd.triangle_multiplicative_update(x[:, r0:r1] * 1, "outgoing", **w_out)
+        b = tmd.triangle_multiplicative_update(a * 1, "incoming", **w_in)
+        got = b.cpu()
+        # The same two steps on one GPU, rank by rank: the incoming update of the outgoing one's
+        # rows needs every row, so the whole first update is gathered.
+        parts = [
+            torch.empty(1, e - s, n, c, dtype=a.dtype, device=device)
+            for s, e in _trimul.row_split(n, dist.get_world_size())
+        ]
+        dist.all_gather(parts, a.contiguous())
+        whole_a = torch.cat(parts, dim=1)
+        one = trimul.triangle_multiplicative_update(whole_a, "incoming", **w_in)[:, r0:r1]
+    torch.cuda.synchronize()
+    want = f64_reference(whole_a, "incoming", None, **w_in)[:, r0:r1]
+    bad, rel = compare(got, want)
+    bad_one, rel_one = compare(one, want)
+    return {
+        "name": "outgoing then incoming, no wait",
         "shape": list(got.shape),
         "dtype": str(got.dtype),
         "bad": bad,
@@ -100,6 +145,7 @@ def main() -> None:
                 report["errors"][what] = f"{type(e).__name__}: {e}"
         # The group still works, waits with a deadline, releases, and joins anew.
         report["cases"].append(run_case(CASES[0], 900, device))
+        report["cases"].append(back_to_back(device))
         tmd.wait(60.0)
         tmd.release()
         report["cases"].append(run_case(CASES[1], 901, device))

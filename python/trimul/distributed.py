@@ -114,7 +114,8 @@ def wait(timeout: float = 300.0, group=None, device=None) -> None:
     ``device`` (default: the current CUDA device) to finish on the GPU. A peer that failed or
     stopped would leave the exchanges waiting forever (and ``torch.cuda.synchronize`` with them):
     here an NCCL error or the deadline aborts trimul's communicator and raises ``RuntimeError``;
-    that group's later calls then raise too (``release`` it and start again)."""
+    that group's later calls then raise too (``release`` it and start again). Returns at once
+    where this rank has made no sharded call."""
     rank = _ranks.get(_key(_dist(), group, _device_index(device)))
     if rank is not None:
         rank.wait(float(timeout))
@@ -122,13 +123,20 @@ def wait(timeout: float = 300.0, group=None, device=None) -> None:
 
 def release(group=None, timeout: float = 300.0) -> None:
     """Waits for this rank's sharded calls in ``group`` (on every device), then frees their
-    workspaces and trimul's communicator; the next call joins a new one (every rank must release
-    together). Prepared weights are kept (``trimul.clear_cache`` forgets them)."""
+    workspaces and trimul's communicator, even where the wait fails (its first error is raised
+    after); the next call joins a new one (every rank must release together). Prepared weights
+    are kept (``trimul.clear_cache`` forgets them)."""
     dist = _dist()
     g = _group_key(dist, group)
+    first_error = None
     for key in [k for k in _ranks if k[0] is g]:
         rank = _ranks.pop(key)
-        rank.release(float(timeout))
+        try:
+            rank.release(float(timeout))
+        except Exception as e:  # noqa: BLE001 - every device released, then the first error raised
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
 
 
 def _dist():
@@ -163,9 +171,11 @@ def _key(dist, group, index: int) -> tuple:
 def _device_index(device) -> int:
     import torch
 
-    if device is None:
+    if isinstance(device, int):
+        return device
+    if device is None or torch.device(device).index is None:
         return torch.cuda.current_device()
-    return torch.device(device).index if not isinstance(device, int) else device
+    return torch.device(device).index
 
 
 def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict, eps, precision):
@@ -198,6 +208,8 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
             "the sharded forward has no backward yet: call it under torch.no_grad() (or with tensors "
             "that do not require grad)"
         )
+    if _torch._forward_ad._current_level >= 0 and _torch._has_tangent([x, mask, *w]):
+        raise NotImplementedError("the sharded forward has no forward-mode derivative (jvp)")
     if x.dtype not in _torch._DTYPE_CODE:
         raise TypeError(f"x has dtype {x.dtype}; trimul takes float32, bfloat16 or float16")
     original_shape = x.shape
@@ -227,15 +239,25 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
         m3 = m3.to(torch.float32)
         if mode == _args.BFLOAT16:
             m3 = m3.to(torch.bfloat16).to(torch.float32)
-        m3 = m3.contiguous()
-    x4 = x4.contiguous()
+        m3 = _torch._contiguous(m3)
+    x4 = _torch._contiguous(x4)
     index = x4.get_device()
     with torch.cuda.device(index):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the sharded forward cannot be captured in a CUDA graph yet (its first call waits)")
         stream = torch.cuda.current_stream(index).cuda_stream
-        entry = _torch.prepared_entry(x4, w, direction, eps, index, stream)
-        rank = _rank(dist, group, world, me, index)
+        rank = _ranks.get(_key(dist, group, index))
+        if rank is not None:
+            entry = _torch.prepared_entry(x4, w, direction, eps, index, stream)
+        else:
+            # The group's first call here: every rank says whether it got this far before any
+            # rank joins (a rank whose weights could not be prepared would leave the others
+            # waiting in the join).
+            try:
+                entry, failed = _torch.prepared_entry(x4, w, direction, eps, index, stream), None
+            except Exception as e:  # noqa: BLE001 - raised below, after the others have heard
+                entry, failed = None, e
+            rank = _join(dist, group, world, me, index, failed)
         y = torch.empty_like(x4)
         args = (
             entry.layer,
@@ -252,36 +274,38 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
         )
         try:
             rank.forward(*args)
-        except RuntimeError as e:
-            if not str(e).startswith("out of memory"):
+        except (RuntimeError, ValueError) as e:
+            if not (str(e).startswith("out of memory") or "could not plan its workspace" in str(e)):
                 raise
-            # The shape's workspace is allocated outside PyTorch's caching allocator: hand the
-            # cached blocks back to the driver and plan once more within what is then free.
+            # A new problem's workspace did not fit on some rank, and every rank failed together
+            # (they agree on the budget first). It is allocated outside PyTorch's caching
+            # allocator: every rank hands the cached blocks back to the driver and plans once
+            # more, together, within what is then free.
             torch.cuda.empty_cache()
             rank.forward(*args)
     return y if y.shape == original_shape else y.view(original_shape)
 
 
-def _rank(dist, group, world: int, me: int, index: int):
-    """This process's rank object of `group` on device `index`, joined on first use: group rank 0
-    makes an NCCL unique id and the group broadcasts it (or rank 0's error, so that every rank
-    raises instead of waiting)."""
-    key = _key(dist, group, index)
-    rank = _ranks.get(key)
-    if rank is not None:
-        return rank
-    message = [None]
-    if me == 0:
+def _join(dist, group, world: int, me: int, index: int, failed: Optional[BaseException]):
+    """This process's rank object of `group` on device `index`, joined now. One gather through
+    the group carries every rank's state (`failed`: what went wrong here) and, from group rank 0,
+    a fresh NCCL unique id; if any rank failed, every rank raises (this one its own error)
+    instead of some waiting in the join for ranks that will not come."""
+    state = None if failed is None else f"{type(failed).__name__}: {failed}"
+    unique_id = None
+    if me == 0 and failed is None:
         try:
-            message[0] = ("id", bytes(_trimul.nccl_unique_id()))
-        except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
-            message[0] = ("error", f"{type(e).__name__}: {e}")
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+            unique_id = bytes(_trimul.nccl_unique_id())
+        except Exception as e:  # noqa: BLE001 - sent to every rank, raised here below
+            failed, state = e, f"{type(e).__name__}: {e}"
+    everyone = [None] * world
     # On the group's own device kind (the current CUDA device, `index`, for NCCL; the CPU for gloo).
-    dist.broadcast_object_list(message, src=src, group=group)
-    kind, value = message[0]
-    if kind == "error":
-        raise RuntimeError(f"rank 0 of the group could not make an NCCL unique id: {value}")
-    rank = _ranks[key] = _trimul.CudaShardedRank(value, world, me, index)
+    dist.all_gather_object(everyone, (state, unique_id), group=group)
+    if failed is not None:
+        raise failed
+    others = [f"rank {r}: {s}" for r, (s, _) in enumerate(everyone) if s is not None]
+    if others:
+        raise RuntimeError(f"the sharded call did not start: {'; '.join(others)}")
+    rank = _ranks[_key(dist, group, index)] = _trimul.CudaShardedRank(everyone[0][1], world, me, index)
     rank.set_poison(_poison)
     return rank

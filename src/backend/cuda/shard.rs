@@ -150,6 +150,12 @@ impl ShardWorkspace {
         }
     }
 
+    /// Whether the last forward failed after its first launch (its end event still marks where
+    /// its work ends).
+    pub(crate) fn failed_after_launch(&self) -> bool {
+        self.failed
+    }
+
     /// Makes `stream` wait for the last forward enqueued on this workspace: forwards of one
     /// communicator on several workspaces run one after another.
     pub(crate) fn order_before(&self, stream: CUstream) -> Result<()> {
@@ -200,6 +206,20 @@ impl CudaBackend {
         ranks: usize,
         options: ShardOptions,
     ) -> Result<ShardWorkspace> {
+        let budget = self.shard_budget(prep, problem, ranks, options)?;
+        self.shard_workspace_within(prep, problem, rank, ranks, options, budget)
+    }
+
+    /// The bytes a rank's workspace of `problem` may take on this GPU now: its free memory less
+    /// [`margin`], the cuBLASLt workspace and room for NCCL, within `options.memory_limit`.
+    /// Refuses what the sharded forward does not take (as [`CudaBackend::shard_workspace`]).
+    pub fn shard_budget(
+        &self,
+        prep: &CudaPrepared,
+        problem: &Problem,
+        ranks: usize,
+        options: ShardOptions,
+    ) -> Result<u64> {
         check_prepared_for(&prep.config, problem)?;
         let tuning = self.tuning_for(problem);
         if self.fused_kernel_for(prep, problem, tuning).is_none() || self.fused_output_fits(problem).is_none() {
@@ -222,6 +242,22 @@ impl CudaBackend {
                 + prep.fused.as_ref().map_or(0, |f| f.w.bytes() + f.bias.as_ref().map_or(0, |b| b.bytes()));
             budget = budget.min(RankPlan::budget_within(problem, ranks, limit, weights + fixed)?);
         }
+        Ok(budget)
+    }
+
+    /// As [`CudaBackend::shard_workspace`], planned within `budget` bytes
+    /// ([`CudaBackend::shard_budget`]; ranks given the same budget plan alike).
+    pub fn shard_workspace_within(
+        &self,
+        prep: &CudaPrepared,
+        problem: &Problem,
+        rank: usize,
+        ranks: usize,
+        options: ShardOptions,
+        budget: u64,
+    ) -> Result<ShardWorkspace> {
+        check_prepared_for(&prep.config, problem)?;
+        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         let plan = RankPlan::new(problem, ranks, rank, options, budget)?;
         let mut gemms = HashMap::new();
         let mut counts: Vec<usize> =
