@@ -1,0 +1,102 @@
+"""trimul.distributed inside PyTorch on two GPUs against trimul's one-GPU call on the whole tensor
+(rank 0 alone, the other rank waiting): af3 bf16, B = 1, C = H = 128, masked; device events on
+the current stream around each call, median of 10 after 3 warm-ups; the two-GPU time is the
+longer rank's. Run with two processes:
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 scripts/probes/python_distributed_bench.py
+"""
+
+import functools
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+import trimul
+from trimul import distributed as tmd
+
+C = H = 128
+
+
+def weights(device) -> dict:
+    g = torch.Generator().manual_seed(5)
+
+    def n(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, torch.bfloat16)
+
+    return {
+        "norm_in_weight": n(C),
+        "norm_in_bias": n(C),
+        "p_in_weight": n(2 * H, C, scale=H**-0.5),
+        "g_in_weight": n(2 * H, C, scale=H**-0.5),
+        "norm_out_weight": n(H),
+        "norm_out_bias": n(H),
+        "p_out_weight": n(C, H, scale=C**-0.5),
+        "g_out_weight": n(C, C, scale=H**-0.5),
+    }
+
+
+def timed(call, reps: int = 10, warmup: int = 3) -> float:
+    with torch.no_grad():
+        for _ in range(warmup):
+            call()
+        ms = []
+        for _ in range(reps):
+            start, stop = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            start.record()
+            call()
+            stop.record()
+            stop.synchronize()
+            ms.append(start.elapsed_time(stop))
+    return statistics.median(ms)
+
+
+def pair(rows: int, n: int, device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, rows, n, C, generator=g).to(device, torch.bfloat16)
+    mask = (torch.rand(1, rows, n, generator=g) > 0.1).float().to(device)
+    return x, mask
+
+
+def main() -> None:
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    me = dist.get_rank()
+    w = weights(device)
+    for direction in ("outgoing", "incoming"):
+        for n in (1024, 2048, 4096):
+            r0, r1 = tmd.rows(n)
+            x, mask = pair(r1 - r0, n, device, n + me)
+            two = timed(
+                functools.partial(
+                    tmd.triangle_multiplicative_update, x, direction, mask, **w
+                )
+            )
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, two)
+            if me == 0:
+                xf, mf = pair(n, n, device, n)
+                one = timed(
+                    functools.partial(
+                        trimul.triangle_multiplicative_update, xf, direction, mf, **w
+                    )
+                )
+                del xf, mf
+                ranks = "/".join(f"{t:.3f}" for t in per_rank)
+                print(
+                    f"{direction} N={n}: 2 GPUs {max(per_rank):.3f} ms (ranks {ranks}), 1 GPU {one:.3f} ms, "
+                    f"ratio {max(per_rank) / one:.3f}",
+                    flush=True,
+                )
+            dist.barrier()
+            tmd.release()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
