@@ -266,7 +266,8 @@ impl<B: Backend> Layer<B> {
         unsafe { self.forward_device(&io) }
     }
 
-    /// The prepared weights.
+    /// The prepared weights (the sharded forward runs any layer's).
+    #[cfg(feature = "cuda")]
     pub(crate) fn prepared(&self) -> &B::Prepared {
         &self.prepared
     }
