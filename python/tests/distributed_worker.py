@@ -65,7 +65,11 @@ def run_case(case, salt: int, device) -> dict:
         x = x.to(torch.bfloat16)
         w = {k: v.to(torch.bfloat16) for k, v in w.items()}
     mask = None if mask is None else mask.float()
-    want = f64_reference(x, direction, mask, **w)[rows]
+    return verdict(name, got, one, f64_reference(x, direction, mask, **w)[rows])
+
+
+def verdict(name: str, got, one, want) -> dict:
+    """The sharded rows `got` and the one-GPU call's `one` against the f64 reference `want`."""
     bad, rel = compare(got, want)
     bad_one, rel_one = compare(one, want)
     return {
@@ -103,17 +107,7 @@ def back_to_back(device) -> dict:
         one = trimul.triangle_multiplicative_update(whole_a, "incoming", **w_in)[:, r0:r1]
     torch.cuda.synchronize()
     want = f64_reference(whole_a, "incoming", None, **w_in)[:, r0:r1]
-    bad, rel = compare(got, want)
-    bad_one, rel_one = compare(one, want)
-    return {
-        "name": "outgoing then incoming, no wait",
-        "shape": list(got.shape),
-        "dtype": str(got.dtype),
-        "bad": bad,
-        "rel": rel,
-        "bad_one_gpu": bad_one,
-        "rel_one_gpu": rel_one,
-    }
+    return verdict("outgoing then incoming, no wait", got, one, want)
 
 
 def main() -> None:

@@ -14,26 +14,9 @@ import torch
 import torch.distributed as dist
 import trimul
 from trimul import distributed as tmd
+from trimul.bench import af3_weights
 
 C = H = 128
-
-
-def weights(device) -> dict:
-    g = torch.Generator().manual_seed(5)
-
-    def n(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device, torch.bfloat16)
-
-    return {
-        "norm_in_weight": n(C),
-        "norm_in_bias": n(C),
-        "p_in_weight": n(2 * H, C, scale=H**-0.5),
-        "g_in_weight": n(2 * H, C, scale=H**-0.5),
-        "norm_out_weight": n(H),
-        "norm_out_bias": n(H),
-        "p_out_weight": n(C, H, scale=C**-0.5),
-        "g_out_weight": n(C, C, scale=H**-0.5),
-    }
 
 
 def timed(call, reps: int = 10, warmup: int = 3) -> float:
@@ -67,7 +50,7 @@ def main() -> None:
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
     me = dist.get_rank()
-    w = weights(device)
+    w = af3_weights(C, H, torch.bfloat16, device, torch.Generator().manual_seed(5))
     for direction in ("outgoing", "incoming"):
         for n in (1024, 2048, 4096):
             r0, r1 = tmd.rows(n)
