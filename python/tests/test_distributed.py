@@ -63,6 +63,14 @@ def test_a_group_of_one_rank_runs_the_whole_tensor(one_rank_group):
     assert torch.equal(got, want)
 
 
+def test_a_rank_that_failed_before_a_waiting_call_raises_its_own_error(one_rank_group):
+    # The gather that precedes a join or a new problem's planning: the ready state goes round,
+    # and a rank's own failure is raised as it was (the others get a RuntimeError naming it).
+    assert tmd._gather_states(dist, None, 1, None, b"id") == [(None, b"id")]
+    with pytest.raises(MemoryError, match="no room"):
+        tmd._gather_states(dist, None, 1, MemoryError("no room"))
+
+
 def _call(x, mask=None, world=2, me=0, precision=None, **w):
     """The sharded path's checks as rank `me` of `world` would make them (no exchange is reached:
     every case raises first)."""

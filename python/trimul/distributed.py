@@ -38,6 +38,9 @@ __all__ = ["triangle_multiplicative_update", "rows", "wait", "release"]
 # One rank object per (process group, device): the communicator its ranks joined and a workspace
 # per shape, shared by every layer.
 _ranks: dict = {}
+# The problems each rank object has planned a workspace for (calls of a new problem first make
+# sure every rank is ready).
+_planned: dict = {}
 # The tests' switch: new rank objects fill y and their intermediates with NaN before each forward.
 _poison = False
 
@@ -131,6 +134,7 @@ def release(group=None, timeout: float = 300.0) -> None:
     first_error = None
     for key in [k for k in _ranks if k[0] is g]:
         rank = _ranks.pop(key)
+        _planned.pop(key, None)
         try:
             rank.release(float(timeout))
         except Exception as e:  # noqa: BLE001 - every device released, then the first error raised
@@ -246,18 +250,24 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the sharded forward cannot be captured in a CUDA graph yet (its first call waits)")
         stream = torch.cuda.current_stream(index).cuda_stream
-        rank = _ranks.get(_key(dist, group, index))
-        if rank is not None:
+        key = _key(dist, group, index)
+        rank = _ranks.get(key)
+        problem = (b, n, c, w[2].shape[0] // 2, direction, m3 is not None, _torch._DTYPE_CODE[x4.dtype], eps)
+        if rank is not None and problem in _planned.get(key, ()):
             entry = _torch.prepared_entry(x4, w, direction, eps, index, stream)
         else:
-            # The group's first call here: every rank says whether it got this far before any
-            # rank joins (a rank whose weights could not be prepared would leave the others
-            # waiting in the join).
+            # The group's first call here, or this problem's: every rank says whether it got this
+            # far (its weights prepared) before any rank joins or plans the problem's workspace
+            # (both wait on the host for every rank: one that raised here would leave the others
+            # waiting forever). Through the group, whose collectives have PyTorch's timeouts.
             try:
                 entry, failed = _torch.prepared_entry(x4, w, direction, eps, index, stream), None
             except Exception as e:  # noqa: BLE001 - raised below, after the others have heard
                 entry, failed = None, e
-            rank = _join(dist, group, world, me, index, failed)
+            if rank is None:
+                rank = _join(dist, group, world, me, index, failed)
+            else:
+                _all_ready(dist, group, world, failed)
         y = torch.empty_like(x4)
         args = (
             entry.layer,
@@ -283,7 +293,29 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
             # more, together, within what is then free.
             torch.cuda.empty_cache()
             rank.forward(*args)
+        _planned.setdefault(key, set()).add(problem)
     return y if y.shape == original_shape else y.view(original_shape)
+
+
+def _gather_states(dist, group, world: int, failed: Optional[BaseException], unique_id=None) -> list:
+    """Every rank's (state, unique id): state None where that rank is ready, else its error's
+    text. Raises this rank's own error `failed` once everyone has heard of it, and a
+    RuntimeError naming the others' where only they failed."""
+    state = None if failed is None else f"{type(failed).__name__}: {failed}"
+    everyone = [None] * world
+    # On the group's own device kind (the current CUDA device for NCCL; the CPU for gloo).
+    dist.all_gather_object(everyone, (state, unique_id), group=group)
+    if failed is not None:
+        raise failed
+    others = [f"rank {r}: {s}" for r, (s, _) in enumerate(everyone) if s is not None]
+    if others:
+        raise RuntimeError(f"the sharded call did not start: {'; '.join(others)}")
+    return everyone
+
+
+def _all_ready(dist, group, world: int, failed: Optional[BaseException]) -> None:
+    """Raises on every rank if any rank failed before a call that waits for all of them."""
+    _gather_states(dist, group, world, failed)
 
 
 def _join(dist, group, world: int, me: int, index: int, failed: Optional[BaseException]):
@@ -291,21 +323,13 @@ def _join(dist, group, world: int, me: int, index: int, failed: Optional[BaseExc
     the group carries every rank's state (`failed`: what went wrong here) and, from group rank 0,
     a fresh NCCL unique id; if any rank failed, every rank raises (this one its own error)
     instead of some waiting in the join for ranks that will not come."""
-    state = None if failed is None else f"{type(failed).__name__}: {failed}"
     unique_id = None
     if me == 0 and failed is None:
         try:
             unique_id = bytes(_trimul.nccl_unique_id())
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised here below
-            failed, state = e, f"{type(e).__name__}: {e}"
-    everyone = [None] * world
-    # On the group's own device kind (the current CUDA device, `index`, for NCCL; the CPU for gloo).
-    dist.all_gather_object(everyone, (state, unique_id), group=group)
-    if failed is not None:
-        raise failed
-    others = [f"rank {r}: {s}" for r, (s, _) in enumerate(everyone) if s is not None]
-    if others:
-        raise RuntimeError(f"the sharded call did not start: {'; '.join(others)}")
+            failed = e
+    everyone = _gather_states(dist, group, world, failed, unique_id)
     rank = _ranks[_key(dist, group, index)] = _trimul.CudaShardedRank(everyone[0][1], world, me, index)
     rank.set_poison(_poison)
     return rank
