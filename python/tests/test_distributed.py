@@ -71,6 +71,30 @@ def test_a_rank_that_failed_before_a_waiting_call_raises_its_own_error(one_rank_
         tmd._gather_states(dist, None, 1, MemoryError("no room"))
 
 
+def _ready_worker(rank: int, store: str, out: str) -> None:
+    """One of two CPU ranks (gloo): rank 1 failed before a call that waits for every rank."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        failed = MemoryError("no room for the weights") if rank == 1 else None
+        tmd._gather_states(dist, None, 2, failed)
+        result = "returned"
+    except Exception as e:  # noqa: BLE001 - written for the test to judge
+        result = f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(result)
+
+
+def test_two_ranks_hear_of_a_failure_before_a_waiting_call(tmp_path):
+    # Two CPU processes: the rank that failed raises its own error, the other a RuntimeError
+    # naming it, and neither waits for the other.
+    torch.multiprocessing.spawn(_ready_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    results = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert results[1] == "MemoryError: no room for the weights", results
+    assert results[0].startswith("RuntimeError: the sharded call did not start: rank 1: MemoryError"), results
+
+
 def _call(x, mask=None, world=2, me=0, precision=None, **w):
     """The sharded path's checks as rank `me` of `world` would make them (no exchange is reached:
     every case raises first)."""

@@ -267,7 +267,7 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
             if rank is None:
                 rank = _join(dist, group, world, me, index, failed)
             else:
-                _all_ready(dist, group, world, failed)
+                _gather_states(dist, group, world, failed)
         y = torch.empty_like(x4)
         args = (
             entry.layer,
@@ -311,11 +311,6 @@ def _gather_states(dist, group, world: int, failed: Optional[BaseException], uni
     if others:
         raise RuntimeError(f"the sharded call did not start: {'; '.join(others)}")
     return everyone
-
-
-def _all_ready(dist, group, world: int, failed: Optional[BaseException]) -> None:
-    """Raises on every rank if any rank failed before a call that waits for all of them."""
-    _gather_states(dist, group, world, failed)
 
 
 def _join(dist, group, world: int, me: int, index: int, failed: Optional[BaseException]):
