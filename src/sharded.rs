@@ -116,7 +116,8 @@ impl ShardedRank {
             let mine = mine?;
             if failed != 0 {
                 return Err(Error::InvalidArgument(format!(
-                    "another rank could not plan its workspace of this problem (that rank raised the reason);                      no rank runs it (rank {rank} had {} free for it)",
+                    "another rank could not plan its workspace of this problem (that rank raised the reason); \
+                     no rank runs it (rank {rank} had {} free for it)",
                     crate::units::fmt_bytes(mine)
                 )));
             }
@@ -142,7 +143,8 @@ impl ShardedRank {
         Ok(([all[2], all[3]], [all[4], all[5]]))
     }
 
-    /// The plan of this rank's part of `problem` (planned now if it has not run yet).
+    /// The plan of this rank's part of `problem` (planned now if it has not run yet: then, as a
+    /// forward's, a collective call every rank makes).
     pub fn plan_for(&mut self, layer: &Layer<CudaBackend>, problem: &Problem) -> Result<&RankPlan> {
         self.check_layer(layer)?;
         let i = self.workspace_for(layer.prepared(), problem, true)?;
