@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUstream;
 use rayon::prelude::*;
 
-use crate::backend::cuda::{CudaBackend, CudaPrepared, DeviceBuffer, EventPair, ShardWorkspace};
+use crate::backend::cuda::{
+    min_max_over_ranks, CudaBackend, CudaPrepared, DeviceBuffer, EventPair, ShardWorkspace, AGREE,
+};
 use crate::backend::Backend;
 use crate::collective::Communicator;
 use crate::device_io::{HostWords, HostWordsMut};
@@ -39,13 +41,10 @@ pub struct ShardedRank {
     workspaces: Vec<ShardWorkspace>,
     /// The workspace of the last forward enqueued: the next forward waits for it.
     last: Option<usize>,
-    /// Room for the ranks' agreement on a new workspace's budget: 3 × [`AGREE`] u64.
+    /// Room for the ranks' agreement on a new workspace's budget (its minimum) and whether any
+    /// rank failed to plan it (the maximum): 3 × [`AGREE`] u64.
     agree: DeviceBuffer<u64>,
 }
-
-/// What the ranks agree on before planning a workspace: the budget (its minimum) and whether
-/// any rank failed (its maximum).
-const AGREE: usize = 2;
 
 impl ShardedRank {
     /// The rank of `comm` on the GPU the communicator is bound to, each workspace planned to
@@ -112,7 +111,10 @@ impl ShardedRank {
         let (rank, ranks) = (self.comm.rank(), self.comm.ranks());
         let mine = self.backend.shard_budget(prepared, problem, ranks, self.options);
         let budget = if agree {
-            let ([budget, _], [_, failed]) = self.min_max([*mine.as_ref().unwrap_or(&0), u64::from(mine.is_err())])?;
+            let values = [*mine.as_ref().unwrap_or(&0), u64::from(mine.is_err())];
+            self.backend.bind_to_thread()?;
+            let ([budget, _], [_, failed]) =
+                min_max_over_ranks(&mut self.comm, &mut self.agree, values, self.backend.stream())?;
             let mine = mine?;
             if failed != 0 {
                 return Err(Error::InvalidArgument(format!(
@@ -128,19 +130,6 @@ impl ShardedRank {
         let ws = self.backend.shard_workspace_within(prepared, problem, rank, ranks, self.options, budget)?;
         self.workspaces.push(ws);
         Ok(self.workspaces.len() - 1)
-    }
-
-    /// Every rank's `values`, reduced to their minimum and their maximum (waits for it).
-    fn min_max(&mut self, values: [u64; AGREE]) -> Result<([u64; AGREE], [u64; AGREE])> {
-        let stream = self.backend.stream();
-        self.backend.bind_to_thread()?;
-        self.agree.upload(&[values, [0; AGREE], [0; AGREE]].concat(), stream)?;
-        let at = |k: u64| self.agree.ptr() + k * (AGREE * 8) as u64;
-        // SAFETY: three runs of AGREE u64 inside `self.agree`, waited for by the download.
-        unsafe { self.comm.min_max_u64(at(0), at(1), at(2), AGREE, stream)? };
-        let mut all = [0u64; 3 * AGREE];
-        self.agree.download(&mut all, stream)?;
-        Ok(([all[2], all[3]], [all[4], all[5]]))
     }
 
     /// The plan of this rank's part of `problem` (planned now if it has not run yet: then, as a
@@ -211,12 +200,7 @@ impl ShardedRank {
         stream: CUstream,
         agree: bool,
     ) -> Result<()> {
-        if self.comm.is_aborted() {
-            return Err(Error::InvalidArgument(format!(
-                "rank {}'s communicator was aborted after an earlier failure; make a new one",
-                self.comm.rank()
-            )));
-        }
+        self.comm.check_live()?;
         problem.validate()?;
         let i = self.workspace_for(prepared, problem, agree)?;
         self.backend.bind_to_thread()?;

@@ -146,9 +146,7 @@ impl Communicator {
     /// An error NCCL met on this communicator while its operations ran (`ncclCommGetAsyncError`:
     /// a peer's connection lost, a remote failure), or that it was aborted; `Ok` while neither.
     pub fn async_error(&self) -> Result<()> {
-        if self.aborted {
-            return Err(self.aborted_error());
-        }
+        self.check_live()?;
         let mut state = sys::ncclResult_t::ncclSuccess;
         // SAFETY: a live communicator and a place for the result.
         let call = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
@@ -246,9 +244,7 @@ impl Communicator {
         count: usize,
         stream: CUstream,
     ) -> Result<()> {
-        if self.aborted {
-            return Err(self.aborted_error());
-        }
+        self.check_live()?;
         nc::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
         let mut first_err = None;
         for (out, op) in [(min, sys::ncclRedOp_t::ncclMin), (max, sys::ncclRedOp_t::ncclMax)] {
@@ -275,11 +271,15 @@ impl Communicator {
         }
     }
 
-    fn aborted_error(&self) -> Error {
-        Error::InvalidArgument(format!(
-            "rank {}'s communicator was aborted after an earlier failure; make a new one",
-            self.rank
-        ))
+    /// An error once [`Communicator::abort`] was called: nothing may be enqueued on it then.
+    pub(crate) fn check_live(&self) -> Result<()> {
+        if self.aborted {
+            return Err(Error::InvalidArgument(format!(
+                "rank {}'s communicator was aborted after an earlier failure; make a new one",
+                self.rank
+            )));
+        }
+        Ok(())
     }
 
     fn grouped(
@@ -288,9 +288,7 @@ impl Communicator {
         transfers: &[Transfer],
         mut op: impl FnMut(sys::ncclComm_t, &Transfer) -> std::result::Result<nc::NcclStatus, nc::NcclError>,
     ) -> Result<()> {
-        if self.aborted {
-            return Err(self.aborted_error());
-        }
+        self.check_live()?;
         if let Some(t) = transfers.iter().find(|t| t.root >= self.ranks) {
             return Err(Error::Internal(format!("{call} from rank {} of {} ranks", t.root, self.ranks)));
         }

@@ -44,6 +44,7 @@ mod workspace;
 pub use context::{CudaBackend, OutputGate};
 use context::{Inner, MAX_GEMM_WORKSPACE};
 pub use shard::ShardWorkspace;
+pub(crate) use shard::{min_max_over_ranks, AGREE};
 pub use tuning::{Tuning, TuningEntry, TuningTable};
 use workspace::{BlasInput, FusedInput, Layout};
 pub use workspace::{CudaPrepared, CudaWorkspace};

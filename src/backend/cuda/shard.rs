@@ -92,9 +92,29 @@ pub struct ShardWorkspace {
     agree: DeviceBuffer<u64>,
 }
 
-/// What the ranks' plans must agree on (the exchanges pair up call by call): the pass width and
-/// the exchange step.
-const AGREE: usize = 2;
+/// How many u64 the ranks reduce when they agree on something: a plan's pass width and
+/// exchange step (the exchanges pair up call by call), or a new workspace's budget and whether
+/// any rank failed to plan it. [`min_max_over_ranks`] takes a buffer of 3 × `AGREE`.
+pub(crate) const AGREE: usize = 2;
+
+/// Every rank's `values`, reduced to their element-wise minimum and maximum through `buf` (3 ×
+/// [`AGREE`] u64 on this rank's device) on `stream`, waited for: a collective call that every
+/// rank of `comm` makes.
+pub(crate) fn min_max_over_ranks(
+    comm: &mut Communicator,
+    buf: &mut DeviceBuffer<u64>,
+    values: [u64; AGREE],
+    stream: CUstream,
+) -> Result<([u64; AGREE], [u64; AGREE])> {
+    buf.upload(&[values, [0; AGREE], [0; AGREE]].concat(), stream)?;
+    let at = |k: u64| buf.ptr() + k * (AGREE * 8) as u64;
+    // SAFETY: three runs of AGREE u64 inside `buf`, waited for by the download.
+    unsafe { comm.min_max_u64(at(0), at(1), at(2), AGREE, stream)? };
+    let mut all = [0u64; 3 * AGREE];
+    buf.download(&mut all, stream)?;
+    let run = |k: usize| -> [u64; AGREE] { std::array::from_fn(|i| all[k * AGREE + i]) };
+    Ok((run(1), run(2)))
+}
 
 // SAFETY: the events are plain driver handles usable from any thread with the context bound;
 // every method that records or waits on them takes `&mut self`.
@@ -352,12 +372,7 @@ impl CudaBackend {
         launched: &mut bool,
     ) -> Result<()> {
         let problem = ws.problem;
-        if comm.is_aborted() {
-            return Err(Error::InvalidArgument(format!(
-                "rank {}'s communicator was aborted after an earlier failure; make a new layer",
-                comm.rank()
-            )));
-        }
+        comm.check_live()?;
         // Any prepared weights of the problem's configuration: the workspace depends on the
         // problem only, so the layers of a model share one per shape.
         check_prepared_for(&prep.config, &problem)?;
@@ -419,20 +434,12 @@ impl CudaBackend {
             // Every rank's pass width and step, reduced to their minimum and maximum: equal on
             // every rank exactly when the plans agree, so every rank gets the same answer.
             let mine = [ws.plan.pass as u64, ws.plan.chunk as u64];
-            ws.agree.upload(&[mine, [0; AGREE], [0; AGREE]].concat(), stream)?;
-            let at = |k: u64| ws.agree.ptr() + k * (AGREE * 8) as u64;
-            // SAFETY: three runs of AGREE u64 inside `ws.agree`, waited for below.
-            unsafe { comm.min_max_u64(at(0), at(1), at(2), AGREE, stream)? };
-            let mut all = [0u64; 3 * AGREE];
-            ws.agree.download(&mut all, stream)?;
-            if all[AGREE..2 * AGREE] != all[2 * AGREE..] {
+            let (min, max) = min_max_over_ranks(comm, &mut ws.agree, mine, stream)?;
+            if min != max {
                 return Err(Error::InvalidArgument(format!(
                     "the ranks planned different passes (from {} to {} channels; exchange steps of {} to {} \
                      matrices): give every rank the same ShardOptions (hidden_pass, chunk_matrices)",
-                    all[AGREE],
-                    all[2 * AGREE],
-                    all[AGREE + 1],
-                    all[2 * AGREE + 1]
+                    min[0], max[0], min[1], max[1]
                 )));
             }
             ws.agreed = true;
