@@ -69,6 +69,17 @@ def parse_precision(precision: Any) -> str:
     raise TypeError(f"precision must be None, a string or an int, got {type(precision).__name__}")
 
 
+def refuse_f32_on_gpu(mode: str, precision: Any) -> None:
+    """The ValueError for a `precision` asking for f32 accuracy or range (FP32, TF32) on a GPU,
+    whose path keeps f16 intermediates; nothing for the other modes."""
+    if mode in (FP32, TF32):
+        raise ValueError(
+            f"precision={precision!r} asks for {'f32' if mode == FP32 else 'TF32 (f32 exponent range)'} "
+            "accuracy, which trimul computes on the CPU only; its GPU path keeps f16 intermediates (10-bit "
+            "mantissa, values up to 65504): use precision=None"
+        )
+
+
 def check_direction(direction: Any) -> str:
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be either 'outgoing' or 'incoming', got {direction!r}")

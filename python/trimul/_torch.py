@@ -796,12 +796,8 @@ def update(x, direction, mask, weights: dict, eps, precision) -> Tensor:
         raise TypeError(f"x must be a torch.Tensor or a numpy.ndarray, got {type(x).__name__}")
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor like x, got {type(mask).__name__}")
-    if mode in (_args.FP32, _args.TF32) and x.device.type != "cpu":
-        raise ValueError(
-            f"precision={precision!r} asks for {'f32' if mode == _args.FP32 else 'TF32 (f32 exponent range)'} "
-            "accuracy, which trimul computes on the CPU only; its GPU path keeps f16 intermediates (10-bit "
-            "mantissa, values up to 65504): use precision=None"
-        )
+    if x.device.type != "cpu":
+        _args.refuse_f32_on_gpu(mode, precision)
     if _forward_ad._current_level >= 0 and _has_tangent([x, mask, *weights.values()]):
         raise NotImplementedError(
             "trimul's op has no forward-mode derivative (jvp); use reverse-mode autograd, which it supports"

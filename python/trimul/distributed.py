@@ -199,11 +199,7 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
             "the sharded forward runs on NVIDIA GPUs through NCCL; RCCL (AMD) is not wired yet: "
             "use trimul.triangle_multiplicative_update on each GPU's whole tensor"
         )
-    if mode in (_args.FP32, _args.TF32):
-        raise ValueError(
-            f"precision={precision!r} asks for f32 accuracy, which trimul computes on the CPU only; its GPU "
-            "path keeps f16 intermediates (10-bit mantissa, values up to 65504): use precision=None"
-        )
+    _args.refuse_f32_on_gpu(mode, precision)
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor like x, got {type(mask).__name__}")
     w = [weights[n] for n in _args.AF3_WEIGHTS]
