@@ -180,26 +180,12 @@ fn ranks_joined_by_unique_id_match_one_gpu() {
     let mut rng = Rng::new(seed() ^ 0x1D);
     let x = rng.normal_vec(p.x_len(), 1.0);
     let mask = rng.mask_vec(p.mask_len());
-    let id = trimul::collective::Communicator::unique_id().unwrap();
-    assert_eq!(id.len(), 128);
     let (n, c) = (p.shape.n, p.config.c);
-    let parts: Vec<(std::ops::Range<usize>, Vec<f32>)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..2)
-            .map(|rank| {
-                let (id, weights, x, mask) = (&id, &weights, &x, &mask);
-                s.spawn(move || {
-                    let comm = trimul::collective::Communicator::join(id, 2, rank, rank).unwrap();
-                    let mut layer = trimul::sharded::ShardedLayer::new(weights, &p, comm).unwrap();
-                    let rows = layer.rows();
-                    layer
-                        .upload(&x[rows.start * n * c..rows.end * n * c], Some(&mask[rows.start * n..rows.end * n]))
-                        .unwrap();
-                    layer.forward_uploaded().unwrap();
-                    (rows, layer.download().unwrap())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let parts = on_two_joined_ranks(|comm| {
+        let mut layer = trimul::sharded::ShardedLayer::new(&weights, &p, comm).unwrap();
+        upload_rows(&mut layer, &x, &mask);
+        layer.forward_uploaded().unwrap();
+        (layer.rows(), layer.download().unwrap())
     });
     let mut layer = Layer::new(&one, &weights, Options::new(p.direction)).unwrap();
     let mut want = vec![f32::NAN; x.len()];
@@ -210,6 +196,8 @@ fn ranks_joined_by_unique_id_match_one_gpu() {
         assert_eq!(cmp.bad, 0, "rows {rows:?}: differs from the one-GPU forward: {cmp}");
     }
     // A wrong id length is an error, not a crash.
+    let id = trimul::collective::Communicator::unique_id().unwrap();
+    assert_eq!(id.len(), 128);
     assert!(trimul::collective::Communicator::join(&id[..10], 2, 0, 0).is_err());
 }
 
@@ -252,27 +240,13 @@ fn ranks_that_planned_differently_refuse_together() {
     let mut rng = Rng::new(seed() ^ 0xD1F);
     let x = rng.normal_vec(p.x_len(), 1.0);
     let mask = rng.mask_vec(p.mask_len());
-    let id = trimul::collective::Communicator::unique_id().unwrap();
-    let (n, c) = (p.shape.n, p.config.c);
-    let errors: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = [32, 64]
-            .into_iter()
-            .enumerate()
-            .map(|(rank, pass)| {
-                let (id, weights, x, mask) = (&id, &weights, &x, &mask);
-                s.spawn(move || {
-                    let comm = trimul::collective::Communicator::join(id, 2, rank, rank).unwrap();
-                    let options = ShardOptions { hidden_pass: Some(pass), ..ShardOptions::default() };
-                    let mut layer = trimul::sharded::ShardedLayer::with_options(weights, &p, comm, options).unwrap();
-                    let rows = layer.rows();
-                    layer
-                        .upload(&x[rows.start * n * c..rows.end * n * c], Some(&mask[rows.start * n..rows.end * n]))
-                        .unwrap();
-                    layer.forward_uploaded().unwrap_err().to_string()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let errors = on_two_joined_ranks(|comm| {
+        // Rank 0 plans passes of 32 channels, rank 1 of 64.
+        let pass = 32 << comm.rank();
+        let options = ShardOptions { hidden_pass: Some(pass), ..ShardOptions::default() };
+        let mut layer = trimul::sharded::ShardedLayer::with_options(&weights, &p, comm, options).unwrap();
+        upload_rows(&mut layer, &x, &mask);
+        layer.forward_uploaded().unwrap_err().to_string()
     });
     for e in errors {
         assert!(e.contains("planned different passes (from 32 to 64 channels"), "{e}");
@@ -301,84 +275,68 @@ fn one_rank_serves_several_layers_and_shapes() {
             (Weights::random(p.config, true, *seed).unwrap(), x, rng.mask_vec(p.mask_len()))
         })
         .collect();
-    let comms = trimul::collective::Communicator::for_local_gpus(&[0, 1]).unwrap();
-    let parts: Vec<Vec<(std::ops::Range<usize>, Vec<f32>)>> = std::thread::scope(|sc| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let (cases, inputs) = (&cases, &inputs);
-                sc.spawn(move || {
-                    let mut rank = trimul::sharded::ShardedRank::new(comm).unwrap();
-                    let gpu = rank.backend().clone();
-                    let mut out = Vec::new();
-                    // Every case's rows uploaded first, then the three forwards enqueued back to
-                    // back with no wait between them, the second on the legacy default stream
-                    // (the others on the backend's): the rank orders them across workspaces and
-                    // streams. Then one wait, and the downloads.
-                    let mut staged = Vec::new();
-                    for ((p, _), (weights, x, mask)) in cases.iter().zip(inputs) {
-                        let layer = Layer::new(&gpu, weights, Options::new(p.direction)).unwrap();
-                        let rows = rank.rows(p.shape.n).unwrap();
-                        let (n, c) = (p.shape.n, p.config.c);
-                        // The rank's rows of every batch, one batch after another.
-                        let pick = |v: &[f32], width: usize| -> Vec<f32> {
-                            (0..p.shape.batch)
-                                .flat_map(|b| {
-                                    v[(b * n + rows.start) * n * width..(b * n + rows.end) * n * width].to_vec()
-                                })
-                                .collect()
-                        };
-                        let xs = pick(x, c);
-                        let xb: Vec<u8> = match p.io {
-                            Precision::F32Io => xs.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                            _ => xs.iter().flat_map(|&v| p.io.encode_half(v).to_le_bytes()).collect(),
-                        };
-                        let mb: Vec<u8> = pick(mask, 1).iter().flat_map(|v| v.to_le_bytes()).collect();
-                        let mut xd = gpu.alloc_buffer::<u8>(xb.len()).unwrap();
-                        let mut md = gpu.alloc_buffer::<u8>(mb.len()).unwrap();
-                        let yd = gpu.alloc_buffer::<u8>(xb.len()).unwrap();
-                        gpu.upload_bytes(&xb, &mut xd).unwrap();
-                        gpu.upload_bytes(&mb, &mut md).unwrap();
-                        staged.push((layer, rows, xd, md, yd));
-                    }
-                    let mut bytes_after = Vec::new();
-                    for (i, ((p, _), (layer, _, xd, md, yd))) in cases.iter().zip(&staged).enumerate() {
-                        let problem = layer.problem(p.shape, true).unwrap().with_io(p.io);
-                        let stream = if i == 1 { 0 } else { gpu.stream() as u64 };
-                        // SAFETY: the buffers hold the rank's rows and outlive the forward
-                        // (waited for below).
-                        unsafe { rank.forward_layer(layer, &problem, xd.ptr(), md.ptr(), yd.ptr(), stream) }.unwrap();
-                        bytes_after.push(rank.workspace_bytes());
-                    }
-                    rank.wait(std::time::Duration::from_secs(60)).unwrap();
-                    for ((p, _), (_, rows, xd, _, yd)) in cases.iter().zip(&staged) {
-                        let mut yb = vec![0u8; xd.len()];
-                        gpu.download_bytes(yd, &mut yb).unwrap();
-                        let y: Vec<f32> = match p.io {
-                            Precision::F32Io => {
-                                yb.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-                            }
-                            _ => {
-                                yb.chunks_exact(2).map(|b| p.io.decode_half(u16::from_le_bytes([b[0], b[1]]))).collect()
-                            }
-                        };
-                        out.push((rows.clone(), y));
-                    }
-                    // The third case's shape ran first: its layer took that workspace.
-                    assert_eq!(bytes_after[1], bytes_after[2], "a shape run before planned a second workspace");
-                    // A layer of the other direction is refused, not run as this problem's.
-                    let (p, _) = &cases[0];
-                    let other = Layer::new(&gpu, &inputs[0].0, Options::new(Direction::Incoming)).unwrap();
-                    // SAFETY: refused before any launch.
-                    let err = unsafe { rank.forward_layer(&other, p, 16, 0, 32, 0) }.unwrap_err().to_string();
-                    assert!(err.contains("direction"), "{err}");
-                    rank.release_workspaces(std::time::Duration::from_secs(60)).unwrap();
-                    assert_eq!(rank.workspace_bytes(), 0);
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let parts = on_two_joined_ranks(|comm| {
+        let mut rank = trimul::sharded::ShardedRank::new(comm).unwrap();
+        let gpu = rank.backend().clone();
+        let mut out = Vec::new();
+        // Every case's rows uploaded first, then the three forwards enqueued back to
+        // back with no wait between them, the second on the legacy default stream
+        // (the others on the backend's): the rank orders them across workspaces and
+        // streams. Then one wait, and the downloads.
+        let mut staged = Vec::new();
+        for ((p, _), (weights, x, mask)) in cases.iter().zip(&inputs) {
+            let layer = Layer::new(&gpu, weights, Options::new(p.direction)).unwrap();
+            let rows = rank.rows(p.shape.n).unwrap();
+            let (n, c) = (p.shape.n, p.config.c);
+            // The rank's rows of every batch, one batch after another.
+            let pick = |v: &[f32], width: usize| -> Vec<f32> {
+                (0..p.shape.batch)
+                    .flat_map(|b| v[(b * n + rows.start) * n * width..(b * n + rows.end) * n * width].to_vec())
+                    .collect()
+            };
+            let xs = pick(x, c);
+            let xb: Vec<u8> = match p.io {
+                Precision::F32Io => xs.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                _ => xs.iter().flat_map(|&v| p.io.encode_half(v).to_le_bytes()).collect(),
+            };
+            let mb: Vec<u8> = pick(mask, 1).iter().flat_map(|v| v.to_le_bytes()).collect();
+            let mut xd = gpu.alloc_buffer::<u8>(xb.len()).unwrap();
+            let mut md = gpu.alloc_buffer::<u8>(mb.len()).unwrap();
+            let yd = gpu.alloc_buffer::<u8>(xb.len()).unwrap();
+            gpu.upload_bytes(&xb, &mut xd).unwrap();
+            gpu.upload_bytes(&mb, &mut md).unwrap();
+            staged.push((layer, rows, xd, md, yd));
+        }
+        let mut bytes_after = Vec::new();
+        for (i, ((p, _), (layer, _, xd, md, yd))) in cases.iter().zip(&staged).enumerate() {
+            let problem = layer.problem(p.shape, true).unwrap().with_io(p.io);
+            let stream = if i == 1 { 0 } else { gpu.stream() as u64 };
+            // SAFETY: the buffers hold the rank's rows and outlive the forward
+            // (waited for below).
+            unsafe { rank.forward_layer(layer, &problem, xd.ptr(), md.ptr(), yd.ptr(), stream) }.unwrap();
+            bytes_after.push(rank.workspace_bytes());
+        }
+        rank.wait(std::time::Duration::from_secs(60)).unwrap();
+        for ((p, _), (_, rows, xd, _, yd)) in cases.iter().zip(&staged) {
+            let mut yb = vec![0u8; xd.len()];
+            gpu.download_bytes(yd, &mut yb).unwrap();
+            let y: Vec<f32> = match p.io {
+                Precision::F32Io => yb.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+                _ => yb.chunks_exact(2).map(|b| p.io.decode_half(u16::from_le_bytes([b[0], b[1]]))).collect(),
+            };
+            out.push((rows.clone(), y));
+        }
+        // The third case's shape ran first: its layer took that workspace.
+        assert_eq!(bytes_after[1], bytes_after[2], "a shape run before planned a second workspace");
+        // A layer of the other direction is refused, not run as this problem's.
+        let (p, _) = &cases[0];
+        let other = Layer::new(&gpu, &inputs[0].0, Options::new(Direction::Incoming)).unwrap();
+        // SAFETY: refused before any launch.
+        let err = unsafe { rank.forward_layer(&other, p, 16, 0, 32, 0) }.unwrap_err().to_string();
+        assert!(err.contains("direction"), "{err}");
+        rank.release_workspaces(std::time::Duration::from_secs(60)).unwrap();
+        assert_eq!(rank.workspace_bytes(), 0);
+        out
     });
     for (i, ((p, _), (weights, x, mask))) in cases.iter().zip(&inputs).enumerate() {
         let mut layer = Layer::new(&one, weights, Options::new(p.direction)).unwrap();
@@ -405,4 +363,27 @@ fn one_rank_serves_several_layers_and_shapes() {
             assert_eq!(cmp.bad, 0, "case {i}, rows {rows:?}: differs from the one-GPU forward: {cmp}");
         }
     }
+}
+
+/// Runs `work` on ranks 0 and 1 at once, one thread each (rank r on GPU r), each with its
+/// communicator joined from one unique id as ranks in separate processes join; the ranks'
+/// results in rank order.
+fn on_two_joined_ranks<T: Send>(work: impl Fn(trimul::collective::Communicator) -> T + Sync) -> Vec<T> {
+    let id = trimul::collective::Communicator::unique_id().unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (id, work) = (&id, &work);
+                s.spawn(move || work(trimul::collective::Communicator::join(id, 2, rank, rank).unwrap()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Uploads the layer's rows of the whole `x` and `mask` (B = 1).
+fn upload_rows(layer: &mut trimul::sharded::ShardedLayer, x: &[f32], mask: &[f32]) {
+    let (rows, p) = (layer.rows(), *layer.problem());
+    let (n, c) = (p.shape.n, p.config.c);
+    layer.upload(&x[rows.start * n * c..rows.end * n * c], Some(&mask[rows.start * n..rows.end * n])).unwrap();
 }
