@@ -127,7 +127,28 @@ fn layer(device: &Device, weights: &Weights, direction: Direction) -> TriMul {
 }
 
 fn weights(case: &Case, f: Formulation, biases: bool, seed: u64) -> Weights {
-    Weights::random(case.config(f).expect("valid config"), biases, seed).expect("random weights")
+    let mut w = Weights::random(case.config(f).expect("valid config"), biases, seed).expect("random weights");
+    if case.c == 1 && case.h == 1 {
+        without_cancellation(&mut w);
+    }
+    w
+}
+
+/// At C = H = 1 both LayerNorms output their bias β, so y is one number at every position, for
+/// af3 `σ(w_g·β_in + b_g)·(w_p·β_out + b_p)`. Where a bias nearly cancels its product, the 16-bit
+/// rounding of β and w (about 2⁻⁹ relative, by design on the GPUs) is amplified without bound in
+/// that number: TRIMUL_TEST_SEED=8351379529235391017 drew 2.171 − 2.107 and a 1.7% error, inside
+/// GPU MODE's rule but past the relative-L2 bound, which exists to catch systematic errors of a
+/// sum of many terms. Giving each bias its product's sign keeps the sums well conditioned, so the
+/// bound still tests that width one is computed right.
+fn without_cancellation(w: &mut Weights) {
+    let (beta_in, beta_out) = (w.norm_in.bias[0], w.norm_out.bias[0]);
+    for (linear, input) in [(&mut w.out_gate, beta_in), (&mut w.out_proj, beta_out)] {
+        let product = linear.weight[0] * input;
+        if let Some(b) = &mut linear.bias {
+            b[0] = b[0].abs().copysign(product);
+        }
+    }
 }
 
 fn problem(case: &Case, f: Formulation, d: Direction) -> Problem {
