@@ -4,8 +4,10 @@
 #![cfg(feature = "cuda")]
 
 use std::io::Write;
+use std::time::{Duration, Instant};
 
 use trimul::backend::cuda::CudaBackend;
+use trimul::collective::Communicator;
 use trimul::plan::shard::ShardOptions;
 use trimul::rand::Rng;
 use trimul::reference;
@@ -363,6 +365,75 @@ fn one_rank_serves_several_layers_and_shapes() {
             assert_eq!(cmp.bad, 0, "case {i}, rows {rows:?}: differs from the one-GPU forward: {cmp}");
         }
     }
+}
+
+/// A join whose other ranks never come (their process died before joining, or they were given
+/// another unique id) fails after its timeout with an error that says so, instead of waiting
+/// forever. Needs one GPU.
+#[test]
+fn a_join_without_its_peers_times_out() {
+    let why = match (CudaBackend::new(0), trimul::collective::nccl_version()) {
+        (Ok(_), Ok(_)) => None,
+        (Err(e), _) | (_, Err(e)) => Some(e),
+    };
+    if let Some(why) = why {
+        assert!(std::env::var_os("TRIMUL_REQUIRE_DEVICE").is_none(), "a CUDA GPU and NCCL required: {why}");
+        let _ = writeln!(std::io::stderr(), "SKIPPED: joining a communicator needs a CUDA GPU and NCCL: {why}");
+        return;
+    }
+    let id = Communicator::unique_id().unwrap();
+    let start = Instant::now();
+    let err = Communicator::join_within(&id, 2, 0, 0, Duration::from_secs(2)).err().expect("joined alone").to_string();
+    let took = start.elapsed();
+    assert!(err.contains("did not join within 2.0 s"), "{err}");
+    assert!((Duration::from_secs(2)..Duration::from_secs(30)).contains(&took), "the join returned after {took:?}");
+}
+
+/// A peer that joined and then went away before the first exchange (its process died): this
+/// rank's first exchange cannot reach it, and the forward fails within the communicator's
+/// timeout (or its wait's), instead of waiting forever; dropping the rank does not hang.
+#[test]
+fn a_peer_gone_before_the_first_exchange_is_an_error_not_a_hang() {
+    let Some(_one) = two_gpus() else { return };
+    let p = problem(Formulation::Af3, Direction::Outgoing, 1, 64, Precision::Bf16Io);
+    let weights = Weights::random(p.config, true, seed()).unwrap();
+    let id = Communicator::unique_id().unwrap();
+    let timeout = Duration::from_secs(5);
+    let outcome = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (id, weights) = (&id, &weights);
+                s.spawn(move || {
+                    let mut comm = Communicator::join_within(id, 2, rank, rank, timeout).unwrap();
+                    if rank == 1 {
+                        comm.abort();
+                        return None;
+                    }
+                    let mut sharded = trimul::sharded::ShardedRank::new(comm).unwrap();
+                    let gpu = sharded.backend().clone();
+                    let layer = Layer::new(&gpu, weights, Options::new(p.direction)).unwrap();
+                    let problem = layer.problem(p.shape, false).unwrap().with_io(p.io);
+                    let rows = sharded.rows(p.shape.n).unwrap();
+                    let bytes = rows.len() * p.shape.n * p.config.c * 2;
+                    let (x, y) = (gpu.alloc_buffer::<u8>(bytes).unwrap(), gpu.alloc_buffer::<u8>(bytes).unwrap());
+                    let start = Instant::now();
+                    // SAFETY: x and y hold the rank's rows and outlive the forward (waited for, or
+                    // its communicator aborted, before they are freed).
+                    let done =
+                        unsafe { sharded.forward_layer(&layer, &problem, x.ptr(), 0, y.ptr(), gpu.stream() as u64) }
+                            .and_then(|()| sharded.wait(timeout));
+                    let result = (done.map_err(|e| e.to_string()), start.elapsed());
+                    drop(sharded);
+                    Some(result)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).next().flatten()
+    });
+    let (result, took) = outcome.expect("rank 0's outcome");
+    let err = result.expect_err("a forward without its peer succeeded");
+    assert!(took < 3 * timeout, "the forward failed only after {took:?}: {err}");
+    let _ = writeln!(std::io::stderr(), "rank 0 after {took:?}: {err}");
 }
 
 /// Runs `work` on ranks 0 and 1 at once, one thread each (rank r on GPU r), each with its

@@ -709,10 +709,22 @@ impl CudaShardedRank {
 impl CudaShardedRank {
     /// Joins rank `rank` of `ranks` on CUDA device `device` to the communicator named by
     /// `unique_id` (`nccl_unique_id` on one rank, the same bytes on every rank): returns once
-    /// every rank has joined.
+    /// every rank has joined, or raises after `timeout_s` seconds without them (and when an
+    /// exchange cannot reach a peer in that time later).
     #[new]
-    fn new(py: Python<'_>, unique_id: Vec<u8>, ranks: usize, rank: usize, device: usize) -> PyResult<Self> {
-        let joined = py.detach(|| Communicator::join(&unique_id, ranks, rank, device).and_then(ShardedRank::new));
+    #[pyo3(signature = (unique_id, ranks, rank, device, timeout_s=600.0))]
+    fn new(
+        py: Python<'_>,
+        unique_id: Vec<u8>,
+        ranks: usize,
+        rank: usize,
+        device: usize,
+        timeout_s: f64,
+    ) -> PyResult<Self> {
+        let timeout = timeout(timeout_s)?;
+        let joined = py.detach(|| {
+            Communicator::join_within(&unique_id, ranks, rank, device, timeout).and_then(ShardedRank::new)
+        });
         Ok(CudaShardedRank { rank: Mutex::new(joined.map_err(to_py)?) })
     }
 

@@ -147,6 +147,18 @@ def test_bad_calls_raise_before_any_exchange(case, exc, message):
         _call(x, mask, precision=precision, **w)
 
 
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device")
+def test_a_join_without_its_peers_raises_after_its_timeout():
+    # Rank 0 of 2 with no rank 1 ever coming: the join gives up after its timeout (NCCL alone
+    # would wait forever) and says why. One GPU.
+    try:
+        unique_id = bytes(_trimul.nccl_unique_id())
+    except RuntimeError as e:
+        pytest.skip(f"NCCL is not loadable here: {e}")
+    with pytest.raises(RuntimeError, match=r"did not join within 2\.0 s"):
+        _trimul.CudaShardedRank(unique_id, 2, 0, 0, 2.0)
+
+
 @pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA GPUs")
 def test_two_gpus_match_the_f64_reference_and_one_gpu(tmp_path):
     env = {**os.environ, "TRIMUL_TEST_SEED": str(SEED), "NCCL_NVLS_ENABLE": "0"}

@@ -22,9 +22,10 @@ the same order (the exchanges pair up call by call), as for any collective. The 
 its work on the current stream and returns; nothing waits for it.
 
 What this path does not do yet: gradients (x and the weights must not require grad: run it under
-``torch.no_grad()``), CUDA-graph capture, ``torch.compile`` (it runs outside the graph), AMD GPUs
-(RCCL is not wired), and a deadline for a peer that never comes (NCCL waits for it forever;
-``wait`` gives one).
+``torch.no_grad()``), CUDA-graph capture, ``torch.compile`` (it runs outside the graph) and AMD GPUs
+(RCCL is not wired). A rank that never joins trimul's communicator, or cannot be reached at
+the first exchange, is an error after 600 s; one that stops once the exchanges run leaves them
+waiting on the GPU, and ``wait(timeout)`` is the deadline for that.
 """
 
 from __future__ import annotations

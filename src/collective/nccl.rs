@@ -2,6 +2,7 @@
 //! the grouped in-place broadcasts and reductions the sharded forward enqueues.
 
 use std::ffi::CStr;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUstream;
 use cudarc::nccl::{result as nc, sys};
@@ -45,6 +46,11 @@ pub struct Communicator {
     device: usize,
     /// Set by [`Communicator::abort`]: the handle is gone.
     aborted: bool,
+    /// For a communicator joined across processes ([`Communicator::join_within`]), which NCCL
+    /// runs non-blocking: how long its join, or the connections an exchange makes to its peers
+    /// on first use, may take before the peers count as lost. `None`: blocking (one process's
+    /// [`Communicator::for_local_gpus`], whose ranks cannot go missing).
+    timeout: Option<Duration>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as one thread at a time
@@ -84,6 +90,7 @@ impl Communicator {
                 ranks: devices.len(),
                 device: devices[rank],
                 aborted: false,
+                timeout: None,
             })
             .collect())
     }
@@ -97,10 +104,31 @@ impl Communicator {
         Ok(id.internal.iter().map(|&b| b as u8).collect())
     }
 
-    /// Rank `rank` of `ranks`, on CUDA device `device`, of the communicator named by
-    /// `unique_id` ([`Communicator::unique_id`]): `ncclCommInitRank`, which returns once every
-    /// rank has joined. Each rank calls it from its own thread or process.
+    /// How long [`Communicator::join`] waits for the other ranks: PyTorch's default for its own
+    /// NCCL process groups.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+    /// [`Communicator::join_within`] [`Communicator::DEFAULT_TIMEOUT`].
     pub fn join(unique_id: &[u8], ranks: usize, rank: usize, device: usize) -> Result<Communicator> {
+        Self::join_within(unique_id, ranks, rank, device, Self::DEFAULT_TIMEOUT)
+    }
+
+    /// Rank `rank` of `ranks`, on CUDA device `device`, of the communicator named by
+    /// `unique_id` ([`Communicator::unique_id`]); returns once every rank has joined. Each rank
+    /// calls it from its own thread or process.
+    ///
+    /// The communicator is NCCL's non-blocking kind (`ncclCommInitRankConfig`, `blocking = 0`):
+    /// where a rank never comes (its process died before joining, a wrong unique id or rank
+    /// count), this rank's join fails after `timeout` with an error naming it, and so does an
+    /// exchange whose first connection to a peer cannot be made in that time, instead of
+    /// waiting forever. The communicator is aborted then.
+    pub fn join_within(
+        unique_id: &[u8],
+        ranks: usize,
+        rank: usize,
+        device: usize,
+        timeout: Duration,
+    ) -> Result<Communicator> {
         let mut id = sys::ncclUniqueId { internal: [0; 128] };
         if unique_id.len() != id.internal.len() {
             return Err(Error::InvalidArgument(format!(
@@ -125,10 +153,77 @@ impl Communicator {
         let ctx = cudarc::driver::CudaContext::new(device)
             .map_err(|e| Error::driver(BackendKind::Cuda, "cuDevicePrimaryCtxRetain", format!("{e:?}")))?;
         ctx.bind_to_thread().map_err(|e| Error::driver(BackendKind::Cuda, "cuCtxSetCurrent", format!("{e:?}")))?;
+        let mut config = non_blocking_config()?;
         let mut comm = std::ptr::null_mut();
-        // SAFETY: `comm` receives the handle; `id` is a complete unique id passed by value.
-        unsafe { nc::comm_init_rank(&mut comm, n, id, r) }.map_err(|e| nccl_err("ncclCommInitRank", e))?;
-        Ok(Communicator { comm, rank, ranks, device, aborted: false })
+        // SAFETY: `comm` receives the handle; `id` is a complete unique id passed by value;
+        // `config` is a whole config of the version it states, read during the call.
+        let code = unsafe { sys::ncclCommInitRankConfig(&mut comm, n, id, r, &mut config) };
+        if let Err(e) = code.result() {
+            // A failed init leaves no communicator to free (NCCL frees it on its error path);
+            // a non-blocking one whose error shows later is aborted by `settle` below.
+            return Err(nccl_err("ncclCommInitRankConfig", e));
+        }
+        let mut joined = Communicator { comm, rank, ranks, device, aborted: false, timeout: Some(timeout) };
+        joined.settle("joining the communicator", || {
+            format!(
+                "rank {rank} of {ranks} (GPU {device}): the other ranks did not join within {:.1} s (a rank \
+                 that never started or died, or a different unique id or rank count); the communicator \
+                 was aborted",
+                timeout.as_secs_f64()
+            )
+        })?;
+        Ok(joined)
+    }
+
+    /// For a non-blocking communicator: waits until NCCL has finished what the last call left in
+    /// progress (`ncclCommGetAsyncError` reports `ncclSuccess`), aborting it on an error or when
+    /// the timeout passes (with `late`'s message). Nothing else may be called on a non-blocking
+    /// communicator meanwhile; an exchange's group is only on the stream once it has settled,
+    /// so this comes before the caller launches anything after the exchange.
+    fn settle(&mut self, what: &str, late: impl FnOnce() -> String) -> Result<()> {
+        let Some(timeout) = self.timeout else { return Ok(()) };
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let mut state = sys::ncclResult_t::ncclInProgress;
+            // SAFETY: a live communicator (not aborted: every caller checks) and a place for the
+            // result.
+            let call = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+            let failed = [call, state]
+                .into_iter()
+                .find(|r| !matches!(r, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress));
+            if let Some(code) = failed {
+                self.abort();
+                return Err(nccl_err(&format!("ncclCommGetAsyncError ({what})"), nc::NcclError(code)));
+            }
+            if state == sys::ncclResult_t::ncclSuccess {
+                return Ok(());
+            }
+            if start.elapsed() >= timeout {
+                self.abort();
+                return Err(Error::driver(BackendKind::Cuda, what, late()));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
+    }
+
+    /// Closes an NCCL group this communicator's calls went into: `ncclGroupEnd`, then, for a
+    /// non-blocking communicator whose group is still being set up (its first connections to
+    /// the peers), [`Communicator::settle`].
+    fn end_group(&mut self, call: &str) -> Result<()> {
+        let status = nc::group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
+        if status != nc::NcclStatus::InProgress {
+            return Ok(());
+        }
+        let (rank, ranks, timeout) = (self.rank, self.ranks, self.timeout.unwrap_or_default());
+        self.settle(call, || {
+            format!(
+                "rank {rank} of {ranks} could not reach its peers within {:.1} s (one stopped or died); \
+                 the communicator was aborted",
+                timeout.as_secs_f64()
+            )
+        })
     }
 
     /// Aborts the communicator (`ncclCommAbort`): its uncompleted operations are dropped and
@@ -264,10 +359,10 @@ impl Communicator {
                 first_err.get_or_insert(nccl_err("ncclAllReduce", e));
             }
         }
-        let end = nc::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
+        let end = self.end_group("ncclAllReduce");
         match first_err {
             Some(e) => Err(e),
-            None => end.map(|_| ()),
+            None => end,
         }
     }
 
@@ -301,10 +396,10 @@ impl Communicator {
             }
         }
         // The group is closed whatever happened inside it, so NCCL is never left mid-group.
-        let end = nc::group_end().map_err(|e| nccl_err("ncclGroupEnd", e));
+        let end = self.end_group(call);
         match first_err {
             Some(e) => Err(e),
-            None => end.map(|_| ()),
+            None => end,
         }
     }
 }
@@ -319,13 +414,67 @@ pub(crate) struct Transfer {
     pub root: usize,
 }
 
+/// NCCL's `NCCL_CONFIG_INITIALIZER` (every field "undefined": NCCL's defaults) with `blocking = 0`,
+/// stating the version of the bindings' struct, or the loaded NCCL's where that is older (later
+/// versions only append fields, so an older NCCL reads the ones it knows).
+fn non_blocking_config() -> Result<sys::ncclConfig_t> {
+    const UNDEF: i32 = i32::MIN; // NCCL_CONFIG_UNDEF_INT
+    const BINDINGS: u32 = 22800; // the nccl-02028 bindings' ncclConfig_v22800
+    let loaded = nc::get_nccl_version().map_err(|e| nccl_err("ncclGetVersion", e))?;
+    if loaded < 21400 {
+        return Err(Error::Unsupported {
+            backend: BackendKind::Cuda,
+            what: format!(
+                "joining a communicator with NCCL {}.{} (non-blocking communicators need NCCL 2.14 or later)",
+                loaded / 10000,
+                (loaded / 100) % 100
+            ),
+        });
+    }
+    Ok(sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: (loaded as u32).min(BINDINGS),
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+    })
+}
+
 impl Drop for Communicator {
     fn drop(&mut self) {
-        if !self.aborted {
-            // SAFETY: created by ncclCommInitAll and destroyed once; destroy waits for this
-            // rank's enqueued operations.
-            let _ = unsafe { nc::comm_destroy(self.comm) };
+        if self.aborted {
+            return;
         }
+        if self.timeout.is_some() {
+            // A non-blocking communicator is finalized first (NCCL's order for that kind:
+            // finalize, wait until it has settled, destroy), within its timeout; where that
+            // fails it is aborted instead, and `settle` has done so.
+            // SAFETY: a live communicator, finalized once.
+            let finalized = unsafe { nc::comm_finalize(self.comm) };
+            let settled = match finalized {
+                Ok(_) => self.settle("ncclCommFinalize", || "the communicator's last operations did not finish".into()),
+                Err(e) => Err(nccl_err("ncclCommFinalize", e)),
+            };
+            if settled.is_err() {
+                self.abort();
+                return;
+            }
+        }
+        // SAFETY: a live communicator (made by ncclCommInitAll, or joined and finalized above),
+        // destroyed once; for a blocking one, destroy waits for this rank's enqueued operations.
+        let _ = unsafe { nc::comm_destroy(self.comm) };
     }
 }
 
