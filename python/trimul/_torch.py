@@ -796,7 +796,8 @@ def update(x, direction, mask, weights: dict, eps, precision) -> Tensor:
         raise TypeError(f"x must be a torch.Tensor or a numpy.ndarray, got {type(x).__name__}")
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor like x, got {type(mask).__name__}")
-    if x.device.type != "cpu":
+    # The mode first: the default one (nearly every call) never reads x's device here.
+    if mode != _args.DEFAULT and x.device.type != "cpu":
         _args.refuse_f32_on_gpu(mode, precision)
     if _forward_ad._current_level >= 0 and _has_tangent([x, mask, *weights.values()]):
         raise NotImplementedError(
