@@ -445,7 +445,9 @@ fn on_two_joined_ranks<T: Send>(work: impl Fn(trimul::collective::Communicator) 
         let handles: Vec<_> = (0..2)
             .map(|rank| {
                 let (id, work) = (&id, &work);
-                s.spawn(move || work(trimul::collective::Communicator::join(id, 2, rank, rank).unwrap()))
+                // With a deadline, so that a rank whose join fails cannot leave the other's
+                // thread waiting in NCCL forever (the test then fails instead of hanging).
+                s.spawn(move || work(Communicator::join_within(id, 2, rank, rank, Duration::from_secs(120)).unwrap()))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
