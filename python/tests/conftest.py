@@ -129,6 +129,12 @@ def sharded_gradients_report(direction: str, n: int, biases: bool, salt: int, de
     xs = x[:, r0:r1].clone().requires_grad_()
     ws = {k: v.clone().requires_grad_() for k, v in w.items() if v is not None}
     y = tmd.triangle_multiplicative_update(xs, direction, mask=mask[:, r0:r1], **ws)
+    # A graph of the gradients is refused (on every rank, before any exchange of its own).
+    try:
+        torch.autograd.grad(y, xs, g[:, r0:r1], create_graph=True, retain_graph=True)
+        twice = "gave a graph of the gradients"
+    except NotImplementedError as e:
+        twice = str(e)
     y.backward(g[:, r0:r1])
     names = sorted(ws)
     summed = torch.cat([ws[k].grad.reshape(-1) for k in names])
@@ -149,4 +155,5 @@ def sharded_gradients_report(direction: str, n: int, biases: bool, salt: int, de
         "y": rel(y, want[:, r0:r1].detach()),
         "dx": rel(xs.grad, grads[0][:, r0:r1]),
         "weights": per_weight,
+        "twice": twice,
     }

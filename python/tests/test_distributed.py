@@ -114,6 +114,17 @@ def test_other_devices_and_arrays_are_refused_with_the_reason():
         _call(x.numpy(), **_full_weights())
 
 
+def test_host_tensors_in_an_nccl_group_are_refused_with_the_reason():
+    class NcclGroup:
+        @staticmethod
+        def get_backend(group):
+            return "nccl"
+
+    weights = {name: _full_weights().get(name) for name in AF3_WEIGHTS}
+    with pytest.raises(ValueError, match="NCCL, which exchanges CUDA tensors only"):
+        tmd._sharded(NcclGroup, None, 2, 0, pair((1, 8, 16, 64), 7), "outgoing", None, weights, 1e-5, None)
+
+
 def _gradients_worker(rank: int, store: str, out: str) -> None:
     """One of two CPU ranks (gloo): the sharded call's forward and gradients, both directions,
     N = 9 (rows 0..5 and 5..9), with and without biases."""
@@ -148,6 +159,7 @@ def test_two_cpu_ranks_give_the_whole_tensors_gradients(tmp_path, monkeypatch):
             assert r["rows"] == [[0, 5], [5, 9]][rank]
             assert r["y"] <= 1e-5 and r["dx"] <= 1e-5, r
             assert all(e <= 1e-5 for e in r["weights"].values()), r
+            assert "create_graph=True is not supported" in r["twice"], r
 
 
 @pytest.mark.skipif(not cuda_available(), reason="no CUDA device")

@@ -24,8 +24,10 @@ its work on the current stream and returns; nothing waits for it.
 Gradients: where x or a weight requires grad, the backward recomputes the rank's rows with
 PyTorch operations in float32, exchanging rows through the group's collectives; x's gradient is
 whole for the rank's rows, each weight's is the rank's share (sum it over the group, as
-data-parallel training does). On the CPU the call runs that formula (for trying a sharded model
-without GPUs).
+data-parallel training does). The same tensors must require grad on every rank, and every rank
+must run the backward (its exchanges pair up as the forward's do); a backward with
+``create_graph=True`` raises. On the CPU, with a group that takes CPU tensors (gloo), the call runs
+that formula (for trying a sharded model without GPUs).
 
 What this path does not do yet: a native sharded backward, CUDA-graph capture, ``torch.compile``
 (it runs outside the graph), AMD GPUs (RCCL is not wired), and a deadline for a peer that never
@@ -208,6 +210,11 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
         )
     if on_gpu:
         _args.refuse_f32_on_gpu(mode, precision)
+    elif dist is not None and dist.get_backend(group) == "nccl":
+        raise ValueError(
+            "x is on the CPU and the group's backend is NCCL, which exchanges CUDA tensors only: the "
+            "sharded call on the CPU needs a group that takes CPU tensors (gloo, or 'cpu:gloo,cuda:nccl')"
+        )
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor like x, got {type(mask).__name__}")
     w = [weights[n] for n in _args.AF3_WEIGHTS]
@@ -284,15 +291,19 @@ def _forward_on_gpu(dist, group, world: int, me: int, direction: str, eps: float
         key = _key(dist, group, index)
         rank = _ranks.get(key)
         problem = (b, n, c, w[2].shape[0] // 2, direction, m3 is not None, _torch._DTYPE_CODE[x4.dtype], eps)
+        # Weights being trained are prepared in every call, as the one-GPU call prepares them
+        # (their values can change without a version bump: FSDP2, writes through .data).
+        trained = any(t is not None and t.requires_grad for t in w)
+        prepare = _torch._fresh_entry if trained else _torch.prepared_entry
         if rank is not None and problem in _planned.get(key, ()):
-            entry = _torch.prepared_entry(x4, w, direction, eps, index, stream)
+            entry = prepare(x4, w, direction, eps, index, stream)
         else:
             # The group's first call here, or this problem's: every rank says whether it got this
             # far (its weights prepared) before any rank joins or plans the problem's workspace
             # (both wait on the host for every rank: one that raised here would leave the others
             # waiting forever). Through the group, whose collectives have PyTorch's timeouts.
             try:
-                entry, failed = _torch.prepared_entry(x4, w, direction, eps, index, stream), None
+                entry, failed = prepare(x4, w, direction, eps, index, stream), None
             except Exception as e:  # noqa: BLE001 - raised below, after the others have heard
                 entry, failed = None, e
             if rank is None:
@@ -442,15 +453,26 @@ def _autograd():
         def backward(ctx, grad):
             from . import _torch
 
+            if torch.is_grad_enabled():
+                # The recompute's gradients carry no graph of their own: a graph of them would
+                # silently leave out their dependence on x and the weights (every rank raises
+                # here alike, before any exchange).
+                raise NotImplementedError(
+                    "the sharded call's gradients cannot be differentiated again: backward with "
+                    "create_graph=True is not supported"
+                )
+
             x, mask, *w = ctx.saved_tensors
-            # `need` as the op's arguments number them: x 0, the weights _WEIGHT_SLOTS.
+            # `need` as the op's arguments number them: x 0, the weights _WEIGHT_SLOTS. x's
+            # gradient is always computed: then a and b require grad on every rank whatever
+            # else does, so every rank's backward runs the same exchanges.
             need = [False] * 16
-            need[0] = ctx.needs_input_grad[4]
+            need[0] = True
             for i, slot in enumerate(_torch._WEIGHT_SLOTS):
                 need[slot] = ctx.needs_input_grad[6 + i]
             grads = _torch._recomputed_backward(x, mask, w, ctx.direction, ctx.eps, grad, need, ctx.contraction)
             out = [None] * (6 + len(w))
-            if 0 in grads:
+            if ctx.needs_input_grad[4]:
                 out[4] = grads[0].to(x.dtype)
             for i, (slot, t) in enumerate(zip(_torch._WEIGHT_SLOTS, w)):
                 if slot in grads:
