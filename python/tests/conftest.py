@@ -110,21 +110,22 @@ def compare(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2):
     return int(bad.sum()), rel
 
 
-def sharded_gradients_report(direction: str, n: int, biases: bool, salt: int, device) -> dict:
+def sharded_gradients_report(direction: str, n: int, biases: bool, salt: int, device, dtype=torch.float32) -> dict:
     """One rank's part of the sharded call's gradient check, inside an initialised process group:
     every rank makes the same whole inputs, runs `trimul.distributed` on its rows with x and every
     weight requiring grad, backpropagates `g` (its rows of a fixed random cotangent), and sums the
     weights' gradients over the ranks. Returns the relative L2 error of y's rows, dx's rows and
-    the worst weight gradient against f64 autograd of the formula on the whole tensor."""
+    the worst weight gradient against f64 autograd of the formula on the whole tensor (of the
+    inputs as rounded to `dtype`, which x, the weights and the cotangent are in)."""
     import torch.distributed as dist
 
     from trimul import distributed as tmd
 
     c, h = 24, 16
-    x = pair((1, n, n, c), salt, device=device)
+    x = pair((1, n, n, c), salt, dtype=dtype, device=device)
     mask = random_mask((1, n, n), salt + 1, device=device)
-    w = af3_weights(c, h, biases, salt + 2, device=device)
-    g = pair((1, n, n, c), salt + 3, device=device)
+    w = af3_weights(c, h, biases, salt + 2, dtype=dtype, device=device)
+    g = pair((1, n, n, c), salt + 3, dtype=dtype, device=device)
     r0, r1 = tmd.rows(n)
     xs = x[:, r0:r1].clone().requires_grad_()
     ws = {k: v.clone().requires_grad_() for k, v in w.items() if v is not None}
@@ -137,7 +138,7 @@ def sharded_gradients_report(direction: str, n: int, biases: bool, salt: int, de
         twice = str(e)
     y.backward(g[:, r0:r1])
     names = sorted(ws)
-    summed = torch.cat([ws[k].grad.reshape(-1) for k in names])
+    summed = torch.cat([ws[k].grad.to(torch.float32).reshape(-1) for k in names])
     dist.all_reduce(summed)
 
     xd = x.detach().to("cpu", torch.float64).requires_grad_()

@@ -140,8 +140,10 @@ def main() -> None:
         # Gradients: trimul's sharded forward, the backward recomputed through PyTorch with the
         # exchanges through the group (NCCL).
         report["gradients"] = {
-            direction: sharded_gradients_report(direction, 33, True, 50 + k, device)
-            for k, direction in enumerate(("outgoing", "incoming"))
+            f"{direction} {str(dtype)[6:]}": sharded_gradients_report(direction, 33, True, 50 + k, device, dtype)
+            for k, (direction, dtype) in enumerate(
+                (("outgoing", torch.float32), ("incoming", torch.float32), ("incoming", torch.bfloat16))
+            )
         }
         # The group still works, waits with a deadline, releases, and joins anew.
         report["cases"].append(run_case(CASES[0], 900, device))

@@ -127,14 +127,21 @@ def test_host_tensors_in_an_nccl_group_are_refused_with_the_reason():
 
 def _gradients_worker(rank: int, store: str, out: str) -> None:
     """One of two CPU ranks (gloo): the sharded call's forward and gradients, both directions,
-    N = 9 (rows 0..5 and 5..9), with and without biases."""
+    N = 9 (rows 0..5 and 5..9), with and without biases, f32 and bf16."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    cases = [
+        ("outgoing", True, torch.float32),
+        ("outgoing", False, torch.float32),
+        ("incoming", False, torch.float32),
+        ("incoming", True, torch.float32),
+        ("outgoing", True, torch.bfloat16),
+    ]
     try:
         result = {
-            f"{direction} biases={biases}": sharded_gradients_report(direction, 9, biases, 11 + k, "cpu")
-            for k, (direction, biases) in enumerate(
-                [("outgoing", True), ("outgoing", False), ("incoming", False), ("incoming", True)]
+            f"{direction} biases={biases} {str(dtype)[6:]}": sharded_gradients_report(
+                direction, 9, biases, 11 + k, "cpu", dtype
             )
+            for k, (direction, biases, dtype) in enumerate(cases)
         }
     except Exception as e:  # noqa: BLE001 - written for the test to judge
         result = {"error": f"{type(e).__name__}: {e}"}
@@ -157,8 +164,11 @@ def test_two_cpu_ranks_give_the_whole_tensors_gradients(tmp_path, monkeypatch):
         for case, r in report.items():
             print(f"rank {rank} {case}: y {r['y']:.1e}, dx {r['dx']:.1e}, weights <= {max(r['weights'].values()):.1e}")
             assert r["rows"] == [[0, 5], [5, 9]][rank]
-            assert r["y"] <= 1e-5 and r["dx"] <= 1e-5, r
-            assert all(e <= 1e-5 for e in r["weights"].values()), r
+            # f32: the formula in f32 against f64. bf16: x, dx and the weights' gradients are bf16
+            # (issue 28's bound for 16-bit gradients).
+            bound = 1e-2 if case.endswith("bfloat16") else 1e-5
+            assert r["y"] <= bound and r["dx"] <= bound, r
+            assert all(e <= bound for e in r["weights"].values()), r
             assert "create_graph=True is not supported" in r["twice"], r
 
 
@@ -216,10 +226,13 @@ def test_two_gpus_match_the_f64_reference_and_one_gpu(tmp_path):
         assert len(r["cases"]) == 8
         errors = r["errors"]
         assert errors["wrong rows"].startswith("ValueError") and "rows" in errors["wrong rows"], errors
-        for direction, g in r["gradients"].items():
+        for case, g in r["gradients"].items():
             worst = max(g["weights"].values())
-            print(f"  gradients {direction}: y {g['y']:.1e}, dx {g['dx']:.1e}, weights <= {worst:.1e}")
-            # y from trimul's kernels (f16 intermediates); the gradients from the f32 recompute.
-            assert g["y"] <= 2e-3 and g["dx"] <= 1e-4, g
-            assert all(e <= 1e-4 for e in g["weights"].values()), g
+            print(f"  gradients {case}: y {g['y']:.1e}, dx {g['dx']:.1e}, weights <= {worst:.1e}")
+            # y from trimul's kernels (f16 intermediates); the gradients from the f32 recompute,
+            # rounded to bf16 in the bf16 case (issue 28's bound for 16-bit gradients).
+            bound = 1e-2 if case.endswith("bfloat16") else 1e-4
+            assert g["y"] <= max(bound, 2e-3) and g["dx"] <= bound, g
+            assert all(e <= bound for e in g["weights"].values()), g
+            assert "create_graph=True is not supported" in g["twice"], g
         assert errors["precision"].startswith("ValueError") and "f32 accuracy" in errors["precision"], errors
