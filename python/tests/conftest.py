@@ -108,3 +108,53 @@ def compare(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2):
     bad |= torch.isnan(g) & ~torch.isnan(w)
     rel = ((g - w).norm() / w.norm()).item()
     return int(bad.sum()), rel
+
+
+def sharded_gradients_report(direction: str, n: int, biases: bool, salt: int, device, dtype=torch.float32) -> dict:
+    """One rank's part of the sharded call's gradient check, inside an initialised process group:
+    every rank makes the same whole inputs, runs `trimul.distributed` on its rows with x and every
+    weight requiring grad, backpropagates `g` (its rows of a fixed random cotangent), and sums the
+    weights' gradients over the ranks. Returns the relative L2 error of y's rows, dx's rows and
+    the worst weight gradient against f64 autograd of the formula on the whole tensor (of the
+    inputs as rounded to `dtype`, which x, the weights and the cotangent are in)."""
+    import torch.distributed as dist
+
+    from trimul import distributed as tmd
+
+    c, h = 24, 16
+    x = pair((1, n, n, c), salt, dtype=dtype, device=device)
+    mask = random_mask((1, n, n), salt + 1, device=device)
+    w = af3_weights(c, h, biases, salt + 2, dtype=dtype, device=device)
+    g = pair((1, n, n, c), salt + 3, dtype=dtype, device=device)
+    r0, r1 = tmd.rows(n)
+    xs = x[:, r0:r1].clone().requires_grad_()
+    ws = {k: v.clone().requires_grad_() for k, v in w.items() if v is not None}
+    y = tmd.triangle_multiplicative_update(xs, direction, mask=mask[:, r0:r1], **ws)
+    # A graph of the gradients is refused (on every rank, before any exchange of its own).
+    try:
+        torch.autograd.grad(y, xs, g[:, r0:r1], create_graph=True, retain_graph=True)
+        twice = "gave a graph of the gradients"
+    except NotImplementedError as e:
+        twice = str(e)
+    y.backward(g[:, r0:r1])
+    names = sorted(ws)
+    summed = torch.cat([ws[k].grad.to(torch.float32).reshape(-1) for k in names])
+    dist.all_reduce(summed)
+
+    xd = x.detach().to("cpu", torch.float64).requires_grad_()
+    wd = {k: v.detach().to("cpu", torch.float64).requires_grad_() for k, v in ws.items()}
+    md = mask.to("cpu", torch.float64)
+    want = reference.af3(xd, md, [wd.get(k) for k in AF3_WEIGHTS], direction, 1e-5)
+    grads = torch.autograd.grad(want, [xd] + [wd[k] for k in names], g.to("cpu", torch.float64))
+    rel = lambda got, ref: ((got.detach().cpu().double() - ref).norm() / ref.norm()).item()  # noqa: E731
+    per_weight, at = {}, 0
+    for k, gk in zip(names, grads[1:]):
+        per_weight[k] = rel(summed[at : at + gk.numel()].reshape(gk.shape), gk)
+        at += gk.numel()
+    return {
+        "rows": [r0, r1],
+        "y": rel(y, want[:, r0:r1].detach()),
+        "dx": rel(xs.grad, grads[0][:, r0:r1]),
+        "weights": per_weight,
+        "twice": twice,
+    }

@@ -4,8 +4,9 @@ and writes what it measured to OUTDIR/rank<r>.json for the test to judge:
 
 - per case, the sharded rows against the f64 reference and against trimul's one-GPU call on the
   whole tensor (GPU MODE's element rule and the relative L2 error);
-- that bad calls (wrong rows, gradients) raise on every rank before any exchange, and that the
-  group's calls still work after them;
+- that bad calls (wrong rows, f32 precision) raise on every rank before any exchange, and that
+  the group's calls still work after them;
+- gradients (x and every weight) against f64 autograd of the whole tensor;
 - that `wait`, `release` and a call after the release (a new communicator) work.
 
 Usage: python -m torch.distributed.run --standalone --nproc-per-node=2 distributed_worker.py OUTDIR
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import af3_weights, compare, f64_reference, pair, random_mask  # noqa: E402
+from conftest import af3_weights, compare, f64_reference, pair, random_mask, sharded_gradients_report  # noqa: E402
 
 import trimul  # noqa: E402
 from trimul import _trimul  # noqa: E402
@@ -129,7 +130,6 @@ def main() -> None:
         r0, r1 = tmd.rows(n)
         for what, call in (
             ("wrong rows", lambda: tmd.triangle_multiplicative_update(x[:, : r1 - r0 + 1], **w)),
-            ("gradients", lambda: tmd.triangle_multiplicative_update(x[:, r0:r1].clone().requires_grad_(), **w)),
             ("precision", lambda: tmd.triangle_multiplicative_update(x[:, r0:r1], precision="ieee", **w)),
         ):
             try:
@@ -137,6 +137,14 @@ def main() -> None:
                 report["errors"][what] = None
             except Exception as e:  # noqa: BLE001 - recorded for the test to judge
                 report["errors"][what] = f"{type(e).__name__}: {e}"
+        # Gradients: trimul's sharded forward, the backward recomputed through PyTorch with the
+        # exchanges through the group (NCCL).
+        report["gradients"] = {
+            f"{direction} {str(dtype)[6:]}": sharded_gradients_report(direction, 33, True, 50 + k, device, dtype)
+            for k, (direction, dtype) in enumerate(
+                (("outgoing", torch.float32), ("incoming", torch.float32), ("incoming", torch.bfloat16))
+            )
+        }
         # The group still works, waits with a deadline, releases, and joins anew.
         report["cases"].append(run_case(CASES[0], 900, device))
         report["cases"].append(back_to_back(device))

@@ -709,8 +709,10 @@ def _(grad, x, mask, w, direction, eps):
     ]
 
 
-def _recomputed_backward(x, mask, w, direction, eps, grad, need) -> dict:
-    """Every needed gradient by PyTorch autograd of the formula in float32, by slot."""
+def _recomputed_backward(x, mask, w, direction, eps, grad, need, contraction=reference.contract) -> dict:
+    """Every needed gradient by PyTorch autograd of the formula in float32, by slot (`need` and
+    the result indexed as the op's arguments: x 0, the weights `_WEIGHT_SLOTS`); `contraction`
+    as `reference.af3` takes it."""
     with torch.enable_grad():
 
         def leaf(t, slot):
@@ -721,7 +723,7 @@ def _recomputed_backward(x, mask, w, direction, eps, grad, need) -> dict:
         xs = leaf(x, 0)
         ws = [leaf(t, i) for t, i in zip(w, _WEIGHT_SLOTS)]
         m = None if mask is None else mask.detach().to(torch.float32)
-        y = reference.af3(xs, m, ws, direction, eps)
+        y = reference.af3(xs, m, ws, direction, eps, contraction)
         slots = [(0, x, xs)] + [(i, t, s) for i, t, s in zip(_WEIGHT_SLOTS, w, ws)]
         wanted = [(i, s) for i, t, s in slots if t is not None and need[i]]
         grads = torch.autograd.grad(y, [s for _, s in wanted], grad.to(torch.float32)) if wanted else ()

@@ -21,15 +21,24 @@ Every rank of the group must make the same calls, with the same shapes and weigh
 the same order (the exchanges pair up call by call), as for any collective. The call enqueues
 its work on the current stream and returns; nothing waits for it.
 
-What this path does not do yet: gradients (x and the weights must not require grad: run it under
-``torch.no_grad()``), CUDA-graph capture, ``torch.compile`` (it runs outside the graph) and AMD GPUs
-(RCCL is not wired). A rank that never joins trimul's communicator, or cannot be reached at
-the first exchange, is an error after 600 s; one that stops once the exchanges run leaves them
-waiting on the GPU, and ``wait(timeout)`` is the deadline for that.
+Gradients: where x or a weight requires grad, the backward recomputes the rank's rows with
+PyTorch operations in float32, exchanging rows through the group's collectives; x's gradient is
+whole for the rank's rows, each weight's is the rank's share (sum it over the group, as
+data-parallel training does). The same tensors must require grad on every rank, and every rank
+must run the backward (its exchanges pair up as the forward's do); a backward with
+``create_graph=True`` raises. On the CPU, with a group that takes CPU tensors (gloo), the call runs
+that formula (for trying a sharded model without GPUs).
+
+What this path does not do yet: a native sharded backward, CUDA-graph capture, ``torch.compile``
+(it runs outside the graph) and AMD GPUs (RCCL is not wired). A rank that never joins trimul's
+communicator, or cannot be reached at the first exchange, is an error after 600 s; one that
+stops once the exchanges run leaves them waiting on the GPU, and ``wait(timeout)`` is the
+deadline for that.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 from . import _args, _trimul
@@ -82,8 +91,8 @@ def triangle_multiplicative_update(
     (no residual), shaped like ``x``, in ``x``'s dtype (bfloat16 with ``precision="bfloat16"``).
 
     ``group`` is a ``torch.distributed`` process group (default: the world), one CUDA device per
-    rank: x's. A group of one rank runs ``trimul.triangle_multiplicative_update`` on the whole
-    tensor.
+    rank: x's (or the CPU, through PyTorch operations). A group of one rank runs
+    ``trimul.triangle_multiplicative_update`` on the whole tensor. Gradients: see the module.
     """
     weights = dict(
         zip(
@@ -192,23 +201,25 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
     eps = _args.check_eps(eps)
     mode = _args.DEFAULT if precision is None else _args.parse_precision(precision)
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor on a CUDA device, got {type(x).__name__}")
-    if x.device.type != "cuda":
-        raise ValueError(f"x is on {x.device}; the sharded forward runs on CUDA devices, one per rank")
-    if torch.version.hip is not None:
+        raise TypeError(f"x must be a torch.Tensor on a CUDA device or the CPU, got {type(x).__name__}")
+    on_gpu = x.device.type == "cuda"
+    if not on_gpu and x.device.type != "cpu":
+        raise ValueError(f"x is on {x.device}; the sharded call runs on CUDA devices (one per rank) or the CPU")
+    if on_gpu and torch.version.hip is not None:
         raise NotImplementedError(
             "the sharded forward runs on NVIDIA GPUs through NCCL; RCCL (AMD) is not wired yet: "
             "use trimul.triangle_multiplicative_update on each GPU's whole tensor"
         )
-    _args.refuse_f32_on_gpu(mode, precision)
+    if on_gpu:
+        _args.refuse_f32_on_gpu(mode, precision)
+    elif dist is not None and dist.get_backend(group) == "nccl":
+        raise ValueError(
+            "x is on the CPU and the group's backend is NCCL, which exchanges CUDA tensors only: the "
+            "sharded call on the CPU needs a group that takes CPU tensors (gloo, or 'cpu:gloo,cuda:nccl')"
+        )
     if mask is not None and not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor like x, got {type(mask).__name__}")
     w = [weights[n] for n in _args.AF3_WEIGHTS]
-    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in w)):
-        raise NotImplementedError(
-            "the sharded forward has no backward yet: call it under torch.no_grad() (or with tensors "
-            "that do not require grad)"
-        )
     if _torch._forward_ad._current_level >= 0 and _torch._has_tangent([x, mask, *w]):
         raise NotImplementedError("the sharded forward has no forward-mode derivative (jvp)")
     if x.dtype not in _torch._DTYPE_CODE:
@@ -242,6 +253,38 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
             m3 = m3.to(torch.bfloat16).to(torch.float32)
         m3 = _torch._contiguous(m3)
     x4 = _torch._contiguous(x4)
+    contraction = functools.partial(_contract_rows, dist, group, _trimul.row_split(n, world), me)
+    if on_gpu:
+        run = functools.partial(_forward_on_gpu, dist, group, world, me, direction, eps)
+    else:
+        run = functools.partial(_forward_on_cpu, direction, eps, contraction)
+    if torch.is_grad_enabled() and (x4.requires_grad or any(t is not None and t.requires_grad for t in w)):
+        y = _autograd()[2].apply(run, contraction, direction, eps, x4, m3, *w)
+    else:
+        y = run(x4, m3, w)
+    return y if y.shape == original_shape else y.view(original_shape)
+
+
+def _forward_on_cpu(direction: str, eps: float, contraction, x4, m3, w: list):
+    """This rank's rows of y on the CPU: the formula with PyTorch operations in float32, the
+    contraction exchanging rows through the group (`_contract_rows`)."""
+    import torch
+
+    from . import reference
+
+    with torch.no_grad():
+        w32 = [None if t is None else t.to(torch.float32) for t in w]
+        return reference.af3(x4.to(torch.float32), m3, w32, direction, eps, contraction).to(x4.dtype)
+
+
+def _forward_on_gpu(dist, group, world: int, me: int, direction: str, eps: float, x4, m3, w: list):
+    """This rank's rows of y from trimul's sharded forward, on the current stream: the join of
+    trimul's communicator on the group's first call here, a workspace per problem."""
+    import torch
+
+    from . import _torch
+
+    b, _, n, c = (int(d) for d in x4.shape)
     index = x4.get_device()
     with torch.cuda.device(index):
         if torch.cuda.is_current_stream_capturing():
@@ -250,15 +293,19 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
         key = _key(dist, group, index)
         rank = _ranks.get(key)
         problem = (b, n, c, w[2].shape[0] // 2, direction, m3 is not None, _torch._DTYPE_CODE[x4.dtype], eps)
+        # Weights being trained are prepared in every call, as the one-GPU call prepares them
+        # (their values can change without a version bump: FSDP2, writes through .data).
+        trained = any(t is not None and t.requires_grad for t in w)
+        prepare = _torch._fresh_entry if trained else _torch.prepared_entry
         if rank is not None and problem in _planned.get(key, ()):
-            entry = _torch.prepared_entry(x4, w, direction, eps, index, stream)
+            entry = prepare(x4, w, direction, eps, index, stream)
         else:
             # The group's first call here, or this problem's: every rank says whether it got this
             # far (its weights prepared) before any rank joins or plans the problem's workspace
             # (both wait on the host for every rank: one that raised here would leave the others
             # waiting forever). Through the group, whose collectives have PyTorch's timeouts.
             try:
-                entry, failed = _torch.prepared_entry(x4, w, direction, eps, index, stream), None
+                entry, failed = prepare(x4, w, direction, eps, index, stream), None
             except Exception as e:  # noqa: BLE001 - raised below, after the others have heard
                 entry, failed = None, e
             if rank is None:
@@ -291,7 +338,33 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
             torch.cuda.empty_cache()
             rank.forward(*args)
         _planned.setdefault(key, set()).add(problem)
-    return y if y.shape == original_shape else y.view(original_shape)
+    return y
+
+
+def _gather_rows(dist, group, v, splits: list):
+    """Every rank's rows of `v` (`[B, rows, ...]`, this rank's `splits[me]`) in row order,
+    `[B, N, ...]`: one all-gather, each rank's block padded to the largest."""
+    import torch
+
+    widest = max(r1 - r0 for r0, r1 in splits)
+    padded = v.new_zeros((v.shape[0], widest, *v.shape[2:]))
+    padded[:, : v.shape[1]] = v
+    parts = [torch.empty_like(padded) for _ in splits]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:, : r1 - r0] for p, (r0, r1) in zip(parts, splits)], dim=1)
+
+
+def _contract_rows(dist, group, splits: list, me: int, a, b, direction: str):
+    """t's rows of this rank from its rows of a and b (`[B, rows, N, H]`), as `reference.af3`
+    takes a contraction. Outgoing, `t[i, j] = Σ_k a[i, k]·b[j, k]` needs every rank's rows of
+    b (gathered); incoming, `t[i, j] = Σ_k a[k, i]·b[k, j]` sums over the rows the ranks split
+    (each rank's partial sum, added up by an all-reduce). Both differentiable."""
+    import torch
+
+    if direction == "outgoing":
+        return torch.einsum("bikh,bjkh->bijh", a, _autograd()[0].apply(b, dist, group, splits, me))
+    partial = torch.einsum("bkih,bkjh->bijh", a, b)
+    return _autograd()[1].apply(partial, dist, group, splits, me)
 
 
 def _gather_states(dist, group, world: int, failed: Optional[BaseException], unique_id=None) -> list:
@@ -325,3 +398,87 @@ def _join(dist, group, world: int, me: int, index: int, failed: Optional[BaseExc
     rank = _ranks[_key(dist, group, index)] = _trimul.CudaShardedRank(everyone[0][1], world, me, index)
     rank.set_poison(_poison)
     return rank
+
+
+@functools.cache
+def _autograd():
+    """The three autograd functions of the sharded call, made on first use (importing this
+    module needs no PyTorch; `_dist` says so when it is missing)."""
+    import torch
+
+    class GatherRows(torch.autograd.Function):
+        """`_gather_rows`; its backward sums every rank's gradient of the gathered tensor and
+        keeps this rank's rows."""
+
+        @staticmethod
+        def forward(ctx, v, dist, group, splits, me):
+            ctx.dist, ctx.group, ctx.rows = dist, group, splits[me]
+            return _gather_rows(dist, group, v, splits)
+
+        @staticmethod
+        def backward(ctx, grad):
+            total = grad.contiguous().clone()
+            ctx.dist.all_reduce(total, group=ctx.group)
+            r0, r1 = ctx.rows
+            return total[:, r0:r1].contiguous(), None, None, None, None
+
+    class SumToRows(torch.autograd.Function):
+        """This rank's rows of the sum over ranks of `partial` (`[B, N, ...]`); its backward
+        gathers every rank's gradient of its rows (each rank's partial reaches every row)."""
+
+        @staticmethod
+        def forward(ctx, partial, dist, group, splits, me):
+            ctx.dist, ctx.group, ctx.splits = dist, group, splits
+            total = partial.contiguous().clone()
+            dist.all_reduce(total, group=group)
+            r0, r1 = splits[me]
+            return total[:, r0:r1].contiguous()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return _gather_rows(ctx.dist, ctx.group, grad.contiguous(), ctx.splits), None, None, None, None
+
+    class ShardedUpdate(torch.autograd.Function):
+        """The sharded call where gradients are recorded: `run` (trimul's sharded forward on the
+        GPU, the formula on the CPU) without a graph, and a backward that recomputes this rank's
+        rows with the formula in float32 (`_torch._recomputed_backward`), its contraction
+        exchanging rows through the group, and differentiates it. The weights' gradients are
+        this rank's share (the sum over its positions); x's is whole for its rows."""
+
+        @staticmethod
+        def forward(ctx, run, contraction, direction, eps, x, mask, *w):
+            ctx.contraction, ctx.direction, ctx.eps = contraction, direction, eps
+            ctx.save_for_backward(x, mask, *w)
+            return run(x, mask, list(w))
+
+        @staticmethod
+        def backward(ctx, grad):
+            from . import _torch
+
+            if torch.is_grad_enabled():
+                # The recompute's gradients carry no graph of their own: a graph of them would
+                # silently leave out their dependence on x and the weights (every rank raises
+                # here alike, before any exchange).
+                raise NotImplementedError(
+                    "the sharded call's gradients cannot be differentiated again: backward with "
+                    "create_graph=True is not supported"
+                )
+
+            x, mask, *w = ctx.saved_tensors
+            # `need` as the op's arguments number them: x 0, the weights _WEIGHT_SLOTS. x's
+            # gradient is always computed: then a and b require grad on every rank whatever
+            # else does, so every rank's backward runs the same exchanges.
+            need = [False] * 16
+            need[0] = True
+            for i, slot in enumerate(_torch._WEIGHT_SLOTS):
+                need[slot] = ctx.needs_input_grad[6 + i]
+            grads = _torch._recomputed_backward(x, mask, w, ctx.direction, ctx.eps, grad, need, ctx.contraction)
+            out = [None] * (6 + len(w))
+            if ctx.needs_input_grad[4]:
+                out[4] = grads[0].to(x.dtype)
+            for i, (slot, t) in enumerate(zip(_torch._WEIGHT_SLOTS, w)):
+                if slot in grads:
+                    out[6 + i] = grads[slot].to(t.dtype)
+            return tuple(out)
+
+    return GatherRows, SumToRows, ShardedUpdate

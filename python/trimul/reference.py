@@ -19,7 +19,7 @@ gpumode (lucidrains / GPU MODE)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -43,10 +43,13 @@ def af3(
     weights: Sequence[Optional[Tensor]],
     direction: str = "outgoing",
     eps: float = 1e-5,
+    contraction: Callable[[Tensor, Tensor, str], Tensor] = contract,
 ) -> Tensor:
     """cuEquivariance's formula in the dtype of `x` (pass f32 or f64 tensors for an accurate one),
     the twelve weights in its signature's order (`AF3_WEIGHTS`: norm_in, p_in, g_in, norm_out,
-    p_out, g_out, each weight then bias; a bias or a LayerNorm parameter may be None)."""
+    p_out, g_out, each weight then bias; a bias or a LayerNorm parameter may be None).
+    `contraction(a, b, direction)` gives t from a and b (the sharded call passes one that
+    exchanges a rank's rows with the other ranks)."""
     (norm_in_weight, norm_in_bias, p_in_weight, p_in_bias, g_in_weight, g_in_bias) = weights[:6]
     (norm_out_weight, norm_out_bias, p_out_weight, p_out_bias, g_out_weight, g_out_bias) = weights[6:]
     c = x.shape[-1]
@@ -55,7 +58,7 @@ def af3(
     ab = torch.sigmoid(F.linear(z, g_in_weight, g_in_bias)) * F.linear(z, p_in_weight, p_in_bias)
     if mask is not None:
         ab = ab * mask.unsqueeze(-1).to(ab.dtype)
-    t = contract(ab[..., :h], ab[..., h:], direction)
+    t = contraction(ab[..., :h], ab[..., h:], direction)
     u = F.layer_norm(t, (h,), norm_out_weight, norm_out_bias, eps)
     return torch.sigmoid(F.linear(z, g_out_weight, g_out_bias)) * F.linear(u, p_out_weight, p_out_bias)
 
