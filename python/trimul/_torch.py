@@ -554,12 +554,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _native_backward(x: Tensor) -> bool:
-    """Whether the library's backward op takes x's device: the CPU, and CUDA outside a CUDA-graph
-    capture (the native backward has not run inside one; the op checks again when it runs, for
-    graphs captured after tracing). ROCm has no native backward yet."""
+    """Whether the library's backward op takes x's device: the CPU, and CUDA or ROCm outside a
+    graph capture (the native backward has not run inside one; the op checks again when it runs,
+    for graphs captured after tracing)."""
     if x.device.type == "cpu":
         return True
-    return x.is_cuda and not _HIP and not _capturing()
+    return x.is_cuda and not _capturing()
 
 
 def _backward(ctx, grad):
@@ -647,7 +647,8 @@ def _dx_dtype(x: Tensor) -> torch.dtype:
 
 
 def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, direction: str, eps: float) -> list:
-    """The native backward on CUDA tensors, on the current stream: x and grad in x's precision
+    """The native backward on CUDA (or ROCm: the HIP backend's) tensors, on the current stream:
+    x and grad in x's precision
     (float32, or bfloat16 and float16 as they are: the library then keeps most intermediates in
     16 bits), dx in it too, the mask as float32; dx, the workspace and the weight gradients
     (float32, written on the device at the end of the stream's work) from PyTorch's allocator.
@@ -688,9 +689,9 @@ def _check_backward_args(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: lis
     the mask `[B, N, N]`, twelve weights with the forward's shapes."""
     if len(w) != 12:
         raise ValueError(f"{len(w)} weights given, expected 12 ({', '.join(_args.AF3_WEIGHTS)})")
-    if not isinstance(x, torch.Tensor) or not (x.device.type == "cpu" or (x.is_cuda and not _HIP)):
+    if not isinstance(x, torch.Tensor) or not (x.device.type == "cpu" or x.is_cuda):
         where = getattr(x, "device", type(x).__name__)
-        raise ValueError(f"the native backward takes CPU or CUDA tensors so far; x is on {where}")
+        raise ValueError(f"the native backward takes CPU or GPU (CUDA, ROCm) tensors; x is on {where}")
     named = [("grad", grad), ("mask", mask)] + list(zip(_args.AF3_WEIGHTS, w))
     for name, t in named:
         if t is not None and (not isinstance(t, torch.Tensor) or t.device != x.device):
