@@ -553,13 +553,18 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, mask, *w)
 
 
+# ROCm's native backward (the HIP backend's) has run on the fake ROCm only: opt-in until it has
+# run on an AMD GPU, as the MFMA output path's 16-bit I/O is (TRIMUL_HIP_MFMA=1).
+_HIP_NATIVE_BACKWARD = os.environ.get("TRIMUL_HIP_BACKWARD", "") == "native"
+
+
 def _native_backward(x: Tensor) -> bool:
-    """Whether the library's backward op takes x's device: the CPU, and CUDA or ROCm outside a
-    graph capture (the native backward has not run inside one; the op checks again when it runs,
-    for graphs captured after tracing)."""
+    """Whether the library's backward op takes x's device: the CPU, CUDA, and ROCm where
+    `TRIMUL_HIP_BACKWARD=native`, outside a graph capture (the native backward has not run inside
+    one; the op checks again when it runs, for graphs captured after tracing)."""
     if x.device.type == "cpu":
         return True
-    return x.is_cuda and not _capturing()
+    return x.is_cuda and (not _HIP or _HIP_NATIVE_BACKWARD) and not _capturing()
 
 
 def _backward(ctx, grad):
