@@ -138,6 +138,44 @@ SCRIPT = textwrap.dedent(
     # The same through the host path of the same weights: the same bits.
     host_y = trimul.triangle_multiplicative_update(x, "incoming", mask, **w)
     assert np.array_equal(host_y, got), "HipLayer and the host path differ"
+    # The backward the ROCm build of PyTorch calls (HipLayer.backward on device tensors, the
+    # workspace in caller memory): the weight gradients written to host entries (waiting), then
+    # copied to device entries on the stream (waiting for nothing), against f64 autograd.
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    xr = torch.from_numpy(x.astype(np.float64)).requires_grad_()
+    wr = [torch.from_numpy(w[k].astype(np.float64)).requires_grad_() for k in AF3_WEIGHTS]
+    yr = reference.af3(xr, torch.from_numpy(mask.astype(np.float64)), wr, "incoming", 1e-5)
+    want_grads = torch.autograd.grad(yr, [xr] + wr, torch.from_numpy(dy.astype(np.float64)))
+    # The canonical order of the layer's 16 weight entries (`entries` above) by AF3 name and half.
+    order = [("norm_in_weight", None), ("norm_in_bias", None), ("p_in_weight", 0), ("p_in_bias", 0),
+             ("g_in_weight", 0), ("g_in_bias", 0), ("p_in_weight", 1), ("p_in_bias", 1),
+             ("g_in_weight", 1), ("g_in_bias", 1), ("g_out_weight", None), ("g_out_bias", None),
+             ("norm_out_weight", None), ("norm_out_bias", None), ("p_out_weight", None), ("p_out_bias", None)]
+    def assembled(parts):
+        # The 16 entries' gradients put back into the twelve AF3 tensors.
+        out = {}
+        for (k, half_index), g in zip(order, parts):
+            out.setdefault(k, [None, None])[0 if half_index is None else half_index] = g
+        return [np.concatenate([p for p in out[k] if p is not None]).reshape(w[k].shape) for k in AF3_WEIGHTS]
+    def sizes():
+        return [w[k].size // (1 if half_index is None else 2) for k, half_index in order]
+    bws = layer.backward_workspace_bytes(1, n, True, 0)
+    dyd, dxd = dev(dy), empty(x.nbytes)
+    host_grads = [np.zeros(size, np.float32) for size in sizes()]
+    outs = [(g.ctypes.data, g.size, 0) for g in host_grads]
+    layer.backward((xd, x.size), (md, mask.size), (dyd, dy.size), (dxd, x.size), 1, n, outs, (empty(bws), bws), 0)
+    dev_grads = [empty(size * 4) for size in sizes()]
+    dxd2 = empty(x.nbytes)
+    outs = [(p, size, 0) for p, size in zip(dev_grads, sizes())]
+    layer.backward((xd, x.size), (md, mask.size), (dyd, dy.size), (dxd2, x.size), 1, n, outs, (empty(bws), bws), 0,
+                   0, True)
+    assert np.array_equal(host(dxd2, x), host(dxd, x)), "the waiting and the device-entry backward differ (dx)"
+    from_device = [host(p, np.zeros(size, np.float32)) for p, size in zip(dev_grads, sizes())]
+    assert all(np.array_equal(a, b) for a, b in zip(from_device, host_grads)), "device gradients differ"
+    rel = lambda got, ref: float(np.linalg.norm(got - ref.numpy()) / np.linalg.norm(ref.numpy()))
+    worst = max([rel(host(dxd, x), want_grads[0])] + [rel(g, r) for g, r in zip(assembled(host_grads), want_grads[1:])])
+    print(f"hip device backward: worst gradient rel L2 {worst:.2e}")
+    assert worst < 2e-3, worst
     # The MFMA kernels were validated on first use (the host path's layer) and lost.
     v = _trimul.hip_validate(0, c, h)
     assert len(v) == 2 and all("not used" in line and "not faster" in line for line in v), v

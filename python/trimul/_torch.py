@@ -553,13 +553,18 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, mask, *w)
 
 
+# ROCm's native backward (the HIP backend's) has run on the fake ROCm only: opt-in until it has
+# run on an AMD GPU, as the MFMA output path's 16-bit I/O is (TRIMUL_HIP_MFMA=1).
+_HIP_NATIVE_BACKWARD = os.environ.get("TRIMUL_HIP_BACKWARD", "") == "native"
+
+
 def _native_backward(x: Tensor) -> bool:
-    """Whether the library's backward op takes x's device: the CPU, and CUDA outside a CUDA-graph
-    capture (the native backward has not run inside one; the op checks again when it runs, for
-    graphs captured after tracing). ROCm has no native backward yet."""
+    """Whether the library's backward op takes x's device: the CPU, CUDA, and ROCm where
+    `TRIMUL_HIP_BACKWARD=native`, outside a graph capture (the native backward has not run inside
+    one; the op checks again when it runs, for graphs captured after tracing)."""
     if x.device.type == "cpu":
         return True
-    return x.is_cuda and not _HIP and not _capturing()
+    return x.is_cuda and (not _HIP or _HIP_NATIVE_BACKWARD) and not _capturing()
 
 
 def _backward(ctx, grad):
@@ -604,7 +609,8 @@ _UNSAFE_IN_GRAPHS = (
 def _backward_op(
     grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list[Optional[Tensor]], direction: str, eps: float
 ) -> list[Tensor]:
-    """The library's native backward on CPU or CUDA tensors, given grad = dL/dy and the forward's
+    """The library's native backward on CPU or CUDA tensors (ROCm ones with
+    `TRIMUL_HIP_BACKWARD=native`), given grad = dL/dy and the forward's
     twelve weights in signature order (`AF3_WEIGHTS`): the gradients of x (in x's dtype where it
     is float32, bfloat16 or float16, else float32) and of each weight that is not None (float32),
     in that order, on x's device. Autograd calls it with what the forward
@@ -647,7 +653,8 @@ def _dx_dtype(x: Tensor) -> torch.dtype:
 
 
 def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, direction: str, eps: float) -> list:
-    """The native backward on CUDA tensors, on the current stream: x and grad in x's precision
+    """The native backward on CUDA (or ROCm: the HIP backend's) tensors, on the current stream:
+    x and grad in x's precision
     (float32, or bfloat16 and float16 as they are: the library then keeps most intermediates in
     16 bits), dx in it too, the mask as float32; dx, the workspace and the weight gradients
     (float32, written on the device at the end of the stream's work) from PyTorch's allocator.
@@ -684,13 +691,18 @@ def _cuda_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list, dir
 
 def _check_backward_args(grad: Tensor, x: Tensor, mask: Optional[Tensor], w: list) -> None:
     """What the backward op needs of its arguments when called directly: tensors on x's device,
-    the CPU or (on a CUDA build of PyTorch) a CUDA device, x `[B, N, N, C]`, grad of x's shape,
-    the mask `[B, N, N]`, twelve weights with the forward's shapes."""
+    the CPU or a GPU (CUDA; ROCm with `TRIMUL_HIP_BACKWARD=native`), x `[B, N, N, C]`, grad of
+    x's shape, the mask `[B, N, N]`, twelve weights with the forward's shapes."""
     if len(w) != 12:
         raise ValueError(f"{len(w)} weights given, expected 12 ({', '.join(_args.AF3_WEIGHTS)})")
-    if not isinstance(x, torch.Tensor) or not (x.device.type == "cpu" or (x.is_cuda and not _HIP)):
+    if not isinstance(x, torch.Tensor) or not (x.device.type == "cpu" or x.is_cuda):
         where = getattr(x, "device", type(x).__name__)
-        raise ValueError(f"the native backward takes CPU or CUDA tensors so far; x is on {where}")
+        raise ValueError(f"the native backward takes CPU or GPU tensors; x is on {where}")
+    if _HIP and not _HIP_NATIVE_BACKWARD and x.is_cuda:
+        raise ValueError(
+            "the native backward on ROCm tensors has not run on an AMD GPU: it is opt-in "
+            "(TRIMUL_HIP_BACKWARD=native before importing trimul)"
+        )
     named = [("grad", grad), ("mask", mask)] + list(zip(_args.AF3_WEIGHTS, w))
     for name, t in named:
         if t is not None and (not isinstance(t, torch.Tensor) or t.device != x.device):

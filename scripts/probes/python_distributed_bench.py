@@ -4,11 +4,16 @@ the current stream around each call, median of 10 after 3 warm-ups; the two-GPU 
 longer rank's. Run with two processes:
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 scripts/probes/python_distributed_bench.py
+
+With ``--grad``, each call is a forward and a backward of ``sum(y * g)`` with x and every weight
+requiring grad (the sharded call's backward is the PyTorch recompute; the one-GPU call's the
+native backward), at N = 512, 1024 and 2048. (``--grad`` has not run yet.)
 """
 
 import functools
 import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
@@ -46,7 +51,22 @@ def pair(rows: int, n: int, device, seed: int):
     return x, mask
 
 
+def with_grad(call, x, w: dict):
+    """`call` as one forward and backward of sum(y * g), x and every weight requiring grad."""
+    xs = x.detach().clone().requires_grad_()
+    ws = {k: v.detach().clone().requires_grad_() for k, v in w.items()}
+    g = torch.ones_like(x)
+
+    def step():
+        with torch.enable_grad():
+            y = call(xs, **ws)
+            torch.autograd.grad(y, [xs, *ws.values()], g)
+
+    return step
+
+
 def main() -> None:
+    grad = "--grad" in sys.argv[1:]
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
@@ -54,22 +74,31 @@ def main() -> None:
     me = dist.get_rank()
     w = af3_weights(C, H, torch.bfloat16, device, torch.Generator().manual_seed(5))
     for direction in ("outgoing", "incoming"):
-        for n in (1024, 2048, 4096):
+        for n in (512, 1024, 2048) if grad else (1024, 2048, 4096):
             r0, r1 = tmd.rows(n)
             x, mask = pair(r1 - r0, n, device, n + me)
-            two = timed(
-                functools.partial(
-                    tmd.triangle_multiplicative_update, x, direction, mask, **w
+            if grad:
+                sharded = functools.partial(
+                    tmd.triangle_multiplicative_update, direction=direction, mask=mask
                 )
-            )
+                two = timed(with_grad(sharded, x, w))
+            else:
+                two = timed(
+                    functools.partial(
+                        tmd.triangle_multiplicative_update, x, direction, mask, **w
+                    )
+                )
             per_rank = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, two)
             if me == 0:
                 xf, mf = pair(n, n, device, n)
+                whole = functools.partial(
+                    trimul.triangle_multiplicative_update, direction=direction, mask=mf
+                )
                 one = timed(
-                    functools.partial(
-                        trimul.triangle_multiplicative_update, xf, direction, mf, **w
-                    )
+                    with_grad(whole, xf, w)
+                    if grad
+                    else functools.partial(whole, xf, **w)
                 )
                 del xf, mf
                 ranks = "/".join(f"{t:.3f}" for t in per_rank)

@@ -135,19 +135,17 @@ fn weights(case: &Case, f: Formulation, biases: bool, seed: u64) -> Weights {
 }
 
 /// At C = H = 1 both LayerNorms output their bias β, so y is one number at every position, for
-/// af3 `σ(w_g·β_in + b_g)·(w_p·β_out + b_p)`. Where a bias nearly cancels its product, the 16-bit
-/// rounding of β and w (about 2⁻⁹ relative, by design on the GPUs) is amplified without bound in
-/// that number: TRIMUL_TEST_SEED=8351379529235391017 drew 2.171 − 2.107 and a 1.7% error, inside
-/// GPU MODE's rule but past the relative-L2 bound, which exists to catch systematic errors of a
-/// sum of many terms. Giving each bias its product's sign keeps the sums well conditioned, so the
-/// bound still tests that width one is computed right.
+/// af3 `σ(w_g·β_in + b_g)·(w_p·β_out + b_p)`. Where the output bias nearly cancels its product,
+/// the GPUs' f16 rounding of β_out and w_p (2⁻¹¹ relative, by design) is amplified without bound
+/// in that number: TRIMUL_TEST_SEED=8351379529235391017 drew 2.171 − 2.107 and a 1.7% error,
+/// inside GPU MODE's rule but past the relative-L2 bound, which exists to catch systematic errors
+/// of a sum of many terms. Giving b_p its product's sign keeps that sum well conditioned, so the
+/// bound still tests that width one is computed right. (The gate's sum needs nothing: σ damps
+/// its error, σ' ≤ 1/4.)
 fn without_cancellation(w: &mut Weights) {
-    let (beta_in, beta_out) = (w.norm_in.bias[0], w.norm_out.bias[0]);
-    for (linear, input) in [(&mut w.out_gate, beta_in), (&mut w.out_proj, beta_out)] {
-        let product = linear.weight[0] * input;
-        if let Some(b) = &mut linear.bias {
-            b[0] = b[0].abs().copysign(product);
-        }
+    let product = w.out_proj.weight[0] * w.norm_out.bias[0];
+    if let Some(b) = &mut w.out_proj.bias {
+        b[0] = b[0].abs().copysign(product);
     }
 }
 
