@@ -99,12 +99,7 @@ def back_to_back(device) -> dict:
         got = b.cpu()
         # The same two steps on one GPU, rank by rank: the incoming update of the outgoing one's
         # rows needs every row, so the whole first update is gathered.
-        parts = [
-            torch.empty(1, e - s, n, c, dtype=a.dtype, device=device)
-            for s, e in _trimul.row_split(n, dist.get_world_size())
-        ]
-        dist.all_gather(parts, a.contiguous())
-        whole_a = torch.cat(parts, dim=1)
+        whole_a = tmd._gather_rows(dist, None, a, _trimul.row_split(n, dist.get_world_size()))
         one = trimul.triangle_multiplicative_update(whole_a, "incoming", **w_in)[:, r0:r1]
     torch.cuda.synchronize()
     want = f64_reference(whole_a, "incoming", None, **w_in)[:, r0:r1]

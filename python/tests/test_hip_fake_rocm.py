@@ -103,10 +103,12 @@ SCRIPT = textwrap.dedent(
         p, size = wd[k]
         return (p + i * (size // 2) * 4, size // 2, 0)
     whole = lambda k: (wd[k][0], wd[k][1], 0)
-    entries = [whole("norm_in_weight"), whole("norm_in_bias"), half("p_in_weight", 0), half("p_in_bias", 0),
-               half("g_in_weight", 0), half("g_in_bias", 0), half("p_in_weight", 1), half("p_in_bias", 1),
-               half("g_in_weight", 1), half("g_in_bias", 1), whole("g_out_weight"), whole("g_out_bias"),
-               whole("norm_out_weight"), whole("norm_out_bias"), whole("p_out_weight"), whole("p_out_bias")]
+    # The layer's 16 weight entries in their canonical order, by AF3 name and half (None: whole).
+    order = [("norm_in_weight", None), ("norm_in_bias", None), ("p_in_weight", 0), ("p_in_bias", 0),
+             ("g_in_weight", 0), ("g_in_bias", 0), ("p_in_weight", 1), ("p_in_bias", 1),
+             ("g_in_weight", 1), ("g_in_bias", 1), ("g_out_weight", None), ("g_out_bias", None),
+             ("norm_out_weight", None), ("norm_out_bias", None), ("p_out_weight", None), ("p_out_bias", None)]
+    entries = [whole(k) if i is None else half(k, i) for k, i in order]
     nbytes = _trimul.hip_prepared_bytes(0, "af3", c, h, True)
     storage = empty(nbytes)
     layer = _trimul.HipLayer(0, "af3", c, h, "incoming", 1e-5, entries, storage, nbytes, 0)
@@ -146,11 +148,6 @@ SCRIPT = textwrap.dedent(
     wr = [torch.from_numpy(w[k].astype(np.float64)).requires_grad_() for k in AF3_WEIGHTS]
     yr = reference.af3(xr, torch.from_numpy(mask.astype(np.float64)), wr, "incoming", 1e-5)
     want_grads = torch.autograd.grad(yr, [xr] + wr, torch.from_numpy(dy.astype(np.float64)))
-    # The canonical order of the layer's 16 weight entries (`entries` above) by AF3 name and half.
-    order = [("norm_in_weight", None), ("norm_in_bias", None), ("p_in_weight", 0), ("p_in_bias", 0),
-             ("g_in_weight", 0), ("g_in_bias", 0), ("p_in_weight", 1), ("p_in_bias", 1),
-             ("g_in_weight", 1), ("g_in_bias", 1), ("g_out_weight", None), ("g_out_bias", None),
-             ("norm_out_weight", None), ("norm_out_bias", None), ("p_out_weight", None), ("p_out_bias", None)]
     def assembled(parts):
         # The 16 entries' gradients put back into the twelve AF3 tensors.
         out = {}

@@ -238,7 +238,8 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
             _torch._check_tensor(name, t, x4)
     # The whole pair tensor's shapes: the weights' checks are the one-GPU call's.
     _args.check_af3_shapes((b, n, n, c), None, weights)
-    r0, r1 = _trimul.row_split(n, world)[me]
+    splits = _trimul.row_split(n, world)
+    r0, r1 = splits[me]
     if r != r1 - r0:
         raise ValueError(
             f"x has {r} rows of the first pair index on rank {me} of {world}; with N = {n} this rank holds "
@@ -253,7 +254,7 @@ def _sharded(dist, group, world: int, me: int, x, direction, mask, weights: dict
             m3 = m3.to(torch.bfloat16).to(torch.float32)
         m3 = _torch._contiguous(m3)
     x4 = _torch._contiguous(x4)
-    contraction = functools.partial(_contract_rows, dist, group, _trimul.row_split(n, world), me)
+    contraction = functools.partial(_contract_rows, dist, group, splits, me)
     if on_gpu:
         run = functools.partial(_forward_on_gpu, dist, group, world, me, direction, eps)
     else:
