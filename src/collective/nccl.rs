@@ -182,8 +182,13 @@ impl Communicator {
     /// so this comes before the caller launches anything after the exchange.
     fn settle(&mut self, what: &str, late: impl FnOnce() -> String) -> Result<()> {
         let Some(timeout) = self.timeout else { return Ok(()) };
+        // NCCL hands a non-blocking group to its own thread, so every exchange's ncclGroupEnd
+        // returns ncclInProgress and settles here, usually within microseconds: the first
+        // millisecond yields instead of sleeping (a sleep costs ~60 µs or more, several per
+        // forward), and only a wait past it (a peer's first connection) backs off to sleeps.
+        const SPIN: Duration = Duration::from_millis(1);
         let start = Instant::now();
-        let mut pause = Duration::from_micros(20);
+        let mut pause = Duration::from_micros(50);
         loop {
             let mut state = sys::ncclResult_t::ncclInProgress;
             // SAFETY: a live communicator (not aborted: every caller checks) and a place for the
@@ -202,6 +207,10 @@ impl Communicator {
             if start.elapsed() >= timeout {
                 self.abort();
                 return Err(Error::driver(BackendKind::Cuda, what, late()));
+            }
+            if start.elapsed() < SPIN {
+                std::thread::yield_now();
+                continue;
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(2));
