@@ -709,21 +709,27 @@ impl CudaShardedRank {
 impl CudaShardedRank {
     /// Joins rank `rank` of `ranks` on CUDA device `device` to the communicator named by
     /// `unique_id` (`nccl_unique_id` on one rank, the same bytes on every rank): returns once
-    /// every rank has joined, or raises after `timeout_s` seconds without them (and when an
-    /// exchange cannot reach a peer in that time later).
+    /// every rank has joined. With `timeout_s`, the communicator is NCCL's non-blocking kind:
+    /// the join raises after `timeout_s` seconds without the other ranks (and so does an
+    /// exchange that cannot reach a peer in that time later), and every exchange costs more
+    /// (`Communicator::join_within`); without it, NCCL waits for them as long as it takes.
     #[new]
-    #[pyo3(signature = (unique_id, ranks, rank, device, timeout_s=600.0))]
+    #[pyo3(signature = (unique_id, ranks, rank, device, timeout_s=None))]
     fn new(
         py: Python<'_>,
         unique_id: Vec<u8>,
         ranks: usize,
         rank: usize,
         device: usize,
-        timeout_s: f64,
+        timeout_s: Option<f64>,
     ) -> PyResult<Self> {
-        let timeout = timeout(timeout_s)?;
+        let timeout = timeout_s.map(timeout).transpose()?;
         let joined = py.detach(|| {
-            Communicator::join_within(&unique_id, ranks, rank, device, timeout).and_then(ShardedRank::new)
+            match timeout {
+                Some(timeout) => Communicator::join_within(&unique_id, ranks, rank, device, timeout),
+                None => Communicator::join(&unique_id, ranks, rank, device),
+            }
+            .and_then(ShardedRank::new)
         });
         Ok(CudaShardedRank { rank: Mutex::new(joined.map_err(to_py)?) })
     }

@@ -33,6 +33,34 @@ def test_rows_are_split_as_evenly_as_possible_first_ranks_one_more():
         _trimul.row_split(2, 3)
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        ("", None),
+        ("2.5", 2.5),
+        ("600", 600.0),
+        ("0", "ValueError"),
+        ("-1", "ValueError"),
+        ("nan", "ValueError"),
+        ("inf", "ValueError"),
+        ("soon", "ValueError"),
+    ],
+)
+def test_the_join_deadline_comes_from_trimul_nccl_timeout_s(monkeypatch, value, expected):
+    # Unset: NCCL's blocking communicator (no deadline, no cost per exchange); a positive number
+    # of seconds: the non-blocking one with that deadline; anything else is refused by name.
+    if value is None:
+        monkeypatch.delenv("TRIMUL_NCCL_TIMEOUT_S", raising=False)
+    else:
+        monkeypatch.setenv("TRIMUL_NCCL_TIMEOUT_S", value)
+    if expected == "ValueError":
+        with pytest.raises(ValueError, match="TRIMUL_NCCL_TIMEOUT_S=.*positive number of seconds"):
+            tmd._join_timeout()
+    else:
+        assert tmd._join_timeout() == expected
+
+
 def test_needs_an_initialised_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

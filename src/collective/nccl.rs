@@ -46,10 +46,10 @@ pub struct Communicator {
     device: usize,
     /// Set by [`Communicator::abort`]: the handle is gone.
     aborted: bool,
-    /// For a communicator joined across processes ([`Communicator::join_within`]), which NCCL
+    /// For a communicator joined with a deadline ([`Communicator::join_within`]), which NCCL
     /// runs non-blocking: how long its join, or the connections an exchange makes to its peers
-    /// on first use, may take before the peers count as lost. `None`: blocking (one process's
-    /// [`Communicator::for_local_gpus`], whose ranks cannot go missing).
+    /// on first use, may take before the peers count as lost. `None`: blocking
+    /// ([`Communicator::join`], and one process's [`Communicator::for_local_gpus`]).
     timeout: Option<Duration>,
 }
 
@@ -104,30 +104,41 @@ impl Communicator {
         Ok(id.internal.iter().map(|&b| b as u8).collect())
     }
 
-    /// How long [`Communicator::join`] waits for the other ranks: PyTorch's default for its own
-    /// NCCL process groups.
-    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
-
-    /// [`Communicator::join_within`] [`Communicator::DEFAULT_TIMEOUT`].
+    /// Rank `rank` of `ranks`, on CUDA device `device`, of the communicator named by
+    /// `unique_id` ([`Communicator::unique_id`]): `ncclCommInitRank`, which returns once every
+    /// rank has joined. Each rank calls it from its own thread or process. A rank that never
+    /// comes leaves this call waiting; [`Communicator::join_within`] gives the join a deadline.
     pub fn join(unique_id: &[u8], ranks: usize, rank: usize, device: usize) -> Result<Communicator> {
-        Self::join_within(unique_id, ranks, rank, device, Self::DEFAULT_TIMEOUT)
+        Self::join_as(unique_id, ranks, rank, device, None)
     }
 
-    /// Rank `rank` of `ranks`, on CUDA device `device`, of the communicator named by
-    /// `unique_id` ([`Communicator::unique_id`]); returns once every rank has joined. Each rank
-    /// calls it from its own thread or process.
+    /// As [`Communicator::join`], with a deadline: the communicator is NCCL's non-blocking kind
+    /// (`ncclCommInitRankConfig`, `blocking = 0`). Where a rank never comes (its process died
+    /// before joining, a wrong unique id or rank count), this rank's join fails after `timeout`
+    /// with an error naming it, and so does an exchange whose first connection to a peer cannot
+    /// be made in that time, instead of waiting forever; the communicator is aborted then.
     ///
-    /// The communicator is NCCL's non-blocking kind (`ncclCommInitRankConfig`, `blocking = 0`):
-    /// where a rank never comes (its process died before joining, a wrong unique id or rank
-    /// count), this rank's join fails after `timeout` with an error naming it, and so does an
-    /// exchange whose first connection to a peer cannot be made in that time, instead of
-    /// waiting forever. The communicator is aborted then.
+    /// The price: NCCL runs each of a non-blocking communicator's exchanges from a thread of its
+    /// own, which the rank waits for before launching its next kernel, so every sharded forward
+    /// takes longer (`docs/multi-gpu.md` has the numbers). A rank that stops after the first
+    /// exchanges is caught by [`crate::sharded::ShardedRank::wait`]'s deadline either way.
     pub fn join_within(
         unique_id: &[u8],
         ranks: usize,
         rank: usize,
         device: usize,
         timeout: Duration,
+    ) -> Result<Communicator> {
+        Self::join_as(unique_id, ranks, rank, device, Some(timeout))
+    }
+
+    /// [`Communicator::join`] (blocking, `timeout` `None`) or [`Communicator::join_within`].
+    fn join_as(
+        unique_id: &[u8],
+        ranks: usize,
+        rank: usize,
+        device: usize,
+        timeout: Option<Duration>,
     ) -> Result<Communicator> {
         let mut id = sys::ncclUniqueId { internal: [0; 128] };
         if unique_id.len() != id.internal.len() {
@@ -153,8 +164,13 @@ impl Communicator {
         let ctx = cudarc::driver::CudaContext::new(device)
             .map_err(|e| Error::driver(BackendKind::Cuda, "cuDevicePrimaryCtxRetain", format!("{e:?}")))?;
         ctx.bind_to_thread().map_err(|e| Error::driver(BackendKind::Cuda, "cuCtxSetCurrent", format!("{e:?}")))?;
-        let mut config = non_blocking_config()?;
         let mut comm = std::ptr::null_mut();
+        let Some(timeout) = timeout else {
+            // SAFETY: `comm` receives the handle; `id` is a complete unique id passed by value.
+            unsafe { nc::comm_init_rank(&mut comm, n, id, r) }.map_err(|e| nccl_err("ncclCommInitRank", e))?;
+            return Ok(Communicator { comm, rank, ranks, device, aborted: false, timeout: None });
+        };
+        let mut config = non_blocking_config()?;
         // SAFETY: `comm` receives the handle; `id` is a complete unique id passed by value;
         // `config` is a whole config of the version it states, read during the call.
         let code = unsafe { sys::ncclCommInitRankConfig(&mut comm, n, id, r, &mut config) };
