@@ -201,6 +201,7 @@ impl ShardedRank {
         agree: bool,
     ) -> Result<()> {
         self.comm.check_live()?;
+        self.comm.check_stream(stream)?;
         problem.validate()?;
         let i = self.workspace_for(prepared, problem, agree)?;
         self.backend.bind_to_thread()?;
@@ -219,14 +220,17 @@ impl ShardedRank {
         enqueued
     }
 
-    /// Waits for this rank's last forward, at most `timeout`. NCCL has no deadline of its own:
-    /// a peer that failed or stopped leaves this rank's exchanges waiting on the GPU forever.
-    /// If NCCL reports an error or the time runs out, this rank's communicator is aborted (its
-    /// waiting exchanges end) and the error returned; the rank refuses further forwards.
+    /// Waits for this rank's last forward, at most `timeout`. NCCL has no deadline for enqueued
+    /// exchanges: a peer that failed or stopped leaves this rank's exchanges waiting on the GPU
+    /// forever. If NCCL reports an error or the time runs out, this rank's communicator is
+    /// aborted (its waiting exchanges end) and the error returned; the rank refuses further
+    /// forwards.
     ///
-    /// Only once the ranks have exchanged before (NCCL connects in the first exchange, on the
-    /// host) does a lost peer show here; a peer lost before that blocks the first forward's
-    /// enqueueing itself.
+    /// Only once the ranks have exchanged before (NCCL 2.22 and later connect in the first
+    /// exchange, on the host) does a lost peer show here. A peer lost before that blocks the
+    /// first forward's enqueueing itself on a blocking communicator ([`Communicator::join`]);
+    /// on one joined with a deadline ([`Communicator::join_within`]) that forward fails after
+    /// the deadline instead.
     pub fn wait(&mut self, timeout: Duration) -> Result<()> {
         let start = Instant::now();
         loop {

@@ -183,19 +183,22 @@ fn ranks_joined_by_unique_id_match_one_gpu() {
     let x = rng.normal_vec(p.x_len(), 1.0);
     let mask = rng.mask_vec(p.mask_len());
     let (n, c) = (p.shape.n, p.config.c);
-    let parts = on_two_joined_ranks(|comm| {
-        let mut layer = trimul::sharded::ShardedLayer::new(&weights, &p, comm).unwrap();
-        upload_rows(&mut layer, &x, &mask);
-        layer.forward_uploaded().unwrap();
-        (layer.rows(), layer.download().unwrap())
-    });
     let mut layer = Layer::new(&one, &weights, Options::new(p.direction)).unwrap();
     let mut want = vec![f32::NAN; x.len()];
     layer.forward_into(&x, Some(&mask), &mut want, p.shape).unwrap();
-    for (rows, y) in parts {
-        let want = &want[rows.start * n * c..rows.end * n * c];
-        let cmp = reference::compare(&y, want, TOL, TOL);
-        assert_eq!(cmp.bad, 0, "rows {rows:?}: differs from the one-GPU forward: {cmp}");
+    // Joined blocking (`join`, the default) and with a deadline (`join_within`: non-blocking).
+    for deadline in [None, Some(Duration::from_secs(120))] {
+        let parts = on_two_joined_ranks_as(deadline, |comm| {
+            let mut layer = trimul::sharded::ShardedLayer::new(&weights, &p, comm).unwrap();
+            upload_rows(&mut layer, &x, &mask);
+            layer.forward_uploaded().unwrap();
+            (layer.rows(), layer.download().unwrap())
+        });
+        for (rows, y) in parts {
+            let want = &want[rows.start * n * c..rows.end * n * c];
+            let cmp = reference::compare(&y, want, TOL, TOL);
+            assert_eq!(cmp.bad, 0, "rows {rows:?}, deadline {deadline:?}: differs from the one-GPU forward: {cmp}");
+        }
     }
     // A wrong id length is an error, not a crash.
     let id = trimul::collective::Communicator::unique_id().unwrap();
@@ -433,21 +436,32 @@ fn a_peer_gone_before_the_first_exchange_is_an_error_not_a_hang() {
     let (result, took) = outcome.expect("rank 0's outcome");
     let err = result.expect_err("a forward without its peer succeeded");
     assert!(took < 3 * timeout, "the forward failed only after {took:?}: {err}");
+    assert!(err.contains("was aborted") || err.contains("aborted after"), "not the lost peer's error: {err}");
     let _ = writeln!(std::io::stderr(), "rank 0 after {took:?}: {err}");
 }
 
 /// Runs `work` on ranks 0 and 1 at once, one thread each (rank r on GPU r), each with its
-/// communicator joined from one unique id as ranks in separate processes join; the ranks'
-/// results in rank order.
-fn on_two_joined_ranks<T: Send>(work: impl Fn(trimul::collective::Communicator) -> T + Sync) -> Vec<T> {
-    let id = trimul::collective::Communicator::unique_id().unwrap();
+/// communicator joined from one unique id as ranks in separate processes join, with a deadline
+/// (so that a rank whose join fails cannot leave the other's thread waiting in NCCL forever:
+/// the test then fails instead of hanging); the ranks' results in rank order.
+fn on_two_joined_ranks<T: Send>(work: impl Fn(Communicator) -> T + Sync) -> Vec<T> {
+    on_two_joined_ranks_as(Some(Duration::from_secs(120)), work)
+}
+
+/// [`on_two_joined_ranks`] with the join's deadline given: `None` joins blocking.
+fn on_two_joined_ranks_as<T: Send>(deadline: Option<Duration>, work: impl Fn(Communicator) -> T + Sync) -> Vec<T> {
+    let id = Communicator::unique_id().unwrap();
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..2)
             .map(|rank| {
                 let (id, work) = (&id, &work);
-                // With a deadline, so that a rank whose join fails cannot leave the other's
-                // thread waiting in NCCL forever (the test then fails instead of hanging).
-                s.spawn(move || work(Communicator::join_within(id, 2, rank, rank, Duration::from_secs(120)).unwrap()))
+                s.spawn(move || {
+                    let comm = match deadline {
+                        Some(t) => Communicator::join_within(id, 2, rank, rank, t),
+                        None => Communicator::join(id, 2, rank, rank),
+                    };
+                    work(comm.unwrap())
+                })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()

@@ -723,6 +723,11 @@ impl CudaShardedRank {
         device: usize,
         timeout_s: Option<f64>,
     ) -> PyResult<Self> {
+        if let Some(t) = timeout_s.filter(|t| !(t.is_finite() && *t > 0.0)) {
+            return Err(PyValueError::new_err(format!(
+                "timeout_s={t}: give the join's deadline as a positive, finite number of seconds (or None: no deadline)"
+            )));
+        }
         let timeout = timeout_s.map(timeout).transpose()?;
         let joined = py.detach(|| {
             match timeout {

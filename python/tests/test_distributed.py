@@ -61,6 +61,13 @@ def test_the_join_deadline_comes_from_trimul_nccl_timeout_s(monkeypatch, value, 
         assert tmd._join_timeout() == expected
 
 
+@pytest.mark.parametrize("timeout_s", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_join_deadline_that_is_not_a_positive_time_is_refused_before_nccl(timeout_s):
+    # Refused before NCCL is loaded or a GPU touched, so this runs anywhere.
+    with pytest.raises(ValueError, match="positive, finite number of seconds"):
+        _trimul.CudaShardedRank(bytes(128), 2, 0, 0, timeout_s)
+
+
 def test_needs_an_initialised_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

@@ -7,7 +7,8 @@ longer rank's. Run with two processes:
 
 With ``--grad``, each call is a forward and a backward of ``sum(y * g)`` with x and every weight
 requiring grad (the sharded call's backward is the PyTorch recompute; the one-GPU call's the
-native backward), at N = 512, 1024 and 2048. (``--grad`` has not run yet.)
+native backward), at N = 512, 1024 and 2048. Its numbers: `docs/perf/NOTES.md`, thirty-second
+session.
 """
 
 import functools

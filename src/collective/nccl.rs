@@ -79,9 +79,9 @@ impl Communicator {
             .collect::<Result<Vec<i32>>>()?;
         let mut comms = vec![std::ptr::null_mut(); devices.len()];
         // SAFETY: `comms` has room for one handle per listed device; the list outlives the call.
-        unsafe { nc::comm_init_all(comms.as_mut_ptr(), list.len() as i32, list.as_ptr()) }
+        let status = unsafe { nc::comm_init_all(comms.as_mut_ptr(), list.len() as i32, list.as_ptr()) }
             .map_err(|e| nccl_err("ncclCommInitAll", e))?;
-        Ok(comms
+        let mut comms: Vec<Communicator> = comms
             .into_iter()
             .enumerate()
             .map(|(rank, comm)| Communicator {
@@ -92,7 +92,14 @@ impl Communicator {
                 aborted: false,
                 timeout: None,
             })
-            .collect())
+            .collect();
+        if status == nc::NcclStatus::InProgress {
+            // Only where NCCL_COMM_BLOCKING=0 in the environment made them non-blocking.
+            for comm in &mut comms {
+                comm.settle("ncclCommInitAll", String::new)?;
+            }
+        }
+        Ok(comms)
     }
 
     /// A fresh NCCL unique id (`ncclGetUniqueId`), 128 bytes: one rank makes it and hands the
@@ -113,15 +120,20 @@ impl Communicator {
     }
 
     /// As [`Communicator::join`], with a deadline: the communicator is NCCL's non-blocking kind
-    /// (`ncclCommInitRankConfig`, `blocking = 0`). Where a rank never comes (its process died
-    /// before joining, a wrong unique id or rank count), this rank's join fails after `timeout`
-    /// with an error naming it, and so does an exchange whose first connection to a peer cannot
-    /// be made in that time, instead of waiting forever; the communicator is aborted then.
+    /// (`ncclCommInitRankConfig`, `blocking = 0`; NCCL 2.14 or later). Where a rank never comes
+    /// (its process died before joining, a wrong unique id or rank count), this rank's join
+    /// fails after `timeout` with an error naming it, instead of waiting forever; the
+    /// communicator is aborted then. Where NCCL connects to the peers on an exchange's first use
+    /// (its default since 2.22, `NCCL_RUNTIME_CONNECT`), that exchange fails the same way when a
+    /// peer is gone by then; with earlier NCCL the connections are made in the join.
     ///
     /// The price: NCCL runs each of a non-blocking communicator's exchanges from a thread of its
     /// own, which the rank waits for before launching its next kernel, so every sharded forward
     /// takes longer (`docs/multi-gpu.md` has the numbers). A rank that stops after the first
     /// exchanges is caught by [`crate::sharded::ShardedRank::wait`]'s deadline either way.
+    /// Dropping the communicator finalizes it, waiting for its enqueued exchanges at most
+    /// `timeout` before aborting it. The exchanges cannot go on the per-thread default stream
+    /// (NCCL's thread would enqueue them on its own); `NCCL_COMM_BLOCKING=1` is refused.
     pub fn join_within(
         unique_id: &[u8],
         ranks: usize,
@@ -167,16 +179,34 @@ impl Communicator {
         let mut comm = std::ptr::null_mut();
         let Some(timeout) = timeout else {
             // SAFETY: `comm` receives the handle; `id` is a complete unique id passed by value.
-            unsafe { nc::comm_init_rank(&mut comm, n, id, r) }.map_err(|e| nccl_err("ncclCommInitRank", e))?;
-            return Ok(Communicator { comm, rank, ranks, device, aborted: false, timeout: None });
+            let status =
+                unsafe { nc::comm_init_rank(&mut comm, n, id, r) }.map_err(|e| nccl_err("ncclCommInitRank", e))?;
+            let mut joined = Communicator { comm, rank, ranks, device, aborted: false, timeout: None };
+            if status == nc::NcclStatus::InProgress {
+                // Only where NCCL_COMM_BLOCKING=0 in the environment made it non-blocking: wait
+                // for the join as the blocking call would have (no deadline).
+                joined.settle("ncclCommInitRank", String::new)?;
+            }
+            return Ok(joined);
         };
+        if std::env::var("NCCL_COMM_BLOCKING").is_ok_and(|v| v.trim() == "1") {
+            return Err(Error::InvalidArgument(
+                "a join with a deadline needs NCCL's non-blocking communicator, and NCCL_COMM_BLOCKING=1 in the \
+                 environment would make it blocking (and the deadline void): unset it, or join without a deadline"
+                    .into(),
+            ));
+        }
         let mut config = non_blocking_config()?;
         // SAFETY: `comm` receives the handle; `id` is a complete unique id passed by value;
         // `config` is a whole config of the version it states, read during the call.
         let code = unsafe { sys::ncclCommInitRankConfig(&mut comm, n, id, r, &mut config) };
         if let Err(e) = code.result() {
-            // A failed init leaves no communicator to free (NCCL frees it on its error path);
-            // a non-blocking one whose error shows later is aborted by `settle` below.
+            // Where NCCL failed to make the communicator it frees it and leaves `comm` null;
+            // where it made one whose joining then failed at once, `comm` is set and is aborted.
+            if !comm.is_null() {
+                // SAFETY: a communicator NCCL made and returned, aborted once and not used after.
+                let _ = unsafe { nc::comm_abort(comm) };
+            }
             return Err(nccl_err("ncclCommInitRankConfig", e));
         }
         let mut joined = Communicator { comm, rank, ranks, device, aborted: false, timeout: Some(timeout) };
@@ -193,11 +223,12 @@ impl Communicator {
 
     /// For a non-blocking communicator: waits until NCCL has finished what the last call left in
     /// progress (`ncclCommGetAsyncError` reports `ncclSuccess`), aborting it on an error or when
-    /// the timeout passes (with `late`'s message). Nothing else may be called on a non-blocking
-    /// communicator meanwhile; an exchange's group is only on the stream once it has settled,
-    /// so this comes before the caller launches anything after the exchange.
+    /// the timeout passes (with `late`'s message; no timeout: as long as it takes, as a blocking
+    /// call would). Nothing else may be called on a non-blocking communicator meanwhile; an
+    /// exchange's group is only on the stream once it has settled, so this comes before the
+    /// caller launches anything after the exchange.
     fn settle(&mut self, what: &str, late: impl FnOnce() -> String) -> Result<()> {
-        let Some(timeout) = self.timeout else { return Ok(()) };
+        let timeout = self.timeout.unwrap_or(Duration::MAX);
         // NCCL hands a non-blocking group to its own thread, so every exchange's ncclGroupEnd
         // returns ncclInProgress and settles here, usually within microseconds: the first
         // millisecond yields instead of sleeping (a sleep costs ~60 µs or more, several per
@@ -234,8 +265,8 @@ impl Communicator {
     }
 
     /// Closes an NCCL group this communicator's calls went into: `ncclGroupEnd`, then, for a
-    /// non-blocking communicator whose group is still being set up (its first connections to
-    /// the peers), [`Communicator::settle`].
+    /// non-blocking communicator (whose groups NCCL enqueues from a thread of its own, and whose
+    /// first group also connects to the peers), [`Communicator::settle`].
     fn end_group(&mut self, call: &str) -> Result<()> {
         let status = nc::group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
         if status != nc::NcclStatus::InProgress {
@@ -244,8 +275,8 @@ impl Communicator {
         let (rank, ranks, timeout) = (self.rank, self.ranks, self.timeout.unwrap_or_default());
         self.settle(call, || {
             format!(
-                "rank {rank} of {ranks} could not reach its peers within {:.1} s (one stopped or died); \
-                 the communicator was aborted",
+                "rank {rank} of {ranks}: the exchange was not enqueued within {:.1} s (its peers could not be \
+                 reached: one stopped or died); the communicator was aborted",
                 timeout.as_secs_f64()
             )
         })
@@ -392,6 +423,21 @@ impl Communicator {
     }
 
     /// An error once [`Communicator::abort`] was called: nothing may be enqueued on it then.
+    /// An error where this communicator cannot enqueue on `stream` in the caller's order: a
+    /// non-blocking one ([`Communicator::join_within`]) with the per-thread default stream
+    /// (`CU_STREAM_PER_THREAD`), which would be the stream of the NCCL thread that enqueues.
+    pub(crate) fn check_stream(&self, stream: CUstream) -> Result<()> {
+        const CU_STREAM_PER_THREAD: usize = 0x2;
+        if self.timeout.is_some() && stream as usize == CU_STREAM_PER_THREAD {
+            return Err(Error::InvalidArgument(
+                "a communicator joined with a deadline (non-blocking) cannot exchange on the per-thread default \
+                 stream: pass an explicit stream, or the legacy default stream (0)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     pub(crate) fn check_live(&self) -> Result<()> {
         if self.aborted {
             return Err(Error::InvalidArgument(format!(
