@@ -20,7 +20,14 @@ from . import _args, _trimul
 __version__ = _trimul.__version__
 _WEIGHT_NAMES = _args.AF3_WEIGHTS
 
-__all__ = ["triangle_multiplicative_update", "clear_cache", "info", "__version__"]
+__all__ = [
+    "triangle_multiplicative_update",
+    "patch_cuequivariance",
+    "unpatch_cuequivariance",
+    "clear_cache",
+    "info",
+    "__version__",
+]
 
 
 def triangle_multiplicative_update(
@@ -104,6 +111,35 @@ def _is_numpy(x) -> bool:
     except ImportError:
         return False
     return isinstance(x, np.ndarray)
+
+
+def patch_cuequivariance() -> list:
+    """Makes code written for cuEquivariance's ``triangle_multiplicative_update`` call trimul's,
+    without editing it: Boltz, OpenFold3 and other models that call cuEquivariance's function
+    (switched on by their own kernel options) then run trimul. Returns the names of the modules
+    that now give trimul's function.
+
+    Where ``cuequivariance_torch`` is installed, its ``triangle_multiplicative_update`` (in the
+    package and in ``cuequivariance_torch.primitives.triangle``) is replaced, and so is every
+    name another module bound to it before this call; its other operations, such as triangle
+    attention, stay cuEquivariance's. Where it is not installed (AMD GPUs, the CPU), stand-in
+    modules of those names give trimul's function, and any other name in them is an error: code
+    that also wants cuEquivariance's triangle attention from them fails at that import.
+
+    Call it before the model runs (before it is imported where the model binds the name at import
+    and cuEquivariance is absent). ``unpatch_cuequivariance`` undoes it.
+    """
+    from . import _cueq_patch
+
+    return _cueq_patch.patch(triangle_multiplicative_update)
+
+
+def unpatch_cuequivariance() -> None:
+    """Undoes ``patch_cuequivariance``: the replaced names are bound to cuEquivariance's function
+    again and trimul's stand-in modules are removed."""
+    from . import _cueq_patch
+
+    _cueq_patch.unpatch()
 
 
 def clear_cache() -> None:
