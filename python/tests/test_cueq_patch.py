@@ -1,6 +1,6 @@
-"""trimul.patch_cuequivariance: code written for cuEquivariance's function runs trimul's, with
-cuEquivariance absent (stand-in modules) and installed (a package of cuEquivariance 0.13's layout
-written here, since the real one needs an NVIDIA GPU to import)."""
+"""trimul.patch_cuequivariance: code written for cuEquivariance's function runs trimul's, against
+a package of cuEquivariance 0.13's layout written here and, where it imports, the real one (its
+Python package loads without a GPU); without cuEquivariance the patch refuses."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ CUEQ = ("cuequivariance_torch", "cuequivariance_torch.primitives", "cuequivarian
 @pytest.fixture
 def clean_modules():
     """Leaves sys.modules and the patch as it found them (the patch is process-wide)."""
-    before = {name: sys.modules.get(name) for name in (*CUEQ, "a_model_module")}
+    before = {name: sys.modules.get(name) for name in (*CUEQ, "a_model_module", "a_lazy_module")}
     yield
     trimul.unpatch_cuequivariance()
     for name, module in before.items():
@@ -37,36 +37,13 @@ def _inputs():
     return x, w
 
 
-def test_without_cuequivariance_stand_ins_give_trimuls_function(clean_modules):
+def test_without_cuequivariance_the_patch_refuses_and_says_why(clean_modules):
     if importlib.util.find_spec("cuequivariance_torch") is not None:
         pytest.skip("cuequivariance_torch is installed here")
-    names = trimul.patch_cuequivariance()
-    assert names == list(CUEQ)
-    # The ways models reach it: OpenFold3's check and package import, Boltz's submodule import.
-    assert importlib.util.find_spec("cuequivariance_torch") is not None
-    from cuequivariance_torch import triangle_multiplicative_update as from_package
-    from cuequivariance_torch.primitives.triangle import triangle_multiplicative_update as from_triangle
-
-    assert from_package is trimul.triangle_multiplicative_update
-    assert from_triangle is trimul.triangle_multiplicative_update
-    x, w = _inputs()
-    mask = (torch.rand(1, 6, 6) > 0.3).float()
-    got = from_triangle(x, direction="incoming", mask=mask, eps=1e-5, **w)
-    want = trimul.triangle_multiplicative_update(x, "incoming", mask, eps=1e-5, **w)
-    assert torch.equal(got, want)
-    # What trimul does not stand in for is an error naming the stand-in, not a silent None.
-    import cuequivariance_torch
-
-    with pytest.raises(AttributeError, match="has triangle_multiplicative_update only"):
-        cuequivariance_torch.triangle_attention  # noqa: B018 - the access is the test
-    with pytest.raises(ImportError, match="triangle_attention"):
-        from cuequivariance_torch.primitives.triangle import triangle_attention  # noqa: F401
-    assert not hasattr(cuequivariance_torch, "triangle_attention")
-    # Twice is once; undone, the modules are gone.
-    assert trimul.patch_cuequivariance() == list(CUEQ)
-    trimul.unpatch_cuequivariance()
-    assert all(name not in sys.modules for name in CUEQ)
-    assert importlib.util.find_spec("cuequivariance_torch") is None
+    with pytest.raises(ModuleNotFoundError, match="cuequivariance_torch is not installed here"):
+        trimul.patch_cuequivariance()
+    assert "cuequivariance_torch" not in sys.modules
+    trimul.unpatch_cuequivariance()  # nothing to undo: no error
 
 
 def _fake_cuequivariance(root) -> None:
@@ -89,8 +66,14 @@ def _fake_cuequivariance(root) -> None:
             """
         )
     )
-    # A model module that bound the name at its import, before the patch (as OpenFold3 does).
-    (root / "a_model_module.py").write_text("from cuequivariance_torch import triangle_multiplicative_update\n")
+    # A model module that bound the function at its import, before the patch: under its name (as
+    # OpenFold3 does) and under an alias (as BoltzGen does).
+    (root / "a_model_module.py").write_text(
+        "from cuequivariance_torch import triangle_multiplicative_update\n"
+        "from cuequivariance_torch.primitives.triangle import triangle_multiplicative_update as _tmu\n"
+    )
+    # A module that must not run: the patch reads namespaces without loading lazy modules.
+    (root / "a_lazy_module.py").write_text("raise RuntimeError('the patch loaded a lazy module')\n")
 
 
 def test_with_cuequivariance_installed_only_its_trimul_is_replaced(clean_modules, tmp_path, monkeypatch):
@@ -103,14 +86,19 @@ def test_with_cuequivariance_installed_only_its_trimul_is_replaced(clean_modules
     import cuequivariance_torch
     from cuequivariance_torch.primitives import triangle
 
+    spec = importlib.util.find_spec("a_lazy_module")
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    lazy = importlib.util.module_from_spec(spec)
+    sys.modules["a_lazy_module"] = lazy
+    spec.loader.exec_module(lazy)  # lazily: runs on first attribute access
     theirs = triangle.triangle_multiplicative_update
-    assert a_model_module.triangle_multiplicative_update is theirs
+    assert a_model_module.triangle_multiplicative_update is theirs and a_model_module._tmu is theirs
     names = trimul.patch_cuequivariance()
     assert names == ["a_model_module", "cuequivariance_torch", "cuequivariance_torch.primitives.triangle"]
     ours = trimul.triangle_multiplicative_update
     assert cuequivariance_torch.triangle_multiplicative_update is ours
     assert triangle.triangle_multiplicative_update is ours
-    assert a_model_module.triangle_multiplicative_update is ours
+    assert a_model_module.triangle_multiplicative_update is ours and a_model_module._tmu is ours
     assert triangle.triangle_attention(None, None, None, None) == "cuequivariance attention"
     x, w = _inputs()
     y = a_model_module.triangle_multiplicative_update(x, direction="outgoing", mask=None, **w)
@@ -119,4 +107,29 @@ def test_with_cuequivariance_installed_only_its_trimul_is_replaced(clean_modules
     trimul.unpatch_cuequivariance()
     assert cuequivariance_torch.triangle_multiplicative_update is theirs
     assert triangle.triangle_multiplicative_update is theirs
-    assert a_model_module.triangle_multiplicative_update is theirs
+    assert a_model_module.triangle_multiplicative_update is theirs and a_model_module._tmu is theirs
+    assert object.__getattribute__(lazy, "__class__") is importlib.util._LazyModule  # never loaded
+
+
+def test_with_the_real_cuequivariance_its_function_is_replaced_and_restored(clean_modules):
+    # Runs where cuequivariance_torch imports (its Python package loads without a GPU; its
+    # kernels do not run here): the layout trimul patches is the real one's.
+    try:
+        import cuequivariance_torch
+        from cuequivariance_torch.primitives import triangle
+    except ImportError as e:
+        pytest.skip(f"cuequivariance_torch does not import here: {e}")
+    theirs = cuequivariance_torch.triangle_multiplicative_update
+    names = trimul.patch_cuequivariance()
+    assert {"cuequivariance_torch", "cuequivariance_torch.primitives.triangle"} <= set(names)
+    ours = trimul.triangle_multiplicative_update
+    assert cuequivariance_torch.triangle_multiplicative_update is ours
+    assert triangle.triangle_multiplicative_update is ours
+    assert triangle.triangle_attention.__module__.startswith("cuequivariance_torch")
+    x, w = _inputs()
+    from cuequivariance_torch.primitives.triangle import triangle_multiplicative_update as boltz_way
+
+    assert torch.equal(boltz_way(x, direction="outgoing", mask=None, **w), ours(x, "outgoing", None, **w))
+    trimul.unpatch_cuequivariance()
+    assert cuequivariance_torch.triangle_multiplicative_update is theirs
+    assert triangle.triangle_multiplicative_update is theirs

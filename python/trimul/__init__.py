@@ -113,21 +113,19 @@ def _is_numpy(x) -> bool:
     return isinstance(x, np.ndarray)
 
 
-def patch_cuequivariance() -> list:
+def patch_cuequivariance() -> list[str]:
     """Makes code written for cuEquivariance's ``triangle_multiplicative_update`` call trimul's,
-    without editing it: Boltz, OpenFold3 and other models that call cuEquivariance's function
-    (switched on by their own kernel options) then run trimul. Returns the names of the modules
-    that now give trimul's function.
+    without editing it: Boltz, OpenFold3 and other models whose kernel options call
+    cuEquivariance's function then run trimul for it. Returns the names of the modules changed.
 
-    Where ``cuequivariance_torch`` is installed, its ``triangle_multiplicative_update`` (in the
-    package and in ``cuequivariance_torch.primitives.triangle``) is replaced, and so is every
-    name another module bound to it before this call; its other operations, such as triangle
-    attention, stay cuEquivariance's. Where it is not installed (AMD GPUs, the CPU), stand-in
-    modules of those names give trimul's function, and any other name in them is an error: code
-    that also wants cuEquivariance's triangle attention from them fails at that import.
+    ``cuequivariance_torch`` must be installed (``ModuleNotFoundError`` otherwise: without it, call
+    ``trimul.triangle_multiplicative_update`` where the model calls it). Its function is replaced
+    in the package, in ``cuequivariance_torch.primitives.triangle`` (where Boltz imports it from in
+    every call) and in every module global, under any name, that is bound to it (OpenFold3 binds
+    it at import); modules imported later get trimul's from the package. cuEquivariance's other
+    operations, triangle attention among them, stay its own.
 
-    Call it before the model runs (before it is imported where the model binds the name at import
-    and cuEquivariance is absent). ``unpatch_cuequivariance`` undoes it.
+    ``unpatch_cuequivariance`` undoes it.
     """
     from . import _cueq_patch
 
@@ -135,8 +133,8 @@ def patch_cuequivariance() -> list:
 
 
 def unpatch_cuequivariance() -> None:
-    """Undoes ``patch_cuequivariance``: the replaced names are bound to cuEquivariance's function
-    again and trimul's stand-in modules are removed."""
+    """Undoes ``patch_cuequivariance``: every global it rebound is cuEquivariance's function
+    again. Modules imported after the patch keep the trimul function they bound then."""
     from . import _cueq_patch
 
     _cueq_patch.unpatch()

@@ -1,122 +1,98 @@
 """`trimul.patch_cuequivariance`: code written for cuEquivariance's triangle multiplicative update
 runs trimul's instead, without editing it.
 
-Models reach cuEquivariance's function three ways, all of which this covers:
+Models reach cuEquivariance's function in three ways, all of which this covers:
 
 - through the package, ``from cuequivariance_torch import triangle_multiplicative_update`` or
   ``cuequivariance_torch.triangle_multiplicative_update(...)`` (OpenFold3 binds the name when its
-  module is imported, after checking ``importlib.util.find_spec("cuequivariance_torch")``);
+  module is imported);
 - through its submodule, ``from cuequivariance_torch.primitives.triangle import
   triangle_multiplicative_update`` (Boltz imports it inside every call);
-- through a name some module bound before the patch (the patch finds the modules in
-  ``sys.modules`` whose name is bound to cuEquivariance's function, and rebinds it).
+- through a module-level name, under any alias, that some module bound before the patch
+  (BoltzGen binds it as ``_triangle_multiplicative_update``): the patch finds the module globals
+  in ``sys.modules`` that are cuEquivariance's function, and rebinds them.
 
-Where cuEquivariance is installed, only its triangle multiplicative update is replaced; its other
-operations (triangle attention, ...) stay. Where it is not (AMD GPUs, the CPU, a machine without
-it), stand-in modules of those names give trimul's function and, for any other name, an error that
-says trimul stands in for the triangle multiplicative update only.
+Only the triangle multiplicative update is replaced; cuEquivariance's other operations (triangle
+attention, ...) stay. cuEquivariance must be installed: models that choose its kernels import
+its triangle attention too, which trimul does not have, so trimul does not pretend to be it.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
 import sys
+import threading
 import types
 from typing import Any, Callable
 
 _PACKAGE = "cuequivariance_torch"
 _TRIANGLE = "cuequivariance_torch.primitives.triangle"
-_STAND_INS = (_PACKAGE, "cuequivariance_torch.primitives", _TRIANGLE)
 _NAME = "triangle_multiplicative_update"
 
-# What the patch changed, to undo it: (module, the function it had bound), and whether the
-# stand-in modules are ours.
-_replaced: list[tuple[types.ModuleType, Any]] = []
-_stood_in = False
+# What the patch changed, to undo it: (module, global name, the function it was bound to).
+_replaced: list[tuple[types.ModuleType, str, Any]] = []
+_lock = threading.Lock()
 
 
 def patch(ours: Callable) -> list[str]:
     """See `trimul.patch_cuequivariance`."""
-    global _stood_in
     try:
-        package = importlib.import_module(_PACKAGE)
+        importlib.import_module(_PACKAGE)
     except ModuleNotFoundError as e:
         if e.name != _PACKAGE:
             raise  # cuEquivariance is there but a dependency of it is not: say so, do not hide it
-        _install_stand_ins(ours)
-        _stood_in = True
-        return list(_STAND_INS)
-    if getattr(package, "__trimul_stand_in__", False):
-        return list(_STAND_INS)
-    originals = []
-    for name in (_PACKAGE, _TRIANGLE):
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-        theirs = vars(module).get(_NAME)
-        if theirs is not None and theirs is not ours and all(theirs is not f for f in originals):
-            originals.append(theirs)
-    if not originals and not _replaced:
-        raise RuntimeError(
-            f"{_PACKAGE} is installed ({getattr(package, '__file__', '?')}) but has no {_NAME} to replace: "
-            "trimul.patch_cuequivariance knows cuEquivariance 0.13's layout"
-        )
-    # Every module, the package's own included, whose name is bound to cuEquivariance's function
-    # (read from the module's dict: a module's __getattr__ may import or compute things).
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None) if isinstance(module, types.ModuleType) else None
-        bound = namespace.get(_NAME) if namespace is not None else None
-        if bound is not None and any(bound is f for f in originals):
-            _replaced.append((module, bound))
-            setattr(module, _NAME, ours)
-    return sorted({module.__name__ for module, _ in _replaced})
+        raise ModuleNotFoundError(
+            f"trimul.patch_cuequivariance: {_PACKAGE} is not installed here, so no code can be calling "
+            f"its {_NAME}; call trimul.triangle_multiplicative_update where the model calls it (a model's "
+            "cuEquivariance kernel option also loads cuEquivariance's triangle attention, which trimul "
+            "does not provide)",
+            name=_PACKAGE,
+        ) from e
+    with _lock:
+        theirs = []
+        for name in (_PACKAGE, _TRIANGLE):
+            try:
+                module = importlib.import_module(name)
+            except ModuleNotFoundError:
+                continue
+            f = _namespace(module).get(_NAME)
+            if f is not None and f is not ours and all(f is not g for g in theirs):
+                theirs.append(f)
+        if not theirs and not _replaced:
+            raise RuntimeError(
+                f"{_PACKAGE} is installed but has no {_NAME} to replace: trimul.patch_cuequivariance "
+                "knows cuEquivariance 0.13's layout"
+            )
+        # Every module global that is cuEquivariance's function, found before any is changed, so
+        # that a module whose namespace cannot be read leaves nothing half done.
+        found = [
+            (module, key, value)
+            for module in list(sys.modules.values())
+            for key, value in list(_namespace(module).items())
+            if callable(value) and any(value is g for g in theirs)
+        ]
+        for module, key, value in found:
+            setattr(module, key, ours)
+            _replaced.append((module, key, value))
+        return sorted({_namespace(module).get("__name__", "?") for module, _, _ in _replaced})
 
 
 def unpatch() -> None:
     """See `trimul.unpatch_cuequivariance`."""
-    global _stood_in
-    while _replaced:
-        module, theirs = _replaced.pop()
-        setattr(module, _NAME, theirs)
-    if _stood_in:
-        for name in _STAND_INS:
-            if getattr(sys.modules.get(name), "__trimul_stand_in__", False):
-                del sys.modules[name]
-        _stood_in = False
+    with _lock:
+        while _replaced:
+            module, key, theirs = _replaced.pop()
+            setattr(module, key, theirs)
 
 
-def _install_stand_ins(ours: Callable) -> None:
-    modules = [_stand_in(name, ours, is_package=name != _TRIANGLE) for name in _STAND_INS]
-    # Parents know their children, as after a real import.
-    modules[0].primitives = modules[1]
-    modules[1].triangle = modules[2]
-    for module in modules:
-        sys.modules[module.__name__] = module
-
-
-def _stand_in(name: str, ours: Callable, is_package: bool) -> types.ModuleType:
-    module = types.ModuleType(
-        name,
-        f"trimul's stand-in for {name} (cuEquivariance is not installed): {_NAME} only, "
-        "installed by trimul.patch_cuequivariance().",
-    )
-    # A spec, so that importlib.util.find_spec(name) finds the module (it raises on a module
-    # in sys.modules without one).
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=is_package)
-    if is_package:
-        module.__path__ = []
-    module.__trimul_stand_in__ = True
-    setattr(module, _NAME, ours)
-
-    def __getattr__(attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        raise AttributeError(
-            f"{name}.{attr}: cuEquivariance is not installed, and trimul's stand-in for it "
-            f"(trimul.patch_cuequivariance) has {_NAME} only"
-        )
-
-    module.__getattr__ = __getattr__
-    return module
+def _namespace(module) -> dict:
+    """A module's globals, read without running its code: a lazily loaded module
+    (`importlib.util.LazyLoader`) would load on `module.__dict__`, and a module object may define
+    `__getattr__` or be no module at all (sys.modules holds whatever was put there)."""
+    if not isinstance(module, types.ModuleType):
+        return {}
+    try:
+        namespace = object.__getattribute__(module, "__dict__")
+    except Exception:  # noqa: BLE001 - a namespace that cannot be read holds nothing to patch
+        return {}
+    return namespace if isinstance(namespace, dict) else {}

@@ -118,6 +118,10 @@ def bench_af3(sizes, dtype, masked, repeats, warmup, peers, g) -> list:
             from cuequivariance_torch import triangle_multiplicative_update as cueq
         except ImportError as e:
             print(f"cuEquivariance not importable ({e}); timing trimul and PyTorch only")
+        if cueq is not None and getattr(cueq, "__module__", "").startswith("trimul"):
+            # trimul.patch_cuequivariance() ran in this process: the name is trimul's own.
+            print("cuEquivariance's function is patched to trimul's here; timing trimul and PyTorch only")
+            cueq = None
     for n in sizes:
         row = bench_af3_one(n, dtype, masked, repeats, warmup, peers, cueq, g)
         rows.append(row)
