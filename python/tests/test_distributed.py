@@ -250,8 +250,14 @@ def test_a_join_without_its_peers_raises_after_its_timeout():
 
 
 @pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA GPUs")
-def test_two_gpus_match_the_f64_reference_and_one_gpu(tmp_path):
+@pytest.mark.parametrize("join_deadline", [None, "120"], ids=["blocking", "with-deadline"])
+def test_two_gpus_match_the_f64_reference_and_one_gpu(tmp_path, join_deadline):
+    # Both communicators: NCCL's blocking one (the default) and, with TRIMUL_NCCL_TIMEOUT_S,
+    # its non-blocking one, whose exchanges settle on the host.
     env = {**os.environ, "TRIMUL_TEST_SEED": str(SEED), "NCCL_NVLS_ENABLE": "0"}
+    env.pop("TRIMUL_NCCL_TIMEOUT_S", None)
+    if join_deadline is not None:
+        env["TRIMUL_NCCL_TIMEOUT_S"] = join_deadline
     worker = os.path.join(os.path.dirname(__file__), "distributed_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", worker, str(tmp_path)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
