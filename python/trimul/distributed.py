@@ -34,7 +34,8 @@ What this path does not do yet: a native sharded backward, CUDA-graph capture, `
 
 Deadlines: a rank that stops once the exchanges run leaves the others waiting on the GPU, and
 ``wait(timeout)`` is the deadline for that. A rank that never joins trimul's communicator, or
-cannot be reached at the first exchange, leaves the others waiting in NCCL; with
+cannot be reached at the first exchange (NCCL 2.22 and later connect there), leaves the others
+waiting in NCCL; with
 ``TRIMUL_NCCL_TIMEOUT_S`` set (seconds) the communicator is NCCL's non-blocking kind and that
 is an error after the timeout, at a price: each call takes longer (about 0.3 to 0.75 ms at
 N = 1024 on two H200s, nothing measurable at 4096).
