@@ -826,8 +826,11 @@ impl CudaShardedRank {
 }
 
 fn timeout(seconds: f64) -> PyResult<std::time::Duration> {
-    std::time::Duration::try_from_secs_f64(seconds)
-        .map_err(|_| PyValueError::new_err(format!("timeout of {seconds} s: give a non-negative number of seconds")))
+    std::time::Duration::try_from_secs_f64(seconds).map_err(|_| {
+        PyValueError::new_err(format!(
+            "timeout of {seconds} s: give a finite, non-negative number of seconds below 1.8e19"
+        ))
+    })
 }
 
 /// The rows `(r0, r1)` of a pair tensor of `n` rows each of `ranks` ranks holds (as even as
