@@ -17,10 +17,17 @@ use trimul::{Backend, Direction, Formulation, Layer, Options, Weights};
 /// A forward on a caller's stream can be captured into a CUDA graph (as PyTorch and JAX do with
 /// the layers they run): no allocation, synchronisation or host-side decision happens inside it
 /// once the workspace exists. The graph is replayed on new contents of the same buffers.
+/// The tests here capture streams, which no other thread may synchronise the device during: one
+/// at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn caller_stream_forward_captures_into_a_cuda_graph() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(b) = cuda() else { return };
+    // The layer's own launch graphs stay out of the way of the caller's capture.
+    b.set_launch_graphs(true);
     let case = Case::new(64, 2, 128, true, Dist::Cauchy);
     let problem = case.problem(Formulation::GpuMode, Direction::Outgoing).unwrap();
     let s = test_seed::test_seed("caller_stream_forward_captures_into_a_cuda_graph");
@@ -54,5 +61,73 @@ fn caller_stream_forward_captures_into_a_cuda_graph() {
         let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
         eprintln!("graph replay {k}: {cmp}");
         assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "graph replay {k}: {cmp}");
+    }
+}
+
+/// With launch graphs on, forwards after the second of one shape replay a captured graph whose
+/// kernel nodes get each call's arguments: every call's y, poisoned first, equals bit for bit the
+/// one the same forward writes with plain launches, for inputs and outputs at other addresses
+/// each call, and passes the f64 check.
+#[test]
+fn forwards_replay_a_launch_graph_with_each_calls_arguments() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(b) = cuda() else { return };
+    b.set_poison(false);
+    let s = test_seed::test_seed("forwards_replay_a_launch_graph_with_each_calls_arguments");
+    let cases = [
+        (Formulation::GpuMode, Direction::Outgoing, Case::new(64, 2, 128, true, Dist::Cauchy)),
+        (Formulation::Af3, Direction::Incoming, Case::new(96, 1, 128, false, Dist::Normal)),
+    ];
+    for (f, dir, case) in cases {
+        let problem = case.problem(f, dir).unwrap();
+        let weights = Weights::random(problem.config, f == Formulation::Af3, s).unwrap();
+        let inputs: Vec<_> = (0..3).map(|k| suite::generate_inputs(&case, s ^ (0x40 + k))).collect();
+        let xl = inputs[0].x.len();
+        let mut xs = Vec::new();
+        let mut masks = Vec::new();
+        let mut ys = Vec::new();
+        for i in &inputs {
+            let mut xd = b.alloc(xl).unwrap();
+            b.upload(&i.x, &mut xd).unwrap();
+            xs.push(xd);
+            masks.push(i.mask.as_ref().map(|m| {
+                let mut md = b.alloc(m.len()).unwrap();
+                b.upload(m, &mut md).unwrap();
+                md
+            }));
+            ys.push(b.alloc(xl).unwrap());
+        }
+        let mut run = |layer: &mut Layer<_>, k: usize| -> Vec<f32> {
+            b.upload(&vec![f32::NAN; xl], &mut ys[k]).unwrap();
+            let mask = masks[k].as_ref().map(|m| m.ptr());
+            // SAFETY: x, mask and y are live allocations of this backend's context sized for
+            // `case`, synchronised below before they are read or freed.
+            unsafe { layer.forward_on_stream(xs[k].ptr(), mask, ys[k].ptr(), case.shape(), b.stream() as u64) }
+                .unwrap();
+            b.synchronize().unwrap();
+            let mut y = vec![f32::NAN; xl];
+            b.download(&ys[k], &mut y).unwrap();
+            y
+        };
+        b.set_launch_graphs(false);
+        let mut plain = Layer::new(&b, &weights, Options::new(dir)).unwrap();
+        let want: Vec<Vec<f32>> = (0..3).map(|k| run(&mut plain, k)).collect();
+        b.set_launch_graphs(true);
+        let before = b.launch_graph_replays();
+        let mut layer = Layer::new(&b, &weights, Options::new(dir)).unwrap();
+        for call in 0..7 {
+            let k = call % 3;
+            let y = run(&mut layer, k);
+            let what = format!("{f} {dir} call {call} (inputs {k})");
+            let same = y.iter().zip(&want[k]).all(|(a, w)| a.to_bits() == w.to_bits());
+            assert!(same, "{what}: not the plain launches' bits");
+            let i = &inputs[k];
+            let cmp = reference::check(&weights, &problem, &i.x, i.mask.as_deref(), &y, TOL, TOL).unwrap();
+            assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{what}: {cmp}");
+        }
+        let replays = b.launch_graph_replays() - before;
+        eprintln!("{f} {dir}: {replays} of 7 forwards replayed a launch graph");
+        // The first runs its launches, the second captures them; the rest replay.
+        assert_eq!(replays, 6, "{f} {dir}");
     }
 }

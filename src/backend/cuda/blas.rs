@@ -10,6 +10,7 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys::{self, cublasComputeType_t, cublasLtEpilogue_t, cudaDataType};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
+use super::launch_graph::{self, GemmShape, Launch};
 use crate::backend::gemm::GemmSpec;
 use crate::error::{Error, Result};
 
@@ -73,7 +74,12 @@ pub(crate) struct MatmulPlan {
     algo: sys::cublasLtMatmulAlgo_t,
     workspace_bytes: usize,
     bias: bool,
+    /// Unique among the process's plans: a captured launch graph names its GEMM by it
+    /// ([`launch_graph::GemmShape`]), so a plan made later at the same address is another GEMM.
+    id: u64,
 }
+
+static NEXT_PLAN_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 // SAFETY: the descriptors are immutable after construction except the bias pointer, which is
 // set right before each launch under `&mut self`.
@@ -305,7 +311,8 @@ impl MatmulPlan {
             let all = h.map_err(|e| blas_err(&format!("cublasLtMatmulAlgoGetHeuristic for {spec:?}"), e))?;
             all[rank.min(all.len() - 1)]
         };
-        Ok(MatmulPlan { spec, desc, a, b, d, algo: heuristic.algo, workspace_bytes: heuristic.workspaceSize, bias })
+        let id = NEXT_PLAN_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(MatmulPlan { spec, desc, a, b, d, algo: heuristic.algo, workspace_bytes: heuristic.workspaceSize, bias, id })
     }
 
     pub(crate) fn spec(&self) -> &GemmSpec {
@@ -345,6 +352,12 @@ impl MatmulPlan {
                 if self.bias { "with" } else { "without" },
                 if self.bias { "without" } else { "with" }
             )));
+        }
+        if launch_graph::recording() {
+            let (workspace, workspace_len) = if self.workspace_bytes > 0 { (workspace, self.workspace_bytes) } else { (0, 0) };
+            let (plan, bias) = (self.id, if self.bias { bias } else { 0 });
+            launch_graph::push(Launch::Gemm(GemmShape { plan, a, b, d, bias, workspace, workspace_len }));
+            return Ok(());
         }
         if self.bias {
             let p = bias as *const c_void;

@@ -109,6 +109,10 @@ pub(super) struct Inner {
     /// Whether the backward's gating steps use the 16-byte-vector kernels where they apply
     /// (`TRIMUL_CUDA_VECTOR_GATING=0` turns them off, to compare).
     pub(super) vector_gating: bool,
+    /// Whether one-pass forwards replay launch graphs ([`CudaBackend::set_launch_graphs`]).
+    pub(super) launch_graphs: AtomicBool,
+    /// Forwards enqueued as a graph replay so far (as `resident_launches`).
+    pub(super) graph_launches: std::sync::atomic::AtomicU64,
 }
 
 /// The backward's cached cuBLASLt plans ([`Inner::backward_gemms`]).

@@ -13,6 +13,7 @@ use super::blas::MatmulPlan;
 use super::context::{ceil_div, CudaBackend, OutputGate, POISON_BYTE};
 use super::driver::DriverResult;
 use super::kernels;
+use super::launch_graph::{self, Plan as GraphPlan};
 use super::tuning::Tuning;
 use super::workspace::{
     full_or_tail, output_projection_smem, CudaPrepared, CudaWorkspace, FusedInput, FusedKernel, InputBuild, Layout,
@@ -144,7 +145,9 @@ impl CudaBackend {
         Some((k, tiles.min(3 * self.inner.info.compute_units)))
     }
 
-    /// Enqueues one forward on device addresses. See the module docs for the stages.
+    /// Enqueues one forward on device addresses. See the module docs for the stages. Where
+    /// launch graphs apply ([`CudaBackend::set_launch_graphs`]), the launches are recorded first
+    /// and enqueued as one graph replay (`launch_graph.rs`).
     ///
     /// # Safety
     /// `x` and `y` must be device allocations of `B·N·N·C` f32, `mask` (unless 0) of `B·N·N`
@@ -152,6 +155,62 @@ impl CudaBackend {
     /// `stream` has run the work.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn enqueue(
+        &self,
+        prep: &CudaPrepared,
+        ws: &mut CudaWorkspace,
+        problem: &Problem,
+        x: CUdeviceptr,
+        mask: CUdeviceptr,
+        y: CUdeviceptr,
+        stream: CUstream,
+    ) -> Result<()> {
+        // SAFETY (every call below): forwarded from this function's contract.
+        if !self.graphs_apply(ws, stream)? {
+            return unsafe { self.enqueue_launches(prep, ws, problem, x, mask, y, stream) };
+        }
+        let record = launch_graph::record(|| unsafe { self.enqueue_launches(prep, ws, problem, x, mask, y, stream) })?;
+        let shape = launch_graph::shape_of(&record);
+        // Out of the workspace while the launches below borrow it.
+        let mut cache = std::mem::take(&mut ws.graphs);
+        let graph = match cache.plan(&shape) {
+            GraphPlan::Replay(g) => Some(g),
+            GraphPlan::Direct => None,
+            GraphPlan::Capture => {
+                let captured = launch_graph::capture(shape.clone(), |s| unsafe {
+                    self.enqueue_launches(prep, ws, problem, x, mask, y, s)
+                });
+                cache.keep(shape, captured)
+            }
+        };
+        let done = match graph {
+            Some(g) => {
+                self.inner.graph_launches.fetch_add(1, Ordering::Relaxed);
+                unsafe { g.launch(&record, stream) }
+            }
+            None => unsafe { self.enqueue_launches(prep, ws, problem, x, mask, y, stream) },
+        };
+        ws.graphs = cache;
+        done
+    }
+
+    /// Whether this forward's launches go through a launch graph: the switch is on, the plan is
+    /// one pass with the fused input build (its launches are a few distinct kernels and one
+    /// GEMM), nothing is poisoned or timed, and the caller is not capturing `stream` itself.
+    fn graphs_apply(&self, ws: &CudaWorkspace, stream: CUstream) -> Result<bool> {
+        let inner = &self.inner;
+        let applies = inner.launch_graphs.load(Ordering::Relaxed)
+            && !inner.poison.load(Ordering::Relaxed)
+            && matches!(ws.layout, Layout::OnePass { blas_input: None, .. })
+            && inner.timeline.lock().map_or(false, |t| t.is_none());
+        Ok(applies && !launch_graph::is_capturing(stream)?)
+    }
+
+    /// The launches of one forward ([`CudaBackend::enqueue`]), made on `stream`.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::enqueue`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn enqueue_launches(
         &self,
         prep: &CudaPrepared,
         ws: &mut CudaWorkspace,

@@ -14,6 +14,7 @@ use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use super::driver::{nvrtc_missing, nvrtc_present, DriverResult};
+use super::launch_graph::{self, KernelShape, Launch};
 use crate::backend::backward_steps::BackwardKernel;
 use crate::backend::params::StageParams;
 use crate::error::{Error, Result};
@@ -314,6 +315,11 @@ impl Stage {
         pdl: bool,
     ) -> Result<()> {
         if grid == 0 {
+            return Ok(());
+        }
+        if launch_graph::recording() {
+            let shape = KernelShape { func: self.raw as usize, grid, block, smem, pdl };
+            launch_graph::push(Launch::Kernel { shape, args: launch_graph::args_of(params) });
             return Ok(());
         }
         let _keep = &self.func;

@@ -36,6 +36,7 @@ mod context;
 mod driver;
 mod forward;
 mod kernels;
+mod launch_graph;
 mod prepare;
 mod shard;
 mod tuning;
@@ -62,6 +63,7 @@ pub use self::driver::DeviceBuffer;
 pub(crate) use self::driver::EventPair;
 use self::driver::{probe_libraries, AllocTracker, DriverResult, Timeline};
 use self::kernels::Kernels;
+use self::launch_graph::GraphCache;
 use super::caller_workspace::{self, Rebase, SpanCarver};
 use super::gemm::GemmSpec;
 use super::gpu_ceilings;
@@ -187,6 +189,8 @@ impl CudaBackend {
                 ws_launches: std::sync::atomic::AtomicU64::new(0),
                 output_gate: std::sync::atomic::AtomicU8::new(OutputGate::from_env() as u8),
                 xgate_launches: std::sync::atomic::AtomicU64::new(0),
+                launch_graphs: AtomicBool::new(std::env::var("TRIMUL_CUDA_GRAPHS").is_ok_and(|v| v.trim() == "1")),
+                graph_launches: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -312,6 +316,21 @@ impl CudaBackend {
         OutputGate::from_u8(self.inner.output_gate.load(Ordering::Relaxed))
     }
 
+    /// Whether one-pass forwards enqueue their launches as one CUDA graph (`launch_graph.rs`):
+    /// the first call of a new shape of launches runs them as they are, the second captures
+    /// them, and later ones replay the graph with each call's arguments, which takes a fraction
+    /// of the host time. Off by default (`TRIMUL_CUDA_GRAPHS=1` starts with it on): capturing
+    /// briefly forbids other threads from synchronising the device, which a program with threads
+    /// that free device memory while forwards run may not want. The Python package turns it on.
+    pub fn set_launch_graphs(&self, on: bool) {
+        self.inner.launch_graphs.store(on, Ordering::Relaxed);
+    }
+
+    /// How many forwards this backend has enqueued as a replay of a launch graph.
+    pub fn launch_graph_replays(&self) -> u64 {
+        self.inner.graph_launches.load(Ordering::Relaxed)
+    }
+
     /// How many times this backend has launched the output kernel that makes the gate from x.
     pub fn gate_from_x_launches(&self) -> u64 {
         self.inner.xgate_launches.load(Ordering::Relaxed)
@@ -353,6 +372,7 @@ impl CudaBackend {
             weights_of: None,
             switches: self.switches(),
             caller_base: None,
+            graphs: GraphCache::default(),
         }
     }
 

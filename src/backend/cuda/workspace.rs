@@ -10,6 +10,7 @@ use super::blas::{Elem, MatmulPlan};
 use super::context::{ceil_div, OutputGate};
 use super::driver::DeviceBuffer;
 use super::kernels;
+use super::launch_graph::GraphCache;
 use super::tuning::Tuning;
 use crate::backend::caller_workspace::Rebase;
 use crate::backend::gemm::GemmSpec;
@@ -206,6 +207,8 @@ pub struct CudaWorkspace {
     /// its buffers are laid out from now (0 until the first bind) and the bytes they span;
     /// `None`: the backend owns it.
     pub(super) caller_base: Option<(u64, u64)>,
+    /// The one-pass forward's launch graph ([`CudaBackend::set_launch_graphs`]).
+    pub(super) graphs: GraphCache,
 }
 
 /// Where the intermediates live. One per workspace, so the variants' sizes do not matter.
