@@ -26,8 +26,6 @@ fn caller_stream_forward_captures_into_a_cuda_graph() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(b) = cuda() else { return };
-    // The layer's own launch graphs stay out of the way of the caller's capture.
-    b.set_launch_graphs(true);
     let case = Case::new(64, 2, 128, true, Dist::Cauchy);
     let problem = case.problem(Formulation::GpuMode, Direction::Outgoing).unwrap();
     let s = test_seed::test_seed("caller_stream_forward_captures_into_a_cuda_graph");

@@ -179,13 +179,20 @@ impl CudaBackend {
                 let captured = launch_graph::capture(shape.clone(), |s| unsafe {
                     self.enqueue_launches(prep, ws, problem, x, mask, y, s)
                 });
-                cache.keep(shape, captured)
+                cache.keep(shape.clone(), captured)
             }
         };
-        let done = match graph {
-            Some(g) => {
+        // A replay that fails has enqueued nothing (the launch is its last call): that shape runs
+        // its launches as they are from now on.
+        let replayed = graph.map(|g| unsafe { g.launch(&record, stream) });
+        let done = match replayed {
+            Some(Ok(())) => {
                 self.inner.graph_launches.fetch_add(1, Ordering::Relaxed);
-                unsafe { g.launch(&record, stream) }
+                Ok(())
+            }
+            Some(Err(_)) => {
+                cache.forget(shape);
+                unsafe { self.enqueue_launches(prep, ws, problem, x, mask, y, stream) }
             }
             None => unsafe { self.enqueue_launches(prep, ws, problem, x, mask, y, stream) },
         };

@@ -142,6 +142,8 @@ pub(super) fn is_capturing(stream: CUstream) -> Result<bool> {
 pub(super) struct LaunchGraph {
     shape: Shape,
     exec: CUgraphExec,
+    /// The captured graph, kept while the exec lives: its node handles name the exec's nodes.
+    graph: CUgraph,
     nodes: Vec<CUgraphNode>,
 }
 
@@ -153,9 +155,12 @@ unsafe impl Sync for LaunchGraph {}
 
 impl Drop for LaunchGraph {
     fn drop(&mut self) {
-        // SAFETY: instantiated once in `capture`, destroyed once; the driver keeps launched work
-        // alive until it has run.
-        let _ = unsafe { sys::cuGraphExecDestroy(self.exec) };
+        // SAFETY: instantiated once in `capture`, destroyed once, then the graph it came from;
+        // the driver keeps launched work alive until it has run.
+        unsafe {
+            let _ = sys::cuGraphExecDestroy(self.exec);
+            let _ = sys::cuGraphDestroy(self.graph);
+        }
     }
 }
 
@@ -233,13 +238,16 @@ pub(super) fn capture(shape: Shape, launches: impl FnOnce(CUstream) -> Result<()
     if graph.is_null() {
         return Err(Error::Internal("the forward's capture made no graph".into()));
     }
-    // SAFETY: `graph` is the capture's; destroyed below once instantiated (the exec does not
-    // depend on it).
-    let made = unsafe { instantiate(graph, &shape) };
-    // SAFETY: as above.
-    let _ = unsafe { sys::cuGraphDestroy(graph) };
-    let (exec, nodes) = made?;
-    Ok(LaunchGraph { shape, exec, nodes })
+    // SAFETY: `graph` is the capture's, owned by the `LaunchGraph` made from it (or destroyed
+    // here when instantiating fails).
+    match unsafe { instantiate(graph, &shape) } {
+        Ok((exec, nodes)) => Ok(LaunchGraph { shape, exec, graph, nodes }),
+        Err(e) => {
+            // SAFETY: as above; nothing was made from it.
+            let _ = unsafe { sys::cuGraphDestroy(graph) };
+            Err(e)
+        }
+    }
 }
 
 /// Instantiates `graph` and finds the exec's node for each of `shape`'s kernels, by function
@@ -281,7 +289,6 @@ unsafe fn instantiate(graph: CUgraph, shape: &Shape) -> Result<(CUgraphExec, Vec
     let mut exec: CUgraphExec = std::ptr::null_mut();
     // SAFETY: instantiates a live graph; `exec` receives the handle.
     unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }.result().ctx("cuGraphInstantiate")?;
-    // The exec's nodes are named by the graph's node handles (cuGraphExecKernelNodeSetParams).
     Ok((exec, nodes))
 }
 
@@ -318,6 +325,12 @@ impl GraphCache {
         }
         self.last = Some(shape.clone());
         Plan::Direct
+    }
+
+    /// Drops the graph of `shape` (its replay failed) and remembers not to capture it again.
+    pub(super) fn forget(&mut self, shape: Shape) {
+        self.graph = None;
+        let _ = self.keep(shape, Err(Error::Internal("its replay failed".into())));
     }
 
     /// Keeps a captured graph (replacing the one before), or remembers that `shape`'s capture
