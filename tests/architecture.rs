@@ -72,6 +72,8 @@ const LAYERS: &[(&str, Layer)] = &[
     ("suite", Layer::Foundation),
     ("backend::cuda::driver", Layer::Ffi),
     ("backend::cuda::blas", Layer::Ffi),
+    // CUDA-graph capture and replay of launches, which the kernel and BLAS wrappers record into.
+    ("backend::cuda::launch_graph", Layer::Ffi),
     ("backend::hip::sys", Layer::Ffi),
     ("backend::hip::result", Layer::Ffi),
     ("backend::hip::blas", Layer::Ffi),

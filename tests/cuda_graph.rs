@@ -129,3 +129,78 @@ fn forwards_replay_a_launch_graph_with_each_calls_arguments() {
         assert_eq!(replays, 6, "{f} {dir}");
     }
 }
+
+/// The same on caller memory with bf16 x and y, as the Python package calls it: x, the mask and
+/// y at new addresses every call, the workspace at one, the output gate stored by the input stage
+/// and made from x by the output stage (H100's kernel, where it applies).
+#[test]
+fn bf16_forwards_on_caller_memory_replay_a_launch_graph() {
+    use trimul::backend::cuda::OutputGate;
+    use trimul::{DeviceIo, DeviceSpan, Precision};
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(b) = cuda() else { return };
+    b.set_poison(false);
+    let s = test_seed::test_seed("bf16_forwards_on_caller_memory_replay_a_launch_graph");
+    let case = Case::new(64, 1, 128, true, Dist::Normal);
+    let problem = case.problem(Formulation::Af3, Direction::Outgoing).unwrap();
+    let weights = Weights::random(problem.config, true, s).unwrap();
+    let inputs: Vec<_> = (0..3).map(|k| suite::generate_inputs(&case, s ^ (0x50 + k))).collect();
+    let bf16 = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect() };
+    let upload = |bytes: &[u8]| {
+        let mut buf = b.alloc_buffer::<u8>(bytes.len()).unwrap();
+        b.upload_bytes(bytes, &mut buf).unwrap();
+        buf
+    };
+    for gate in [OutputGate::Stored, OutputGate::FromX] {
+        b.set_output_gate(gate);
+        let run = |layer: &mut Layer<_>, ws: &trimul::backend::cuda::DeviceBuffer<u8>, k: usize| -> Vec<u8> {
+            let i = &inputs[k];
+            // New buffers every call: x, the mask and y move.
+            let xd = upload(&bf16(&i.x));
+            let md = upload(&i.mask.as_ref().unwrap().iter().flat_map(|m| m.to_le_bytes()).collect::<Vec<u8>>());
+            let yd = upload(&vec![0xFF; i.x.len() * 2]);
+            let dio = DeviceIo {
+                x: xd.ptr(),
+                mask: Some(md.ptr()),
+                y: yd.ptr(),
+                shape: case.shape(),
+                io: Precision::Bf16Io,
+                stream: b.stream() as u64,
+                workspace: Some(DeviceSpan { ptr: ws.ptr(), bytes: ws.len() as u64 }),
+            };
+            // SAFETY: x, mask, y and the workspace are live allocations sized for the shape, and
+            // the download below waits for the stream before they are freed.
+            unsafe { layer.forward_device(&dio).unwrap() };
+            let mut y = vec![0u8; i.x.len() * 2];
+            b.download_bytes(&yd, &mut y).unwrap();
+            y
+        };
+        let workspace = |layer: &mut Layer<_>| {
+            let need = layer.device_workspace_bytes(case.shape(), true, Precision::Bf16Io).unwrap();
+            b.alloc_buffer::<u8>(need as usize).unwrap()
+        };
+        b.set_launch_graphs(false);
+        let mut plain = Layer::new(&b, &weights, Options::new(Direction::Outgoing)).unwrap();
+        let ws = workspace(&mut plain);
+        let want: Vec<Vec<u8>> = (0..3).map(|k| run(&mut plain, &ws, k)).collect();
+        b.set_launch_graphs(true);
+        let (before, from_x) = (b.launch_graph_replays(), b.gate_from_x_launches());
+        let mut layer = Layer::new(&b, &weights, Options::new(Direction::Outgoing)).unwrap();
+        let ws = workspace(&mut layer);
+        for call in 0..5 {
+            let k = call % 3;
+            let y = run(&mut layer, &ws, k);
+            assert!(y == want[k], "{gate:?} call {call}: not the plain launches' bits");
+            let yf: Vec<f32> = y.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect();
+            let i = &inputs[k];
+            let cmp = reference::check(&weights, &problem, &i.x, i.mask.as_deref(), &yf, 2e-2, 2e-2).unwrap();
+            assert!(cmp.passed(), "{gate:?} call {call}: {cmp}");
+        }
+        let replays = b.launch_graph_replays() - before;
+        let counted = b.gate_from_x_launches() - from_x;
+        eprintln!("{gate:?}: {replays} of 5 forwards launched a graph; the gate made from x in {counted}");
+        assert_eq!(replays, 4, "{gate:?}");
+        // Each forward counts its output kernel once, whether it ran, was captured or replayed.
+        assert!(counted == 0 || counted == 5, "{gate:?}: gate-from-x launches counted {counted} times for 5 forwards");
+    }
+}

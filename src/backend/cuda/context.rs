@@ -111,7 +111,8 @@ pub(super) struct Inner {
     pub(super) vector_gating: bool,
     /// Whether one-pass forwards replay launch graphs ([`CudaBackend::set_launch_graphs`]).
     pub(super) launch_graphs: AtomicBool,
-    /// Forwards enqueued as a graph replay so far (as `resident_launches`).
+    /// Forwards enqueued as a launch of a graph so far, those that captured it included (as
+    /// `resident_launches`).
     pub(super) graph_launches: std::sync::atomic::AtomicU64,
 }
 

@@ -13,7 +13,7 @@ use super::blas::MatmulPlan;
 use super::context::{ceil_div, CudaBackend, OutputGate, POISON_BYTE};
 use super::driver::DriverResult;
 use super::kernels;
-use super::launch_graph::{self, Plan as GraphPlan};
+use super::launch_graph::{self, Mode, Plan as GraphPlan};
 use super::tuning::Tuning;
 use super::workspace::{
     full_or_tail, output_projection_smem, CudaPrepared, CudaWorkspace, FusedInput, FusedKernel, InputBuild, Layout,
@@ -90,7 +90,9 @@ impl CudaBackend {
         // parameters load under its tail.
         let pdl = self.inner.kernels.pdl;
         if let Some((resident, grid)) = self.resident_output(kp) {
-            self.inner.resident_launches.fetch_add(1, Ordering::Relaxed);
+            if launch_graph::mode().counts() {
+                self.inner.resident_launches.fetch_add(1, Ordering::Relaxed);
+            }
             return resident.launch_dependent(grid, STAGE_THREADS, OUTPUT_RESIDENT_SMEM, stream, kp, pdl);
         }
         let p = &kp.common;
@@ -118,7 +120,9 @@ impl CudaBackend {
         let grid = u32::try_from(kp.common.rows() / OUTPUT_PROJECTION_ROWS)
             .unwrap_or(u32::MAX)
             .min(2 * inner.info.compute_units);
-        inner.xgate_launches.fetch_add(1, Ordering::Relaxed);
+        if launch_graph::mode().counts() {
+            inner.xgate_launches.fetch_add(1, Ordering::Relaxed);
+        }
         k.launch_dependent(grid, STAGE_THREADS, OUTPUT_XGATE_SMEM, stream, kp, inner.kernels.pdl)?;
         self.mark("output stage (LayerNorm, gate from x, projection)", stream)
     }
@@ -164,27 +168,39 @@ impl CudaBackend {
         y: CUdeviceptr,
         stream: CUstream,
     ) -> Result<()> {
+        // The context first: the capture query below needs it on this thread.
+        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         // SAFETY (every call below): forwarded from this function's contract.
-        if !self.graphs_apply(ws, stream)? {
-            return unsafe { self.enqueue_launches(prep, ws, problem, x, mask, y, stream) };
+        if !self.graphs_apply(ws, problem, stream)? {
+            let poison = self.inner.poison.load(Ordering::Relaxed);
+            return unsafe { self.enqueue_launches(prep, ws, problem, (x, mask, y), stream, poison) };
         }
-        let record = launch_graph::record(|| unsafe { self.enqueue_launches(prep, ws, problem, x, mask, y, stream) })?;
+        // Poisoning is off for every pass of this call (the switch may change meanwhile).
+        let record = launch_graph::run_in(Mode::Record, || unsafe {
+            self.enqueue_launches(prep, ws, problem, (x, mask, y), stream, false)
+        })?;
         let shape = launch_graph::shape_of(&record);
         // Out of the workspace while the launches below borrow it.
         let mut cache = std::mem::take(&mut ws.graphs);
         let graph = match cache.plan(&shape) {
-            GraphPlan::Replay(g) => Some(g),
+            GraphPlan::Replay => cache.graph(),
             GraphPlan::Direct => None,
             GraphPlan::Capture => {
                 let captured = launch_graph::capture(shape.clone(), |s| unsafe {
-                    self.enqueue_launches(prep, ws, problem, x, mask, y, s)
+                    self.enqueue_launches(prep, ws, problem, (x, mask, y), s, false)
                 });
                 cache.keep(shape.clone(), captured)
             }
         };
-        // A replay that fails has enqueued nothing (the launch is its last call): that shape runs
-        // its launches as they are from now on.
+        // A replay that fails has enqueued nothing (the launch is its last call): this call makes
+        // its launches, and the shape is not captured again for a while.
         let replayed = graph.map(|g| unsafe { g.launch(&record, stream) });
+        let mut again = || {
+            launch_graph::run_in(Mode::Again, || unsafe {
+                self.enqueue_launches(prep, ws, problem, (x, mask, y), stream, false)
+            })
+            .map(drop)
+        };
         let done = match replayed {
             Some(Ok(())) => {
                 self.inner.graph_launches.fetch_add(1, Ordering::Relaxed);
@@ -192,27 +208,36 @@ impl CudaBackend {
             }
             Some(Err(_)) => {
                 cache.forget(shape);
-                unsafe { self.enqueue_launches(prep, ws, problem, x, mask, y, stream) }
+                again()
             }
-            None => unsafe { self.enqueue_launches(prep, ws, problem, x, mask, y, stream) },
+            None => again(),
         };
         ws.graphs = cache;
         done
     }
 
     /// Whether this forward's launches go through a launch graph: the switch is on, the plan is
-    /// one pass with the fused input build (its launches are a few distinct kernels and one
-    /// GEMM), nothing is poisoned or timed, and the caller is not capturing `stream` itself.
-    fn graphs_apply(&self, ws: &CudaWorkspace, stream: CUstream) -> Result<bool> {
+    /// one pass with the fused input build and a fused output stage (its launches are two
+    /// kernels and the contraction's GEMM, which does not take y's address unless its algorithm
+    /// borrows y's bytes as workspace), nothing is poisoned or timed, and the caller is not
+    /// capturing `stream` itself.
+    fn graphs_apply(&self, ws: &CudaWorkspace, problem: &Problem, stream: CUstream) -> Result<bool> {
         let inner = &self.inner;
+        let fused_output = match &ws.layout {
+            Layout::OnePass { blas_input: None, gate, .. } => {
+                gate.is_none() || self.fused_output_for(problem, ws.tuning).is_some()
+            }
+            _ => false,
+        };
         let applies = inner.launch_graphs.load(Ordering::Relaxed)
+            && fused_output
             && !inner.poison.load(Ordering::Relaxed)
-            && matches!(ws.layout, Layout::OnePass { blas_input: None, .. })
-            && inner.timeline.lock().map_or(false, |t| t.is_none());
+            && inner.timeline.lock().is_ok_and(|t| t.is_none());
         Ok(applies && !launch_graph::is_capturing(stream)?)
     }
 
-    /// The launches of one forward ([`CudaBackend::enqueue`]), made on `stream`.
+    /// The launches of one forward ([`CudaBackend::enqueue`]), made on `stream`; with `poison`,
+    /// after filling y and the intermediates with NaN.
     ///
     /// # Safety
     /// As [`CudaBackend::enqueue`].
@@ -222,10 +247,9 @@ impl CudaBackend {
         prep: &CudaPrepared,
         ws: &mut CudaWorkspace,
         problem: &Problem,
-        x: CUdeviceptr,
-        mask: CUdeviceptr,
-        y: CUdeviceptr,
+        (x, mask, y): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
         stream: CUstream,
+        poison: bool,
     ) -> Result<()> {
         check_device_forward(&prep.config, problem, x, mask, y)?;
         check_same_weights(ws.weights_of, prep.id)?;
@@ -237,7 +261,7 @@ impl CudaBackend {
         let cfg = problem.config;
         let (c, h, g) = (cfg.c, cfg.h, cfg.gate_width());
         let m = problem.shape.rows();
-        if inner.poison.load(Ordering::Relaxed) {
+        if poison {
             ws.t.memset_async(POISON_BYTE, stream)?;
             match &mut ws.layout {
                 Layout::OnePass { left, right, gate, .. } => {

@@ -317,9 +317,8 @@ impl Stage {
         if grid == 0 {
             return Ok(());
         }
-        if launch_graph::recording() {
-            let shape = KernelShape { func: self.raw as usize, grid, block, smem, pdl };
-            launch_graph::push(Launch::Kernel { shape, args: launch_graph::args_of(params) });
+        let shape = KernelShape { func: self.raw as usize, grid, block, smem, pdl };
+        if !launch_graph::note(|| Launch::Kernel { shape, args: launch_graph::args_of(params) }) {
             return Ok(());
         }
         let _keep = &self.func;

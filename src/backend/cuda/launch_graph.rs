@@ -4,25 +4,29 @@
 //! GPU spends running it).
 //!
 //! How: a forward first runs its launch code with the launches *recorded* instead of made
-//! ([`record`]: [`super::kernels::Stage`] and [`super::blas::MatmulPlan`] consult [`recording`]).
+//! ([`run_in`] [`Mode::Record`]: [`super::kernels::Stage`] and [`super::blas::MatmulPlan`]
+//! consult [`note`]).
 //! The record's [`Shape`] (each kernel's function, grid, block, shared memory and programmatic
 //! flag, each GEMM's plan and every address it takes) is what a graph captured from the same code
 //! bakes in. Where the workspace's [`GraphCache`] holds a graph of that shape, the recorded
 //! kernels' parameter structs (x, the mask, y, the weights: everything that changes from call to
 //! call) are written into its kernel nodes (`cuGraphExecKernelNodeSetParams`, which affects only
 //! later launches) and the graph is launched. A shape seen on two calls in a row is captured on a
-//! private stream from the same launch code and instantiated; any other call runs the launches as
-//! they are. So a graph never replays a GEMM whose addresses moved, and a kernel node always gets
-//! this call's arguments.
+//! private stream from the same launch code, recorded again as it is captured, and kept only if
+//! that record has the same shape and the graph holds nothing but kernel, memset and empty nodes
+//! (no event, copy or host nodes); any other call runs the launches as they are. So a graph
+//! never replays a GEMM whose addresses moved, and a kernel node always gets this call's
+//! arguments.
 //!
 //! Not used while the caller's stream is itself being captured (the caller's graph gets the
 //! launches), with poisoning or stage timing on, or when the backend's switch is off
-//! ([`super::CudaBackend::set_launch_graphs`]). A capture that fails (another thread
+//! ([`super::CudaBackend::set_launch_graphs`]). A capture or replay that fails (another thread
 //! synchronising the device meanwhile, say) leaves the call to run its launches as they are, and
-//! that shape is not captured again.
+//! that shape is not captured again for the next [`RETRY_AFTER`] calls.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
+use std::mem::MaybeUninit;
 
 use cudarc::driver::sys::{
     self, CUfunction, CUgraph, CUgraphExec, CUgraphNode, CUgraphNodeType, CUstream, CUstreamCaptureMode,
@@ -33,11 +37,11 @@ use super::driver::DriverResult;
 use crate::error::{Error, Result};
 
 /// One launch of a forward, as recorded.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(super) enum Launch {
     /// A kernel of ours: its launch, and its one by-value argument's bytes (in 8-byte words so
     /// that the driver reads them from an aligned address).
-    Kernel { shape: KernelShape, args: Vec<u64> },
+    Kernel { shape: KernelShape, args: Vec<MaybeUninit<u64>> },
     /// A cuBLASLt GEMM: everything about it is part of the shape.
     Gemm(GemmShape),
 }
@@ -73,48 +77,82 @@ pub(super) enum Step {
 
 pub(super) type Shape = Vec<Step>;
 
+/// What this thread's kernel launches and GEMMs do ([`mode`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Launch (no graph involved).
+    Launch,
+    /// Record, launch nothing: the pass that decides what a forward does with a graph.
+    Record,
+    /// Record and launch: a capture, whose record is checked against the first.
+    Capture,
+    /// Launch, after a [`Mode::Record`] pass of the same forward decided against a graph.
+    Again,
+}
+
+impl Mode {
+    /// Whether a launch made in this mode counts as the forward's (the backend's launch
+    /// counters): the plain launches and the record pass count, a capture or the launches made
+    /// again after a record pass do not, so a forward counts once whatever path it takes.
+    pub(super) fn counts(self) -> bool {
+        matches!(self, Mode::Launch | Mode::Record)
+    }
+
+    fn records(self) -> bool {
+        matches!(self, Mode::Record | Mode::Capture)
+    }
+}
+
 thread_local! {
-    static RECORD: RefCell<Option<Vec<Launch>>> = const { RefCell::new(None) };
+    static MODE: Cell<Mode> = const { Cell::new(Mode::Launch) };
+    static RECORD: RefCell<Vec<Launch>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Whether this thread is recording launches instead of making them.
-pub(super) fn recording() -> bool {
-    RECORD.with(|r| r.borrow().is_some())
+/// This thread's launch mode.
+pub(super) fn mode() -> Mode {
+    MODE.with(Cell::get)
 }
 
-/// Adds a launch to this thread's record (a no-op when not recording).
-pub(super) fn push(launch: Launch) {
-    RECORD.with(|r| {
-        if let Some(v) = r.borrow_mut().as_mut() {
-            v.push(launch);
-        }
-    });
+/// Adds a launch to this thread's record where the mode records (else nothing); returns whether
+/// the launch is to be made.
+pub(super) fn note(launch: impl FnOnce() -> Launch) -> bool {
+    let m = mode();
+    if m.records() {
+        let l = launch();
+        RECORD.with(|r| r.borrow_mut().push(l));
+    }
+    m != Mode::Record
 }
 
-/// The bytes of a kernel's by-value argument, as [`Launch::Kernel`] keeps them.
-pub(super) fn args_of<P: Copy>(params: &P) -> Vec<u64> {
+/// The bytes of a kernel's by-value argument, as [`Launch::Kernel`] keeps them (padding bytes
+/// included, which is why they stay `MaybeUninit`).
+pub(super) fn args_of<P: Copy>(params: &P) -> Vec<MaybeUninit<u64>> {
     let size = std::mem::size_of::<P>();
-    let mut words = vec![0u64; size.div_ceil(8)];
-    // SAFETY: `words` holds at least `size` bytes; `P: Copy` is plain data (the kernels'
-    // `#[repr(C)]` parameter structs), read here as bytes.
+    let mut words = vec![MaybeUninit::new(0u64); size.div_ceil(8)];
+    // SAFETY: `words` holds at least `size` bytes and is never read as integers; `P: Copy` is
+    // plain data (the kernels' `#[repr(C)]` parameter structs), copied here as bytes.
     unsafe { std::ptr::copy_nonoverlapping(params as *const P as *const u8, words.as_mut_ptr() as *mut u8, size) };
     words
 }
 
-/// Runs `launches` with every kernel launch and GEMM recorded instead of made; returns the
-/// record (also when `launches` fails: the error is returned, the record dropped).
-pub(super) fn record(launches: impl FnOnce() -> Result<()>) -> Result<Vec<Launch>> {
-    struct Stop;
-    impl Drop for Stop {
+/// Runs `launches` in `mode` ([`Mode::Record`], [`Mode::Capture`] or [`Mode::Again`]) and
+/// returns what it recorded (nothing for [`Mode::Again`]); the error of `launches` if it
+/// failed. The thread is back in [`Mode::Launch`] afterwards, also after a panic.
+pub(super) fn run_in(mode: Mode, launches: impl FnOnce() -> Result<()>) -> Result<Vec<Launch>> {
+    struct Restore;
+    impl Drop for Restore {
         fn drop(&mut self) {
-            RECORD.with(|r| r.borrow_mut().take());
+            MODE.with(|m| m.set(Mode::Launch));
+            RECORD.with(|r| r.borrow_mut().clear());
         }
     }
-    RECORD.with(|r| *r.borrow_mut() = Some(Vec::new()));
-    let stop = Stop;
+    debug_assert_eq!(self::mode(), Mode::Launch, "launch modes do not nest");
+    RECORD.with(|r| r.borrow_mut().clear());
+    MODE.with(|m| m.set(mode));
+    let restore = Restore;
     launches()?;
-    let record = RECORD.with(|r| r.borrow_mut().take()).unwrap_or_default();
-    drop(stop);
+    let record = RECORD.with(|r| std::mem::take(&mut *r.borrow_mut()));
+    drop(restore);
     Ok(record)
 }
 
@@ -147,10 +185,10 @@ pub(super) struct LaunchGraph {
     nodes: Vec<CUgraphNode>,
 }
 
-// SAFETY: a graph exec is a driver handle usable from any thread; the workspace that owns it is
-// used by one call at a time (`&mut`).
+// SAFETY: a graph exec is a driver handle usable from any thread; writing its nodes' arguments
+// and launching it take `&mut self`, so one thread at a time does.
 unsafe impl Send for LaunchGraph {}
-// SAFETY: shared references only read `shape`.
+// SAFETY: a shared reference reads only `shape`: every driver call on the exec takes `&mut self`.
 unsafe impl Sync for LaunchGraph {}
 
 impl Drop for LaunchGraph {
@@ -172,14 +210,14 @@ impl LaunchGraph {
     /// `record` has this graph's shape and was made for this call: every address its kernels'
     /// arguments and its GEMMs hold is live until `stream` has run the work, as for the launches
     /// themselves.
-    pub(super) unsafe fn launch(&self, record: &[Launch], stream: CUstream) -> Result<()> {
+    pub(super) unsafe fn launch(&mut self, record: &[Launch], stream: CUstream) -> Result<()> {
         let kernels = record.iter().filter_map(|l| match l {
             Launch::Kernel { shape, args } => Some((shape, args)),
             Launch::Gemm(_) => None,
         });
         for (&node, (shape, args)) in self.nodes.iter().zip(kernels) {
-            let mut words = args.clone();
-            let mut arg = [words.as_mut_ptr() as *mut c_void];
+            // The driver only reads the argument bytes (kernelParams is `void**` by convention).
+            let mut arg = [args.as_ptr() as *mut c_void];
             let params = node_params(shape, arg.as_mut_ptr());
             // SAFETY: a node of this exec whose function and geometry are `shape`'s (matched at
             // capture); the driver copies the argument bytes before returning.
@@ -209,41 +247,67 @@ fn node_params(shape: &KernelShape, args: *mut *mut c_void) -> sys::CUDA_KERNEL_
     }
 }
 
-/// Captures what `launches` enqueues on a private stream into a graph of `shape` (the shape of
-/// the record those same launches made) and instantiates it.
+/// Captures what `launches` enqueues on a private stream into a graph and instantiates it,
+/// provided the launches recorded during the capture have `shape` (the record the same launch
+/// code made this call) and the graph holds no event, copy, host or child-graph node.
 pub(super) fn capture(shape: Shape, launches: impl FnOnce(CUstream) -> Result<()>) -> Result<LaunchGraph> {
+    /// The private stream and its capture: ended (the graph destroyed) and the stream destroyed
+    /// on every way out, a panic in the launch code included, so that the thread is never left
+    /// capturing.
+    struct Capturing {
+        stream: CUstream,
+        open: bool,
+    }
+    impl Capturing {
+        fn end(&mut self) -> Result<CUgraph> {
+            self.open = false;
+            let mut graph: CUgraph = std::ptr::null_mut();
+            // SAFETY: ends the capture begun on this stream.
+            unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) }.result().ctx("cuStreamEndCapture")?;
+            Ok(graph)
+        }
+    }
+    impl Drop for Capturing {
+        fn drop(&mut self) {
+            if self.open {
+                if let Ok(graph) = self.end() {
+                    if !graph.is_null() {
+                        // SAFETY: the capture's graph, used by nothing else.
+                        let _ = unsafe { sys::cuGraphDestroy(graph) };
+                    }
+                }
+            }
+            // SAFETY: our stream; nothing was enqueued on it outside the capture.
+            let _ = unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
+    }
     let mut stream: CUstream = std::ptr::null_mut();
     // SAFETY: creates a stream of the current context (the forward bound it).
     unsafe { sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) }
         .result()
         .ctx("cuStreamCreate")?;
+    let mut cap = Capturing { stream, open: false };
     let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
     // SAFETY: a live stream of ours, not being captured.
-    let begun = unsafe { sys::cuStreamBeginCapture_v2(stream, mode) }.result().ctx("cuStreamBeginCapture");
-    let graph = begun.and_then(|()| {
-        let enqueued = launches(stream);
-        let mut graph: CUgraph = std::ptr::null_mut();
-        // SAFETY: ends the capture begun above (always, also after a failed launch).
-        let ended = unsafe { sys::cuStreamEndCapture(stream, &mut graph) }.result().ctx("cuStreamEndCapture");
-        enqueued.and(ended).map(|()| graph).inspect_err(|_| {
-            if !graph.is_null() {
-                // SAFETY: a graph the capture made, used by nothing else.
-                let _ = unsafe { sys::cuGraphDestroy(graph) };
-            }
-        })
-    });
-    // SAFETY: our stream; nothing was enqueued on it outside the capture.
-    let _ = unsafe { sys::cuStreamDestroy_v2(stream) };
-    let graph = graph?;
-    if graph.is_null() {
-        return Err(Error::Internal("the forward's capture made no graph".into()));
-    }
-    // SAFETY: `graph` is the capture's, owned by the `LaunchGraph` made from it (or destroyed
-    // here when instantiating fails).
-    match unsafe { instantiate(graph, &shape) } {
+    unsafe { sys::cuStreamBeginCapture_v2(stream, mode) }.result().ctx("cuStreamBeginCapture")?;
+    cap.open = true;
+    let recorded = run_in(Mode::Capture, || launches(stream));
+    let graph = cap.end()?;
+    drop(cap);
+    // `graph` is the capture's: owned by the `LaunchGraph` made from it, or destroyed here.
+    let made = match recorded {
+        _ if graph.is_null() => return Err(Error::Internal("the forward's capture made no graph".into())),
+        Err(e) => Err(e),
+        Ok(r) if shape_of(&r) != shape => {
+            Err(Error::Internal("the forward's launches changed between its record and its capture".into()))
+        }
+        // SAFETY: a live graph, the capture's.
+        Ok(_) => unsafe { instantiate(graph, &shape) },
+    };
+    match made {
         Ok((exec, nodes)) => Ok(LaunchGraph { shape, exec, graph, nodes }),
         Err(e) => {
-            // SAFETY: as above; nothing was made from it.
+            // SAFETY: the capture's graph; nothing was made from it.
             let _ = unsafe { sys::cuGraphDestroy(graph) };
             Err(e)
         }
@@ -251,7 +315,8 @@ pub(super) fn capture(shape: Shape, launches: impl FnOnce(CUstream) -> Result<()
 }
 
 /// Instantiates `graph` and finds the exec's node for each of `shape`'s kernels, by function
-/// (each must appear once among the graph's kernel nodes).
+/// (each must appear once among the graph's kernel nodes). Refuses a graph with a node a forward's
+/// launches and cuBLASLt do not make (events, copies, host calls, child graphs).
 ///
 /// # Safety
 /// `graph` is a live graph.
@@ -267,8 +332,10 @@ unsafe fn instantiate(graph: CUgraph, shape: &Shape) -> Result<(CUgraphExec, Vec
         let mut ty = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
         // SAFETY: a node of `graph`.
         unsafe { sys::cuGraphNodeGetType(node, &mut ty) }.result().ctx("cuGraphNodeGetType")?;
-        if ty != CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
-            continue;
+        match ty {
+            CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => {}
+            CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET | CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY => continue,
+            other => return Err(Error::Internal(format!("the forward's captured graph holds a {other:?} node"))),
         }
         // SAFETY: plain data that the query overwrites.
         let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
@@ -292,19 +359,24 @@ unsafe fn instantiate(graph: CUgraph, shape: &Shape) -> Result<(CUgraphExec, Vec
     Ok((exec, nodes))
 }
 
-/// A workspace's launch graph, the shape last seen without one, and the shapes whose capture
-/// failed.
+/// Calls after a failed capture or replay of a shape before that shape is captured again (the
+/// failure may have been passing: another thread synchronising the device during the capture).
+pub(super) const RETRY_AFTER: u32 = 256;
+
+/// A workspace's launch graph, the shape last seen without one, and the shapes whose capture or
+/// replay failed lately, with the calls left before each may be captured again.
 #[derive(Default)]
 pub(crate) struct GraphCache {
     graph: Option<LaunchGraph>,
     last: Option<Shape>,
-    failed: Vec<Shape>,
+    failed: Vec<(Shape, u32)>,
 }
 
 /// What a forward does with its record.
-pub(super) enum Plan<'a> {
-    /// Launch this graph with the record's arguments.
-    Replay(&'a LaunchGraph),
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) enum Plan {
+    /// Launch the kept graph ([`GraphCache::graph`]) with the record's arguments.
+    Replay,
     /// Capture the launches into a graph (second call in a row with this shape), then launch it.
     Capture,
     /// Make the launches as they are.
@@ -313,11 +385,15 @@ pub(super) enum Plan<'a> {
 
 impl GraphCache {
     /// What to do for a call whose record has `shape`.
-    pub(super) fn plan(&mut self, shape: &Shape) -> Plan<'_> {
+    pub(super) fn plan(&mut self, shape: &Shape) -> Plan {
         if self.graph.as_ref().is_some_and(|g| &g.shape == shape) {
-            return Plan::Replay(self.graph.as_ref().expect("checked"));
+            return Plan::Replay;
         }
-        if self.failed.contains(shape) {
+        for f in &mut self.failed {
+            f.1 = f.1.saturating_sub(1);
+        }
+        self.failed.retain(|f| f.1 > 0);
+        if self.failed.iter().any(|f| &f.0 == shape) {
             return Plan::Direct;
         }
         if self.last.as_ref() == Some(shape) {
@@ -327,29 +403,34 @@ impl GraphCache {
         Plan::Direct
     }
 
-    /// Drops the graph of `shape` (its replay failed) and remembers not to capture it again.
-    pub(super) fn forget(&mut self, shape: Shape) {
-        self.graph = None;
-        let _ = self.keep(shape, Err(Error::Internal("its replay failed".into())));
+    /// The kept graph.
+    pub(super) fn graph(&mut self) -> Option<&mut LaunchGraph> {
+        self.graph.as_mut()
     }
 
     /// Keeps a captured graph (replacing the one before), or remembers that `shape`'s capture
     /// failed.
-    pub(super) fn keep(&mut self, shape: Shape, graph: Result<LaunchGraph>) -> Option<&LaunchGraph> {
+    pub(super) fn keep(&mut self, shape: Shape, graph: Result<LaunchGraph>) -> Option<&mut LaunchGraph> {
         self.last = None;
         match graph {
             Ok(g) => {
                 self.graph = Some(g);
-                self.graph.as_ref()
+                self.graph.as_mut()
             }
             Err(_) => {
                 if self.failed.len() >= 8 {
                     self.failed.remove(0);
                 }
-                self.failed.push(shape);
+                self.failed.push((shape, RETRY_AFTER));
                 None
             }
         }
+    }
+
+    /// Drops the graph of `shape` (its replay failed), as a failed capture.
+    pub(super) fn forget(&mut self, shape: Shape) {
+        self.graph = None;
+        let _ = self.keep(shape, Err(Error::Internal("its replay failed".into())));
     }
 }
 
@@ -365,40 +446,54 @@ mod tests {
     }
 
     #[test]
-    fn a_shape_is_captured_on_its_second_call_in_a_row() {
+    fn a_shape_is_captured_on_its_second_call_in_a_row_and_retried_long_after_a_failure() {
         let mut cache = GraphCache::default();
         let (s, t) = (shape(1, 10), shape(1, 11));
-        assert!(matches!(cache.plan(&s), Plan::Direct));
-        assert!(matches!(cache.plan(&t), Plan::Direct), "another shape restarts the count");
-        assert!(matches!(cache.plan(&s), Plan::Direct));
-        assert!(matches!(cache.plan(&s), Plan::Capture));
+        assert_eq!(cache.plan(&s), Plan::Direct);
+        assert_eq!(cache.plan(&t), Plan::Direct, "another shape restarts the count");
+        assert_eq!(cache.plan(&s), Plan::Direct);
+        assert_eq!(cache.plan(&s), Plan::Capture);
         assert!(cache.keep(s.clone(), Err(Error::Internal("capture failed".into()))).is_none());
-        assert!(matches!(cache.plan(&s), Plan::Direct));
-        assert!(matches!(cache.plan(&s), Plan::Direct), "a failed shape is not captured again");
+        for call in 0..RETRY_AFTER {
+            assert_eq!(cache.plan(&s), Plan::Direct, "call {call} after the failure");
+        }
+        assert_eq!(cache.plan(&s), Plan::Capture, "captured again once the failure is old");
     }
 
     #[test]
-    fn a_record_keeps_launches_in_order_and_stops_on_error() {
+    fn modes_record_launch_and_count_as_they_say_and_end_in_launch() {
         let args = args_of(&[1u32, 2, 3]);
         assert_eq!(args.len(), 2);
-        assert_eq!(args[0], 1 | (2 << 32));
+        // SAFETY: the first 8 bytes are two initialised u32s.
+        assert_eq!(unsafe { args[0].assume_init() }, 1 | (2 << 32));
         let k = KernelShape { func: 7, grid: 1, block: 32, smem: 0, pdl: false };
-        let r = record(|| {
-            assert!(recording());
-            push(Launch::Kernel { shape: k, args: args.clone() });
-            push(Launch::Gemm(GemmShape { plan: 3, a: 1, b: 2, d: 3, bias: 0, workspace: 0, workspace_len: 0 }));
-            Ok(())
-        })
-        .unwrap();
-        assert!(!recording());
-        assert_eq!(shape_of(&r).len(), 2);
-        assert!(matches!(shape_of(&r)[0], Step::Kernel(s) if s == k));
-        let failed = record(|| {
-            push(Launch::Kernel { shape: k, args: Vec::new() });
+        let gemm = GemmShape { plan: 3, a: 1, b: 2, d: 3, bias: 0, workspace: 0, workspace_len: 0 };
+        assert!(note(|| unreachable!("no record outside a recording mode")), "plain launches are made");
+        assert!(mode().counts());
+        for (m, launched, counts) in
+            [(Mode::Record, false, true), (Mode::Capture, true, false), (Mode::Again, true, false)]
+        {
+            let r = run_in(m, || {
+                assert_eq!(mode(), m);
+                assert_eq!(mode().counts(), counts, "{m:?}");
+                assert_eq!(note(|| Launch::Kernel { shape: k, args: args.clone() }), launched, "{m:?}");
+                assert_eq!(note(|| Launch::Gemm(gemm)), launched, "{m:?}");
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(mode(), Mode::Launch);
+            let want = if m.records() { vec![Step::Kernel(k), Step::Gemm(gemm)] } else { Vec::new() };
+            assert_eq!(shape_of(&r), want, "{m:?}");
+        }
+        let failed = run_in(Mode::Record, || {
+            note(|| Launch::Kernel { shape: k, args: Vec::new() });
             Err(Error::Internal("bad".into()))
         });
         assert!(failed.is_err());
-        assert!(!recording(), "a failed record stops recording");
-        push(Launch::Kernel { shape: k, args: Vec::new() });
+        assert_eq!(mode(), Mode::Launch, "a failed record stops recording");
+        let panicked = std::panic::catch_unwind(|| run_in(Mode::Capture, || panic!("in the launch code")));
+        assert!(panicked.is_err());
+        assert_eq!(mode(), Mode::Launch, "a panic stops recording");
+        assert!(run_in(Mode::Record, || Ok(())).unwrap().is_empty(), "nothing left from the panicked record");
     }
 }

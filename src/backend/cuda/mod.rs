@@ -18,7 +18,8 @@
 //! weights, the workspaces and the fused kernels' builds and shared-memory sizes; `forward.rs` the
 //! one-pass plan's launches and the kernel choices; `chunked.rs` the plans that keep a forward
 //! within a memory budget (hidden passes, row chunks, in place); `blas.rs` the cuBLASLt plans;
-//! `kernels.rs` the kernel modules; `driver.rs` the driver calls (libraries, events, allocations);
+//! `kernels.rs` the kernel modules; `launch_graph.rs` a one-pass forward's launches recorded and
+//! replayed as one CUDA graph; `driver.rs` the driver calls (libraries, events, allocations);
 //! `tuning.rs` the per-shape tuning table.
 //!
 //! Device memory in the one-pass plan: left, right, the gate (unless made from x) and t, each
@@ -326,7 +327,8 @@ impl CudaBackend {
         self.inner.launch_graphs.store(on, Ordering::Relaxed);
     }
 
-    /// How many forwards this backend has enqueued as a replay of a launch graph.
+    /// How many forwards this backend has enqueued as a launch of a launch graph (each capturing
+    /// forward, which launches the graph it made, included).
     pub fn launch_graph_replays(&self) -> u64 {
         self.inner.graph_launches.load(Ordering::Relaxed)
     }

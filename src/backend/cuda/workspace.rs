@@ -10,7 +10,7 @@ use super::blas::{Elem, MatmulPlan};
 use super::context::{ceil_div, OutputGate};
 use super::driver::DeviceBuffer;
 use super::kernels;
-use super::launch_graph::GraphCache;
+use super::launch_graph::{self, GraphCache};
 use super::tuning::Tuning;
 use crate::backend::caller_workspace::Rebase;
 use crate::backend::gemm::GemmSpec;
@@ -98,7 +98,9 @@ impl FusedKernel<'_> {
     pub(super) unsafe fn launch(&self, rows: usize, stream: CUstream, kp: &InputParams) -> Result<()> {
         if let Some(ws) = self.ws.filter(|ws| ws.takes(rows, kp)) {
             let grid = (rows / WS_ROWS).min(ws.sms as usize) as u32;
-            ws.launches.fetch_add(1, Ordering::Relaxed);
+            if launch_graph::mode().counts() {
+                ws.launches.fetch_add(1, Ordering::Relaxed);
+            }
             return ws.stage.launch_dependent(grid, WS_THREADS, WS_SMEM_BYTES, stream, kp, self.pdl);
         }
         let b = match self.f32_x {
@@ -177,6 +179,9 @@ impl FusedInput {
 
 /// Intermediates and GEMM plans for one problem shape.
 pub struct CudaWorkspace {
+    /// The one-pass forward's launch graph ([`CudaBackend::set_launch_graphs`]). First, so that
+    /// it is destroyed before the buffers below, which keep the device's context alive.
+    pub(super) graphs: GraphCache,
     pub(super) problem: Problem,
     /// How the forward is split and where its intermediates live.
     pub(super) plan: Plan,
@@ -207,8 +212,6 @@ pub struct CudaWorkspace {
     /// its buffers are laid out from now (0 until the first bind) and the bytes they span;
     /// `None`: the backend owns it.
     pub(super) caller_base: Option<(u64, u64)>,
-    /// The one-pass forward's launch graph ([`CudaBackend::set_launch_graphs`]).
-    pub(super) graphs: GraphCache,
 }
 
 /// Where the intermediates live. One per workspace, so the variants' sizes do not matter.
