@@ -346,6 +346,27 @@ def test_no_host_synchronisation_and_memory_from_pytorch():
 
 
 @needs_cuda
+def test_repeated_calls_replay_a_launch_graph_with_each_calls_tensors():
+    """On CUDA the package enqueues a forward as a CUDA-graph replay from the third call of a shape
+    on (the first runs its launches, the second captures them): seven calls on three inputs and
+    masks, every output kept (so y is at a new address each call), give for each input the same
+    bits whichever way its call was enqueued, and the f64 reference's values."""
+    c, h, n = 128, 128, 64
+    w = af3_weights(c, h, True, salt=81, dtype=torch.bfloat16, device="cuda")
+    xs = [pair((1, n, n, c), salt=82 + k, dtype=torch.bfloat16, device="cuda") for k in range(3)]
+    masks = [random_mask((1, n, n), salt=85 + k).to(torch.bfloat16).cuda() for k in range(3)]
+    trimul.clear_cache()
+    ys = [tmu(xs[call % 3], mask=masks[call % 3], **w) for call in range(7)]
+    torch.cuda.synchronize()
+    for k in range(3):
+        ref = f64_reference(xs[k], mask=masks[k], **w)
+        bad, rel = compare(ys[k], ref)
+        assert bad == 0 and rel < 1e-2, (k, bad, rel)
+        for again in ys[k + 3 :: 3]:
+            assert torch.equal(again, ys[k]), k
+
+
+@needs_cuda
 def test_streams_each_get_weights_prepared_on_them_and_the_current_device_is_kept():
     """A first call on a side stream right behind queued work, then on the default stream: each
     reads weights prepared on its own stream (no stream reads storage another is still writing).
