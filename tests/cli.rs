@@ -279,6 +279,22 @@ fn bench_json_parses_and_reports() {
     assert!(md.contains("n256_b2_c128"), "{md}");
 }
 
+/// `--suite long --n` times the long suite's form (B = 1, C = H = 128, unmasked, normal) at the
+/// sizes named, in their order, outside the suite's own sizes too; N = 0 is a usage error.
+#[test]
+fn bench_long_suite_takes_any_size_named() {
+    let dir = TempDir::new("bench-long");
+    let json = dir.path("long.json");
+    let args = ["bench", "--backend", "cpu", "--suite", "long", "--n", "24,16,24", "--repeats", "1", "--warmup", "0"];
+    let o = trimul(&[&args[..], &["--json", s(&json)]].concat());
+    assert!(o.status.success(), "stdout: {}\nstderr: {}", stdout(&o), stderr(&o));
+    let run = BenchRun::from_path(&json).expect("bench JSON parses as BenchRun");
+    let got: Vec<_> = run.shapes.iter().map(|r| (r.n, r.batch, r.c, r.masked, r.passed)).collect();
+    assert_eq!(got, [(24, 1, 128, false, Some(true)), (16, 1, 128, false, Some(true))]);
+    let o = trimul(&["bench", "--backend", "cpu", "--suite", "long", "--n", "0"]);
+    assert_usage_error(&o, "at least 1");
+}
+
 #[test]
 fn report_rejects_bad_input_in_one_line() {
     let dir = TempDir::new("report");

@@ -124,7 +124,8 @@ pub struct BenchArgs {
     #[arg(long, value_enum)]
     pub backend: Option<BackendArg>,
     /// `gpumode`: the 7 GPU MODE shapes; `quick`: the 3 cheapest (default on the CPU);
-    /// `long`: B=1, C=H=128, N from 2048 to 8192 (shapes that do not fit are skipped).
+    /// `long`: B=1, C=H=128, N from 2048 to 8192, or exactly the sizes `--n` names (shapes that
+    /// do not fit are skipped).
     #[arg(long, value_enum)]
     pub suite: Option<BenchSuite>,
     /// Write the results as a bench JSON file (schema v1, read by `trimul report`).
@@ -158,7 +159,8 @@ pub struct BenchArgs {
     /// Write y over x (one tensor instead of two on the device).
     #[arg(long)]
     pub in_place: bool,
-    /// Only the shapes with these sequence lengths (comma-separated), e.g. `--n 4096,8192`.
+    /// Only the shapes with these sequence lengths (comma-separated), e.g. `--n 4096,8192`; with
+    /// `--suite long`, the long suite's form at exactly these sizes (e.g. `--n 1024,1536`).
     #[arg(long, value_name = "N,...", value_delimiter = ',')]
     pub n: Vec<usize>,
     /// Element type of x and y on the device: f32-io, or bf16-io / f16-io (CUDA; the fused

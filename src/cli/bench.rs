@@ -86,9 +86,23 @@ struct Measured {
     sets: u64,
 }
 
-/// `long`: B = 1, C = H = 128, the sizes where users of AF3-style models run out of memory.
-fn long_cases() -> Vec<Case> {
-    trimul::suite::LONG_SUITE_N.into_iter().map(trimul::suite::long_case).collect()
+/// `long`: B = 1, C = H = 128, the sizes where users of AF3-style models run out of memory; with
+/// `ns` (`--n`), that form at exactly those sizes, in their order, once each (1024, 1536 and 2560,
+/// where users fold, are not in the suite; Python's `trimul.bench` times this form).
+pub(super) fn long_cases(ns: &[usize]) -> CliResult<Vec<Case>> {
+    if let Some(n) = ns.iter().find(|&&n| n == 0) {
+        return Err(CliError::usage(format!("--n {n}: a sequence length is at least 1")));
+    }
+    if ns.is_empty() {
+        return Ok(trimul::suite::LONG_SUITE_N.into_iter().map(trimul::suite::long_case).collect());
+    }
+    let mut once: Vec<usize> = Vec::new();
+    for &n in ns {
+        if !once.contains(&n) {
+            once.push(n);
+        }
+    }
+    Ok(once.into_iter().map(trimul::suite::long_case).collect())
 }
 
 pub fn run(args: &BenchArgs) -> CliResult {
@@ -107,7 +121,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
     let (suite_name, cases): (&str, Vec<Case>) = match suite {
         BenchSuite::Gpumode => ("gpumode", suite::bench_cases()),
         BenchSuite::Quick => ("quick", suite::quick_bench_cases()),
-        BenchSuite::Long => ("long", long_cases()),
+        BenchSuite::Long => ("long", long_cases(&args.n)?),
     };
     let cases: Vec<Case> = cases.into_iter().filter(|c| args.n.is_empty() || args.n.contains(&c.n)).collect();
     if cases.is_empty() {
@@ -765,9 +779,12 @@ mod tests {
 
     #[test]
     fn long_suite_shapes() {
-        let ns: Vec<usize> = long_cases().iter().map(|c| c.n).collect();
-        assert_eq!(ns, [2048, 3072, 4096, 6144, 8192]);
-        assert!(long_cases().iter().all(|c| c.batch == 1 && c.c == 128 && c.h == 128 && !c.masked));
+        let suite = long_cases(&[]).unwrap();
+        assert_eq!(suite.iter().map(|c| c.n).collect::<Vec<_>>(), [2048, 3072, 4096, 6144, 8192]);
+        let named = long_cases(&[1536, 512, 1536]).unwrap();
+        assert_eq!(named.iter().map(|c| c.n).collect::<Vec<_>>(), [1536, 512], "--n's sizes, once each");
+        assert!(suite.iter().chain(&named).all(|c| c.batch == 1 && c.c == 128 && c.h == 128 && !c.masked));
+        assert!(long_cases(&[1024, 0]).is_err());
     }
 
     #[test]

@@ -31,21 +31,8 @@ fn cases(args: &TuneArgs) -> CliResult<Vec<trimul::suite::Case>> {
     let cases = match args.suite {
         BenchSuite::Gpumode => suite::bench_cases(),
         BenchSuite::Quick => suite::quick_bench_cases(),
-        // Any N of the long suite's form: `--n` names the sizes (1536 and 2560 are not in the
-        // bench suite but are where users fold), else the suite's own.
-        BenchSuite::Long if args.n.is_empty() => suite::LONG_SUITE_N.into_iter().map(suite::long_case).collect(),
-        BenchSuite::Long => {
-            if let Some(n) = args.n.iter().find(|&&n| n == 0) {
-                return Err(CliError::usage(format!("--n {n}: a sequence length is at least 1")));
-            }
-            let mut ns: Vec<usize> = Vec::new();
-            for &n in &args.n {
-                if !ns.contains(&n) {
-                    ns.push(n);
-                }
-            }
-            return Ok(ns.into_iter().map(suite::long_case).collect());
-        }
+        // Any N of the long suite's form: `--n` names the sizes, else the suite's own.
+        BenchSuite::Long => return super::bench::long_cases(&args.n),
     };
     let cases: Vec<_> = cases.into_iter().filter(|c| args.n.is_empty() || args.n.contains(&c.n)).collect();
     if cases.is_empty() {
