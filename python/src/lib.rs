@@ -489,13 +489,23 @@ fn backend_for<B: Clone + Send + 'static>(
     Ok(b)
 }
 
+/// The CUDA backends opened so far, by device.
+static CUDA_BACKENDS: OnceLock<Mutex<HashMap<usize, CudaBackend>>> = OnceLock::new();
+
+/// Whether CUDA forwards are enqueued as launch-graph replays ([`set_launch_graphs`]); the first
+/// value from `TRIMUL_CUDA_GRAPHS` (on unless it is `0`).
+fn launch_graphs() -> &'static std::sync::atomic::AtomicBool {
+    static ON: OnceLock<std::sync::atomic::AtomicBool> = OnceLock::new();
+    ON.get_or_init(|| {
+        std::sync::atomic::AtomicBool::new(std::env::var("TRIMUL_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0"))
+    })
+}
+
 fn cuda_backend(device: usize) -> PyResult<CudaBackend> {
-    static TABLE: OnceLock<Mutex<HashMap<usize, CudaBackend>>> = OnceLock::new();
-    backend_for(&TABLE, device, |d| {
+    backend_for(&CUDA_BACKENDS, device, |d| {
         let b = CudaBackend::new(d)?;
-        // One graph replay per forward instead of its launches: a fraction of the host time
-        // (`TRIMUL_CUDA_GRAPHS=0` keeps the launches, to compare).
-        b.set_launch_graphs(std::env::var("TRIMUL_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0"));
+        // One graph replay per forward instead of its launches: a fraction of the host time.
+        b.set_launch_graphs(launch_graphs().load(std::sync::atomic::Ordering::Relaxed));
         Ok(b)
     })
 }
@@ -888,6 +898,24 @@ fn cuda_set_poison(device: usize, on: bool) -> PyResult<()> {
     Ok(())
 }
 
+/// Whether CUDA forwards from now on, on every device, are enqueued as one CUDA-graph replay
+/// each (on by default, or as `TRIMUL_CUDA_GRAPHS` says) or as their launches.
+#[pyfunction]
+fn set_launch_graphs(on: bool) -> PyResult<()> {
+    launch_graphs().store(on, std::sync::atomic::Ordering::Relaxed);
+    if let Some(map) = CUDA_BACKENDS.get() {
+        let map = map.lock().map_err(|_| PyRuntimeError::new_err("backend table poisoned"))?;
+        map.values().for_each(|b| b.set_launch_graphs(on));
+    }
+    Ok(())
+}
+
+/// Whether CUDA forwards are enqueued as CUDA-graph replays ([`set_launch_graphs`]).
+#[pyfunction]
+fn launch_graphs_on() -> bool {
+    launch_graphs().load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// What the CUDA backend found on device `device`: its description, or the error saying why not.
 #[pyfunction]
 fn cuda_info(device: usize) -> PyResult<String> {
@@ -942,6 +970,8 @@ fn _trimul(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hip_prepared_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(hip_validate, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_set_poison, m)?)?;
+    m.add_function(wrap_pyfunction!(set_launch_graphs, m)?)?;
+    m.add_function(wrap_pyfunction!(launch_graphs_on, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_backends, m)?)?;
     m.add_function(wrap_pyfunction!(memory_margin, m)?)?;

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import af3_weights, compare, f64_reference, pair, random_mask
 
+import trimul
 from trimul import _torch, _trimul, gpumode, reference
 from trimul._args import AF3_WEIGHTS
 
@@ -172,3 +173,14 @@ def test_workspace_limit_keeps_the_libraries_margin(monkeypatch):
     got = _torch._memory_for_workspace(torch.device("cuda", 0), 100)
     assert got == 10 * gib + 2 * gib - 100 - 80 * gib // 50
     assert _torch._memory_for_workspace(torch.device("cpu"), 100) is None
+
+
+def test_launch_graphs_switch_returns_what_it_replaced():
+    """``trimul.set_launch_graphs`` (CUDA forwards as graph replays, on by default) takes effect
+    for backends opened before and after it, and returns the setting it replaced."""
+    was = trimul.set_launch_graphs(False)
+    try:
+        assert trimul.set_launch_graphs(True) is False
+        assert trimul.set_launch_graphs(True) is True
+    finally:
+        trimul.set_launch_graphs(was)

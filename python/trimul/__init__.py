@@ -25,6 +25,7 @@ __all__ = [
     "patch_cuequivariance",
     "unpatch_cuequivariance",
     "clear_cache",
+    "set_launch_graphs",
     "info",
     "__version__",
 ]
@@ -138,6 +139,21 @@ def unpatch_cuequivariance() -> None:
     from . import _cueq_patch
 
     _cueq_patch.unpatch()
+
+
+def set_launch_graphs(on: bool) -> bool:
+    """Whether CUDA forwards from now on are enqueued as one CUDA-graph replay each (the default,
+    unless ``TRIMUL_CUDA_GRAPHS=0``) or as their two kernel launches and cuBLASLt call; returns the
+    setting it replaces.
+
+    A replay costs a fraction of the launches' host time. The second call of each layer and shape
+    captures its launches into a graph, and while it does, another thread that synchronises the
+    device (``torch.cuda.synchronize()``, freeing memory with ``cudaFree``) gets an error: a
+    program whose threads share a GPU that way can turn graphs off here.
+    """
+    was = _trimul.launch_graphs_on()
+    _trimul.set_launch_graphs(bool(on))
+    return was
 
 
 def clear_cache() -> None:

@@ -182,7 +182,8 @@ impl CudaBackend {
         let shape = launch_graph::shape_of(&record);
         // Out of the workspace while the launches below borrow it.
         let mut cache = std::mem::take(&mut ws.graphs);
-        let graph = match cache.plan(&shape) {
+        let plan = if cache.rule_out(&record) { GraphPlan::Direct } else { cache.plan(&shape) };
+        let graph = match plan {
             GraphPlan::Replay => cache.graph(),
             GraphPlan::Direct => None,
             GraphPlan::Capture => {
@@ -218,9 +219,9 @@ impl CudaBackend {
 
     /// Whether this forward's launches go through a launch graph: the switch is on, the plan is
     /// one pass with the fused input build and a fused output stage (its launches are two
-    /// kernels and the contraction's GEMM, which does not take y's address unless its algorithm
-    /// borrows y's bytes as workspace), nothing is poisoned or timed, and the caller is not
-    /// capturing `stream` itself.
+    /// kernels and the contraction's GEMM), whose GEMM takes no workspace memory (the plan lends
+    /// it y's bytes, whose address moves; found by the first record), nothing is poisoned or
+    /// timed, and the caller is not capturing `stream` itself.
     fn graphs_apply(&self, ws: &CudaWorkspace, problem: &Problem, stream: CUstream) -> Result<bool> {
         let inner = &self.inner;
         let fused_output = match &ws.layout {
@@ -231,9 +232,11 @@ impl CudaBackend {
         };
         let applies = inner.launch_graphs.load(Ordering::Relaxed)
             && fused_output
+            && !ws.graphs.ruled_out()
             && !inner.poison.load(Ordering::Relaxed)
             && inner.timeline.lock().is_ok_and(|t| t.is_none());
-        Ok(applies && !launch_graph::is_capturing(stream)?)
+        // A stream whose capture state cannot be read gets the launches, which report the error.
+        Ok(applies && !launch_graph::is_capturing(stream).unwrap_or(true))
     }
 
     /// The launches of one forward ([`CudaBackend::enqueue`]), made on `stream`; with `poison`,

@@ -146,7 +146,9 @@ pub(super) fn run_in(mode: Mode, launches: impl FnOnce() -> Result<()>) -> Resul
             RECORD.with(|r| r.borrow_mut().clear());
         }
     }
-    debug_assert_eq!(self::mode(), Mode::Launch, "launch modes do not nest");
+    // A nested pass would put the outer one back in `Launch` when it ends: a record pass would
+    // then really launch.
+    assert_eq!(self::mode(), Mode::Launch, "launch modes do not nest");
     RECORD.with(|r| r.borrow_mut().clear());
     MODE.with(|m| m.set(mode));
     let restore = Restore;
@@ -263,7 +265,14 @@ pub(super) fn capture(shape: Shape, launches: impl FnOnce(CUstream) -> Result<()
             self.open = false;
             let mut graph: CUgraph = std::ptr::null_mut();
             // SAFETY: ends the capture begun on this stream.
-            unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) }.result().ctx("cuStreamEndCapture")?;
+            let ended = unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) }.result();
+            if let Err(e) = ended {
+                if !graph.is_null() {
+                    // SAFETY: a graph the failed capture handed back, used by nothing else.
+                    let _ = unsafe { sys::cuGraphDestroy(graph) };
+                }
+                return Err::<CUgraph, _>(e).ctx("cuStreamEndCapture");
+            }
             Ok(graph)
         }
     }
@@ -329,13 +338,18 @@ unsafe fn instantiate(graph: CUgraph, shape: &Shape) -> Result<(CUgraphExec, Vec
     unsafe { sys::cuGraphGetNodes(graph, all.as_mut_ptr(), &mut count) }.result().ctx("cuGraphGetNodes")?;
     let mut funcs = Vec::with_capacity(count);
     for &node in &all[..count] {
-        let mut ty = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-        // SAFETY: a node of `graph`.
-        unsafe { sys::cuGraphNodeGetType(node, &mut ty) }.result().ctx("cuGraphNodeGetType")?;
-        match ty {
-            CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL => {}
-            CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET | CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY => continue,
-            other => return Err(Error::Internal(format!("the forward's captured graph holds a {other:?} node"))),
+        // As an integer: a newer driver may name node types these bindings' enum lacks.
+        let mut ty = 0u32;
+        // SAFETY: a node of `graph`; the driver writes a 32-bit enum value.
+        unsafe { sys::cuGraphNodeGetType(node, &mut ty as *mut u32 as *mut CUgraphNodeType) }
+            .result()
+            .ctx("cuGraphNodeGetType")?;
+        let is = |t: CUgraphNodeType| ty == t as u32;
+        if is(CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET) || is(CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY) {
+            continue;
+        }
+        if !is(CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL) {
+            return Err(Error::Internal(format!("the forward's captured graph holds a node of type {ty}")));
         }
         // SAFETY: plain data that the query overwrites.
         let mut p: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
@@ -370,6 +384,10 @@ pub(crate) struct GraphCache {
     graph: Option<LaunchGraph>,
     last: Option<Shape>,
     failed: Vec<(Shape, u32)>,
+    /// The workspace's GEMM takes workspace memory, which the one-pass plan lends from y (or x
+    /// in place): its graph would hold y's address, which moves from call to call, so this
+    /// workspace makes its launches as they are without recording them first.
+    ruled_out: bool,
 }
 
 /// What a forward does with its record.
@@ -387,6 +405,8 @@ impl GraphCache {
     /// What to do for a call whose record has `shape`.
     pub(super) fn plan(&mut self, shape: &Shape) -> Plan {
         if self.graph.as_ref().is_some_and(|g| &g.shape == shape) {
+            // A shape seen once between two replays is not "in a row" with its next call.
+            self.last = None;
             return Plan::Replay;
         }
         for f in &mut self.failed {
@@ -401,6 +421,18 @@ impl GraphCache {
         }
         self.last = Some(shape.clone());
         Plan::Direct
+    }
+
+    /// Whether this workspace's forwards are not to go through graphs ([`GraphCache::rule_out`]).
+    pub(super) fn ruled_out(&self) -> bool {
+        self.ruled_out
+    }
+
+    /// Rules graphs out for this workspace when `record` has a GEMM that uses workspace memory
+    /// (see the field's docs); returns whether it did.
+    pub(super) fn rule_out(&mut self, record: &[Launch]) -> bool {
+        self.ruled_out |= record.iter().any(|l| matches!(l, Launch::Gemm(g) if g.workspace_len > 0));
+        self.ruled_out
     }
 
     /// The kept graph.
@@ -458,6 +490,24 @@ mod tests {
             assert_eq!(cache.plan(&s), Plan::Direct, "call {call} after the failure");
         }
         assert_eq!(cache.plan(&s), Plan::Capture, "captured again once the failure is old");
+    }
+
+    #[test]
+    fn a_shape_seen_once_between_replays_is_not_captured_on_its_next_call() {
+        let mut cache = GraphCache::default();
+        let (s, t) = (shape(1, 10), shape(1, 11));
+        cache.graph = Some(LaunchGraph {
+            shape: s.clone(),
+            exec: std::ptr::null_mut(),
+            graph: std::ptr::null_mut(),
+            nodes: Vec::new(),
+        });
+        assert_eq!(cache.plan(&t), Plan::Direct);
+        assert_eq!(cache.plan(&s), Plan::Replay);
+        assert_eq!(cache.plan(&t), Plan::Direct, "not two calls in a row");
+        assert_eq!(cache.plan(&t), Plan::Capture);
+        // The kept graph's handles are not the driver's: forget it without destroying them.
+        std::mem::forget(cache.graph.take());
     }
 
     #[test]
