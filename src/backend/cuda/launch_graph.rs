@@ -147,8 +147,10 @@ pub(super) fn run_in(mode: Mode, launches: impl FnOnce() -> Result<()>) -> Resul
         }
     }
     // A nested pass would put the outer one back in `Launch` when it ends: a record pass would
-    // then really launch.
-    assert_eq!(self::mode(), Mode::Launch, "launch modes do not nest");
+    // then really launch. Refused (release builds too), without touching the outer pass.
+    if self::mode() != Mode::Launch {
+        return Err(Error::Internal(format!("a {mode:?} pass inside a {:?} pass", self::mode())));
+    }
     RECORD.with(|r| r.borrow_mut().clear());
     MODE.with(|m| m.set(mode));
     let restore = Restore;
@@ -545,5 +547,11 @@ mod tests {
         assert!(panicked.is_err());
         assert_eq!(mode(), Mode::Launch, "a panic stops recording");
         assert!(run_in(Mode::Record, || Ok(())).unwrap().is_empty(), "nothing left from the panicked record");
+        let nested = run_in(Mode::Record, || {
+            assert!(run_in(Mode::Capture, || Ok(())).is_err(), "a nested pass is refused");
+            assert_eq!(mode(), Mode::Record, "and leaves the outer pass as it was");
+            Ok(())
+        });
+        assert!(nested.is_ok());
     }
 }
