@@ -355,10 +355,12 @@ impl MatmulPlan {
         }
         // A graph captured from this call bakes in every address; the workspace's only where the
         // algorithm uses one.
-        let (ws, ws_len) = if self.workspace_bytes > 0 { (workspace, self.workspace_bytes) } else { (0, 0) };
-        let (plan, bias_at) = (self.id, if self.bias { bias } else { 0 });
-        let gemm = GemmShape { plan, a, b, d, bias: bias_at, workspace: ws, workspace_len: ws_len };
-        if !launch_graph::note(|| Launch::Gemm(gemm)) {
+        let recorded = || {
+            let (ws, ws_len) = if self.workspace_bytes > 0 { (workspace, self.workspace_bytes) } else { (0, 0) };
+            let (plan, bias_at) = (self.id, if self.bias { bias } else { 0 });
+            Launch::Gemm(GemmShape { plan, a, b, d, bias: bias_at, workspace: ws, workspace_len: ws_len })
+        };
+        if !launch_graph::note(recorded) {
             return Ok(());
         }
         if self.bias {

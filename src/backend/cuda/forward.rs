@@ -90,9 +90,7 @@ impl CudaBackend {
         // parameters load under its tail.
         let pdl = self.inner.kernels.pdl;
         if let Some((resident, grid)) = self.resident_output(kp) {
-            if launch_graph::mode().counts() {
-                self.inner.resident_launches.fetch_add(1, Ordering::Relaxed);
-            }
+            launch_graph::count(&self.inner.resident_launches);
             return resident.launch_dependent(grid, STAGE_THREADS, OUTPUT_RESIDENT_SMEM, stream, kp, pdl);
         }
         let p = &kp.common;
@@ -120,9 +118,7 @@ impl CudaBackend {
         let grid = u32::try_from(kp.common.rows() / OUTPUT_PROJECTION_ROWS)
             .unwrap_or(u32::MAX)
             .min(2 * inner.info.compute_units);
-        if launch_graph::mode().counts() {
-            inner.xgate_launches.fetch_add(1, Ordering::Relaxed);
-        }
+        launch_graph::count(&inner.xgate_launches);
         k.launch_dependent(grid, STAGE_THREADS, OUTPUT_XGATE_SMEM, stream, kp, inner.kernels.pdl)?;
         self.mark("output stage (LayerNorm, gate from x, projection)", stream)
     }
@@ -259,8 +255,8 @@ impl CudaBackend {
         if !self.workspace_fits(ws, problem) {
             return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
         }
+        // `enqueue`, its only caller, made the context current on this thread.
         let inner = &self.inner;
-        inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
         let cfg = problem.config;
         let (c, h, g) = (cfg.c, cfg.h, cfg.gate_width());
         let m = problem.shape.rows();

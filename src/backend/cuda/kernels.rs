@@ -317,8 +317,11 @@ impl Stage {
         if grid == 0 {
             return Ok(());
         }
-        let shape = KernelShape { func: self.raw as usize, grid, block, smem, pdl };
-        if !launch_graph::note(|| Launch::Kernel { shape, args: launch_graph::args_of(params) }) {
+        let recorded = || {
+            let shape = KernelShape { func: self.raw as usize, grid, block, smem, pdl };
+            Launch::Kernel { shape, args: launch_graph::args_of(params) }
+        };
+        if !launch_graph::note(recorded) {
             return Ok(());
         }
         let _keep = &self.func;

@@ -27,6 +27,7 @@
 use std::cell::{Cell, RefCell};
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::sys::{
     self, CUfunction, CUgraph, CUgraphExec, CUgraphNode, CUgraphNodeType, CUstream, CUstreamCaptureMode,
@@ -111,6 +112,13 @@ thread_local! {
 /// This thread's launch mode.
 pub(super) fn mode() -> Mode {
     MODE.with(Cell::get)
+}
+
+/// Adds one to a backend's launch counter where this thread's mode counts ([`Mode::counts`]).
+pub(super) fn count(counter: &AtomicU64) {
+    if mode().counts() {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Adds a launch to this thread's record where the mode records (else nothing); returns whether

@@ -2,8 +2,6 @@
 //! fused kernels' builds and shared-memory sizes, the one-pass scratch, the chunked and staged
 //! layouts).
 
-use std::sync::atomic::Ordering;
-
 use cudarc::driver::sys::CUstream;
 
 use super::blas::{Elem, MatmulPlan};
@@ -98,9 +96,7 @@ impl FusedKernel<'_> {
     pub(super) unsafe fn launch(&self, rows: usize, stream: CUstream, kp: &InputParams) -> Result<()> {
         if let Some(ws) = self.ws.filter(|ws| ws.takes(rows, kp)) {
             let grid = (rows / WS_ROWS).min(ws.sms as usize) as u32;
-            if launch_graph::mode().counts() {
-                ws.launches.fetch_add(1, Ordering::Relaxed);
-            }
+            launch_graph::count(ws.launches);
             return ws.stage.launch_dependent(grid, WS_THREADS, WS_SMEM_BYTES, stream, kp, self.pdl);
         }
         let b = match self.f32_x {
