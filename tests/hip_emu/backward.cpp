@@ -7,6 +7,7 @@
 // BLOCKS is the grid of the LayerNorm backward kernels, which loop over positions. Exit status 0
 // when every check passes; the last line of stdout says why not.
 #include "tests/hip_emu/emu.h"
+#include "tests/hip_emu/harness.h"
 #include "common/backward.h"
 
 #include <cstdint>
@@ -18,13 +19,10 @@
 static bool close(double got, double want, double tol) { return std::fabs(got - want) <= tol * (1.0 + std::fabs(want)); }
 
 int main(int argc, char** argv) {
-  if (argc != 8) {
-    std::printf("usage: %s BATCH N C H BLOCKS AF3 SEED\n", argv[0]);
-    return 2;
-  }
-  const int batch = std::atoi(argv[1]), n = std::atoi(argv[2]), C = std::atoi(argv[3]), H = std::atoi(argv[4]);
-  const int blocks = std::atoi(argv[5]), af3 = std::atoi(argv[6]);
-  std::mt19937_64 rng((uint64_t)std::atoll(argv[7]));
+  const emu::Args args(argc, argv, "BATCH N C H BLOCKS AF3 SEED");
+  const int batch = args["BATCH"], n = args["N"], C = args["C"], H = args["H"];
+  const int blocks = args["BLOCKS"], af3 = args["AF3"];
+  std::mt19937_64 rng((uint64_t)args["SEED"]);
   std::normal_distribution<double> normal(0.0, 1.0);
   const long long n2 = (long long)n * n, M = batch * n2;
   const float eps = 1e-5f;
@@ -47,18 +45,11 @@ int main(int argc, char** argv) {
   fill(pbias, 0.0, 0.5);
   for (auto& v : mask) v = unit(rng) < 0.8 ? 1.f : 0.f;
   auto pb = [&](long long m, int col) { return (double)P[m * F + col] + pbias[col]; };
-  // The kernels' argument with this problem's sizes; each check sets the tensors it uses.
+  // The kernels' argument with this problem's sizes and its projections (P, their bias and the
+  // mask, which only the kernels that read them look at); each check sets the other tensors it uses.
   auto base = [&] {
-    TmBackwardParams p{};
-    p.rows = M;
-    p.n2 = n2;
-    p.c = C;
-    p.h = H;
-    p.f = F;
-    p.af3 = af3;
-    p.eps = eps;
-    p.blocks = blocks;
-    return p;
+    return TmBackwardParams{.mask = mask.data(), .proj_bias = pbias.data(), .p = P.data(), .rows = M, .n2 = n2,
+                            .c = C, .h = H, .f = F, .af3 = af3, .eps = eps, .blocks = blocks};
   };
   if (batch < 1 || n < 1 || C < 1 || H < 1 || blocks < 1 || smem_in > sizeof(tm_dyn_smem) ||
       smem_out > sizeof(tm_dyn_smem)) {
@@ -102,11 +93,22 @@ int main(int argc, char** argv) {
       }
     }
   };
-  auto block_sums = [&](const std::vector<double>& partial, int W, int c) {
-    double t = 0;
-    for (int b = 0; b < blocks; ++b) t += partial[(size_t)b * 2 * W + c];
-    return t;
+  // Whether a LayerNorm backward kernel's 2W column sums, over the blocks' partial sums, match
+  // the reference's (else says which does not).
+  auto column_sums_match = [&](const char* what, const std::vector<double>& partial, int W,
+                               const std::vector<double>& sums) {
+    for (int c = 0; c < 2 * W; ++c) {
+      double t = 0;
+      for (int b = 0; b < blocks; ++b) t += partial[(size_t)b * 2 * W + c];
+      if (!close(t, sums[c], 1e-4)) {
+        std::printf("%s: column sum %d = %g, want %g\n", what, c, t, sums[c]);
+        return false;
+      }
+    }
+    return true;
   };
+  // Blocks of `per` that cover `count` items.
+  auto grid = [](long long count, long long per) { return (unsigned)((count + per - 1) / per); };
 
   // LN_C's backward: dx from dz.
   {
@@ -132,11 +134,7 @@ int main(int argc, char** argv) {
         std::printf("input_norm_grad: dx[%lld] = %g, want %g\n", i, dx[i], want[i]);
         return 1;
       }
-    for (int c = 0; c < 2 * C; ++c)
-      if (!close(block_sums(partial, C, c), sums[c], 1e-4)) {
-        std::printf("input_norm_grad: column sum %d = %g, want %g\n", c, block_sums(partial, C, c), sums[c]);
-        return 1;
-      }
+    if (!column_sums_match("input_norm_grad", partial, C, sums)) return 1;
   }
 
   // LN_H's backward: dt (hidden-major, over t) from du.
@@ -145,7 +143,6 @@ int main(int argc, char** argv) {
     fill(t, -1.0, 3.0);
     fill(du, 0.0, 1.0);
     fill(w, 1.0, 0.5);
-    auto hidden = [&](long long m, int h) { return (size_t)(((m / n2) * H + h) * n2 + m % n2); };
     const std::vector<float> t0 = t;
     const auto st = stats(H, [&](long long m, int h) { return (double)t0[hidden(m, h)]; });
     std::vector<double> partial((size_t)blocks * 2 * H, NAN);
@@ -165,11 +162,7 @@ int main(int argc, char** argv) {
           std::printf("output_norm_grad: dt[%lld, %d] = %g, want %g\n", m, h, t[hidden(m, h)], want[m * H + h]);
           return 1;
         }
-    for (int c = 0; c < 2 * H; ++c)
-      if (!close(block_sums(partial, H, c), sums[c], 1e-4)) {
-        std::printf("output_norm_grad: column sum %d = %g, want %g\n", c, block_sums(partial, H, c), sums[c]);
-        return 1;
-      }
+    if (!column_sums_match("output_norm_grad", partial, H, sums)) return 1;
   }
   // LN_C forward: z and its statistics.
   {
@@ -183,8 +176,7 @@ int main(int argc, char** argv) {
     p.norm_in_b = b.data();
     p.z = z.data();
     p.stats_x = st.data();
-    emu::launch((unsigned)((M + TM_BWD_ROWS_PER_BLOCK - 1) / TM_BWD_ROWS_PER_BLOCK), TM_BWD_THREADS,
-                [&] { backward_input_norm(p); });
+    emu::launch(grid(M, TM_BWD_ROWS_PER_BLOCK), TM_BWD_THREADS, [&] { backward_input_norm(p); });
     const auto want = stats(C, [&](long long m, int c) { return (double)x[m * C + c]; });
     for (long long m = 0; m < M; ++m) {
       for (int k = 0; k < 2; ++k)
@@ -200,12 +192,9 @@ int main(int argc, char** argv) {
   {
     std::vector<float> left((size_t)(M * H), NAN), right((size_t)(M * H), NAN);
     TmBackwardParams p = base();
-    p.p = P.data();
-    p.proj_bias = pbias.data();
-    p.mask = mask.data();
     p.left = left.data();
     p.right = right.data();
-    emu::launch((unsigned)((M + TM_BWD_TILE - 1) / TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_gating(p); });
+    emu::launch(grid(M, TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_gating(p); });
     for (long long m = 0; m < M; ++m)
       for (int h = 0; h < H; ++h) {
         const double l = pb(m, h) * sig(pb(m, H + h)) * mask[m], r = pb(m, 2 * H + h) * sig(pb(m, 3 * H + h)) * mask[m];
@@ -225,12 +214,10 @@ int main(int argc, char** argv) {
     p.t = t.data();
     p.norm_out_w = w.data();
     p.norm_out_b = b.data();
-    p.p = P.data();
-    p.proj_bias = pbias.data();
     p.u = u.data();
     p.e = e.data();
     p.stats_t = st.data();
-    emu::launch((unsigned)((M + TM_BWD_TILE - 1) / TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_output_norm(p); });
+    emu::launch(grid(M, TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_output_norm(p); });
     const auto want = stats(H, [&](long long m, int h) { return (double)t[hidden(m, h)]; });
     for (long long m = 0; m < M; ++m) {
       for (int k = 0; k < 2; ++k)
@@ -259,11 +246,9 @@ int main(int argc, char** argv) {
     p.e = e.data();
     p.u = u.data();
     p.du = du.data();
-    p.p = P.data();
-    p.proj_bias = pbias.data();
     p.out_bias = obias.data();
     p.dcat = dcat.data();
-    emu::launch((unsigned)((M * G + TM_BWD_THREADS - 1) / TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_output_gate(p); });
+    emu::launch(grid(M * G, TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_output_gate(p); });
     for (long long m = 0; m < M; ++m)
       for (int col = 0; col < G; ++col) {
         const long long i = m * G + col;
@@ -284,11 +269,8 @@ int main(int argc, char** argv) {
     TmBackwardParams p = base();
     p.left = dl.data();
     p.right = dr.data();
-    p.p = P.data();
-    p.proj_bias = pbias.data();
-    p.mask = mask.data();
     p.dcat = dcat.data();
-    emu::launch((unsigned)((M + TM_BWD_TILE - 1) / TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_gating_grad(p); });
+    emu::launch(grid(M, TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_gating_grad(p); });
     for (long long m = 0; m < M; ++m)
       for (int h = 0; h < H; ++h)
         for (int side = 0; side < 2; ++side) {
@@ -302,7 +284,7 @@ int main(int argc, char** argv) {
 
   // Column sums of P's columns (a leading dimension wider than the columns summed) in two passes.
   {
-    const int cols = F - 3, row_blocks = 3, chunks = (cols + 31) / 32;
+    const int cols = F - 3, row_blocks = 3, chunks = (int)grid(cols, 32);
     std::vector<double> partial((size_t)row_blocks * cols, NAN);
     std::vector<float> out(cols, NAN);
     TmColumnSums s{};
@@ -314,7 +296,7 @@ int main(int argc, char** argv) {
     s.ld = F;
     s.row_blocks = row_blocks;
     emu::launch((unsigned)(row_blocks * chunks), TM_BWD_THREADS, [&] { backward_column_partials(s); });
-    emu::launch((unsigned)((cols + TM_BWD_THREADS - 1) / TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_column_finish(s); });
+    emu::launch(grid(cols, TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_column_finish(s); });
     for (int col = 0; col < cols; ++col) {
       double want = 0;
       for (long long m = 0; m < M; ++m) want += P[m * F + col];
@@ -342,8 +324,7 @@ int main(int argc, char** argv) {
       for (int to = TM_IO_F32; to <= TM_IO_F16; ++to) {
         std::vector<float> out(src.size(), NAN);  // room for either width
         TmConvert w{from_data[from], out.data(), (tm_i64)src.size(), from, to};
-        emu::launch((unsigned)((src.size() + TM_BWD_THREADS - 1) / TM_BWD_THREADS), TM_BWD_THREADS,
-                    [&] { backward_convert(w); });
+        emu::launch(grid((long long)src.size(), TM_BWD_THREADS), TM_BWD_THREADS, [&] { backward_convert(w); });
         for (size_t i = 0; i < src.size(); ++i) {
           const double v = decode(from, from_data[from], i);
           // The value rounded once to `to`, as the host rounds it.

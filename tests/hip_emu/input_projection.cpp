@@ -10,7 +10,7 @@
 // hidden and gate passes do). Exit status 0 when every check passes; the last line of stdout says
 // why not.
 #include "tests/hip_emu/emu.h"
-#include "common/params.h"
+#include "tests/hip_emu/harness.h"
 #include "hip/input_projection.h"
 
 #include <cstdint>
@@ -21,17 +21,13 @@
 static double h2d(tm_half h) { return (double)tm_h2f(h); }
 
 int main(int argc, char** argv) {
-  if (argc != 12 && argc != 16) {
-    std::printf("usage: %s BATCH N C H AF3 BIAS MASK IO ROW0 ROWS SEED [LR_H0 LR_H BEGIN END]\n", argv[0]);
-    return 2;
-  }
-  const int lr_h0 = argc == 16 ? std::atoi(argv[12]) : 0, lr_h = argc == 16 ? std::atoi(argv[13]) : 0;
-  const int begin = argc == 16 ? std::atoi(argv[14]) : 0, end = argc == 16 ? std::atoi(argv[15]) : 0;
-  const int batch = std::atoi(argv[1]), n = std::atoi(argv[2]), C = std::atoi(argv[3]), H = std::atoi(argv[4]);
-  const int af3 = std::atoi(argv[5]), with_bias = std::atoi(argv[6]), masked = std::atoi(argv[7]);
-  const int io = std::atoi(argv[8]);
-  const long long row0 = std::atoll(argv[9]), rows = std::atoll(argv[10]);
-  std::mt19937_64 rng((uint64_t)std::atoll(argv[11]));
+  const emu::Args args(argc, argv, "BATCH N C H AF3 BIAS MASK IO ROW0 ROWS SEED [LR_H0 LR_H BEGIN END]");
+  const int lr_h0 = args["LR_H0"], lr_h = args["LR_H"], begin = args["BEGIN"], end = args["END"];
+  const int batch = args["BATCH"], n = args["N"], C = args["C"], H = args["H"];
+  const int af3 = args["AF3"], with_bias = args["BIAS"], masked = args["MASK"];
+  const int io = args["IO"];
+  const long long row0 = args["ROW0"], rows = args["ROWS"];
+  std::mt19937_64 rng((uint64_t)args["SEED"]);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
 
@@ -79,8 +75,7 @@ int main(int argc, char** argv) {
   const long long buf_row0 = row0;
   std::vector<tm_half> gate((size_t)(rows * G), sentinel);
 
-  TmInputParams p;
-  std::memset(&p, 0, sizeof(p));
+  TmInputParams p{emu::problem(batch, n, C, H, af3, row0, rows)};
   p.x = io == TM_IO_F32 ? xf.data() : (const float*)xh.data();
   p.io_dtype = io;
   p.mask = masked ? mask.data() : nullptr;
@@ -92,15 +87,6 @@ int main(int argc, char** argv) {
   p.right = right;
   p.gate = gate.data();
   p.buf_row0 = buf_row0;
-  p.row0 = row0;
-  p.rows = rows;
-  p.batch = batch;
-  p.n = n;
-  p.c = C;
-  p.h = H;
-  p.g = G;
-  p.formulation = af3 ? TM_AF3 : TM_GPUMODE;
-  p.eps = 1e-5f;
   p.lr_h0 = lr_h0;
   p.lr_h = lr_h;
   p.chunk_begin = begin;

@@ -5,7 +5,7 @@
 // SMEM_BYTES is what the Rust host code would pass as dynamic LDS; the run fails if the kernel
 // touches LDS beyond it. Exit status 0 when every check passes; the last line of stdout says why not.
 #include "tests/hip_emu/emu.h"
-#include "common/params.h"
+#include "tests/hip_emu/harness.h"
 #include "hip/output_projection.h"
 
 #include <cstdint>
@@ -16,15 +16,12 @@
 static tm_half to_half(double v) { return tm_f2h((float)v); }
 
 int main(int argc, char** argv) {
-  if (argc != 11) {
-    std::printf("usage: %s BATCH N H C AF3 BIAS ROW0 ROWS SMEM_BYTES SEED\n", argv[0]);
-    return 2;
-  }
-  const int batch = std::atoi(argv[1]), n = std::atoi(argv[2]), H = std::atoi(argv[3]), C = std::atoi(argv[4]);
-  const int af3 = std::atoi(argv[5]), with_bias = std::atoi(argv[6]);
-  const long long row0 = std::atoll(argv[7]), rows = std::atoll(argv[8]);
-  const size_t smem = (size_t)std::atoll(argv[9]);
-  std::mt19937_64 rng((uint64_t)std::atoll(argv[10]));
+  const emu::Args args(argc, argv, "BATCH N H C AF3 BIAS ROW0 ROWS SMEM_BYTES SEED");
+  const int batch = args["BATCH"], n = args["N"], H = args["H"], C = args["C"];
+  const int af3 = args["AF3"], with_bias = args["BIAS"];
+  const long long row0 = args["ROW0"], rows = args["ROWS"];
+  const size_t smem = (size_t)args["SMEM_BYTES"];
+  std::mt19937_64 rng((uint64_t)args["SEED"]);
   std::normal_distribution<double> normal(0.0, 1.0);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
 
@@ -48,22 +45,12 @@ int main(int argc, char** argv) {
   std::memcpy(&sentinel, &sentinel_bits, 4);
   std::vector<float> y((size_t)(M * C), sentinel);
 
-  TmOutputParams p;
-  std::memset(&p, 0, sizeof(p));
+  TmOutputParams p{emu::problem(batch, n, C, H, af3, row0, rows)};
   p.norm_out_w = w.data();
   p.norm_out_b = b.data();
   p.gate = gate.data();
   p.t = t.data();
   p.y = y.data();
-  p.row0 = row0;
-  p.rows = rows;
-  p.batch = batch;
-  p.n = n;
-  p.c = C;
-  p.h = H;
-  p.g = G;
-  p.formulation = af3 ? TM_AF3 : TM_GPUMODE;
-  p.eps = 1e-5f;
   p.w_out = wout.data();
   p.out_bias = with_bias ? bias.data() : nullptr;
 
