@@ -54,4 +54,14 @@ inline TmParams problem(int batch, int n, int C, int H, bool af3, long long row0
   return TmParams{.row0 = row0, .rows = rows, .batch = batch, .n = n, .c = C, .h = H, .g = af3 ? C : H,
                   .formulation = af3 ? TM_AF3 : TM_GPUMODE, .eps = 1e-5f};
 }
+
+// Runs a stage kernel over `rows` positions in blocks of `bm`, the whole grid in one launch as the
+// host launches it (tm_bid() > 0 in every block past the first); false, with the reason printed,
+// when a block wrote LDS beyond the `smem` bytes the host reserves.
+template <class F>
+bool launch_rows_within_lds(long long rows, int bm, unsigned threads, size_t smem, F kernel) {
+  if (!launch_within_lds((unsigned)((rows + bm - 1) / bm), threads, smem, kernel)) return true;
+  std::printf("FAIL: the kernel wrote LDS beyond the %zu bytes the host reserves\n", smem);
+  return false;
+}
 }  // namespace emu
