@@ -44,15 +44,6 @@
 static_assert(BO_SMEM == 112160, "OUTPUT_SIDE_SMEM in src/backend/backward_params.rs");
 static_assert(BO_THREADS == TM_BWD_THREADS, "one block size for every backward kernel");
 
-__device__ __forceinline__ void bo_zero(float (&acc)[2][4][4]) {
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-}
-
 // A 16-bit value of precision T (TM_IO_BF16 or TM_IO_F16) as f32.
 template <int T>
 __device__ __forceinline__ float bo_ld16(tm_half v) {
@@ -233,7 +224,7 @@ __device__ __forceinline__ void bo_run(const TmBackwardParams& p) {
 
     // 3. s = u·Wzᵀ for the warp's 32 positions and 32 output columns.
     float acc[2][4][4];
-    bo_zero(acc);
+    mma_zero(acc);
     if (wc * 32 < C) {
       for (int k0 = 0; k0 < H; k0 += 16) mma_warp_k16<4>(acc, su_u, BO_LD, wr * 32, k0, sw_u, BO_LD, wc * 32, k0);
     }
@@ -295,7 +286,7 @@ __device__ __forceinline__ void bo_run(const TmBackwardParams& p) {
 
     // 6. du = ds·Wz (Wz in sw read k-major), then LN_H's backward per position: the row sums of ĝ
     // and ĝ⊙t̂ over the quad, then over the four column warps through sred.
-    bo_zero(acc);
+    mma_zero(acc);
     const bool has_h = wc * 32 < H;
     if (has_h) {
       for (int k0 = 0; k0 < C; k0 += 16) mma_warp_k16_kn<4>(acc, su_u, BO_LD, wr * 32, k0, sw_u, BO_LD, k0, wc * 32);

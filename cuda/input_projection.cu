@@ -566,12 +566,7 @@ __device__ __forceinline__ void input_projection_body(const TmInputParams& p) {
   int slice = 0;
   for (int chunk = l.chunk0; chunk < l.n_chunks; ++chunk) {
     float acc[2][8][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+    mma_zero(acc);
 
     for (int ks = 0; ks < l.nks; ++ks, ++slice) {
       asm volatile("cp.async.wait_group 0;");

@@ -95,6 +95,17 @@ __device__ __forceinline__ unsigned mma_sigmoid2_halves(float h_lo, float h_hi) 
   return r;
 }
 
+// Zeroes a warp's accumulators: MT x NT m16n8 tiles of 4 floats each.
+template <int MT, int NT>
+__device__ __forceinline__ void mma_zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+}
+
 // A's two m16 x k16 fragments of a warp's 32 rows: rows a_row0 + 16·mt, the 16 k from a_col.
 __device__ __forceinline__ void mma_load_a32(unsigned (&a)[2][4], unsigned a_u, int lda, int a_row0, int a_col) {
   const unsigned lane = threadIdx.x & 31;

@@ -256,12 +256,7 @@ template <int HC>
 __device__ __forceinline__ void op_mma(const TmOutputParams& p, float (&acc)[2][4][4], unsigned sa_u, unsigned sw_u,
                                        int warp_m, int warp_n) {
   const int H = HC ? HC : p.h;
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  mma_zero(acc);
 #pragma unroll 2
   for (int kk = 0; kk < H; kk += 16) {
     mma_warp_k16<4>(acc, sa_u, OP_LD, warp_m * 32, kk, sw_u, OP_LD, warp_n * 32, kk);
