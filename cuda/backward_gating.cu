@@ -50,6 +50,20 @@ __device__ __forceinline__ void bg_biases(const TmBackwardParams& p, int h, floa
   for (int k = 0; k < 4; ++k) bg_bias8(p.proj_bias ? p.proj_bias + k * p.h : nullptr, h, bias[k]);
 }
 
+// The tile's positions with 8 channels of one position per thread (the 8 vectors of a position's
+// chunk on 8 lanes): f(i, row, v, h, bias) for each position i this thread takes, its channels
+// h = h0 + 8v .. h + 7 and their biases, where those channels are among the chunk's hn.
+template <class F>
+__device__ __forceinline__ void bg_each_position(const TmBackwardParams& p, tm_i64 r0, int h0, int hn, F f) {
+  const int tid = (int)threadIdx.x;
+  const int v = tid & 7, h = h0 + 8 * v;
+  if (8 * v < hn) {
+    float bias[4][8];
+    bg_biases(p, h, bias);
+    for (int i = tid >> 3; i < BG_BM; i += BG_THREADS / 8) f(i, r0 + i, v, h, bias);
+  }
+}
+
 // A block's tile of BG_BM positions: its two shared tiles, its first position, and the
 // hidden-major index of channel 0 there (a tile never crosses a batch).
 struct BgTile {
@@ -82,25 +96,18 @@ extern "C" __global__ void __launch_bounds__(BG_THREADS) backward_gating_vec(con
   const tm_half* P = (const tm_half*)p.p;
   for (int h0 = 0; h0 < H; h0 += BG_HC) {
     const int hn = H - h0 < BG_HC ? H - h0 : BG_HC;
-    // 8 channels of one position per thread, the 8 vectors of a position's chunk on 8 lanes.
-    const int v = tid & 7, h = h0 + 8 * v;
-    if (8 * v < hn) {
-      float bias[4][8];
-      bg_biases(p, h, bias);
-      for (int i = tid >> 3; i < BG_BM; i += BG_THREADS / 8) {
-        const tm_i64 row = r0 + i;
-        const tm_half* pr = P + row * F + h;
-        const uint4 raw[4] = {ld_u4(pr), ld_u4(pr + H), ld_u4(pr + 2 * H), ld_u4(pr + 3 * H)};
-        const float m = p.mask ? p.mask[row] : 1.f;
-        float pl[8], ql[8], pq[8], qr[8];
-        bg_widen8(raw[0], pl), bg_widen8(raw[1], ql), bg_widen8(raw[2], pq), bg_widen8(raw[3], qr);
+    bg_each_position(p, r0, h0, hn, [&](int i, tm_i64 row, int v, int h, const float (&bias)[4][8]) {
+      const tm_half* pr = P + row * F + h;
+      const uint4 raw[4] = {ld_u4(pr), ld_u4(pr + H), ld_u4(pr + 2 * H), ld_u4(pr + 3 * H)};
+      const float m = p.mask ? p.mask[row] : 1.f;
+      float pl[8], ql[8], pq[8], qr[8];
+      bg_widen8(raw[0], pl), bg_widen8(raw[1], ql), bg_widen8(raw[2], pq), bg_widen8(raw[3], qr);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          sl[(8 * v + k) * BG_LD + i] = (pl[k] + bias[0][k]) * tm_sigmoid(ql[k] + bias[1][k]) * m;
-          sr[(8 * v + k) * BG_LD + i] = (pq[k] + bias[2][k]) * tm_sigmoid(qr[k] + bias[3][k]) * m;
-        }
+      for (int k = 0; k < 8; ++k) {
+        sl[(8 * v + k) * BG_LD + i] = (pl[k] + bias[0][k]) * tm_sigmoid(ql[k] + bias[1][k]) * m;
+        sr[(8 * v + k) * BG_LD + i] = (pq[k] + bias[2][k]) * tm_sigmoid(qr[k] + bias[3][k]) * m;
       }
-    }
+    });
     __syncthreads();
     // 8 positions of one channel per thread: a channel's 64 positions on 8 lanes.
     const int w = tid & 7;
@@ -139,42 +146,36 @@ extern "C" __global__ void __launch_bounds__(BG_THREADS) backward_gating_grad_ve
       s[3] = __uint_as_float(d.w);
     }
     __syncthreads();
-    const int v = tid & 7, h = h0 + 8 * v;
-    if (8 * v < hn) {
-      float bias[4][8];
-      bg_biases(p, h, bias);
-      for (int i = tid >> 3; i < BG_BM; i += BG_THREADS / 8) {
-        const tm_i64 row = r0 + i;
-        // dcat is written over P: each thread reads its four vectors of P before writing the
-        // same places (the loads and stores are volatile, so they stay in that order).
-        tm_half* pr = (tm_half*)p.p + row * F + h;
-        tm_half* dr = (tm_half*)p.dcat + row * F + h;
-        const float m = p.mask ? p.mask[row] : 1.f;
+    bg_each_position(p, r0, h0, hn, [&](int i, tm_i64 row, int v, int h, const float (&bias)[4][8]) {
+      // dcat is written over P: each thread reads its four vectors of P before writing the
+      // same places (the loads and stores are volatile, so they stay in that order).
+      tm_half* pr = (tm_half*)p.p + row * F + h;
+      tm_half* dr = (tm_half*)p.dcat + row * F + h;
+      const float m = p.mask ? p.mask[row] : 1.f;
 #pragma unroll
-        for (int side = 0; side < 2; ++side) {
-          float pv[8], qg[8];
-          bg_widen8(ld_u4(pr + 2 * side * H), pv);
-          bg_widen8(ld_u4(pr + (2 * side + 1) * H), qg);
-          const float* s = side ? sr : sl;
-          unsigned dp[4], dq[4];
+      for (int side = 0; side < 2; ++side) {
+        float pv[8], qg[8];
+        bg_widen8(ld_u4(pr + 2 * side * H), pv);
+        bg_widen8(ld_u4(pr + (2 * side + 1) * H), qg);
+        const float* s = side ? sr : sl;
+        unsigned dp[4], dq[4];
 #pragma unroll
-          for (int k = 0; k < 8; k += 2) {
-            float a[2], g[2];
+        for (int k = 0; k < 8; k += 2) {
+          float a[2], g[2];
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const float d = s[(8 * v + k + j) * BG_LD + i] * m;
-              const float sg = tm_sigmoid(qg[k + j] + bias[2 * side + 1][k + j]);
-              a[j] = d * sg;
-              g[j] = d * (pv[k + j] + bias[2 * side][k + j]) * sg * (1.f - sg);
-            }
-            dp[k / 2] = mma_pack_bf2(a[0], a[1]);
-            dq[k / 2] = mma_pack_bf2(g[0], g[1]);
+          for (int j = 0; j < 2; ++j) {
+            const float d = s[(8 * v + k + j) * BG_LD + i] * m;
+            const float sg = tm_sigmoid(qg[k + j] + bias[2 * side + 1][k + j]);
+            a[j] = d * sg;
+            g[j] = d * (pv[k + j] + bias[2 * side][k + j]) * sg * (1.f - sg);
           }
-          st_u4(dr + 2 * side * H, make_uint4(dp[0], dp[1], dp[2], dp[3]));
-          st_u4(dr + (2 * side + 1) * H, make_uint4(dq[0], dq[1], dq[2], dq[3]));
+          dp[k / 2] = mma_pack_bf2(a[0], a[1]);
+          dq[k / 2] = mma_pack_bf2(g[0], g[1]);
         }
+        st_u4(dr + 2 * side * H, make_uint4(dp[0], dp[1], dp[2], dp[3]));
+        st_u4(dr + (2 * side + 1) * H, make_uint4(dq[0], dq[1], dq[2], dq[3]));
       }
-    }
+    });
     __syncthreads();
   }
 }
