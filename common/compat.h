@@ -48,7 +48,6 @@ TM_INLINE float tm_rcp(float x) { return __builtin_amdgcn_rcpf(x); }
 // bf16 is the top half of an f32.
 TM_INLINE float tm_bf2f(unsigned short b) { return __builtin_bit_cast(float, (unsigned)b << 16); }
 TM_INLINE unsigned tm_f2u(float f) { return __builtin_bit_cast(unsigned, f); }
-typedef long long tm_i64;
 
 #else
 // ---------------------------------------------------------------- NVIDIA (nvcc or NVRTC)
@@ -85,23 +84,9 @@ TM_INLINE float tm_rcp(float x) {
 // bf16 is the top half of an f32.
 TM_INLINE float tm_bf2f(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
 TM_INLINE unsigned tm_f2u(float f) { return __float_as_uint(f); }
-typedef long long tm_i64;
 #endif
 
-typedef unsigned short tm_half;
-
-// 16 bytes (8 halves) for vector loads and stores; both compilers honour the alignment.
-typedef struct __attribute__((aligned(16))) {
-  unsigned v[4];
-} tm_u128;
-
-typedef struct __attribute__((aligned(16))) {
-  float v[4];
-} tm_f4;
-
-typedef struct __attribute__((aligned(8))) {
-  unsigned v[2];
-} tm_u64h;
+#include "common/storage_types.h"
 
 TM_INLINE float tm_lo(unsigned w) { return tm_h2f((unsigned short)(w & 0xFFFFu)); }
 TM_INLINE float tm_hi(unsigned w) { return tm_h2f((unsigned short)(w >> 16)); }

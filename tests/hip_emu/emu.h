@@ -51,8 +51,8 @@
 #define TM_LAUNCH_BOUNDS_MIN(n, b)
 #define TM_RESTRICT __restrict__
 
-typedef long long tm_i64;
-typedef unsigned short tm_half;
+#include "common/storage_types.h"  // tm_i64, tm_half, tm_u128, tm_f4 and tm_u64h, as the kernels have them
+
 typedef _Float16 tm_half4 __attribute__((ext_vector_type(4)));
 typedef float tm_float16 __attribute__((ext_vector_type(16)));
 
@@ -239,15 +239,6 @@ inline float tm_exp(float x) { return std::exp(x); }
 inline float tm_rsqrt(float x) { return 1.0f / std::sqrt(x); }
 // The common tail of common/compat.h, mirrored (tests/hip_host.rs checks that every tm_* name
 // defined there is defined here too).
-typedef struct __attribute__((aligned(16))) {
-  unsigned v[4];
-} tm_u128;
-typedef struct __attribute__((aligned(16))) {
-  float v[4];
-} tm_f4;
-typedef struct __attribute__((aligned(8))) {
-  unsigned v[2];
-} tm_u64h;
 // bf16 is the top half of an f32.
 inline float tm_bf2f(unsigned short b) {
   unsigned u = (unsigned)b << 16;
