@@ -89,6 +89,9 @@ fn bench_grad_times_the_backward_on_cpu() {
     // Refused where it cannot run, before anything is timed.
     let o = cpu_quick_bench(&json, &["--grad", "--in-place"]);
     assert_usage_error(&o, "--grad cannot be combined");
+    // Holding the stream is for CUDA's device events; the CPU has neither.
+    let o = cpu_quick_bench(&json, &["--device-time"]);
+    assert_usage_error(&o, "--device-time");
 }
 
 #[test]

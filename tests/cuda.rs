@@ -326,6 +326,39 @@ fn all_zero_mask_matches_reference() {
     gpu_checks::all_zero_mask_matches_reference(&b, s, s ^ 0x5EED);
 }
 
+/// `held_elapsed_ms` (`trimul bench --device-time`) times a forward enqueued while its stream is
+/// held, and the forward's y is the one it writes untimed; work that waits for the held stream is
+/// an error once the hold's watchdog lets the stream go, not a hang.
+#[test]
+fn timing_with_the_stream_held_runs_the_work_and_refuses_work_that_synchronises() {
+    let Some(b) = cuda() else { return };
+    let case = Case::new(64, 1, 128, true, Dist::Normal);
+    let problem = case.problem(Formulation::Af3, Direction::Outgoing).unwrap();
+    let s = seed();
+    let weights = Weights::random(problem.config, true, s).unwrap();
+    let inputs = suite::generate_inputs(&case, s ^ 0x5EED);
+    let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
+    let (xl, ml) = (inputs.x.len(), inputs.mask.as_ref().unwrap().len());
+    let (mut xd, mut md, mut yd) = (b.alloc(xl).unwrap(), b.alloc(ml).unwrap(), b.alloc(xl).unwrap());
+    b.upload(&inputs.x, &mut xd).unwrap();
+    b.upload(inputs.mask.as_ref().unwrap(), &mut md).unwrap();
+    // The first forward makes the workspace (an allocation, which must not happen while held).
+    layer.forward_buffers(&xd, Some(&md), &mut yd, case.shape()).unwrap();
+    let ms = b.held_elapsed_ms(&mut || layer.forward_buffers(&xd, Some(&md), &mut yd, case.shape())).unwrap();
+    assert!(ms > 0.0 && ms.is_finite(), "{ms} ms");
+    let mut y = vec![f32::NAN; xl];
+    b.download(&yd, &mut y).unwrap();
+    let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
+    assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "{cmp}");
+    let started = std::time::Instant::now();
+    let err = b.held_elapsed_ms(&mut || b.synchronize()).unwrap_err();
+    assert!(err.to_string().contains("waited for its own stream"), "{err}");
+    eprintln!("synchronising work under a hold: {err} (after {:.1} s)", started.elapsed().as_secs_f64());
+    // The stream works again afterwards.
+    layer.forward_buffers(&xd, Some(&md), &mut yd, case.shape()).unwrap();
+    b.synchronize().unwrap();
+}
+
 #[test]
 fn device_buffer_forward_and_caller_stream_forward_agree_with_reference() {
     let Some(b) = cuda() else { return };

@@ -5,7 +5,9 @@ after warm-up):
 
 - the op (``trimul.triangle_multiplicative_update``, weights cached) against PyTorch's own
   formula (``trimul.reference.af3`` in eager mode) and cuEquivariance's function where it is
-  installed, af3 form, B = 1, C = H = 128, for each ``--sizes`` N;
+  installed, af3 form, B = 1, C = H = 128, for each ``--sizes`` N: one call at a time on an idle
+  GPU (what ``trimul bench`` times), back to back, and its device time alone (each call enqueued
+  while a spin kernel keeps the stream busy, what ``trimul bench --device-time`` times);
 - ``trimul.gpumode.custom_kernel`` on GPU MODE's 7 benchmark shapes with new weights handed over
   in every call, as its harness does (``--gpumode``);
 - the host time per call at N = 256 against a no-op ``torch.library.custom_op`` taking the same
@@ -73,6 +75,31 @@ def timed_batch(fn, calls: int, rounds: int = 5, warmup: int = 3) -> list:
     return out
 
 
+def timed_held(fn, repeats: int, warmup: int, cycles: int = 2_000_000) -> list:
+    """Milliseconds of each timed call's device work, the host's time to enqueue it hidden (as
+    ``trimul bench --device-time`` holds its stream): a spin kernel (``torch.cuda._sleep``) keeps
+    the stream busy while the call is enqueued, then CUDA events around the call see its work
+    back to back. A sample whose start event had already passed when the call returned (the spin
+    was shorter than the host's work) is taken again with a spin twice as long."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    while len(out) < repeats:
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        a.record()
+        fn()
+        hidden = not a.query()
+        b.record()
+        b.synchronize()
+        if hidden:
+            out.append(a.elapsed_time(b))
+        else:
+            cycles *= 2
+    return out
+
+
 def af3_weights(c: int, h: int, dtype, device, g) -> dict:
     def n(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
@@ -97,6 +124,7 @@ def bench_af3_one(n, dtype, masked, repeats, warmup, peers, cueq, g) -> dict:
     row = {"n": n, "dtype": str(dtype).replace("torch.", ""), "masked": masked}
     row["trimul_ms"] = statistics.median(timed(lambda: tmu(x, "outgoing", mask, **w), repeats, warmup))
     row["trimul_back_to_back_ms"] = statistics.median(timed_batch(lambda: tmu(x, "outgoing", mask, **w), repeats))
+    row["trimul_device_ms"] = statistics.median(timed_held(lambda: tmu(x, "outgoing", mask, **w), repeats, warmup))
     if "torch" in peers and n <= 2048:
         args = [w.get(k) for k in AF3_WEIGHTS]
         row["pytorch_ms"] = statistics.median(
@@ -105,6 +133,7 @@ def bench_af3_one(n, dtype, masked, repeats, warmup, peers, cueq, g) -> dict:
     if cueq is not None:
         try:
             row["cueq_ms"] = statistics.median(timed(lambda: cueq(x, "outgoing", mask, **w), repeats, warmup))
+            row["cueq_device_ms"] = statistics.median(timed_held(lambda: cueq(x, "outgoing", mask, **w), repeats, 1))
         except Exception as e:  # noqa: BLE001 - a peer failing is reported, not fatal
             row["cueq_error"] = str(e)[:200]
     return row
@@ -127,9 +156,10 @@ def bench_af3(sizes, dtype, masked, repeats, warmup, peers, g) -> list:
         rows.append(row)
         print(
             f"N={n:5d} {row['dtype']}: trimul {row['trimul_ms']:.3f} ms"
-            + f" ({row['trimul_back_to_back_ms']:.3f} back to back)"
+            + f" ({row['trimul_back_to_back_ms']:.3f} back to back, {row['trimul_device_ms']:.3f} device time)"
             + (f", PyTorch {row['pytorch_ms']:.3f} ms" if "pytorch_ms" in row else "")
             + (f", cuEquivariance {row['cueq_ms']:.3f} ms" if "cueq_ms" in row else "")
+            + (f" ({row['cueq_device_ms']:.3f} device time)" if "cueq_device_ms" in row else "")
         )
         torch.cuda.empty_cache()
     return rows
@@ -283,7 +313,10 @@ def main(argv=None) -> int:
     import trimul
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "trimul": trimul.__version__}
-    result["timing"] = f"CUDA events around each call, median of {a.repeats} after {a.warmup} warm-up calls"
+    result["timing"] = (
+        f"CUDA events around each call, median of {a.repeats} after {a.warmup} warm-up calls; back to back: "
+        f"{a.repeats} calls between two events; device time: each call enqueued behind a spin kernel"
+    )
     if not a.no_af3:
         sizes = [int(s) for s in a.sizes.split(",") if s]
         result["af3"] = bench_af3(sizes, dtype, a.mask, a.repeats, a.warmup, a.peers.split(","), g)

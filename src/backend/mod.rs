@@ -522,6 +522,18 @@ pub trait Backend: Clone + Send + Sync {
         Ok(start.elapsed().as_secs_f64() * 1e3)
     }
 
+    /// Milliseconds the device spends on the work `work` enqueues, with the host's time to enqueue
+    /// it hidden: the stream is held until `work` has returned, so device events around the work
+    /// see its launches back to back, as a stream that a model keeps busy does. [`elapsed_ms`]
+    /// (events around work enqueued on an idle device) counts the host's time before the first
+    /// launch too. Only the CUDA backend holds its stream; the others refuse.
+    ///
+    /// [`elapsed_ms`]: Backend::elapsed_ms
+    fn held_elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        let _ = work;
+        Err(Error::Unsupported { backend: self.kind(), what: "timing with the stream held".into() })
+    }
+
     /// Peak bytes this backend has had allocated on its device since the last
     /// [`Backend::reset_peak_memory`] (weights, workspaces and buffers), where it tracks them.
     fn peak_memory(&self) -> Option<u64> {

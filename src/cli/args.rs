@@ -148,6 +148,12 @@ pub struct BenchArgs {
     /// from f32 weight tensors already on the device (one kernel), on the CPU from host weights.
     #[arg(long)]
     pub fresh_weights: bool,
+    /// Time the device's work alone (CUDA): each timed call is enqueued while its stream is
+    /// held, so the host's time to enqueue it is not counted, as in a model whose stream is kept
+    /// busy. Without it, device events bracket each call made on an idle GPU, which counts the
+    /// host's time before the first launch.
+    #[arg(long)]
+    pub device_time: bool,
     /// Seed of the inputs and weights (default: from the clock).
     #[arg(long)]
     pub seed: Option<u64>,

@@ -73,6 +73,8 @@ struct Plan {
     probe: Option<NvidiaSmi>,
     /// `--grad`: time the backward too.
     grad: bool,
+    /// `--device-time`: each timed call enqueued with the stream held.
+    device_time: bool,
 }
 
 enum Outcome {
@@ -142,9 +144,16 @@ pub fn run(args: &BenchArgs) -> CliResult {
         precision: args.precision,
         probe: None,
         grad: args.grad,
+        device_time: args.device_time,
     };
     if plan.grad && (plan.fresh_weights || plan.in_place || plan.budget.is_some()) {
         return Err(CliError::usage("--grad cannot be combined with --fresh-weights, --in-place or --max-memory"));
+    }
+    if plan.device_time && (kind != BackendKind::Cuda || plan.grad) {
+        return Err(CliError::usage(format!(
+            "--device-time times forwards on the CUDA backend (it holds the stream); not {}",
+            if plan.grad { "with --grad".to_string() } else { format!("on {kind}") }
+        )));
     }
     if plan.precision != Precision::F32Io {
         if kind != BackendKind::Cuda {
@@ -176,7 +185,11 @@ pub fn run(args: &BenchArgs) -> CliResult {
         "timing: {} warm-up + {} timed calls per shape, median; {}; weights {}",
         plan.warmup,
         plan.repeats,
-        if gpu { "device events" } else { "host clock" },
+        match (gpu, plan.device_time) {
+            (true, true) => "device events, each call enqueued with the stream held",
+            (true, false) => "device events",
+            (false, _) => "host clock",
+        },
         if plan.fresh_weights { "re-prepared inside every timed call" } else { "prepared once" },
     ))?;
     progress.out(&match (&telemetry.available, &telemetry.reason) {
@@ -303,7 +316,12 @@ pub fn run(args: &BenchArgs) -> CliResult {
                 warmup: plan.warmup,
                 repeats: plan.repeats,
                 buffer_sets: u32::try_from(max_sets).unwrap_or(u32::MAX),
-                clock: if gpu { "device-events" } else { "host" }.to_string(),
+                clock: match (gpu, plan.device_time) {
+                    (true, true) => "device-events-held",
+                    (true, false) => "device-events",
+                    (false, _) => "host",
+                }
+                .to_string(),
                 fresh_weights: plan.fresh_weights,
             },
             ceilings,
@@ -392,7 +410,11 @@ fn time_calls<B: Backend>(
         let mut samples = Vec::with_capacity(plan.repeats as usize);
         for i in 0..(plan.warmup + plan.repeats) as usize {
             let k = i % sets as usize;
-            let ms = backend.elapsed_ms(&mut || call(k))?;
+            let ms = if plan.device_time {
+                backend.held_elapsed_ms(&mut || call(k))?
+            } else {
+                backend.elapsed_ms(&mut || call(k))?
+            };
             if i >= plan.warmup as usize {
                 samples.push(ms);
             }

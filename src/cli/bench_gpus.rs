@@ -31,10 +31,10 @@ use super::output::emit;
 use super::seed::clock_seed;
 
 pub fn run(args: &BenchArgs, gpus: usize) -> CliResult {
-    if args.json.is_some() || args.grad || args.fresh_weights || args.suite.is_some() {
+    if args.json.is_some() || args.grad || args.fresh_weights || args.device_time || args.suite.is_some() {
         return Err(CliError::usage(
             "--gpus takes --n, --formulation, --direction, --precision, --in-place, --max-memory (per GPU), --repeats, \
-             --warmup and --seed; not --json, --grad, --fresh-weights or --suite (yet)",
+             --warmup and --seed; not --json, --grad, --fresh-weights, --device-time or --suite (yet)",
         ));
     }
     let ns = if args.n.is_empty() { vec![1024, 2048, 4096] } else { args.n.clone() };

@@ -270,7 +270,8 @@ pub struct TimingMethod {
     pub repeats: u32,
     /// Input buffer sets rotated between calls so the working set exceeds the last-level cache.
     pub buffer_sets: u32,
-    /// `device-events` (GPU) or `host` (CPU wall clock).
+    /// `device-events` (GPU: events around each call), `device-events-held` (GPU, each call
+    /// enqueued with the stream held: `trimul bench --device-time`) or `host` (CPU wall clock).
     pub clock: String,
     /// Whether weights were re-prepared inside every timed call, as the GPU MODE leaderboard does.
     pub fresh_weights: bool,

@@ -387,3 +387,97 @@ impl Drop for Timeline {
         }
     }
 }
+
+/// A stream held back while work is enqueued on it ([`crate::backend::Backend::held_elapsed_ms`]): the
+/// stream waits (`cuStreamWaitValue32`) for a word of pinned host memory that the host sets once
+/// the work is in. A watchdog sets the word after [`StreamHold::LIMIT`], so that work which itself
+/// waits for the stream (a synchronising copy) cannot hang the caller; such work is an error,
+/// since its time would include the hold.
+pub(crate) struct StreamHold {
+    word: *mut u32,
+    stream: CUstream,
+}
+
+/// The held word's address, for the watchdog thread.
+struct Word(*mut u32);
+
+// SAFETY: the address of pinned host memory that outlives the watchdog (joined before it is
+// freed); it is only written with volatile stores.
+unsafe impl Send for Word {}
+
+impl Word {
+    fn release(&self) {
+        // SAFETY: a live 4-byte pinned host allocation (see `Send` above); the device reads it
+        // over the bus, so the store is volatile and fenced.
+        unsafe { std::ptr::write_volatile(self.0, 1) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl StreamHold {
+    /// How long the stream is held at most.
+    const LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+    /// Holds `stream` (of the context bound to this thread) from now until [`StreamHold::enqueue`]
+    /// has run, or until this is dropped. Keep it until the held work has run: the device reads
+    /// the word until then.
+    pub(crate) fn new(stream: CUstream) -> Result<Self> {
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: allocates 4 bytes of pinned, device-mapped host memory in the current context,
+        // freed in `Drop`.
+        unsafe { sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.result().ctx("cuMemHostAlloc")?;
+        let hold = StreamHold { word: host as *mut u32, stream };
+        // SAFETY: the allocation just made, not yet seen by the device.
+        unsafe { std::ptr::write_volatile(hold.word, 0) };
+        let mut device: CUdeviceptr = 0;
+        // SAFETY: `host` is device-mapped pinned memory of this context; one plain value written.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }.result().ctx("cuMemHostGetDevicePointer")?;
+        let eq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32;
+        // SAFETY: a live stream of the current context (the caller's contract) and a mapped word
+        // that outlives the wait: `Drop` sets it before freeing it.
+        unsafe { sys::cuStreamWaitValue32_v2(stream, device, 1, eq) }.result().ctx("cuStreamWaitValue32")?;
+        Ok(hold)
+    }
+
+    /// Runs `enqueue` and then releases the stream (also when `enqueue` fails). Returns when the
+    /// work is enqueued and the stream released, not when it has run.
+    pub(crate) fn enqueue(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<()> {
+        let (done, expired) = std::thread::scope(|scope| {
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            let word = Word(self.word);
+            let watchdog = scope.spawn(move || {
+                let expired = rx.recv_timeout(Self::LIMIT) == Err(std::sync::mpsc::RecvTimeoutError::Timeout);
+                if expired {
+                    word.release();
+                }
+                expired
+            });
+            let done = enqueue();
+            Word(self.word).release();
+            drop(tx);
+            (done, watchdog.join().unwrap_or(true))
+        });
+        done?;
+        if expired {
+            return Err(Error::InvalidArgument(format!(
+                "the timed work waited for its own stream while it was held ({} s): work that \
+                 synchronises cannot be timed with the stream held",
+                Self::LIMIT.as_secs()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for StreamHold {
+    fn drop(&mut self) {
+        // Released, then the stream drained, so that no pending wait reads the word once freed.
+        Word(self.word).release();
+        // SAFETY: the stream the hold was made on (alive while its work is enqueued, by the
+        // caller's contract); the word was allocated in `new` with cuMemHostAlloc, freed once.
+        unsafe {
+            let _ = sys::cuStreamSynchronize(self.stream);
+            let _ = sys::cuMemFreeHost(self.word as *mut std::ffi::c_void);
+        }
+    }
+}

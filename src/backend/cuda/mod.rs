@@ -62,7 +62,7 @@ use cudarc::driver::CudaContext;
 use self::blas::{BlasHandle, Elem, MatmulPlan};
 pub use self::driver::DeviceBuffer;
 pub(crate) use self::driver::EventPair;
-use self::driver::{probe_libraries, AllocTracker, DriverResult, Timeline};
+use self::driver::{probe_libraries, AllocTracker, DriverResult, StreamHold, Timeline};
 use self::kernels::Kernels;
 use self::launch_graph::GraphCache;
 use super::caller_workspace::{self, Rebase, SpanCarver};
@@ -1033,6 +1033,18 @@ impl Backend for CudaBackend {
         ev.record_start(self.stream())?;
         work()?;
         ev.record_stop(self.stream())?;
+        ev.elapsed_ms()
+    }
+
+    fn held_elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+        self.inner.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        let ev = EventPair::new()?;
+        let hold = StreamHold::new(self.stream())?;
+        hold.enqueue(|| {
+            ev.record_start(self.stream())?;
+            work()?;
+            ev.record_stop(self.stream())
+        })?;
         ev.elapsed_ms()
     }
 
