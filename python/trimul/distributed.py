@@ -321,19 +321,7 @@ def _forward_on_gpu(dist, group, world: int, me: int, direction: str, eps: float
             else:
                 _gather_states(dist, group, world, failed)
         y = torch.empty_like(x4)
-        args = (
-            entry.layer,
-            x4.data_ptr(),
-            x4.numel(),
-            0 if m3 is None else m3.data_ptr(),
-            0 if m3 is None else m3.numel(),
-            y.data_ptr(),
-            y.numel(),
-            b,
-            n,
-            _torch._DTYPE_CODE[x4.dtype],
-            stream,
-        )
+        args = (entry.layer, *_torch._io_args(x4, m3, y), b, n, _torch._DTYPE_CODE[x4.dtype], stream)
         try:
             rank.forward(*args)
         except (RuntimeError, ValueError) as e:
