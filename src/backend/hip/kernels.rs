@@ -176,31 +176,36 @@ fn rule(arch: &str, env: Option<&str>, limit: Option<String>) -> PathRule {
     }
 }
 
+/// Why the MFMA `kernel` cannot take the width `dim = v`, if it cannot: `v` must be a multiple
+/// of `step` (for `reason`), and the LDS the kernel needs at `v` (`smem`) must fit.
+fn width_limit(
+    dim: &str,
+    v: usize,
+    step: usize,
+    reason: &str,
+    smem: fn(usize) -> usize,
+    kernel: &str,
+) -> Option<String> {
+    if v % step != 0 {
+        Some(format!("{dim} = {v} is not a multiple of {step} ({reason})"))
+    } else if smem(v) > LDS_BYTES {
+        Some(format!("{dim} = {v} needs more than 64 KiB of LDS in the MFMA {kernel} kernel"))
+    } else {
+        None
+    }
+}
+
 /// The output stage's rule for `arch` and hidden width `h`; `env` is the value of [`MFMA_ENV`].
 /// `1` forces the MFMA kernel where it can run at all (a user's explicit choice, unvalidated).
 pub fn output_rule(arch: &str, h: usize, env: Option<&str>) -> PathRule {
-    let limit = if h % 8 != 0 {
-        Some(format!("H = {h} is not a multiple of 8 (MFMA K step)"))
-    } else if output_projection_smem_bytes(h) > LDS_BYTES {
-        Some(format!("H = {h} needs more than 64 KiB of LDS in the MFMA output kernel"))
-    } else {
-        None
-    };
-    rule(arch, env, limit)
+    rule(arch, env, width_limit("H", h, 8, "MFMA K step", output_projection_smem_bytes, "output"))
 }
 
 /// The input stage's rule (the fused `input_projection` against `input_norm` + rocBLAS +
 /// `input_gating`) for `arch` and C channels. It serves one-pass and chunked plans (a hidden
 /// pass runs its channels' work items, the output stage's gate pass the gate's).
 pub fn input_rule(arch: &str, c: usize, env: Option<&str>) -> PathRule {
-    let limit = if c % 4 != 0 {
-        Some(format!("C = {c} is not a multiple of 4 (8-byte operand loads)"))
-    } else if input_projection_smem_bytes(c) > LDS_BYTES {
-        Some(format!("C = {c} needs more than 64 KiB of LDS in the MFMA input kernel"))
-    } else {
-        None
-    };
-    rule(arch, env, limit)
+    rule(arch, env, width_limit("C", c, 4, "8-byte operand loads", input_projection_smem_bytes, "input"))
 }
 
 /// The HIP backend's fast paths: MFMA kernels that replace portable stages once validated.
