@@ -35,6 +35,22 @@ impl DataType {
     }
 }
 
+/// The arguments rocBLAS takes for each matrix operand: its element type, its leading dimension
+/// and (in `rocblas_gemm_strided_batched_ex` only) the stride between batches.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Operand {
+    pub ty: rocblas_datatype,
+    pub ld: rocblas_int,
+    pub stride: rocblas_stride,
+}
+
+impl Operand {
+    /// `ld_name` names the leading dimension in the error when it exceeds `rocblas_int`.
+    fn new(ty: DataType, ld_name: &str, ld: usize, batch_stride: usize) -> Result<Self> {
+        Ok(Operand { ty: ty.rocblas(), ld: int(ld_name, ld)?, stride: stride(batch_stride)? })
+    }
+}
+
 /// Every scalar argument of one `rocblas_gemm_ex` / `rocblas_gemm_strided_batched_ex` call.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct RocblasGemm {
@@ -43,18 +59,11 @@ pub struct RocblasGemm {
     pub m: rocblas_int,
     pub n: rocblas_int,
     pub k: rocblas_int,
-    pub a_type: rocblas_datatype,
-    pub lda: rocblas_int,
-    pub stride_a: rocblas_stride,
-    pub b_type: rocblas_datatype,
-    pub ldb: rocblas_int,
-    pub stride_b: rocblas_stride,
-    pub c_type: rocblas_datatype,
-    pub ldc: rocblas_int,
-    pub stride_c: rocblas_stride,
-    pub d_type: rocblas_datatype,
-    pub ldd: rocblas_int,
-    pub stride_d: rocblas_stride,
+    pub a: Operand,
+    pub b: Operand,
+    /// C aliases D: the same operand.
+    pub c: Operand,
+    pub d: Operand,
     pub batch: rocblas_int,
     pub compute_type: rocblas_datatype,
     /// `rocblas_gemm_strided_batched_ex` when true, `rocblas_gemm_ex` otherwise.
@@ -100,24 +109,20 @@ impl RocblasGemm {
         }
         let op = |t: bool| if t { ROCBLAS_OPERATION_TRANSPOSE } else { ROCBLAS_OPERATION_NONE };
         let batched = |one: usize, s: usize| (spec.batch - 1) * s + one;
+        let (m, n, k) = (int("m", spec.m)?, int("n", spec.n)?, int("k", spec.k)?);
+        let a = Operand::new(ab, "lda", spec.lda, spec.stride_a)?;
+        let b = Operand::new(ab, "ldb", spec.ldb, spec.stride_b)?;
+        let cd = Operand::new(d, "ldd", spec.ldd, spec.stride_d)?;
         Ok(RocblasGemm {
             trans_a: op(spec.trans_a),
             trans_b: op(spec.trans_b),
-            m: int("m", spec.m)?,
-            n: int("n", spec.n)?,
-            k: int("k", spec.k)?,
-            a_type: ab.rocblas(),
-            lda: int("lda", spec.lda)?,
-            stride_a: stride(spec.stride_a)?,
-            b_type: ab.rocblas(),
-            ldb: int("ldb", spec.ldb)?,
-            stride_b: stride(spec.stride_b)?,
-            c_type: d.rocblas(),
-            ldc: int("ldd", spec.ldd)?,
-            stride_c: stride(spec.stride_d)?,
-            d_type: d.rocblas(),
-            ldd: int("ldd", spec.ldd)?,
-            stride_d: stride(spec.stride_d)?,
+            m,
+            n,
+            k,
+            a,
+            b,
+            c: cd,
+            d: cd,
             batch: int("batch", spec.batch)?,
             compute_type: ROCBLAS_DATATYPE_F32_R,
             strided_batched: spec.batch > 1,
@@ -165,8 +170,8 @@ mod tests {
         let g = RocblasGemm::from_spec(&GemmSpec::projection(4096, 384, 640), DataType::F16, DataType::F16).unwrap();
         assert_eq!((g.trans_a, g.trans_b), (T, N));
         assert_eq!((g.m, g.n, g.k), (640, 4096, 384));
-        assert_eq!((g.lda, g.ldb, g.ldc, g.ldd), (384, 384, 640, 640));
-        assert_eq!((g.a_type, g.b_type, g.c_type, g.d_type, g.compute_type), (H16, H16, H16, H16, S32));
+        assert_eq!((g.a.ld, g.b.ld, g.c.ld, g.d.ld), (384, 384, 640, 640));
+        assert_eq!((g.a.ty, g.b.ty, g.c.ty, g.d.ty, g.compute_type), (H16, H16, H16, H16, S32));
         assert!(!g.strided_batched);
         assert_eq!((g.a_elems, g.b_elems, g.d_elems), (640 * 384, 4096 * 384, 4096 * 640));
     }
@@ -185,9 +190,9 @@ mod tests {
         for g in [out, inc] {
             assert!(g.strided_batched);
             assert_eq!((g.m, g.n, g.k, g.batch), (256, 256, 256, 256));
-            assert_eq!((g.lda, g.ldb, g.ldc, g.ldd), (256, 256, 256, 256));
+            assert_eq!((g.a.ld, g.b.ld, g.c.ld, g.d.ld), (256, 256, 256, 256));
             let nn = (n * n) as i64;
-            assert_eq!((g.stride_a, g.stride_b, g.stride_c, g.stride_d), (nn, nn, nn, nn));
+            assert_eq!((g.a.stride, g.b.stride, g.c.stride, g.d.stride), (nn, nn, nn, nn));
             assert_eq!(g.d_elems, b * h * n * n);
         }
         // One matrix (B·H = 1): plain gemm_ex, strides 0.
@@ -195,7 +200,7 @@ mod tests {
             RocblasGemm::from_spec(&GemmSpec::contraction(Direction::Incoming, 1, 8), DataType::F16, DataType::F16)
                 .unwrap();
         assert!(!one.strided_batched);
-        assert_eq!((one.stride_a, one.batch), (0, 1));
+        assert_eq!((one.a.stride, one.batch), (0, 1));
     }
 
     #[test]
@@ -203,11 +208,11 @@ mod tests {
         let g = RocblasGemm::from_spec(&GemmSpec::output(65536, 128, 128), DataType::F16, DataType::F32).unwrap();
         assert_eq!((g.trans_a, g.trans_b), (T, N));
         assert_eq!((g.m, g.n, g.k), (128, 65536, 128));
-        assert_eq!((g.lda, g.ldb, g.ldd), (128, 128, 128));
-        assert_eq!((g.a_type, g.c_type, g.d_type, g.compute_type), (H16, S32, S32, S32));
+        assert_eq!((g.a.ld, g.b.ld, g.d.ld), (128, 128, 128));
+        assert_eq!((g.a.ty, g.c.ty, g.d.ty, g.compute_type), (H16, S32, S32, S32));
         let bias = RocblasGemm::from_spec(&bias_update_spec(65536, 384), DataType::F32, DataType::F32).unwrap();
         assert_eq!((bias.trans_a, bias.trans_b, bias.m, bias.n, bias.k), (N, N, 384, 65536, 1));
-        assert_eq!((bias.lda, bias.ldb, bias.ldc, bias.ldd), (384, 1, 384, 384));
+        assert_eq!((bias.a.ld, bias.b.ld, bias.c.ld, bias.d.ld), (384, 1, 384, 384));
         assert_eq!((bias.a_elems, bias.b_elems, bias.d_elems), (384, 65536, 65536 * 384));
     }
 

@@ -514,10 +514,10 @@ fn rocblas_model(g: &RocblasGemm, alpha: f64, a: &[f64], b: &[f64], beta: f64, d
     };
     let (ta, tb) = (op(g.trans_a), op(g.trans_b));
     let (m, n, k) = (g.m as usize, g.n as usize, g.k as usize);
-    let (lda, ldb, ldd) = (g.lda as usize, g.ldb as usize, g.ldd as usize);
-    assert_eq!(g.ldc, g.ldd, "C aliases D");
+    let (lda, ldb, ldd) = (g.a.ld as usize, g.b.ld as usize, g.d.ld as usize);
+    assert_eq!(g.c, g.d, "C aliases D");
     for bt in 0..g.batch as usize {
-        let (sa, sb, sd) = (bt * g.stride_a as usize, bt * g.stride_b as usize, bt * g.stride_d as usize);
+        let (sa, sb, sd) = (bt * g.a.stride as usize, bt * g.b.stride as usize, bt * g.d.stride as usize);
         for j in 0..n {
             for i in 0..m {
                 let mut acc = 0.0;
@@ -601,7 +601,7 @@ fn rocblas_contraction_calls_compute_both_directions() {
     for dir in [Direction::Outgoing, Direction::Incoming] {
         let spec = GemmSpec::contraction(dir, bh, n);
         let g = RocblasGemm::from_spec(&spec, DataType::F16, DataType::F16).unwrap();
-        assert_eq!((g.batch as usize, g.stride_d as usize), (bh, n * n));
+        assert_eq!((g.batch as usize, g.d.stride as usize), (bh, n * n));
         let mut t = vec![0.0; bh * n * n];
         rocblas_model(&g, 1.0, &right, &left, 0.0, &mut t);
         for bb in 0..b {
