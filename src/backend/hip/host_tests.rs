@@ -182,67 +182,79 @@ fn tool_output(tool: &Path, args: &[&str], stage: &str, arch: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The LLVM tool (`$env_var`, else the first of `names` found) that reads the embedded code
+/// objects; `None`, the test skipped, where the build embedded none or no such tool is found.
+fn code_object_tool(env_var: &str, names: &[&str]) -> Option<PathBuf> {
+    if !built_with_clang() {
+        return None;
+    }
+    let found = tool(env_var, names);
+    if found.is_none() {
+        skip(&format!("no {} (apt install llvm-19)", names[0]));
+    }
+    found
+}
+
+/// [`tool_output`] for the code object of each of `stages` for each of [`ARCHS`]:
+/// `(stage, arch, output)`.
+fn tool_outputs<'a>(
+    tool: &'a Path,
+    args: &'a [&'a str],
+    stages: &'a [&'static str],
+) -> impl Iterator<Item = (&'static str, &'static str, String)> + 'a {
+    stages.iter().flat_map(move |s| ARCHS.iter().map(move |a| (*s, *a, tool_output(tool, args, s, a))))
+}
+
 #[test]
 fn mfma_kernel_disassembly_contains_v_mfma() {
-    if !built_with_clang() {
+    let Some(objdump) = code_object_tool("TRIMUL_LLVM_OBJDUMP", &["llvm-objdump-19", "llvm-objdump"]) else {
         return;
-    }
-    let Some(objdump) = tool("TRIMUL_LLVM_OBJDUMP", &["llvm-objdump-19", "llvm-objdump"]) else {
-        return skip("no llvm-objdump-19 (apt install llvm-19)");
     };
-    for a in ARCHS {
-        for stage in MFMA_STAGES {
-            let asm = tool_output(&objdump, &["-d"], stage, a);
-            let mfma = asm.lines().filter(|l| l.trim_start().starts_with("v_mfma_f32_32x32x8")).count();
-            assert!(mfma >= 2, "{a}: expected v_mfma_f32_32x32x8*f16 in {stage}, found {mfma}:\n{asm}");
-            assert!(asm.contains(&format!("<{stage}>:")), "{a}: kernel symbol {stage} missing");
-        }
-        // The portable stages must not depend on matrix cores (they also run on RDNA via hipRTC).
-        let plain = tool_output(&objdump, &["-d"], "input_gating", a);
+    for (stage, a, asm) in tool_outputs(&objdump, &["-d"], &MFMA_STAGES) {
+        let mfma = asm.lines().filter(|l| l.trim_start().starts_with("v_mfma_f32_32x32x8")).count();
+        assert!(mfma >= 2, "{a}: expected v_mfma_f32_32x32x8*f16 in {stage}, found {mfma}:\n{asm}");
+        assert!(asm.contains(&format!("<{stage}>:")), "{a}: kernel symbol {stage} missing");
+    }
+    // The portable stages must not depend on matrix cores (they also run on RDNA via hipRTC).
+    for (_, a, plain) in tool_outputs(&objdump, &["-d"], &["input_gating"]) {
         assert!(!plain.contains("v_mfma"), "{a}: input_gating uses MFMA");
     }
 }
 
 #[test]
 fn code_object_metadata_matches_the_launches() {
-    if !built_with_clang() {
+    let Some(readelf) = code_object_tool("TRIMUL_LLVM_READELF", &["llvm-readelf-19", "llvm-readelf"]) else {
         return;
-    }
-    let Some(readelf) = tool("TRIMUL_LLVM_READELF", &["llvm-readelf-19", "llvm-readelf"]) else {
-        return skip("no llvm-readelf-19 (apt install llvm-19)");
     };
-    for s in STAGES {
-        for a in ARCHS {
-            let notes = tool_output(&readelf, &["--notes"], s, a);
-            // One YAML map per kernel under `amdhsa.kernels`, each starting at "  - ".
-            // (`amdhsa.version`'s list items start so too: keep the maps that name a kernel.)
-            let entries: Vec<&str> = notes.split("\n  - ").skip(1).filter(|e| e.contains(".name:")).collect();
-            let field = |entry: &str, key: &str| -> String {
-                entry
-                    .lines()
-                    .find_map(|l| l.trim().strip_prefix(&format!("{key}:")).map(|v| v.trim().to_string()))
-                    .unwrap_or_else(|| panic!("{s} {a}: no {key} in\n{entry}"))
-            };
-            let expected = stage_kernels(s);
-            assert_eq!(entries.len(), expected.len(), "{s} {a}: kernels in\n{notes}");
-            for (kernel, _, bytes) in expected {
-                let k = entries
-                    .iter()
-                    .find(|e| field(e, ".name") == kernel)
-                    .unwrap_or_else(|| panic!("{s} {a}: no kernel {kernel} in\n{notes}"));
-                assert_eq!(field(k, ".wavefront_size"), "64", "{kernel} {a}");
-                // All LDS is dynamic: the host passes its size, so no static LDS may add to it.
-                assert_eq!(field(k, ".group_segment_fixed_size"), "0", "{kernel} {a}");
-                // No scratch: spills would be a silent slowdown, and a private segment a surprise.
-                assert_eq!(field(k, ".private_segment_fixed_size"), "0", "{kernel} {a}");
-                assert_eq!(field(k, ".vgpr_spill_count"), "0", "{kernel} {a}");
-                assert_eq!(field(k, ".max_flat_workgroup_size"), "256", "{kernel} {a}: launches use 256 threads");
-                // The one kernel argument is its family's params struct by value, at the size of
-                // the Rust mirror.
-                let first_arg = k.split(".args:").nth(1).unwrap_or_default();
-                let size = format!(".size:           {bytes}");
-                assert!(first_arg.contains(&size), "{kernel} {a}: params size\n{first_arg}");
-            }
+    for (s, a, notes) in tool_outputs(&readelf, &["--notes"], &STAGES) {
+        // One YAML map per kernel under `amdhsa.kernels`, each starting at "  - ".
+        // (`amdhsa.version`'s list items start so too: keep the maps that name a kernel.)
+        let entries: Vec<&str> = notes.split("\n  - ").skip(1).filter(|e| e.contains(".name:")).collect();
+        let field = |entry: &str, key: &str| -> String {
+            entry
+                .lines()
+                .find_map(|l| l.trim().strip_prefix(&format!("{key}:")).map(|v| v.trim().to_string()))
+                .unwrap_or_else(|| panic!("{s} {a}: no {key} in\n{entry}"))
+        };
+        let expected = stage_kernels(s);
+        assert_eq!(entries.len(), expected.len(), "{s} {a}: kernels in\n{notes}");
+        for (kernel, _, bytes) in expected {
+            let k = entries
+                .iter()
+                .find(|e| field(e, ".name") == kernel)
+                .unwrap_or_else(|| panic!("{s} {a}: no kernel {kernel} in\n{notes}"));
+            assert_eq!(field(k, ".wavefront_size"), "64", "{kernel} {a}");
+            // All LDS is dynamic: the host passes its size, so no static LDS may add to it.
+            assert_eq!(field(k, ".group_segment_fixed_size"), "0", "{kernel} {a}");
+            // No scratch: spills would be a silent slowdown, and a private segment a surprise.
+            assert_eq!(field(k, ".private_segment_fixed_size"), "0", "{kernel} {a}");
+            assert_eq!(field(k, ".vgpr_spill_count"), "0", "{kernel} {a}");
+            assert_eq!(field(k, ".max_flat_workgroup_size"), "256", "{kernel} {a}: launches use 256 threads");
+            // The one kernel argument is its family's params struct by value, at the size of
+            // the Rust mirror.
+            let first_arg = k.split(".args:").nth(1).unwrap_or_default();
+            let size = format!(".size:           {bytes}");
+            assert!(first_arg.contains(&size), "{kernel} {a}: params size\n{first_arg}");
         }
     }
 }
