@@ -194,6 +194,19 @@ impl Layout {
     }
 }
 
+/// What every stage of one forward is enqueued with ([`HipBackend::enqueue`]): the rocBLAS
+/// handle bound to `stream`, the prepared weights, the problem, the call's pointers and shape
+/// (`base`), and whether the tests' poisoning is on.
+#[derive(Clone, Copy)]
+struct Enqueue<'a> {
+    blas: &'a BlasHandle,
+    prep: &'a HipPrepared,
+    problem: &'a Problem,
+    base: &'a CommonParams,
+    poison: bool,
+    stream: sys::hipStream_t,
+}
+
 /// `len` f32 values in device memory.
 pub struct HipBuffer {
     mem: DeviceMem,
@@ -607,8 +620,37 @@ impl HipBackend {
             return Err(Error::InvalidArgument("workspace was made for another problem shape".into()));
         }
         self.bind()?;
+        // The stages, with rocBLAS bound to the call's stream.
+        let stages = |blas: &BlasHandle| -> Result<()> {
+            let Config { c, .. } = problem.config;
+            let m = problem.shape.rows();
+            let api = self.ctx.api;
+            let poison = self.ctx.poison.load(Ordering::Relaxed);
+            let base = CommonParams::new(problem, Addresses { x, mask, y, ..prep.tensors.addresses() })?;
+            if problem.io != Precision::F32Io && prep.output != HipKernelOutput::Mfma {
+                // input_norm reads 16-bit x, but the rocBLAS output GEMM writes f32 y.
+                return Err(Error::Dtype(format!(
+                    "{} x and y on HIP need the MFMA output kernel; this layer's output stage runs on rocBLAS (f32 y): \
+                     convert x to f32",
+                    problem.io
+                )));
+            }
+            if poison && !problem.in_place {
+                // SAFETY: y holds M·C elements of the I/O type per the contract.
+                unsafe { result::memset_async(api, y, POISON_BYTE, m * c * problem.io.io_bytes(), stream)? };
+            }
+            let e = Enqueue { blas, prep, problem, base: &base, poison, stream };
+            // SAFETY: forwarded from this function's contract; the layouts' buffers are sized by
+            // their plans for this problem.
+            unsafe {
+                match &ws.layout {
+                    Layout::OnePass(o) => self.enqueue_one_pass(&e, o),
+                    Layout::Chunked(ch) => self.enqueue_chunked(&e, ch),
+                }
+            }
+        };
         // SAFETY: forwarded from this function's contract (the stream is live for the work).
-        unsafe { self.with_blas_on(stream, |blas| self.enqueue_stages(blas, prep, ws, problem, x, mask, y, stream)) }
+        unsafe { self.with_blas_on(stream, stages) }
     }
 
     /// Runs `f` with the rocBLAS handle bound to `stream` (a caller's, or our own), and binds it
@@ -636,64 +678,14 @@ impl HipBackend {
         Ok(out)
     }
 
-    /// # Safety
-    /// As for [`HipBackend::enqueue`], with `blas` bound to `stream`, `prep` and `ws` checked
-    /// against `problem`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn enqueue_stages(
-        &self,
-        blas: &BlasHandle,
-        prep: &HipPrepared,
-        ws: &HipWorkspace,
-        problem: &Problem,
-        x: u64,
-        mask: u64,
-        y: u64,
-        stream: sys::hipStream_t,
-    ) -> Result<()> {
-        let Config { c, .. } = problem.config;
-        let m = problem.shape.rows();
-        let api = self.ctx.api;
-        let poison = self.ctx.poison.load(Ordering::Relaxed);
-        let base = CommonParams::new(problem, Addresses { x, mask, y, ..prep.tensors.addresses() })?;
-        if problem.io != Precision::F32Io && prep.output != HipKernelOutput::Mfma {
-            // input_norm reads 16-bit x, but the rocBLAS output GEMM writes f32 y.
-            return Err(Error::Dtype(format!(
-                "{} x and y on HIP need the MFMA output kernel; this layer's output stage runs on rocBLAS (f32 y): \
-                 convert x to f32",
-                problem.io
-            )));
-        }
-        if poison && !problem.in_place {
-            // SAFETY: y holds M·C elements of the I/O type per the contract.
-            unsafe { result::memset_async(api, y, POISON_BYTE, m * c * problem.io.io_bytes(), stream)? };
-        }
-        // SAFETY: forwarded from this function's contract; the layouts' buffers are sized by
-        // their plans for this problem.
-        unsafe {
-            match &ws.layout {
-                Layout::OnePass(o) => self.enqueue_one_pass(blas, prep, o, problem, &base, poison, stream),
-                Layout::Chunked(ch) => self.enqueue_chunked(blas, prep, ch, problem, &base, poison, stream),
-            }
-        }
-    }
-
     /// The fastest plan: the projection chunk by chunk into left, right and the gate for every
     /// position, one contraction, one output stage.
     ///
     /// # Safety
-    /// As for [`HipBackend::enqueue_stages`]; `base` holds that call's pointers and shape.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn enqueue_one_pass(
-        &self,
-        blas: &BlasHandle,
-        prep: &HipPrepared,
-        ws: &OnePass,
-        problem: &Problem,
-        base: &CommonParams,
-        poison: bool,
-        stream: sys::hipStream_t,
-    ) -> Result<()> {
+    /// As for [`HipBackend::enqueue`], with `e.blas` bound to `e.stream` and `ws` planned for
+    /// `e.problem`.
+    unsafe fn enqueue_one_pass(&self, e: &Enqueue<'_>, ws: &OnePass) -> Result<()> {
+        let Enqueue { blas, prep, problem, base, poison, stream } = *e;
         let plan = &ws.plan;
         let (c, h) = (plan.c, plan.h);
         let k = &self.ctx.kernels;
@@ -775,25 +767,16 @@ impl HipBackend {
             ..OutputParams::default()
         };
         // SAFETY: as above; `a` (= left) holds M·H halves and the gate every position.
-        unsafe { self.enqueue_output(blas, prep, &output, ws.ones.as_ref(), stream) }
+        unsafe { self.enqueue_output(e, &output, ws.ones.as_ref()) }
     }
 
     /// A plan within a memory limit: the steps of [`staged_steps::steps`] with our launches and
     /// rocBLAS.
     ///
     /// # Safety
-    /// As for [`HipBackend::enqueue_stages`]; `base` holds that call's pointers and shape.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn enqueue_chunked(
-        &self,
-        blas: &BlasHandle,
-        prep: &HipPrepared,
-        ws: &Chunked,
-        problem: &Problem,
-        base: &CommonParams,
-        poison: bool,
-        stream: sys::hipStream_t,
-    ) -> Result<()> {
+    /// As for [`HipBackend::enqueue_one_pass`].
+    unsafe fn enqueue_chunked(&self, e: &Enqueue<'_>, ws: &Chunked) -> Result<()> {
+        let Enqueue { blas, prep, problem, base, poison, stream } = *e;
         let k = &self.ctx.kernels;
         if poison {
             for buf in [&ws.t, &ws.scratch] {
@@ -803,9 +786,7 @@ impl HipBackend {
         }
         let pass_w = match (ws.plan.caps.input, ws.pass_w.as_ref()) {
             // SAFETY: forwarded from this function's contract.
-            (InputStage::Fused, _) => {
-                return unsafe { self.enqueue_fused_chunked(blas, prep, ws, problem, base, stream) }
-            }
+            (InputStage::Fused, _) => return unsafe { self.enqueue_fused_chunked(e, ws) },
             (InputStage::Staged, Some(pass_w)) => pass_w,
             (InputStage::Staged, None) => {
                 return Err(Error::Internal("a chunked plan of the stage kernels without its weight copies".into()))
@@ -837,9 +818,7 @@ impl HipBackend {
                     unsafe { launch(&k.input_gating, stream, grid, smem, &params)? };
                 }
                 StagedStep::PassesDone => {}
-                StagedStep::Output(chunk) => unsafe {
-                    self.enqueue_output(blas, prep, &chunk, ws.ones.as_ref(), stream)?
-                },
+                StagedStep::Output(chunk) => unsafe { self.enqueue_output(e, &chunk, ws.ones.as_ref())? },
             }
         }
         Ok(())
@@ -852,16 +831,9 @@ impl HipBackend {
     /// keeps z in LDS only).
     ///
     /// # Safety
-    /// As for [`HipBackend::enqueue_stages`]; `base` holds that call's pointers and shape.
-    unsafe fn enqueue_fused_chunked(
-        &self,
-        blas: &BlasHandle,
-        prep: &HipPrepared,
-        ws: &Chunked,
-        problem: &Problem,
-        base: &CommonParams,
-        stream: sys::hipStream_t,
-    ) -> Result<()> {
+    /// As for [`HipBackend::enqueue_one_pass`].
+    unsafe fn enqueue_fused_chunked(&self, e: &Enqueue<'_>, ws: &Chunked) -> Result<()> {
+        let Enqueue { blas, prep, problem, base, stream, .. } = *e;
         let kernel = prep.input.as_ref().ok_or_else(|| {
             Error::InvalidArgument(
                 "this workspace was planned for the fused MFMA input kernel, which this layer does not run".into(),
@@ -936,7 +908,7 @@ impl HipBackend {
             };
             unsafe {
                 launch(kernel, stream, blocks(rows), smem, &p)?;
-                self.enqueue_output(blas, prep, &chunk, ws.ones.as_ref(), stream)?;
+                self.enqueue_output(e, &chunk, ws.ones.as_ref())?;
             }
         }
         Ok(())
@@ -946,16 +918,10 @@ impl HipBackend {
     /// in buffers holding positions from `p.buf_row0`, t whole, y written at those rows.
     ///
     /// # Safety
-    /// As for [`HipBackend::enqueue_stages`]; `p.gate` and `p.a` hold `p`'s positions, `ones`
+    /// As for [`HipBackend::enqueue_one_pass`]; `p.gate` and `p.a` hold `p`'s positions, `ones`
     /// at least that many f32 ones.
-    unsafe fn enqueue_output(
-        &self,
-        blas: &BlasHandle,
-        prep: &HipPrepared,
-        p: &OutputParams,
-        ones: Option<&DeviceMem>,
-        stream: sys::hipStream_t,
-    ) -> Result<()> {
+    unsafe fn enqueue_output(&self, e: &Enqueue<'_>, p: &OutputParams, ones: Option<&DeviceMem>) -> Result<()> {
+        let Enqueue { blas, prep, stream, .. } = *e;
         let k = &self.ctx.kernels;
         let (rows, c, h) = (p.common.rows(), p.common.c(), p.common.h());
         // f32 y: only the rocBLAS branch below uses this, and 16-bit I/O is refused there.
