@@ -83,22 +83,30 @@ def timed_held(fn, repeats: int, warmup: int, cycles: int = 2_000_000) -> list:
     ``trimul bench --device-time`` holds its stream): a spin kernel (``torch.cuda._sleep``) keeps
     the stream busy while the call is enqueued, then CUDA events around the call see its work
     back to back. A sample whose start event had already passed when the call returned (the spin
-    was shorter than the host's work) is taken again with a spin twice as long."""
+    was shorter than the host's work) is taken again with a spin twice as long; after 8 such
+    misses in a row the call is taken to wait for its own stream, which cannot be timed so."""
     for _ in range(warmup):
         fn()
     out = []
+    misses = 0
     while len(out) < repeats:
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(cycles)
         a.record()
         fn()
-        hidden = not a.query()
         b.record()
+        # Queried after b is enqueued: if the spin were still running at that point, everything
+        # between the two events was enqueued before the GPU reached the first.
+        hidden = not a.query()
         b.synchronize()
         if hidden:
             out.append(a.elapsed_time(b))
+            misses = 0
         else:
+            misses += 1
+            if misses == 8:
+                raise RuntimeError("the timed call waits for its own stream: its device time cannot be taken")
             cycles *= 2
     return out
 

@@ -149,11 +149,11 @@ pub fn run(args: &BenchArgs) -> CliResult {
     if plan.grad && (plan.fresh_weights || plan.in_place || plan.budget.is_some()) {
         return Err(CliError::usage("--grad cannot be combined with --fresh-weights, --in-place or --max-memory"));
     }
-    if plan.device_time && (kind != BackendKind::Cuda || plan.grad) {
-        return Err(CliError::usage(format!(
-            "--device-time times forwards on the CUDA backend (it holds the stream); not {}",
-            if plan.grad { "with --grad".to_string() } else { format!("on {kind}") }
-        )));
+    if plan.device_time && kind != BackendKind::Cuda {
+        return Err(CliError::usage(format!("--device-time holds a CUDA stream; the {kind} backend has none")));
+    }
+    if plan.device_time && plan.grad {
+        return Err(CliError::usage("--device-time times forwards; it cannot be combined with --grad"));
     }
     if plan.precision != Precision::F32Io {
         if kind != BackendKind::Cuda {
@@ -317,7 +317,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
                 repeats: plan.repeats,
                 buffer_sets: u32::try_from(max_sets).unwrap_or(u32::MAX),
                 clock: match (gpu, plan.device_time) {
-                    (true, true) => "device-events-held",
+                    (true, true) => trimul::report::schema::CLOCK_HELD,
                     (true, false) => "device-events",
                     (false, _) => "host",
                 }

@@ -5,7 +5,7 @@
 //! without an import circle.
 
 use super::anchors::Anchor;
-use super::schema::{BenchRun, ShapeResult};
+use super::schema::{BenchRun, ShapeResult, CLOCK_HELD};
 use crate::error::{Error, Result};
 
 /// A run's formulation and I/O precision: two times are comparable only when these match.
@@ -108,6 +108,9 @@ fn identity(run: &BenchRun) -> impl PartialEq + '_ {
         run.machine.device.as_str(),
         Class::of_run(run),
         run.timing.fresh_weights,
+        // Device time alone (`--device-time`) and events around calls on an idle GPU differ by the
+        // host's time before the launches: each is its own line.
+        run.timing.clock.as_str(),
         // One budget for the whole run (or none): a budgeted run is its own line.
         budgets.first().copied().flatten(),
     )
@@ -284,6 +287,8 @@ impl<'a> Suite<'a> {
         let col = &self.columns[c];
         Class::of_anchor(anchor).as_ref() == Some(&col.class)
             && anchor.device.as_deref().is_none_or(|d| col.runs.iter().all(|&r| same_device(&m.runs[r], d)))
+            // Anchors are events around each call: not comparable with the device time alone.
+            && col.runs.iter().all(|&r| m.runs[r].timing.clock != CLOCK_HELD)
     }
 
     /// Anchor `a`'s time for the suite's key `k`.

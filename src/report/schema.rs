@@ -261,6 +261,10 @@ impl MachineInfo {
     }
 }
 
+/// [`TimingMethod::clock`] of a GPU run whose calls were each enqueued with the stream held
+/// (`trimul bench --device-time`): the device's work alone, no host time before the launches.
+pub const CLOCK_HELD: &str = "device-events-held";
+
 /// How the times were taken (the README's timing section explains why each matters).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TimingMethod {

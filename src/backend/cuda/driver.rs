@@ -402,15 +402,19 @@ pub(crate) struct StreamHold {
 struct Word(*mut u32);
 
 // SAFETY: the address of pinned host memory that outlives the watchdog (joined before it is
-// freed); it is only written with volatile stores.
+// freed); every access is atomic.
 unsafe impl Send for Word {}
 
 impl Word {
+    fn store(&self, value: u32) {
+        // SAFETY: a live, page-aligned 4-byte pinned host allocation (see `Send` above), written
+        // by the host only through atomics (the watchdog and the caller may both release it) and
+        // read by the device over the bus. Release ordering: the work enqueued before is in first.
+        unsafe { std::sync::atomic::AtomicU32::from_ptr(self.0) }.store(value, std::sync::atomic::Ordering::Release);
+    }
+
     fn release(&self) {
-        // SAFETY: a live 4-byte pinned host allocation (see `Send` above); the device reads it
-        // over the bus, so the store is volatile and fenced.
-        unsafe { std::ptr::write_volatile(self.0, 1) };
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        self.store(1);
     }
 }
 
@@ -427,8 +431,7 @@ impl StreamHold {
         // freed in `Drop`.
         unsafe { sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.result().ctx("cuMemHostAlloc")?;
         let hold = StreamHold { word: host as *mut u32, stream };
-        // SAFETY: the allocation just made, not yet seen by the device.
-        unsafe { std::ptr::write_volatile(hold.word, 0) };
+        Word(hold.word).store(0);
         let mut device: CUdeviceptr = 0;
         // SAFETY: `host` is device-mapped pinned memory of this context; one plain value written.
         unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }.result().ctx("cuMemHostGetDevicePointer")?;
@@ -440,7 +443,8 @@ impl StreamHold {
     }
 
     /// Runs `enqueue` and then releases the stream (also when `enqueue` fails). Returns when the
-    /// work is enqueued and the stream released, not when it has run.
+    /// work is enqueued and the stream released, not when it has run. Once per hold: a second
+    /// call would run unheld.
     pub(crate) fn enqueue(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<()> {
         let (done, expired) = std::thread::scope(|scope| {
             let (tx, rx) = std::sync::mpsc::channel::<()>();
@@ -459,11 +463,15 @@ impl StreamHold {
         });
         done?;
         if expired {
-            return Err(Error::InvalidArgument(format!(
-                "the timed work waited for its own stream while it was held ({} s): work that \
-                 synchronises cannot be timed with the stream held",
-                Self::LIMIT.as_secs()
-            )));
+            return Err(Error::driver(
+                BackendKind::Cuda,
+                "cuStreamWaitValue32 (the stream held while a timed call was enqueued)",
+                format!(
+                    "released by the watchdog after {} s: the call took that long to enqueue (work \
+                     that waits for its own stream, a download or a cuMemFree, cannot be timed held)",
+                    Self::LIMIT.as_secs()
+                ),
+            ));
         }
         Ok(())
     }
