@@ -31,18 +31,21 @@ impl std::fmt::Debug for Device {
     }
 }
 
-/// Forwards an expression to whichever backend a [`Device`] holds.
+/// Forwards an expression to whichever backend's value `$value` holds, for an enum with one
+/// variant per backend (`Cpu`, `Cuda`, `Hip`, each compiled in with its feature): a [`Device`],
+/// a [`TriMul`](crate::TriMul).
 macro_rules! with_backend {
-    ($dev:expr, $b:ident => $body:expr) => {
-        match $dev {
-            Device::Cpu($b) => $body,
+    ($enum:ident, $value:expr, $b:ident => $body:expr) => {
+        match $value {
+            $enum::Cpu($b) => $body,
             #[cfg(feature = "cuda")]
-            Device::Cuda($b) => $body,
+            $enum::Cuda($b) => $body,
             #[cfg(feature = "rocm")]
-            Device::Hip($b) => $body,
+            $enum::Hip($b) => $body,
         }
     };
 }
+pub(crate) use with_backend;
 
 impl Device {
     /// The CPU backend (always available).
@@ -134,42 +137,42 @@ impl Device {
 
     /// Which backend this device is.
     pub fn kind(&self) -> BackendKind {
-        with_backend!(self, b => b.kind())
+        with_backend!(Device, self, b => b.kind())
     }
 
     /// Device, arch and library versions ([`Backend::info`]).
     pub fn info(&self) -> DeviceInfo {
-        with_backend!(self, b => b.info())
+        with_backend!(Device, self, b => b.info())
     }
 
     /// Blocks until the device has finished the work enqueued on the backend's stream.
     pub fn synchronize(&self) -> Result<()> {
-        with_backend!(self, b => b.synchronize())
+        with_backend!(Device, self, b => b.synchronize())
     }
 
     /// Free and total device memory, where the backend can tell.
     pub fn memory_info(&self) -> Result<Option<MemoryInfo>> {
-        with_backend!(self, b => b.memory_info())
+        with_backend!(Device, self, b => b.memory_info())
     }
 
     /// See [`Backend::measure_ceilings`].
     pub fn measure_ceilings(&self) -> Result<Ceilings> {
-        with_backend!(self, b => b.measure_ceilings())
+        with_backend!(Device, self, b => b.measure_ceilings())
     }
 
     /// See [`Backend::elapsed_ms`].
     pub fn elapsed_ms(&self, work: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-        with_backend!(self, b => b.elapsed_ms(work))
+        with_backend!(Device, self, b => b.elapsed_ms(work))
     }
 
     /// See [`Backend::peak_memory`].
     pub fn peak_memory(&self) -> Option<u64> {
-        with_backend!(self, b => b.peak_memory())
+        with_backend!(Device, self, b => b.peak_memory())
     }
 
     /// See [`Backend::reset_peak_memory`].
     pub fn reset_peak_memory(&self) {
-        with_backend!(self, b => b.reset_peak_memory())
+        with_backend!(Device, self, b => b.reset_peak_memory())
     }
 
     /// Fill outputs and intermediates with NaN before each forward (GPU backends), so that an

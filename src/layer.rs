@@ -4,7 +4,7 @@
 //! backend's one entry, [`Backend::forward`], with a [`ForwardIo`] of the backend's memory.
 
 use crate::backend::{cpu::CpuBackend, Backend};
-use crate::device::Device;
+use crate::device::{with_backend, Device};
 use crate::device_io::{BackwardDeviceIo, BackwardIo, DeviceIo, DeviceSpan, DeviceWeights, ForwardIo};
 use crate::error::{BackendKind, Error, Result};
 use crate::gradients::Gradients;
@@ -638,18 +638,6 @@ pub enum TriMul {
     Hip(Layer<crate::backend::hip::HipBackend>),
 }
 
-macro_rules! with_layer {
-    ($layer:expr, $l:ident => $body:expr) => {
-        match $layer {
-            TriMul::Cpu($l) => $body,
-            #[cfg(feature = "cuda")]
-            TriMul::Cuda($l) => $body,
-            #[cfg(feature = "rocm")]
-            TriMul::Hip($l) => $body,
-        }
-    };
-}
-
 impl TriMul {
     /// Prepares `weights` on `device` once; later forwards reuse them.
     pub fn new(device: &Device, weights: &Weights, options: Options) -> Result<Self> {
@@ -664,7 +652,7 @@ impl TriMul {
 
     /// Which backend the layer runs on.
     pub fn kind(&self) -> BackendKind {
-        with_layer!(self, l => l.backend().kind())
+        with_backend!(TriMul, self, l => l.backend().kind())
     }
 
     /// The device the layer runs on.
@@ -680,17 +668,17 @@ impl TriMul {
 
     /// Formulation, C and H of the layer's weights.
     pub fn config(&self) -> Config {
-        with_layer!(self, l => l.config())
+        with_backend!(TriMul, self, l => l.config())
     }
 
     /// The options the layer was made with.
     pub fn options(&self) -> Options {
-        with_layer!(self, l => l.options())
+        with_backend!(TriMul, self, l => l.options())
     }
 
     /// Bytes of device workspace a call of this shape needs.
     pub fn workspace_bytes(&self, shape: Shape, masked: bool) -> Result<u64> {
-        with_layer!(self, l => l.workspace_bytes(shape, masked))
+        with_backend!(TriMul, self, l => l.workspace_bytes(shape, masked))
     }
 
     /// One forward on host slices into `y`. See [`Layer::forward_into`].
@@ -701,42 +689,42 @@ impl TriMul {
         y: &mut [T],
         shape: Shape,
     ) -> Result<()> {
-        with_layer!(self, l => l.forward_into(x, mask, y, shape))
+        with_backend!(TriMul, self, l => l.forward_into(x, mask, y, shape))
     }
 
     /// See [`Layer::forward_in_place`].
     pub fn forward_in_place<T: IoElement>(&mut self, xy: &mut [T], mask: Option<&[f32]>, shape: Shape) -> Result<()> {
-        with_layer!(self, l => l.forward_in_place(xy, mask, shape))
+        with_backend!(TriMul, self, l => l.forward_in_place(xy, mask, shape))
     }
 
     /// See [`Layer::backward`].
     pub fn backward(&mut self, x: &[f32], mask: Option<&[f32]>, dy: &[f32], shape: Shape) -> Result<Gradients> {
-        with_layer!(self, l => l.backward(x, mask, dy, shape))
+        with_backend!(TriMul, self, l => l.backward(x, mask, dy, shape))
     }
 
     /// See [`Layer::set_memory_budget`].
     pub fn set_memory_budget(&mut self, bytes: Option<u64>) {
-        with_layer!(self, l => l.set_memory_budget(bytes))
+        with_backend!(TriMul, self, l => l.set_memory_budget(bytes))
     }
 
     /// See [`Layer::memory_budget`].
     pub fn memory_budget(&self) -> Option<u64> {
-        with_layer!(self, l => l.memory_budget())
+        with_backend!(TriMul, self, l => l.memory_budget())
     }
 
     /// See [`Layer::memory_needs`].
     pub fn memory_needs(&self, shape: Shape, masked: bool, in_place: bool) -> Result<MemoryNeeds> {
-        with_layer!(self, l => l.memory_needs(shape, masked, in_place))
+        with_backend!(TriMul, self, l => l.memory_needs(shape, masked, in_place))
     }
 
     /// See [`Layer::memory_needs_io`].
     pub fn memory_needs_io(&self, shape: Shape, masked: bool, in_place: bool, io: Precision) -> Result<MemoryNeeds> {
-        with_layer!(self, l => l.memory_needs_io(shape, masked, in_place, io))
+        with_backend!(TriMul, self, l => l.memory_needs_io(shape, masked, in_place, io))
     }
 
     /// See [`Layer::exec_plan`].
     pub fn exec_plan(&self) -> Option<ExecPlan> {
-        with_layer!(self, l => l.exec_plan())
+        with_backend!(TriMul, self, l => l.exec_plan())
     }
 
     /// One forward on host slices, returning a new `y` of the shape and element type of `x`.
