@@ -7,7 +7,7 @@
 //! are not checked: a NaN in `x` or `dy` gives NaN gradients, as IEEE arithmetic says.
 
 use crate::error::{Error, Result};
-use crate::weights::{Linear, Norm, Weights};
+use crate::weights::{named_linears, Linear, Norm, Weights};
 
 /// The gradients of a scalar loss with respect to `x` and every weight and bias, in f32 (the
 /// backends' result) or f64 (the reference's, `reference::Gradients`).
@@ -49,14 +49,8 @@ impl<T> Gradients<T> {
 
     /// The linear layers' gradients with their names, as [`Weights::linears`] orders them.
     pub fn linears(&self) -> [(&'static str, &Linear<T>); 6] {
-        [
-            ("left_proj", &self.left_proj),
-            ("left_gate", &self.left_gate),
-            ("right_proj", &self.right_proj),
-            ("right_gate", &self.right_gate),
-            ("out_gate", &self.out_gate),
-            ("out_proj", &self.out_proj),
-        ]
+        let Gradients { left_proj, left_gate, right_proj, right_gate, out_gate, out_proj, .. } = self;
+        named_linears([left_proj, left_gate, right_proj, right_gate, out_gate, out_proj])
     }
 }
 

@@ -108,6 +108,13 @@ pub struct Weights {
     pub out_proj: Linear,
 }
 
+/// Pairs the six linear layers of [`Weights`] or [`Gradients`](crate::Gradients), given in the
+/// order of the fused projection and then `out_proj`, with their canonical names.
+pub(crate) fn named_linears<T>(linears: [&Linear<T>; 6]) -> [(&'static str, &Linear<T>); 6] {
+    let names = ["left_proj", "left_gate", "right_proj", "right_gate", "out_gate", "out_proj"];
+    std::array::from_fn(|i| (names[i], linears[i]))
+}
+
 impl Weights {
     /// Assembles and validates weights; every mismatch names the tensor.
     #[allow(clippy::too_many_arguments)]
@@ -144,14 +151,8 @@ impl Weights {
 
     /// The linear layers with their canonical names, in the order of the fused projection.
     pub fn linears(&self) -> [(&'static str, &Linear); 6] {
-        [
-            ("left_proj", &self.left_proj),
-            ("left_gate", &self.left_gate),
-            ("right_proj", &self.right_proj),
-            ("right_gate", &self.right_gate),
-            ("out_gate", &self.out_gate),
-            ("out_proj", &self.out_proj),
-        ]
+        let Weights { left_proj, left_gate, right_proj, right_gate, out_gate, out_proj, .. } = self;
+        named_linears([left_proj, left_gate, right_proj, right_gate, out_gate, out_proj])
     }
 
     /// The five linear layers applied to `z`, in the order of the fused input projection:
