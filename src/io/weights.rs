@@ -13,12 +13,21 @@ use super::messages::{file_err, in_file, shape_str, shown};
 use super::names::{check_complete, find_layout, Layout, NamingScheme};
 use super::tensor_file::{float_size, TensorFile, FLOAT_DTYPES, IN_MEMORY};
 use crate::error::{Error, Result};
-use crate::problem::Config;
+use crate::problem::{Config, Formulation};
 use crate::weights::{Linear, Norm, Weights};
 
 // ---------------------------------------------------------------------------------------------
 // Weights: reading
 // ---------------------------------------------------------------------------------------------
+
+/// The module names of the gpumode scheme, which names every module on its own: LN_C, the five
+/// input linears, LN_H and the output projection, in [`Weights::new`]'s order.
+const GPUMODE_MODULES: [&str; 8] =
+    ["norm", "left_proj", "left_gate", "right_proj", "right_gate", "out_gate", "to_out_norm", "to_out"];
+
+/// [`GPUMODE_MODULES`] in OpenFold's names.
+const OPENFOLD_MODULES: [&str; 8] =
+    ["layer_norm_in", "linear_a_p", "linear_a_g", "linear_b_p", "linear_b_g", "linear_g", "layer_norm_out", "linear_z"];
 
 /// A weight tensor converted to f32, with its full name for messages.
 struct Tensor {
@@ -189,30 +198,12 @@ impl LayerReader {
 
     fn weights(&self) -> Result<Weights> {
         let scheme = self.layout.scheme;
-        let config = |d: &Dims| {
-            Config::new(scheme.formulation(), d.c, d.h).map_err(|e| Error::Weights(format!("{}: {e}", d.source)))
-        };
         match scheme {
-            NamingScheme::GpuMode => {
-                let d = self.anchor("left_proj.weight", 1)?;
-                let config = config(&d)?;
-                let lin = |name: &str, out, inp| self.linear(&d, name, None, out, inp);
-                Weights::new(
-                    config,
-                    self.norm(&d, "norm.weight", "norm.bias", Dim::C)?,
-                    lin("left_proj.weight", Dim::H, Dim::C)?,
-                    lin("left_gate.weight", Dim::H, Dim::C)?,
-                    lin("right_proj.weight", Dim::H, Dim::C)?,
-                    lin("right_gate.weight", Dim::H, Dim::C)?,
-                    lin("out_gate.weight", Dim::H, Dim::C)?,
-                    self.norm(&d, "to_out_norm.weight", "to_out_norm.bias", Dim::H)?,
-                    lin("to_out.weight", Dim::C, Dim::H)?,
-                )
-            }
+            NamingScheme::GpuMode => self.separate(GPUMODE_MODULES, false),
             NamingScheme::Packed | NamingScheme::CuEquivarianceFunctional => {
                 let k = |m: &str, p: &str| scheme.key(m, p);
                 let d = self.anchor(&k("p_in", "weight"), 2)?;
-                let config = config(&d)?;
+                let config = self.config(&d)?;
                 let (left_proj, right_proj) = self.packed(&d, &k("p_in", "weight"), &k("p_in", "bias"))?;
                 let (left_gate, right_gate) = self.packed(&d, &k("g_in", "weight"), &k("g_in", "bias"))?;
                 Weights::new(
@@ -227,24 +218,41 @@ impl LayerReader {
                     self.linear(&d, &k("p_out", "weight"), Some(&k("p_out", "bias")), Dim::C, Dim::H)?,
                 )
             }
-            NamingScheme::OpenFold => {
-                let d = self.anchor("linear_a_p.weight", 1)?;
-                let config = config(&d)?;
-                let lin =
-                    |m: &str, out, inp| self.linear(&d, &format!("{m}.weight"), Some(&format!("{m}.bias")), out, inp);
-                Weights::new(
-                    config,
-                    self.norm(&d, "layer_norm_in.weight", "layer_norm_in.bias", Dim::C)?,
-                    lin("linear_a_p", Dim::H, Dim::C)?,
-                    lin("linear_a_g", Dim::H, Dim::C)?,
-                    lin("linear_b_p", Dim::H, Dim::C)?,
-                    lin("linear_b_g", Dim::H, Dim::C)?,
-                    lin("linear_g", Dim::C, Dim::C)?,
-                    self.norm(&d, "layer_norm_out.weight", "layer_norm_out.bias", Dim::H)?,
-                    lin("linear_z", Dim::C, Dim::H)?,
-                )
-            }
+            NamingScheme::OpenFold => self.separate(OPENFOLD_MODULES, true),
         }
+    }
+
+    /// The configuration of the scheme's formulation with the sizes in `d`.
+    fn config(&self, d: &Dims) -> Result<Config> {
+        Config::new(self.layout.scheme.formulation(), d.c, d.h)
+            .map_err(|e| Error::Weights(format!("{}: {e}", d.source)))
+    }
+
+    /// A layer whose scheme names every module on its own, `<module>.weight` and `<module>.bias`
+    /// ([`GPUMODE_MODULES`], [`OPENFOLD_MODULES`]); the linears' biases are read when `biases` (a
+    /// gpumode bias is rejected as forbidden before this).
+    fn separate(&self, modules: [&str; 8], biases: bool) -> Result<Weights> {
+        let [norm_in, left_proj, left_gate, right_proj, right_gate, out_gate, norm_out, out_proj] = modules;
+        let d = self.anchor(&format!("{left_proj}.weight"), 1)?;
+        let config = self.config(&d)?;
+        let norm = |m: &str, width| self.norm(&d, &format!("{m}.weight"), &format!("{m}.bias"), width);
+        let lin = |m: &str, out, inp| {
+            let bias = biases.then(|| format!("{m}.bias"));
+            self.linear(&d, &format!("{m}.weight"), bias.as_deref(), out, inp)
+        };
+        // The output gate is `[H, C]` in the gpumode formulation, `[C, C]` in af3.
+        let gate = if config.formulation == Formulation::GpuMode { Dim::H } else { Dim::C };
+        Weights::new(
+            config,
+            norm(norm_in, Dim::C)?,
+            lin(left_proj, Dim::H, Dim::C)?,
+            lin(left_gate, Dim::H, Dim::C)?,
+            lin(right_proj, Dim::H, Dim::C)?,
+            lin(right_gate, Dim::H, Dim::C)?,
+            lin(out_gate, gate, Dim::C)?,
+            norm(norm_out, Dim::H)?,
+            lin(out_proj, Dim::C, Dim::H)?,
+        )
     }
 
     /// Splits a packed `[2H, C]` weight (and its optional `[2H]` bias) into the `a` (first `H`
@@ -374,16 +382,7 @@ impl Weights {
         let Config { c, h, .. } = self.config();
         let mut out = Collector { scheme, tensors: Vec::new() };
         match scheme {
-            NamingScheme::GpuMode => {
-                out.norm("norm", &self.norm_in);
-                out.linear("left_proj", &self.left_proj);
-                out.linear("right_proj", &self.right_proj);
-                out.linear("left_gate", &self.left_gate);
-                out.linear("right_gate", &self.right_gate);
-                out.linear("out_gate", &self.out_gate);
-                out.norm("to_out_norm", &self.norm_out);
-                out.linear("to_out", &self.out_proj);
-            }
+            NamingScheme::GpuMode => out.separate(GPUMODE_MODULES, self),
             NamingScheme::Packed | NamingScheme::CuEquivarianceFunctional => {
                 out.norm("norm_in", &self.norm_in);
                 for (module, a, b) in
@@ -399,16 +398,7 @@ impl Weights {
                 out.linear("p_out", &self.out_proj);
                 out.linear("g_out", &self.out_gate);
             }
-            NamingScheme::OpenFold => {
-                out.norm("layer_norm_in", &self.norm_in);
-                out.linear("linear_a_p", &self.left_proj);
-                out.linear("linear_a_g", &self.left_gate);
-                out.linear("linear_b_p", &self.right_proj);
-                out.linear("linear_b_g", &self.right_gate);
-                out.norm("layer_norm_out", &self.norm_out);
-                out.linear("linear_z", &self.out_proj);
-                out.linear("linear_g", &self.out_gate);
-            }
+            NamingScheme::OpenFold => out.separate(OPENFOLD_MODULES, self),
         }
         Ok(out.tensors)
     }
@@ -435,5 +425,16 @@ impl Collector {
         if let Some(b) = &l.bias {
             self.put(module, "bias", vec![l.out_features], b);
         }
+    }
+
+    /// Every tensor of `w` under `modules` ([`GPUMODE_MODULES`], [`OPENFOLD_MODULES`]).
+    fn separate(&mut self, modules: [&str; 8], w: &Weights) {
+        let [norm_in, inputs @ .., norm_out, out_proj] = modules;
+        self.norm(norm_in, &w.norm_in);
+        for (module, l) in inputs.into_iter().zip(w.input_linears()) {
+            self.linear(module, l);
+        }
+        self.norm(norm_out, &w.norm_out);
+        self.linear(out_proj, &w.out_proj);
     }
 }
