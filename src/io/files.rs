@@ -28,7 +28,7 @@
 //! previous file intact.
 
 use std::ffi::OsStr;
-use std::fs::{File, Metadata, OpenOptions};
+use std::fs::{File, FileType, Metadata, OpenOptions};
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
@@ -45,35 +45,34 @@ fn file_err(path: &Path, reason: impl std::fmt::Display) -> Error {
     Error::File { path: path.display().to_string(), reason: reason.to_string() }
 }
 
+/// A test of a file's type, and the words for a file that passes it.
+type FileKind = (fn(&FileType) -> bool, &'static str);
+
+/// The kinds of file [`kind_of`] names, in the order it tries them.
+const FILE_KINDS: [FileKind; 3] = [
+    (FileType::is_dir, "a directory"),
+    (FileType::is_file, "a regular file"),
+    (FileType::is_symlink, "a symbolic link"),
+];
+
+/// The special files only Unix has, tried after [`FILE_KINDS`].
+#[cfg(unix)]
+const SPECIAL_FILE_KINDS: [FileKind; 4] = {
+    use std::os::unix::fs::FileTypeExt;
+    [
+        (FileType::is_fifo, "a named pipe (FIFO)"),
+        (FileType::is_char_device, "a character device"),
+        (FileType::is_block_device, "a block device"),
+        (FileType::is_socket, "a socket"),
+    ]
+};
+#[cfg(not(unix))]
+const SPECIAL_FILE_KINDS: [FileKind; 0] = [];
+
 /// What kind of file `meta` describes, for messages: "a directory", "a named pipe (FIFO)", ...
 pub(crate) fn kind_of(meta: &Metadata) -> &'static str {
     let ft = meta.file_type();
-    if ft.is_dir() {
-        return "a directory";
-    }
-    if ft.is_file() {
-        return "a regular file";
-    }
-    if ft.is_symlink() {
-        return "a symbolic link";
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        if ft.is_fifo() {
-            return "a named pipe (FIFO)";
-        }
-        if ft.is_char_device() {
-            return "a character device";
-        }
-        if ft.is_block_device() {
-            return "a block device";
-        }
-        if ft.is_socket() {
-            return "a socket";
-        }
-    }
-    "not a regular file"
+    FILE_KINDS.iter().chain(&SPECIAL_FILE_KINDS).find(|(is, _)| is(&ft)).map_or("not a regular file", |&(_, kind)| kind)
 }
 
 /// Reads a whole text file of at most `max_bytes` bytes; `what` names the document for messages
