@@ -10,6 +10,7 @@ mod cuda_device;
 #[path = "support/seed.rs"]
 mod test_seed;
 use cuda_device::{cuda, MAX_REL_L2, TOL};
+use trimul::backend::cuda::CudaBackend;
 use trimul::reference;
 use trimul::suite::{self, Case, Dist};
 use trimul::{Backend, Direction, Formulation, Layer, Options, Weights};
@@ -21,11 +22,16 @@ use trimul::{Backend, Direction, Formulation, Layer, Options, Weights};
 /// at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The device, held by this test alone until the guard drops, or `None` (skipped) without one.
+fn cuda_alone() -> Option<(std::sync::MutexGuard<'static, ()>, CudaBackend)> {
+    let one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    Some((one, cuda()?))
+}
+
 #[test]
 fn caller_stream_forward_captures_into_a_cuda_graph() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let Some(b) = cuda() else { return };
+    let Some((_one, b)) = cuda_alone() else { return };
     let case = Case::new(64, 2, 128, true, Dist::Cauchy);
     let problem = case.problem(Formulation::GpuMode, Direction::Outgoing).unwrap();
     let s = test_seed::test_seed("caller_stream_forward_captures_into_a_cuda_graph");
@@ -68,8 +74,7 @@ fn caller_stream_forward_captures_into_a_cuda_graph() {
 /// each call, and passes the f64 check.
 #[test]
 fn forwards_replay_a_launch_graph_with_each_calls_arguments() {
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let Some(b) = cuda() else { return };
+    let Some((_one, b)) = cuda_alone() else { return };
     b.set_poison(false);
     let s = test_seed::test_seed("forwards_replay_a_launch_graph_with_each_calls_arguments");
     let cases = [
@@ -137,8 +142,7 @@ fn forwards_replay_a_launch_graph_with_each_calls_arguments() {
 fn bf16_forwards_on_caller_memory_replay_a_launch_graph() {
     use trimul::backend::cuda::OutputGate;
     use trimul::{DeviceIo, DeviceSpan, Precision};
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let Some(b) = cuda() else { return };
+    let Some((_one, b)) = cuda_alone() else { return };
     b.set_poison(false);
     let s = test_seed::test_seed("bf16_forwards_on_caller_memory_replay_a_launch_graph");
     let case = Case::new(64, 1, 128, true, Dist::Normal);

@@ -110,6 +110,15 @@ fn problem(f: Formulation, dir: Direction, b: usize, n: usize, io: Precision) ->
     Problem::new(cfg, Shape::new(b, n), dir, true).unwrap().with_io(io)
 }
 
+/// Weights with biases for `p` from this test's seed, and a normal x and a mask from the seed
+/// mixed with `salt`.
+fn normal_inputs(p: &Problem, salt: u64) -> (Weights, Vec<f32>, Vec<f32>) {
+    let weights = Weights::random(p.config, true, seed()).unwrap();
+    let mut rng = Rng::new(seed() ^ salt);
+    let x = rng.normal_vec(p.x_len(), 1.0);
+    (weights, x, rng.mask_vec(p.mask_len()))
+}
+
 /// Both directions, both formulations, f32 and bf16 I/O, B = 2, an odd N (uneven rows: 49 and
 /// 48), masked Cauchy inputs.
 #[test]
@@ -178,10 +187,7 @@ fn sharded_forward_at_n1024_and_in_place() {
 fn ranks_joined_by_unique_id_match_one_gpu() {
     let Some(one) = two_gpus() else { return };
     let p = problem(Formulation::Af3, Direction::Outgoing, 1, 128, Precision::F32Io);
-    let weights = Weights::random(p.config, true, seed()).unwrap();
-    let mut rng = Rng::new(seed() ^ 0x1D);
-    let x = rng.normal_vec(p.x_len(), 1.0);
-    let mask = rng.mask_vec(p.mask_len());
+    let (weights, x, mask) = normal_inputs(&p, 0x1D);
     let (n, c) = (p.shape.n, p.config.c);
     let mut layer = Layer::new(&one, &weights, Options::new(p.direction)).unwrap();
     let mut want = vec![f32::NAN; x.len()];
@@ -215,10 +221,7 @@ fn a_lost_rank_is_an_error_not_a_hang() {
     let Some(_one) = two_gpus() else { return };
     for dir in [Direction::Outgoing, Direction::Incoming] {
         let p = problem(Formulation::Af3, dir, 1, 128, Precision::Bf16Io);
-        let weights = Weights::random(p.config, true, seed()).unwrap();
-        let mut rng = Rng::new(seed() ^ 0x105);
-        let x = rng.normal_vec(p.x_len(), 1.0);
-        let mask = rng.mask_vec(p.mask_len());
+        let (weights, x, mask) = normal_inputs(&p, 0x105);
         let mut group = ShardedGroup::on_local_gpus(&weights, &p, &[0, 1]).unwrap();
         group.upload(&x, Some(&mask)).unwrap();
         // The ranks connect in their first exchange.
@@ -241,10 +244,7 @@ fn a_lost_rank_is_an_error_not_a_hang() {
 fn ranks_that_planned_differently_refuse_together() {
     let Some(_one) = two_gpus() else { return };
     let p = problem(Formulation::Af3, Direction::Outgoing, 1, 64, Precision::Bf16Io);
-    let weights = Weights::random(p.config, true, seed()).unwrap();
-    let mut rng = Rng::new(seed() ^ 0xD1F);
-    let x = rng.normal_vec(p.x_len(), 1.0);
-    let mask = rng.mask_vec(p.mask_len());
+    let (weights, x, mask) = normal_inputs(&p, 0xD1F);
     let errors = on_two_joined_ranks(|comm| {
         // Rank 0 plans passes of 32 channels, rank 1 of 64.
         let pass = 32 << comm.rank();

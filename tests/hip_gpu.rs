@@ -39,6 +39,15 @@ fn hip(mfma: bool) -> Option<HipBackend> {
     })
 }
 
+/// Runs `check` on the backend with each output path, rocBLAS and then MFMA (the flag), and
+/// returns early after a visible skip when there is no device.
+fn on_both_output_paths(mut check: impl FnMut(&HipBackend, bool)) {
+    for mfma in [false, true] {
+        let Some(b) = hip(mfma) else { return };
+        check(&b, mfma);
+    }
+}
+
 #[test]
 #[ignore = "needs an AMD GPU: run `cargo test --features rocm -- --ignored`"]
 fn device_info_names_an_amd_gpu_with_versions() {
@@ -85,26 +94,24 @@ fn gpumode_suite_all_18_cases_mfma_output() {
 #[ignore = "needs an AMD GPU: run `cargo test --features rocm -- --ignored`"]
 fn af3_with_and_without_biases_both_directions_both_output_paths() {
     let s = seed();
-    for mfma in [false, true] {
-        let Some(b) = hip(mfma) else { return };
+    on_both_output_paths(|b, _| {
         for case in [Case::new(64, 2, 256, true, Dist::Normal), Case::new(256, 1, 128, false, Dist::Cauchy)] {
             for dir in [Direction::Outgoing, Direction::Incoming] {
-                check_case(&b, &case, Formulation::Af3, dir, true, s);
-                check_case(&b, &case, Formulation::Af3, dir, false, s);
+                check_case(b, &case, Formulation::Af3, dir, true, s);
+                check_case(b, &case, Formulation::Af3, dir, false, s);
             }
         }
-    }
+    });
 }
 
 #[test]
 #[ignore = "needs an AMD GPU: run `cargo test --features rocm -- --ignored`"]
 fn incoming_and_odd_sizes_both_output_paths() {
     let s = seed();
-    for mfma in [false, true] {
-        let Some(b) = hip(mfma) else { return };
+    on_both_output_paths(|b, mfma| {
         for n in [1, 33, 127, 1000] {
             for dir in [Direction::Outgoing, Direction::Incoming] {
-                check_case(&b, &Case::new(n, 1, 128, true, Dist::Normal), Formulation::GpuMode, dir, false, s);
+                check_case(b, &Case::new(n, 1, 128, true, Dist::Normal), Formulation::GpuMode, dir, false, s);
             }
         }
         // C not a multiple of 32 (column tails in the MFMA kernel), H = 64, B = 3.
@@ -113,12 +120,12 @@ fn incoming_and_odd_sizes_both_output_paths() {
         let problem = trimul::Problem::new(cfg, case.shape(), Direction::Incoming, true).unwrap();
         let weights = Weights::random(cfg, true, s).unwrap();
         let inputs = suite::generate_inputs(&case, s ^ 1);
-        let mut layer = Layer::new(&b, &weights, Options::new(Direction::Incoming)).unwrap();
+        let mut layer = Layer::new(b, &weights, Options::new(Direction::Incoming)).unwrap();
         let mut y = vec![f32::NAN; inputs.x.len()];
         layer.forward_into(&inputs.x, inputs.mask.as_deref(), &mut y, case.shape()).unwrap();
         let cmp = reference::check(&weights, &problem, &inputs.x, inputs.mask.as_deref(), &y, TOL, TOL).unwrap();
         assert!(cmp.passed() && cmp.rel_l2 <= MAX_REL_L2, "C=72 H=64 mfma={mfma}: {cmp}");
-    }
+    });
 }
 
 #[test]

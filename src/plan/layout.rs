@@ -667,19 +667,24 @@ mod tests {
         assert_eq!(plan.summary().workspace_bytes, plan.workspace_bytes());
     }
 
+    /// Small shapes both plan-consistency tests start from, `(formulation, B, N, C, H, in place)`:
+    /// both formulations, in place and not, C above and below H, odd sizes.
+    const SMALL: [(Formulation, usize, usize, usize, usize, bool); 4] = [
+        (Formulation::GpuMode, 2, 10, 32, 24, false),
+        (Formulation::Af3, 2, 10, 16, 24, true),
+        (Formulation::Af3, 1, 33, 384, 128, false),
+        (Formulation::GpuMode, 3, 7, 5, 3, true),
+    ];
+
     #[test]
     fn every_plan_keeps_its_regions_apart_and_covers_the_problem() {
-        for (f, b, n, c, h, in_place) in [
-            (Formulation::GpuMode, 2, 10, 32, 24, false),
-            (Formulation::Af3, 2, 10, 16, 24, true),
-            (Formulation::Af3, 1, 33, 384, 128, false),
-            (Formulation::GpuMode, 3, 7, 5, 3, true),
+        for (f, b, n, c, h, in_place) in SMALL.into_iter().chain([
             (Formulation::GpuMode, 1, 1, 768, 128, false),
             (Formulation::GpuMode, 1, 300, 128, 128, false),
             (Formulation::Af3, 1, 100, 4096, 8, false),
             // Left and right fill f32 y exactly in the narrowest plan, so not 16-bit y.
             (Formulation::GpuMode, 1, 16, 8, 32, false),
-        ] {
+        ]) {
             for io in [Precision::F32Io, Precision::Bf16Io] {
                 let p = problem(f, b, n, c, h).in_place(in_place).with_io(io);
                 for caps in ALL_CAPS {
@@ -696,14 +701,10 @@ mod tests {
 
     #[test]
     fn chunked_plans_fit_their_limits_and_shrink_with_them() {
-        for (f, b, n, c, h, in_place) in [
-            (Formulation::GpuMode, 2, 10, 32, 24, false),
-            (Formulation::Af3, 2, 10, 16, 24, true),
-            (Formulation::Af3, 1, 33, 384, 128, false),
-            (Formulation::GpuMode, 3, 7, 5, 3, true),
-            (Formulation::Af3, 2, 33, 64, 40, true),
-            (Formulation::Af3, 1, 48, 128, 128, false),
-        ] {
+        for (f, b, n, c, h, in_place) in SMALL
+            .into_iter()
+            .chain([(Formulation::Af3, 2, 33, 64, 40, true), (Formulation::Af3, 1, 48, 128, 128, false)])
+        {
             let p = problem(f, b, n, c, h).in_place(in_place);
             for caps in ALL_CAPS {
                 let narrowest = Plan::narrowest(&p, caps).unwrap();
