@@ -105,6 +105,18 @@ fn no_prebuilt(out: &Path, require_var: &str, vendor: &str, runtime_compiler: &s
     format!("compiled at run time by {runtime_compiler} (not prebuilt: {short})")
 }
 
+/// Whether this build may look for a vendor compiler at all: not in a documentation build, nor
+/// with `opt_out` (`TRIMUL_NO_NVCC`, `TRIMUL_NO_HIP_CLANG`) set; the error says which.
+fn prebuilding_allowed(opt_out: &str) -> Result<(), String> {
+    if flag("DOCS_RS") {
+        return Err("DOCS_RS is set (a documentation build needs no kernels)".into());
+    }
+    if flag(opt_out) {
+        return Err(format!("{opt_out} is set"));
+    }
+    Ok(())
+}
+
 /// The first lines of a compiler's error output, on one line (a `cargo:warning` is one line).
 fn first_lines(text: &str) -> String {
     let lines: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).take(3).collect();
@@ -279,12 +291,7 @@ fn kernel_geometry(out: &Path) {
 
 /// The nvcc to use, or why there is none.
 fn find_nvcc() -> Result<PathBuf, String> {
-    if flag("DOCS_RS") {
-        return Err("DOCS_RS is set (a documentation build needs no kernels)".into());
-    }
-    if flag("TRIMUL_NO_NVCC") {
-        return Err("TRIMUL_NO_NVCC is set".into());
-    }
+    prebuilding_allowed("TRIMUL_NO_NVCC")?;
     if let Some(p) = env::var_os("NVCC") {
         let p = PathBuf::from(p);
         if p.is_file() {
@@ -437,12 +444,7 @@ fn clang_lists_amdgpu(clang: &Path) -> bool {
 
 /// The clang to use, or why there is none.
 fn find_hip_clang() -> Result<PathBuf, String> {
-    if flag("DOCS_RS") {
-        return Err("DOCS_RS is set (a documentation build needs no kernels)".into());
-    }
-    if flag("TRIMUL_NO_HIP_CLANG") {
-        return Err("TRIMUL_NO_HIP_CLANG is set".into());
-    }
+    prebuilding_allowed("TRIMUL_NO_HIP_CLANG")?;
     if let Some(p) = env::var_os("TRIMUL_HIP_CLANG") {
         let p = PathBuf::from(p);
         // An explicit choice is not second-guessed by a search elsewhere.
