@@ -152,7 +152,7 @@ struct Scratch {
     /// `[ROWS, H]`: a block's rows of t, then du.
     t: Vec<f32>,
     rho_t: Vec<f64>,
-    /// `[ROWS, max(C, H)]` each: gpumode's v/dv, af3's s and ds.
+    /// `[ROWS, max(C, H)]` each: gpumode's v and dv, af3's s and ds.
     e1: Vec<f32>,
     e2: Vec<f32>,
     /// `[ROWS, 4H + G]`: the pre-activation gradients.
@@ -206,6 +206,13 @@ impl Sums {
         }
     }
 
+    /// Adds each row of `width` values of `v` into sum `i` (a bias gradient).
+    fn add_rows(&mut self, i: usize, v: &[f32], width: usize) {
+        for row in v.chunks_exact(width) {
+            self.add(i, row);
+        }
+    }
+
     fn f32(&self, i: usize) -> Vec<f32> {
         self.0[i].iter().map(|&v| v as f32).collect()
     }
@@ -245,16 +252,8 @@ fn normalise(v: &[f32], width: usize, eps: f64, hat: &mut [f32], rho: &mut [f64]
 }
 
 /// The LayerNorm backward of one block: `dv = ρ·(ĝ − mean(ĝ) − v̂·mean(ĝ⊙v̂))` with `ĝ = dout⊙γ`,
-/// and the block's `Σ dout⊙v̂` and `Σ dout` into sums `iw` and `ib`.
-fn norm_backward(
-    dout: &[f32],
-    hat: &[f32],
-    rho: &[f64],
-    gamma: &[f32],
-    dv: &mut [f32],
-    sums: &mut Sums,
-    (iw, ib): (usize, usize),
-) {
+/// and the block's `Σ dout⊙v̂` and `Σ dout` into sums [`NORM_W`] and [`NORM_B`].
+fn norm_backward(dout: &[f32], hat: &[f32], rho: &[f64], gamma: &[f32], dv: &mut [f32], sums: &mut Sums) {
     let width = gamma.len();
     simd(
         #[inline(always)]
@@ -272,10 +271,10 @@ fn norm_backward(
                 for (((o, &g), &h), &w) in out.iter_mut().zip(dr).zip(hr).zip(gamma) {
                     *o = (r * (f64::from(g) * f64::from(w) - mg - f64::from(h) * mgh)) as f32;
                 }
-                for ((a, &g), &h) in sums.0[iw].iter_mut().zip(dr).zip(hr) {
+                for ((a, &g), &h) in sums.0[NORM_W].iter_mut().zip(dr).zip(hr) {
                     *a += f64::from(g) * f64::from(h);
                 }
-                for (a, &g) in sums.0[ib].iter_mut().zip(dr) {
+                for (a, &g) in sums.0[NORM_B].iter_mut().zip(dr) {
                     *a += f64::from(g);
                 }
             }
@@ -514,12 +513,60 @@ fn gather(v: &[f32], d: &Dims, r0: usize, rows: usize, out: &mut [f32]) {
     }
 }
 
-/// Sums of the output stage: the output projection's weight `[C, H]` and bias `[C]`, LN_H's
-/// weight and bias `[H]`.
-const OUT_W: usize = 0;
-const OUT_B: usize = 1;
-const NORM_OUT_W: usize = 2;
-const NORM_OUT_B: usize = 3;
+/// The sums of a row stage, output (C) or input (E): its linear layer's weight and bias (Wout
+/// `[C, H]` and bout `[C]`; Wcat `[4H + G, C]` and bcat `[4H + G]`), then its LayerNorm's weight
+/// and bias (LN_H's `[H]`; LN_C's `[C]`).
+const LIN_W: usize = 0;
+const LIN_B: usize = 1;
+const NORM_W: usize = 2;
+const NORM_B: usize = 3;
+
+/// Runs `block` on each row block of `blocks` in parallel (with the block's index), each rayon
+/// task with its own scratch and sums, and adds up the tasks' sums (of lengths `lens`) in f64.
+fn sum_blocks<T: Send>(
+    d: &Dims,
+    lens: &[usize],
+    blocks: impl IndexedParallelIterator<Item = T>,
+    block: impl Fn(&mut Scratch, &mut Sums, usize, T) -> Result<()> + Send + Sync,
+) -> Result<Sums> {
+    blocks
+        .enumerate()
+        .with_min_len(d.min_blocks)
+        .try_fold(
+            || (Scratch::new(d), Sums::zeros(lens)),
+            |(mut s, mut sums), (blk, item)| -> Result<(Scratch, Sums)> {
+                block(&mut s, &mut sums, blk, item)?;
+                Ok((s, sums))
+            },
+        )
+        .map(|r| r.map(|(_, sums)| sums))
+        .try_reduce(|| Sums::zeros(lens), |a, b| Ok(a.merge(b)))
+}
+
+/// A linear layer's backward over one block of rows, given the output gradient `dout`
+/// `[rows, O]`, the layer's input `inp` `[rows, I]` and its weight `w` `[O, I]` (`(o, i)`):
+/// `doutᵀ·inp` (made in `prod`) into sum [`LIN_W`], and `din = dout·W`. The bias gradient, where
+/// the layer has one, is the caller's ([`Sums::add_rows`]).
+fn linear_backward(
+    sums: &mut Sums,
+    dout: &[f32],
+    inp: &[f32],
+    (o, i): (usize, usize),
+    w: MatRef<'_>,
+    prod: &mut [f32],
+    din: &mut [f32],
+) -> Result<()> {
+    let rows = dout.len() / o;
+    let prod = &mut prod[..o * i];
+    matmul(
+        MatMut::new(prod, o, i, i, 1)?,
+        MatRef::new(dout, o, rows, 1, o)?,
+        MatRef::new(inp, rows, i, i, 1)?,
+        Parallelism::None,
+    )?;
+    sums.add(LIN_W, prod);
+    matmul(MatMut::new(din, rows, i, i, 1)?, MatRef::new(dout, rows, o, o, 1)?, w, Parallelism::None)
+}
 
 /// Stage C: the output projection, gate and LN_H backward; writes `dt` (`[M, H]`) and the output
 /// gate's pre-activation gradient (`[M, G]`).
@@ -535,117 +582,72 @@ fn output_backward(
     dgate: &mut [f32],
 ) -> Result<Sums> {
     let (c, h, g) = (d.c, d.h, d.g);
-    let lens = [c * h, c, h, h];
-    dt.par_chunks_mut(ROWS * h)
-        .zip(dgate.par_chunks_mut(ROWS * g))
-        .enumerate()
-        .with_min_len(d.min_blocks)
-        .try_fold(
-            || (Scratch::new(d), Sums::zeros(&lens)),
-            |(mut s, mut sums), (blk, (dtb, dgb))| -> Result<(Scratch, Sums)> {
-                let rows = dtb.len() / h;
-                let r0 = blk * ROWS;
-                let dyb = &dy[r0 * c..(r0 + rows) * c];
-                norm_in(prep, d, &x[r0 * c..(r0 + rows) * c], &mut s);
-                // The gate pre-activation P_G into s.p, [rows, G].
-                project(prep, d, &s.z[..rows * c], rows, 4 * h, d.f, &mut s.p)?;
-                // t̂ into s.a, its ρ into rho_t; u into s.b.
-                let tb = &mut s.t[..rows * h];
-                gather(t, d, r0, rows, tb);
-                let rho_t = &mut s.rho_t[..rows];
-                normalise(tb, h, d.eps, &mut s.a[..rows * h], rho_t);
-                let that = &s.a[..rows * h];
-                let u = &mut s.b[..rows * h];
-                simd(
-                    #[inline(always)]
-                    || {
-                        for (ur, tr) in u.chunks_exact_mut(h).zip(that.chunks_exact(h)) {
-                            for (((u, &v), &w), &b) in ur.iter_mut().zip(tr).zip(&prep.norm_out_w).zip(&prep.norm_out_b)
-                            {
-                                *u = v * w + b;
-                            }
-                        }
-                    },
-                );
-                let u = &s.b[..rows * h];
-                // du into tb (t itself is no longer needed: t̂ and ρ_t are kept).
-                let du = &mut s.t[..rows * h];
-                let wout = MatRef::new(&prep.w_out_t, c, h, 1, c)?; // Wout [C, H]
-                match form {
-                    Formulation::GpuMode => {
-                        // o = σ(P_G), v = u⊙o; dv = dy·Wout; dWout += dyᵀ·v.
-                        let v = &mut s.e1[..rows * h];
-                        simd(
-                            #[inline(always)]
-                            || gate_hidden(v, u, &s.p[..rows * h]),
-                        );
-                        let prod = &mut s.prod[..c * h];
-                        matmul(
-                            MatMut::new(prod, c, h, h, 1)?,
-                            MatRef::new(dyb, c, rows, 1, c)?,
-                            MatRef::new(v, rows, h, h, 1)?,
-                            Parallelism::None,
-                        )?;
-                        sums.add(OUT_W, prod);
-                        let dv = v;
-                        matmul(
-                            MatMut::new(dv, rows, h, h, 1)?,
-                            MatRef::new(dyb, rows, c, c, 1)?,
-                            wout,
-                            Parallelism::None,
-                        )?;
-                        simd(
-                            #[inline(always)]
-                            || gpumode_gate_backward(du, dv, u, &s.p[..rows * h], dgb),
-                        );
-                    }
-                    Formulation::Af3 => {
-                        // g = σ(P_G), s = u·Wzᵀ + bz; ds = dy⊙g; dWz += dsᵀ·u; dbz += Σ ds; du = ds·Wz.
-                        let sv = &mut s.e1[..rows * c];
-                        matmul(
-                            MatMut::new(sv, rows, c, c, 1)?,
-                            MatRef::new(u, rows, h, h, 1)?,
-                            MatRef::new(&prep.w_out_t, h, c, c, 1)?,
-                            Parallelism::None,
-                        )?;
-                        let ds = &mut s.e2[..rows * c];
-                        simd(
-                            #[inline(always)]
-                            || af3_gate_backward(ds, dgb, sv, dyb, &s.p[..rows * c], &prep.b_out),
-                        );
-                        let prod = &mut s.prod[..c * h];
-                        matmul(
-                            MatMut::new(prod, c, h, h, 1)?,
-                            MatRef::new(ds, c, rows, 1, c)?,
-                            MatRef::new(u, rows, h, h, 1)?,
-                            Parallelism::None,
-                        )?;
-                        sums.add(OUT_W, prod);
-                        for dsr in ds.chunks_exact(c) {
-                            sums.add(OUT_B, dsr);
-                        }
-                        matmul(
-                            MatMut::new(du, rows, h, h, 1)?,
-                            MatRef::new(ds, rows, c, c, 1)?,
-                            wout,
-                            Parallelism::None,
-                        )?;
+    let blocks = dt.par_chunks_mut(ROWS * h).zip(dgate.par_chunks_mut(ROWS * g));
+    sum_blocks(d, &[c * h, c, h, h], blocks, |s, sums, blk, (dtb, dgb)| {
+        let rows = dtb.len() / h;
+        let r0 = blk * ROWS;
+        let dyb = &dy[r0 * c..(r0 + rows) * c];
+        norm_in(prep, d, &x[r0 * c..(r0 + rows) * c], s);
+        // The gate pre-activation P_G into s.p, [rows, G].
+        project(prep, d, &s.z[..rows * c], rows, 4 * h, d.f, &mut s.p)?;
+        // t̂ into s.a, its ρ into rho_t; u into s.b.
+        let tb = &mut s.t[..rows * h];
+        gather(t, d, r0, rows, tb);
+        let rho_t = &mut s.rho_t[..rows];
+        normalise(tb, h, d.eps, &mut s.a[..rows * h], rho_t);
+        let that = &s.a[..rows * h];
+        let u = &mut s.b[..rows * h];
+        simd(
+            #[inline(always)]
+            || {
+                for (ur, tr) in u.chunks_exact_mut(h).zip(that.chunks_exact(h)) {
+                    for (((u, &v), &w), &b) in ur.iter_mut().zip(tr).zip(&prep.norm_out_w).zip(&prep.norm_out_b) {
+                        *u = v * w + b;
                     }
                 }
-                norm_backward(du, that, rho_t, &prep.norm_out_w, dtb, &mut sums, (NORM_OUT_W, NORM_OUT_B));
-                Ok((s, sums))
             },
-        )
-        .map(|r| r.map(|(_, sums)| sums))
-        .try_reduce(|| Sums::zeros(&lens), |a, b| Ok(a.merge(b)))
+        );
+        let u = &s.b[..rows * h];
+        // du into tb (t itself is no longer needed: t̂ and ρ_t are kept).
+        let du = &mut s.t[..rows * h];
+        let wout = MatRef::new(&prep.w_out_t, c, h, 1, c)?; // Wout [C, H]
+        match form {
+            Formulation::GpuMode => {
+                // o = σ(P_G), v = u⊙o; dWout += dyᵀ·v, dv = dy·Wout.
+                let v = &mut s.e1[..rows * h];
+                simd(
+                    #[inline(always)]
+                    || gate_hidden(v, u, &s.p[..rows * h]),
+                );
+                let dv = &mut s.e2[..rows * h];
+                linear_backward(sums, dyb, v, (c, h), wout, &mut s.prod, dv)?;
+                simd(
+                    #[inline(always)]
+                    || gpumode_gate_backward(du, dv, u, &s.p[..rows * h], dgb),
+                );
+            }
+            Formulation::Af3 => {
+                // g = σ(P_G), s = u·Wzᵀ + bz; ds = dy⊙g; dWz += dsᵀ·u; dbz += Σ ds; du = ds·Wz.
+                let sv = &mut s.e1[..rows * c];
+                matmul(
+                    MatMut::new(sv, rows, c, c, 1)?,
+                    MatRef::new(u, rows, h, h, 1)?,
+                    MatRef::new(&prep.w_out_t, h, c, c, 1)?,
+                    Parallelism::None,
+                )?;
+                let ds = &mut s.e2[..rows * c];
+                simd(
+                    #[inline(always)]
+                    || af3_gate_backward(ds, dgb, sv, dyb, &s.p[..rows * c], &prep.b_out),
+                );
+                linear_backward(sums, ds, u, (c, h), wout, &mut s.prod, du)?;
+                sums.add_rows(LIN_B, ds, c);
+            }
+        }
+        norm_backward(du, that, rho_t, &prep.norm_out_w, dtb, sums);
+        Ok(())
+    })
 }
-
-/// Sums of the input stage: the fused projection's weight `[4H + G, C]` and bias `[4H + G]`,
-/// LN_C's weight and bias `[C]`.
-const CAT_W: usize = 0;
-const CAT_B: usize = 1;
-const NORM_IN_W: usize = 2;
-const NORM_IN_B: usize = 3;
 
 /// Stage E: the gated projections' and LN_C's backward; writes `dx`.
 #[allow(clippy::too_many_arguments)]
@@ -660,83 +662,52 @@ fn input_backward(
     dx: &mut [f32],
 ) -> Result<Sums> {
     let (c, h, g, f) = (d.c, d.h, d.g, d.f);
-    let lens = [f * c, f, c, c];
-    dx.par_chunks_mut(ROWS * c)
-        .enumerate()
-        .with_min_len(d.min_blocks)
-        .try_fold(
-            || (Scratch::new(d), Sums::zeros(&lens)),
-            |(mut s, mut sums), (blk, dxb)| -> Result<(Scratch, Sums)> {
-                let rows = dxb.len() / c;
-                let r0 = blk * ROWS;
-                norm_in(prep, d, &x[r0 * c..(r0 + rows) * c], &mut s);
-                project(prep, d, &s.z[..rows * c], rows, 0, 4 * h, &mut s.p)?;
-                let (dl, dr) = (&mut s.a[..rows * h], &mut s.b[..rows * h]);
-                gather(dleft, d, r0, rows, dl);
-                gather(dright, d, r0, rows, dr);
-                // D = [dpL dqL dpR dqR dG], [rows, F].
-                let dcat = &mut s.dcat[..rows * f];
-                let mask = mask.map(|mk| &mk[r0..r0 + rows]);
-                let dgate = &dgate[r0 * g..(r0 + rows) * g];
-                simd(
-                    #[inline(always)]
-                    || projection_backward(dcat, &s.p[..rows * 4 * h], h, mask, dl, dr, dgate),
-                );
-                // dWcat += Dᵀ·z; dbcat += Σ D; dz = D·Wcat.
-                let prod = &mut s.prod[..f * c];
-                matmul(
-                    MatMut::new(prod, f, c, c, 1)?,
-                    MatRef::new(dcat, f, rows, 1, f)?,
-                    MatRef::new(&s.z[..rows * c], rows, c, c, 1)?,
-                    Parallelism::None,
-                )?;
-                sums.add(CAT_W, prod);
-                for dc in dcat.chunks_exact(f) {
-                    sums.add(CAT_B, dc);
-                }
-                let dz = &mut s.dz[..rows * c];
-                matmul(
-                    MatMut::new(dz, rows, c, c, 1)?,
-                    MatRef::new(dcat, rows, f, f, 1)?,
-                    MatRef::new(&prep.w_cat, f, c, c, 1)?,
-                    Parallelism::None,
-                )?;
-                norm_backward(
-                    dz,
-                    &s.xhat[..rows * c],
-                    &s.rho[..rows],
-                    &prep.norm_in_w,
-                    dxb,
-                    &mut sums,
-                    (NORM_IN_W, NORM_IN_B),
-                );
-                Ok((s, sums))
-            },
-        )
-        .map(|r| r.map(|(_, sums)| sums))
-        .try_reduce(|| Sums::zeros(&lens), |a, b| Ok(a.merge(b)))
+    sum_blocks(d, &[f * c, f, c, c], dx.par_chunks_mut(ROWS * c), |s, sums, blk, dxb| {
+        let rows = dxb.len() / c;
+        let r0 = blk * ROWS;
+        norm_in(prep, d, &x[r0 * c..(r0 + rows) * c], s);
+        project(prep, d, &s.z[..rows * c], rows, 0, 4 * h, &mut s.p)?;
+        let (dl, dr) = (&mut s.a[..rows * h], &mut s.b[..rows * h]);
+        gather(dleft, d, r0, rows, dl);
+        gather(dright, d, r0, rows, dr);
+        // D = [dpL dqL dpR dqR dG], [rows, F].
+        let dcat = &mut s.dcat[..rows * f];
+        let mask = mask.map(|mk| &mk[r0..r0 + rows]);
+        let dgate = &dgate[r0 * g..(r0 + rows) * g];
+        simd(
+            #[inline(always)]
+            || projection_backward(dcat, &s.p[..rows * 4 * h], h, mask, dl, dr, dgate),
+        );
+        // dWcat += Dᵀ·z; dbcat += Σ D; dz = D·Wcat.
+        let dz = &mut s.dz[..rows * c];
+        let wcat = MatRef::new(&prep.w_cat, f, c, c, 1)?;
+        linear_backward(sums, dcat, &s.z[..rows * c], (f, c), wcat, &mut s.prod, dz)?;
+        sums.add_rows(LIN_B, dcat, f);
+        norm_backward(dz, &s.xhat[..rows * c], &s.rho[..rows], &prep.norm_in_w, dxb, sums);
+        Ok(())
+    })
 }
 
 /// The gradients in [`Gradients`]' layout, with a bias gradient exactly where the weights have
 /// a bias.
 fn assemble(prep: &CpuPrepared, d: &Dims, dx: Vec<f32>, input: &Sums, output: &Sums) -> Gradients {
     let (c, h) = (d.c, d.h);
-    let w_cat = input.f32(CAT_W);
-    let b_cat = input.f32(CAT_B);
+    let w_cat = input.f32(LIN_W);
+    let b_cat = input.f32(LIN_B);
     let fused = |i: usize, w0: usize, w1: usize| {
         let bias = prep.biases[i].then(|| b_cat[w0..w1].to_vec());
         Linear::new(w_cat[w0 * c..w1 * c].to_vec(), bias, w1 - w0, c)
     };
     Gradients {
         x: dx,
-        norm_in: Norm { weight: input.f32(NORM_IN_W), bias: input.f32(NORM_IN_B) },
+        norm_in: Norm { weight: input.f32(NORM_W), bias: input.f32(NORM_B) },
         left_proj: fused(0, 0, h),
         left_gate: fused(1, h, 2 * h),
         right_proj: fused(2, 2 * h, 3 * h),
         right_gate: fused(3, 3 * h, 4 * h),
         out_gate: fused(4, 4 * h, d.f),
-        norm_out: Norm { weight: output.f32(NORM_OUT_W), bias: output.f32(NORM_OUT_B) },
-        out_proj: Linear::new(output.f32(OUT_W), prep.biases[5].then(|| output.f32(OUT_B)), c, h),
+        norm_out: Norm { weight: output.f32(NORM_W), bias: output.f32(NORM_B) },
+        out_proj: Linear::new(output.f32(LIN_W), prep.biases[5].then(|| output.f32(LIN_B)), c, h),
     }
 }
 
