@@ -38,62 +38,23 @@ pub struct GemmSpec {
 impl GemmSpec {
     /// `P[rows, pw] = z[rows, c]·W[pw, c]ᵀ`; A = W, B = z, D = P.
     pub fn projection(rows: usize, c: usize, pw: usize) -> Self {
-        GemmSpec {
-            m: pw,
-            n: rows,
-            k: c,
-            trans_a: true,
-            trans_b: false,
-            lda: c,
-            ldb: c,
-            ldd: pw,
-            batch: 1,
-            stride_a: 0,
-            stride_b: 0,
-            stride_d: 0,
-        }
+        GemmSpec::row_major(rows, pw, c, (false, c), (true, c), pw)
     }
 
     /// `t = contraction(left, right)` for `batch_h = B·H` matrices of `n × n`; A = right,
     /// B = left, D = t, all in the `[B, H, N, N]` layout.
     pub fn contraction(direction: Direction, batch_h: usize, n: usize) -> Self {
-        let (trans_a, trans_b) = match direction {
-            Direction::Outgoing => (true, false),
-            Direction::Incoming => (false, true),
+        // Outgoing t = L·Rᵀ, incoming t = Lᵀ·R.
+        let (left_t, right_t) = match direction {
+            Direction::Outgoing => (false, true),
+            Direction::Incoming => (true, false),
         };
-        let s = if batch_h > 1 { n * n } else { 0 };
-        GemmSpec {
-            m: n,
-            n,
-            k: n,
-            trans_a,
-            trans_b,
-            lda: n,
-            ldb: n,
-            ldd: n,
-            batch: batch_h,
-            stride_a: s,
-            stride_b: s,
-            stride_d: s,
-        }
+        GemmSpec::row_major(n, n, n, (left_t, n), (right_t, n), n).batched(batch_h, n * n)
     }
 
     /// `y[rows, c] = a[rows, h]·Wout[c, h]ᵀ`; A = Wout, B = a, D = y.
     pub fn output(rows: usize, c: usize, h: usize) -> Self {
-        GemmSpec {
-            m: c,
-            n: rows,
-            k: h,
-            trans_a: true,
-            trans_b: false,
-            lda: h,
-            ldb: h,
-            ldd: c,
-            batch: 1,
-            stride_a: 0,
-            stride_b: 0,
-            stride_d: 0,
-        }
+        GemmSpec::row_major(rows, c, h, (false, h), (true, h), c)
     }
 
     /// A row-major product `D[m, n] = op(U)·op(V)` (`op(U)` is `m × k`, `op(V)` is `k × n`),
@@ -126,7 +87,6 @@ impl GemmSpec {
     }
 
     /// The same product for `batch` matrices, `U`, `V` and `D` each `stride` elements apart.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn batched(self, batch: usize, stride: usize) -> Self {
         let s = if batch > 1 { stride } else { 0 };
         GemmSpec { batch, stride_a: s, stride_b: s, stride_d: s, ..self }
@@ -220,20 +180,26 @@ mod tests {
         approx::relative_eq!(a as f64, b, epsilon = 1e-4, max_relative = 1e-4)
     }
 
+    /// Checks that `spec`, run on the host with A = a random weight `w` `[n, k]` and B = a random
+    /// `x` `[rows, k]` (drawn in that order from `seed`), makes `D[rows, n] = x·wᵀ`.
+    fn check_times_w_transposed(spec: GemmSpec, (rows, k, n): (usize, usize, usize), seed: u64) {
+        let mut r = Rng::new(seed);
+        let x = r.normal_vec(rows * k, 1.0);
+        let w = r.normal_vec(n * k, 1.0);
+        let mut d = vec![0f32; rows * n];
+        spec.run_host(&w, &x, &mut d);
+        for i in 0..rows {
+            for o in 0..n {
+                let want: f64 = (0..k).map(|l| x[i * k + l] as f64 * w[o * k + l] as f64).sum();
+                assert!(close(d[i * n + o], want), "D[{i},{o}]");
+            }
+        }
+    }
+
     #[test]
     fn projection_is_z_times_w_transposed() {
         let (rows, c, pw) = (7, 5, 11);
-        let mut r = Rng::new(1);
-        let z = r.normal_vec(rows * c, 1.0);
-        let w = r.normal_vec(pw * c, 1.0);
-        let mut p = vec![0f32; rows * pw];
-        GemmSpec::projection(rows, c, pw).run_host(&w, &z, &mut p);
-        for i in 0..rows {
-            for o in 0..pw {
-                let want: f64 = (0..c).map(|k| z[i * c + k] as f64 * w[o * c + k] as f64).sum();
-                assert!(close(p[i * pw + o], want), "P[{i},{o}]");
-            }
-        }
+        check_times_w_transposed(GemmSpec::projection(rows, c, pw), (rows, c, pw), 1);
     }
 
     #[test]
@@ -354,16 +320,6 @@ mod tests {
     #[test]
     fn output_is_a_times_wout_transposed() {
         let (rows, c, h) = (9, 4, 6);
-        let mut r = Rng::new(3);
-        let a = r.normal_vec(rows * h, 1.0);
-        let w = r.normal_vec(c * h, 1.0);
-        let mut y = vec![0f32; rows * c];
-        GemmSpec::output(rows, c, h).run_host(&w, &a, &mut y);
-        for i in 0..rows {
-            for o in 0..c {
-                let want: f64 = (0..h).map(|k| a[i * h + k] as f64 * w[o * h + k] as f64).sum();
-                assert!(close(y[i * c + o], want), "y[{i},{o}]");
-            }
-        }
+        check_times_w_transposed(GemmSpec::output(rows, c, h), (rows, h, c), 3);
     }
 }
