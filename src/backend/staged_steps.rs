@@ -80,20 +80,9 @@ pub fn steps(plan: &Plan, problem: &Problem, base: &CommonParams, bufs: StagedBu
         let tile_rows = params::gating_tile_rows(hn);
         for (row0, rows) in plan.input_chunks() {
             // The pass's channels of left and right, no gate.
-            let p = InputParams {
-                common: base.over(row0, rows)?,
-                z,
-                proj,
-                left,
-                right,
-                proj_bias: bias,
-                proj_h: to_i32(hn, "a pass's channels")?,
-                tile_rows: to_i32(tile_rows, "positions per block")?,
-                ..InputParams::default()
-            };
-            steps.push(StagedStep::Norm(p));
-            steps.push(StagedStep::Gemm { spec: GemmSpec::projection(rows, c, 4 * hn), a: w, b: z, d: proj });
-            steps.push(StagedStep::Gating { params: p, tile_rows, smem: params::gating_smem_bytes(hn, tile_rows) });
+            let chunk = chunk_params(base.over(row0, rows)?, z, proj, bias, tile_rows)?;
+            let p = InputParams { left, right, proj_h: to_i32(hn, "a pass's channels")?, ..chunk };
+            push_projected(&mut steps, p, (c, 4 * hn), w, (tile_rows, params::gating_smem_bytes(hn, tile_rows)));
         }
         // t's channels of a pass are contiguous within a batch only.
         let spec = GemmSpec::contraction(problem.direction, hn, n);
@@ -114,24 +103,36 @@ pub fn steps(plan: &Plan, problem: &Problem, base: &CommonParams, bufs: StagedBu
         let common = base.over(r0, rows)?;
         let buf_row0 = to_i64(r0, "first position of a chunk")?;
         // input_gating of the gate alone: only σ(z·Wogᵀ + b) into the gate chunk.
-        let gp = InputParams {
-            common,
-            z,
-            proj,
-            gate,
-            buf_row0,
-            proj_bias: gate_bias,
-            proj_g: to_i32(g, "G")?,
-            tile_rows: to_i32(GATE_TILE_ROWS, "positions per block")?,
-            ..InputParams::default()
-        };
+        let gate_chunk = chunk_params(common, z, proj, gate_bias, GATE_TILE_ROWS)?;
+        let gp = InputParams { gate, buf_row0, proj_g: to_i32(g, "G")?, ..gate_chunk };
         let chunk = OutputParams { common, t: bufs.t, a, gate, buf_row0, ..OutputParams::default() };
-        steps.push(StagedStep::Norm(gp));
-        steps.push(StagedStep::Gemm { spec: GemmSpec::projection(rows, c, g), a: w_gate, b: z, d: proj });
-        steps.push(StagedStep::Gating { params: gp, tile_rows: GATE_TILE_ROWS, smem: 0 });
+        push_projected(&mut steps, gp, (c, g), w_gate, (GATE_TILE_ROWS, 0));
         steps.push(StagedStep::Output(chunk));
     }
     Ok(steps)
+}
+
+/// The input-stage parameters both phases share for the chunk `common`: LN_C into `z`, the
+/// projection in `proj` with its bias at `proj_bias` (0: none), `tile_rows` positions per
+/// `input_gating` block. The caller names what the gating writes.
+fn chunk_params(common: CommonParams, z: u64, proj: u64, proj_bias: u64, tile_rows: usize) -> Result<InputParams> {
+    let tile_rows = to_i32(tile_rows, "positions per block")?;
+    Ok(InputParams { common, z, proj, proj_bias, tile_rows, ..InputParams::default() })
+}
+
+/// One input chunk's steps: `Norm` into `p.z`, the projection `Gemm` of z (`c` channels) by the
+/// `width` weight rows at `w` into `p.proj`, and `Gating` of it with `tile_rows` positions per
+/// block and `smem` bytes of shared memory.
+fn push_projected(
+    steps: &mut Vec<StagedStep>,
+    p: InputParams,
+    (c, width): (usize, usize),
+    w: u64,
+    (tile_rows, smem): (usize, usize),
+) {
+    steps.push(StagedStep::Norm(p));
+    steps.push(StagedStep::Gemm { spec: GemmSpec::projection(p.common.rows(), c, width), a: w, b: p.z, d: p.proj });
+    steps.push(StagedStep::Gating { params: p, tile_rows, smem });
 }
 
 #[cfg(test)]
