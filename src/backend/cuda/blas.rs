@@ -18,6 +18,32 @@ fn blas_err(call: &str, e: lt::CublasError) -> Error {
     Error::Blas { library: "cuBLASLt", call: call.to_string(), status: format!("{:?}", e.0) }
 }
 
+/// How the attributes of one kind of cuBLASLt object are set: cudarc's setter and the name of
+/// the call it makes (for errors).
+struct Attributes<O, A> {
+    set: unsafe fn(O, A, *const c_void, usize) -> std::result::Result<(), lt::CublasError>,
+    call: &'static str,
+}
+
+impl<O, A> Attributes<O, A> {
+    /// Sets attribute `attr` (`name` in an error) of `obj` to `value`.
+    ///
+    /// # Safety
+    /// `obj` is a live object of this kind; `T` is the attribute's documented type.
+    unsafe fn set<T>(&self, obj: O, attr: A, value: &T, name: &str) -> Result<()> {
+        // SAFETY: this function's contract; `value` is a live `T`, which the call copies.
+        unsafe { (self.set)(obj, attr, value as *const T as *const c_void, std::mem::size_of::<T>()) }
+            .map_err(|e| blas_err(&format!("{}({name})", self.call), e))
+    }
+}
+
+const LAYOUT: Attributes<sys::cublasLtMatrixLayout_t, sys::cublasLtMatrixLayoutAttribute_t> =
+    Attributes { set: lt::set_matrix_layout_attribute, call: "cublasLtMatrixLayoutSetAttribute" };
+const DESC: Attributes<sys::cublasLtMatmulDesc_t, sys::cublasLtMatmulDescAttributes_t> =
+    Attributes { set: lt::set_matmul_desc_attribute, call: "cublasLtMatmulDescSetAttribute" };
+const PREF: Attributes<sys::cublasLtMatmulPreference_t, sys::cublasLtMatmulPreferenceAttributes_t> =
+    Attributes { set: lt::set_matmul_pref_attribute, call: "cublasLtMatmulPreferenceSetAttribute" };
+
 /// The library handle.
 pub(crate) struct BlasHandle(sys::cublasLtHandle_t);
 
@@ -110,20 +136,9 @@ fn layout(
         // SAFETY: `l` is a live layout; the attribute values are plain integers of the sizes
         // the attributes are documented with (int32 batch count, int64 stride).
         unsafe {
-            lt::set_matrix_layout_attribute(
-                l,
-                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                &count as *const i32 as *const c_void,
-                std::mem::size_of::<i32>(),
-            )
-            .map_err(|e| blas_err("cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)", e))?;
-            lt::set_matrix_layout_attribute(
-                l,
-                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                &stride as *const i64 as *const c_void,
-                std::mem::size_of::<i64>(),
-            )
-            .map_err(|e| blas_err("cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)", e))?;
+            use sys::cublasLtMatrixLayoutAttribute_t as L;
+            LAYOUT.set(l, L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, "BATCH_COUNT")?;
+            LAYOUT.set(l, L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, "STRIDED_BATCH_OFFSET")?;
         }
     }
     Ok(l)
@@ -245,29 +260,12 @@ impl MatmulPlan {
         let (ta, tb) = (i32::from(spec.trans_a), i32::from(spec.trans_b));
         // SAFETY: `desc` is live; each attribute gets a value of its documented type and size.
         unsafe {
-            lt::set_matmul_desc_attribute(
-                desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                &ta as *const _ as *const c_void,
-                std::mem::size_of_val(&ta),
-            )
-            .map_err(|e| blas_err("cublasLtMatmulDescSetAttribute(TRANSA)", e))?;
-            lt::set_matmul_desc_attribute(
-                desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                &tb as *const _ as *const c_void,
-                std::mem::size_of_val(&tb),
-            )
-            .map_err(|e| blas_err("cublasLtMatmulDescSetAttribute(TRANSB)", e))?;
+            use sys::cublasLtMatmulDescAttributes_t as D;
+            DESC.set(desc, D::CUBLASLT_MATMUL_DESC_TRANSA, &ta, "TRANSA")?;
+            DESC.set(desc, D::CUBLASLT_MATMUL_DESC_TRANSB, &tb, "TRANSB")?;
             if bias {
                 let epi = cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-                lt::set_matmul_desc_attribute(
-                    desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                    &epi as *const _ as *const c_void,
-                    std::mem::size_of_val(&epi),
-                )
-                .map_err(|e| blas_err("cublasLtMatmulDescSetAttribute(EPILOGUE)", e))?;
+                DESC.set(desc, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, "EPILOGUE")?;
             }
         }
         let (ar, ac) = spec.a_dims();
@@ -281,15 +279,9 @@ impl MatmulPlan {
         // SAFETY: `pref` is live; each attribute gets a value of its documented type (a u64 workspace
         // byte count, u32 alignments).
         let heuristic = unsafe {
-            lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &ws as *const u64 as *const c_void,
-                std::mem::size_of::<u64>(),
-            )
-            .map_err(|e| blas_err("cublasLtMatmulPreferenceSetAttribute", e))?;
+            use sys::cublasLtMatmulPreferenceAttributes_t as P;
+            PREF.set(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, "MAX_WORKSPACE_BYTES")?;
             if let Some(align) = alignment {
-                use sys::cublasLtMatmulPreferenceAttributes_t as P;
                 for attr in [
                     P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
                     P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
@@ -297,13 +289,7 @@ impl MatmulPlan {
                     P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                 ] {
                     // The attribute is a uint32 byte count.
-                    lt::set_matmul_pref_attribute(
-                        pref,
-                        attr,
-                        &align as *const u32 as *const c_void,
-                        std::mem::size_of::<u32>(),
-                    )
-                    .map_err(|e| blas_err("cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)", e))?;
+                    PREF.set(pref, attr, &align, "MIN_ALIGNMENT")?;
                 }
             }
             let h = heuristic_candidates(handle.0, desc, a, b, d, pref, rank + 1);
