@@ -223,8 +223,7 @@ impl<T> DeviceBuffer<T> {
             HostWords::F32(v) => std::mem::size_of_val(v),
             HostWords::Half(v) => std::mem::size_of_val(v),
         };
-        self.check_fits_at(offset, bytes, "upload")?;
-        let at = self.ptr + offset;
+        let at = self.address_of(offset, bytes, "upload")?;
         // SAFETY: the bytes fit our allocation from `offset` (checked above); `src` outlives the
         // copy (this function's contract).
         unsafe {
@@ -248,8 +247,7 @@ impl<T> DeviceBuffer<T> {
             HostWordsMut::F32(v) => std::mem::size_of_val(*v),
             HostWordsMut::Half(v) => std::mem::size_of_val(*v),
         };
-        self.check_fits_at(offset, bytes, "download")?;
-        let at = self.ptr + offset;
+        let at = self.address_of(offset, bytes, "download")?;
         // SAFETY: the bytes lie inside our allocation (checked above); `dst` is borrowed
         // exclusively and its types (f32, u16) are valid for any bit pattern; we synchronise
         // before returning, so `dst` outlives the copy.
@@ -263,16 +261,17 @@ impl<T> DeviceBuffer<T> {
         }
     }
 
-    /// The error for a copy of `bytes` from byte `offset` that does not fit this buffer; binds
-    /// the context.
-    fn check_fits_at(&self, offset: u64, bytes: usize, what: &str) -> Result<()> {
+    /// The device address of byte `offset` of this buffer for a copy (`what`) of `bytes` from
+    /// there, or the error when they do not fit; binds the context.
+    fn address_of(&self, offset: u64, bytes: usize, what: &str) -> Result<CUdeviceptr> {
         if offset.checked_add(bytes as u64).is_none_or(|end| end > self.bytes()) {
             return Err(Error::Shape(format!(
                 "{what} of {bytes} bytes from byte {offset} of a buffer of {}",
                 self.bytes()
             )));
         }
-        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")
+        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")?;
+        Ok(self.ptr + offset)
     }
 
     /// Fill every byte with `value` on `stream` (used to poison outputs in tests and checks).
