@@ -202,15 +202,25 @@ mod tests {
         check_times_w_transposed(GemmSpec::projection(rows, c, pw), (rows, c, pw), 1);
     }
 
+    /// Random `left` and `right` of `bh` matrices `n × n` (drawn in that order from `seed`), and
+    /// in each direction their contraction t, run on the host.
+    fn contractions(bh: usize, n: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<(Direction, Vec<f32>)>) {
+        let mut r = Rng::new(seed);
+        let left = r.normal_vec(bh * n * n, 1.0);
+        let right = r.normal_vec(bh * n * n, 1.0);
+        let t = [Direction::Outgoing, Direction::Incoming].map(|dir| {
+            let mut t = vec![0f32; bh * n * n];
+            GemmSpec::contraction(dir, bh, n).run_host(&right, &left, &mut t);
+            (dir, t)
+        });
+        (left, right, t.into())
+    }
+
     #[test]
     fn contraction_matches_spec_in_both_directions() {
         let (bh, n) = (3, 6);
-        let mut r = Rng::new(2);
-        let left = r.normal_vec(bh * n * n, 1.0);
-        let right = r.normal_vec(bh * n * n, 1.0);
-        for dir in [Direction::Outgoing, Direction::Incoming] {
-            let mut t = vec![0f32; bh * n * n];
-            GemmSpec::contraction(dir, bh, n).run_host(&right, &left, &mut t);
+        let (left, right, ts) = contractions(bh, n, 2);
+        for (dir, t) in ts {
             for s in 0..bh {
                 let (l, rr) = (&left[s * n * n..], &right[s * n * n..]);
                 for i in 0..n {
@@ -236,16 +246,12 @@ mod tests {
     #[test]
     fn shard_steps_put_together_the_whole() {
         let (bh, n) = (2, 7);
-        let mut r = Rng::new(5);
-        let left = r.normal_vec(bh * n * n, 1.0);
-        let right = r.normal_vec(bh * n * n, 1.0);
+        let (left, right, wholes) = contractions(bh, n, 5);
         // A rank's rows of every matrix, one matrix after another.
         let compact = |v: &[f32], rows: &std::ops::Range<usize>| -> Vec<f32> {
             (0..bh).flat_map(|s| v[s * n * n + rows.start * n..s * n * n + rows.end * n].to_vec()).collect()
         };
-        for dir in [Direction::Outgoing, Direction::Incoming] {
-            let mut whole = vec![0f32; bh * n * n];
-            GemmSpec::contraction(dir, bh, n).run_host(&right, &left, &mut whole);
+        for (dir, whole) in wholes {
             let mut pieced = vec![0f32; bh * n * n];
             let split = crate::plan::shard::row_split(n, 3).unwrap();
             for rows in split.clone() {

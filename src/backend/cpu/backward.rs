@@ -455,17 +455,26 @@ fn channel<'a>(v: &'a [f32], d: &Dims, b: usize, h: usize, transpose: bool) -> R
     MatRef::new(&v[(b * d.h + h) * d.n2..(b * d.h + h + 1) * d.n2], d.n, d.n, rs, cs)
 }
 
-/// Stage B: `t`, hidden-major `[B, H, N²]`.
-fn contract(d: &Dims, dir: Direction, left: &[f32], right: &[f32], t: &mut [f32]) -> Result<()> {
-    t.par_chunks_mut(d.n2).enumerate().try_for_each(|(bh, tc)| {
+/// Every `(b, h)` matrix of the hidden-major `[B, H, N²]` `out`, in parallel: `lhs·rhs` of the
+/// two `N × N` operands `operands(b, h)` gives.
+fn per_channel<'a>(
+    d: &Dims,
+    out: &mut [f32],
+    operands: impl Fn(usize, usize) -> Result<(MatRef<'a>, MatRef<'a>)> + Send + Sync,
+) -> Result<()> {
+    out.par_chunks_mut(d.n2).enumerate().try_for_each(|(bh, o)| {
         let (b, h) = (bh / d.h, bh % d.h);
-        let out = MatMut::new(tc, d.n, d.n, d.n, 1)?;
-        let outgoing = dir == Direction::Outgoing;
-        // Outgoing T = L·Rᵀ, incoming T = Lᵀ·R.
-        let lhs = channel(left, d, b, h, !outgoing)?;
-        let rhs = channel(right, d, b, h, outgoing)?;
+        let out = MatMut::new(o, d.n, d.n, d.n, 1)?;
+        let (lhs, rhs) = operands(b, h)?;
         matmul(out, lhs, rhs, Parallelism::None)
     })
+}
+
+/// Stage B: `t`, hidden-major `[B, H, N²]`.
+fn contract(d: &Dims, dir: Direction, left: &[f32], right: &[f32], t: &mut [f32]) -> Result<()> {
+    let outgoing = dir == Direction::Outgoing;
+    // Outgoing T = L·Rᵀ, incoming T = Lᵀ·R.
+    per_channel(d, t, |b, h| Ok((channel(left, d, b, h, !outgoing)?, channel(right, d, b, h, outgoing)?)))
 }
 
 /// Stage D: `dleft` and `dright`, hidden-major `[B, H, N²]`.
@@ -480,25 +489,19 @@ fn contract_backward(
 ) -> Result<()> {
     let outgoing = dir == Direction::Outgoing;
     // Outgoing dL = dT·R, dR = dTᵀ·L; incoming dL = R·dTᵀ, dR = L·dT.
-    dleft.par_chunks_mut(d.n2).enumerate().try_for_each(|(bh, out)| {
-        let (b, h) = (bh / d.h, bh % d.h);
-        let out = MatMut::new(out, d.n, d.n, d.n, 1)?;
-        let (lhs, rhs) = if outgoing {
+    per_channel(d, dleft, |b, h| {
+        Ok(if outgoing {
             (channel(dt, d, b, h, false)?, channel(right, d, b, h, false)?)
         } else {
             (channel(right, d, b, h, false)?, channel(dt, d, b, h, true)?)
-        };
-        matmul(out, lhs, rhs, Parallelism::None)
+        })
     })?;
-    dright.par_chunks_mut(d.n2).enumerate().try_for_each(|(bh, out)| {
-        let (b, h) = (bh / d.h, bh % d.h);
-        let out = MatMut::new(out, d.n, d.n, d.n, 1)?;
-        let (lhs, rhs) = if outgoing {
+    per_channel(d, dright, |b, h| {
+        Ok(if outgoing {
             (channel(dt, d, b, h, true)?, channel(left, d, b, h, false)?)
         } else {
             (channel(left, d, b, h, false)?, channel(dt, d, b, h, false)?)
-        };
-        matmul(out, lhs, rhs, Parallelism::None)
+        })
     })
 }
 
