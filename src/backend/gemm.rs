@@ -202,9 +202,12 @@ mod tests {
         check_times_w_transposed(GemmSpec::projection(rows, c, pw), (rows, c, pw), 1);
     }
 
+    /// `left`, `right` and each direction's contraction t of them.
+    type Contractions = (Vec<f32>, Vec<f32>, Vec<(Direction, Vec<f32>)>);
+
     /// Random `left` and `right` of `bh` matrices `n × n` (drawn in that order from `seed`), and
     /// in each direction their contraction t, run on the host.
-    fn contractions(bh: usize, n: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<(Direction, Vec<f32>)>) {
+    fn contractions(bh: usize, n: usize, seed: u64) -> Contractions {
         let mut r = Rng::new(seed);
         let left = r.normal_vec(bh * n * n, 1.0);
         let right = r.normal_vec(bh * n * n, 1.0);
