@@ -333,11 +333,7 @@ fn all_zero_mask_matches_reference() {
 fn timing_with_the_stream_held_runs_the_work_and_refuses_work_that_synchronises() {
     let Some(b) = cuda() else { return };
     let case = Case::new(64, 1, 128, true, Dist::Normal);
-    let problem = case.problem(Formulation::Af3, Direction::Outgoing).unwrap();
-    let s = seed();
-    let weights = Weights::random(problem.config, true, s).unwrap();
-    let inputs = suite::generate_inputs(&case, s ^ 0x5EED);
-    let mut layer = Layer::new(&b, &weights, Options::default()).unwrap();
+    let (problem, weights, inputs, mut layer) = af3_with_biases(&b, &case, Direction::Outgoing);
     let (xl, ml) = (inputs.x.len(), inputs.mask.as_ref().unwrap().len());
     let (mut xd, mut md, mut yd) = (b.alloc(xl).unwrap(), b.alloc(ml).unwrap(), b.alloc(xl).unwrap());
     b.upload(&inputs.x, &mut xd).unwrap();
@@ -377,12 +373,23 @@ fn timing_with_the_stream_held_runs_the_work_and_refuses_work_that_synchronises(
 fn device_buffer_forward_and_caller_stream_forward_agree_with_reference() {
     let Some(b) = cuda() else { return };
     let case = Case::new(96, 2, 128, true, Dist::Normal);
-    let problem = case.problem(Formulation::Af3, Direction::Incoming).unwrap();
+    let (problem, weights, inputs, mut layer) = af3_with_biases(&b, &case, Direction::Incoming);
+    gpu_checks::buffers_and_caller_stream_match(&b, &mut layer, &weights, &problem, &inputs);
+}
+
+/// `case` in the af3 form with biases, in `direction`: the problem, weights and inputs drawn from
+/// the running test's seed, and a layer of those weights.
+fn af3_with_biases(
+    b: &CudaBackend,
+    case: &Case,
+    direction: Direction,
+) -> (Problem, Weights, Inputs, Layer<CudaBackend>) {
+    let problem = case.problem(Formulation::Af3, direction).unwrap();
     let s = seed();
     let weights = Weights::random(problem.config, true, s).unwrap();
-    let inputs = suite::generate_inputs(&case, s ^ 0x5EED);
-    let mut layer = Layer::new(&b, &weights, Options::new(Direction::Incoming)).unwrap();
-    gpu_checks::buffers_and_caller_stream_match(&b, &mut layer, &weights, &problem, &inputs);
+    let inputs = suite::generate_inputs(case, s ^ 0x5EED);
+    let layer = Layer::new(b, &weights, Options::new(direction)).unwrap();
+    (problem, weights, inputs, layer)
 }
 
 #[test]

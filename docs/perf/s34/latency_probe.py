@@ -8,7 +8,7 @@ import json, os, statistics, sys, time
 import torch
 import trimul
 from trimul import _torch
-from trimul.bench import af3_weights
+from trimul.bench import af3_weights, timed_batch
 from trimul._args import AF3_WEIGHTS
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 512
@@ -45,14 +45,9 @@ def one(fn):
 
 
 def batch(fn, calls=10):
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / calls
+    # One round of trimul.bench's back-to-back timing (the run in docs/perf/s34 had the same loop
+    # written out here), in µs.
+    return timed_batch(fn, calls, rounds=1, warmup=0)[0] * 1e3
 
 
 res = {}
