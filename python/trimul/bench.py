@@ -42,15 +42,12 @@ GPUMODE_SHAPES = [  # (N, B, C, masked, dist), SPEC.md's benchmark
 ]
 
 
-def timed(fn, repeats: int, warmup: int, before=None) -> list:
-    """Milliseconds of each timed call, CUDA events around each; `before`, when given, runs ahead
-    of every timed call, outside its events (e.g. to set the L2's state)."""
+def timed(fn, repeats: int, warmup: int) -> list:
+    """Milliseconds of each timed call, CUDA events around each."""
     for _ in range(warmup):
         fn()
     out = []
     for _ in range(repeats):
-        if before is not None:
-            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
