@@ -61,35 +61,35 @@ const GPUMODE: SchemeNames = SchemeNames {
     ],
 };
 
-/// The packed layout's names, `<module>` and `<param>` joined by `$sep` as
-/// [`NamingScheme::key`] joins them: `.` in module state dicts, `_` in the functional API.
-macro_rules! packed_names {
-    ($sep:literal) => {
-        SchemeNames {
-            required: &[
-                concat!("norm_in", $sep, "weight"),
-                concat!("norm_in", $sep, "bias"),
-                concat!("p_in", $sep, "weight"),
-                concat!("g_in", $sep, "weight"),
-                concat!("norm_out", $sep, "weight"),
-                concat!("norm_out", $sep, "bias"),
-                concat!("p_out", $sep, "weight"),
-                concat!("g_out", $sep, "weight"),
-            ],
-            optional: &[
-                concat!("p_in", $sep, "bias"),
-                concat!("g_in", $sep, "bias"),
-                concat!("p_out", $sep, "bias"),
-                concat!("g_out", $sep, "bias"),
-            ],
-            forbidden: &[],
-        }
-    };
-}
+const PACKED: SchemeNames = SchemeNames {
+    required: &[
+        "norm_in.weight",
+        "norm_in.bias",
+        "p_in.weight",
+        "g_in.weight",
+        "norm_out.weight",
+        "norm_out.bias",
+        "p_out.weight",
+        "g_out.weight",
+    ],
+    optional: &["p_in.bias", "g_in.bias", "p_out.bias", "g_out.bias"],
+    forbidden: &[],
+};
 
-const PACKED: SchemeNames = packed_names!(".");
-
-const FUNCTIONAL: SchemeNames = packed_names!("_");
+const FUNCTIONAL: SchemeNames = SchemeNames {
+    required: &[
+        "norm_in_weight",
+        "norm_in_bias",
+        "p_in_weight",
+        "g_in_weight",
+        "norm_out_weight",
+        "norm_out_bias",
+        "p_out_weight",
+        "g_out_weight",
+    ],
+    optional: &["p_in_bias", "g_in_bias", "p_out_bias", "g_out_bias"],
+    forbidden: &[],
+};
 
 const OPENFOLD: SchemeNames = SchemeNames {
     required: &[
