@@ -45,11 +45,18 @@ int main(int argc, char** argv) {
   fill(pbias, 0.0, 0.5);
   for (auto& v : mask) v = unit(rng) < 0.8 ? 1.f : 0.f;
   auto pb = [&](long long m, int col) { return (double)P[m * F + col] + pbias[col]; };
-  // The kernels' argument with this problem's sizes and its projections (P, their bias and the
-  // mask, which only the kernels that read them look at); each check sets the other tensors it uses.
+  // The kernels' argument with this problem's sizes; each check sets the tensors it uses, and the
+  // others stay null, so that a kernel reading one it should not crashes the check.
   auto base = [&] {
-    return TmBackwardParams{.mask = mask.data(), .proj_bias = pbias.data(), .p = P.data(), .rows = M, .n2 = n2,
-                            .c = C, .h = H, .f = F, .af3 = af3, .eps = eps, .blocks = blocks};
+    return TmBackwardParams{.rows = M, .n2 = n2, .c = C, .h = H, .f = F, .af3 = af3, .eps = eps, .blocks = blocks};
+  };
+  // The same with the projections P and their bias, and the mask where the kernel applies it.
+  auto projected = [&](bool masked) {
+    TmBackwardParams q = base();
+    q.p = P.data();
+    q.proj_bias = pbias.data();
+    q.mask = masked ? mask.data() : nullptr;
+    return q;
   };
   if (batch < 1 || n < 1 || C < 1 || H < 1 || blocks < 1 || smem_in > sizeof(tm_dyn_smem) ||
       smem_out > sizeof(tm_dyn_smem)) {
@@ -191,7 +198,7 @@ int main(int argc, char** argv) {
   // The gated projections: left and right (hidden-major) from P, its bias and the mask.
   {
     std::vector<float> left((size_t)(M * H), NAN), right((size_t)(M * H), NAN);
-    TmBackwardParams p = base();
+    TmBackwardParams p = projected(true);
     p.left = left.data();
     p.right = right.data();
     emu::launch(grid(M, TM_BWD_TILE), TM_BWD_THREADS, [&] { backward_gating(p); });
@@ -210,7 +217,7 @@ int main(int argc, char** argv) {
     fill(t, -1.0, 3.0);
     fill(w, 1.0, 0.5);
     fill(b, 0.0, 1.0);
-    TmBackwardParams p = base();
+    TmBackwardParams p = projected(false);
     p.t = t.data();
     p.norm_out_w = w.data();
     p.norm_out_b = b.data();
@@ -241,7 +248,7 @@ int main(int argc, char** argv) {
     fill(du, 0.0, 1.0);
     fill(obias, 0.0, 1.0);
     const std::vector<float> e0 = e, du0 = du;
-    TmBackwardParams p = base();
+    TmBackwardParams p = projected(false);
     p.dy = dy.data();
     p.e = e.data();
     p.u = u.data();
@@ -266,7 +273,7 @@ int main(int argc, char** argv) {
     std::vector<float> dl((size_t)(M * H)), dr((size_t)(M * H)), dcat((size_t)(M * F), NAN);
     fill(dl, 0.0, 1.0);
     fill(dr, 0.0, 1.0);
-    TmBackwardParams p = base();
+    TmBackwardParams p = projected(true);
     p.left = dl.data();
     p.right = dr.data();
     p.dcat = dcat.data();

@@ -421,7 +421,7 @@ void launch(unsigned grid, unsigned threads, F kernel) {
 // Runs `kernel` over `grid` blocks of `threads` lanes; true when any block wrote LDS past the
 // `smem` bytes the host reserves for it (LDS is filled with 0xff before each block).
 template <class F>
-bool launch_within_lds(unsigned grid, unsigned threads, size_t smem, F kernel) {
+bool launch_overruns_lds(unsigned grid, unsigned threads, size_t smem, F kernel) {
   bool overrun = false;
   launch(grid, threads, kernel, [&](unsigned) {
     const unsigned char* lds = (const unsigned char*)tm_dyn_smem;

@@ -60,7 +60,7 @@ inline TmParams problem(int batch, int n, int C, int H, bool af3, long long row0
 // when a block wrote LDS beyond the `smem` bytes the host reserves.
 template <class F>
 bool launch_rows_within_lds(long long rows, int bm, unsigned threads, size_t smem, F kernel) {
-  if (!launch_within_lds((unsigned)((rows + bm - 1) / bm), threads, smem, kernel)) return true;
+  if (!launch_overruns_lds((unsigned)((rows + bm - 1) / bm), threads, smem, kernel)) return true;
   std::printf("FAIL: the kernel wrote LDS beyond the %zu bytes the host reserves\n", smem);
   return false;
 }
