@@ -434,6 +434,33 @@ fn shape_cells(s: &Suite<'_>, k: usize, show_h: bool) -> Vec<String> {
     v
 }
 
+/// The table of the sections that show every column's results side by side, a row per shape:
+/// the shape columns ([`shape_cols`]), then for each of the suite's columns one header per entry
+/// of `heads` (the column's name, followed by the entry's suffix when it has one) and, in each
+/// row, the cells `cells` makes of that column's result at the shape (`None`: it has none).
+/// Returned unwritten, with `show_h`, for a section that adds a geomean row.
+fn per_shape_table(
+    s: &Suite<'_>,
+    heads: &[(&str, Align)],
+    cells: impl Fn(Option<&ShapeResult>) -> Vec<String>,
+) -> (Table, bool) {
+    let mut t = Table::new();
+    let show_h = shape_cols(s, &mut t);
+    for col in &s.columns {
+        for &(suffix, align) in heads {
+            t.col(if suffix.is_empty() { col.name.clone() } else { format!("{} {suffix}", col.name) }, align);
+        }
+    }
+    for k in 0..s.keys.len() {
+        let mut row = shape_cells(s, k, show_h);
+        for col in &s.columns {
+            row.extend(cells(col.cells[k]));
+        }
+        t.row(row);
+    }
+    (t, show_h)
+}
+
 /// The keys each column's geometric mean is over: those every one of `cols` has, named in the
 /// row label; when they share none, each column's own, named in its cell (`own` true).
 struct GeoSets {
@@ -684,19 +711,9 @@ fn floors(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
     let _ = writeln!(out, "\n");
     let cols: Vec<usize> = (0..s.columns.len()).collect();
     let rows: Vec<usize> = (0..s.keys.len()).collect();
-    let mut t = Table::new();
-    let show_h = shape_cols(s, &mut t);
-    for col in &s.columns {
-        t.col(format!("{} floor (ms)", col.name), Align::Right).col(format!("{} time/floor", col.name), Align::Right);
-    }
-    for &k in &rows {
-        let mut row = shape_cells(s, k, show_h);
-        for col in &s.columns {
-            row.push(cell(col.cells[k].map(|r| r.floor_ms), fmt_ms));
-            row.push(cell(col.cells[k].map(|r| r.floor_ratio), fmt_ratio));
-        }
-        t.row(row);
-    }
+    let (mut t, show_h) = per_shape_table(s, &[("floor (ms)", Align::Right), ("time/floor", Align::Right)], |r| {
+        vec![cell(r.map(|r| r.floor_ms), fmt_ms), cell(r.map(|r| r.floor_ratio), fmt_ratio)]
+    });
     let g = geo_sets(s, &cols, &rows);
     let mut row = geomean_lead(&g.label, show_h);
     for (col, set) in s.columns.iter().zip(&g.sets) {
@@ -714,43 +731,23 @@ fn throughput(s: &Suite<'_>, out: &mut String) {
         "TFLOP/s counts the FLOPs of SPEC.md's formula; GB/s counts x read and y written at the run's I/O precision \
          (and the mask), so neither includes intermediate traffic.\n"
     );
-    let mut t = Table::new();
-    let show_h = shape_cols(s, &mut t);
-    for col in &s.columns {
-        t.col(format!("{} TFLOP/s", col.name), Align::Right).col(format!("{} GB/s", col.name), Align::Right);
-    }
-    for k in 0..s.keys.len() {
-        let mut row = shape_cells(s, k, show_h);
-        for col in &s.columns {
-            let r = col.cells[k];
-            row.push(cell(r.map(|r| r.tflops), |v| format!("{v:.2}")));
-            row.push(cell(r.map(|r| r.gbs), |v| format!("{v:.1}")));
-        }
-        t.row(row);
-    }
+    let (t, _) = per_shape_table(s, &[("TFLOP/s", Align::Right), ("GB/s", Align::Right)], |r| {
+        vec![cell(r.map(|r| r.tflops), |v| format!("{v:.2}")), cell(r.map(|r| r.gbs), |v| format!("{v:.1}"))]
+    });
     t.write(out);
 }
 
 fn spread(s: &Suite<'_>, out: &mut String) {
     let _ = writeln!(out, "### Timing spread\n");
     let _ = writeln!(out, "p10 – p90 of the timed calls in ms, with the fastest call and the number of calls.\n");
-    let mut t = Table::new();
-    let show_h = shape_cols(s, &mut t);
-    for col in &s.columns {
-        t.col(&col.name, Align::Right);
-    }
-    for k in 0..s.keys.len() {
-        let mut row = shape_cells(s, k, show_h);
-        for col in &s.columns {
-            row.push(match col.cells[k] {
-                Some(r) => {
-                    format!("{} – {} (min {}, n={})", fmt_ms(r.p10_ms), fmt_ms(r.p90_ms), fmt_ms(r.min_ms), r.repeats)
-                }
-                None => "—".into(),
-            });
-        }
-        t.row(row);
-    }
+    let (t, _) = per_shape_table(s, &[("", Align::Right)], |r| {
+        vec![match r {
+            Some(r) => {
+                format!("{} – {} (min {}, n={})", fmt_ms(r.p10_ms), fmt_ms(r.p90_ms), fmt_ms(r.min_ms), r.repeats)
+            }
+            None => "—".into(),
+        }]
+    });
     t.write(out);
 }
 
@@ -775,34 +772,18 @@ fn correctness(s: &Suite<'_>, out: &mut String) {
     }
     let _ = writeln!(out, ".\n");
 
-    let mut t = Table::new();
-    let show_h = shape_cols(s, &mut t);
-    for col in &s.columns {
-        t.col(format!("{} rel L2", col.name), Align::Right)
-            .col(format!("{} max abs", col.name), Align::Right)
-            .col(format!("{} result", col.name), Align::Left);
-    }
-    for k in 0..s.keys.len() {
-        let mut row = shape_cells(s, k, show_h);
-        for col in &s.columns {
-            match col.cells[k] {
-                Some(r) => {
-                    row.push(cell(r.rel_l2_err, fmt_err));
-                    row.push(cell(r.max_abs_err, fmt_err));
-                    row.push(
-                        match r.passed {
-                            Some(true) => "pass",
-                            Some(false) => "**FAIL**",
-                            None => "not checked",
-                        }
-                        .into(),
-                    );
-                }
-                None => row.extend(["—".to_string(), "—".to_string(), "—".to_string()]),
-            }
+    let heads = [("rel L2", Align::Right), ("max abs", Align::Right), ("result", Align::Left)];
+    let (t, _) = per_shape_table(s, &heads, |r| match r {
+        Some(r) => {
+            let result = match r.passed {
+                Some(true) => "pass",
+                Some(false) => "**FAIL**",
+                None => "not checked",
+            };
+            vec![cell(r.rel_l2_err, fmt_err), cell(r.max_abs_err, fmt_err), result.into()]
         }
-        t.row(row);
-    }
+        None => vec!["—".to_string(), "—".to_string(), "—".to_string()],
+    });
     t.write(out);
 }
 
@@ -819,30 +800,19 @@ fn memory(s: &Suite<'_>, out: &mut String) {
         let _ = write!(out, " *in place*: y was written over x; *budget*: the forward ran under `--max-memory`.");
     }
     let _ = writeln!(out, "\n");
-    let mut t = Table::new();
-    let show_h = shape_cols(s, &mut t);
-    for col in &s.columns {
-        t.col(format!("{} peak", col.name), Align::Right).col(format!("{} workspace", col.name), Align::Right);
-    }
-    for k in 0..s.keys.len() {
-        let mut row = shape_cells(s, k, show_h);
-        for col in &s.columns {
-            let r = col.cells[k];
-            let bytes = |v: Option<u64>| v.map(fmt_bytes).unwrap_or_else(|| "—".into());
-            let mut peak = bytes(r.and_then(|r| r.peak_device_bytes));
-            if let Some(r) = r {
-                if r.in_place {
-                    peak.push_str(" (in place)");
-                }
-                if let Some(b) = r.memory_budget_bytes {
-                    let _ = write!(peak, " (budget {})", fmt_bytes(b));
-                }
+    let (t, _) = per_shape_table(s, &[("peak", Align::Right), ("workspace", Align::Right)], |r| {
+        let bytes = |v: Option<u64>| v.map(fmt_bytes).unwrap_or_else(|| "—".into());
+        let mut peak = bytes(r.and_then(|r| r.peak_device_bytes));
+        if let Some(r) = r {
+            if r.in_place {
+                peak.push_str(" (in place)");
             }
-            row.push(peak);
-            row.push(bytes(r.and_then(|r| r.workspace_bytes)));
+            if let Some(b) = r.memory_budget_bytes {
+                let _ = write!(peak, " (budget {})", fmt_bytes(b));
+            }
         }
-        t.row(row);
-    }
+        vec![peak, bytes(r.and_then(|r| r.workspace_bytes))]
+    });
     t.write(out);
 }
 
@@ -914,24 +884,15 @@ fn clocks(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
          limit, with the reasons the driver gave for holding the clocks down (**sw_power_cap**: the power limit; \
          idle periods left out). Without readings during the calls, the readings just before and after.\n"
     );
-    let mut t = Table::new();
-    let show_h = shape_cols(s, &mut t);
-    for col in &s.columns {
-        t.col(&col.name, Align::Left);
-    }
-    for k in 0..s.keys.len() {
-        let mut row = shape_cells(s, k, show_h);
-        for col in &s.columns {
-            row.push(match col.cells[k] {
-                Some(r) => match &r.telemetry {
-                    Some(tel) => telemetry_cell(tel),
-                    None => "not recorded".into(),
-                },
-                None => "—".into(),
-            });
-        }
-        t.row(row);
-    }
+    let (t, _) = per_shape_table(s, &[("", Align::Left)], |r| {
+        vec![match r {
+            Some(r) => match &r.telemetry {
+                Some(tel) => telemetry_cell(tel),
+                None => "not recorded".into(),
+            },
+            None => "—".into(),
+        }]
+    });
     t.write(out);
     if let Some(max) = s
         .columns
