@@ -230,8 +230,9 @@ fn run_cuda(args: &TuneArgs) -> CliResult {
             case.name(),
             if keep { "; kept" } else { "; not kept (within --min-gain of the rules)" }
         ))?;
+        // Replaces what applied to this GPU for the shape; other GPU models' entries stay.
         table.entries.retain(|e| {
-            !(e.arch == info.arch
+            !(e.is_for(&info.arch, &info.name)
                 && e.formulation == formulation
                 && e.direction == direction
                 && (e.batch, e.n, e.c, e.h) == (shape.batch, shape.n, problem.config.c, problem.config.h))
@@ -239,6 +240,7 @@ fn run_cuda(args: &TuneArgs) -> CliResult {
         if keep {
             table.entries.push(TuningEntry {
                 arch: info.arch.clone(),
+                device: info.name.clone(),
                 formulation,
                 direction,
                 batch: shape.batch,

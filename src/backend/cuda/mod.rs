@@ -161,7 +161,8 @@ impl CudaBackend {
             Some(path) => (TuningTable::from_file(std::path::Path::new(&path))?, path.to_string_lossy().into_owned()),
             None => (TuningTable::embedded(&info.arch)?, format!("embedded for {}", info.arch)),
         };
-        info.versions.push(("tuning table".into(), format!("{} entries ({source})", tuning.entries.len())));
+        let applying = tuning.entries_for(&info.arch, &info.name);
+        info.versions.push(("tuning table".into(), format!("{applying} entries for this GPU ({source})")));
         Ok(CudaBackend {
             inner: Arc::new(Inner {
                 ctx,
@@ -264,7 +265,8 @@ impl CudaBackend {
     /// table's entry, else the built-in rules.
     pub fn tuning_for(&self, problem: &Problem) -> Tuning {
         let forced = self.inner.tuning_override.lock().ok().and_then(|g| *g);
-        forced.or_else(|| self.inner.tuning.lookup(&self.inner.info.arch, problem)).unwrap_or_default()
+        let info = &self.inner.info;
+        forced.or_else(|| self.inner.tuning.lookup(&info.arch, &info.name, problem)).unwrap_or_default()
     }
 
     /// Replaces the tuning table's choices for every shape (`None`: back to the table). Layers

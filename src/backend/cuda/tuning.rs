@@ -9,6 +9,12 @@
 //! built-in choice by more than the noise. The backend applies the table embedded for its
 //! architecture (`tuned-<arch>.json` beside this file), or the file named by
 //! `TRIMUL_CUDA_TUNING`; shapes without an entry keep the rules, so every GPU has a working path.
+//!
+//! An entry applies only on the GPU model that measured it (`device`, as the driver names it):
+//! two chips of one architecture differ in what wins (an H200 has an H100's SMs and 1.4× its
+//! memory bandwidth, and sweeps on the two keep different entries: `docs/perf/NOTES.md`), so a choice
+//! measured on one is not claimed for the other. Entries without a device (tables written before
+//! entries named one) apply on every GPU of their architecture.
 
 use std::path::Path;
 
@@ -51,6 +57,10 @@ impl std::fmt::Display for Tuning {
 pub struct TuningEntry {
     /// `sm_90`, as [`crate::DeviceInfo::arch`] spells it.
     pub arch: String,
+    /// The GPU model that measured the entry, as [`crate::DeviceInfo::name`] spells it
+    /// (`NVIDIA H100 80GB HBM3`); empty: any GPU of `arch`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub device: String,
     /// Formulation of the tuned shape.
     pub formulation: Formulation,
     /// Direction of the tuned shape.
@@ -72,8 +82,13 @@ pub struct TuningEntry {
 }
 
 impl TuningEntry {
-    fn matches(&self, arch: &str, problem: &Problem) -> bool {
-        self.arch == arch
+    /// Whether the entry was measured for this GPU model and architecture.
+    pub fn is_for(&self, arch: &str, device: &str) -> bool {
+        self.arch == arch && (self.device.is_empty() || self.device == device)
+    }
+
+    fn matches(&self, arch: &str, device: &str, problem: &Problem) -> bool {
+        self.is_for(arch, device)
             && self.formulation == problem.config.formulation
             && self.direction == problem.direction
             && self.batch == problem.shape.batch
@@ -118,9 +133,15 @@ impl TuningTable {
         serde_json::from_str(text).map_err(|e| Error::InvalidArgument(format!("{what}: {e}")))
     }
 
-    /// The measured choice for `problem` on `arch`, if the table has one.
-    pub fn lookup(&self, arch: &str, problem: &Problem) -> Option<Tuning> {
-        self.entries.iter().find(|e| e.matches(arch, problem)).map(|e| e.choice)
+    /// The measured choice for `problem` on GPU model `device` of architecture `arch`, if the
+    /// table has one.
+    pub fn lookup(&self, arch: &str, device: &str, problem: &Problem) -> Option<Tuning> {
+        self.entries.iter().find(|e| e.matches(arch, device, problem)).map(|e| e.choice)
+    }
+
+    /// How many entries apply on GPU model `device` of architecture `arch`.
+    pub fn entries_for(&self, arch: &str, device: &str) -> usize {
+        self.entries.iter().filter(|e| e.is_for(arch, device)).count()
     }
 
     /// The table as the JSON `from_file` reads.
@@ -139,6 +160,8 @@ mod tests {
         for (arch, _) in EMBEDDED {
             let t = TuningTable::embedded(arch).unwrap();
             assert!(t.entries.iter().all(|e| e.arch == *arch), "{arch}: {t:?}");
+            // Shipped entries name the GPU model that measured them (see the module docs).
+            assert!(t.entries.iter().all(|e| !e.device.is_empty()), "{arch}: an entry without its GPU model");
             assert!(t.entries.iter().all(|e| e.ms < e.default_ms), "{arch}: an entry that did not win");
         }
         assert!(TuningTable::embedded("sm_75").unwrap().entries.is_empty());
@@ -151,6 +174,7 @@ mod tests {
         let choice = Tuning { contraction_rank: 2, ..Tuning::default() };
         let entry = TuningEntry {
             arch: "sm_90".into(),
+            device: "NVIDIA H100 80GB HBM3".into(),
             formulation: Formulation::GpuMode,
             direction: Direction::Outgoing,
             batch: 1,
@@ -161,14 +185,25 @@ mod tests {
             ms: 1.0,
             default_ms: 1.1,
         };
-        let table = TuningTable { measured_on: "test".into(), entries: vec![entry] };
-        assert_eq!(table.lookup("sm_90", &p), Some(choice));
-        assert_eq!(table.lookup("sm_80", &p), None);
+        let (h100, h200) = ("NVIDIA H100 80GB HBM3", "NVIDIA H200");
+        let table = TuningTable { measured_on: "test".into(), entries: vec![entry.clone()] };
+        assert_eq!(table.lookup("sm_90", h100, &p), Some(choice));
+        assert_eq!(table.lookup("sm_80", h100, &p), None);
+        // Same architecture, another GPU model: the entry was not measured there.
+        assert_eq!(table.lookup("sm_90", h200, &p), None);
+        assert_eq!((table.entries_for("sm_90", h100), table.entries_for("sm_90", h200)), (1, 0));
         let other = Problem::new(cfg, Shape::new(1, 768), Direction::Outgoing, false).unwrap();
-        assert_eq!(table.lookup("sm_90", &other), None);
+        assert_eq!(table.lookup("sm_90", h100, &other), None);
         let incoming = Problem::new(cfg, Shape::new(1, 1024), Direction::Incoming, false).unwrap();
-        assert_eq!(table.lookup("sm_90", &incoming), None);
+        assert_eq!(table.lookup("sm_90", h100, &incoming), None);
         let back: TuningTable = serde_json::from_str(&table.to_json()).unwrap();
         assert_eq!(back, table);
+
+        // A table written before entries named their GPU (no `device` key): every GPU of the arch.
+        let mut json: serde_json::Value = serde_json::from_str(&table.to_json()).unwrap();
+        json["entries"][0].as_object_mut().unwrap().remove("device");
+        let old: TuningTable = serde_json::from_value(json).unwrap();
+        assert_eq!(old.lookup("sm_90", h200, &p), Some(choice));
+        assert_eq!(old.lookup("sm_80", h200, &p), None);
     }
 }
