@@ -43,7 +43,7 @@ use std::fmt;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
-use crate::problem::{Direction, Formulation, Problem, Shape};
+use crate::problem::{Direction, Formulation, Precision, Problem, Shape};
 use crate::rand::Rng;
 use crate::weights::{Linear, Norm, Weights};
 
@@ -666,13 +666,30 @@ impl Expected {
 
     /// `y` (the whole output, as long as x) against the reference.
     pub fn compare(&self, y: &[f32], rtol: f64, atol: f64) -> Result<Comparison> {
+        match self.positions {
+            None if y.len() == self.len => Ok(compare(y, &self.values, rtol, atol)),
+            _ => self.compare_decoded(y, |v| v, rtol, atol),
+        }
+    }
+
+    /// `y` stored in the 16-bit elements of `io` (bf16 or f16) against the reference. Only what
+    /// is compared is decoded (above [`FULL_CHECK_ROWS`], the sampled positions' channels), so a
+    /// long run's output never needs an f32 copy on the host (32 GiB at N = 8192).
+    pub fn compare_half(&self, y: &[u16], io: Precision, rtol: f64, atol: f64) -> Result<Comparison> {
+        self.compare_decoded(y, |v| io.decode_half(v), rtol, atol)
+    }
+
+    fn compare_decoded<T: Copy>(&self, y: &[T], decode: impl Fn(T) -> f32, rtol: f64, atol: f64) -> Result<Comparison> {
         if y.len() != self.len {
             return Err(Error::Shape(format!("y has {} elements; the reference was made for {}", y.len(), self.len)));
         }
-        let Some(positions) = &self.positions else { return Ok(compare(y, &self.values, rtol, atol)) };
+        let Some(positions) = &self.positions else {
+            let got: Vec<f32> = y.iter().map(|&v| decode(v)).collect();
+            return Ok(compare(&got, &self.values, rtol, atol));
+        };
         let (c, n) = (self.c, self.n);
         let got: Vec<f32> =
-            positions.iter().flat_map(|p| y[p.row(n) * c..(p.row(n) + 1) * c].iter().copied()).collect();
+            positions.iter().flat_map(|p| y[p.row(n) * c..(p.row(n) + 1) * c].iter().map(|&v| decode(v))).collect();
         let mut cmp = compare(&got, &self.values, rtol, atol);
         // Report the worst entry by its index in y, not in the gathered sample.
         if let Some((k, got, want)) = cmp.worst {
@@ -1109,6 +1126,24 @@ mod tests {
                 assert_eq!(bad.worst.map(|w| w.0), Some(7), "n {n}: the worst entry indexed in y");
             }
             assert!(expected.compare(&exact[1..], 1e-3, 1e-3).is_err());
+
+            // The same y stored in bf16: judged as its decoded f32 would be (against the wider
+            // tolerance bf16 needs), the wrong element found and indexed in y.
+            let io = Precision::Bf16Io;
+            let half = |y: &[f32]| -> Vec<u16> { y.iter().map(|&v| io.encode_half(v)).collect() };
+            let decoded = |y: &[u16]| -> Vec<f32> { y.iter().map(|&v| io.decode_half(v)).collect() };
+            let (exact16, off16) = (half(&exact), half(&off));
+            for (y16, passes) in [(&exact16, true), (&off16, false)] {
+                let got = expected.compare_half(y16, io, 1e-2, 1e-2).unwrap();
+                let want = expected.compare(&decoded(y16), 1e-2, 1e-2).unwrap();
+                assert_eq!(
+                    (got.passed(), got.bad, got.checked, got.worst),
+                    (passes, want.bad, want.checked, want.worst)
+                );
+                assert_eq!(got.rel_l2, want.rel_l2, "n {n}");
+            }
+            assert_eq!(expected.compare_half(&off16, io, 1e-2, 1e-2).unwrap().worst.map(|w| w.0), Some(7));
+            assert!(expected.compare_half(&exact16[1..], io, 1e-2, 1e-2).is_err());
         }
     }
 }
