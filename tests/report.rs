@@ -358,6 +358,27 @@ fn runs_and_legends_name_formulation_and_precision() {
     }
 }
 
+/// Runs of one backend on two GPU models name their device (a column of the H100 is never read as
+/// one of the H200); a report whose runs of each backend share a device is unchanged, and anchors
+/// still pair only with runs on the device they name.
+#[test]
+fn runs_of_one_backend_on_two_devices_name_them() {
+    let runs = synthetic_runs();
+    let plain = report::render(&runs, &synthetic_anchors(), None).unwrap().markdown;
+    assert!(!plain.contains("cuda on "), "one device per backend: names unchanged");
+    let mut other = runs[2].clone();
+    other.machine.vendor = "NVIDIA".into();
+    other.machine.device = "NVIDIA H200".into();
+    let n = runs.len() + 1;
+    let mut both = runs.clone();
+    both.push(other);
+    let md = report::render(&both, &synthetic_anchors(), None).unwrap().markdown;
+    assert!(md.contains(&format!("| #{n} cuda on H200 · af3 bf16-io |")), "{md}");
+    // (The synthetic device is `SYNTHETIC test data, …` from vendor `SYNTHETIC`.)
+    assert!(md.contains("| #3 cuda on test data, not a real device · af3 bf16-io |"), "the others named too: {md}");
+    assert!(!anchor_pairs(&md, "gpumode").iter().any(|(c, _)| c.contains("on H200")), "no anchor names the H200");
+}
+
 #[test]
 fn each_suite_has_its_own_geomeans_and_names_their_shapes() {
     let runs = synthetic_runs();
@@ -651,8 +672,9 @@ fn write_puts_files_in_the_directory() {
 
 /// The runs the committed report in docs/perf/report is built from, in its order: the
 /// `gpumode` suite in both formulations and I/O precisions, the `long` suite (2048–4096 in one
-/// run, 6144 and 8192 in place in another, per formulation), and the CPU's `quick` run.
-const COMMITTED: [&str; 9] = [
+/// run, 6144 and 8192 in place in another, per formulation), and the CPU's `quick` run, all on
+/// the H100; then the H200's `gpumode` runs and its `long` gpumode f32 run (session 35).
+const COMMITTED: [&str; 14] = [
     "h100-cuda-gpumode.json",
     "h100-cuda-af3.json",
     "h100-cuda-gpumode-bf16.json",
@@ -662,6 +684,11 @@ const COMMITTED: [&str; 9] = [
     "h100-cuda-long-af3-bf16.json",
     "h100-cuda-long-inplace-af3-bf16.json",
     "cpu-quick.json",
+    "h200-s35-gpumode-f32.json",
+    "h200-s35-af3-f32.json",
+    "h200-s35-gpumode-bf16.json",
+    "h200-s35-af3-bf16.json",
+    "h200-s35-long-gpumode-f32.json",
 ];
 
 /// docs/perf/report was generated with `trimul report` from [`COMMITTED`] (in that order, under
@@ -700,9 +727,12 @@ fn committed_report_compares_like_with_like() {
         let a = anchors.iter().find(|a| anchor.starts_with(&format!("{} (", a.name))).unwrap();
         assert_eq!(a.class().unwrap(), class_of_column(&runs, column), "{column} against {anchor}");
     }
-    assert!(pairs
-        .iter()
-        .any(|(c, a)| c.starts_with("#4 cuda · af3 bf16-io") && a.starts_with("cuEquivariance 0.13 af3 bf16")));
+    assert!(pairs.iter().any(|(c, a)| c.starts_with("#4 cuda on H100 80GB HBM3 · af3 bf16-io")
+        && a.starts_with("cuEquivariance 0.13 af3 bf16")));
+    // The H200's runs (session 35) stand beside the H100's, named for their device, never paired
+    // with an anchor measured on the H100.
+    assert!(md.contains("| #10 cuda on H200 · gpumode f32-io |"));
+    assert!(!pairs.iter().any(|(c, _)| c.contains("on H200")), "{pairs:?}");
     assert!(!pairs.iter().any(|(c, a)| c.contains("gpumode f32-io") && a.contains("cuEquivariance")));
     for suite in ["gpumode", "long", "quick"] {
         assert!(md.contains(&format!("## Suite `{suite}`")), "{suite}");

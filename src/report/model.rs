@@ -194,7 +194,9 @@ impl<'a> Model<'a> {
     }
 }
 
-/// `#6+#7 cuda · gpumode f32-io`: run numbers, label (else backend), formulation, precision.
+/// `#6+#7 cuda · gpumode f32-io`: run numbers, label (else backend), formulation, precision; and
+/// the device (`#10 cuda on H200 · …`) where runs of one backend ran on different devices, so
+/// that an H100 column and an H200 column are never read as the same thing.
 fn run_name(runs: &[BenchRun], rs: &[usize]) -> String {
     let nums: Vec<String> = rs.iter().map(|r| format!("#{}", r + 1)).collect();
     let run = &runs[rs[0]];
@@ -202,7 +204,15 @@ fn run_name(runs: &[BenchRun], rs: &[usize]) -> String {
         Some(l) if !l.trim().is_empty() => l.trim().to_string(),
         _ => run.backend.clone(),
     };
-    format!("{} {who} · {}", nums.join("+"), Class::of_run(run).label())
+    let (backend, device) = (&run.backend, &run.machine.device);
+    let on = if runs.iter().any(|o| &o.backend == backend && &o.machine.device != device) {
+        // `NVIDIA H200` → `H200`: the vendor is the backend's.
+        let short = device.strip_prefix(run.machine.vendor.as_str()).map_or(device.as_str(), str::trim_start);
+        format!(" on {short}")
+    } else {
+        String::new()
+    };
+    format!("{} {who}{on} · {}", nums.join("+"), Class::of_run(run).label())
 }
 
 impl<'a> Suite<'a> {
