@@ -190,7 +190,9 @@ fn run_cuda(args: &TuneArgs) -> CliResult {
 
         let mut results: Vec<(Option<Tuning>, f64)> = Vec::new();
         for cand in &candidates {
-            backend.set_tuning(*cand);
+            // `None` is the built-in rules, forced (`Tuning::default()`) rather than left to the
+            // table: a table entry for the shape is what the sweep measures against them.
+            backend.set_tuning(Some(cand.unwrap_or_default()));
             let label = cand.map_or("built-in rules".to_string(), |t| t.to_string());
             layer.forward_buffers(&xs[0], masks[0].as_ref(), &mut ys[0], shape)?;
             backend.download(&ys[0], &mut y)?;
@@ -230,15 +232,8 @@ fn run_cuda(args: &TuneArgs) -> CliResult {
             case.name(),
             if keep { "; kept" } else { "; not kept (within --min-gain of the rules)" }
         ))?;
-        // Replaces what applied to this GPU for the shape; other GPU models' entries stay.
-        table.entries.retain(|e| {
-            !(e.is_for(&info.arch, &info.name)
-                && e.formulation == formulation
-                && e.direction == direction
-                && (e.batch, e.n, e.c, e.h) == (shape.batch, shape.n, problem.config.c, problem.config.h))
-        });
-        if keep {
-            table.entries.push(TuningEntry {
+        table.record(
+            TuningEntry {
                 arch: info.arch.clone(),
                 device: info.name.clone(),
                 formulation,
@@ -250,10 +245,14 @@ fn run_cuda(args: &TuneArgs) -> CliResult {
                 choice: best,
                 ms: best_ms,
                 default_ms,
-            });
-        }
+            },
+            keep,
+        );
     }
-    table.measured_on = format!("{} ({}), trimul {}", info.name, info.arch, env!("CARGO_PKG_VERSION"));
+    // Every model whose entries the table holds (a merged table holds several), else this one.
+    let devices = table.devices().join(" and ");
+    let devices = if devices.is_empty() { info.name.clone() } else { devices };
+    table.measured_on = format!("{devices} ({}), trimul {}", info.arch, env!("CARGO_PKG_VERSION"));
     match &args.out {
         Some(path) => {
             // Atomically: a failed write leaves the previous table whole.

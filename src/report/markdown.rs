@@ -454,7 +454,9 @@ fn per_shape_table(
     for k in 0..s.keys.len() {
         let mut row = shape_cells(s, k, show_h);
         for col in &s.columns {
-            row.extend(cells(col.cells[k]));
+            let these = cells(col.cells[k]);
+            debug_assert_eq!(these.len(), heads.len(), "a cell per header, or the columns slide");
+            row.extend(these);
         }
         t.row(row);
     }

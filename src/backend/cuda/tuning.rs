@@ -87,14 +87,13 @@ impl TuningEntry {
         self.arch == arch && (self.device.is_empty() || self.device == device)
     }
 
-    fn matches(&self, arch: &str, device: &str, problem: &Problem) -> bool {
-        self.is_for(arch, device)
-            && self.formulation == problem.config.formulation
-            && self.direction == problem.direction
-            && self.batch == problem.shape.batch
-            && self.n == problem.shape.n
-            && self.c == problem.config.c
-            && self.h == problem.config.h
+    fn shape(&self) -> (Formulation, Direction, usize, usize, usize, usize) {
+        (self.formulation, self.direction, self.batch, self.n, self.c, self.h)
+    }
+
+    fn is_for_problem(&self, problem: &Problem) -> bool {
+        let (config, shape) = (&problem.config, &problem.shape);
+        self.shape() == (config.formulation, problem.direction, shape.batch, shape.n, config.c, config.h)
     }
 }
 
@@ -135,8 +134,35 @@ impl TuningTable {
 
     /// The measured choice for `problem` on GPU model `device` of architecture `arch`, if the
     /// table has one.
+    /// An entry of this very GPU model wins over one without a device (an older table's).
     pub fn lookup(&self, arch: &str, device: &str, problem: &Problem) -> Option<Tuning> {
-        self.entries.iter().find(|e| e.matches(arch, device, problem)).map(|e| e.choice)
+        let applies = |e: &&TuningEntry| e.is_for(arch, device) && e.is_for_problem(problem);
+        let mut found = self.entries.iter().filter(applies);
+        let first = found.next()?;
+        Some(if first.device == device { first } else { found.find(|e| e.device == device).unwrap_or(first) }.choice)
+    }
+
+    /// Records a sweep's result for one shape on `measured`'s GPU model: replaces that model's
+    /// entry for the shape, if any, with `measured` when `keep` (the choice won), or with nothing
+    /// (the rules won). Other models' entries, and entries without a device, stay.
+    pub fn record(&mut self, measured: TuningEntry, keep: bool) {
+        self.entries
+            .retain(|e| !(e.arch == measured.arch && e.device == measured.device && e.shape() == measured.shape()));
+        if keep {
+            self.entries.push(measured);
+        }
+    }
+
+    /// The GPU models whose entries the table holds, in order of first appearance.
+    pub fn devices(&self) -> Vec<&str> {
+        let mut seen: Vec<&str> = Vec::new();
+        for e in &self.entries {
+            let d = if e.device.is_empty() { "any GPU of its arch" } else { e.device.as_str() };
+            if !seen.contains(&d) {
+                seen.push(d);
+            }
+        }
+        seen
     }
 
     /// How many entries apply on GPU model `device` of architecture `arch`.
@@ -199,11 +225,32 @@ mod tests {
         let back: TuningTable = serde_json::from_str(&table.to_json()).unwrap();
         assert_eq!(back, table);
 
+        // A sweep on another model adds its own entry and leaves the H100's; a sweep where the
+        // rules won removes only that model's entry for the shape.
+        let mut merged = table.clone();
+        let h200_choice = Tuning { contraction_rank: 6, ..Tuning::default() };
+        merged.record(TuningEntry { device: h200.into(), choice: h200_choice, ..entry.clone() }, true);
+        assert_eq!(merged.lookup("sm_90", h100, &p), Some(choice));
+        assert_eq!(merged.lookup("sm_90", h200, &p), Some(h200_choice));
+        assert_eq!(merged.devices(), [h100, h200]);
+        merged.record(TuningEntry { device: h200.into(), ..entry.clone() }, false);
+        assert_eq!((merged.lookup("sm_90", h100, &p), merged.lookup("sm_90", h200, &p)), (Some(choice), None));
+        assert_eq!(merged.entries.len(), 1);
+
         // A table written before entries named their GPU (no `device` key): every GPU of the arch.
         let mut json: serde_json::Value = serde_json::from_str(&table.to_json()).unwrap();
         json["entries"][0].as_object_mut().unwrap().remove("device");
         let old: TuningTable = serde_json::from_value(json).unwrap();
         assert_eq!(old.lookup("sm_90", h200, &p), Some(choice));
         assert_eq!(old.lookup("sm_80", h200, &p), None);
+        // ...until this model has its own entry, which wins wherever it stands in the table; a
+        // sweep on this model leaves the device-less entry, which other models still use.
+        let mut both = old.clone();
+        both.record(TuningEntry { device: h200.into(), choice: h200_choice, ..entry.clone() }, true);
+        assert_eq!(both.lookup("sm_90", h200, &p), Some(h200_choice));
+        assert_eq!(both.lookup("sm_90", h100, &p), Some(choice));
+        both.entries.reverse();
+        assert_eq!(both.lookup("sm_90", h200, &p), Some(h200_choice));
+        assert_eq!(both.devices(), [h200, "any GPU of its arch"]);
     }
 }
