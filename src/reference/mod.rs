@@ -676,6 +676,9 @@ impl Expected {
     /// is compared is decoded (above [`FULL_CHECK_ROWS`], the sampled positions' channels), so a
     /// long run's output never needs an f32 copy on the host (32 GiB at N = 8192).
     pub fn compare_half(&self, y: &[u16], io: Precision, rtol: f64, atol: f64) -> Result<Comparison> {
+        if io == Precision::F32Io {
+            return Err(Error::InvalidArgument("compare_half: f32-io results are f32; use compare".into()));
+        }
         self.compare_decoded(y, |v| io.decode_half(v), rtol, atol)
     }
 
@@ -1127,23 +1130,26 @@ mod tests {
             }
             assert!(expected.compare(&exact[1..], 1e-3, 1e-3).is_err());
 
-            // The same y stored in bf16: judged as its decoded f32 would be (against the wider
-            // tolerance bf16 needs), the wrong element found and indexed in y.
-            let io = Precision::Bf16Io;
-            let half = |y: &[f32]| -> Vec<u16> { y.iter().map(|&v| io.encode_half(v)).collect() };
-            let decoded = |y: &[u16]| -> Vec<f32> { y.iter().map(|&v| io.decode_half(v)).collect() };
-            let (exact16, off16) = (half(&exact), half(&off));
-            for (y16, passes) in [(&exact16, true), (&off16, false)] {
-                let got = expected.compare_half(y16, io, 1e-2, 1e-2).unwrap();
-                let want = expected.compare(&decoded(y16), 1e-2, 1e-2).unwrap();
-                assert_eq!(
-                    (got.passed(), got.bad, got.checked, got.worst),
-                    (passes, want.bad, want.checked, want.worst)
-                );
-                assert_eq!(got.rel_l2, want.rel_l2, "n {n}");
+            // The same y stored in bf16 or f16: judged as its decoded f32 would be (against the
+            // wider tolerance 16 bits need), the wrong element found and indexed in y.
+            for io in [Precision::Bf16Io, Precision::F16Io] {
+                let half = |y: &[f32]| -> Vec<u16> { y.iter().map(|&v| io.encode_half(v)).collect() };
+                let decoded = |y: &[u16]| -> Vec<f32> { y.iter().map(|&v| io.decode_half(v)).collect() };
+                let (exact16, off16) = (half(&exact), half(&off));
+                for (y16, passes) in [(&exact16, true), (&off16, false)] {
+                    let got = expected.compare_half(y16, io, 1e-2, 1e-2).unwrap();
+                    let want = expected.compare(&decoded(y16), 1e-2, 1e-2).unwrap();
+                    let verdict = (got.passed(), got.bad, got.checked, got.worst);
+                    assert_eq!(verdict, (passes, want.bad, want.checked, want.worst), "n {n} {io}");
+                    assert_eq!(got.rel_l2, want.rel_l2, "n {n} {io}");
+                }
+                assert_eq!(expected.compare_half(&off16, io, 1e-2, 1e-2).unwrap().worst.map(|w| w.0), Some(7));
+                assert!(expected.compare_half(&exact16[1..], io, 1e-2, 1e-2).is_err());
             }
-            assert_eq!(expected.compare_half(&off16, io, 1e-2, 1e-2).unwrap().worst.map(|w| w.0), Some(7));
-            assert!(expected.compare_half(&exact16[1..], io, 1e-2, 1e-2).is_err());
+            // f32 results are not 16-bit words.
+            let words = vec![0u16; exact.len()];
+            let f32_io = expected.compare_half(&words, Precision::F32Io, 1e-2, 1e-2);
+            assert!(matches!(f32_io, Err(Error::InvalidArgument(_))), "{f32_io:?}");
         }
     }
 }
