@@ -69,8 +69,8 @@ pub struct TuneArgs {
     /// Keep a choice only when it beats the built-in rules by more than this fraction.
     #[arg(long, default_value_t = 0.01)]
     pub min_gain: f64,
-    /// Merge the entries into this table file (replacing entries of the same shapes); default:
-    /// print the table.
+    /// Merge the entries into this table file (replacing this GPU model's entries of the same
+    /// shapes); default: print the table.
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
     /// Seed of the inputs and weights (default: from the clock).

@@ -250,9 +250,13 @@ fn run_cuda(args: &TuneArgs) -> CliResult {
         );
     }
     // Every model whose entries the table holds (a merged table holds several), else this one.
-    let devices = table.devices().join(" and ");
-    let devices = if devices.is_empty() { info.name.clone() } else { devices };
-    table.measured_on = format!("{devices} ({}), trimul {}", info.arch, env!("CARGO_PKG_VERSION"));
+    let this = format!("{} ({})", info.name, info.arch);
+    let mut devices = table.devices();
+    if !devices.contains(&this) {
+        devices.push(this.clone());
+    }
+    table.measured_on =
+        format!("entries for {}; last swept on {this} by trimul {}", devices.join(", "), env!("CARGO_PKG_VERSION"));
     match &args.out {
         Some(path) => {
             // Atomically: a failed write leaves the previous table whole.

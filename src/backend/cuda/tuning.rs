@@ -144,20 +144,28 @@ impl TuningTable {
 
     /// Records a sweep's result for one shape on `measured`'s GPU model: replaces that model's
     /// entry for the shape, if any, with `measured` when `keep` (the choice won), or with nothing
-    /// (the rules won). Other models' entries, and entries without a device, stay.
-    pub fn record(&mut self, measured: TuningEntry, keep: bool) {
-        self.entries
-            .retain(|e| !(e.arch == measured.arch && e.device == measured.device && e.shape() == measured.shape()));
-        if keep {
+    /// (the rules won). Other models' entries, and entries without a device, stay; where one of
+    /// those would still apply to this model, a rules-won result is kept as an entry choosing the
+    /// rules (`Tuning::default()`), which then wins over it.
+    pub fn record(&mut self, mut measured: TuningEntry, keep: bool) {
+        let (arch, shape) = (measured.arch.clone(), measured.shape());
+        self.entries.retain(|e| !(e.arch == arch && e.device == measured.device && e.shape() == shape));
+        let shadowed = self.entries.iter().any(|e| e.is_for(&arch, &measured.device) && e.shape() == shape);
+        if !keep && shadowed {
+            (measured.choice, measured.ms) = (Tuning::default(), measured.default_ms);
+        }
+        if keep || shadowed {
             self.entries.push(measured);
         }
     }
 
-    /// The GPU models whose entries the table holds, in order of first appearance.
-    pub fn devices(&self) -> Vec<&str> {
-        let mut seen: Vec<&str> = Vec::new();
+    /// The GPU models whose entries the table holds, as `NVIDIA H200 (sm_90)` (`any sm_90 GPU`
+    /// for entries without a device), in order of first appearance.
+    pub fn devices(&self) -> Vec<String> {
+        let mut seen: Vec<String> = Vec::new();
         for e in &self.entries {
-            let d = if e.device.is_empty() { "any GPU of its arch" } else { e.device.as_str() };
+            let d =
+                if e.device.is_empty() { format!("any {} GPU", e.arch) } else { format!("{} ({})", e.device, e.arch) };
             if !seen.contains(&d) {
                 seen.push(d);
             }
@@ -165,9 +173,13 @@ impl TuningTable {
         seen
     }
 
-    /// How many entries apply on GPU model `device` of architecture `arch`.
+    /// How many shapes the table tunes on GPU model `device` of architecture `arch` (a shape with
+    /// both this model's entry and a device-less one counts once).
     pub fn entries_for(&self, arch: &str, device: &str) -> usize {
-        self.entries.iter().filter(|e| e.is_for(arch, device)).count()
+        let mut shapes: Vec<_> = self.entries.iter().filter(|e| e.is_for(arch, device)).map(|e| e.shape()).collect();
+        shapes.sort_by_key(|&(f, d, b, n, c, h)| (f.as_str(), d.as_str(), b, n, c, h));
+        shapes.dedup();
+        shapes.len()
     }
 
     /// The table as the JSON `from_file` reads.
@@ -232,7 +244,7 @@ mod tests {
         merged.record(TuningEntry { device: h200.into(), choice: h200_choice, ..entry.clone() }, true);
         assert_eq!(merged.lookup("sm_90", h100, &p), Some(choice));
         assert_eq!(merged.lookup("sm_90", h200, &p), Some(h200_choice));
-        assert_eq!(merged.devices(), [h100, h200]);
+        assert_eq!(merged.devices(), ["NVIDIA H100 80GB HBM3 (sm_90)", "NVIDIA H200 (sm_90)"]);
         merged.record(TuningEntry { device: h200.into(), ..entry.clone() }, false);
         assert_eq!((merged.lookup("sm_90", h100, &p), merged.lookup("sm_90", h200, &p)), (Some(choice), None));
         assert_eq!(merged.entries.len(), 1);
@@ -251,6 +263,13 @@ mod tests {
         assert_eq!(both.lookup("sm_90", h100, &p), Some(choice));
         both.entries.reverse();
         assert_eq!(both.lookup("sm_90", h200, &p), Some(h200_choice));
-        assert_eq!(both.devices(), [h200, "any GPU of its arch"]);
+        assert_eq!(both.devices(), ["NVIDIA H200 (sm_90)", "any sm_90 GPU"]);
+        assert_eq!(both.entries_for("sm_90", h200), 1, "one shape, two entries applying");
+        // A later sweep on the H200 where the rules won: the device-less entry would apply again,
+        // so the H200 keeps an entry choosing the rules.
+        both.record(TuningEntry { device: h200.into(), ..entry.clone() }, false);
+        assert_eq!(both.lookup("sm_90", h200, &p), Some(Tuning::default()));
+        assert_eq!(both.lookup("sm_90", h100, &p), Some(choice));
+        assert_eq!(both.entries.len(), 2);
     }
 }
