@@ -58,13 +58,12 @@ impl CudaBackend {
     /// little at C = 128 (2.365 → 2.359 ms) and loses at C = 384 (4.282 → 4.387 ms), where
     /// cuBLASLt's GEMM beats reloading Wout per 128-column chunk.
     pub(super) fn fused_output_for(&self, problem: &Problem, tuning: Tuning) -> Option<&kernels::Stage> {
-        let cfg = &problem.config;
         let k = self.fused_output_fits(problem)?;
         if problem.io != Precision::F32Io {
             // The only output path that writes 16-bit y.
             return Some(k);
         }
-        let wins = tuning.fused_output.unwrap_or(cfg.c <= 128 || cfg.formulation == Formulation::Af3);
+        let wins = tuning.fused_output.unwrap_or_else(|| Tuning::fused_output_rule(problem));
         (wins && self.inner.fused_output.load(Ordering::Relaxed)).then_some(k)
     }
 

@@ -35,6 +35,24 @@ pub struct Tuning {
     pub warpgroup_mma: Option<bool>,
 }
 
+impl Tuning {
+    /// The built-in rule for the fused output kernel in f32 I/O, where it takes the shape: af3
+    /// always, gpumode at C ≤ 128 (at C = 384 cuBLASLt's GEMM beats reloading Wout per 128-column
+    /// chunk; `docs/perf/NOTES.md`). 16-bit y has no other output path.
+    pub fn fused_output_rule(problem: &Problem) -> bool {
+        problem.config.c <= 128 || problem.config.formulation == Formulation::Af3
+    }
+
+    /// Whether this choice runs what the built-in rules run for `problem` (f32 I/O): cuBLASLt's
+    /// first candidate, the rule's output path and the wgmma input build, each given or left to
+    /// the rule. A sweep need not time such a choice twice.
+    pub fn is_the_rules_for(&self, problem: &Problem) -> bool {
+        self.contraction_rank == 0
+            && self.fused_output.is_none_or(|on| on == Tuning::fused_output_rule(problem))
+            && self.warpgroup_mma.is_none_or(|on| on)
+    }
+}
+
 impl std::fmt::Display for Tuning {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let onoff = |v: Option<bool>| match v {
@@ -203,6 +221,28 @@ mod tests {
             assert!(t.entries.iter().all(|e| e.ms < e.default_ms), "{arch}: an entry that did not win");
         }
         assert!(TuningTable::embedded("sm_75").unwrap().entries.is_empty());
+    }
+
+    /// The choices that run what the rules run, per formulation and width.
+    #[test]
+    fn the_rules_and_their_twins() {
+        let problem =
+            |f, c| Problem::new(Config::new(f, c, 128).unwrap(), Shape::new(1, 64), Direction::Outgoing, false);
+        let (af3, narrow, wide) = (
+            problem(Formulation::Af3, 384).unwrap(),
+            problem(Formulation::GpuMode, 128).unwrap(),
+            problem(Formulation::GpuMode, 384).unwrap(),
+        );
+        assert!(Tuning::fused_output_rule(&af3) && Tuning::fused_output_rule(&narrow));
+        assert!(!Tuning::fused_output_rule(&wide));
+        let t = |rank, fused_output, warpgroup_mma| Tuning { contraction_rank: rank, fused_output, warpgroup_mma };
+        for p in [&af3, &narrow, &wide] {
+            assert!(Tuning::default().is_the_rules_for(p));
+            let rule = Tuning::fused_output_rule(p);
+            assert!(t(0, Some(rule), None).is_the_rules_for(p) && t(0, Some(rule), Some(true)).is_the_rules_for(p));
+            assert!(!t(0, Some(!rule), None).is_the_rules_for(p));
+            assert!(!t(1, None, None).is_the_rules_for(p) && !t(0, None, Some(false)).is_the_rules_for(p));
+        }
     }
 
     #[test]
