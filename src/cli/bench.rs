@@ -840,8 +840,8 @@ mod half {
         progress.set_message(format!("{}: generating inputs", case.name()));
         let inputs = suite::generate_inputs(case, input_seed);
         // The caller's x is the rounded one; the reference sees exactly that. Rounded in place and
-        // on every core: at N = 8192 each f32 copy of x is 32 GiB, and one fewer keeps the run
-        // inside a host of 128 GB (see also `compare_half` below, which decodes only what it checks).
+        // on every core: at N = 8192 each f32 copy of x is 32 GiB, and the host keeps one (y is
+        // checked in its 16-bit form below: `compare_half` decodes only what it compares).
         let mut x = inputs.x;
         x.par_iter_mut().for_each(|v| *v = io.decode_half(io.encode_half(*v)));
         let bits: Vec<u16> = x.par_iter().map(|&v| io.encode_half(v)).collect();

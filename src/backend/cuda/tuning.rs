@@ -12,9 +12,9 @@
 //!
 //! An entry applies only on the GPU model that measured it (`device`, as the driver names it):
 //! two chips of one architecture differ in what wins (an H200 has an H100's SMs and 1.4× its
-//! memory bandwidth, and sweeps on the two keep different entries: `docs/perf/NOTES.md`), so a choice
-//! measured on one is not claimed for the other. Entries without a device (tables written before
-//! entries named one) apply on every GPU of their architecture.
+//! memory bandwidth, and sweeps on the two keep different entries: `docs/perf/NOTES.md`), so a
+//! choice measured on one is not claimed for the other. Entries without a device (tables written
+//! before entries named one) apply on every GPU of their architecture.
 
 use std::path::Path;
 
@@ -151,8 +151,8 @@ impl TuningTable {
     }
 
     /// The measured choice for `problem` on GPU model `device` of architecture `arch`, if the
-    /// table has one.
-    /// An entry of this very GPU model wins over one without a device (an older table's).
+    /// table has one. An entry of this very GPU model wins over one without a device (an older
+    /// table's).
     pub fn lookup(&self, arch: &str, device: &str, problem: &Problem) -> Option<Tuning> {
         let applies = |e: &&TuningEntry| e.is_for(arch, device) && e.is_for_problem(problem);
         let mut found = self.entries.iter().filter(applies);
