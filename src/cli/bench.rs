@@ -77,6 +77,19 @@ struct Plan {
     device_time: bool,
 }
 
+impl Plan {
+    /// The run's clock: its name in the JSON (`TimingMethod::clock`) and in the banner.
+    fn clock(&self, gpu: bool) -> (&'static str, &'static str) {
+        match (gpu, self.device_time) {
+            (true, true) => {
+                (trimul::report::schema::CLOCK_HELD, "device events, each call enqueued with the stream held")
+            }
+            (true, false) => ("device-events", "device events"),
+            (false, _) => ("host", "host clock"),
+        }
+    }
+}
+
 enum Outcome {
     Done(Box<Measured>),
     /// The shape does not fit in memory; the message says what was needed.
@@ -185,11 +198,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
         "timing: {} warm-up + {} timed calls per shape, median; {}; weights {}",
         plan.warmup,
         plan.repeats,
-        match (gpu, plan.device_time) {
-            (true, true) => "device events, each call enqueued with the stream held",
-            (true, false) => "device events",
-            (false, _) => "host clock",
-        },
+        plan.clock(gpu).1,
         if plan.fresh_weights { "re-prepared inside every timed call" } else { "prepared once" },
     ))?;
     progress.out(&match (&telemetry.available, &telemetry.reason) {
@@ -316,12 +325,7 @@ pub fn run(args: &BenchArgs) -> CliResult {
                 warmup: plan.warmup,
                 repeats: plan.repeats,
                 buffer_sets: u32::try_from(max_sets).unwrap_or(u32::MAX),
-                clock: match (gpu, plan.device_time) {
-                    (true, true) => trimul::report::schema::CLOCK_HELD,
-                    (true, false) => "device-events",
-                    (false, _) => "host",
-                }
-                .to_string(),
+                clock: plan.clock(gpu).0.to_string(),
                 fresh_weights: plan.fresh_weights,
             },
             ceilings,
@@ -843,8 +847,14 @@ mod half {
         // on every core: at N = 8192 each f32 copy of x is 32 GiB, and the host keeps one (y is
         // checked in its 16-bit form below: `compare_half` decodes only what it compares).
         let mut x = inputs.x;
-        x.par_iter_mut().for_each(|v| *v = io.decode_half(io.encode_half(*v)));
-        let bits: Vec<u16> = x.par_iter().map(|&v| io.encode_half(v)).collect();
+        let bits: Vec<u16> = x
+            .par_iter_mut()
+            .map(|v| {
+                let word = io.encode_half(*v);
+                *v = io.decode_half(word);
+                word
+            })
+            .collect();
         let upload_bits = |data: &[u16]| -> trimul::Result<_> {
             let mut buf = backend.alloc_buffer::<u16>(data.len())?;
             backend.upload_bits(data, &mut buf)?;
