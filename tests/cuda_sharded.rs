@@ -33,27 +33,25 @@ fn two_gpus() -> Option<CudaBackend> {
     None
 }
 
-/// One sharded forward of `problem` over `gpus` GPUs against the f64 reference and the one-GPU
-/// forward of the same (rounded) x.
-fn check(one: &CudaBackend, problem: &Problem, biases: bool, gpus: usize, seed: u64) {
-    check_with(one, problem, biases, gpus, seed, None)
+/// One sharded forward of `problem` over two GPUs against the f64 reference and the one-GPU
+/// forward of the same (rounded) x, with weights (biased where the formulation has biases) and x
+/// from this test's seed.
+fn check(one: &CudaBackend, problem: &Problem) {
+    check_with(one, problem, None)
 }
 
 /// As [`check`], with the ranks' plans fixed by `options` (else left to memory), which every
 /// rank must then show.
-fn check_with(
-    one: &CudaBackend,
-    problem: &Problem,
-    biases: bool,
-    gpus: usize,
-    seed: u64,
-    options: Option<ShardOptions>,
-) {
+fn check_with(one: &CudaBackend, problem: &Problem, options: Option<ShardOptions>) {
+    const GPUS: usize = 2;
+    // Biases wherever the formulation has them (gpumode's linears have none).
+    let biases = problem.config.formulation == Formulation::Af3;
+    let seed = seed();
     let weights = Weights::random(problem.config, biases, seed).unwrap();
     let mut rng = Rng::new(seed ^ 0x5A);
     let x: Vec<f32> = rng.cauchy_vec(problem.x_len(), 1.0).into_iter().map(|v| problem.io.round(v)).collect();
     let mask = problem.masked.then(|| rng.mask_vec(problem.mask_len()));
-    let devices: Vec<usize> = (0..gpus).collect();
+    let devices: Vec<usize> = (0..GPUS).collect();
     let mut group = match options {
         Some(o) => ShardedGroup::with_options(&weights, problem, &devices, o).unwrap(),
         None => ShardedGroup::on_local_gpus(&weights, problem, &devices).unwrap(),
@@ -70,7 +68,7 @@ fn check_with(
     // Twice: a second forward reuses every buffer and must not see the first one's leftovers.
     let y2 = group.forward(&x, mask.as_deref()).unwrap();
     let what = format!(
-        "{} {} {} B={} N={} on {gpus} GPUs{}, {}",
+        "{} {} {} B={} N={} on {GPUS} GPUs{}, {}",
         problem.config.formulation,
         problem.direction,
         problem.io,
@@ -124,11 +122,10 @@ fn normal_inputs(p: &Problem, salt: u64) -> (Weights, Vec<f32>, Vec<f32>) {
 #[test]
 fn sharded_forward_matches_reference_and_one_gpu() {
     let Some(one) = two_gpus() else { return };
-    let s = seed();
     for dir in [Direction::Outgoing, Direction::Incoming] {
-        check(&one, &problem(Formulation::Af3, dir, 2, 97, Precision::F32Io), true, 2, s);
-        check(&one, &problem(Formulation::Af3, dir, 1, 97, Precision::Bf16Io), true, 2, s);
-        check(&one, &problem(Formulation::GpuMode, dir, 2, 64, Precision::F32Io), false, 2, s);
+        check(&one, &problem(Formulation::Af3, dir, 2, 97, Precision::F32Io));
+        check(&one, &problem(Formulation::Af3, dir, 1, 97, Precision::Bf16Io));
+        check(&one, &problem(Formulation::GpuMode, dir, 2, 64, Precision::F32Io));
     }
 }
 
@@ -140,19 +137,18 @@ fn sharded_forward_matches_reference_and_one_gpu() {
 #[test]
 fn sharded_forward_in_hidden_passes_with_the_gate_made_again() {
     let Some(one) = two_gpus() else { return };
-    let s = seed();
     let o = ShardOptions { chunk_matrices: 5, hidden_pass: Some(24), output_rows: Some(1000), memory_limit: None };
     for dir in [Direction::Outgoing, Direction::Incoming] {
-        check_with(&one, &problem(Formulation::Af3, dir, 2, 97, Precision::Bf16Io), true, 2, s, Some(o));
-        check_with(&one, &problem(Formulation::GpuMode, dir, 1, 64, Precision::F32Io), false, 2, s, Some(o));
+        check_with(&one, &problem(Formulation::Af3, dir, 2, 97, Precision::Bf16Io), Some(o));
+        check_with(&one, &problem(Formulation::GpuMode, dir, 1, 64, Precision::F32Io), Some(o));
         // B = 2 with N² a multiple of 8: the kernels' 16-byte accesses on each batch's rows,
         // the gate made again and stored by the last of several passes.
         let b2 = problem(Formulation::Af3, dir, 2, 64, Precision::Bf16Io);
-        check_with(&one, &b2, true, 2, s, Some(o));
-        check_with(&one, &b2, true, 2, s, Some(ShardOptions { output_rows: None, ..o }));
+        check_with(&one, &b2, Some(o));
+        check_with(&one, &b2, Some(ShardOptions { output_rows: None, ..o }));
         let in_place = problem(Formulation::Af3, dir, 1, 200, Precision::Bf16Io).in_place(true);
-        check_with(&one, &in_place, true, 2, s, Some(ShardOptions { output_rows: None, ..o }));
-        check_with(&one, &in_place, true, 2, s, Some(o));
+        check_with(&one, &in_place, Some(ShardOptions { output_rows: None, ..o }));
+        check_with(&one, &in_place, Some(o));
     }
 }
 
@@ -161,10 +157,9 @@ fn sharded_forward_in_hidden_passes_with_the_gate_made_again() {
 #[test]
 fn sharded_forward_at_unaligned_row_offsets() {
     let Some(one) = two_gpus() else { return };
-    let s = seed();
     for n in [200, 100] {
         for dir in [Direction::Outgoing, Direction::Incoming] {
-            check(&one, &problem(Formulation::Af3, dir, 1, n, Precision::Bf16Io), true, 2, s);
+            check(&one, &problem(Formulation::Af3, dir, 1, n, Precision::Bf16Io));
         }
     }
 }
@@ -173,11 +168,10 @@ fn sharded_forward_at_unaligned_row_offsets() {
 #[test]
 fn sharded_forward_at_n1024_and_in_place() {
     let Some(one) = two_gpus() else { return };
-    let s = seed();
     for dir in [Direction::Outgoing, Direction::Incoming] {
-        check(&one, &problem(Formulation::Af3, dir, 1, 1024, Precision::Bf16Io), true, 2, s);
+        check(&one, &problem(Formulation::Af3, dir, 1, 1024, Precision::Bf16Io));
     }
-    check(&one, &problem(Formulation::Af3, Direction::Incoming, 1, 256, Precision::Bf16Io).in_place(true), true, 2, s);
+    check(&one, &problem(Formulation::Af3, Direction::Incoming, 1, 256, Precision::Bf16Io).in_place(true));
 }
 
 /// A communicator made from a unique id, as ranks in separate processes make one (here two
