@@ -96,6 +96,11 @@ pub(crate) fn render(m: &Model<'_>, plots: &[Plot]) -> String {
     out
 }
 
+/// A section's heading (`## …` or `### …`) and its opening paragraph, each closed by a blank line.
+fn section(out: &mut String, heading: &str, intro: &str) {
+    let _ = writeln!(out, "{heading}\n\n{intro}\n");
+}
+
 fn plural(n: usize, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
@@ -314,11 +319,11 @@ fn anchors(m: &Model<'_>, out: &mut String) {
     if m.anchors.is_empty() {
         return;
     }
-    let _ = writeln!(out, "## Anchors\n");
-    let _ = writeln!(
+    section(
         out,
+        "## Anchors",
         "Times measured elsewhere and copied from the anchors file, not by these runs. Each is compared only with \
-         runs of its formulation and I/O precision (and device, where it names one).\n"
+         runs of its formulation and I/O precision (and device, where it names one).",
     );
     let mut lines = Vec::new();
     for a in m.anchors {
@@ -522,11 +527,11 @@ fn rows_of(s: &Suite<'_>, cols: &[usize]) -> Vec<usize> {
 }
 
 fn times(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
-    let _ = writeln!(out, "### Median time (ms)\n");
-    let _ = writeln!(
+    section(
         out,
+        "### Median time (ms)",
         "One table per formulation and I/O precision: runs appear only beside runs and anchors that computed \
-         the same thing with the same element type.\n"
+         the same thing with the same element type.",
     );
     for class in s.classes() {
         let cols = s.class_columns(&class);
@@ -659,10 +664,10 @@ fn between_runs(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
     if classes.is_empty() {
         return;
     }
-    let _ = writeln!(out, "### Speedups between runs\n");
-    let _ = writeln!(
+    section(
         out,
-        "Baseline time / run time (above 1×: faster than the baseline), within one formulation and I/O precision.\n"
+        "### Speedups between runs",
+        "Baseline time / run time (above 1×: faster than the baseline), within one formulation and I/O precision.",
     );
     for class in classes {
         let cols = s.class_columns(&class);
@@ -727,11 +732,11 @@ fn floors(m: &Model<'_>, s: &Suite<'_>, out: &mut String) {
 }
 
 fn throughput(s: &Suite<'_>, out: &mut String) {
-    let _ = writeln!(out, "### Throughput\n");
-    let _ = writeln!(
+    section(
         out,
+        "### Throughput",
         "TFLOP/s counts the FLOPs of SPEC.md's formula; GB/s counts x read and y written at the run's I/O precision \
-         (and the mask), so neither includes intermediate traffic.\n"
+         (and the mask), so neither includes intermediate traffic.",
     );
     let (t, _) = per_shape_table(s, &[("TFLOP/s", Align::Right), ("GB/s", Align::Right)], |r| {
         vec![cell(r.map(|r| r.tflops), |v| format!("{v:.2}")), cell(r.map(|r| r.gbs), |v| format!("{v:.1}"))]
@@ -740,8 +745,11 @@ fn throughput(s: &Suite<'_>, out: &mut String) {
 }
 
 fn spread(s: &Suite<'_>, out: &mut String) {
-    let _ = writeln!(out, "### Timing spread\n");
-    let _ = writeln!(out, "p10 – p90 of the timed calls in ms, with the fastest call and the number of calls.\n");
+    section(
+        out,
+        "### Timing spread",
+        "p10 – p90 of the timed calls in ms, with the fastest call and the number of calls.",
+    );
     let (t, _) = per_shape_table(s, &[("", Align::Right)], |r| {
         vec![match r {
             Some(r) => {
