@@ -674,7 +674,7 @@ fn write_puts_files_in_the_directory() {
 /// `gpumode` suite in both formulations and I/O precisions, the `long` suite (2048–4096 in one
 /// run, 6144 and 8192 in place in another, per formulation), and the CPU's `quick` run, all on
 /// the H100; then the H200's `gpumode` runs and its `long` gpumode f32 run (session 35).
-const COMMITTED: [&str; 14] = [
+const COMMITTED: [&str; 15] = [
     "h100-cuda-gpumode.json",
     "h100-cuda-af3.json",
     "h100-cuda-gpumode-bf16.json",
@@ -689,6 +689,7 @@ const COMMITTED: [&str; 14] = [
     "h200-s35-gpumode-bf16.json",
     "h200-s35-af3-bf16.json",
     "h200-s35-long-gpumode-f32.json",
+    "h200-s36-long-af3-bf16.json",
 ];
 
 /// docs/perf/report was generated with `trimul report` from [`COMMITTED`] (in that order, under
