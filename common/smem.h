@@ -46,6 +46,11 @@
 #define TM_WS_THREADS 1024
 #define TM_WS_ROWS 64
 #define TM_WS_SMEM (5 * 32768 + 2 * 16384 + 4 * 8192 + 2 * 256 + 1024 + 1024)
+// The register-operand build (16-bit x): a producer and two consumer warpgroups; weights 5 x 32
+// KB, x 2 x 16 KB, staging 4 x 8 KB, masks 2 x 256 bytes, LN_C's weight and bias 1024 bytes,
+// 1024 bytes to align the swizzled tiles.
+#define TM_RS_THREADS 384
+#define TM_RS_SMEM (5 * 32768 + 2 * 16384 + 4 * 8192 + 2 * 256 + 1024 + 1024)
 
 // ---- CUDA's fused output stage (cuda/output_projection.cu): 64 positions per block.
 #define TM_OP_ROWS 64

@@ -922,7 +922,7 @@ __device__ __forceinline__ void ws_store_wg(const TmInputParams& p, const IpLaun
     // right through L2; marked first to evict, its lines leave room for the left and right the
     // contraction reads first (H100: 256,2,128 −1 to −2 µs, 768,1,128 −0.5%, 1024 unchanged).
     const unsigned long long gate_policy = l2_evict_first();
-    const int gc0 = (chunk - l.n_gating) * IP_BN;
+    const int gc0 = (chunk - 4) * IP_BN;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int piece = t + 128 * i, r = piece >> 3, run = piece & 7;
@@ -1034,6 +1034,296 @@ __device__ __forceinline__ void input_projection_ws_body(const TmInputParams& p)
 #endif
 }
 
+// ---- The register-operand build (input_projection_sm90_rs): 16-bit x, C = H = 128, sm_90a,
+// the four gating chunks alone (af3's gate made from x by the output stage).
+// The warp-specialised build above keeps z in shared memory, so each of its m64n64 wgmmas reads
+// both operands from there (L1/shared 87% busy at N = 1024 on an H200), and its sixteen
+// 80-register consumer warps run MMA, epilogue and stores of a chunk one after another. Here a
+// block is three warpgroups, one per SM:
+//   warpgroup 0 (the producer, 40 registers) copies each 64-position tile of raw 16-bit x and its
+//     mask into one of two shared buffers (cp.async, the 128-byte swizzle), tile k into buffer
+//     k % 2;
+//   warpgroups 1 and 2 (the consumers, 232 registers) take the tiles alternately (tile k is
+//     consumer k % 2's, so each buffer has one reader). A consumer loads its tile with ldmatrix
+//     straight into the wgmma A-fragment layout (a warp's 16 positions, a thread two of them and
+//     32 channels of each), keeps the mask in registers, hands the buffer back, computes LN_C in
+//     registers (the four threads of a quad share a position: two shuffles per statistic) and
+//     keeps z as 32 f16x2 registers. Every gating chunk is then 8 m64n128k16 wgmmas with A from
+//     registers and B (the resident weights) from shared memory, into one of two accumulator
+//     sets, so that chunk c + 1's MMAs run while chunk c's epilogue gates, stages and stores.
+// Measured faster than the warp-specialised build without the gate; with the gate chunk too (two
+// staging passes by one warpgroup after the last MMAs) it was slower, so that build keeps the
+// launches that store the gate (docs/perf/NOTES.md, thirty-sixth session).
+// Not bit for bit the other builds: LN_C's sums are taken in another order (tests/cuda.rs).
+#define RS_THREADS 384
+#define RS_BM 64
+#define RS_X_BYTES (RS_BM * 128 * 2)  // one tile of 16-bit x: two 64-channel atoms of [64][128 B]
+#define RS_STAGE_BYTES 8192           // one staging buffer; two per consumer
+#define RS_SMEM_BYTES (WS_W_BYTES + 2 * RS_X_BYTES + 4 * RS_STAGE_BYTES + 2 * RS_BM * 4 + 2 * 128 * 4 + 1024)
+static_assert(RS_SMEM_BYTES == TM_RS_SMEM && RS_THREADS == TM_RS_THREADS && RS_BM == TM_WS_ROWS, "common/smem.h");
+
+// Named barriers (0 is __syncthreads): buffer w full (the producer arrives, consumer w waits),
+// buffer w empty (consumer w arrives, the producer waits), and consumer w's own 128 threads.
+__device__ __forceinline__ int rs_full(int w) { return 1 + w; }
+__device__ __forceinline__ int rs_empty(int w) { return 3 + w; }
+__device__ __forceinline__ int rs_group(int w) { return 5 + w; }
+
+// Arrives at barrier `id` once s0 and s1 exist: they are sums of every value this thread loaded
+// from the buffer the barrier hands back, so its ldmatrix reads are complete when the producer
+// may overwrite it (an arrive alone does not wait for loads in flight).
+__device__ __forceinline__ void rs_release(int id, float s0, float s1) {
+  asm volatile("bar.arrive %0, 256;" ::"r"(id), "f"(s0), "f"(s1) : "memory");
+}
+
+// Two 16-bit values of x (bf16 or f16 as IO says) widened to f32.
+template <int IO>
+__device__ __forceinline__ float2 rs_widen2(unsigned w) {
+  if (IO == TM_IO_BF16) return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+  return make_float2(tm_lo(w), tm_hi(w));
+}
+
+// The producer: tile k's 64 rows of x (16 pieces of 16 bytes each) into buffer k % 2 in the
+// 128-byte swizzle, and its mask, once consumer k % 2 has handed back tile k - 2's.
+__device__ __forceinline__ void rs_produce(const TmInputParams& p, unsigned char* xbuf, float* smask, int n_k) {
+  const unsigned t = threadIdx.x;  // 0 .. 127
+  for (int k = 0; k < n_k; ++k) {
+    const int w = k & 1;
+    if (k >= 2) ws_bar_sync(rs_empty(w), 256);
+    const tm_i64 tile0 = ws_tile0(p, k);
+    const unsigned xs = mma_smem_addr(xbuf + w * RS_X_BYTES);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int piece = (int)t + 128 * i, r = piece >> 4, c = (piece & 15) * 8;
+      mma_cp_async16(xs + wgmma_sw128_offset<RS_BM>(r, c), (const unsigned short*)p.x + (tile0 + r) * 128 + c);
+    }
+    asm volatile("cp.async.commit_group;");
+    if (t < RS_BM) smask[w * RS_BM + t] = p.mask ? p.mask[tile0 + t] : 1.f;
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    ws_bar_arrive(rs_full(w), 256);
+  }
+  // Match each consumer's last hand-backs, so that no barrier is left part-way.
+  for (int k = n_k < 2 ? 2 : n_k; k < n_k + 2; ++k) ws_bar_sync(rs_empty(k & 1), 256);
+}
+
+#if defined(TM_HAS_WGMMA)
+// One column chunk's 8 k16 steps into acc (A: z in registers; B: the chunk's weights, both K
+// slices), committed as one group.
+__device__ __forceinline__ void rs_mma_chunk(float (&acc)[64], const unsigned (&a)[8][4], unsigned long long b_desc,
+                                             int chunk) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    wgmma_m64n128k16_rs(acc, a[kk], b_desc + (((chunk * 2 + (kk >> 2)) * WS_SLICE_BYTES) >> 4) + (kk & 3) * 2,
+                        kk != 0);
+  }
+  wgmma_commit();
+}
+
+// Where this thread stores a gating chunk's left and right: piece i of its four (i = 0, 1: left,
+// 2, 3: right) is channel t / 8 + 16·(i % 2) of the chunk, positions 8·(t % 8) .. of the tile.
+// The pointers advance by 32 channels per chunk, so each chunk adds one offset instead of
+// computing four 64-bit addresses (which ptxas kept for every chunk and spilled).
+struct RsOut {
+  tm_half* left;
+  tm_half* right;
+  tm_i64 ch16;  // 16 channels apart
+  tm_i64 ch32;
+};
+
+// A gating chunk's epilogue: left and right of its 32 channels gated and masked, staged
+// transposed into `st` (rows 0-31 left's channels, 32-63 right's, each row the tile's 64
+// positions as 128 bytes whose 16-byte pieces are permuted by XOR with row % 8), then stored as
+// 16-byte runs along positions. The accumulator layout is ip_epilogue_sm90's for BM = 128.
+template <bool HAS_BIAS>
+__device__ __forceinline__ void rs_gating_epilogue(const float (&acc)[64], const TmInputParams& p, RsOut& o,
+                                                   int chunk, unsigned char* st, float m0, float m1, int w) {
+  const unsigned t = threadIdx.x & 127;
+  const int lane = t & 31, wq = t >> 5, tig = lane & 3, tile = lane >> 3, trow = lane & 7;
+  const float* bias = p.w_in_bias + chunk * IP_BN;
+  const unsigned st_base =
+      mma_smem_addr(st) + ((tile < 2 ? 0 : 32) + trow) * 128 + (((2 * wq + (tile & 1)) ^ trow) << 4);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // blocks of 8 channels [lp | lg | rp | rg]
+    unsigned lr[2][2];           // [left, right][row g, row g + 8]
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float v[4][2];
+#pragma unroll
+      for (int sct = 0; sct < 4; ++sct) {
+        const float2 b = ip_add_bias2<HAS_BIAS>(bias, q * 32 + 8 * sct + 2 * tig, acc[(4 * q + sct) * 4 + 2 * hf],
+                                                acc[(4 * q + sct) * 4 + 2 * hf + 1]);
+        v[sct][0] = b.x;
+        v[sct][1] = b.y;
+      }
+      const float m = hf ? m1 : m0;
+      lr[0][hf] = ip_gated2(v[0][0], v[0][1], v[1][0], v[1][1], m);
+      lr[1][hf] = ip_gated2(v[2][0], v[2][1], v[3][0], v[3][1], m);
+    }
+    stmatrix_x4_trans(st_base + q * 8 * 128, lr[0][0], lr[0][1], lr[1][0], lr[1][1]);
+  }
+  ws_bar_sync(rs_group(w), 128);
+  // Piece i's row of the staging is t / 8 + 16·i: the same swizzle (row % 8) for all four.
+  const unsigned char* src = st + (t >> 3) * 128 + (((t & 7) ^ ((t >> 3) & 7)) << 4);
+  const uint4 l0 = *(const uint4*)src, l1 = *(const uint4*)(src + 2048);
+  const uint4 r0 = *(const uint4*)(src + 4096), r1 = *(const uint4*)(src + 6144);
+  *(uint4*)o.left = l0;
+  *(uint4*)(o.left + o.ch16) = l1;
+  *(uint4*)o.right = r0;
+  *(uint4*)(o.right + o.ch16) = r1;
+  o.left += o.ch32;
+  o.right += o.ch32;
+}
+
+// Chunk c's epilogue from accumulator set c % 2, while chunk c + 1's MMAs (issued first) run.
+// Unrolled into straight-line code, so that ptxas sees which accumulator set each epilogue reads
+// and does not serialise the wgmmas.
+template <bool HAS_BIAS>
+__device__ __forceinline__ void rs_chunks(float (&acc)[2][64], const unsigned (&a)[8][4], unsigned long long b_desc,
+                                          const TmInputParams& p, RsOut o, unsigned char* st, float m0, float m1,
+                                          int w) {
+  rs_mma_chunk(acc[0], a, b_desc, 0);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    if (c + 1 < 4) {
+      rs_mma_chunk(acc[(c + 1) & 1], a, b_desc, c + 1);
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
+    rs_gating_epilogue<HAS_BIAS>(acc[c & 1], p, o, c, st + (c & 1) * RS_STAGE_BYTES, m0, m1, w);
+  }
+}
+
+// Consumer w's loop over tiles w, w + 2, ...
+template <int IO>
+__device__ __forceinline__ void rs_consume(const TmInputParams& p, const unsigned char* wts,
+                                           const unsigned char* xbuf, const float* smask_all, const float* ln_wb,
+                                           unsigned char* stage_all, int n_k, int w) {
+  const unsigned t = threadIdx.x & 127;
+  const int lane = t & 31, wq = t >> 5, g = lane >> 2;
+  const unsigned xs = mma_smem_addr(xbuf + w * RS_X_BYTES);
+  const float* smask = smask_all + w * RS_BM;
+  unsigned char* st = stage_all + w * 2 * RS_STAGE_BYTES;
+  const unsigned long long b_desc = wgmma_desc_sw128(mma_smem_addr(wts));
+  // ldmatrix.x4 of k16 step j: lane L addresses row L % 8 (+ 8 for L / 8 odd) of the warp's 16,
+  // channel 16·j + 8·(L / 16); registers 0-3 are then the A fragment's (rows g, g + 8; channels
+  // 2·(L % 4) + {0, 1}, + 8).
+  const int lrow = 16 * wq + (lane & 7) + 8 * ((lane >> 3) & 1), lcol = 8 * (lane >> 4);
+  const int c2 = 2 * (lane & 3);  // this thread's first channel of each 8
+  for (int k = w; k < n_k; k += 2) {
+    const tm_i64 tile0 = ws_tile0(p, k);
+    ws_bar_sync(rs_full(w), 256);
+    unsigned a[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      mma_ldmatrix_x4(xs + wgmma_sw128_offset<RS_BM>(lrow, 16 * j + lcol), a[j][0], a[j][1], a[j][2], a[j][3]);
+    }
+    const float m0 = smask[16 * wq + g], m1 = smask[16 * wq + g + 8];
+    float2 v[8][4];  // [k16 step][register]: registers 0, 2 are row g, 1, 3 row g + 8
+    // Sums in four partial chains per row (one per pair of k16 steps), so that their adds
+    // overlap instead of running as one chain of 32.
+    float part[2][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        v[j][r] = rs_widen2<IO>(a[j][r]);
+        const float pair = v[j][r].x + v[j][r].y;
+        part[r & 1][j & 3] = j < 4 && r < 2 ? pair : part[r & 1][j & 3] + pair;
+      }
+    float s[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) s[hf] = (part[hf][0] + part[hf][1]) + (part[hf][2] + part[hf][3]);
+    rs_release(rs_empty(w), s[0], s[1]);
+    float mean[2], rstd[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      s[hf] += __shfl_xor_sync(0xffffffffu, s[hf], 1);
+      s[hf] += __shfl_xor_sync(0xffffffffu, s[hf], 2);
+      mean[hf] = s[hf] * (1.f / 128.f);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float d0 = v[j][r].x - mean[r & 1], d1 = v[j][r].y - mean[r & 1];
+        const float q = d0 * d0 + d1 * d1;
+        part[r & 1][j & 3] = j < 4 && r < 2 ? q : part[r & 1][j & 3] + q;
+      }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      rstd[hf] = (part[hf][0] + part[hf][1]) + (part[hf][2] + part[hf][3]);
+      rstd[hf] += __shfl_xor_sync(0xffffffffu, rstd[hf], 1);
+      rstd[hf] += __shfl_xor_sync(0xffffffffu, rstd[hf], 2);
+      rstd[hf] = tm_rsqrt(rstd[hf] * (1.f / 128.f) + p.eps);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int c = 16 * j + 8 * (r >> 1) + c2;
+        const float2 wn = *(const float2*)(ln_wb + c), bn = *(const float2*)(ln_wb + 128 + c);
+        const float mu = mean[r & 1], rs = rstd[r & 1];
+        a[j][r] = mma_pack_h2((v[j][r].x - mu) * rs * wn.x + bn.x, (v[j][r].y - mu) * rs * wn.y + bn.y);
+      }
+    // The tile's first store positions (ws_launch's arithmetic: the tile lies in one batch).
+    const IpLaunch l = ws_launch(p, tile0);
+    const tm_i64 first = l.tb0 * l.lr_h * l.ms + l.trem0 + (t & 7) * 8 + (tm_i64)(t >> 3) * l.ms;
+    const RsOut o{p.left + first, p.right + first, 16 * l.ms, 32 * l.ms};
+    // Declared per tile: the wgmmas' first k-step overwrites them, so nothing carries over and
+    // they are not live during the next tile's LayerNorm.
+    float acc[2][64];
+    if (p.w_in_bias) {
+      rs_chunks<true>(acc, a, b_desc, p, o, st, m0, m1, w);
+    } else {
+      rs_chunks<false>(acc, a, b_desc, p, o, st, m0, m1, w);
+    }
+  }
+}
+#endif
+
+// Shapes as the warp-specialised build's (the host checks), with 16-bit x.
+template <int IO>
+__device__ __forceinline__ void input_projection_rs_body(const TmInputParams& p) {
+#if defined(TM_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char rs_smem[];
+  unsigned char* wts = rs_smem + ((1024u - (mma_smem_addr(rs_smem) & 1023u)) & 1023u);  // [5][2][128][128 B], 4 used
+  unsigned char* xbuf = wts + WS_W_BYTES;                                           // [2][2 atoms][64][128 B]
+  unsigned char* stage_all = xbuf + 2 * RS_X_BYTES;                                 // [2 consumers][2][8 KB]
+  float* smask = (float*)(stage_all + 4 * RS_STAGE_BYTES);                          // [2][64]
+  float* ln_wb = smask + 2 * RS_BM;                                                 // LN_C weight, bias
+  // The gating chunks' weights, once, as the warp-specialised build loads them. Before pdl_wait:
+  // the weights are no other kernel's output.
+  for (int i = threadIdx.x; i < 4 * 2 * 1024; i += RS_THREADS) {
+    const int s = i >> 10, row = (i >> 3) & 127, c16 = i & 7, chunk = s >> 1, ks = s & 1;
+    const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * 128 + ks * IP_BK + c16 * 8;
+    mma_cp_async16(mma_smem_addr(wts) + wgmma_sw128_offset<128>(row, s * 64 + c16 * 8), src);
+  }
+  asm volatile("cp.async.commit_group;");
+  if (threadIdx.x < 256) {
+    ln_wb[threadIdx.x] = threadIdx.x < 128 ? p.norm_in_w[threadIdx.x] : p.norm_in_b[threadIdx.x - 128];
+  }
+  const int tiles = (int)(p.rows / RS_BM);
+  const int n_k = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+  pdl_wait();
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  fence_proxy_async();  // the weights, visible to the tensor cores
+  __syncthreads();
+  // 384 threads at 168 registers: the producer gives back 128 x (168 - 40), the consumers take
+  // 256 x (232 - 168).
+  const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x >> 7), 0);
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    rs_produce(p, xbuf, smask, n_k);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    rs_consume<IO>(p, wts, xbuf, smask, ln_wb, stage_all, n_k, wg - 1);
+  }
+#else
+  __trap();
+#endif
+}
+
 // k_pad <= 128: two blocks per SM (registers capped at 128, which the small LN prologue allows
 // without spilling)...
 extern "C" __global__ void __launch_bounds__(IP_THREADS, 2) input_projection(const TmInputParams p) {
@@ -1076,5 +1366,14 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) input_projection_sm9
     input_projection_ws_body<TM_IO_F16>(p);
   } else {
     input_projection_ws_body<TM_IO_F32>(p);
+  }
+}
+
+// ...and the register-operand build for 16-bit x at C = H = 128 (above), one block per SM.
+extern "C" __global__ void __launch_bounds__(RS_THREADS, 1) input_projection_sm90_rs(const TmInputParams p) {
+  if (p.io_dtype == TM_IO_BF16) {
+    input_projection_rs_body<TM_IO_BF16>(p);
+  } else {
+    input_projection_rs_body<TM_IO_F16>(p);
   }
 }

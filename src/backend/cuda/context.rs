@@ -74,6 +74,9 @@ pub(super) struct Inner {
     pub(super) fused_input: AtomicBool,
     /// Whether the warp-specialised input build runs where it applies (`set_warp_specialised`).
     pub(super) warp_specialised: AtomicBool,
+    /// Whether that build's 16-bit launches without the gate chunk take the register-operand
+    /// build instead (`set_register_operand_input`).
+    pub(super) register_operand_input: AtomicBool,
     pub(super) fused_output: AtomicBool,
     pub(super) warpgroup_mma: AtomicBool,
     /// Measured per-shape choices (`trimul tune`) for this GPU's architecture.
@@ -92,6 +95,8 @@ pub(super) struct Inner {
     pub(super) resident_launches: std::sync::atomic::AtomicU64,
     /// Launches of the warp-specialised input build so far (as `resident_launches`).
     pub(super) ws_launches: std::sync::atomic::AtomicU64,
+    /// Launches of the register-operand input build so far (as `resident_launches`).
+    pub(super) rs_launches: std::sync::atomic::AtomicU64,
     /// Where one-pass forwards get af3's output gate ([`OutputGate`] as a u8; the environment's
     /// `TRIMUL_CUDA_OUTPUT_GATE` sets the first value).
     pub(super) output_gate: std::sync::atomic::AtomicU8,

@@ -528,8 +528,14 @@ impl CudaBackend {
                         && f.layout.g_pad == 128
                         && self.blocks_fit(1, WS_SMEM_BYTES as usize)
                 });
+                let rs = k
+                    .input_projection_sm90_rs
+                    .as_ref()
+                    .filter(|_| self.inner.register_operand_input.load(Ordering::Relaxed))
+                    .map(|stage| (stage, &self.inner.rs_launches));
                 let ws = ws.map(|stage| WsBuild {
                     stage,
+                    rs,
                     sms: self.inner.info.compute_units,
                     launches: &self.inner.ws_launches,
                 });

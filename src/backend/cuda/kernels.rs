@@ -44,6 +44,9 @@ pub(crate) struct Kernels {
     /// The warp-specialised persistent wgmma build (C = H = 128, one block of 1024 threads per
     /// SM, weights resident).
     pub input_projection_sm90_ws: Option<Stage>,
+    /// Its register-operand form for 16-bit x without the gate chunk (three warpgroups, z in
+    /// registers as the wgmma A operand).
+    pub input_projection_sm90_rs: Option<Stage>,
     /// LN_H + gate + output projection in one kernel (`cuda/output_projection.cu`); sm_80+.
     pub output_projection: Option<Stage>,
     /// Its resident form: Wout loaded once per block, blocks walking tiles with the next tile's
@@ -204,6 +207,7 @@ impl Kernels {
             input_projection_sm90_mid: None,
             input_projection_sm90_narrow64: None,
             input_projection_sm90_ws: None,
+            input_projection_sm90_rs: None,
             output_projection: None,
             output_projection_resident: None,
             output_projection_sm90_xgate: None,
@@ -236,6 +240,7 @@ impl Kernels {
         let input_projection_sm90_mid = sm90("_mid")?;
         let input_projection_sm90_narrow64 = sm90("_narrow64")?;
         let input_projection_sm90_ws = sm90("_ws")?;
+        let input_projection_sm90_rs = sm90("_rs")?;
         let k = Kernels {
             input_projection,
             input_projection_wide,
@@ -244,6 +249,7 @@ impl Kernels {
             input_projection_sm90_mid,
             input_projection_sm90_narrow64,
             input_projection_sm90_ws,
+            input_projection_sm90_rs,
             output_projection,
             output_projection_resident,
             output_projection_sm90_xgate,

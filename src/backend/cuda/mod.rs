@@ -174,6 +174,9 @@ impl CudaBackend {
                 poison: AtomicBool::new(false),
                 fused_input: AtomicBool::new(true),
                 warp_specialised: AtomicBool::new(std::env::var("TRIMUL_CUDA_WS").map_or(true, |v| v.trim() != "0")),
+                register_operand_input: AtomicBool::new(
+                    std::env::var("TRIMUL_CUDA_INPUT_RS").map_or(true, |v| v.trim() != "0"),
+                ),
                 fused_output: AtomicBool::new(true),
                 // `TRIMUL_CUDA_WGMMA=0` starts with the mma.sync input kernel, to compare the two.
                 warpgroup_mma: AtomicBool::new(std::env::var("TRIMUL_CUDA_WGMMA").map_or(true, |v| v.trim() != "0")),
@@ -189,6 +192,7 @@ impl CudaBackend {
                 ),
                 resident_launches: std::sync::atomic::AtomicU64::new(0),
                 ws_launches: std::sync::atomic::AtomicU64::new(0),
+                rs_launches: std::sync::atomic::AtomicU64::new(0),
                 output_gate: std::sync::atomic::AtomicU8::new(OutputGate::from_env() as u8),
                 xgate_launches: std::sync::atomic::AtomicU64::new(0),
                 launch_graphs: AtomicBool::new(std::env::var("TRIMUL_CUDA_GRAPHS").is_ok_and(|v| v.trim() == "1")),
@@ -259,6 +263,16 @@ impl CudaBackend {
     /// three-blocks-per-SM builds, to test and compare them.
     pub fn set_warp_specialised(&self, on: bool) {
         self.inner.warp_specialised.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the warp-specialised input build's launches with 16-bit x and no gate chunk (the
+    /// output stage making af3's gate from x: [`OutputGate::FromX`], or [`OutputGate::Auto`] where
+    /// memory is short) take its register-operand form (`input_projection_sm90_rs`: z kept in
+    /// registers as the MMAs' A operand, a chunk's MMAs overlapping the previous chunk's
+    /// epilogue). Default on, or off when the environment has `TRIMUL_CUDA_INPUT_RS=0`, to
+    /// compare. Layers plan new workspaces on their next forward.
+    pub fn set_register_operand_input(&self, on: bool) {
+        self.inner.register_operand_input.store(on, Ordering::Relaxed);
     }
 
     /// The per-shape choices (see [`TuningTable`]) forwards of `problem` use: the override, else the
@@ -344,10 +358,17 @@ impl CudaBackend {
     /// other switches is planned again rather than run with kernels it has no buffers for.
     fn switches(&self) -> u8 {
         let i = &self.inner;
-        [&i.fused_input, &i.warp_specialised, &i.fused_output, &i.warpgroup_mma, &i.resident_output]
-            .iter()
-            .enumerate()
-            .fold(0, |bits, (k, flag)| bits | (u8::from(flag.load(Ordering::Relaxed)) << k))
+        [
+            &i.fused_input,
+            &i.warp_specialised,
+            &i.fused_output,
+            &i.warpgroup_mma,
+            &i.resident_output,
+            &i.register_operand_input,
+        ]
+        .iter()
+        .enumerate()
+        .fold(0, |bits, (k, flag)| bits | (u8::from(flag.load(Ordering::Relaxed)) << k))
     }
 
     /// A workspace of `plan` for `problem` in this backend's own memory, made for no weights in
@@ -383,6 +404,12 @@ impl CudaBackend {
     /// How many times this backend has launched the warp-specialised input build.
     pub fn warp_specialised_launches(&self) -> u64 {
         self.inner.ws_launches.load(Ordering::Relaxed)
+    }
+
+    /// How many times this backend has launched the register-operand input build (counted also
+    /// as warp-specialised launches: it takes theirs).
+    pub fn register_operand_launches(&self) -> u64 {
+        self.inner.rs_launches.load(Ordering::Relaxed)
     }
 
     /// Why this GPU cannot run `problem` with 16-bit x and y, if it cannot: only the fused

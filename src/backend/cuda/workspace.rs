@@ -97,6 +97,12 @@ impl FusedKernel<'_> {
         if let Some(ws) = self.ws.filter(|ws| ws.takes(rows, kp)) {
             let grid = (rows / WS_ROWS).min(ws.sms as usize) as u32;
             launch_graph::count(ws.launches);
+            // The register-operand form takes the 16-bit launches without the gate chunk.
+            if let Some((rs, launches)) = ws.rs.filter(|_| kp.common.io_dtype() != params::IO_F32 && kp.chunk_end == 4)
+            {
+                launch_graph::count(launches);
+                return rs.launch_dependent(grid, RS_THREADS, WS_SMEM_BYTES, stream, kp, self.pdl);
+            }
             return ws.stage.launch_dependent(grid, WS_THREADS, WS_SMEM_BYTES, stream, kp, self.pdl);
         }
         let b = match self.f32_x {
@@ -113,6 +119,9 @@ impl FusedKernel<'_> {
 #[derive(Copy, Clone)]
 pub(super) struct WsBuild<'a> {
     pub(super) stage: &'a kernels::Stage,
+    /// Its register-operand form (`input_projection_sm90_rs`), which takes the launches with
+    /// 16-bit x and the four gating chunks alone, and that build's launch counter.
+    pub(super) rs: Option<(&'a kernels::Stage, &'a std::sync::atomic::AtomicU64)>,
     pub(super) sms: u32,
     pub(super) launches: &'a std::sync::atomic::AtomicU64,
 }
@@ -121,6 +130,10 @@ pub(super) const WS_THREADS: u32 = geometry::TM_WS_THREADS as u32;
 pub(super) const WS_ROWS: usize = geometry::TM_WS_ROWS;
 /// All weights, z, staging, masks and LN_C's parameters: 226.5 KB of the SM's 227.
 pub(super) const WS_SMEM_BYTES: u32 = geometry::TM_WS_SMEM as u32;
+/// The register-operand build's block: a producer and two consumer warpgroups. Its shared
+/// memory is the same 226.5 KB (`TM_RS_SMEM`, checked equal below).
+pub(super) const RS_THREADS: u32 = geometry::TM_RS_THREADS as u32;
+const _: () = assert!(geometry::TM_RS_SMEM == geometry::TM_WS_SMEM);
 
 impl WsBuild<'_> {
     /// Whether the build takes this launch: C = H = G = 128 (checked with the layout), every
