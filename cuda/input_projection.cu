@@ -461,6 +461,29 @@ __device__ __forceinline__ void ip_epilogue_mma(const float (&acc)[2][8][4], con
   }
 }
 
+// Left and right of one block of 8 channels [lp | lg | rp | rg] (the chunk's columns 32·q ..)
+// from a warpgroup's wgmma accumulators (acc[4j + e] is n8 tile j; the block's first tile is
+// 4·qa), for this thread's rows g and g + 8: lr[left, right][row g, row g + 8] as f16 pairs, the
+// bias added, gated and masked.
+template <bool HAS_BIAS, int NACC>
+__device__ __forceinline__ void ip_gated_block(const float (&acc)[NACC], const float* bias, int q, int qa, int tig,
+                                               float m0, float m1, unsigned (&lr)[2][2]) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float v[4][2];
+#pragma unroll
+    for (int sct = 0; sct < 4; ++sct) {
+      const float2 b = ip_add_bias2<HAS_BIAS>(bias, q * 32 + 8 * sct + 2 * tig, acc[(4 * qa + sct) * 4 + 2 * hf],
+                                              acc[(4 * qa + sct) * 4 + 2 * hf + 1]);
+      v[sct][0] = b.x;
+      v[sct][1] = b.y;
+    }
+    const float m = hf ? m1 : m0;
+    lr[0][hf] = ip_gated2(v[0][0], v[0][1], v[1][0], v[1][1], m);
+    lr[1][hf] = ip_gated2(v[2][0], v[2][1], v[3][0], v[3][1], m);
+  }
+}
+
 // Epilogue of one column chunk, wgmma build (staging only; ip_store_chunk stores). BM = 128:
 // warpgroup wg owns rows 64·wg .. and all 128 columns; BM = 64: both own the 64 rows and
 // warpgroup wg the columns 64·wg ... A warp holds 16 rows x NW columns, acc[4j + e] being n8
@@ -497,21 +520,8 @@ __device__ __forceinline__ void ip_epilogue_sm90(const float (&acc)[BM == 128 ? 
 #pragma unroll
     for (int qq = 0; qq < NW / 32; ++qq) {  // the warpgroup's blocks of 8 channels [lp | lg | rp | rg]
       const int q = col0 / 32 + qq;
-      unsigned lr[2][2];  // [left, right][row g, row g + 8]
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        float v[4][2];
-#pragma unroll
-        for (int sct = 0; sct < 4; ++sct) {
-          const float2 b = ip_add_bias2<HAS_BIAS>(bias, q * 32 + 8 * sct + 2 * tig, acc[(4 * qq + sct) * 4 + 2 * hf],
-                                                  acc[(4 * qq + sct) * 4 + 2 * hf + 1]);
-          v[sct][0] = b.x;
-          v[sct][1] = b.y;
-        }
-        const float m = hf ? m1 : m0;
-        lr[0][hf] = ip_gated2(v[0][0], v[0][1], v[1][0], v[1][1], m);
-        lr[1][hf] = ip_gated2(v[2][0], v[2][1], v[3][0], v[3][1], m);
-      }
+      unsigned lr[2][2];
+      ip_gated_block<HAS_BIAS>(acc, bias, q, qq, tig, m0, m1, lr);
       stmatrix_x4_trans(st_base + (WG_STAGE ? qq * 8 * 128 : q * 8 * (BM + 8) * 2), lr[0][0], lr[0][1], lr[1][0],
                         lr[1][1]);
     }
@@ -1144,21 +1154,8 @@ __device__ __forceinline__ void rs_gating_epilogue(const float (&acc)[64], const
       mma_smem_addr(st) + ((tile < 2 ? 0 : 32) + trow) * 128 + (((2 * wq + (tile & 1)) ^ trow) << 4);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {  // blocks of 8 channels [lp | lg | rp | rg]
-    unsigned lr[2][2];           // [left, right][row g, row g + 8]
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float v[4][2];
-#pragma unroll
-      for (int sct = 0; sct < 4; ++sct) {
-        const float2 b = ip_add_bias2<HAS_BIAS>(bias, q * 32 + 8 * sct + 2 * tig, acc[(4 * q + sct) * 4 + 2 * hf],
-                                                acc[(4 * q + sct) * 4 + 2 * hf + 1]);
-        v[sct][0] = b.x;
-        v[sct][1] = b.y;
-      }
-      const float m = hf ? m1 : m0;
-      lr[0][hf] = ip_gated2(v[0][0], v[0][1], v[1][0], v[1][1], m);
-      lr[1][hf] = ip_gated2(v[2][0], v[2][1], v[3][0], v[3][1], m);
-    }
+    unsigned lr[2][2];
+    ip_gated_block<HAS_BIAS>(acc, bias, q, q, tig, m0, m1, lr);
     stmatrix_x4_trans(st_base + q * 8 * 128, lr[0][0], lr[0][1], lr[1][0], lr[1][1]);
   }
   ws_bar_sync(rs_group(w), 128);

@@ -273,6 +273,14 @@ fn path_on_and_off_agree(
     );
 }
 
+/// The formulations, directions and biases the kernel-path tests run: gpumode, and af3 with
+/// biases and without, both directions between them.
+const FORMS: [(Formulation, Direction, bool); 3] = [
+    (Formulation::GpuMode, Direction::Outgoing, false),
+    (Formulation::Af3, Direction::Incoming, true),
+    (Formulation::Af3, Direction::Outgoing, false),
+];
+
 /// C = H = 128 shapes for the sm_90a kernels that take only whole 64-position tiles inside a
 /// batch, and whether they take each on `b` (none on a GPU that is not sm_90a): N = 96, B = 2 (288
 /// tiles, two or three per block on an H100), N = 64 with Cauchy inputs, N = 48 unmasked, and
@@ -332,11 +340,7 @@ fn register_operand_input_build_matches_reference_and_warp_specialised_build() {
     let Some(b) = cuda() else { return };
     let s = seed();
     for (k, (case, takes)) in whole_tile_cases(&b).iter().enumerate() {
-        for (f, dir, biases) in [
-            (Formulation::GpuMode, Direction::Outgoing, false),
-            (Formulation::Af3, Direction::Incoming, true),
-            (Formulation::Af3, Direction::Outgoing, false),
-        ] {
+        for (f, dir, biases) in FORMS {
             for gate in [OutputGate::FromX, OutputGate::Stored] {
                 b.set_output_gate(gate);
                 let path = Path {
@@ -375,11 +379,7 @@ fn resident_output_kernel_matches_plain_kernel_bit_for_bit() {
             takes: true,
             bitwise: true,
         };
-        for (f, dir, biases) in [
-            (Formulation::GpuMode, Direction::Outgoing, false),
-            (Formulation::Af3, Direction::Incoming, true),
-            (Formulation::Af3, Direction::Outgoing, false),
-        ] {
+        for (f, dir, biases) in FORMS {
             for io in [Precision::F32Io, Precision::Bf16Io, Precision::F16Io] {
                 path_on_and_off_agree(&b, case, f, dir, biases, io, s ^ k as u64, &path);
             }
@@ -611,11 +611,7 @@ fn output_gate_from_x_matches_reference_and_stored_gate() {
     b.set_register_operand_input(false);
     let s = seed();
     for (k, (case, takes)) in whole_tile_cases(&b).iter().enumerate() {
-        for (f, dir, biases) in [
-            (Formulation::GpuMode, Direction::Outgoing, false),
-            (Formulation::Af3, Direction::Incoming, true),
-            (Formulation::Af3, Direction::Outgoing, false),
-        ] {
+        for (f, dir, biases) in FORMS {
             let takes = *takes && f == Formulation::Af3;
             for io in [Precision::Bf16Io, Precision::F16Io] {
                 let what = format!("{} {f} {dir} biases {biases} {io}", case.name());
