@@ -1078,13 +1078,6 @@ __device__ __forceinline__ int rs_full(int w) { return 1 + w; }
 __device__ __forceinline__ int rs_empty(int w) { return 3 + w; }
 __device__ __forceinline__ int rs_group(int w) { return 5 + w; }
 
-// Arrives at barrier `id` once s0 and s1 exist: they are sums of every value this thread loaded
-// from the buffer the barrier hands back, so its ldmatrix reads are complete when the producer
-// may overwrite it (an arrive alone does not wait for loads in flight).
-__device__ __forceinline__ void rs_release(int id, float s0, float s1) {
-  asm volatile("bar.arrive %0, 256;" ::"r"(id), "f"(s0), "f"(s1) : "memory");
-}
-
 // Two 16-bit values of x (bf16 or f16 as IO says) widened to f32.
 template <int IO>
 __device__ __forceinline__ float2 rs_widen2(unsigned w) {
@@ -1231,7 +1224,10 @@ __device__ __forceinline__ void rs_consume(const TmInputParams& p, const unsigne
     float s[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) s[hf] = (part[hf][0] + part[hf][1]) + (part[hf][2] + part[hf][3]);
-    rs_release(rs_empty(w), s[0], s[1]);
+    // The buffer back to the producer: in PTX's memory model a barrier's arrive orders this
+    // thread's earlier shared-memory reads (the ldmatrix and the mask) before the accesses that
+    // follow the producer's bar.sync on the same barrier, so its next copy cannot overwrite them.
+    ws_bar_arrive(rs_empty(w), 256);
     float mean[2], rstd[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {

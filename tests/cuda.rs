@@ -201,8 +201,8 @@ struct Path<'a> {
     switch: &'a dyn Fn(bool),
     launches: &'a dyn Fn() -> u64,
     takes: bool,
-    /// Whether on and off must give the same bits; otherwise y's relative L2 difference must be
-    /// within `MAX_REL_L2` (a path that sums in another order).
+    /// Whether on and off must give the same bits where the path runs; otherwise y's relative L2
+    /// difference must be within 1e-3 (a path that sums in another order).
     bitwise: bool,
 }
 
@@ -242,12 +242,26 @@ fn path_on_and_off_agree(
     }
     (path.switch)(true);
     let differ = bits[0].iter().zip(&bits[1]).filter(|(a, b)| a != b).count();
-    if !path.bitwise {
-        // Where 16-bit y overflows (Cauchy x), both must; the finite values are compared.
-        let inf = ys[0].iter().zip(&ys[1]).filter(|(a, b)| a.is_finite() != b.is_finite()).count();
-        assert_eq!(inf, 0, "{} {f} {dir} {io} seed {seed}: {} on and off overflow apart", case.name(), path.name);
-        let finite = ys[0].iter().zip(&ys[1]).filter(|(a, b)| a.is_finite() && b.is_finite());
-        let (d2, r2) = finite.fold((0f64, 0f64), |(d2, r2), (&a, &b)| {
+    // A path that sums in another order agrees closely where it ran; where it did not launch,
+    // both runs took the same kernels and must agree bit for bit.
+    if !path.bitwise && path.takes {
+        // Where 16-bit y overflows or is NaN (Cauchy x), both must, with the same bits.
+        let apart = ys[0]
+            .iter()
+            .zip(&ys[1])
+            .filter(|(a, b)| (!a.is_finite() || !b.is_finite()) && a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            apart,
+            0,
+            "{} {f} {dir} {io} seed {seed}: {} on and off differ off the finite",
+            case.name(),
+            path.name
+        );
+        let finite: Vec<(f32, f32)> =
+            ys[0].iter().zip(&ys[1]).filter(|(a, b)| a.is_finite() && b.is_finite()).map(|(&a, &b)| (a, b)).collect();
+        assert!(!finite.is_empty(), "{} {f} {dir} {io}: no finite y", case.name());
+        let (d2, r2) = finite.iter().fold((0f64, 0f64), |(d2, r2), &(a, b)| {
             (d2 + (f64::from(a) - f64::from(b)).powi(2), r2 + f64::from(b).powi(2))
         });
         let rel = (d2 / r2.max(f64::MIN_POSITIVE)).sqrt();
@@ -256,12 +270,9 @@ fn path_on_and_off_agree(
             case.name(),
             path.name
         );
-        assert!(
-            rel <= MAX_REL_L2,
-            "{} {f} {dir} {io} seed {seed}: {} on and off: rel. L2 {rel:.2e}",
-            case.name(),
-            path.name
-        );
+        // The H200 runs of the first version measured 2e-5 to 8e-5; z rounding differently
+        // moves y by a unit in its last place here and there, not more.
+        assert!(rel <= 1e-3, "{} {f} {dir} {io} seed {seed}: {} on and off: rel. L2 {rel:.2e}", case.name(), path.name);
         return;
     }
     assert_eq!(
@@ -301,8 +312,9 @@ fn whole_tile_cases(b: &CudaBackend) -> [(Case, bool); 4] {
 /// arithmetic, same MMA k-order, same epilogue). Shapes it does not take (N = 36: N² = 1296) must
 /// not launch it. N = 96, B = 2 has 288 tiles, so on a GPU of up to 143 SMs a block takes two or
 /// three: both consumer pairs run and the producers wait for a z buffer handed back. On GPUs
-/// without the build (not sm_90a) it only checks the other builds. The register-operand form,
-/// which takes its 16-bit launches by default, is off here (its own test below).
+/// without the build (not sm_90a) it only checks the other builds. The register-operand form is
+/// off here, so that the launches that make the gate from x run this build too (its own test
+/// below).
 #[test]
 fn warp_specialised_input_build_matches_reference_and_other_builds() {
     let Some(b) = cuda() else { return };
@@ -330,9 +342,12 @@ fn warp_specialised_input_build_matches_reference_and_other_builds() {
 /// The register-operand input build (sm_90a, 16-bit x, C = H = 128, whole 64-position tiles
 /// inside a batch, the gate made from x by the output stage) against the f64 reference and
 /// against the warp-specialised build it replaces for those launches: not bit for bit (its
-/// LayerNorm sums in another order, so z can round differently), within `MAX_REL_L2` of it, and
-/// where 16-bit y overflows (Cauchy x) both must. It takes only af3's launches (gpumode has no
-/// gate from x) and never those that store the gate. The cases are the warp-specialised test's
+/// LayerNorm sums in another order, so z can round differently), within 1e-3 relative L2 of it,
+/// and where 16-bit y overflows (Cauchy x) both must. In one-pass forwards it takes only af3's
+/// launches with the gate made from x (gpumode's gate is always stored there), never those that
+/// store the gate (where on and off must then agree bit for bit); chunked plans' one-pass hidden
+/// launches, gpumode's included, reach it too and are not run here. The cases are the
+/// warp-specialised test's
 /// (N = 96, B = 2: each block takes two or three tiles, so both consumers run and the producer
 /// waits for a buffer handed back; N = 36 must not launch it).
 #[test]

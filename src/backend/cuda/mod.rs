@@ -265,12 +265,14 @@ impl CudaBackend {
         self.inner.warp_specialised.store(on, Ordering::Relaxed);
     }
 
-    /// Whether the warp-specialised input build's launches with 16-bit x and no gate chunk (the
-    /// output stage making af3's gate from x: [`OutputGate::FromX`], or [`OutputGate::Auto`] where
-    /// memory is short) take its register-operand form (`input_projection_sm90_rs`: z kept in
-    /// registers as the MMAs' A operand, a chunk's MMAs overlapping the previous chunk's
-    /// epilogue). Default on, or off when the environment has `TRIMUL_CUDA_INPUT_RS=0`, to
-    /// compare. Layers plan new workspaces on their next forward.
+    /// Whether the warp-specialised input build's launches with 16-bit x and no gate chunk take
+    /// its register-operand form: one-pass forwards whose output stage makes af3's gate from x
+    /// ([`OutputGate::FromX`], or [`OutputGate::Auto`] where memory is short), and the input
+    /// launches of chunked plans and of the sharded forward that run every hidden channel in one
+    /// pass and leave the gate to a pass of its own. That form (`input_projection_sm90_rs`) keeps
+    /// z in registers as the MMAs' A operand and runs a chunk's MMAs under the previous chunk's
+    /// epilogue. Default on, or off when the environment has `TRIMUL_CUDA_INPUT_RS=0`, to compare.
+    /// Layers plan new workspaces on their next forward.
     pub fn set_register_operand_input(&self, on: bool) {
         self.inner.register_operand_input.store(on, Ordering::Relaxed);
     }
