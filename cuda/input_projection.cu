@@ -994,6 +994,23 @@ __device__ __forceinline__ void ws_consume(const TmInputParams& p, const unsigne
 }
 #endif
 
+// The persistent builds' weights, by all THREADS of the block: the first CHUNKS column chunks
+// as one cp.async group (piece i, 16 bytes, of slice s = i / 1024 at row (i % 1024) / 8, column
+// i % 8, into the 128-byte swizzle), and LN_C's weight and bias into ln_wb.
+template <int CHUNKS, int THREADS>
+__device__ __forceinline__ void ws_load_weights(const TmInputParams& p, unsigned char* wts, float* ln_wb) {
+  for (int i = threadIdx.x; i < CHUNKS * 2 * 1024; i += THREADS) {
+    const int s = i >> 10, row = (i >> 3) & 127, c16 = i & 7, chunk = s >> 1, ks = s & 1;
+    const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * 128 + ks * IP_BK + c16 * 8;
+    // Slice s is the s-th 64-column atom of a [128]-row tile: WS_SLICE_BYTES = 128 x 128 bytes apart.
+    mma_cp_async16(mma_smem_addr(wts) + wgmma_sw128_offset<128>(row, s * 64 + c16 * 8), src);
+  }
+  asm volatile("cp.async.commit_group;");
+  if (threadIdx.x < 256) {
+    ln_wb[threadIdx.x] = threadIdx.x < 128 ? p.norm_in_w[threadIdx.x] : p.norm_in_b[threadIdx.x - 128];
+  }
+}
+
 // Shapes (the host checks): C = k_pad = H = G = 128, every chunk and channel, row0, rows and N²
 // multiples of 64, so that every tile is full and inside one batch. The gate is stored from
 // position buf_row0 (a rank's own positions in the sharded forward).
@@ -1008,18 +1025,8 @@ __device__ __forceinline__ void input_projection_ws_body(const TmInputParams& p)
   float* smask = (float*)((unsigned char*)stage_all + 2 * WS_STAGE_BYTES);  // [2][64]
   float* ln_wb = smask + 2 * WS_BM;                                   // LN_C weight [128], bias [128]
 
-  // All weights, once: piece i (16 bytes) of slice s = i / 1024 at row (i % 1024) / 8, column
-  // i % 8, into the 128-byte swizzle. Before pdl_wait: the weights are no other kernel's output.
-  for (int i = threadIdx.x; i < WS_CHUNKS * 2 * 1024; i += WS_THREADS) {
-    const int s = i >> 10, row = (i >> 3) & 127, c16 = i & 7, chunk = s >> 1, ks = s & 1;
-    const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * 128 + ks * IP_BK + c16 * 8;
-    // Slice s is the s-th 64-column atom of a [128]-row tile: WS_SLICE_BYTES = 128 x 128 bytes apart.
-    mma_cp_async16(mma_smem_addr(wts) + wgmma_sw128_offset<128>(row, s * 64 + c16 * 8), src);
-  }
-  asm volatile("cp.async.commit_group;");
-  if (threadIdx.x < 256) {
-    ln_wb[threadIdx.x] = threadIdx.x < 128 ? p.norm_in_w[threadIdx.x] : p.norm_in_b[threadIdx.x - 128];
-  }
+  // All weights, once. Before pdl_wait: the weights are no other kernel's output.
+  ws_load_weights<WS_CHUNKS, WS_THREADS>(p, wts, ln_wb);
   const int tiles = (int)(p.rows / WS_BM);
   const int n_k = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
   pdl_wait();
@@ -1178,7 +1185,7 @@ __device__ __forceinline__ void rs_chunks(float (&acc)[2][64], const unsigned (&
       rs_mma_chunk(acc[(c + 1) & 1], a, b_desc, c + 1);
       wgmma_wait<1>();
     } else {
-      wgmma_wait<0>();
+      wgmma_wait_all();
     }
     rs_gating_epilogue<HAS_BIAS>(acc[c & 1], p, o, c, st + (c & 1) * RS_STAGE_BYTES, m0, m1, w);
   }
@@ -1285,17 +1292,8 @@ __device__ __forceinline__ void input_projection_rs_body(const TmInputParams& p)
   unsigned char* stage_all = xbuf + 2 * RS_X_BYTES;                                 // [2 consumers][2][8 KB]
   float* smask = (float*)(stage_all + 4 * RS_STAGE_BYTES);                          // [2][64]
   float* ln_wb = smask + 2 * RS_BM;                                                 // LN_C weight, bias
-  // The gating chunks' weights, once, as the warp-specialised build loads them. Before pdl_wait:
-  // the weights are no other kernel's output.
-  for (int i = threadIdx.x; i < 4 * 2 * 1024; i += RS_THREADS) {
-    const int s = i >> 10, row = (i >> 3) & 127, c16 = i & 7, chunk = s >> 1, ks = s & 1;
-    const tm_half* src = p.w_in + (tm_i64)(chunk * IP_BN + row) * 128 + ks * IP_BK + c16 * 8;
-    mma_cp_async16(mma_smem_addr(wts) + wgmma_sw128_offset<128>(row, s * 64 + c16 * 8), src);
-  }
-  asm volatile("cp.async.commit_group;");
-  if (threadIdx.x < 256) {
-    ln_wb[threadIdx.x] = threadIdx.x < 128 ? p.norm_in_w[threadIdx.x] : p.norm_in_b[threadIdx.x - 128];
-  }
+  // The gating chunks' weights, once. Before pdl_wait: the weights are no other kernel's output.
+  ws_load_weights<4, RS_THREADS>(p, wts, ln_wb);
   const int tiles = (int)(p.rows / RS_BM);
   const int n_k = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
   pdl_wait();

@@ -313,8 +313,8 @@ fn whole_tile_cases(b: &CudaBackend) -> [(Case, bool); 4] {
 /// not launch it. N = 96, B = 2 has 288 tiles, so on a GPU of up to 143 SMs a block takes two or
 /// three: both consumer pairs run and the producers wait for a z buffer handed back. On GPUs
 /// without the build (not sm_90a) it only checks the other builds. The register-operand form is
-/// off here, so that the launches that make the gate from x run this build too (its own test
-/// below).
+/// off here: should the environment make the gate from x (`TRIMUL_CUDA_OUTPUT_GATE`), it would
+/// take those launches and sum LN_C in another order (its own test below).
 #[test]
 fn warp_specialised_input_build_matches_reference_and_other_builds() {
     let Some(b) = cuda() else { return };
